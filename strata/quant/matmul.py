@@ -1,0 +1,72 @@
+"""qmatmul: x @ W.T with W kept in its stored format.
+
+Kernels are chosen from KERNELS by (device type, qtype); a fast kernel plugs in with register_kernel()
+and is tested against reference_qmatmul. The fallbacks dequantize row chunks per call: weights stay in
+their format and no dequantized copy is ever cached.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+
+from strata import StrataError
+from strata.quant.dequant import CHUNK_ELEMENTS, dequantize_flat
+from strata.quant.qtensor import QTensor
+
+Kernel = Callable[[torch.Tensor, QTensor], torch.Tensor]
+
+# (device type, qtype) -> kernel; a qtype of None is that device's default for every format.
+KERNELS: dict[tuple[str, GGMLQuantizationType | None], Kernel] = {}
+
+
+def register_kernel(device_type: str, qtype: GGMLQuantizationType | None, fn: Kernel) -> None:
+    """Route qmatmul on `device_type` ("cpu", "cuda") for `qtype` (None: all formats) to fn(x2d, w) -> [T, out]."""
+    KERNELS[(device_type, qtype)] = fn
+
+
+def _chunked(x2d: torch.Tensor, w: QTensor, dtype: torch.dtype) -> torch.Tensor:
+    """[T, in] @ W.T computed in `dtype`, dequantizing at most ~CHUNK_ELEMENTS weights at a time."""
+    out_f, in_f = w.shape
+    x2d = x2d.to(dtype)
+    rows = max(1, CHUNK_ELEMENTS // in_f)
+    if rows >= out_f:
+        return F.linear(x2d, dequantize_flat(w.raw, w.qtype, dtype).view(out_f, in_f))
+    y = torch.empty(x2d.shape[0], out_f, dtype=dtype, device=x2d.device)      # [T, out]
+    for r in range(0, out_f, rows):
+        wc = dequantize_flat(w.raw[r:r + rows], w.qtype, dtype).view(-1, in_f)  # [rows, in]
+        y[:, r:r + wc.shape[0]] = x2d @ wc.t()
+    return y
+
+
+def reference_qmatmul(x2d: torch.Tensor, w: QTensor) -> torch.Tensor:
+    """The oracle: dequantize to float32 and multiply in float32. [T, in] -> [T, out] float32."""
+    return _chunked(x2d, w, torch.float32)
+
+
+def _cuda_dequant_matmul(x2d: torch.Tensor, w: QTensor) -> torch.Tensor:
+    # Dequantize to the activation dtype each call (until fused kernels land), so the GEMM runs in it.
+    return _chunked(x2d, w, x2d.dtype if x2d.dtype.is_floating_point else torch.float32)
+
+
+register_kernel("cpu", None, reference_qmatmul)
+register_kernel("cuda", None, _cuda_dequant_matmul)
+
+
+def qmatmul(x: torch.Tensor, w: QTensor) -> torch.Tensor:
+    """x @ W.T for x [..., in] and a 2-D QTensor W of logical shape (out, in); returns [..., out] in x's dtype."""
+    if len(w.shape) != 2:
+        raise StrataError(f"qmatmul needs a 2-D weight (out, in), got shape {w.shape}; index experts first")
+    out_f, in_f = w.shape
+    if x.shape[-1] != in_f:
+        raise StrataError(f"qmatmul: input has {x.shape[-1]} features, weight {w.shape} expects {in_f}")
+    if x.device != w.device:
+        raise StrataError(f"qmatmul: input on {x.device} but weight on {w.device}")
+    dev = x.device.type
+    kernel = KERNELS.get((dev, w.qtype)) or KERNELS.get((dev, None)) or reference_qmatmul
+    lead = x.shape[:-1]
+    y = kernel(x.reshape(-1, in_f), w)                                          # [T, out]
+    return y.to(x.dtype).view(*lead, out_f)

@@ -1,0 +1,104 @@
+"""Random, valid GGML weights made straight from random bytes (no quantizer): fast enough to write
+multi-GB synthetic models. Quant bits and sub-block scales are uniform random bytes; the f16 block scales
+(`d`, and `dmin` / `m` where the format has them) are overwritten with one finite positive value chosen so
+the dequantized weights have roughly the requested std and mean about zero.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+
+from strata.quant.dequant import dequantize_flat
+from strata.quant.formats import FLOAT_TYPES, block_geometry, bytes_for, check_supported
+from strata.quant.qtensor import QTensor
+
+Q = GGMLQuantizationType
+
+# qtype -> (byte offset of d, byte offset of the second f16 field or None, that field's value / d).
+# The second field is a min: Q4_1/Q5_1 add m (so m = -mean(q) * d), the K formats subtract dmin * min
+# (so dmin = mean(q) * d, the 6- or 4-bit sub-scales and mins having equal means).
+_SCALE_FIELDS: dict[GGMLQuantizationType, tuple[int, int | None, float]] = {
+    Q.Q4_0: (0, None, 0.0),
+    Q.Q4_1: (0, 2, -7.5),
+    Q.Q5_0: (0, None, 0.0),
+    Q.Q5_1: (0, 2, -15.5),
+    Q.Q8_0: (0, None, 0.0),
+    Q.Q2_K: (80, 82, 1.5),
+    Q.Q3_K: (108, None, 0.0),
+    Q.Q4_K: (0, 2, 7.5),
+    Q.Q5_K: (0, 2, 15.5),
+    Q.Q6_K: (208, None, 0.0),
+}
+
+
+def _as_rng(rng) -> np.random.Generator:
+    """A numpy Generator from a Generator, an int seed, a torch.Generator or None (fresh entropy)."""
+    if isinstance(rng, np.random.Generator):
+        return rng
+    if isinstance(rng, torch.Generator):
+        seed = int(torch.randint(0, 2**62, (1,), generator=rng).item())
+        return np.random.default_rng(seed)
+    return np.random.default_rng(rng)
+
+
+def _random_bytes(rng: np.random.Generator, n: int) -> np.ndarray:
+    # The bit generator's raw 64-bit output is the cheapest source of random bytes numpy has (several GB/s).
+    words = rng.bit_generator.random_raw((n + 7) // 8)
+    return words.view(np.uint8)[:n]
+
+
+def _set_scales(blocks: np.ndarray, qtype: GGMLQuantizationType, d: float) -> None:
+    """Overwrite the f16 scale fields of every block ([n, type_size] uint8, in place)."""
+    off_d, off_m, ratio = _SCALE_FIELDS[qtype]
+    halves = blocks.view(np.uint16)          # every type_size and offset is even
+    halves[:, off_d // 2] = np.float16(d).view(np.uint16)
+    if off_m is not None:
+        halves[:, off_m // 2] = np.float16(np.float16(d) * np.float32(ratio)).view(np.uint16)
+
+
+@functools.lru_cache(maxsize=None)
+def _unit_std(qtype: GGMLQuantizationType) -> float:
+    """Std of dequantized random blocks whose d is 1 (measured once on a fixed sample)."""
+    _, size = block_geometry(qtype)
+    blocks = _random_bytes(np.random.default_rng(1234), 4096 * size).reshape(-1, size).copy()
+    _set_scales(blocks, qtype, 1.0)
+    return float(dequantize_flat(torch.from_numpy(blocks), qtype).std())
+
+
+def random_raw_bytes(qtype, n_rows: int, row_len: int, rng=None, scale: float = 0.02) -> np.ndarray:
+    """Random valid weights as GGML bytes: uint8 [n_rows, row_bytes], dequantizing to ~N(0, scale) scale-wise."""
+    qt = check_supported(qtype)
+    row_bytes = bytes_for(qt, row_len)
+    gen = _as_rng(rng)
+    n = n_rows * row_len
+    if qt in FLOAT_TYPES:
+        x = gen.standard_normal(n, dtype=np.float32)
+        x *= np.float32(scale)
+        if qt == Q.F32:
+            raw = x.view(np.uint8)
+        elif qt == Q.F16:
+            raw = x.astype(np.float16).view(np.uint8)
+        else:                                # bf16: the high half of each float32 (truncation is fine here)
+            raw = (x.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+        return raw.reshape(n_rows, row_bytes)
+    _, size = block_geometry(qt)
+    raw = _random_bytes(gen, n_rows * row_bytes)
+    _set_scales(raw.reshape(-1, size), qt, scale / _unit_std(qt))
+    return raw.reshape(n_rows, row_bytes)
+
+
+def random_qtensor(qtype, shape, rng=None, scale: float = 0.02, device="cpu") -> QTensor:
+    """A QTensor of logical `shape` (torch order) filled with random valid blocks (see random_raw_bytes).
+
+    rng: numpy Generator, int seed, torch.Generator, or None.
+    """
+    shape = tuple(int(s) for s in shape)
+    rows = 1
+    for s in shape[:-1]:
+        rows *= s
+    raw = random_raw_bytes(qtype, rows, shape[-1], rng, scale)
+    return QTensor.from_raw(raw, qtype, shape).to(device)
