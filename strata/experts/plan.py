@@ -1,0 +1,282 @@
+"""Where a token's missed experts run: on the CPU where they lie, or copied over PCIe to the GPU.
+
+Decode: a token-layer routes k experts; the hits run on the GPU from the slot pool and the m misses
+are split. The CPU lane (computing its share from host RAM) runs at the same time as the GPU lane
+(copying the rest over PCIe, then computing them and the hits), so the best split minimizes the
+slower lane. `CpuPlan` holds that split for every m, written as one digit per m (`--cpu-plan
+011223344`: 0 of 0 misses, 1 of 1, 1 of 2, 2 of 3, ...), or derived from a measured `CostModel`.
+
+Prefill: a chunk routes many tokens to each expert, so an expert streamed to the GPU once serves all
+of them; `prefill_split` leaves only experts with few tokens to the CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import pathlib
+from typing import Mapping, NamedTuple, Sequence
+
+from strata import StrataError
+from strata.experts.profile import atomic_write_text
+
+COST_FORMAT = "strata-cost-model"
+COST_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+    """Measured per-expert costs on one machine for one expert size (from `strata calibrate`)."""
+
+    cpu_ms_per_expert: float  # CPU computes one token through one expert read from RAM
+    pcie_ms_per_expert: float  # one expert's weights host -> GPU
+    gpu_ms_per_expert: float  # GPU computes one token through one expert in a slot
+    cpu_ms_per_token_expert: float | None = None  # each further token of a prefill chunk; None: as one
+    gpu_ms_per_token_expert: float | None = None  # each further token of a prefill chunk; None: as one
+    cpu_overhead_ms: float = 0.0  # per token-layer handing misses to the CPU and its result back
+    machine: str = ""  # what was measured: the cache is only valid on the same machine ...
+    model: str = ""  # ... and for the same expert shape and format
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.type.startswith("float") and v is not None:
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                    raise ValueError(f"{f.name} must be a finite number >= 0, got {v!r}")
+
+    @property
+    def cpu_token_ms(self) -> float:
+        return self.cpu_ms_per_expert if self.cpu_ms_per_token_expert is None else self.cpu_ms_per_token_expert
+
+    @property
+    def gpu_token_ms(self) -> float:
+        return self.gpu_ms_per_expert if self.gpu_ms_per_token_expert is None else self.gpu_ms_per_token_expert
+
+    def matches(self, machine: str, model: str) -> bool:
+        return (self.machine, self.model) == (machine, model)
+
+    def decode_lanes_ms(self, k: int, misses: int, cpu: int) -> tuple[float, float]:
+        """(CPU lane, GPU lane) in ms for one token-layer: k routed, `misses` missed, `cpu` on the CPU."""
+        return decode_lanes_ms(
+            k, misses, cpu, self.cpu_ms_per_expert, self.pcie_ms_per_expert, self.gpu_ms_per_expert, self.cpu_overhead_ms
+        )
+
+    def cpu_plan(self, k: int) -> CpuPlan:
+        return CpuPlan.auto(
+            k, self.cpu_ms_per_expert, self.pcie_ms_per_expert, self.gpu_ms_per_expert, cpu_overhead_ms=self.cpu_overhead_ms
+        )
+
+    def prefill_split(self, tokens_per_expert: Mapping[int, int], resident: Sequence[int] = ()) -> PrefillSplit:
+        # the first token pays for reading the weights, the rest only for the arithmetic
+        return prefill_split(
+            tokens_per_expert,
+            cpu_ms_per_token_expert=self.cpu_token_ms,
+            pcie_ms_per_expert=self.pcie_ms_per_expert,
+            gpu_ms_per_token_expert=self.gpu_token_ms,
+            cpu_ms_per_expert=max(self.cpu_ms_per_expert - self.cpu_token_ms, 0.0),
+            gpu_ms_per_expert=max(self.gpu_ms_per_expert - self.gpu_token_ms, 0.0),
+            resident=resident,
+            cpu_overhead_ms=self.cpu_overhead_ms,
+        )
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write atomically (temp file, fsync, rename)."""
+        data = {"format": COST_FORMAT, "version": COST_VERSION, **dataclasses.asdict(self)}
+        atomic_write_text(path, json.dumps(data, indent=1))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> CostModel:
+        path = pathlib.Path(path)
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise StrataError(f"cost model not found: {path} (run `strata calibrate`)") from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise StrataError(f"cost model {path} is unreadable: {e}") from None
+        if not isinstance(data, dict) or data.get("format") != COST_FORMAT:
+            raise StrataError(f"{path} is not a strata cost model")
+        if data.get("version") != COST_VERSION:
+            raise StrataError(f"cost model {path} has version {data.get('version')}, this strata reads {COST_VERSION}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        try:
+            return cls(**{k: v for k, v in data.items() if k in names})
+        except (TypeError, ValueError) as e:
+            raise StrataError(f"cost model {path} is malformed: {e}") from None
+
+
+def decode_lanes_ms(
+    k: int,
+    misses: int,
+    cpu: int,
+    cpu_ms_per_expert: float,
+    pcie_ms_per_expert: float,
+    gpu_ms_per_expert: float,
+    cpu_overhead_ms: float = 0.0,
+) -> tuple[float, float]:
+    """(CPU lane, GPU lane) in ms: the GPU copies misses-cpu experts and computes k-cpu in all."""
+    if not 0 <= cpu <= misses <= k:
+        raise ValueError(f"need 0 <= cpu <= misses <= k, got cpu={cpu} misses={misses} k={k}")
+    cpu_lane = cpu_overhead_ms + cpu * cpu_ms_per_expert if cpu else 0.0
+    gpu_lane = (misses - cpu) * pcie_ms_per_expert + (k - cpu) * gpu_ms_per_expert
+    return cpu_lane, gpu_lane
+
+
+class CpuPlan:
+    """How many of a token-layer's misses the CPU computes, for each miss count 0..k."""
+
+    def __init__(self, shares: Sequence[int]):
+        shares = tuple(int(s) for s in shares)
+        text = ",".join(map(str, shares))
+        if not shares:
+            raise StrataError("cpu plan is empty; give one share per miss count 0..k, e.g. 011223344")
+        for m, c in enumerate(shares):
+            if not 0 <= c <= m:
+                raise StrataError(f"cpu plan {text}: with {m} misses the CPU can take 0..{m}, not {c}")
+            if m and c < shares[m - 1]:
+                raise StrataError(
+                    f"cpu plan {text}: shares must not decrease ({shares[m - 1]} with {m - 1} misses, {c} with {m})"
+                )
+        self.shares = shares
+
+    @property
+    def k(self) -> int:
+        return len(self.shares) - 1
+
+    @classmethod
+    def parse(cls, text: str, k: int | None = None) -> CpuPlan:
+        """`011223344` (one digit per miss count) or `0,1,1,2,...,10` when k > 9."""
+        t = text.strip()
+        parts = [p.strip() for p in t.split(",")] if "," in t else list(t)
+        if not parts or any(not p.isdigit() for p in parts):
+            raise StrataError(f"cpu plan {text!r}: want digits (e.g. 011223344) or comma-separated counts")
+        plan = cls([int(p) for p in parts])
+        if k is not None and plan.k != k:
+            raise StrataError(f"cpu plan {text!r} covers {plan.k} routed experts, the model routes {k} (need {k + 1} entries)")
+        return plan
+
+    @classmethod
+    def auto(
+        cls,
+        k: int,
+        cpu_ms_per_expert: float,
+        pcie_ms_per_expert: float,
+        gpu_ms_per_expert: float,
+        cpu_overhead_ms: float = 0.0,
+    ) -> CpuPlan:
+        """For each miss count, the CPU share minimizing max(CPU lane, GPU lane).
+
+        Ties go to the larger CPU share, which leaves the PCIe link free for cache swaps.
+        """
+        if k < 0:
+            raise ValueError(f"k must be >= 0, got {k}")
+        shares = []
+        for m in range(k + 1):
+            best, best_c = None, 0
+            for c in range(m + 1):
+                lanes = decode_lanes_ms(k, m, c, cpu_ms_per_expert, pcie_ms_per_expert, gpu_ms_per_expert, cpu_overhead_ms)
+                t = max(lanes)
+                if best is None or t <= best + 1e-12:
+                    best, best_c = t, c
+            # the optimum moves right as m grows; the running max only guards against float ties
+            shares.append(max(best_c, shares[-1] if shares else 0))
+        return cls(shares)
+
+    @classmethod
+    def all_cpu(cls, k: int) -> CpuPlan:
+        return cls(range(k + 1))
+
+    @classmethod
+    def all_pcie(cls, k: int) -> CpuPlan:
+        return cls([0] * (k + 1))
+
+    def cpu_count(self, misses: int) -> int:
+        if not 0 <= misses <= self.k:
+            raise ValueError(f"{misses} misses out of range 0..{self.k}")
+        return self.shares[misses]
+
+    def choose(self, misses: Sequence[int], scores=None) -> tuple[list[int], list[int]]:
+        """Split missed experts into (cpu, pcie), each in the given order.
+
+        The coldest misses (lowest `scores[e]`, e.g. a policy's `scores(layer)`) go to the CPU; the
+        hottest go over PCIe, where the cache may keep them. Without scores the last misses go to
+        the CPU.
+        """
+        n_cpu = self.cpu_count(len(misses))
+        if n_cpu == 0:
+            return [], list(misses)
+        if scores is None:
+            cut = len(misses) - n_cpu
+            return list(misses[cut:]), list(misses[:cut])
+        coldest = sorted(range(len(misses)), key=lambda i: (scores[misses[i]], i))[:n_cpu]
+        to_cpu = set(coldest)
+        cpu = [e for i, e in enumerate(misses) if i in to_cpu]
+        pcie = [e for i, e in enumerate(misses) if i not in to_cpu]
+        return cpu, pcie
+
+    def __str__(self) -> str:
+        if all(s < 10 for s in self.shares):
+            return "".join(map(str, self.shares))
+        return ",".join(map(str, self.shares))
+
+    def __repr__(self) -> str:
+        return f"CpuPlan({str(self)!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, CpuPlan) and self.shares == other.shares
+
+    def __hash__(self) -> int:
+        return hash(self.shares)
+
+
+class PrefillSplit(NamedTuple):
+    stream: list[int]  # non-resident experts copied to the GPU once for the chunk
+    cpu: list[int]  # experts the CPU computes for the chunk
+    cpu_ms: float  # estimated CPU lane
+    gpu_ms: float  # estimated GPU lane (copies + all GPU compute, resident experts included)
+
+
+def prefill_split(
+    tokens_per_expert: Mapping[int, int],
+    cpu_ms_per_token_expert: float,
+    pcie_ms_per_expert: float,
+    gpu_ms_per_token_expert: float = 0.0,
+    *,
+    cpu_ms_per_expert: float = 0.0,
+    gpu_ms_per_expert: float = 0.0,
+    resident: Sequence[int] = (),
+    cpu_overhead_ms: float = 0.0,
+) -> PrefillSplit:
+    """Split a prefill chunk's non-resident experts between streaming to the GPU and the CPU.
+
+    An expert with n tokens costs the CPU `cpu_ms_per_expert + n * cpu_ms_per_token_expert` and the
+    GPU `pcie_ms_per_expert + gpu_ms_per_expert + n * gpu_ms_per_token_expert`; the CPU's relative
+    cost grows with n, so the CPU takes the experts with the fewest tokens. Every cut point is
+    tried and the one with the smallest max(CPU lane, GPU lane) wins (ties: fewer on the CPU).
+    """
+    res = set(resident)
+    gpu_base = 0.0
+    missed: list[tuple[int, int]] = []  # (tokens, expert)
+    for e, n in tokens_per_expert.items():
+        if n < 0:
+            raise ValueError(f"expert {e} has {n} tokens")
+        if n == 0:
+            continue
+        if e in res:
+            gpu_base += gpu_ms_per_expert + n * gpu_ms_per_token_expert
+        else:
+            missed.append((n, e))
+    missed.sort()
+    gpu_cost = [pcie_ms_per_expert + gpu_ms_per_expert + n * gpu_ms_per_token_expert for n, _ in missed]
+    gpu_lane = gpu_base + sum(gpu_cost)
+    cpu_lane = 0.0
+    best_t, best_cpu, best_gpu = 0, cpu_lane, gpu_lane
+    for t, (n, _) in enumerate(missed, start=1):
+        cpu_lane += cpu_ms_per_expert + n * cpu_ms_per_token_expert + (cpu_overhead_ms if t == 1 else 0.0)
+        gpu_lane -= gpu_cost[t - 1]
+        if max(cpu_lane, gpu_lane) < max(best_cpu, best_gpu) - 1e-12:
+            best_t, best_cpu, best_gpu = t, cpu_lane, gpu_lane
+    cpu = sorted(e for _, e in missed[:best_t])
+    stream = sorted(e for _, e in missed[best_t:])
+    return PrefillSplit(stream, cpu, best_cpu, best_gpu)

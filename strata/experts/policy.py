@@ -1,0 +1,437 @@
+"""Expert cache policies: which experts hold the GPU's slots, and which to swap in next.
+
+Pure Python (plus numpy counters), no tensors: the experts backend asks the policy what to do and
+performs the copies itself. One forward step, per policy:
+
+    policy.tick()                                   # once per step, before its observations
+    for each MoE layer:
+        hit = policy.is_hit(layer, e)               # (or read policy.expert_map())
+        policy.observe(layer, routed_ids)           # every routed expert, hits and misses
+        swaps = policy.plan_swaps(layer)            # [(evict or None, admit, slot)], within budget
+        policy.commit(layer, swaps)                 # victims stop being hits now; copies start
+    ... when a copy's event completed:  policy.mark_ready(layer, admit)
+
+An admitted expert is *pending* between commit() and mark_ready(): lookups of it are misses and
+its slot can be neither evicted nor refilled, so the GPU never reads a half-copied slot.
+
+Candidates for admission are the non-resident experts routed since the previous plan_swaps() of
+that layer; a hot expert that lost to the budget is routed again soon and reconsidered then.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, NamedTuple, Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+from strata import StrataError
+
+POLICIES = ("lfu-decay", "lru")
+
+# the decay scale is renormalised before float64 could overflow (1e300); at decay=0.95 that is
+# every ~4600 steps and costs one pass over [L, E]
+_RENORM_AT = 1e150
+
+
+class Swap(NamedTuple):
+    evict: int | None  # expert leaving `slot`, None when the slot was empty
+    admit: int  # expert copied into `slot`
+    slot: int
+
+
+@runtime_checkable
+class CachePolicy(Protocol):
+    """What the experts backend needs from a cache policy."""
+
+    n_layers: int
+    n_experts: int
+    steps: int
+
+    def capacity(self, layer: int) -> int: ...
+    def tick(self) -> None: ...
+    def observe(self, layer: int, expert_ids: Sequence[int]) -> None: ...
+    def plan_swaps(self, layer: int) -> list[Swap]: ...
+    def commit(self, layer: int, swaps: Sequence[Swap]) -> None: ...
+    def mark_ready(self, layer: int, expert: int) -> None: ...
+    def abort(self, layer: int, expert: int) -> None: ...
+    def resident(self, layer: int) -> dict[int, int]: ...
+    def pending(self, layer: int) -> dict[int, int]: ...
+    def is_hit(self, layer: int, expert: int) -> bool: ...
+    def slot_of(self, layer: int, expert: int) -> int: ...
+    def expert_map(self) -> np.ndarray: ...
+    def scores(self, layer: int) -> np.ndarray: ...
+    def usage(self) -> np.ndarray: ...
+    def initial_fill(
+        self, ranking: Mapping[int, Sequence[int]], frequency: Mapping[int, Sequence[float]] | None = None
+    ) -> None: ...
+
+
+class _SlotPolicy:
+    """Slot bookkeeping, budgets and the swap planner shared by the policies.
+
+    Subclasses say how experts are scored (`_record`, `scores`) and when a candidate may replace
+    a victim (`_beats`); a larger score is hotter.
+    """
+
+    def __init__(
+        self,
+        n_layers: int,
+        n_experts: int,
+        slots: int | Sequence[int],
+        *,
+        swap_budget: int | None = 2,
+        global_swap_budget: int | None = None,
+    ):
+        if n_layers < 1 or n_experts < 1:
+            raise ValueError(f"need at least one layer and one expert, got {n_layers} x {n_experts}")
+        caps = [int(slots)] * n_layers if np.isscalar(slots) else [int(s) for s in slots]
+        if len(caps) != n_layers:
+            raise ValueError(f"slots has {len(caps)} entries for {n_layers} layers")
+        if any(c < 0 or c > n_experts for c in caps):
+            raise ValueError(f"slots per layer must be within 0..{n_experts}, got {caps}")
+        for name, b in (("swap_budget", swap_budget), ("global_swap_budget", global_swap_budget)):
+            if b is not None and b < 0:
+                raise ValueError(f"{name} must be >= 0 or None, got {b}")
+        self.n_layers = n_layers
+        self.n_experts = n_experts
+        self.swap_budget = swap_budget
+        self.global_swap_budget = global_swap_budget
+        self.steps = 0
+        self._caps = caps
+        smax = max(caps) if caps else 0
+        self._slot_expert = np.full((n_layers, max(smax, 1)), -1, dtype=np.int64)  # [L, S]
+        self._slot_ready = np.zeros((n_layers, max(smax, 1)), dtype=bool)  # [L, S]
+        self._where = np.full((n_layers, n_experts), -1, dtype=np.int64)  # [L, E] slot, ready or pending
+        self._map = np.full((n_layers, n_experts), -1, dtype=np.int32)  # [L, E] slot, ready only
+        self._map_view = self._map.view()
+        self._map_view.flags.writeable = False
+        self._usage = np.zeros((n_layers, n_experts), dtype=np.int64)  # [L, E] raw use counts
+        self._touched: list[set[int]] = [set() for _ in range(n_layers)]
+        self._swapped_layer = [0] * n_layers  # swaps committed this step, per layer
+        self._swapped_global = 0
+
+    # --- state -----------------------------------------------------------------------------
+
+    def capacity(self, layer: int) -> int:
+        return self._caps[layer]
+
+    def resident(self, layer: int) -> dict[int, int]:
+        """Experts whose copy finished, expert -> slot."""
+        row = self._slot_expert[layer, : self._caps[layer]]
+        ready = self._slot_ready[layer, : self._caps[layer]]
+        return {int(row[s]): s for s in np.flatnonzero(ready).tolist()}
+
+    def pending(self, layer: int) -> dict[int, int]:
+        """Experts committed but not yet marked ready, expert -> slot."""
+        row = self._slot_expert[layer, : self._caps[layer]]
+        ready = self._slot_ready[layer, : self._caps[layer]]
+        return {int(row[s]): s for s in np.flatnonzero((row >= 0) & ~ready).tolist()}
+
+    def is_hit(self, layer: int, expert: int) -> bool:
+        return bool(self._map[layer, expert] >= 0)
+
+    def slot_of(self, layer: int, expert: int) -> int:
+        """The slot of a ready expert, -1 on a miss (pending experts are misses)."""
+        return int(self._map[layer, expert])
+
+    def expert_map(self) -> np.ndarray:
+        """[L, E] int32 slot of each ready expert, -1 elsewhere; a read-only live view."""
+        return self._map_view
+
+    def usage(self) -> np.ndarray:
+        """[L, E] int64 raw (undecayed) use counts since construction, for routing profiles."""
+        return self._usage.copy()
+
+    def budget_left(self, layer: int) -> int:
+        """Swaps this layer may still commit in the current step."""
+        left = self.n_experts if self.swap_budget is None else self.swap_budget - self._swapped_layer[layer]
+        if self.global_swap_budget is not None:
+            left = min(left, self.global_swap_budget - self._swapped_global)
+        return max(left, 0)
+
+    # --- the step --------------------------------------------------------------------------
+
+    def tick(self) -> None:
+        """Start a new step: scores age by one step and the swap budgets refill."""
+        self.steps += 1
+        self._swapped_layer = [0] * self.n_layers
+        self._swapped_global = 0
+        self._on_tick()
+
+    def observe(self, layer: int, expert_ids: Sequence[int]) -> None:
+        """Record the experts routed in `layer` this step (repeats count once each: a batch)."""
+        touched = self._touched[layer]
+        usage = self._usage[layer]
+        n = self.n_experts
+        for e in expert_ids:
+            e = int(e)
+            if not 0 <= e < n:
+                raise ValueError(f"expert id {e} out of range 0..{n - 1}")
+            usage[e] += 1
+            self._record(layer, e)
+            touched.add(e)
+
+    def plan_swaps(self, layer: int) -> list[Swap]:
+        """Swaps worth doing now in `layer`: empty slots first, then hysteresis-gated replacements."""
+        touched = self._touched[layer]
+        budget = self.budget_left(layer)
+        if not touched or budget == 0:
+            touched.clear()
+            return []
+        where = self._where[layer]
+        cands = [e for e in touched if where[e] < 0]
+        touched.clear()
+        if not cands:
+            return []
+        sc = self.scores(layer)  # [E]
+        cands = [e for e in cands if self._eligible(float(sc[e]))]
+        cands.sort(key=lambda e: (-sc[e], e))  # hottest first
+        cap = self._caps[layer]
+        row = self._slot_expert[layer, :cap]
+        swaps: list[Swap] = []
+        free = np.flatnonzero(row < 0).tolist()
+        i = 0
+        while i < len(cands) and free and len(swaps) < budget:
+            swaps.append(Swap(None, cands[i], free.pop(0)))
+            i += 1
+        if i == len(cands) or len(swaps) == budget:
+            return swaps
+        # victims: ready residents, coldest first (ties: lowest slot); pending slots are untouchable
+        ready_slots = np.flatnonzero(self._slot_ready[layer, :cap])
+        if ready_slots.size == 0:
+            return swaps
+        vic_experts = row[ready_slots]
+        order = np.lexsort((ready_slots, sc[vic_experts]))
+        for j in order.tolist():
+            if i == len(cands) or len(swaps) == budget:
+                break
+            c, v = cands[i], int(vic_experts[j])
+            if not self._beats(float(sc[c]), float(sc[v])):
+                break  # candidates only get colder and victims hotter from here
+            swaps.append(Swap(v, c, int(ready_slots[j])))
+            i += 1
+        return swaps
+
+    def commit(self, layer: int, swaps: Sequence[Swap]) -> None:
+        """Issue swaps: victims stop being hits now, admitted experts are pending until mark_ready."""
+        if len(swaps) > self.budget_left(layer):
+            raise ValueError(f"layer {layer}: {len(swaps)} swaps exceed the step's budget of {self.budget_left(layer)}")
+        cap = self._caps[layer]
+        for evict, admit, slot in swaps:
+            if not 0 <= slot < cap:
+                raise ValueError(f"layer {layer}: slot {slot} out of range 0..{cap - 1}")
+            held = int(self._slot_expert[layer, slot])
+            if evict is None:
+                if held >= 0:
+                    raise ValueError(f"layer {layer}: slot {slot} holds expert {held}, not empty")
+            else:
+                if held != evict or not self._slot_ready[layer, slot]:
+                    raise ValueError(f"layer {layer}: expert {evict} is not ready in slot {slot}")
+                self._where[layer, evict] = -1
+                self._map[layer, evict] = -1
+            if self._where[layer, admit] >= 0:
+                raise ValueError(f"layer {layer}: expert {admit} is already cached or pending")
+            self._slot_expert[layer, slot] = admit
+            self._slot_ready[layer, slot] = False
+            self._where[layer, admit] = slot
+        self._swapped_layer[layer] += len(swaps)
+        self._swapped_global += len(swaps)
+
+    def mark_ready(self, layer: int, expert: int) -> None:
+        """The copy of a pending expert finished: it is a hit from now on."""
+        slot = int(self._where[layer, expert])
+        if slot < 0 or self._slot_ready[layer, slot]:
+            raise ValueError(f"layer {layer}: expert {expert} is not pending")
+        self._slot_ready[layer, slot] = True
+        self._map[layer, expert] = slot
+
+    def abort(self, layer: int, expert: int) -> None:
+        """A pending copy was abandoned: its slot becomes empty."""
+        slot = int(self._where[layer, expert])
+        if slot < 0 or self._slot_ready[layer, slot]:
+            raise ValueError(f"layer {layer}: expert {expert} is not pending")
+        self._slot_expert[layer, slot] = -1
+        self._where[layer, expert] = -1
+
+    def initial_fill(
+        self, ranking: Mapping[int, Sequence[int]], frequency: Mapping[int, Sequence[float]] | None = None
+    ) -> None:
+        """Fill layers with their top-ranked experts, ready at once (copied before serving starts).
+
+        Replaces what those layers held. `frequency[layer][e]`, uses per step from a routing
+        profile, seeds the scores so the profile's experts are not evicted by the first newcomer.
+        """
+        for layer, experts in ranking.items():
+            if not 0 <= layer < self.n_layers:
+                raise ValueError(f"layer {layer} out of range 0..{self.n_layers - 1}")
+            cap = self._caps[layer]
+            chosen: list[int] = []
+            for e in experts:
+                e = int(e)
+                if not 0 <= e < self.n_experts:
+                    raise ValueError(f"expert id {e} out of range 0..{self.n_experts - 1}")
+                if e not in chosen:
+                    chosen.append(e)
+                if len(chosen) == cap:
+                    break
+            self._slot_expert[layer] = -1
+            self._slot_ready[layer] = False
+            self._where[layer] = -1
+            self._map[layer] = -1
+            for slot, e in enumerate(chosen):
+                self._slot_expert[layer, slot] = e
+                self._slot_ready[layer, slot] = True
+                self._where[layer, e] = slot
+                self._map[layer, e] = slot
+            if frequency is not None and layer in frequency:
+                freq = np.asarray(frequency[layer], dtype=np.float64)
+                if freq.shape != (self.n_experts,):
+                    raise ValueError(f"frequency of layer {layer} has shape {freq.shape}, want ({self.n_experts},)")
+                self._seed(layer, freq, chosen)
+            else:
+                self._seed(layer, None, chosen)
+
+    # --- scoring, per policy ----------------------------------------------------------------
+
+    def scores(self, layer: int) -> np.ndarray:  # [E] float64, larger is hotter
+        raise NotImplementedError
+
+    def _record(self, layer: int, expert: int) -> None:
+        raise NotImplementedError
+
+    def _on_tick(self) -> None:
+        pass
+
+    def _eligible(self, cand: float) -> bool:
+        return True
+
+    def _beats(self, cand: float, victim: float) -> bool:
+        raise NotImplementedError
+
+    def _seed(self, layer: int, freq: np.ndarray | None, chosen: list[int]) -> None:
+        pass
+
+
+class DecayedCountPolicy(_SlotPolicy):
+    """LFU with exponential decay (`lfu-decay`): score = sum over uses of decay ** age_in_steps.
+
+    An expert routed every step settles at 1 / (1 - decay) (20 at decay 0.95). A candidate replaces
+    the coldest resident only when `score > victim * (1 + margin) + abs_margin`, so two experts of
+    near-equal popularity do not trade a slot back and forth; `promote_min` keeps out experts with
+    fewer decayed uses than that.
+    """
+
+    def __init__(
+        self,
+        n_layers: int,
+        n_experts: int,
+        slots: int | Sequence[int],
+        *,
+        decay: float = 0.95,
+        margin: float = 0.2,
+        abs_margin: float = 0.5,
+        promote_min: float = 0.0,
+        swap_budget: int | None = 2,
+        global_swap_budget: int | None = None,
+    ):
+        super().__init__(
+            n_layers, n_experts, slots, swap_budget=swap_budget, global_swap_budget=global_swap_budget
+        )
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"decay must be in (0, 1], got {decay}")
+        if margin < 0 or abs_margin < 0 or promote_min < 0:
+            raise ValueError("margin, abs_margin and promote_min must be >= 0")
+        self.decay = decay
+        self.margin = margin
+        self.abs_margin = abs_margin
+        self.promote_min = promote_min
+        # Lazy decay: a use at step t adds scale_t = decay**-t to raw, and score = raw / scale_now,
+        # so observe() touches only the k routed entries and tick() only multiplies one float.
+        self._raw = np.zeros((n_layers, n_experts), dtype=np.float64)  # [L, E]
+        self._scale = 1.0
+
+    def _on_tick(self) -> None:
+        self._scale /= self.decay
+        if self._scale > _RENORM_AT:
+            self._raw /= self._scale
+            self._scale = 1.0
+
+    def _record(self, layer: int, expert: int) -> None:
+        self._raw[layer, expert] += self._scale
+
+    def scores(self, layer: int) -> np.ndarray:
+        return self._raw[layer] / self._scale
+
+    def score(self, layer: int, expert: int) -> float:
+        return float(self._raw[layer, expert] / self._scale)
+
+    def counts(self) -> np.ndarray:
+        """[L, E] decayed use counts of every layer."""
+        return self._raw / self._scale
+
+    def _eligible(self, cand: float) -> bool:
+        return cand > 0.0 and cand >= self.promote_min
+
+    def _beats(self, cand: float, victim: float) -> bool:
+        return cand > victim * (1.0 + self.margin) + self.abs_margin
+
+    def _seed(self, layer: int, freq: np.ndarray | None, chosen: list[int]) -> None:
+        if freq is None:
+            return
+        steady = freq / (1.0 - self.decay) if self.decay < 1.0 else freq
+        self._raw[layer] = steady * self._scale
+
+
+class LRUPolicy(_SlotPolicy):
+    """Least recently used (`lru`): every routed miss may replace the resident unused the longest.
+
+    A resident routed in the current step is never the victim, so one step's experts cannot evict
+    each other.
+    """
+
+    def __init__(
+        self,
+        n_layers: int,
+        n_experts: int,
+        slots: int | Sequence[int],
+        *,
+        swap_budget: int | None = 2,
+        global_swap_budget: int | None = None,
+    ):
+        super().__init__(
+            n_layers, n_experts, slots, swap_budget=swap_budget, global_swap_budget=global_swap_budget
+        )
+        self._last = np.zeros((n_layers, n_experts), dtype=np.float64)  # [L, E] stamp of last use
+        self._stamp = 0.0
+        self._step_start = 0.0  # stamps above this were made in the current step
+
+    def _on_tick(self) -> None:
+        self._step_start = self._stamp
+
+    def _record(self, layer: int, expert: int) -> None:
+        self._stamp += 1.0
+        self._last[layer, expert] = self._stamp
+
+    def scores(self, layer: int) -> np.ndarray:
+        return self._last[layer].copy()
+
+    def _eligible(self, cand: float) -> bool:
+        return cand > 0.0
+
+    def _beats(self, cand: float, victim: float) -> bool:
+        return victim <= self._step_start < cand
+
+    def _seed(self, layer: int, freq: np.ndarray | None, chosen: list[int]) -> None:
+        # the ranking's last resident is the first to go; stamps stay below any real use's (> 0)
+        for rank, e in enumerate(chosen):
+            self._last[layer, e] = -1.0 - rank
+
+
+def make_policy(name: str, n_layers: int, n_experts: int, slots: int | Sequence[int], **kwargs) -> CachePolicy:
+    """The policy named by `--cache-policy` (lfu-decay | lru); lru ignores the lfu-only settings."""
+    if name == "lfu-decay":
+        return DecayedCountPolicy(n_layers, n_experts, slots, **kwargs)
+    if name == "lru":
+        lru_keys = {"swap_budget", "global_swap_budget"}
+        return LRUPolicy(n_layers, n_experts, slots, **{k: v for k, v in kwargs.items() if k in lru_keys})
+    raise StrataError(f"unknown cache policy {name!r}; choose one of {', '.join(POLICIES)}")
