@@ -1,0 +1,188 @@
+"""The CPU / PCIe split of missed experts, the prefill split and the cost model file."""
+
+import itertools
+import json
+import math
+
+import pytest
+
+from strata import StrataError
+from strata.experts.plan import CostModel, CpuPlan, decode_lanes_ms, prefill_split
+
+# published: RTX 4090 + Ryzen 9950X (the GPU time per expert is ours, a plausible slot matmul)
+CPU_MS, PCIE_MS, GPU_MS = 0.084, 0.285, 0.02
+
+
+def test_parse_digits_and_commas():
+    plan = CpuPlan.parse("011223344")
+    assert plan.shares == (0, 1, 1, 2, 2, 3, 3, 4, 4) and plan.k == 8
+    assert str(plan) == "011223344" and CpuPlan.parse(str(plan)) == plan
+    assert plan.cpu_count(0) == 0 and plan.cpu_count(5) == 3
+    ten = CpuPlan.parse(" 0,1,1,2,2,3,3,4,5,6,10 ", k=10)
+    assert ten.k == 10 and ten.cpu_count(10) == 10
+    assert str(ten) == "0,1,1,2,2,3,3,4,5,6,10"
+    assert CpuPlan.all_cpu(3).shares == (0, 1, 2, 3) and CpuPlan.all_pcie(3).shares == (0, 0, 0, 0)
+    with pytest.raises(ValueError):
+        plan.cpu_count(9)
+
+
+@pytest.mark.parametrize(
+    "text, k, message",
+    [
+        ("011x23344", None, "want digits"),
+        ("", None, "want digits"),
+        ("012213344", None, "must not decrease"),
+        ("021223344", None, "with 1 misses the CPU can take 0..1, not 2"),
+        ("111223344", None, "with 0 misses"),
+        ("011223344", 10, "covers 8 routed experts, the model routes 10"),
+        ("0,1,,2", None, "want digits"),
+        ("0,-1", None, "want digits"),
+    ],
+)
+def test_parse_errors(text, k, message):
+    with pytest.raises(StrataError, match=message):
+        CpuPlan.parse(text, k=k)
+
+
+def brute_best(k, m, **costs):
+    return min(max(decode_lanes_ms(k, m, c, **costs)) for c in range(m + 1))
+
+
+def test_decode_lanes():
+    # 8 routed, 3 missed, 2 of them on the CPU: the GPU copies 1 and computes 6
+    cpu, gpu = decode_lanes_ms(8, 3, 2, 0.1, 0.3, 0.02, cpu_overhead_ms=0.05)
+    assert cpu == pytest.approx(0.05 + 0.2) and gpu == pytest.approx(0.3 + 6 * 0.02)
+    assert decode_lanes_ms(8, 3, 0, 0.1, 0.3, 0.02, cpu_overhead_ms=0.05)[0] == 0.0
+    with pytest.raises(ValueError):
+        decode_lanes_ms(8, 3, 4, 0.1, 0.3, 0.02)
+
+
+def test_auto_is_optimal_and_follows_the_costs():
+    costs = dict(cpu_ms_per_expert=CPU_MS, pcie_ms_per_expert=PCIE_MS, gpu_ms_per_expert=GPU_MS)
+    cheap_cpu = CpuPlan.auto(8, **costs)
+    for m in range(9):
+        assert max(decode_lanes_ms(8, m, cheap_cpu.cpu_count(m), **costs)) == pytest.approx(brute_best(8, m, **costs))
+    # the CPU is 3.4x faster per expert than the link: it takes most misses, more than the
+    # published hand plan 011223344 did
+    assert all(c >= h for c, h in zip(cheap_cpu.shares, CpuPlan.parse("011223344").shares))
+    assert cheap_cpu.cpu_count(8) >= 6
+
+    cheap_pcie = CpuPlan.auto(8, cpu_ms_per_expert=0.5, pcie_ms_per_expert=0.05, gpu_ms_per_expert=0.01)
+    assert cheap_pcie.cpu_count(8) <= 1 and cheap_pcie.cpu_count(1) == 0
+    assert all(a <= b for a, b in zip(cheap_pcie.shares, cheap_cpu.shares))
+
+    # a large per-token-layer CPU overhead keeps single misses off the CPU
+    overhead = CpuPlan.auto(8, CPU_MS, PCIE_MS, GPU_MS, cpu_overhead_ms=0.5)
+    assert overhead.cpu_count(1) == 0 and overhead.cpu_count(8) > 0
+
+
+@pytest.mark.parametrize("k", [1, 4, 8, 10])
+def test_auto_shares_valid_over_a_grid(k):
+    for cpu, pcie, gpu, ovh in itertools.product([0.01, 0.1, 1.0], [0.01, 0.3], [0.0, 0.05], [0.0, 0.2]):
+        plan = CpuPlan.auto(k, cpu, pcie, gpu, cpu_overhead_ms=ovh)  # validates monotone, <= m
+        assert plan.k == k
+        costs = dict(cpu_ms_per_expert=cpu, pcie_ms_per_expert=pcie, gpu_ms_per_expert=gpu, cpu_overhead_ms=ovh)
+        for m in range(k + 1):
+            got = max(decode_lanes_ms(k, m, plan.cpu_count(m), **costs))
+            assert got == pytest.approx(brute_best(k, m, **costs))
+
+
+def test_choose_sends_the_coldest_to_the_cpu():
+    plan = CpuPlan.parse("011223344")
+    scores = {5: 1.0, 3: 0.2, 9: 3.0, 4: 0.2}
+    assert plan.choose([5, 3, 9], scores) == ([5, 3], [9])
+    assert plan.choose([9, 4, 3], scores) == ([4, 3], [9])  # ties: routing order
+    assert plan.choose([9], scores) == ([9], [])
+    assert plan.choose([], scores) == ([], [])
+    assert CpuPlan.all_pcie(8).choose([5, 3], scores) == ([], [5, 3])
+    # a policy's score array works the same
+    arr = [0.0] * 10
+    arr[7] = 5.0
+    assert plan.choose([7, 2, 1], arr) == ([2, 1], [7])
+    assert plan.choose([7, 2, 1], None) == ([2, 1], [7])
+
+
+def brute_threshold(tokens, resident, cpu_tok, pcie, gpu_tok, cpu_fixed=0.0):
+    missed = sorted((n, e) for e, n in tokens.items() if n and e not in resident)
+    base = sum(n * gpu_tok for e, n in tokens.items() if e in resident)
+    best = math.inf
+    for t in range(len(missed) + 1):
+        cpu = sum(cpu_fixed + n * cpu_tok for n, _ in missed[:t])
+        gpu = base + sum(pcie + n * gpu_tok for n, _ in missed[t:])
+        best = min(best, max(cpu, gpu))
+    return best
+
+
+def test_prefill_split_few_tokens_go_to_the_cpu():
+    tokens = {0: 1, 1: 60, 2: 2, 3: 120, 4: 0, 5: 3, 6: 80}
+    split = prefill_split(tokens, cpu_ms_per_token_expert=0.05, pcie_ms_per_expert=0.285, gpu_ms_per_token_expert=0.001)
+    assert split.cpu == [0, 2, 5] and split.stream == [1, 3, 6]
+    assert 4 not in split.cpu + split.stream  # no tokens, no work
+    assert max(split.cpu_ms, split.gpu_ms) == pytest.approx(brute_threshold(tokens, set(), 0.05, 0.285, 0.001))
+    # resident experts are neither streamed nor given to the CPU, but load the GPU lane
+    split = prefill_split(tokens, 0.05, 0.285, 0.001, resident=[3, 0])
+    assert 3 not in split.stream + split.cpu and 0 not in split.stream + split.cpu
+    assert split.gpu_ms >= 120 * 0.001
+    # a slow link pushes everything to the CPU, a slow CPU everything to the GPU
+    assert prefill_split(tokens, 0.001, 50.0, 0.001).stream == []
+    assert prefill_split(tokens, 5.0, 0.01, 0.001).cpu == []
+    with pytest.raises(ValueError):
+        prefill_split({0: -1}, 0.05, 0.285)
+
+
+def test_prefill_split_matches_brute_force():
+    import random
+
+    rnd = random.Random(3)
+    for _ in range(50):
+        tokens = {e: rnd.choice([0, 1, 2, 3, 5, 8, 20, 64, 200]) for e in range(rnd.randint(1, 12))}
+        resident = {e for e in tokens if rnd.random() < 0.2}
+        cpu_tok, pcie, gpu_tok, fixed = rnd.uniform(0.01, 0.2), rnd.uniform(0.05, 1.0), rnd.uniform(0, 0.01), rnd.uniform(0, 0.1)
+        split = prefill_split(tokens, cpu_tok, pcie, gpu_tok, cpu_ms_per_expert=fixed, resident=resident)
+        want = brute_threshold(tokens, resident, cpu_tok, pcie, gpu_tok, fixed)
+        assert max(split.cpu_ms, split.gpu_ms) == pytest.approx(want)
+        assert sorted(split.cpu + split.stream) == sorted(e for e, n in tokens.items() if n and e not in resident)
+
+
+def test_cost_model_round_trip_and_plans(tmp_path):
+    cost = CostModel(
+        CPU_MS, PCIE_MS, GPU_MS, cpu_ms_per_token_expert=0.01, gpu_ms_per_token_expert=0.0005, machine="host-a", model="q4_k 768x2048"
+    )
+    path = tmp_path / "sub" / "costs.json"
+    cost.save(path)
+    assert json.loads(path.read_text())["format"] == "strata-cost-model"
+    back = CostModel.load(path)
+    assert back == cost and back.matches("host-a", "q4_k 768x2048") and not back.matches("host-b", "q4_k 768x2048")
+    assert cost.cpu_plan(8) == CpuPlan.auto(8, CPU_MS, PCIE_MS, GPU_MS)
+    assert cost.decode_lanes_ms(8, 2, 1) == decode_lanes_ms(8, 2, 1, CPU_MS, PCIE_MS, GPU_MS)
+    # the first token on the CPU pays for reading the weights, later ones for arithmetic only
+    split = cost.prefill_split({0: 1, 1: 100})
+    assert split.cpu == [0] and split.stream == [1]
+    assert split.cpu_ms == pytest.approx(CPU_MS)
+    assert [p.name for p in tmp_path.joinpath("sub").iterdir()] == ["costs.json"]  # no temp left
+
+
+def test_cost_model_validation(tmp_path):
+    with pytest.raises(ValueError, match="cpu_ms_per_expert"):
+        CostModel(-1.0, PCIE_MS, GPU_MS)
+    with pytest.raises(ValueError, match="pcie_ms_per_expert"):
+        CostModel(CPU_MS, float("nan"), GPU_MS)
+    with pytest.raises(StrataError, match="not found.*calibrate"):
+        CostModel.load(tmp_path / "none.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(StrataError, match="unreadable"):
+        CostModel.load(bad)
+    bad.write_text(json.dumps({"format": "other"}))
+    with pytest.raises(StrataError, match="not a strata cost model"):
+        CostModel.load(bad)
+    bad.write_text(json.dumps({"format": "strata-cost-model", "version": 1, "cpu_ms_per_expert": 0.1}))
+    with pytest.raises(StrataError, match="malformed"):
+        CostModel.load(bad)
+    bad.write_text(
+        json.dumps(
+            {"format": "strata-cost-model", "version": 1, "cpu_ms_per_expert": "fast", "pcie_ms_per_expert": 1, "gpu_ms_per_expert": 1}
+        )
+    )
+    with pytest.raises(StrataError, match="malformed.*cpu_ms_per_expert"):
+        CostModel.load(bad)
