@@ -1,0 +1,87 @@
+"""Configuration as validated dataclasses. CLI flags are derived from these; environment variables are read here only."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from strata import StrataError
+
+DTYPES = {"float32": torch.float32, "f32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "f16": torch.float16}
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass
+class ExpertConfig:
+    """Where experts live and how misses are served (the tiered backend)."""
+
+    mode: str = "auto"  # auto | resident | tiered
+    vram_gb: float | None = None  # the whole process's VRAM budget
+    vram_reserve_mib: int = 700
+    cpu_threads: int = 0  # 0 = physical cores
+    cpu_plan: str = "auto"
+    cache_policy: str = "lfu-decay"
+    promote_min: float = 0.0
+    swap_budget: int = 4
+    low_ram: bool = False
+    expert_profile: str | None = None
+    expert_profile_save: str | None = None
+    profile: bool = False
+    slots: int | None = None  # explicit slot count per layer (overrides the budget; tests and sweeps)
+
+    def validate(self) -> None:
+        if self.mode not in ("auto", "resident", "tiered"):
+            raise StrataError(f"--experts must be auto, resident or tiered (got {self.mode!r})")
+        if self.cache_policy not in ("lfu-decay", "lru"):
+            raise StrataError(f"--cache-policy must be lfu-decay or lru (got {self.cache_policy!r})")
+        if self.vram_gb is not None and self.vram_gb <= 0:
+            raise StrataError("--vram-gb must be positive")
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None
+    device: str = field(default_factory=default_device)
+    dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on CUDA
+    kv_dtype: str = "auto"  # auto = the compute dtype (bf16/f16 on GPU)
+    ctx_size: int = 0  # 0 = min(model's context, 8192)
+    n_slots: int = 1
+    prefill_chunk: int = 0  # 0 = sized from memory
+    seed: int | None = None
+    experts: ExpertConfig = field(default_factory=ExpertConfig)
+
+    def validate(self) -> None:
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise StrataError(f"device {self.device} requested but no CUDA GPU is available")
+        for name in ("dtype", "kv_dtype"):
+            v = getattr(self, name)
+            if v != "auto" and v not in DTYPES:
+                raise StrataError(f"--{name.replace('_', '-')} must be one of auto, {', '.join(DTYPES)} (got {v!r})")
+        if self.ctx_size < 0 or self.prefill_chunk < 0 or self.n_slots < 1:
+            raise StrataError("context size and prefill chunk must be >= 0 and slots >= 1")
+        self.experts.validate()
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.float32 if self.torch_device.type == "cpu" else torch.bfloat16
+        return DTYPES[self.dtype]
+
+    @property
+    def torch_kv_dtype(self) -> torch.dtype:
+        return self.torch_dtype if self.kv_dtype == "auto" else DTYPES[self.kv_dtype]
+
+
+def env(name: str, default: str | None = None) -> str | None:
+    """The one place strata reads environment variables (STRATA_*)."""
+    return os.environ.get(name, default)

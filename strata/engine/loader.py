@@ -1,0 +1,76 @@
+"""Open a GGUF model for running: the family's modules, the tokenizer, the chat template, the KV sizing."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from strata import StrataError
+from strata.config import EngineConfig
+from strata.gguf.reader import GGUFModel, open_gguf
+from strata.models.registry import family_for
+
+log = logging.getLogger("strata")
+
+
+@dataclass
+class LoadedModel:
+    model: object  # strata.models.base.CausalLM
+    gguf: GGUFModel
+    args: object
+    cfg: EngineConfig
+    max_ctx: int
+    tokenizer: object | None = None
+    template: object | None = None
+
+
+def make_experts_factory(cfg: EngineConfig):
+    """Choose the experts backend: all resident on the compute device, or tiered (VRAM cache + RAM + CPU lane)."""
+    from strata.experts.resident import ResidentExperts
+
+    def make(layers: dict):
+        mode = cfg.experts.mode
+        if mode in ("tiered",) or (mode == "auto" and cfg.experts.vram_gb is not None) or cfg.experts.slots is not None:
+            from strata.experts.tiered import TieredExperts  # noqa: WPS433 - optional heavy path
+
+            return TieredExperts(layers, cfg)
+        dev = cfg.torch_device
+        return ResidentExperts({i: (ew if dev.type == "cpu" else ew.to(dev)) for i, ew in layers.items()})
+
+    return make
+
+
+def load_model(path: str, cfg: EngineConfig | None = None, with_tokenizer: bool = True) -> LoadedModel:
+    cfg = cfg or EngineConfig(model=str(path))
+    cfg.validate()
+    g = open_gguf(path)
+    fam = family_for(g.arch)
+    args = fam.load_args(g)
+    max_ctx = cfg.ctx_size or min(args.ctx_len, 8192)
+    if cfg.ctx_size and cfg.ctx_size > args.ctx_len:
+        log.warning("context %d exceeds the model's trained context %d", cfg.ctx_size, args.ctx_len)
+    model = fam.build(g, cfg, make_experts_factory(cfg), max_ctx, args=args)
+    lm = LoadedModel(model, g, args, cfg, max_ctx)
+    if with_tokenizer and "tokenizer.ggml.model" in g.metadata:
+        from strata.gguf.chat_template import ChatTemplate
+        from strata.gguf.tokenizer import Tokenizer
+
+        lm.tokenizer = Tokenizer.from_metadata(g.metadata)
+        if g.get("tokenizer.chat_template"):
+            lm.template = ChatTemplate.from_metadata(g.metadata)
+    return lm
+
+
+@torch.inference_mode()
+def forward_all(lm: LoadedModel, ids: list[int]) -> torch.Tensor:
+    """Logits for every position of one prompt, run as a single segment (tests and perplexity)."""
+    from strata.kv.cache import Segment
+
+    m = lm.model
+    if len(ids) > lm.max_ctx:
+        raise StrataError(f"prompt of {len(ids)} tokens exceeds the context of {lm.max_ctx}")
+    kv = m.new_kv_cache(1, lm.max_ctx)
+    t = torch.tensor(ids, device=m.device)
+    return m.forward(t, torch.arange(len(ids), device=m.device), [Segment(0, 0, len(ids))], kv, all_logits=True)

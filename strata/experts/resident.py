@@ -1,0 +1,62 @@
+"""Every expert on the compute device: the reference backend, and the oracle for every offload plan.
+
+Per-(token, choice) outputs are gathered into [N, k, d] and summed over k in routing order, the same order the
+tiered backend uses, so both produce bit-identical sums for the same expert outputs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from strata.quant import QTensor, qmatmul
+
+
+def expert_ffn(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor) -> torch.Tensor:
+    return qmatmul(F.silu(qmatmul(x, gate)) * qmatmul(x, up), down)
+
+
+def combine(y: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """y [N, k, d] per-choice expert outputs, w [N, k] -> [N, d], summed in routing order in float32."""
+    return (y.float() * w.unsqueeze(-1).float()).sum(1).to(dtype)
+
+
+class ExpertWeights:
+    """One MoE layer's stacked expert tensors, each `[E, out, in]` in its stored format."""
+
+    def __init__(self, gate: QTensor, up: QTensor, down: QTensor):
+        self.gate, self.up, self.down = gate, up, down
+
+    @property
+    def n_experts(self) -> int:
+        return self.gate.shape[0]
+
+    def expert_nbytes(self) -> int:
+        return (self.gate.nbytes + self.up.nbytes + self.down.nbytes) // self.n_experts
+
+    def to(self, device) -> "ExpertWeights":
+        return ExpertWeights(self.gate.to(device), self.up.to(device), self.down.to(device))
+
+
+class ResidentExperts:
+    def __init__(self, layers: dict[int, ExpertWeights]):
+        self.layers = layers
+
+    def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ew = self.layers[layer]
+        n, k = ids.shape
+        y = torch.zeros(n, k, x.shape[-1], dtype=torch.float32, device=x.device)
+        flat = ids.reshape(-1)
+        # Tokens grouped by expert: one matmul chain per used expert.
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=ew.n_experts).tolist()
+        start = 0
+        for e, c in enumerate(counts):
+            if c == 0:
+                continue
+            sel = order[start : start + c]
+            start += c
+            tok = sel // k
+            out = expert_ffn(x[tok], ew.gate[e], ew.up[e], ew.down[e])
+            y.view(n * k, -1)[sel] = out.float()
+        return combine(y, w, x.dtype)

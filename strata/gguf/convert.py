@@ -1,0 +1,281 @@
+"""`strata convert HF_DIR OUT.gguf`: a transformers checkpoint (safetensors + config + tokenizer) to GGUF.
+
+Tensor names and metadata follow llama.cpp's converter, so files made here also load in llama.cpp (and files
+made there load here): Llama/Mixtral Q/K rows are permuted for pair-order rotary, experts are stacked into one
+`[E, out, in]` tensor per projection, DeepSeek's kv_b is split into per-head k_b/v_b.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from strata import StrataError
+
+FILE_TYPES = {"f32": 0, "f16": 1, "q8_0": 7, "bf16": 32}  # llama.cpp's LLAMA_FTYPE values
+
+
+def _permute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    # Rotate-half order -> adjacent-pair order, per head (what llama.cpp's LlamaModel.permute does).
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+class _Checkpoint:
+    def __init__(self, d: Path):
+        from safetensors import safe_open
+
+        files = sorted(d.glob("*.safetensors"))
+        if not files:
+            raise StrataError(f"{d}: no .safetensors files (strata convert reads safetensors checkpoints)")
+        self.index: dict[str, Path] = {}
+        for f in files:
+            with safe_open(f, "pt") as h:
+                for k in h.keys():
+                    self.index[k] = f
+        self._open: dict[Path, object] = {}
+        self.used: set[str] = set()
+
+    def has(self, k: str) -> bool:
+        return k in self.index
+
+    def get(self, k: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        f = self.index.get(k)
+        if f is None:
+            raise StrataError(f"checkpoint tensor {k} is missing")
+        if f not in self._open:
+            self._open[f] = safe_open(f, "pt")
+        self.used.add(k)
+        return self._open[f].get_tensor(k).float()
+
+    def experts(self, prefix: str, n: int, names: tuple[str, str, str]) -> tuple[torch.Tensor, ...]:
+        """Stacked (gate, up, down) [E, out, in] from per-expert tensors or a fused gate_up_proj."""
+        if self.has(prefix + "gate_up_proj"):
+            gu = self.get(prefix + "gate_up_proj")  # [E, 2*ff, d]
+            ff = gu.shape[1] // 2
+            return gu[:, :ff], gu[:, ff:], self.get(prefix + "down_proj")
+        g, u, dn = names
+        return tuple(torch.stack([self.get(f"{prefix}{e}.{p}.weight") for e in range(n)]) for p in (g, u, dn))
+
+
+def _rope_theta(cfg: dict) -> float:
+    rp = cfg.get("rope_parameters") or {}
+    return float(rp.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+
+
+def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, out_type: str = "f32") -> Path:
+    import gguf
+
+    from strata.quant import QTensor
+
+    d, out = Path(hf_dir), Path(out)
+    if out_type not in FILE_TYPES:
+        raise StrataError(f"--type must be one of {', '.join(FILE_TYPES)} (got {out_type})")
+    cfg_path = d / "config.json"
+    if not cfg_path.exists():
+        raise StrataError(f"{d}: no config.json (not a transformers checkpoint directory)")
+    cfg = json.loads(cfg_path.read_text())
+    mt = cfg.get("model_type", "")
+    arch = {"qwen3_moe": "qwen3moe", "qwen3": "qwen3", "mixtral": "llama", "llama": "llama",
+            "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2"}.get(mt)
+    if arch is None:
+        raise StrataError(f"{d}: model_type '{mt}' is not supported by strata convert "
+                          "(qwen3_moe, qwen3, mixtral, llama, deepseek_v3, deepseek_v2)")
+    ck = _Checkpoint(d)
+    n_layers, d_model, n_head = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"]
+    n_kv = cfg.get("num_key_value_heads") or n_head
+    head_dim = cfg.get("head_dim") or d_model // n_head
+    qtype = {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16,
+             "bf16": gguf.GGMLQuantizationType.BF16, "q8_0": gguf.GGMLQuantizationType.Q8_0}[out_type]
+
+    tmp = out.with_name(out.name + ".tmp")
+    w = gguf.GGUFWriter(str(tmp), arch)
+    w.add_name(cfg.get("_name_or_path") or d.name)
+    w.add_file_type(FILE_TYPES[out_type])
+    w.add_block_count(n_layers)
+    w.add_context_length(int(cfg.get("max_position_embeddings", 4096)))
+    w.add_embedding_length(d_model)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_kv)
+    w.add_rope_freq_base(_rope_theta(cfg))
+    w.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
+    w.add_vocab_size(int(cfg["vocab_size"]))
+    if cfg.get("intermediate_size"):
+        w.add_feed_forward_length(int(cfg["intermediate_size"]))
+
+    def put(name: str, t: torch.Tensor, keep_f32: bool = False) -> None:
+        a = t.detach().float().contiguous()
+        if keep_f32 or a.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
+            w.add_tensor(name, a.numpy())
+            return
+        if qtype == gguf.GGMLQuantizationType.Q8_0 and a.shape[-1] % 32:
+            w.add_tensor(name, a.numpy())  # row not a whole number of blocks: keep exact
+            return
+        q = QTensor.from_float(a, qtype)
+        w.add_tensor(name, q.raw.numpy().reshape(*a.shape[:-1], -1), raw_dtype=qtype)
+
+    put("token_embd.weight", ck.get("model.embed_tokens.weight"))
+    put("output_norm.weight", ck.get("model.norm.weight"))
+    if ck.has("lm_head.weight") and not cfg.get("tie_word_embeddings", False):
+        put("output.weight", ck.get("lm_head.weight"))
+    elif ck.has("lm_head.weight"):
+        ck.get("lm_head.weight")  # tied: the embedding serves as the head
+
+    n_exp = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0
+    if arch == "deepseek2":
+        _deepseek(cfg, ck, w, put, n_layers, n_exp)
+    else:
+        if n_exp:
+            w.add_expert_count(int(n_exp))
+            w.add_expert_used_count(int(cfg["num_experts_per_tok"]))
+        if arch == "qwen3moe":
+            w.add_expert_feed_forward_length(int(cfg["moe_intermediate_size"]))
+            w.add_bool(f"{arch}.expert_weights_norm", bool(cfg.get("norm_topk_prob", True)))
+        if arch in ("qwen3moe", "qwen3"):
+            w.add_key_length(head_dim)
+            w.add_value_length(head_dim)
+        elif head_dim != d_model // n_head:
+            w.add_key_length(head_dim)
+            w.add_value_length(head_dim)
+        if arch == "llama":
+            w.add_rope_dimension_count(head_dim)
+        sparse = set(cfg.get("mlp_only_layers") or [])
+        step = cfg.get("decoder_sparse_step", 1) or 1
+        for i in range(n_layers):
+            p, b = f"model.layers.{i}.", f"blk.{i}."
+            q, k = ck.get(p + "self_attn.q_proj.weight"), ck.get(p + "self_attn.k_proj.weight")
+            if arch == "llama":
+                q, k = _permute_qk(q, n_head), _permute_qk(k, n_kv)
+            put(b + "attn_q.weight", q)
+            put(b + "attn_k.weight", k)
+            put(b + "attn_v.weight", ck.get(p + "self_attn.v_proj.weight"))
+            put(b + "attn_output.weight", ck.get(p + "self_attn.o_proj.weight"))
+            if ck.has(p + "self_attn.q_norm.weight"):
+                put(b + "attn_q_norm.weight", ck.get(p + "self_attn.q_norm.weight"))
+                put(b + "attn_k_norm.weight", ck.get(p + "self_attn.k_norm.weight"))
+            put(b + "attn_norm.weight", ck.get(p + "input_layernorm.weight"))
+            put(b + "ffn_norm.weight", ck.get(p + "post_attention_layernorm.weight"))
+            moe = n_exp and i not in sparse and (i + 1) % step == 0
+            if moe and mt == "mixtral":
+                m = p + "block_sparse_moe."
+                m = m if ck.has(m + "gate.weight") else p + "mlp."
+                put(b + "ffn_gate_inp.weight", ck.get(m + "gate.weight"), keep_f32=True)
+                g, u, dn = ck.experts(m + "experts.", n_exp, ("w1", "w3", "w2"))
+            elif moe:
+                put(b + "ffn_gate_inp.weight", ck.get(p + "mlp.gate.weight"), keep_f32=True)
+                g, u, dn = ck.experts(p + "mlp.experts.", n_exp, ("gate_proj", "up_proj", "down_proj"))
+            if moe:
+                put(b + "ffn_gate_exps.weight", g)
+                put(b + "ffn_up_exps.weight", u)
+                put(b + "ffn_down_exps.weight", dn)
+            else:
+                for hf, gg in (("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"), ("down_proj", "ffn_down")):
+                    put(f"{b}{gg}.weight", ck.get(f"{p}mlp.{hf}.weight"))
+        if n_exp and (sparse or step != 1):
+            raise StrataError(f"{d}: mixed dense/MoE layer patterns (mlp_only_layers, decoder_sparse_step) are not supported")
+
+    _tokenizer(d, w, int(cfg["vocab_size"]))
+
+    def unmapped(k: str) -> bool:
+        if k in ck.used or "rotary_emb" in k:
+            return False
+        m = re.search(r"layers\.(\d+)\.", k)
+        return not (m and int(m.group(1)) >= n_layers)  # layers past the last are MTP heads, not converted yet
+
+    left = [k for k in ck.index if unmapped(k)]
+    if left:
+        raise StrataError(f"{d}: checkpoint tensors strata convert does not map: {', '.join(sorted(left)[:5])}")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    os.replace(tmp, out)
+    return out
+
+
+def _deepseek(cfg, ck, w, put, n_layers, n_exp):
+    nope, rope, vd = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+    lora, qlora, h = cfg["kv_lora_rank"], cfg.get("q_lora_rank") or 0, cfg["num_attention_heads"]
+    a = "deepseek2"
+    # llama.cpp's current layout: key/value lengths describe the latent cache, *_mla the per-head sizes.
+    w.add_key_length(lora + rope)
+    w.add_value_length(lora)
+    w.add_uint32(f"{a}.attention.key_length_mla", nope + rope)
+    w.add_uint32(f"{a}.attention.value_length_mla", vd)
+    w.add_rope_dimension_count(rope)
+    w.add_kv_lora_rank(lora)
+    if qlora:
+        w.add_q_lora_rank(qlora)
+    first_dense = int(cfg.get("first_k_dense_replace", 0))
+    w.add_leading_dense_block_count(first_dense)
+    w.add_expert_count(int(n_exp))
+    w.add_expert_used_count(int(cfg["num_experts_per_tok"]))
+    w.add_expert_feed_forward_length(int(cfg["moe_intermediate_size"]))
+    w.add_expert_shared_count(int(cfg.get("n_shared_experts") or 0))
+    w.add_expert_weights_scale(float(cfg.get("routed_scaling_factor", 1.0)))
+    w.add_expert_weights_norm(bool(cfg.get("norm_topk_prob", False)))
+    gating = cfg.get("scoring_func", "sigmoid" if cfg.get("model_type") == "deepseek_v3" else "softmax")
+    w.add_uint32(f"{a}.expert_gating_func", 2 if gating == "sigmoid" else 1)
+    w.add_uint32(f"{a}.expert_group_count", int(cfg.get("n_group") or 1))
+    w.add_uint32(f"{a}.expert_group_used_count", int(cfg.get("topk_group") or 1))
+    rs = cfg.get("rope_scaling") or {}
+    rp = cfg.get("rope_parameters") or {}
+    if (rs.get("type") or rs.get("rope_type") or rp.get("rope_type")) == "yarn":
+        r = rs or rp
+        w.add_rope_scaling_type(__import__("gguf").RopeScalingType.YARN)
+        w.add_rope_scaling_factor(float(r["factor"]))
+        w.add_rope_scaling_orig_ctx_len(int(r["original_max_position_embeddings"]))
+        w.add_float32(f"{a}.rope.scaling.yarn_log_multiplier", 0.1 * float(r.get("mscale_all_dim", 0.0)))
+    for i in range(n_layers):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        s = p + "self_attn."
+        if qlora:
+            put(b + "attn_q_a.weight", ck.get(s + "q_a_proj.weight"))
+            put(b + "attn_q_a_norm.weight", ck.get(s + "q_a_layernorm.weight"))
+            put(b + "attn_q_b.weight", ck.get(s + "q_b_proj.weight"))
+        else:
+            put(b + "attn_q.weight", ck.get(s + "q_proj.weight"))
+        put(b + "attn_kv_a_mqa.weight", ck.get(s + "kv_a_proj_with_mqa.weight"))
+        put(b + "attn_kv_a_norm.weight", ck.get(s + "kv_a_layernorm.weight"))
+        kvb = ck.get(s + "kv_b_proj.weight").view(h, nope + vd, lora)
+        put(b + "attn_k_b.weight", kvb[:, :nope].transpose(1, 2).contiguous())  # [H, lora, nope]
+        put(b + "attn_v_b.weight", kvb[:, nope:].contiguous())  # [H, v, lora]
+        put(b + "attn_output.weight", ck.get(s + "o_proj.weight"))
+        put(b + "attn_norm.weight", ck.get(p + "input_layernorm.weight"))
+        put(b + "ffn_norm.weight", ck.get(p + "post_attention_layernorm.weight"))
+        if i < first_dense:
+            for hf, gg in (("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"), ("down_proj", "ffn_down")):
+                put(f"{b}{gg}.weight", ck.get(f"{p}mlp.{hf}.weight"))
+            continue
+        put(b + "ffn_gate_inp.weight", ck.get(p + "mlp.gate.weight"), keep_f32=True)
+        if ck.has(p + "mlp.gate.e_score_correction_bias"):
+            put(b + "exp_probs_b.bias", ck.get(p + "mlp.gate.e_score_correction_bias"), keep_f32=True)
+        g, u, dn = ck.experts(p + "mlp.experts.", n_exp, ("gate_proj", "up_proj", "down_proj"))
+        put(b + "ffn_gate_exps.weight", g)
+        put(b + "ffn_up_exps.weight", u)
+        put(b + "ffn_down_exps.weight", dn)
+        if cfg.get("n_shared_experts"):
+            for hf, gg in (("gate_proj", "ffn_gate_shexp"), ("up_proj", "ffn_up_shexp"), ("down_proj", "ffn_down_shexp")):
+                put(f"{b}{gg}.weight", ck.get(f"{p}mlp.shared_experts.{hf}.weight"))
+
+
+def _tokenizer(d: Path, w, vocab_size: int) -> None:
+    if not (d / "tokenizer.json").exists():
+        raise StrataError(f"{d}: no tokenizer.json (strata convert needs the checkpoint's tokenizer)")
+    from strata.gguf.tokenizer import hf_tokenizer_to_metadata, write_tokenizer_metadata
+
+    md = hf_tokenizer_to_metadata(d)
+    toks = md.get("tokenizer.ggml.tokens", [])
+    if len(toks) < vocab_size:  # the embedding has padding rows: name them like llama.cpp does
+        md["tokenizer.ggml.tokens"] = list(toks) + [f"[PAD{i}]" for i in range(len(toks), vocab_size)]
+        if "tokenizer.ggml.token_type" in md:
+            md["tokenizer.ggml.token_type"] = list(md["tokenizer.ggml.token_type"]) + [5] * (vocab_size - len(toks))
+        if "tokenizer.ggml.scores" in md:
+            md["tokenizer.ggml.scores"] = list(md["tokenizer.ggml.scores"]) + [0.0] * (vocab_size - len(toks))
+    write_tokenizer_metadata(w, md)

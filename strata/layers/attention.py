@@ -1,0 +1,145 @@
+"""Attention: grouped-query attention (Qwen3, Llama, Mixtral) and multi-head latent attention (DeepSeek-V2/V3).
+
+Tokens of several sequences arrive flattened ([N, d]); `segments` says which slot and positions each run of
+tokens belongs to. Projections run once over all N tokens; the score/softmax part runs per segment against that
+slot's cache.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from strata.kv.cache import KVCache, Segment
+from strata.layers.norm import rms_norm
+from strata.layers.rotary import Rotary
+from strata.quant import QTensor, qmatmul
+
+
+def _causal_mask(seg: Segment, device) -> torch.Tensor | None:
+    if seg.n == 1:
+        return None  # one query sees the whole prefix
+    q = torch.arange(seg.start, seg.end, device=device).unsqueeze(1)
+    k = torch.arange(seg.end, device=device).unsqueeze(0)
+    return k <= q  # [n, L]
+
+
+def _linear(x: torch.Tensor, w: QTensor, b: torch.Tensor | None) -> torch.Tensor:
+    y = qmatmul(x, w)
+    return y + b.to(y.dtype) if b is not None else y
+
+
+class GQAttention:
+    """Grouped-query attention with optional per-head Q/K RMSNorm (Qwen3) and optional biases (Qwen2)."""
+
+    def __init__(self, layer: int, args, w: dict, rotary: Rotary):
+        self.layer, self.rotary = layer, rotary
+        self.n_heads, self.n_kv, self.hd, self.vd = args.n_heads, args.n_kv_heads, args.head_dim, args.v_head_dim
+        self.eps = args.norm_eps
+        self.wq, self.wk, self.wv, self.wo = w["attn_q"], w["attn_k"], w["attn_v"], w["attn_output"]
+        self.bq, self.bk, self.bv = w.get("attn_q.bias"), w.get("attn_k.bias"), w.get("attn_v.bias")
+        self.q_norm, self.k_norm = w.get("attn_q_norm"), w.get("attn_k_norm")
+        self.scale = 1.0 / math.sqrt(self.hd)
+
+    @staticmethod
+    def cache_shapes(args) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return (args.n_kv_heads, args.head_dim), (args.n_kv_heads, args.v_head_dim)
+
+    def __call__(self, x: torch.Tensor, pos: torch.Tensor, segments: list[Segment], kv: KVCache) -> torch.Tensor:
+        n = x.shape[0]
+        q = _linear(x, self.wq, self.bq).view(n, self.n_heads, self.hd)
+        k = _linear(x, self.wk, self.bk).view(n, self.n_kv, self.hd)
+        v = _linear(x, self.wv, self.bv).view(n, self.n_kv, self.vd)
+        if self.q_norm is not None:
+            q = rms_norm(q, self.q_norm, self.eps)
+            k = rms_norm(k, self.k_norm, self.eps)
+        q, k = self.rotary(q, pos), self.rotary(k, pos)
+        out = torch.empty(n, self.n_heads, self.vd, dtype=x.dtype, device=x.device)
+        i = 0
+        for seg in segments:
+            kv.write(self.layer, seg, k[i : i + seg.n], v[i : i + seg.n])
+            ks, vs = kv.read(self.layer, seg)  # [L, Hkv, D]
+            qs = q[i : i + seg.n].transpose(0, 1)  # [H, n, D]
+            rep = self.n_heads // self.n_kv
+            ks = ks.to(x.dtype).transpose(0, 1).repeat_interleave(rep, 0)  # [H, L, D]
+            vs = vs.to(x.dtype).transpose(0, 1).repeat_interleave(rep, 0)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=_causal_mask(seg, x.device), scale=self.scale)
+            out[i : i + seg.n] = o.transpose(0, 1)
+            i += seg.n
+        return qmatmul(out.reshape(n, self.n_heads * self.vd), self.wo)
+
+
+class MLAttention:
+    """DeepSeek's multi-head latent attention, computed in the absorbed form over a latent cache.
+
+    The cache holds c_kv (kv_lora_rank) and the rotated shared key k_pe (rope_dim) per token. Queries are mapped
+    into the latent space through W_kb, so scores are q_lat·c_kv + q_pe·k_pe; values come out latent and go
+    through W_vb. This equals the expanded form exactly in real arithmetic.
+    """
+
+    def __init__(self, layer: int, args, w: dict, rotary: Rotary):
+        self.layer, self.rotary = layer, rotary
+        self.h, self.nope, self.rope, self.vd = args.n_heads, args.qk_nope_dim, args.qk_rope_dim, args.v_head_dim
+        self.lora, self.eps = args.kv_lora_rank, args.norm_eps
+        self.wq = w.get("attn_q")
+        self.wq_a, self.q_a_norm, self.wq_b = w.get("attn_q_a"), w.get("attn_q_a_norm"), w.get("attn_q_b")
+        self.wkv_a, self.kv_a_norm = w["attn_kv_a_mqa"], w["attn_kv_a_norm"]
+        self.wo = w["attn_output"]
+        if "attn_k_b" in w:  # newer GGUFs store the two halves of kv_b already split per head
+            self.w_kb = w["attn_k_b"]  # QTensor (H, lora, nope) or as converted
+            self.w_vb = w["attn_v_b"]
+            self._split = True
+        else:
+            self.wkv_b = w["attn_kv_b"]  # (H*(nope+v), lora)
+            self._split = False
+        # YaRN-extended DeepSeek models scale the softmax by mscale^2 (the rotary tables carry no factor then).
+        mscale = args.extra.get("mla_mscale", 1.0)
+        self.scale = mscale * mscale / math.sqrt(self.nope + self.rope)
+
+    @staticmethod
+    def cache_shapes(args) -> tuple[tuple[int, ...], None]:
+        return (1, args.kv_lora_rank + args.qk_rope_dim), None
+
+    def _kv_b(self, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._split:
+            # llama.cpp's layout: k_b [H, lora, nope] (stored transposed for its kernels), v_b [H, v, lora]
+            kb = self.w_kb.dequantize(torch.float32).view(self.h, self.lora, self.nope).transpose(1, 2)
+            vb = self.w_vb.dequantize(torch.float32).view(self.h, self.vd, self.lora)
+        else:
+            kvb = self.wkv_b.dequantize(torch.float32).view(self.h, self.nope + self.vd, self.lora)
+            kb, vb = kvb[:, : self.nope], kvb[:, self.nope :]
+        return kb.to(dtype), vb.to(dtype)  # [H, nope, lora], [H, v, lora]
+
+    def __call__(self, x: torch.Tensor, pos: torch.Tensor, segments: list[Segment], kv: KVCache) -> torch.Tensor:
+        n = x.shape[0]
+        if self.wq is not None:
+            q = qmatmul(x, self.wq)
+        else:
+            q = qmatmul(rms_norm(qmatmul(x, self.wq_a), self.q_a_norm, self.eps), self.wq_b)
+        q = q.view(n, self.h, self.nope + self.rope)
+        q_nope, q_pe = q[..., : self.nope], q[..., self.nope :]
+        kv_a = qmatmul(x, self.wkv_a)  # [n, lora + rope]
+        c_kv = rms_norm(kv_a[:, : self.lora], self.kv_a_norm, self.eps)
+        k_pe = kv_a[:, self.lora :].unsqueeze(1)  # [n, 1, rope]
+        q_pe, k_pe = self.rotary(q_pe.contiguous(), pos), self.rotary(k_pe.contiguous(), pos)
+        kb, vb = self._kv_b(x.dtype)
+        q_lat = torch.einsum("nhd,hdc->nhc", q_nope, kb)  # [n, H, lora]
+        q_full = torch.cat([q_lat, q_pe], dim=-1)  # [n, H, lora + rope]
+        latent = torch.cat([c_kv, k_pe.squeeze(1)], dim=-1).unsqueeze(1)  # [n, 1, lora + rope]
+        out = torch.empty(n, self.h, self.lora, dtype=x.dtype, device=x.device)
+        i = 0
+        for seg in segments:
+            kv.write(self.layer, seg, latent[i : i + seg.n], None)
+            ks, _ = kv.read(self.layer, seg)  # [L, 1, lora + rope]
+            ks = ks.to(x.dtype).transpose(0, 1)  # [1, L, lora + rope]
+            qs = q_full[i : i + seg.n].transpose(0, 1)  # [H, n, lora + rope]
+            o = F.scaled_dot_product_attention(
+                qs, ks.expand(self.h, -1, -1), ks[..., : self.lora].expand(self.h, -1, -1),
+                attn_mask=_causal_mask(seg, x.device), scale=self.scale,
+            )
+            out[i : i + seg.n] = o.transpose(0, 1)
+            i += seg.n
+        o = torch.einsum("nhc,hvc->nhv", out, vb)  # [n, H, v]
+        return qmatmul(o.reshape(n, self.h * self.vd), self.wo)

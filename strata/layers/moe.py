@@ -1,0 +1,64 @@
+"""The MoE block: router -> top-k (family-specific scoring as data) -> the experts backend -> + shared experts.
+
+Routing is computed in float32 on the device that holds the router. The block knows nothing about where
+experts live: `experts.forward(layer, x, ids, weights)` is the only call, and the backend (all resident, or
+tiered across VRAM / CPU / PCIe) decides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from strata.layers.ffn import SwiGLU
+from strata.quant import QTensor, qmatmul
+
+
+@dataclass
+class Routing:
+    n_experts: int
+    k: int
+    gating: str = "softmax"  # softmax | sigmoid
+    norm_topk: bool = True
+    scale: float = 1.0
+    n_groups: int = 1
+    topk_groups: int = 1
+
+
+def route(logits: torch.Tensor, r: Routing, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [N, E] float32 -> (ids [N, k] int64, weights [N, k] float32)."""
+    probs = torch.softmax(logits, dim=-1) if r.gating == "softmax" else torch.sigmoid(logits)
+    choose = probs + bias if bias is not None else probs  # the correction bias steers choice, not weights
+    if r.n_groups > 1:
+        n = choose.shape[0]
+        g = choose.view(n, r.n_groups, -1)
+        group_score = g.topk(2, dim=-1).values.sum(-1)  # [N, G] (DeepSeek-V3: sum of each group's top two)
+        keep = torch.zeros_like(group_score, dtype=torch.bool)
+        keep.scatter_(1, group_score.topk(r.topk_groups, dim=-1).indices, True)
+        choose = g.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(n, -1)
+    ids = choose.topk(r.k, dim=-1).indices
+    w = probs.gather(1, ids)
+    if r.norm_topk:
+        w = w / (w.sum(-1, keepdim=True) + (1e-20 if r.gating == "sigmoid" else 0.0))
+    if r.scale != 1.0:
+        w = w * r.scale
+    return ids, w
+
+
+class MoE:
+    def __init__(self, layer: int, routing: Routing, router: QTensor, experts, bias: torch.Tensor | None = None,
+                 shared: SwiGLU | None = None, shared_gate: QTensor | None = None):
+        self.layer, self.routing, self.router, self.bias = layer, routing, router, bias
+        self.experts, self.shared, self.shared_gate = experts, shared, shared_gate
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        logits = qmatmul(x.float(), self.router)  # [N, E]
+        ids, w = route(logits, self.routing, self.bias)
+        out = self.experts.forward(self.layer, x, ids, w)
+        if self.shared is not None:
+            s = self.shared(x)
+            if self.shared_gate is not None:
+                s = s * torch.sigmoid(qmatmul(x, self.shared_gate))
+            out = out + s
+        return out

@@ -1,0 +1,81 @@
+"""Rotary position embeddings: both element orders GGUF models use, and YaRN context extension.
+
+`neox` rotates the two halves of the rotated dims against each other (transformers' rotate_half; Qwen, DeepSeek
+as converted); `norm` rotates adjacent pairs (llama.cpp's LLAMA_ROPE_TYPE_NORM, used for `llama`, whose Q/K
+weights llama.cpp's converter permutes so that pairs line up).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from strata.models.args import RopeScaling
+
+
+def _yarn_inv_freq(dim: int, theta: float, s: RopeScaling) -> tuple[torch.Tensor, float]:
+    # YaRN (Peng et al. 2023): interpolate low frequencies by the factor, keep high ones, ramp in between.
+    pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    extra = 1.0 / pos_freqs
+    inter = 1.0 / (s.factor * pos_freqs)
+
+    def correction_dim(n_rot: float) -> float:
+        return (dim * math.log(s.original_ctx / (n_rot * 2 * math.pi))) / (2 * math.log(theta))
+
+    low = max(math.floor(correction_dim(s.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(s.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    extra_mask = 1 - ramp
+    inv = inter * (1 - extra_mask) + extra * extra_mask
+
+    def get_mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if s.mscale_all_dim:
+        attn = get_mscale(s.factor, s.mscale) / get_mscale(s.factor, s.mscale_all_dim)
+    else:
+        attn = get_mscale(s.factor)
+    return inv, attn
+
+
+class Rotary:
+    def __init__(self, dim: int, theta: float, style: str, max_len: int, scaling: RopeScaling | None = None):
+        self.dim, self.style, self.max_len = dim, style, max_len
+        scaling = scaling or RopeScaling()
+        self.attn_factor = 1.0
+        if scaling.kind == "yarn" and scaling.factor > 1:
+            inv, self.attn_factor = _yarn_inv_freq(dim, theta, scaling)
+        else:
+            inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+            if scaling.kind == "linear" and scaling.factor > 0:
+                inv = inv / scaling.factor
+        self.inv_freq = inv.to(torch.float32)
+        self._cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        # Built once per device for the whole context, so the decode step indexes a table (no host sync).
+        got = self._cache.get(device)
+        if got is None:
+            t = torch.arange(self.max_len, dtype=torch.float32)
+            freqs = torch.outer(t, self.inv_freq)  # [S, dim/2]
+            got = ((freqs.cos() * self.attn_factor).to(device), (freqs.sin() * self.attn_factor).to(device))
+            self._cache[device] = got
+        return got
+
+    def __call__(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """x [N, H, D] (rotates the first `dim` of D), pos [N] absolute positions."""
+        cos_t, sin_t = self._tables(x.device)
+        cos = cos_t[pos].unsqueeze(1)  # [N, 1, dim/2]
+        sin = sin_t[pos].unsqueeze(1)
+        xr, xp = x[..., : self.dim].float(), x[..., self.dim :]
+        if self.style == "neox":
+            x1, x2 = xr.chunk(2, dim=-1)
+            out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        else:
+            x1, x2 = xr[..., 0::2], xr[..., 1::2]
+            out = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
+        out = out.to(x.dtype)
+        return torch.cat([out, xp], dim=-1) if xp.shape[-1] else out

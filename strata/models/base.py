@@ -1,0 +1,157 @@
+"""What every family shares: the weight loader over a GGUF file, the pre-norm decoder block, the causal LM.
+
+Families describe themselves as data (a load map, routing settings, the rope style) and build their attention
+and FFN modules; nothing here branches on the family.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from strata import StrataError
+from strata.gguf.reader import GGUFModel
+from strata.kv.cache import KVCache, Segment
+from strata.layers.norm import rms_norm
+from strata.quant import QTensor, dequantize, qmatmul
+
+
+class WeightLoader:
+    """Hands out GGUF tensors by name and remembers which were used, so that nothing is silently ignored."""
+
+    def __init__(self, g: GGUFModel, device: torch.device):
+        self.g, self.device = g, device
+        self.used: set[str] = set()
+
+    def has(self, name: str) -> bool:
+        return name in self.g.tensors
+
+    def q(self, name: str, device: torch.device | None = None, required: bool = True) -> QTensor | None:
+        """A weight kept in its stored format (moved to `device`, or left mapped on the host if None/cpu)."""
+        t = self.g.tensors.get(name)
+        if t is None:
+            if required:
+                raise StrataError(f"{self.g.paths[0].name}: tensor {name} is missing (needed by {self.g.arch})")
+            return None
+        self.used.add(name)
+        qt = QTensor.from_raw(t.raw(), t.qtype, t.shape)
+        dev = self.device if device is None else device
+        return qt if dev.type == "cpu" else qt.to(dev)
+
+    def f(self, name: str, required: bool = True) -> torch.Tensor | None:
+        """A small tensor (norm weights, biases) dequantized to float32 on the compute device."""
+        qt = self.q(name, torch.device("cpu"), required)
+        if qt is None:
+            return None
+        return qt.dequantize(torch.float32).reshape(qt.shape).to(self.device)
+
+    def finish(self, ignore: tuple[str, ...] = ()) -> None:
+        left = [n for n in self.g.tensors if n not in self.used and not any(n.startswith(p) for p in ignore)]
+        if left:
+            more = f" and {len(left) - 5} more" if len(left) > 5 else ""
+            raise StrataError(
+                f"{self.g.paths[0].name}: tensors not understood by the {self.g.arch} loader: {', '.join(left[:5])}{more}"
+            )
+
+
+class Block:
+    def __init__(self, attn_norm: torch.Tensor, attn: Callable, ffn_norm: torch.Tensor, ffn: Callable, eps: float):
+        self.attn_norm, self.attn, self.ffn_norm, self.ffn, self.eps = attn_norm, attn, ffn_norm, ffn, eps
+
+    def __call__(self, x, pos, segments, kv):
+        h = x + self.attn(rms_norm(x, self.attn_norm, self.eps), pos, segments, kv)
+        return h + self.ffn(rms_norm(h, self.ffn_norm, self.eps))
+
+
+@dataclass
+class CacheSpec:
+    k_shape: tuple[int, ...]
+    v_shape: tuple[int, ...] | None
+
+
+class CausalLM:
+    def __init__(self, args, embed: QTensor, blocks: list[Block], out_norm: torch.Tensor, head: QTensor,
+                 cache_spec: CacheSpec, device: torch.device, dtype: torch.dtype, experts=None):
+        self.args, self.embed, self.blocks, self.out_norm, self.head = args, embed, blocks, out_norm, head
+        self.cache_spec, self.device, self.dtype, self.experts = cache_spec, device, dtype, experts
+
+    def new_kv_cache(self, n_slots: int, max_ctx: int, dtype: torch.dtype | None = None) -> KVCache:
+        return KVCache(len(self.blocks), n_slots, max_ctx, self.cache_spec.k_shape, self.cache_spec.v_shape,
+                       dtype or self.dtype, self.device)
+
+    def kv_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
+        return KVCache.bytes_per_token(len(self.blocks), self.cache_spec.k_shape, self.cache_spec.v_shape,
+                                       dtype or self.dtype)
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        e = self.embed
+        rows = e.raw.index_select(0, tokens.to(e.raw.device))  # [N, row_bytes]: only the rows used
+        x = dequantize(rows, e.qtype, (tokens.shape[0], e.shape[-1]))
+        return x.to(device=self.device, dtype=self.dtype)
+
+    def forward(self, tokens: torch.Tensor, pos: torch.Tensor, segments: list[Segment], kv: KVCache,
+                all_logits: bool = False) -> torch.Tensor:
+        """tokens, pos [N] -> logits [N, V] (all_logits) or [len(segments), V] (each segment's last token)."""
+        x = self.embed_tokens(tokens)
+        for blk in self.blocks:
+            x = blk(x, pos, segments, kv)
+        if not all_logits:
+            last = torch.tensor(_last_indices(segments), device=x.device)
+            x = x.index_select(0, last)
+        x = rms_norm(x, self.out_norm, self.args.norm_eps)
+        return qmatmul(x, self.head).float()
+
+
+def _last_indices(segments: list[Segment]) -> list[int]:
+    out, i = [], 0
+    for s in segments:
+        i += s.n
+        out.append(i - 1)
+    return out
+
+
+def expert_weights(L: WeightLoader, i: int):
+    """Layer i's stacked experts, left on the host in their stored format: the experts backend places them."""
+    from strata.experts.resident import ExpertWeights
+
+    cpu = torch.device("cpu")
+    names = [f"blk.{i}.ffn_{p}_exps.weight" for p in ("gate", "up", "down")]
+    if not L.has(names[0]) and L.has(f"blk.{i}.ffn_gate.0.weight"):
+        raise StrataError(
+            f"{L.g.paths[0].name}: experts stored one tensor per expert (an old GGUF layout); re-convert the model "
+            "with a current converter (strata convert or llama.cpp's convert_hf_to_gguf.py)"
+        )
+    return ExpertWeights(*(L.q(n, cpu) for n in names))
+
+
+def build_ffn(L: WeightLoader, args, i: int, routing, experts_out: dict):
+    """Dense SwiGLU or MoE for layer i, by the standard GGUF names."""
+    from strata.layers.ffn import SwiGLU
+    from strata.layers.moe import MoE
+
+    p = f"blk.{i}."
+    if not args.is_moe_layer(i):
+        return SwiGLU(L.q(p + "ffn_gate.weight"), L.q(p + "ffn_up.weight"), L.q(p + "ffn_down.weight"))
+    experts_out[i] = expert_weights(L, i)
+    shared = None
+    if L.has(p + "ffn_gate_shexp.weight"):
+        shared = SwiGLU(L.q(p + "ffn_gate_shexp.weight"), L.q(p + "ffn_up_shexp.weight"),
+                        L.q(p + "ffn_down_shexp.weight"))
+    return MoE(i, routing, L.q(p + "ffn_gate_inp.weight"), None,
+               bias=L.f(p + "exp_probs_b.bias", required=False), shared=shared,
+               shared_gate=L.q(p + "ffn_gate_inp_shexp.weight", required=False))
+
+
+def finish_model(L: WeightLoader, args, blocks, experts: dict, cache_spec: CacheSpec, dtype, make_experts):
+    """Embeddings, final norm, head; attach the experts backend to every MoE block; check all tensors used."""
+    embed = L.q("token_embd.weight")
+    head = L.q("output.weight", required=False) or embed
+    out_norm = L.f("output_norm.weight")
+    backend = make_experts(experts) if experts else None
+    for b in blocks:
+        if hasattr(b.ffn, "experts"):
+            b.ffn.experts = backend
+    L.finish()
+    return CausalLM(args, embed, blocks, out_norm, head, cache_spec, L.device, dtype, experts=backend)

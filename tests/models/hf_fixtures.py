@@ -1,0 +1,71 @@
+"""Tiny random-weight transformers models (no downloads) saved as checkpoint directories, for parity tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+FAMILIES = {
+    "qwen3moe": dict(
+        cls="Qwen3MoeForCausalLM", cfg="Qwen3MoeConfig",
+        kw=dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=40, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=24, num_experts=8, num_experts_per_tok=2,
+                norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], rope_theta=10000.0,
+                max_position_embeddings=512, tie_word_embeddings=False),
+    ),
+    "qwen3": dict(
+        cls="Qwen3ForCausalLM", cfg="Qwen3Config",
+        kw=dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=32, max_position_embeddings=512, tie_word_embeddings=True),
+    ),
+    "mixtral": dict(
+        cls="MixtralForCausalLM", cfg="MixtralConfig",
+        kw=dict(hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=512,
+                tie_word_embeddings=False, rope_theta=1e6),
+    ),
+    "llama": dict(
+        cls="LlamaForCausalLM", cfg="LlamaConfig",
+        kw=dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=4, max_position_embeddings=512, tie_word_embeddings=False),
+    ),
+    "deepseek_v3": dict(
+        cls="DeepseekV3ForCausalLM", cfg="DeepseekV3Config",
+        kw=dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+                topk_group=1, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                v_head_dim=12, first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5,
+                max_position_embeddings=512, tie_word_embeddings=False),
+    ),
+    "deepseek_v3_noqlora": dict(
+        cls="DeepseekV3ForCausalLM", cfg="DeepseekV3Config",
+        kw=dict(hidden_size=48, intermediate_size=64, moe_intermediate_size=24, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+                topk_group=1, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                v_head_dim=16, first_k_dense_replace=0, n_shared_experts=2, routed_scaling_factor=1.0,
+                max_position_embeddings=512, tie_word_embeddings=False),
+    ),
+}
+
+
+def make_hf_model(family: str, out: Path, vocab_size: int, seed: int = 0, std: float = 0.05):
+    import transformers
+
+    spec = FAMILIES[family]
+    torch.manual_seed(seed)
+    cfg = getattr(transformers, spec["cfg"])(vocab_size=vocab_size, **spec["kw"])
+    model = getattr(transformers, spec["cls"])(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1 and "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))  # non-trivial norms catch a missing norm
+            elif "e_score_correction_bias" in name:
+                p.copy_(0.05 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, std)
+        for name, b in model.named_buffers():
+            if "e_score_correction_bias" in name:
+                b.copy_(0.05 * torch.randn_like(b))
+    model.save_pretrained(out)
+    return model
