@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
 from strata import StrataError
-from strata.quant.dequant import CHUNK_ELEMENTS, dequantize_flat
+from strata.quant import dequant
+from strata.quant.dequant import dequantize_flat
 from strata.quant.qtensor import QTensor
 
 Kernel = Callable[[torch.Tensor, QTensor], torch.Tensor]
@@ -32,7 +33,7 @@ def _chunked(x2d: torch.Tensor, w: QTensor, dtype: torch.dtype) -> torch.Tensor:
     """[T, in] @ W.T computed in `dtype`, dequantizing at most ~CHUNK_ELEMENTS weights at a time."""
     out_f, in_f = w.shape
     x2d = x2d.to(dtype)
-    rows = max(1, CHUNK_ELEMENTS // in_f)
+    rows = max(1, dequant.CHUNK_ELEMENTS // in_f)
     if rows >= out_f:
         return F.linear(x2d, dequantize_flat(w.raw, w.qtype, dtype).view(out_f, in_f))
     y = torch.empty(x2d.shape[0], out_f, dtype=dtype, device=x2d.device)      # [T, out]
