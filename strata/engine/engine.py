@@ -1,0 +1,199 @@
+"""The engine: sequences in KV slots, one forward per step mixing a prefill chunk with batched decodes.
+
+`step()` = schedule -> run -> postprocess. A step takes at most one prefill chunk (`prefill_chunk` tokens of one
+sequence still reading its prompt) plus one token of every sequence that is generating, flattened into one
+forward; each segment's last logits are sampled. Continuous batching falls out: sequences join and leave
+between steps. Greedy output of a sequence does not depend on what it is batched with (attention runs per
+segment; every other op is row-wise).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from strata import StrataError
+from strata.engine.loader import LoadedModel
+from strata.engine.sampler import SamplingParams, sample
+from strata.kv.cache import Segment
+
+_ids = itertools.count(1)
+
+
+@dataclass
+class Sequence:
+    prompt: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    max_tokens: int = 256
+    stop_ids: set[int] = field(default_factory=set)
+    id: int = field(default_factory=lambda: next(_ids))
+    slot: int = -1
+    pos: int = 0  # tokens already in the KV cache
+    cached: int = 0  # prompt tokens reused from a cached prefix (not recomputed)
+    output: list[int] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None  # stop | length | abort
+    generator: torch.Generator | None = None
+    # timings (engine clock, ms)
+    t_start: float = 0.0
+    prompt_ms: float = 0.0
+    predicted_ms: float = 0.0
+    t_first: float = 0.0
+
+    @property
+    def prompt_done(self) -> bool:
+        return self.pos >= len(self.prompt)
+
+    @property
+    def prompt_n(self) -> int:
+        return len(self.prompt) - self.cached
+
+    def context(self) -> list[int]:
+        return self.prompt + self.output
+
+
+class Engine:
+    def __init__(self, lm: LoadedModel, n_slots: int | None = None, prefill_chunk: int | None = None):
+        self.lm, self.model = lm, lm.model
+        self.n_slots = n_slots or lm.cfg.n_slots
+        self.max_ctx = lm.max_ctx
+        self.kv = self.model.new_kv_cache(self.n_slots, self.max_ctx, lm.cfg.torch_kv_dtype)
+        self.prefill_chunk = prefill_chunk or lm.cfg.prefill_chunk or self._default_chunk()
+        self.free_slots = list(range(self.n_slots))
+        self.running: list[Sequence] = []
+        self.slot_tokens: dict[int, list[int]] = {s: [] for s in range(self.n_slots)}  # what each slot's KV holds
+        self.device = self.model.device
+
+    def _default_chunk(self) -> int:
+        # Largest transient per chunk is the attention score block [H, chunk, ctx] in float32; give it a budget
+        # (a quarter of free VRAM on GPU, 256 MiB on CPU) so a long prompt never builds one giant activation.
+        a = self.lm.args
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = max(free // 4, 256 << 20)
+        else:
+            budget = 256 << 20
+        per_token = a.n_heads * self.max_ctx * 4 + a.d_model * 64
+        return int(max(16, min(4096, budget // per_token)))
+
+    # -- admission ---------------------------------------------------------------------------------------------
+    def check_fits(self, n_prompt: int, max_tokens: int) -> None:
+        if n_prompt == 0:
+            raise StrataError("the prompt is empty")
+        if n_prompt + max_tokens > self.max_ctx:
+            raise StrataError(
+                f"prompt of {n_prompt} tokens + max_tokens {max_tokens} exceeds the context of {self.max_ctx} tokens"
+            )
+
+    def add(self, seq: Sequence, reuse_prefix: bool = True) -> None:
+        """Place a sequence in a free slot, reusing the longest KV prefix a free slot already holds."""
+        self.check_fits(len(seq.prompt), seq.max_tokens)
+        if not self.free_slots:
+            raise StrataError("no free slot")
+        best, best_n = self.free_slots[0], 0
+        if reuse_prefix:
+            for s in self.free_slots:
+                n = _common_prefix(self.slot_tokens[s], seq.prompt)
+                if n > best_n:
+                    best, best_n = s, n
+        self.free_slots.remove(best)
+        seq.slot = best
+        # keep at least the last prompt token to compute: its logits start generation
+        seq.cached = min(best_n, len(seq.prompt) - 1)
+        seq.pos = seq.cached
+        self.slot_tokens[best] = self.slot_tokens[best][: seq.cached]
+        seq.params.validate()
+        if not seq.params.greedy:
+            seq.generator = torch.Generator(device=self.device)
+            seed = seq.params.seed if seq.params.seed is not None else int(torch.randint(0, 2**62, ()).item())
+            seq.generator.manual_seed(seed)
+        seq.t_start = time.perf_counter()
+        self.running.append(seq)
+
+    def release(self, seq: Sequence, reason: str | None = None) -> None:
+        if reason and not seq.finished:
+            seq.finished, seq.finish_reason = True, reason
+        if seq in self.running:
+            self.running.remove(seq)
+            self.free_slots.append(seq.slot)
+
+    # -- one step ----------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[tuple[Sequence, int]]:
+        """Run one forward; returns (sequence, new token) for every sequence that produced a token."""
+        if not self.running:
+            return []
+        segs, toks, poss, owners = [], [], [], []
+        prefill = next((s for s in self.running if not s.prompt_done), None)
+        if prefill is not None:
+            n = min(self.prefill_chunk, len(prefill.prompt) - prefill.pos)
+            chunk = prefill.prompt[prefill.pos : prefill.pos + n]
+            segs.append(Segment(prefill.slot, prefill.pos, n))
+            toks += chunk
+            poss += range(prefill.pos, prefill.pos + n)
+            owners.append(prefill)
+        for s in self.running:
+            if s.prompt_done and not s.finished:
+                segs.append(Segment(s.slot, s.pos, 1))
+                toks.append(s.output[-1])
+                poss.append(s.pos)
+                owners.append(s)
+        t = torch.tensor(toks, device=self.device)
+        p = torch.tensor(poss, device=self.device)
+        logits = self.model.forward(t, p, segs, self.kv)  # [len(segs), V]
+        picks = []
+        for i, (s, seg) in enumerate(zip(owners, segs)):
+            s.pos += seg.n
+            self.slot_tokens[s.slot] += toks[sum(x.n for x in segs[:i]) : sum(x.n for x in segs[: i + 1])]
+            if not s.prompt_done:
+                continue  # a middle prefill chunk: no token yet
+            window = s.context()[-s.params.penalty_last_n :] if s.params.penalty_last_n else []
+            recent = torch.tensor(window, device=self.device, dtype=torch.long)
+            picks.append((s, sample(logits[i], s.params, recent, s.generator)))
+        if not picks:
+            return []
+        values = torch.stack([x for _, x in picks]).tolist()  # the one host read per step
+        now = time.perf_counter()
+        out = []
+        for (s, _), tok in zip(picks, values):
+            if not s.output:
+                s.prompt_ms = (now - s.t_start) * 1e3
+                s.t_first = now
+            else:
+                s.predicted_ms = (now - s.t_first) * 1e3
+            s.output.append(tok)
+            out.append((s, tok))
+            if tok in s.stop_ids:
+                s.finished, s.finish_reason = True, "stop"
+            elif len(s.output) >= s.max_tokens or s.pos + 1 >= self.max_ctx:
+                s.finished, s.finish_reason = True, "length"
+            if s.finished:
+                self.release(s)
+        return out
+
+    # -- convenience -------------------------------------------------------------------------------------------
+    def generate(self, prompt: list[int], params: SamplingParams | None = None, max_tokens: int = 256,
+                 stop_ids: set[int] | None = None) -> Iterator[int]:
+        """Generate for one prompt (alone in the engine), yielding token ids as they come."""
+        seq = Sequence(list(prompt), params or SamplingParams(), max_tokens, set(stop_ids or ()))
+        self.add(seq)
+        try:
+            while not seq.finished:
+                for s, tok in self.step():
+                    if s is seq:
+                        yield tok
+        finally:
+            self.release(seq, "abort")
+        self.last = seq
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

@@ -1,0 +1,71 @@
+"""Token sampling on the model's device: penalties -> temperature -> top-k -> top-p -> min-p -> draw.
+
+Everything stays on the device; the draw uses the sequence's own seeded generator, so the same seed gives the
+same text, and nothing here reads a tensor value back to the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repetition_penalty: float = 1.0  # llama.cpp's repeat_penalty over the last `penalty_last_n` tokens
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    penalty_last_n: int = 64
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    def validate(self) -> None:
+        from strata import StrataError
+
+        if self.temperature < 0 or not (0.0 < self.top_p <= 1.0) or not (0.0 <= self.min_p <= 1.0) or self.top_k < 0:
+            raise StrataError("sampling: need temperature >= 0, 0 < top_p <= 1, 0 <= min_p <= 1, top_k >= 0")
+        if self.repetition_penalty <= 0:
+            raise StrataError("sampling: repetition_penalty must be > 0")
+
+
+def apply_penalties(logits: torch.Tensor, recent: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """logits [V] float32; recent [n] int64 token ids (the penalty window) on the same device."""
+    if recent.numel() == 0 or (p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty):
+        return logits
+    counts = torch.zeros_like(logits).scatter_add_(0, recent, torch.ones_like(recent, dtype=logits.dtype))
+    seen = counts > 0
+    if p.repetition_penalty != 1.0:
+        pen = torch.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty)
+        logits = torch.where(seen, pen, logits)
+    return logits - counts * p.frequency_penalty - seen.to(logits.dtype) * p.presence_penalty
+
+
+def sample(logits: torch.Tensor, p: SamplingParams, recent: torch.Tensor | None = None,
+           generator: torch.Generator | None = None) -> torch.Tensor:
+    """logits [V] -> a 0-d int64 tensor (on the logits' device)."""
+    logits = logits.float()
+    if recent is not None:
+        logits = apply_penalties(logits, recent, p)
+    if p.greedy:
+        return logits.argmax()
+    logits = logits / p.temperature
+    if p.top_k and p.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if p.top_p < 1.0:
+        sp, si = probs.sort(descending=True)
+        cum = sp.cumsum(0)
+        drop = (cum - sp) > p.top_p  # keep the smallest prefix whose mass reaches top_p
+        probs = probs.scatter(0, si, sp.masked_fill(drop, 0.0))
+    if p.min_p > 0.0:
+        probs = probs.masked_fill(probs < probs.max() * p.min_p, 0.0)
+    return torch.multinomial(probs, 1, generator=generator)[0]
