@@ -27,10 +27,6 @@ def _f16(blocks: torch.Tensor, off: int) -> torch.Tensor:
     return blocks[:, off:off + 2].contiguous().view(torch.float16).to(torch.float32)
 
 
-def _shifts(values, like: torch.Tensor, shape) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.uint8, device=like.device).view(shape)
-
-
 def _nibbles(qs: torch.Tensor, group: int) -> torch.Tensor:
     """[n, k*group] bytes -> [n, k, 2, group]: low nibbles of each group, then its high nibbles."""
     n = qs.shape[0]
@@ -41,8 +37,10 @@ def _nibbles(qs: torch.Tensor, group: int) -> torch.Tensor:
 def _bits(qh: torch.Tensor, group: int, width: int) -> torch.Tensor:
     """[n, k*group] bytes -> [n, k, 8/width, group] fields of `width` bits, lowest first."""
     n = qh.shape[0]
-    shifts = _shifts(list(range(0, 8, width)), qh, (1, 1, 8 // width, 1))
-    return (qh.reshape(n, -1, 1, group) >> shifts) & ((1 << width) - 1)
+    qh = qh.reshape(n, -1, group)
+    mask = (1 << width) - 1
+    # Python-int shifts (no shift tensor to build on the device) keep this free of host->device copies.
+    return torch.stack([(qh >> s) & mask for s in range(0, 8, width)], dim=2)
 
 
 def _q4_0(b: torch.Tensor) -> torch.Tensor:
@@ -63,8 +61,8 @@ def _q5_low_high(b: torch.Tensor, off: int) -> torch.Tensor:
     """The 5-bit values 0..31 of a Q5_0/Q5_1 block whose 4 qh bytes start at off. [n, 32] uint8."""
     n = b.shape[0]
     # qh is a little-endian uint32: bit j belongs to element j, so byte j//8 holds bit j%8.
-    qh = (b[:, off:off + 4].reshape(n, 4, 1) >> _shifts(list(range(8)), b, (1, 1, 8))) & 1   # [n, 4, 8]
-    qh = qh.reshape(n, 32)
+    qh = b[:, off:off + 4]
+    qh = torch.stack([(qh >> s) & 1 for s in range(8)], dim=2).reshape(n, 32)   # [n, 4 bytes, 8 bits]
     ql = _nibbles(b[:, off + 4:], 16).reshape(n, 32)
     return ql | (qh << 4)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import warnings
 
 import numpy as np
@@ -138,10 +139,10 @@ class QTensor:
         if isinstance(index, slice):
             raw = self.raw[index]
             return QTensor(raw, self.qtype, (raw.shape[0], *self.shape[1:]))
-        if isinstance(index, torch.Tensor):
-            index = int(index)
-        if not isinstance(index, int):
-            raise TypeError(f"QTensor indices must be int or slice, got {type(index).__name__}")
+        try:
+            index = operator.index(index)        # ints, numpy ints, 0-d integer tensors
+        except TypeError:
+            raise TypeError(f"QTensor indices must be int or slice, got {type(index).__name__}") from None
         return QTensor(self.raw[index], self.qtype, self.shape[1:])
 
     def __len__(self) -> int:
