@@ -1,0 +1,184 @@
+"""`strata check -m MODEL`: what a model needs (VRAM, RAM), how many expert slots a VRAM budget holds, and
+the verdict.
+
+The split follows strata's design: every non-expert tensor (embeddings, attention, norms, routers, shared
+experts, head) lives on the GPU with the KV cache; every expert lives in pinned host RAM; what VRAM is left
+becomes slots, each holding one expert of one layer. Expert tensors are the ones named `*_exps*`
+(`blk.N.ffn_{gate,up,down}_exps.weight`, shape [n_expert, ...] in torch order).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from strata.hub.machine import MachineInfo
+from strata.hub.verify import GGUFHeader, read_gguf_header
+
+GiB = 1 << 30
+MiB = 1 << 20
+VRAM_RESERVE = 700 * MiB  # CUDA context, allocator slack, activations and staging buffers
+RAM_HEADROOM = 2 * GiB  # OS, the server process itself, page cache for the memory-mapped files
+KV_BYTES_PER_ELEMENT = 2  # f16/bf16 KV cache
+_LAYER = re.compile(r"^blk\.(\d+)\.")
+
+
+@dataclass
+class ModelFootprint:
+    files: list[str]
+    architecture: str | None
+    total_bytes: int  # all tensor data
+    dense_bytes: int  # everything that is not an expert: resident on the GPU
+    expert_bytes: int  # all routed experts: pinned in host RAM
+    n_expert: int  # experts per MoE layer (0: a dense model)
+    n_expert_used: int  # top-k
+    n_moe_layers: int
+    slot_bytes: int  # bytes of one expert of one layer (the largest layer's, if they differ)
+    kv_bytes_per_token: int  # all layers, K and V
+    context_length: int | None  # the model's trained context
+
+    @property
+    def n_expert_total(self) -> int:
+        return self.n_expert * self.n_moe_layers
+
+
+def kv_bytes_per_token(h: GGUFHeader) -> int:
+    """KV-cache bytes one token occupies across all layers, from the GGUF metadata."""
+    n_layer = int(h.arch_value("block_count", 0) or 0)
+    n_head = h.arch_value("attention.head_count", 0) or 0
+    n_embd = int(h.arch_value("embedding_length", 0) or 0)
+    kv_lora = h.arch_value("attention.kv_lora_rank")
+    if kv_lora:  # MLA (DeepSeek-style): one compressed latent plus the rope part per token and layer
+        rope = int(h.arch_value("rope.dimension_count", 0) or 0)
+        return n_layer * (int(kv_lora) + rope) * KV_BYTES_PER_ELEMENT
+    n_kv = h.arch_value("attention.head_count_kv", n_head)
+    heads = n_head if isinstance(n_head, int) else max(n_head or [0])
+    head_dim = n_embd // heads if heads else 0
+    k_len = int(h.arch_value("attention.key_length", head_dim) or head_dim)
+    v_len = int(h.arch_value("attention.value_length", head_dim) or head_dim)
+    if isinstance(n_kv, list):  # per-layer counts; 0 marks a layer without attention (recurrent/SSM)
+        kv_heads_total = sum(int(x) for x in n_kv)
+    else:
+        interval = int(h.arch_value("full_attention_interval", 1) or 1)  # hybrids: 1 attention layer in N
+        kv_heads_total = int(n_kv) * (n_layer // interval)
+    return kv_heads_total * (k_len + v_len) * KV_BYTES_PER_ELEMENT
+
+
+def model_footprint(paths: list[Path]) -> ModelFootprint:
+    """Sizes from the tensor tables of a model's GGUF file(s) (all shards; metadata from the first)."""
+    headers = [read_gguf_header(p) for p in paths]
+    first = headers[0]
+    total = expert = 0
+    per_layer: dict[int, int] = {}  # layer -> bytes of its routed experts
+    n_expert = int(first.arch_value("expert_count", 0) or 0)
+    for h in headers:
+        for t in h.tensors:
+            total += t.n_bytes
+            if "_exps" not in t.name:
+                continue
+            expert += t.n_bytes
+            m = _LAYER.match(t.name)
+            layer = int(m.group(1)) if m else -1
+            per_layer[layer] = per_layer.get(layer, 0) + t.n_bytes
+            if not n_expert and len(t.shape) >= 3:
+                n_expert = t.shape[-1]  # ggml order: the expert index is the outermost dimension
+    slot = max(per_layer.values()) // n_expert if per_layer and n_expert else 0
+    return ModelFootprint(
+        files=[str(p) for p in paths],
+        architecture=first.architecture,
+        total_bytes=total,
+        dense_bytes=total - expert,
+        expert_bytes=expert,
+        n_expert=n_expert if per_layer else 0,
+        n_expert_used=int(first.arch_value("expert_used_count", 0) or 0),
+        n_moe_layers=len(per_layer),
+        slot_bytes=slot,
+        kv_bytes_per_token=kv_bytes_per_token(first),
+        context_length=first.arch_value("context_length"),
+    )
+
+
+@dataclass
+class Fit:
+    mode: str  # "gpu" (dense + KV on the GPU, experts in RAM) or "cpu" (everything in RAM)
+    ctx: int
+    ok: bool
+    vram_budget: int | None
+    vram_needed: int | None  # dense + KV + reserve (without any expert slot)
+    kv_bytes: int
+    ram_needed: int
+    ram_available: int
+    slots: int  # expert slots the VRAM left over holds
+    slots_share: float  # of all (layer, expert) pairs
+    reasons: list[str] = field(default_factory=list)  # why it cannot run
+    fixes: list[str] = field(default_factory=list)  # what would make it fit
+    notes: list[str] = field(default_factory=list)
+
+
+def fit(fp: ModelFootprint, machine: MachineInfo, ctx: int, vram_budget: int | None = None) -> Fit:
+    """The verdict for running `fp` with a context of `ctx` tokens on `machine`.
+
+    `vram_budget` (bytes) defaults to the first GPU's free VRAM; with no GPU and no budget the model runs on
+    the CPU, all of it from RAM.
+    """
+    if vram_budget is None and machine.gpus:
+        vram_budget = machine.gpus[0].vram_free
+    kv = fp.kv_bytes_per_token * ctx
+    if vram_budget is None:
+        return _fit_cpu(fp, machine, ctx, kv)
+    vram_needed = fp.dense_bytes + kv + VRAM_RESERVE
+    ram_needed = fp.expert_bytes + RAM_HEADROOM
+    spare = vram_budget - vram_needed
+    slots = min(spare // fp.slot_bytes, fp.n_expert_total) if fp.slot_bytes and spare > 0 else 0
+    share = slots / fp.n_expert_total if fp.n_expert_total else 1.0
+    f = Fit("gpu", ctx, True, vram_budget, vram_needed, kv, ram_needed, machine.ram_available, int(slots), share)
+    if spare < 0:
+        f.ok = False
+        f.reasons.append(
+            f"VRAM: needs {_g(vram_needed)} (dense weights {_g(fp.dense_bytes)} + KV for {ctx} tokens {_g(kv)} "
+            f"+ reserve {_g(VRAM_RESERVE)}), budget is {_g(vram_budget)}"
+        )
+        f.fixes.append(f"{_g(-spare)} more free VRAM (--vram-gb sets the budget)")
+        max_ctx = (vram_budget - fp.dense_bytes - VRAM_RESERVE) // fp.kv_bytes_per_token if fp.kv_bytes_per_token else 0
+        if max_ctx >= 512:
+            f.fixes.append(f"a smaller context: -c {int(max_ctx) // 256 * 256} fits")
+        f.fixes.append("a smaller quant of the model")
+    if ram_needed > machine.ram_available:
+        f.ok = False
+        f.reasons.append(
+            f"RAM: needs {_g(ram_needed)} (all experts pinned {_g(fp.expert_bytes)} + headroom {_g(RAM_HEADROOM)}), "
+            f"{_g(machine.ram_available)} available of {_g(machine.ram_total)}"
+        )
+        if ram_needed <= machine.ram_total:
+            f.fixes.append(f"free {_g(ram_needed - machine.ram_available)} of RAM (close other programs)")
+        else:
+            f.fixes.append(f"{_g(ram_needed - machine.ram_total)} more RAM, or a smaller quant of the model")
+    if f.ok and fp.n_expert_total:
+        active = fp.n_moe_layers * fp.n_expert_used
+        if slots < active:
+            f.notes.append(
+                f"{slots} slots hold less than one token's active experts ({active}): most experts are computed "
+                "by the CPU or copied each token; expect CPU-bound speed"
+            )
+    if fp.context_length and ctx > fp.context_length:
+        f.notes.append(f"-c {ctx} is beyond the model's trained context of {fp.context_length}")
+    return f
+
+
+def _fit_cpu(fp: ModelFootprint, machine: MachineInfo, ctx: int, kv: int) -> Fit:
+    ram_needed = fp.total_bytes + kv + RAM_HEADROOM
+    f = Fit("cpu", ctx, True, None, None, kv, ram_needed, machine.ram_available, 0, 0.0)
+    f.notes.append("no GPU: everything runs on the CPU from RAM (pass --vram-gb to plan for a GPU)")
+    if ram_needed > machine.ram_available:
+        f.ok = False
+        f.reasons.append(
+            f"RAM: needs {_g(ram_needed)} (weights {_g(fp.total_bytes)} + KV for {ctx} tokens {_g(kv)} + headroom "
+            f"{_g(RAM_HEADROOM)}), {_g(machine.ram_available)} available of {_g(machine.ram_total)}"
+        )
+        f.fixes.append(f"{_g(ram_needed - machine.ram_available)} more free RAM, a GPU, or a smaller quant")
+    return f
+
+
+def _g(n: int | float) -> str:
+    return f"{n / GiB:.2f} GiB"

@@ -1,0 +1,226 @@
+"""`strata pull` and `strata check`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+from dataclasses import asdict
+from pathlib import Path
+
+from strata.hub.http import Task
+from strata.hub.pull import PullOptions, Reporter
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "pull",
+        help="download a model (resumable, verified)",
+        description="Download a GGUF model from Hugging Face (REPO[:QUANT_OR_FILE], all shards of a split set) "
+        "or a plain URL, resuming partial files and verifying the full sha256 before a file counts as done.",
+    )
+    p.add_argument("spec", metavar="REPO[:QUANT_OR_FILE] | URL", help="e.g. unsloth/Qwen3-30B-A3B-GGUF:Q4_K_M")
+    p.add_argument("--models-dir", type=Path, help="where models go (default: $STRATA_MODELS_DIR or ~/.cache/strata/models)")
+    p.add_argument("--revision", default="main", help="hub branch, tag or commit (default: main)")
+    p.add_argument("--endpoint", help="hub endpoint (default: $HF_ENDPOINT or https://huggingface.co)")
+    p.add_argument("--token", help="hub token (default: the saved one / $HF_TOKEN)")
+    p.add_argument("--sha256", action="append", metavar="HEX", help="URL only: expected sha256 (once per shard, in order)")
+    p.add_argument("--size", type=int, metavar="BYTES", help="URL only: expected size in bytes")
+    p.add_argument("--manifest", type=Path, help="URL only: sha256sum-style or JSON file of expected hashes")
+    p.add_argument("-o", "--output", type=Path, help="URL only: destination file or directory")
+    p.add_argument("-j", "--jobs", type=int, default=4, help="files downloaded in parallel (default: 4)")
+    p.add_argument("--retries", type=int, default=8, help="retries per file without progress (default: 8)")
+    p.add_argument("--verify", action="store_true", help="re-hash files already marked done")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_pull)
+
+    c = subparsers.add_parser(
+        "check",
+        help="report the machine and whether a model fits",
+        description="Report GPUs (VRAM, PCIe link), RAM, CPU and disk; with -m, what the model needs and the verdict "
+        "(exit status 1 when it cannot run).",
+    )
+    c.add_argument("-m", "--model", help="a GGUF path or REPO[:QUANT] in the models directory")
+    c.add_argument("--models-dir", type=Path, help="models directory (default: as for pull)")
+    c.add_argument("--vram-gb", type=float, help="VRAM budget in GiB (default: the first GPU's free VRAM)")
+    c.add_argument("-c", "--ctx-size", type=int, default=8192, help="context length to plan for (default: 8192)")
+    c.add_argument("--json", action="store_true", help="machine-readable output")
+    c.set_defaults(func=cmd_check)
+
+
+# --- pull ------------------------------------------------------------------------------------------------
+
+
+class _RichTask:
+    def __init__(self, progress, task_id) -> None:
+        self.progress, self.id = progress, task_id
+
+    def update(self, completed: int, total: int | None = None) -> None:
+        if total is not None:
+            self.progress.update(self.id, completed=completed, total=total)
+        else:
+            self.progress.update(self.id, completed=completed)
+
+    def advance(self, n: int) -> None:
+        self.progress.advance(self.id, n)
+
+
+class RichReporter(Reporter):
+    """Progress bars (bytes, rate, ETA) on stderr; warnings and notes printed above them."""
+
+    def __init__(self, bars: bool = True) -> None:
+        super().__init__()
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
+
+        self.console = Console(stderr=True)
+        self.bars = bars and self.console.is_terminal
+        self.progress = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            DownloadColumn(binary_units=True),
+            TransferSpeedColumn(),
+            TimeRemainingColumn(),
+            console=self.console,
+            transient=True,
+            disable=not self.bars,
+        )
+        self._ids_lock = threading.Lock()
+
+    def __enter__(self) -> "RichReporter":
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.progress.stop()
+
+    def task(self, description: str, total: int | None) -> Task:
+        with self._ids_lock:
+            return _RichTask(self.progress, self.progress.add_task(description, total=total))
+
+    def done(self, task: Task) -> None:
+        if isinstance(task, _RichTask):
+            self.progress.remove_task(task.id)
+
+    def warn(self, msg: str) -> None:
+        super().warn(msg)
+        style = "bold red" if msg.startswith("NO KNOWN SHA256") else "yellow"
+        self.console.print(f"warning: {msg}", style=style, markup=False, highlight=False)
+
+    def info(self, msg: str) -> None:
+        super().info(msg)
+        self.console.print(msg, markup=False, highlight=False)
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    from strata.hub.pull import pull
+
+    opts = PullOptions(jobs=args.jobs, retries=args.retries, verify=args.verify)
+    with RichReporter(bars=not args.quiet) as rep:
+        files = pull(
+            args.spec,
+            models_dir=args.models_dir,
+            revision=args.revision,
+            endpoint=args.endpoint,
+            token=args.token,
+            sha256=args.sha256,
+            size=args.size,
+            output=args.output,
+            manifest=args.manifest,
+            opts=opts,
+            reporter=rep,
+        )
+    for f in files:
+        print(f)
+    return 0
+
+
+# --- check -----------------------------------------------------------------------------------------------
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from strata.hub.check import GiB, fit, model_footprint
+    from strata.hub.local import default_models_dir, resolve_model
+    from strata.hub.machine import probe
+
+    models_dir = args.models_dir or default_models_dir()
+    machine = probe(models_dir)
+    fp = verdict = None
+    if args.model:
+        paths = resolve_model(args.model, models_dir)
+        fp = model_footprint(paths)
+        budget = int(args.vram_gb * GiB) if args.vram_gb is not None else None
+        verdict = fit(fp, machine, args.ctx_size, budget)
+    if args.json:
+        out = {"machine": asdict(machine), "warnings": machine.warnings()}
+        if fp is not None:
+            out["model"] = asdict(fp)
+            out["fit"] = asdict(verdict)
+        print(json.dumps(out, indent=2))
+    else:
+        _print_report(machine, fp, verdict)
+    return 0 if verdict is None or verdict.ok else 1
+
+
+def _g(n: int | None) -> str:
+    return "?" if n is None else f"{n / (1 << 30):.1f} GiB"
+
+
+def _print_report(machine, fp, verdict) -> None:
+    from rich.console import Console
+
+    con = Console(highlight=False)
+    con.print("[bold]GPU[/bold]")
+    if not machine.gpus:
+        con.print(f"  no GPU: {machine.gpu_note}")
+    for g in machine.gpus:
+        link = "PCIe ?"
+        if g.pcie_gen is not None:
+            link = f"PCIe gen {g.pcie_gen}/{g.pcie_gen_max} x{g.pcie_width}/x{g.pcie_width_max}"
+            bw, bw_max = g.pcie_gbps(), g.pcie_gbps(current=False)
+            if bw and bw_max:
+                link += f" ({bw:.1f} of {bw_max:.1f} GB/s per direction)"
+        con.print(f"  {g.index}: {g.name}, VRAM {_g(g.vram_free)} free of {_g(g.vram_total)}, {link} (current/max)")
+    for w in machine.warnings():
+        con.print(f"  [yellow]warning:[/yellow] {w}")
+    con.print("[bold]CPU[/bold]")
+    c = machine.cpu
+    con.print(f"  {c.model}, {c.cores_physical} cores / {c.cores_logical} threads")
+    con.print(f"  SIMD: {' '.join(c.flags) or 'none detected'}")
+    con.print("[bold]Memory[/bold]")
+    con.print(f"  RAM {_g(machine.ram_available)} available of {_g(machine.ram_total)}")
+    con.print(f"  disk {_g(machine.disk_free)} free at {machine.disk_path}")
+    if fp is None:
+        return
+    con.print(f"[bold]Model[/bold] {Path(fp.files[0]).name}" + (f" (+{len(fp.files) - 1} shards)" if len(fp.files) > 1 else ""))
+    con.print(f"  {fp.architecture}: {_g(fp.total_bytes)} of weights = dense {_g(fp.dense_bytes)} + experts {_g(fp.expert_bytes)}")
+    if fp.n_expert:
+        con.print(
+            f"  {fp.n_moe_layers} MoE layers x {fp.n_expert} experts (top-{fp.n_expert_used}), "
+            f"{fp.slot_bytes / (1 << 20):.1f} MiB per expert"
+        )
+    con.print(f"  KV cache: {fp.kv_bytes_per_token / 1024:.1f} KiB per token, {_g(verdict.kv_bytes)} for {verdict.ctx} tokens")
+    con.print("[bold]Fit[/bold]")
+    if verdict.mode == "gpu":
+        con.print(f"  VRAM: needs {_g(verdict.vram_needed)} + expert slots, budget {_g(verdict.vram_budget)}")
+        if fp.n_expert:
+            con.print(f"  expert slots: {verdict.slots} ({verdict.slots_share:.1%} of {fp.n_expert_total} experts)")
+    con.print(f"  RAM: needs {_g(verdict.ram_needed)}, {_g(verdict.ram_available)} available")
+    for n in verdict.notes:
+        con.print(f"  note: {n}")
+    if verdict.ok:
+        con.print("[bold green]verdict: it runs[/bold green]")
+    else:
+        con.print("[bold red]verdict: it cannot run[/bold red]")
+        for r in verdict.reasons:
+            con.print(f"  - {r}")
+        con.print("  would fit with: " + "; or ".join(verdict.fixes))
+    sys.stdout.flush()

@@ -1,0 +1,285 @@
+"""Byte transfer for `strata pull`: one URL into one `.part` file, resumable, strict about what it accepts.
+
+The rules here are the whole point of this module (each one closes a way a real downloader produced a file
+that looked finished and was not):
+
+- A resumed request asks for `Range: bytes=N-`; its bytes are accepted only from a 206 whose Content-Range
+  starts exactly at N. A 206 starting anywhere else is discarded and the file restarts from zero; a 200 to a
+  ranged request means the server ignored the range, so its body is written from offset 0.
+- The expected size comes from the caller (the hub's API metadata or a manifest), never from a HEAD request.
+  When no size is known, the size a GET announces is used for this transfer only, and when the server
+  announces none at all the transfer is reported as size-unknown: it never counts as complete by itself.
+- A body that ends before the announced length (dropped connection) is resumed from what is on disk.
+- A write failing with ENOSPC becomes one clear error; the `.part` file is kept for a later resume.
+
+Hashing and the `.done` marker are the caller's business (see `strata.hub.verify`): nothing written here
+looks finished.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Callable, Protocol
+
+import httpx
+
+from strata import StrataError
+
+RETRY_STATUS = {408, 425, 429, 500, 502, 503, 504}
+_CONTENT_RANGE = re.compile(r"^\s*bytes\s+(\d+)-(\d+)/(\d+|\*)\s*$", re.IGNORECASE)
+
+
+class Task(Protocol):
+    """One progress bar: bytes done out of a total (None when unknown)."""
+
+    def update(self, completed: int, total: int | None = None) -> None: ...
+
+    def advance(self, n: int) -> None: ...
+
+
+class NullTask:
+    def update(self, completed: int, total: int | None = None) -> None:
+        pass
+
+    def advance(self, n: int) -> None:
+        pass
+
+
+OpenFile = Callable[[Path, str], BinaryIO]
+
+
+@dataclass
+class Transfer:
+    """What one completed transfer left in the `.part` file."""
+
+    size: int  # bytes in the .part file
+    size_confirmed: bool  # True when a known size (caller's or the server's announcement) was reached exactly
+    requests: int  # GET requests made
+
+
+class _Retry(Exception):
+    """A recoverable failure of one request: back off and try again."""
+
+
+class _Complete(Exception):
+    """The server says the resume offset is its file's end (416 with `bytes */N`, N == bytes held)."""
+
+
+class Interrupted(StrataError):
+    """The transfer was cancelled (Ctrl-C in `strata pull`); the `.part` file is kept for a resume."""
+
+
+def parse_content_range(value: str | None) -> tuple[int, int, int | None] | None:
+    """`bytes START-END/TOTAL` -> (start, end inclusive, total or None); None when absent or malformed."""
+    if not value:
+        return None
+    m = _CONTENT_RANGE.match(value)
+    if not m:
+        return None
+    start, end = int(m.group(1)), int(m.group(2))
+    total = None if m.group(3) == "*" else int(m.group(3))
+    if end < start or (total is not None and end >= total):
+        return None
+    return start, end, total
+
+
+def _content_length(r: httpx.Response) -> int | None:
+    v = r.headers.get("content-length")
+    if v is None or not v.strip().isdigit():
+        return None
+    return int(v)
+
+
+def _part_size(part: Path) -> int:
+    try:
+        return part.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _truncate(part: Path, size: int, open_file: OpenFile) -> None:
+    if part.exists():
+        with open_file(part, "r+b") as f:
+            f.truncate(size)
+
+
+def _is_disk_full(e: OSError) -> bool:
+    return e.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", -1))
+
+
+def fetch_to_part(
+    client: httpx.Client,
+    url: str,
+    part: Path,
+    *,
+    expected_size: int | None,
+    headers: dict[str, str] | None = None,
+    retries: int = 5,
+    backoff: float = 1.0,
+    task: Task | None = None,
+    warn: Callable[[str], None] = lambda msg: None,
+    open_file: OpenFile = open,  # type: ignore[assignment]
+    sleep: Callable[[float], None] = time.sleep,
+    cancelled: Callable[[], bool] = lambda: False,
+) -> Transfer:
+    """Download `url` into `part`, resuming from what `part` already holds.
+
+    Returns once the file holds `expected_size` bytes (or, with no expected size, once a body of announced
+    length, or an unannounced one, has been read to its end: `size_confirmed` tells the two apart). Raises
+    StrataError after `retries` failed attempts in a row without progress, on a fatal HTTP status, or when
+    the disk is full.
+    """
+    task = task or NullTask()
+    name = part.name.removesuffix(".part")
+    total = expected_size  # the size this transfer must reach; from the caller, else from the server
+    attempts = 0  # failures since the file last grew past its high-water mark
+    high_water = _part_size(part)
+    requests = 0
+    part.parent.mkdir(parents=True, exist_ok=True)
+
+    while True:
+        if cancelled():
+            raise Interrupted(f"{name}: interrupted ({_part_size(part)} bytes kept in {part.name})")
+        have = _part_size(part)
+        if total is not None and have > total:
+            warn(f"{name}: partial file is larger than the expected {total} bytes; starting over")
+            _truncate(part, 0, open_file)
+            have = 0
+        if total is not None and have == total:
+            task.update(have, total)
+            return Transfer(have, True, requests)
+        task.update(have, total)
+
+        req_headers = dict(headers or {})
+        req_headers["Accept-Encoding"] = "identity"  # byte offsets must be offsets into the file itself
+        if have > 0:
+            req_headers["Range"] = f"bytes={have}-"
+        try:
+            requests += 1
+            with client.stream("GET", url, headers=req_headers) as r:
+                offset, body_len, total = _accept(r, have, total, name, part, warn, open_file)
+                written_end = _write_body(r, part, offset, total, task, open_file, cancelled)
+            if body_len is not None and written_end != body_len[0] + body_len[1]:
+                raise _Retry(f"body ended at byte {written_end}, not at {body_len[0] + body_len[1]} as announced")
+            if total is None:
+                # No size from the caller nor from the server: reading to EOF proves nothing.
+                return Transfer(written_end, False, requests)
+            if written_end < total:
+                raise _Retry(f"got {written_end} of {total} bytes")
+        except _Complete:
+            task.update(have, have)
+            return Transfer(have, True, requests)
+        except (httpx.TransportError, _Retry) as e:
+            size_now = _part_size(part)
+            if size_now > high_water:  # progress: a flaky link that keeps moving is not a failing one
+                high_water = size_now
+                attempts = 0
+            attempts += 1
+            if attempts > retries:
+                raise StrataError(f"{name}: download failed after {retries} retries: {_describe(e)}") from e
+            delay = min(backoff * 2 ** (attempts - 1), 60.0)
+            warn(f"{name}: {_describe(e)}; retry {attempts}/{retries} in {delay:.1f}s")
+            sleep(delay)
+        except OSError as e:
+            if _is_disk_full(e):
+                raise StrataError(
+                    f"no space left on the device while writing {part} ({_part_size(part)} bytes kept; "
+                    "free some space and run the same command again to resume)"
+                ) from e
+            raise
+
+
+def _describe(e: Exception) -> str:
+    if isinstance(e, httpx.TransportError):
+        return f"connection error ({type(e).__name__}: {e})"
+    return str(e)
+
+
+def _accept(
+    r: httpx.Response,
+    have: int,
+    total: int | None,
+    name: str,
+    part: Path,
+    warn: Callable[[str], None],
+    open_file: OpenFile,
+) -> tuple[int, tuple[int, int] | None, int | None]:
+    """Decide what the response's body is worth.
+
+    Returns (offset to write at, (offset, announced body length) or None when unannounced, total size).
+    Raises _Retry for a response whose bytes must not be used; StrataError for a fatal status.
+    """
+    code = r.status_code
+    if code in RETRY_STATUS:
+        raise _Retry(f"HTTP {code}")
+    if code == 416 and have > 0:
+        cr = re.match(r"^\s*bytes\s+\*/(\d+)\s*$", r.headers.get("content-range", ""))
+        if cr and int(cr.group(1)) == have and total in (None, have):
+            raise _Complete()  # what we hold is the whole file as the server sees it; the hash judges
+        # The range is past the end as the server sees it: what we hold is not a prefix of its file.
+        _truncate(part, 0, open_file)
+        raise _Retry(f"HTTP 416 for a resume from byte {have}: starting over")
+    if code >= 400:
+        raise StrataError(f"{name}: HTTP {code} from {r.request.url}")
+
+    if code == 206:
+        cr = parse_content_range(r.headers.get("content-range"))
+        if have == 0 or cr is None or cr[0] != have:
+            got = r.headers.get("content-range", "no Content-Range")
+            _truncate(part, 0, open_file)
+            raise _Retry(f"asked for bytes {have}- but got a 206 with {got!r}: bytes discarded, starting over")
+        start, end, server_total = cr
+        if total is not None and server_total is not None and server_total != total:
+            raise _Retry(f"server reports {server_total} bytes for the file, {total} expected")
+        total = total if total is not None else server_total
+        body = end - start + 1
+        cl = _content_length(r)
+        if cl is not None and cl != body:
+            raise _Retry(f"206 with Content-Length {cl} for a {body}-byte range")
+        return have, (have, body), total
+
+    if code == 200:
+        if have > 0:
+            warn(f"{name}: server ignored the resume range (HTTP 200); starting over from byte 0")
+        cl = _content_length(r)
+        if total is not None and cl is not None and cl != total:
+            raise _Retry(f"server announces {cl} bytes, {total} expected")
+        if total is None:
+            total = cl
+        return 0, (0, cl) if cl is not None else None, total
+
+    raise _Retry(f"unexpected HTTP {code}")
+
+
+def _write_body(
+    r: httpx.Response,
+    part: Path,
+    offset: int,
+    total: int | None,
+    task: Task,
+    open_file: OpenFile,
+    cancelled: Callable[[], bool],
+) -> int:
+    """Write the body at `offset` (truncating what follows), return the offset after the last byte."""
+    mode = "r+b" if part.exists() else "wb"
+    with open_file(part, mode) as f:
+        f.seek(offset)
+        f.truncate(offset)
+        task.update(offset, total)
+        for chunk in r.iter_raw():  # as received: a chunker would lose its buffer when the link drops
+            if total is not None and offset + len(chunk) > total:
+                # Drop the chunk: the retry resumes after the last byte that fits, and the full hash judges.
+                raise _Retry(f"server sent more than the expected {total} bytes")
+            f.write(chunk)
+            offset += len(chunk)
+            task.advance(len(chunk))
+            if cancelled():
+                raise Interrupted(f"{part.name.removesuffix('.part')}: interrupted ({offset} bytes kept in {part.name})")
+        f.flush()
+        os.fsync(f.fileno())
+    return offset

@@ -1,0 +1,153 @@
+"""The models directory: where `strata pull` puts files and where `-m REPO:QUANT` finds them.
+
+Layout: `<models_dir>/<owner>/<repo>/<file in repo>`, each finished file beside its `<file>.done` marker.
+Choosing files from a name list is shared by `pull` (remote listing) and `resolve_model` (local listing), so
+that both read `REPO:QUANT` the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from strata import StrataError
+from strata.hub.verify import marker_valid
+
+_SHARD = re.compile(r"^(?P<base>.*)-(?P<idx>\d{5})-of-(?P<n>\d{5})\.gguf$", re.IGNORECASE)
+_REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def default_models_dir() -> Path:
+    """$STRATA_MODELS_DIR, else `<user cache>/strata/models` ($XDG_CACHE_HOME or ~/.cache)."""
+    env = os.environ.get("STRATA_MODELS_DIR")
+    if env:
+        return Path(env).expanduser()
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache).expanduser() / "strata" / "models"
+
+
+def is_url(spec: str) -> bool:
+    return spec.startswith(("http://", "https://"))
+
+
+def parse_spec(spec: str) -> tuple[str, str | None]:
+    """`owner/repo[:FILE_OR_QUANT]` -> (repo, selector or None). StrataError when it is not of that shape."""
+    repo, _, sel = spec.partition(":")
+    if not _REPO.match(repo):
+        raise StrataError(f"{spec!r} is neither a file, a URL, nor a Hugging Face repo id like owner/name[:Q4_K_M]")
+    return repo, (sel or None)
+
+
+def shard_info(name: str) -> tuple[str, int, int] | None:
+    """`dir/X-00002-of-00005.gguf` -> ("dir/X", 2, 5); None when not a split GGUF file name."""
+    m = _SHARD.match(name)
+    if not m:
+        return None
+    return m.group("base"), int(m.group("idx")), int(m.group("n"))
+
+
+def _model_key(name: str) -> str:
+    """Files of one model share a key: the shard base for a split set, the name itself otherwise."""
+    s = shard_info(name)
+    return s[0] if s else name
+
+
+def _order(names: list[str]) -> list[str]:
+    return sorted(names, key=lambda n: (shard_info(n) or (n, 0, 0))[1])
+
+
+def _quant_matches(name: str, quant: str) -> bool:
+    # The tag must stand alone in the file name: Q4_K matches "x-Q4_K.gguf" but not "x-Q4_K_M.gguf".
+    pat = rf"(?:^|[-_./]){re.escape(quant)}(?:[-./]|$)"
+    return re.search(pat, name, re.IGNORECASE) is not None
+
+
+def select_files(names: list[str], selector: str | None, what: str) -> list[str]:
+    """The files of one model among `names` (paths in a repo), first shard first.
+
+    `selector` is a file name (its whole split set when it is a shard), a quant tag (every .gguf whose name
+    carries it, all shards of one set), or None (the only GGUF model there). StrataError when nothing or more
+    than one model matches; `what` names the place for the message.
+    """
+    ggufs = [n for n in names if n.lower().endswith(".gguf")]
+    if selector and selector in names:
+        s = shard_info(selector)
+        if not s:
+            return [selector]
+        chosen = [n for n in ggufs if _model_key(n) == s[0]]
+    elif selector:
+        chosen = [n for n in ggufs if _quant_matches(n, selector)]
+        if not chosen:
+            raise StrataError(f"no file in {what} matches {selector!r}; available: {_available(ggufs) or 'no GGUF files'}")
+    else:
+        chosen = ggufs
+        if not chosen:
+            raise StrataError(f"no GGUF files in {what}; name a file as REPO:FILE")
+    # A multimodal projector rides along with its model only when it is all that matched.
+    main = [n for n in chosen if not Path(n).name.lower().startswith("mmproj")]
+    chosen = main or chosen
+    keys = sorted({_model_key(n) for n in chosen})
+    if len(keys) > 1:
+        raise StrataError(f"{selector or 'the repo'} matches {len(keys)} models in {what}: {', '.join(keys)}; pick one as REPO:FILE")
+    return _order(chosen)
+
+
+def _available(ggufs: list[str]) -> str:
+    keys = sorted({_model_key(n) for n in ggufs})
+    return ", ".join(Path(k).name for k in keys[:20]) + (" ..." if len(keys) > 20 else "")
+
+
+def check_shard_set(names: list[str], what: str) -> None:
+    """StrataError unless a split set is complete (1..N of N, one N)."""
+    infos = [shard_info(n) for n in names]
+    if not any(infos):
+        return
+    if not all(infos):
+        raise StrataError(f"{what}: split and unsplit files mixed: {names}")
+    counts = {i[2] for i in infos}  # type: ignore[index]
+    idx = sorted(i[1] for i in infos)  # type: ignore[index]
+    if len(counts) != 1 or idx != list(range(1, counts.pop() + 1)):
+        raise StrataError(f"{what}: incomplete split GGUF set (have parts {idx} of {infos[0][2]})")  # type: ignore[index]
+
+
+def resolve_model(spec: str | os.PathLike, models_dir: str | os.PathLike | None = None) -> list[Path]:
+    """The GGUF file(s) that `-m SPEC` means, first shard first.
+
+    A path to an existing file passes through (as the first element; the other shards of a split set follow
+    it when the file is the first shard). `owner/repo[:QUANT_OR_FILE]` is looked up under `models_dir`
+    (default: `default_models_dir()`), and every chosen file must carry a valid `.done` marker, so that a
+    partial or unverified download is never loaded. StrataError when nothing usable is found.
+    """
+    p = Path(spec).expanduser()
+    if p.is_file():
+        s = shard_info(p.name)
+        if s and s[1] == 1:
+            rest = [p.with_name(f"{Path(s[0]).name}-{i:05d}-of-{s[2]:05d}.gguf") for i in range(2, s[2] + 1)]
+            missing = [r.name for r in rest if not r.is_file()]
+            if missing:
+                raise StrataError(f"{p.name} is the first of {s[2]} parts, but these are missing: {', '.join(missing)}")
+            return [p, *rest]
+        return [p]
+    spec = str(spec)
+    if is_url(spec):
+        raise StrataError(f"{spec} is a URL: download it first with `strata pull {spec}`")
+    if spec.endswith(".gguf") and ":" not in spec and not _REPO.match(spec):
+        raise StrataError(f"no such file: {spec}")
+    repo, selector = parse_spec(spec)
+    root = Path(models_dir).expanduser() if models_dir else default_models_dir()
+    repo_dir = root / repo
+    if not repo_dir.is_dir():
+        raise StrataError(f"{repo} is not in {root}; download it with `strata pull {spec}`")
+    names = sorted(
+        str(f.relative_to(repo_dir)) for f in repo_dir.rglob("*") if f.is_file() and f.suffix.lower() == ".gguf"
+    )
+    chosen = select_files(names, selector, f"{repo_dir}")
+    check_shard_set(chosen, spec)
+    files = [repo_dir / n for n in chosen]
+    unfinished = [f.name for f in files if not marker_valid(f)]
+    if unfinished:
+        raise StrataError(
+            f"{spec}: not completely downloaded or not verified ({', '.join(unfinished)}); run `strata pull {spec}`"
+        )
+    return files

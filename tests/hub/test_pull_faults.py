@@ -1,0 +1,273 @@
+"""Every way a download has been seen to go wrong ends either with the source's exact bytes or with a clear
+error and no `.done` marker (and no finished-looking file)."""
+
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+
+import pytest
+
+from strata import StrataError
+from strata.hub.pull import pull, read_manifest
+from strata.hub.verify import marker_path, read_marker
+
+from .conftest import REPO, sha
+
+SHARD2 = "Tiny-MoE-Q4_K_M-00002-of-00003.gguf"
+Q8 = "Tiny-MoE-Q8_0.gguf"
+
+
+def _pull(hub, tmp_path, spec, opts, reporter, **kw):
+    return pull(spec, models_dir=tmp_path / "models", endpoint=hub.url, token=False, opts=opts, reporter=reporter, **kw)
+
+
+def dest(tmp_path, name, repo=REPO) -> Path:
+    return tmp_path / "models" / repo / name
+
+
+def assert_exact(path: Path, data: bytes) -> None:
+    assert path.read_bytes() == data
+    m = read_marker(path)
+    assert m is not None and m.size == len(data) and m.sha256 == sha(data)
+    assert not path.with_name(path.name + ".part").exists()
+
+
+def assert_not_finished(path: Path) -> None:
+    assert not marker_path(path).exists()
+    assert not path.exists()  # only ever a `.part`, which nothing loads
+
+
+# --- HEAD / Content-Length ----------------------------------------------------------------------------
+
+
+def test_missing_content_length_uses_api_size(hub, tmp_path, opts, reporter, model_set):
+    # HEAD and GET both lack Content-Length (read-until-close); the size comes from the API, not from HEAD.
+    hub.fault("no_length", match=Q8, times=None)
+    (out,) = _pull(hub, tmp_path, f"{REPO}:{Q8}", opts, reporter)
+    assert_exact(out, model_set[Q8])
+    assert not [e for e in hub.log if e[0] == "HEAD"]  # sizes never come from a HEAD
+
+
+def test_missing_content_length_short_body_is_resumed(hub, tmp_path, opts, reporter, model_set):
+    # The 28.8 GB shard "complete" at 19.3 GB: a close-delimited body that stops early is not the file.
+    hub.fault("no_length", match=SHARD2, times=1, at=100_000)
+    _pull(hub, tmp_path, f"{REPO}:Q4_K_M", opts, reporter)
+    assert_exact(dest(tmp_path, SHARD2), model_set[SHARD2])
+    assert [r for _, _, r in hub.gets(SHARD2)] == [None, "bytes=100000-"]
+
+
+def test_missing_content_length_short_body_forever_fails(hub, tmp_path, opts, reporter):
+    hub.fault("no_length", match=SHARD2, times=None, at=100_000)
+    with pytest.raises(StrataError, match="download failed after 3 retries"):
+        _pull(hub, tmp_path, f"{REPO}:Q4_K_M", opts, reporter)
+    assert_not_finished(dest(tmp_path, SHARD2))
+    assert read_marker(dest(tmp_path, "Tiny-MoE-Q4_K_M-00001-of-00003.gguf")) is not None  # the others finished
+
+
+def test_url_without_length_or_hash_is_never_complete(hub, tmp_path, opts, reporter, model_set):
+    url = hub.add_plain("x/Tiny-MoE-Q8_0.gguf", model_set[Q8])
+    hub.fault("no_length", times=None, at=len(model_set[Q8]) - 1000)
+    out = tmp_path / "m.gguf"
+    with pytest.raises(StrataError, match="announced no size and no sha256 is known"):
+        _pull(hub, tmp_path, url, opts, reporter, output=out)
+    assert any("NO KNOWN SHA256" in w for w in reporter.warnings)  # said loudly, up front
+    assert_not_finished(out)
+
+
+def test_url_without_length_but_with_sha256(hub, tmp_path, opts, reporter, model_set):
+    data = model_set[Q8]
+    url = hub.add_plain("x/Tiny-MoE-Q8_0.gguf", data)
+    hub.fault("no_length", times=1)
+    out = tmp_path / "m.gguf"
+    _pull(hub, tmp_path, url, opts, reporter, output=out, sha256=[sha(data)])
+    assert_exact(out, data)
+    # ...and a short body without a length fails the hash, twice, then gives up with nothing marked.
+    out2 = tmp_path / "m2.gguf"
+    hub.fault("no_length", times=None, at=len(data) - 1000)
+    with pytest.raises(StrataError, match="sha256 .* != expected"):
+        _pull(hub, tmp_path, url, opts, reporter, output=out2, sha256=[sha(data)])
+    assert_not_finished(out2)
+
+
+# --- 206 / Range ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["cr_before", "cr_after"])
+def test_206_not_at_requested_offset_restarts(hub, tmp_path, opts, reporter, model_set, kind):
+    hub.fault("drop", match=SHARD2, at=100_000)  # leaves a 100000-byte .part to resume
+    hub.fault(kind, match=SHARD2, times=None, at=4096, ranged_only=True)  # every resume is answered wrongly
+    _pull(hub, tmp_path, f"{REPO}:Q4_K_M", opts, reporter)
+    assert_exact(dest(tmp_path, SHARD2), model_set[SHARD2])
+    ranges = [r for _, _, r in hub.gets(SHARD2)]
+    assert ranges == [None, "bytes=100000-", None]  # the misplaced bytes were refused, the file restarted
+    assert any("discarded, starting over" in w for w in reporter.warnings)
+
+
+def test_200_ignoring_range_rewrites_from_zero(hub, tmp_path, opts, reporter, model_set):
+    hub.fault("drop", match=SHARD2, at=100_000)
+    hub.fault("ignore_range", match=SHARD2, times=None, ranged_only=True)
+    _pull(hub, tmp_path, f"{REPO}:Q4_K_M", opts, reporter)
+    assert_exact(dest(tmp_path, SHARD2), model_set[SHARD2])
+    assert [r for _, _, r in hub.gets(SHARD2)] == [None, "bytes=100000-"]
+    assert any("ignored the resume range" in w for w in reporter.warnings)
+
+
+def test_dropped_connection_resumes(hub, tmp_path, opts, reporter, model_set):
+    hub.fault("drop", match=SHARD2, at=70_000)
+    hub.fault("drop", match=SHARD2, at=150_000)
+    _pull(hub, tmp_path, f"{REPO}:Q4_K_M", opts, reporter)
+    assert_exact(dest(tmp_path, SHARD2), model_set[SHARD2])
+    assert [r for _, _, r in hub.gets(SHARD2)] == [None, "bytes=70000-", "bytes=150000-"]
+
+
+def test_body_truncated_with_correct_headers_fails_cleanly(hub, tmp_path, opts, reporter):
+    hub.fault("drop", match=SHARD2, times=None, at=200_000)  # full Content-Length, body never past 200000
+    with pytest.raises(StrataError, match=f"{SHARD2}: download failed"):
+        _pull(hub, tmp_path, f"{REPO}:Q4_K_M", opts, reporter)
+    assert_not_finished(dest(tmp_path, SHARD2))
+
+
+def test_truncated_file_with_matching_headers_is_refused(hub, tmp_path, opts, reporter, model_set):
+    # A mirror serving a short copy, consistently: it disagrees with the API's size, so it is never accepted.
+    hub.fault("truncate", match=SHARD2, times=None, at=200_000)
+    with pytest.raises(StrataError, match="server announces 200000 bytes, 262400 expected"):
+        _pull(hub, tmp_path, f"{REPO}:Q4_K_M", opts, reporter)
+    assert_not_finished(dest(tmp_path, SHARD2))
+
+
+def test_truncated_gguf_without_hash_fails_structure_check(hub, tmp_path, opts, reporter, model_set):
+    # Without a known hash only structure can catch it: the last tensor's data runs past the end of the file.
+    data = model_set[SHARD2]
+    url = hub.add_plain(SHARD2.replace("00002", "00001").replace("of-00003", "of-00001"), data[:200_000])
+    out = tmp_path / "one.gguf"
+    with pytest.raises(StrataError, match=r"one\.gguf: tensor blk\.2\.ffn_down_exps\.weight ends at byte 262400 .*\(truncated\)"):
+        _pull(hub, tmp_path, url, opts, reporter, output=out)
+    assert_not_finished(out)
+    assert not out.with_name("one.gguf.part").exists()
+
+
+# --- bytes --------------------------------------------------------------------------------------------
+
+
+def test_flipped_byte_once_is_redownloaded(hub, tmp_path, opts, reporter, model_set):
+    hub.fault("flip", match=SHARD2, at=123_457)
+    _pull(hub, tmp_path, f"{REPO}:Q4_K_M", opts, reporter)
+    assert_exact(dest(tmp_path, SHARD2), model_set[SHARD2])
+    assert any("downloading it again from the start" in w for w in reporter.warnings)
+
+
+def test_flipped_byte_always_fails(hub, tmp_path, opts, reporter):
+    hub.fault("flip", match=SHARD2, times=None, at=123_457)
+    with pytest.raises(StrataError, match=f"{SHARD2}: sha256 .* != expected"):
+        _pull(hub, tmp_path, f"{REPO}:Q4_K_M", opts, reporter)
+    assert_not_finished(dest(tmp_path, SHARD2))
+    assert not dest(tmp_path, SHARD2 + ".part").exists()  # wrong bytes are not kept to be resumed
+
+
+def test_wrong_sha256_in_metadata(hub, tmp_path, opts, reporter):
+    hub.repos[REPO].meta[SHARD2] = {"lfs": {"sha256": "ab" * 32}}
+    with pytest.raises(StrataError, match="source serves different bytes than its metadata promises"):
+        _pull(hub, tmp_path, f"{REPO}:Q4_K_M", opts, reporter)
+    assert_not_finished(dest(tmp_path, SHARD2))
+
+
+# --- disk space ---------------------------------------------------------------------------------------
+
+
+def test_no_space_up_front(hub, tmp_path, opts, reporter, model_set):
+    opts.disk_free = lambda path: 500_000  # less than the 3 shards' 787200 bytes
+    with pytest.raises(StrataError, match="not enough disk space .* free"):
+        _pull(hub, tmp_path, f"{REPO}:Q4_K_M", opts, reporter)
+    assert hub.gets() == []  # refused before a single byte was fetched
+
+
+def test_space_check_counts_what_is_there(hub, tmp_path, opts, reporter, model_set):
+    part = dest(tmp_path, SHARD2 + ".part")
+    part.parent.mkdir(parents=True)
+    part.write_bytes(model_set[SHARD2][:200_000])
+    need = 3 * 262_400 - 200_000
+    opts.disk_free = lambda path: need
+    _pull(hub, tmp_path, f"{REPO}:Q4_K_M", opts, reporter)
+    assert_exact(dest(tmp_path, SHARD2), model_set[SHARD2])
+    opts.disk_free = lambda path: 0  # nothing left to fetch: no space needed
+    _pull(hub, tmp_path, f"{REPO}:Q4_K_M", opts, reporter)
+
+
+class _FullDisk:
+    """A file whose device fills up after `room` more bytes (ENOSPC from write, as the OS reports it)."""
+
+    def __init__(self, f, room: list[int]):
+        self.f, self.room = f, room
+
+    def write(self, b) -> int:
+        if len(b) > self.room[0]:
+            self.f.write(bytes(b[: self.room[0]]))  # the device takes what fits, then fails
+            self.room[0] = 0
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self.room[0] -= len(b)
+        return self.f.write(b)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+
+def test_no_space_while_writing(hub, tmp_path, opts, reporter, model_set):
+    room = [10_000]
+    opts.open_file = lambda path, mode: _FullDisk(open(path, mode), room)
+    opts.jobs = 1
+    with pytest.raises(StrataError, match="no space left on the device while writing .*run the same command again"):
+        _pull(hub, tmp_path, f"{REPO}:{Q8}", opts, reporter)
+    out = dest(tmp_path, Q8)
+    assert_not_finished(out)
+    kept = out.with_name(out.name + ".part").stat().st_size
+    assert 0 < kept <= 10_000
+    # Space freed: the same command resumes from the kept bytes.
+    opts.open_file = open
+    _pull(hub, tmp_path, f"{REPO}:{Q8}", opts, reporter)
+    assert_exact(out, model_set[Q8])
+    assert hub.gets(Q8)[-1][2] == f"bytes={kept}-"
+
+
+# --- retries ------------------------------------------------------------------------------------------
+
+
+def test_retries_back_off_exponentially(hub, tmp_path, opts, reporter, model_set):
+    delays = []
+    opts.backoff, opts.sleep = 0.5, delays.append
+    hub.fault("status", match=Q8, times=2, at=503)
+    (out,) = _pull(hub, tmp_path, f"{REPO}:{Q8}", opts, reporter)
+    assert_exact(out, model_set[Q8])
+    assert delays == [0.5, 1.0]
+
+
+def test_missing_file_is_fatal_not_retried(hub, tmp_path, opts, reporter, model_set):
+    hub.fault("status", match=Q8, times=None, at=404)
+    with pytest.raises(StrataError, match="HTTP 404"):
+        _pull(hub, tmp_path, f"{REPO}:{Q8}", opts, reporter)
+    assert len(hub.gets(Q8)) == 1
+
+
+# --- manifests ----------------------------------------------------------------------------------------
+
+
+def test_url_split_set_with_manifest(hub, tmp_path, opts, reporter, model_set):
+    names = [n for n in model_set if "Q4_K_M" in n]
+    for n in names:
+        hub.add_plain(f"ms/acme/Tiny/resolve/master/{n}", model_set[n])
+    man = tmp_path / "SHA256SUMS"
+    man.write_text("".join(f"{sha(model_set[n])}  {n}\n" for n in names))
+    url = f"{hub.url}/files/ms/acme/Tiny/resolve/master/{names[1]}"  # any shard names the whole set
+    out = _pull(hub, tmp_path, url, opts, reporter, manifest=man)
+    assert [p.name for p in out] == names
+    for p in out:
+        assert_exact(p, model_set[p.name])
+        assert p.parent == tmp_path / "models" / "acme" / "Tiny"  # hub-shaped URL -> owner/repo layout
+    assert not any("NO KNOWN SHA256" in w for w in reporter.warnings)
+    assert read_manifest(man)[names[0]] == (None, sha(model_set[names[0]]))
