@@ -109,7 +109,7 @@ def _stream(engine, tok, ids, params, n, out=sys.stdout) -> "Sequence":
     for t in engine.generate(ids, params, n, stop_ids=tok.eot_ids):
         if t in tok.eot_ids:
             break
-        out.write(dec.push(t))
+        out.write(dec.put(t))
         out.flush()
     out.write(dec.flush())
     out.flush()

@@ -268,7 +268,7 @@ def _deepseek(cfg, ck, w, put, n_layers, n_exp):
 def _tokenizer(d: Path, w, vocab_size: int) -> None:
     if not (d / "tokenizer.json").exists():
         raise StrataError(f"{d}: no tokenizer.json (strata convert needs the checkpoint's tokenizer)")
-    from strata.gguf.tokenizer import hf_tokenizer_to_metadata, write_tokenizer_metadata
+    from strata.gguf.tokenizer_hf import hf_tokenizer_to_metadata, write_tokenizer_metadata
 
     md = hf_tokenizer_to_metadata(d)
     toks = md.get("tokenizer.ggml.tokens", [])
