@@ -60,12 +60,22 @@ class CostModel:
     def decode_lanes_ms(self, k: int, misses: int, cpu: int) -> tuple[float, float]:
         """(CPU lane, GPU lane) in ms for one token-layer: k routed, `misses` missed, `cpu` on the CPU."""
         return decode_lanes_ms(
-            k, misses, cpu, self.cpu_ms_per_expert, self.pcie_ms_per_expert, self.gpu_ms_per_expert, self.cpu_overhead_ms
+            k,
+            misses,
+            cpu,
+            self.cpu_ms_per_expert,
+            self.pcie_ms_per_expert,
+            self.gpu_ms_per_expert,
+            self.cpu_overhead_ms,
         )
 
     def cpu_plan(self, k: int) -> CpuPlan:
         return CpuPlan.auto(
-            k, self.cpu_ms_per_expert, self.pcie_ms_per_expert, self.gpu_ms_per_expert, cpu_overhead_ms=self.cpu_overhead_ms
+            k,
+            self.cpu_ms_per_expert,
+            self.pcie_ms_per_expert,
+            self.gpu_ms_per_expert,
+            cpu_overhead_ms=self.cpu_overhead_ms,
         )
 
     def prefill_split(self, tokens_per_expert: Mapping[int, int], resident: Sequence[int] = ()) -> PrefillSplit:
@@ -153,7 +163,9 @@ class CpuPlan:
             raise StrataError(f"cpu plan {text!r}: want digits (e.g. 011223344) or comma-separated counts")
         plan = cls([int(p) for p in parts])
         if k is not None and plan.k != k:
-            raise StrataError(f"cpu plan {text!r} covers {plan.k} routed experts, the model routes {k} (need {k + 1} entries)")
+            raise StrataError(
+                f"cpu plan {text!r} covers {plan.k} routed experts, the model routes {k} (need {k + 1} entries)"
+            )
         return plan
 
     @classmethod
@@ -175,7 +187,9 @@ class CpuPlan:
         for m in range(k + 1):
             best, best_c = None, 0
             for c in range(m + 1):
-                lanes = decode_lanes_ms(k, m, c, cpu_ms_per_expert, pcie_ms_per_expert, gpu_ms_per_expert, cpu_overhead_ms)
+                lanes = decode_lanes_ms(
+                    k, m, c, cpu_ms_per_expert, pcie_ms_per_expert, gpu_ms_per_expert, cpu_overhead_ms
+                )
                 t = max(lanes)
                 if best is None or t <= best + 1e-12:
                     best, best_c = t, c

@@ -1,6 +1,6 @@
 """Expert cache policies: which experts hold the GPU's slots, and which to swap in next.
 
-Pure Python (plus numpy counters), no tensors: the experts backend asks the policy what to do and
+Pure Python (numpy only for the arrays it hands out), no tensors: the experts backend asks the policy what to do and
 performs the copies itself. One forward step, per policy:
 
     policy.tick()                                   # once per step, before its observations
@@ -20,6 +20,8 @@ that layer; a hot expert that lost to the budget is routed again soon and recons
 
 from __future__ import annotations
 
+import bisect
+import math
 from typing import Mapping, NamedTuple, Protocol, Sequence, runtime_checkable
 
 import numpy as np
@@ -69,8 +71,10 @@ class CachePolicy(Protocol):
 class _SlotPolicy:
     """Slot bookkeeping, budgets and the swap planner shared by the policies.
 
-    Subclasses say how experts are scored (`_record`, `scores`) and when a candidate may replace
-    a victim (`_beats`); a larger score is hotter.
+    Subclasses keep one key per expert (`_keys[layer][e]`, larger is hotter), update it in
+    `_observe_keys`, and say when a candidate may replace a victim (`_eligible`, `_beats`). The
+    per-step state is plain Python lists: this runs on the host for every token-layer, where
+    numpy's per-call cost would dominate arrays of ~100 entries.
     """
 
     def __init__(
@@ -98,16 +102,21 @@ class _SlotPolicy:
         self.global_swap_budget = global_swap_budget
         self.steps = 0
         self._caps = caps
-        smax = max(caps) if caps else 0
-        self._slot_expert = np.full((n_layers, max(smax, 1)), -1, dtype=np.int64)  # [L, S]
-        self._slot_ready = np.zeros((n_layers, max(smax, 1)), dtype=bool)  # [L, S]
-        self._where = np.full((n_layers, n_experts), -1, dtype=np.int64)  # [L, E] slot, ready or pending
-        self._map = np.full((n_layers, n_experts), -1, dtype=np.int32)  # [L, E] slot, ready only
+        L, E = n_layers, n_experts
+        self._slot_expert = [[-1] * c for c in caps]  # [L][S] expert in each slot, -1 empty
+        self._slot_ready = [[False] * c for c in caps]  # [L][S] its copy finished
+        self._ready_slots: list[list[int]] = [[] for _ in range(L)]  # sorted ready slots
+        self._ready_experts: list[list[int]] = [[] for _ in range(L)]  # their experts, same order
+        self._n_free = list(caps)  # empty slots per layer
+        self._where = [[-1] * E for _ in range(L)]  # [L][E] slot, ready or pending
+        self._hit = [[-1] * E for _ in range(L)]  # [L][E] slot, ready only
+        self._map = np.full((L, E), -1, dtype=np.int32)  # [L, E] mirror of _hit for the GPU
         self._map_view = self._map.view()
         self._map_view.flags.writeable = False
-        self._usage = np.zeros((n_layers, n_experts), dtype=np.int64)  # [L, E] raw use counts
-        self._touched: list[set[int]] = [set() for _ in range(n_layers)]
-        self._swapped_layer = [0] * n_layers  # swaps committed this step, per layer
+        self._usage = [[0] * E for _ in range(L)]  # [L][E] raw use counts
+        self._keys = [[0.0] * E for _ in range(L)]  # [L][E] policy's hotness key
+        self._touched: list[set[int]] = [set() for _ in range(L)]
+        self._swapped_layer = [0] * L  # swaps committed this step, per layer
         self._swapped_global = 0
 
     # --- state -----------------------------------------------------------------------------
@@ -117,22 +126,20 @@ class _SlotPolicy:
 
     def resident(self, layer: int) -> dict[int, int]:
         """Experts whose copy finished, expert -> slot."""
-        row = self._slot_expert[layer, : self._caps[layer]]
-        ready = self._slot_ready[layer, : self._caps[layer]]
-        return {int(row[s]): s for s in np.flatnonzero(ready).tolist()}
+        row = self._slot_expert[layer]
+        return {row[s]: s for s in self._ready_slots[layer]}
 
     def pending(self, layer: int) -> dict[int, int]:
         """Experts committed but not yet marked ready, expert -> slot."""
-        row = self._slot_expert[layer, : self._caps[layer]]
-        ready = self._slot_ready[layer, : self._caps[layer]]
-        return {int(row[s]): s for s in np.flatnonzero((row >= 0) & ~ready).tolist()}
+        ready = self._slot_ready[layer]
+        return {e: s for s, e in enumerate(self._slot_expert[layer]) if e >= 0 and not ready[s]}
 
     def is_hit(self, layer: int, expert: int) -> bool:
-        return bool(self._map[layer, expert] >= 0)
+        return self._hit[layer][expert] >= 0
 
     def slot_of(self, layer: int, expert: int) -> int:
         """The slot of a ready expert, -1 on a miss (pending experts are misses)."""
-        return int(self._map[layer, expert])
+        return self._hit[layer][expert]
 
     def expert_map(self) -> np.ndarray:
         """[L, E] int32 slot of each ready expert, -1 elsewhere; a read-only live view."""
@@ -140,7 +147,7 @@ class _SlotPolicy:
 
     def usage(self) -> np.ndarray:
         """[L, E] int64 raw (undecayed) use counts since construction, for routing profiles."""
-        return self._usage.copy()
+        return np.array(self._usage, dtype=np.int64)
 
     def budget_left(self, layer: int) -> int:
         """Swaps this layer may still commit in the current step."""
@@ -148,6 +155,21 @@ class _SlotPolicy:
         if self.global_swap_budget is not None:
             left = min(left, self.global_swap_budget - self._swapped_global)
         return max(left, 0)
+
+    def _set_ready(self, layer: int, expert: int, slot: int) -> None:
+        """Make `expert` a hit in `slot`, or (slot -1) no longer a hit."""
+        slots, experts = self._ready_slots[layer], self._ready_experts[layer]
+        if slot >= 0:
+            self._slot_ready[layer][slot] = True
+            i = bisect.bisect(slots, slot)
+            slots.insert(i, slot)
+            experts.insert(i, expert)
+        else:
+            i = slots.index(self._hit[layer][expert])
+            self._slot_ready[layer][slots[i]] = False
+            del slots[i], experts[i]
+        self._hit[layer][expert] = slot
+        self._map[layer, expert] = slot
 
     # --- the step --------------------------------------------------------------------------
 
@@ -159,99 +181,104 @@ class _SlotPolicy:
         self._on_tick()
 
     def observe(self, layer: int, expert_ids: Sequence[int]) -> None:
-        """Record the experts routed in `layer` this step (repeats count once each: a batch)."""
-        touched = self._touched[layer]
-        usage = self._usage[layer]
+        """Record the experts routed in `layer` this step; one listed twice (a batch) counts twice."""
+        ids = [int(e) for e in expert_ids]
         n = self.n_experts
-        for e in expert_ids:
-            e = int(e)
+        usage = self._usage[layer]
+        for e in ids:
             if not 0 <= e < n:
                 raise ValueError(f"expert id {e} out of range 0..{n - 1}")
             usage[e] += 1
-            self._record(layer, e)
-            touched.add(e)
+        self._observe_keys(layer, ids)
+        self._touched[layer].update(ids)
 
     def plan_swaps(self, layer: int) -> list[Swap]:
         """Swaps worth doing now in `layer`: empty slots first, then hysteresis-gated replacements."""
         touched = self._touched[layer]
-        budget = self.budget_left(layer)
-        if not touched or budget == 0:
-            touched.clear()
+        if not touched:
             return []
         where = self._where[layer]
-        cands = [e for e in touched if where[e] < 0]
+        keys = self._keys[layer]
+        eligible = self._eligible
+        cands = [e for e in touched if where[e] < 0 and eligible(keys[e])]
         touched.clear()
-        if not cands:
+        budget = self.budget_left(layer)
+        if not cands or budget == 0:
             return []
-        sc = self.scores(layer)  # [E]
-        cands = [e for e in cands if self._eligible(float(sc[e]))]
-        cands.sort(key=lambda e: (-sc[e], e))  # hottest first
-        cap = self._caps[layer]
-        row = self._slot_expert[layer, :cap]
+        cands.sort(key=lambda e: (-keys[e], e))  # hottest first
+        del cands[budget:]
         swaps: list[Swap] = []
-        free = np.flatnonzero(row < 0).tolist()
         i = 0
-        while i < len(cands) and free and len(swaps) < budget:
-            swaps.append(Swap(None, cands[i], free.pop(0)))
-            i += 1
-        if i == len(cands) or len(swaps) == budget:
+        if self._n_free[layer]:
+            row = self._slot_expert[layer]
+            for slot in range(self._caps[layer]):
+                if i == len(cands):
+                    return swaps
+                if row[slot] < 0:
+                    swaps.append(Swap(None, cands[i], slot))
+                    i += 1
+        if i == len(cands):
             return swaps
         # victims: ready residents, coldest first (ties: lowest slot); pending slots are untouchable
-        ready_slots = np.flatnonzero(self._slot_ready[layer, :cap])
-        if ready_slots.size == 0:
-            return swaps
-        vic_experts = row[ready_slots]
-        order = np.lexsort((ready_slots, sc[vic_experts]))
-        for j in order.tolist():
-            if i == len(cands) or len(swaps) == budget:
-                break
-            c, v = cands[i], int(vic_experts[j])
-            if not self._beats(float(sc[c]), float(sc[v])):
+        slots, experts = self._ready_slots[layer], self._ready_experts[layer]
+        vkeys = [keys[e] for e in experts]
+        while i < len(cands) and vkeys:
+            cold = min(vkeys)
+            if not self._beats(keys[cands[i]], cold):
                 break  # candidates only get colder and victims hotter from here
-            swaps.append(Swap(v, c, int(ready_slots[j])))
+            j = vkeys.index(cold)  # the first, i.e. lowest, slot among equals
+            swaps.append(Swap(experts[j], cands[i], slots[j]))
+            vkeys[j] = math.inf
             i += 1
         return swaps
 
     def commit(self, layer: int, swaps: Sequence[Swap]) -> None:
         """Issue swaps: victims stop being hits now, admitted experts are pending until mark_ready."""
+        if not swaps:
+            return
         if len(swaps) > self.budget_left(layer):
-            raise ValueError(f"layer {layer}: {len(swaps)} swaps exceed the step's budget of {self.budget_left(layer)}")
+            raise ValueError(
+                f"layer {layer}: {len(swaps)} swaps exceed the step's budget of {self.budget_left(layer)}"
+            )
         cap = self._caps[layer]
+        row, ready, where = self._slot_expert[layer], self._slot_ready[layer], self._where[layer]
         for evict, admit, slot in swaps:
             if not 0 <= slot < cap:
                 raise ValueError(f"layer {layer}: slot {slot} out of range 0..{cap - 1}")
-            held = int(self._slot_expert[layer, slot])
-            if evict is None:
-                if held >= 0:
-                    raise ValueError(f"layer {layer}: slot {slot} holds expert {held}, not empty")
-            else:
-                if held != evict or not self._slot_ready[layer, slot]:
-                    raise ValueError(f"layer {layer}: expert {evict} is not ready in slot {slot}")
-                self._where[layer, evict] = -1
-                self._map[layer, evict] = -1
-            if self._where[layer, admit] >= 0:
+            if not 0 <= admit < self.n_experts:
+                raise ValueError(f"expert id {admit} out of range 0..{self.n_experts - 1}")
+            held = row[slot]
+            if evict is None and held >= 0:
+                raise ValueError(f"layer {layer}: slot {slot} holds expert {held}, not empty")
+            if evict is not None and (held != evict or not ready[slot]):
+                raise ValueError(f"layer {layer}: expert {evict} is not ready in slot {slot}")
+            if where[admit] >= 0:
                 raise ValueError(f"layer {layer}: expert {admit} is already cached or pending")
-            self._slot_expert[layer, slot] = admit
-            self._slot_ready[layer, slot] = False
-            self._where[layer, admit] = slot
+            if evict is None:
+                self._n_free[layer] -= 1
+            else:
+                where[evict] = -1
+                self._set_ready(layer, evict, -1)
+            row[slot] = admit
+            where[admit] = slot
         self._swapped_layer[layer] += len(swaps)
         self._swapped_global += len(swaps)
 
     def mark_ready(self, layer: int, expert: int) -> None:
         """The copy of a pending expert finished: it is a hit from now on."""
-        slot = int(self._where[layer, expert])
-        if slot < 0 or self._slot_ready[layer, slot]:
+        slot = self._where[layer][expert]
+        if slot < 0 or self._slot_ready[layer][slot]:
             raise ValueError(f"layer {layer}: expert {expert} is not pending")
-        self._slot_ready[layer, slot] = True
-        self._map[layer, expert] = slot
+        self._set_ready(layer, expert, slot)
 
     def abort(self, layer: int, expert: int) -> None:
         """A pending copy was abandoned: its slot becomes empty."""
-        slot = int(self._where[layer, expert])
-        if slot < 0 or self._slot_ready[layer, slot]:
+        slot = self._where[layer][expert]
+        if slot < 0 or self._slot_ready[layer][slot]:
             raise ValueError(f"layer {layer}: expert {expert} is not pending")
-        self._slot_expert[layer, slot] = -1
-        self._where[layer, expert] = -1
+        self._slot_expert[layer][slot] = -1
+        self._where[layer][expert] = -1
+        self._n_free[layer] += 1
 
     def initial_fill(
         self, ranking: Mapping[int, Sequence[int]], frequency: Mapping[int, Sequence[float]] | None = None
@@ -270,40 +297,39 @@ class _SlotPolicy:
                 e = int(e)
                 if not 0 <= e < self.n_experts:
                     raise ValueError(f"expert id {e} out of range 0..{self.n_experts - 1}")
-                if e not in chosen:
+                if len(chosen) < cap and e not in chosen:
                     chosen.append(e)
-                if len(chosen) == cap:
-                    break
-            self._slot_expert[layer] = -1
-            self._slot_ready[layer] = False
-            self._where[layer] = -1
-            self._map[layer] = -1
-            for slot, e in enumerate(chosen):
-                self._slot_expert[layer, slot] = e
-                self._slot_ready[layer, slot] = True
-                self._where[layer, e] = slot
-                self._map[layer, e] = slot
+            freq = None
             if frequency is not None and layer in frequency:
                 freq = np.asarray(frequency[layer], dtype=np.float64)
                 if freq.shape != (self.n_experts,):
                     raise ValueError(f"frequency of layer {layer} has shape {freq.shape}, want ({self.n_experts},)")
-                self._seed(layer, freq, chosen)
-            else:
-                self._seed(layer, None, chosen)
+            self._slot_expert[layer] = chosen + [-1] * (cap - len(chosen))
+            self._slot_ready[layer] = [False] * cap
+            self._ready_slots[layer] = []
+            self._ready_experts[layer] = []
+            self._n_free[layer] = cap - len(chosen)
+            self._where[layer] = [-1] * self.n_experts
+            self._hit[layer] = [-1] * self.n_experts
+            self._map[layer] = -1
+            for slot, e in enumerate(chosen):
+                self._where[layer][e] = slot
+                self._set_ready(layer, e, slot)
+            self._seed(layer, freq, chosen)
 
     # --- scoring, per policy ----------------------------------------------------------------
 
     def scores(self, layer: int) -> np.ndarray:  # [E] float64, larger is hotter
         raise NotImplementedError
 
-    def _record(self, layer: int, expert: int) -> None:
+    def _observe_keys(self, layer: int, ids: list[int]) -> None:
         raise NotImplementedError
 
     def _on_tick(self) -> None:
         pass
 
-    def _eligible(self, cand: float) -> bool:
-        return True
+    def _eligible(self, key: float) -> bool:
+        return key > 0.0
 
     def _beats(self, cand: float, victim: float) -> bool:
         raise NotImplementedError
@@ -318,7 +344,7 @@ class DecayedCountPolicy(_SlotPolicy):
     An expert routed every step settles at 1 / (1 - decay) (20 at decay 0.95). A candidate replaces
     the coldest resident only when `score > victim * (1 + margin) + abs_margin`, so two experts of
     near-equal popularity do not trade a slot back and forth; `promote_min` keeps out experts with
-    fewer decayed uses than that.
+    fewer decayed uses than that, even from empty slots.
     """
 
     def __init__(
@@ -345,41 +371,44 @@ class DecayedCountPolicy(_SlotPolicy):
         self.margin = margin
         self.abs_margin = abs_margin
         self.promote_min = promote_min
-        # Lazy decay: a use at step t adds scale_t = decay**-t to raw, and score = raw / scale_now,
+        # Lazy decay: a use at step t adds scale_t = decay**-t to the key and score = key / scale_now,
         # so observe() touches only the k routed entries and tick() only multiplies one float.
-        self._raw = np.zeros((n_layers, n_experts), dtype=np.float64)  # [L, E]
         self._scale = 1.0
 
     def _on_tick(self) -> None:
         self._scale /= self.decay
         if self._scale > _RENORM_AT:
-            self._raw /= self._scale
+            inv = 1.0 / self._scale
+            self._keys = [[k * inv for k in row] for row in self._keys]
             self._scale = 1.0
 
-    def _record(self, layer: int, expert: int) -> None:
-        self._raw[layer, expert] += self._scale
+    def _observe_keys(self, layer: int, ids: list[int]) -> None:
+        keys, scale = self._keys[layer], self._scale
+        for e in ids:
+            keys[e] += scale
 
     def scores(self, layer: int) -> np.ndarray:
-        return self._raw[layer] / self._scale
+        return np.array(self._keys[layer]) / self._scale
 
     def score(self, layer: int, expert: int) -> float:
-        return float(self._raw[layer, expert] / self._scale)
+        return self._keys[layer][expert] / self._scale
 
     def counts(self) -> np.ndarray:
         """[L, E] decayed use counts of every layer."""
-        return self._raw / self._scale
+        return np.array(self._keys) / self._scale
 
-    def _eligible(self, cand: float) -> bool:
-        return cand > 0.0 and cand >= self.promote_min
+    def _eligible(self, key: float) -> bool:
+        return key > 0.0 and key >= self.promote_min * self._scale
 
     def _beats(self, cand: float, victim: float) -> bool:
-        return cand > victim * (1.0 + self.margin) + self.abs_margin
+        # both sides in key units (score * scale)
+        return cand > victim * (1.0 + self.margin) + self.abs_margin * self._scale
 
     def _seed(self, layer: int, freq: np.ndarray | None, chosen: list[int]) -> None:
         if freq is None:
             return
         steady = freq / (1.0 - self.decay) if self.decay < 1.0 else freq
-        self._raw[layer] = steady * self._scale
+        self._keys[layer] = (steady * self._scale).tolist()
 
 
 class LRUPolicy(_SlotPolicy):
@@ -401,22 +430,22 @@ class LRUPolicy(_SlotPolicy):
         super().__init__(
             n_layers, n_experts, slots, swap_budget=swap_budget, global_swap_budget=global_swap_budget
         )
-        self._last = np.zeros((n_layers, n_experts), dtype=np.float64)  # [L, E] stamp of last use
+        # keys are stamps of the last use, counting up across all layers
         self._stamp = 0.0
         self._step_start = 0.0  # stamps above this were made in the current step
 
     def _on_tick(self) -> None:
         self._step_start = self._stamp
 
-    def _record(self, layer: int, expert: int) -> None:
-        self._stamp += 1.0
-        self._last[layer, expert] = self._stamp
+    def _observe_keys(self, layer: int, ids: list[int]) -> None:
+        keys, stamp = self._keys[layer], self._stamp
+        for e in ids:
+            stamp += 1.0
+            keys[e] = stamp
+        self._stamp = stamp
 
     def scores(self, layer: int) -> np.ndarray:
-        return self._last[layer].copy()
-
-    def _eligible(self, cand: float) -> bool:
-        return cand > 0.0
+        return np.array(self._keys[layer])
 
     def _beats(self, cand: float, victim: float) -> bool:
         return victim <= self._step_start < cand
@@ -424,7 +453,7 @@ class LRUPolicy(_SlotPolicy):
     def _seed(self, layer: int, freq: np.ndarray | None, chosen: list[int]) -> None:
         # the ranking's last resident is the first to go; stamps stay below any real use's (> 0)
         for rank, e in enumerate(chosen):
-            self._last[layer, e] = -1.0 - rank
+            self._keys[layer][e] = -1.0 - rank
 
 
 def make_policy(name: str, n_layers: int, n_experts: int, slots: int | Sequence[int], **kwargs) -> CachePolicy:

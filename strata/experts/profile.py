@@ -98,7 +98,11 @@ class RoutingProfile:
         """A new profile with both profiles' counts and tokens."""
         self._check_shape(other.n_layers, other.n_experts, what="the profile being merged")
         return RoutingProfile(
-            self.n_layers, self.n_experts, self.counts + other.counts, self.tokens + other.tokens, self.model or other.model
+            self.n_layers,
+            self.n_experts,
+            self.counts + other.counts,
+            self.tokens + other.tokens,
+            self.model or other.model,
         )
 
     @classmethod

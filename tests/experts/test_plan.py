@@ -137,7 +137,8 @@ def test_prefill_split_matches_brute_force():
     for _ in range(50):
         tokens = {e: rnd.choice([0, 1, 2, 3, 5, 8, 20, 64, 200]) for e in range(rnd.randint(1, 12))}
         resident = {e for e in tokens if rnd.random() < 0.2}
-        cpu_tok, pcie, gpu_tok, fixed = rnd.uniform(0.01, 0.2), rnd.uniform(0.05, 1.0), rnd.uniform(0, 0.01), rnd.uniform(0, 0.1)
+        cpu_tok, pcie = rnd.uniform(0.01, 0.2), rnd.uniform(0.05, 1.0)
+        gpu_tok, fixed = rnd.uniform(0, 0.01), rnd.uniform(0, 0.1)
         split = prefill_split(tokens, cpu_tok, pcie, gpu_tok, cpu_ms_per_expert=fixed, resident=resident)
         want = brute_threshold(tokens, resident, cpu_tok, pcie, gpu_tok, fixed)
         assert max(split.cpu_ms, split.gpu_ms) == pytest.approx(want)
@@ -146,7 +147,13 @@ def test_prefill_split_matches_brute_force():
 
 def test_cost_model_round_trip_and_plans(tmp_path):
     cost = CostModel(
-        CPU_MS, PCIE_MS, GPU_MS, cpu_ms_per_token_expert=0.01, gpu_ms_per_token_expert=0.0005, machine="host-a", model="q4_k 768x2048"
+        CPU_MS,
+        PCIE_MS,
+        GPU_MS,
+        cpu_ms_per_token_expert=0.01,
+        gpu_ms_per_token_expert=0.0005,
+        machine="host-a",
+        model="q4_k 768x2048",
     )
     path = tmp_path / "sub" / "costs.json"
     cost.save(path)
@@ -181,7 +188,13 @@ def test_cost_model_validation(tmp_path):
         CostModel.load(bad)
     bad.write_text(
         json.dumps(
-            {"format": "strata-cost-model", "version": 1, "cpu_ms_per_expert": "fast", "pcie_ms_per_expert": 1, "gpu_ms_per_expert": 1}
+            {
+                "format": "strata-cost-model",
+                "version": 1,
+                "cpu_ms_per_expert": "fast",
+                "pcie_ms_per_expert": 1,
+                "gpu_ms_per_expert": 1,
+            }
         )
     )
     with pytest.raises(StrataError, match="malformed.*cpu_ms_per_expert"):
