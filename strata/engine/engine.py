@@ -61,12 +61,12 @@ class Engine:
         self.lm, self.model = lm, lm.model
         self.n_slots = n_slots or lm.cfg.n_slots
         self.max_ctx = lm.max_ctx
+        self.device = self.model.device  # before _default_chunk, which reads it
         self.kv = self.model.new_kv_cache(self.n_slots, self.max_ctx, lm.cfg.torch_kv_dtype)
         self.prefill_chunk = prefill_chunk or lm.cfg.prefill_chunk or self._default_chunk()
         self.free_slots = list(range(self.n_slots))
         self.running: list[Sequence] = []
         self.slot_tokens: dict[int, list[int]] = {s: [] for s in range(self.n_slots)}  # what each slot's KV holds
-        self.device = self.model.device
 
     def _default_chunk(self) -> int:
         # Largest transient per chunk is the attention score block [H, chunk, ctx] in float32; give it a budget
