@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -38,6 +38,8 @@ class Sequence:
     finished: bool = False
     finish_reason: str | None = None  # stop | length | abort
     generator: torch.Generator | None = None
+    # Applied to the sequence's logits row [V] before sampling: OpenAI's logit_bias, grammar masks. None = off.
+    logits_processor: Callable[[torch.Tensor], torch.Tensor] | None = None
     # timings (engine clock, ms)
     t_start: float = 0.0
     prompt_ms: float = 0.0
@@ -153,7 +155,8 @@ class Engine:
                 continue  # a middle prefill chunk: no token yet
             window = s.context()[-s.params.penalty_last_n :] if s.params.penalty_last_n else []
             recent = torch.tensor(window, device=self.device, dtype=torch.long)
-            picks.append((s, sample(logits[i], s.params, recent, s.generator)))
+            row = logits[i] if s.logits_processor is None else s.logits_processor(logits[i])
+            picks.append((s, sample(row, s.params, recent, s.generator)))
         if not picks:
             return []
         values = torch.stack([x for _, x in picks]).tolist()  # the one host read per step
