@@ -58,6 +58,37 @@ def split_paths(path: str | os.PathLike) -> list[Path]:
     return paths
 
 
+class _Truncated(Exception):
+    def __init__(self, tensor: str, end: int, size: int):
+        super().__init__(tensor)
+        self.tensor, self.end, self.size = tensor, end, size
+
+
+def _reader_class():
+    import gguf
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    class CheckedReader(gguf.GGUFReader):
+        """gguf-py's reader, checking each tensor's extent before gguf-py maps it (so a truncated file is reported
+        with the tensor's name instead of a numpy reshape error)."""
+
+        def _build_tensors(self, start_offs, fields):
+            for field in fields:
+                _n, name_data, _d, dims, raw_dtype, offset_tensor = field.parts
+                try:
+                    qt = GGMLQuantizationType(int(raw_dtype[0]))
+                except ValueError:
+                    raise  # reported as an unsupported type by the caller
+                bs, ts = GGML_QUANT_SIZES[qt]
+                n_bytes = int(np.prod(dims)) * ts // bs
+                end = int(start_offs + offset_tensor[0]) + n_bytes
+                if end > len(self.data):
+                    raise _Truncated(str(bytes(name_data), encoding="utf-8"), end, len(self.data))
+            return super()._build_tensors(start_offs, fields)
+
+    return CheckedReader
+
+
 def _field_value(field) -> Any:
     try:
         return field.contents()
@@ -79,7 +110,12 @@ class GGUFModel:
                 raise StrataError(f"model file not found: {p}")
             size = p.stat().st_size
             try:
-                r = gguf.GGUFReader(p, "c")
+                r = _reader_class()(p, "c")
+            except _Truncated as e:
+                raise StrataError(
+                    f"{p.name}: tensor {e.tensor} runs past the end of the file (needs bytes up to {e.end:,}, "
+                    f"file has {e.size:,}): the file is truncated"
+                ) from None
             except ValueError as e:
                 msg = str(e)
                 if "is not a valid GGMLQuantizationType" in msg:

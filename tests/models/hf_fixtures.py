@@ -14,6 +14,14 @@ FAMILIES = {
                 norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], rope_theta=10000.0,
                 max_position_embeddings=512, tie_word_embeddings=False),
     ),
+    # every row length a multiple of 256, so that every GGML block format (K-quants included) applies
+    "qwen3moe_256": dict(
+        cls="Qwen3MoeForCausalLM", cfg="Qwen3MoeConfig",
+        kw=dict(hidden_size=256, intermediate_size=256, moe_intermediate_size=256, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=4, num_experts_per_tok=2,
+                norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=256,
+                tie_word_embeddings=False),
+    ),
     "qwen3": dict(
         cls="Qwen3ForCausalLM", cfg="Qwen3Config",
         kw=dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
