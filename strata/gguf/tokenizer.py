@@ -381,6 +381,12 @@ class Tokenizer:
             out.append(self.eos_id)
         return out
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """Ids of a rendered chat prompt: special tokens parsed, BOS added as the GGUF says unless the text already
+        starts with it (templates such as Llama 3's write ``{{ bos_token }}`` themselves)."""
+        starts_with_bos = self.bos_id is not None and text.startswith(self._tokens[self.bos_id])
+        return self.encode(text, add_special=False if starts_with_bos else None, parse_special=True)
+
     def _encode_run(self, text: str, prev_special: bool, out: list[int]) -> None:
         if self.model == "llama":
             if self.add_space_prefix and prev_special:

@@ -12,11 +12,12 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 from strata import StrataError
-from strata.gguf.tokenizer import PRE_TOKENIZERS, TokenType
+from strata.gguf.tokenizer import _SPM_SPACE, PRE_TOKENIZERS, TokenType
 
 # Probe text for pre-tokenizer detection: whitespace runs, newlines, digit runs, English contractions in both
 # cases, accented and cased scripts, CJK, Hangul, kana, emoji, punctuation runs, full-width forms.
@@ -90,7 +91,8 @@ def _has_byte_level(node: Any) -> bool:
 
 
 def hf_tokenizer_to_metadata(hf_dir: str | Path) -> dict[str, Any]:
-    """GGUF tokenizer metadata for a transformers checkpoint directory (byte-level BPE tokenizers)."""
+    """GGUF tokenizer metadata for a transformers checkpoint directory (byte-level BPE tokenizers, and
+    SentencePiece-style BPE ones with byte fallback such as Llama 2's and Mixtral's)."""
     hf_dir = Path(hf_dir)
     tj_path = hf_dir / "tokenizer.json"
     if not tj_path.is_file():
@@ -100,9 +102,10 @@ def hf_tokenizer_to_metadata(hf_dir: str | Path) -> dict[str, Any]:
     cfg = json.loads(cfg_path.read_text(encoding="utf-8")) if cfg_path.is_file() else {}
 
     model = tj.get("model") or {}
-    if model.get("type") != "BPE" or not (_has_byte_level(tj.get("pre_tokenizer"))
-                                          or _has_byte_level(tj.get("decoder"))):
-        raise StrataError(f"{tj_path}: only byte-level BPE tokenizers can be converted "
+    byte_level = _has_byte_level(tj.get("pre_tokenizer")) or _has_byte_level(tj.get("decoder"))
+    spm = _is_sentencepiece_bpe(tj)
+    if model.get("type") != "BPE" or not (byte_level or spm):
+        raise StrataError(f"{tj_path}: only byte-level BPE and SentencePiece-style BPE tokenizers can be converted "
                           f"(model type {model.get('type')!r})")
 
     vocab: dict[str, int] = model["vocab"]
@@ -112,8 +115,14 @@ def hf_tokenizer_to_metadata(hf_dir: str | Path) -> dict[str, Any]:
     types = [int(TokenType.NORMAL)] * n
     for t, i in vocab.items():
         tokens[i] = t
+        if spm and _BYTE_TOKEN.fullmatch(t):
+            types[i] = int(TokenType.BYTE)
+    if spm and model.get("unk_token") in vocab:
+        types[vocab[model["unk_token"]]] = int(TokenType.UNKNOWN)
     for a in added:
         content = a["content"]
+        if tokens[a["id"]] is not None and types[a["id"]] != TokenType.NORMAL:
+            continue  # <unk> / byte tokens listed as added tokens keep their kind
         tokens[a["id"]] = content
         special = a.get("special") or any(content.startswith(p) and content.endswith(s) for p, s in _LOOKS_SPECIAL)
         types[a["id"]] = int(TokenType.CONTROL if special else TokenType.USER_DEFINED)
@@ -123,13 +132,25 @@ def hf_tokenizer_to_metadata(hf_dir: str | Path) -> dict[str, Any]:
             types[i] = int(TokenType.USER_DEFINED)
 
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
-    md: dict[str, Any] = {
-        "tokenizer.ggml.model": "gpt2",
-        "tokenizer.ggml.pre": detect_pre_tokenizer(tj_path),
-        "tokenizer.ggml.tokens": tokens,
-        "tokenizer.ggml.token_type": types,
-        "tokenizer.ggml.merges": merges,
-    }
+    md: dict[str, Any]
+    if byte_level:
+        md = {
+            "tokenizer.ggml.model": "gpt2",
+            "tokenizer.ggml.pre": detect_pre_tokenizer(tj_path),
+            "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": types,
+            "tokenizer.ggml.merges": merges,
+        }
+    else:
+        md = {
+            "tokenizer.ggml.model": "llama",
+            "tokenizer.ggml.pre": "default",
+            "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.scores": _scores_from_merges(tokens, types, model.get("merges") or []),
+            "tokenizer.ggml.token_type": types,
+        }
+        if not _adds_space_prefix(tj):
+            md["tokenizer.ggml.add_space_prefix"] = False
 
     ids = {t: i for i, t in reversed(list(enumerate(tokens)))}
     for name, key in (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"),
@@ -149,6 +170,49 @@ def hf_tokenizer_to_metadata(hf_dir: str | Path) -> dict[str, Any]:
     if template:
         md["tokenizer.chat_template"] = template
     return md
+
+
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+def _nodes(node: Any):
+    if isinstance(node, dict):
+        yield node
+        for v in node.values():
+            yield from _nodes(v)
+    elif isinstance(node, list):
+        for v in node:
+            yield from _nodes(v)
+
+
+def _is_sentencepiece_bpe(tj: dict) -> bool:
+    """Llama/Mistral-style: BPE with byte fallback, spaces turned into ``▁`` by the normalizer or a Metaspace."""
+    if not (tj.get("model") or {}).get("byte_fallback"):
+        return False
+    parts = [*_nodes(tj.get("normalizer")), *_nodes(tj.get("pre_tokenizer"))]
+    return any(p.get("type") == "Metaspace" or (p.get("type") == "Replace" and p.get("content") == _SPM_SPACE)
+               for p in parts)
+
+
+def _adds_space_prefix(tj: dict) -> bool:
+    for p in [*_nodes(tj.get("normalizer")), *_nodes(tj.get("pre_tokenizer"))]:
+        if p.get("type") == "Prepend" and p.get("prepend") == _SPM_SPACE:
+            return True
+        if p.get("type") == "Metaspace":
+            return p.get("prepend_scheme", "always") != "never" and p.get("add_prefix_space", True)
+    return False
+
+
+def _scores_from_merges(tokens: list[str], types: list[int], merges: list) -> list[float]:
+    """SentencePiece scores that make llama.cpp (and strata) merge in the order of tokenizer.json's merge list:
+    the piece made by merge k scores -k; pieces no merge makes score below all of them."""
+    floor = -float(len(merges) + 1)
+    rank: dict[str, float] = {}
+    for k, m in enumerate(merges):
+        a, b = m.split(" ", 1) if isinstance(m, str) else m
+        rank.setdefault(a + b, -float(k))
+    return [rank.get(t, 0.0 if len(t) == 1 or types[i] != TokenType.NORMAL else floor)
+            for i, t in enumerate(tokens)]
 
 
 def _post_processor_adds(tj: dict, token_id: int | None, tokens: list[str]) -> bool:

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from strata import StrataError
-from strata.gguf.tokenizer import StreamDecoder, Tokenizer, TokenType, read_gguf_metadata
+from strata.gguf.tokenizer import PRE_TOKENIZERS, StreamDecoder, Tokenizer, TokenType, read_gguf_metadata
 from strata.gguf.tokenizer_hf import (detect_pre_tokenizer, hf_tokenizer_to_metadata, make_tiny_hf_tokenizer,
                                       write_tokenizer_metadata)
 
@@ -248,3 +248,70 @@ def test_hf_conversion_errors(tmp_path):
     (tmp_path / "tokenizer.json").write_text(json.dumps({"model": {"type": "Unigram", "vocab": []}}))
     with pytest.raises(StrataError, match="only byte-level BPE"):
         hf_tokenizer_to_metadata(tmp_path)
+
+
+@pytest.mark.parametrize("pre", sorted(PRE_TOKENIZERS))
+def test_every_pre_tokenizer_builds_and_round_trips(pre):
+    # a byte-only vocabulary (no merges) with each known pre-tokenizer: the regexes compile and lose no text
+    from strata.gguf.tokenizer import bytes_to_unicode
+
+    md = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre,
+          "tokenizer.ggml.tokens": list(bytes_to_unicode().values()), "tokenizer.ggml.merges": []}
+    tok = Tokenizer.from_metadata(md)
+    text = "Hello  world\n\n 3333 'll 我想在apple工作 🚀 Ünïcödé\t!"
+    ids = tok.encode(text, add_special=False)
+    assert len(ids) == len(text.encode()) and tok.decode(ids) == text
+
+
+def _llama2_style_hf_dir(tmp_path):
+    """A Llama-2-style tokenizer.json (BPE with byte fallback, ▁ spaces by the normalizer) built from the
+    llama-spm GGUF vocabulary, the way transformers' converter builds one from a SentencePiece model."""
+    import tokenizers
+    from tokenizers import AddedToken, decoders, models, normalizers, processors
+
+    from strata.gguf.tokenizer import _spm_merges
+
+    md = read_gguf_metadata(LLAMACPP_MODELS / "ggml-vocab-llama-spm.gguf")
+    tokens, types, scores = md["tokenizer.ggml.tokens"], md["tokenizer.ggml.token_type"], md["tokenizer.ggml.scores"]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    bpe = models.BPE(vocab=vocab, merges=_spm_merges(tokens, types, scores, vocab), unk_token="<unk>",
+                     byte_fallback=True, fuse_unk=True)
+    hf = tokenizers.Tokenizer(bpe)
+    hf.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    hf.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<unk>", "<s>", "</s>")])
+    hf.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                      special_tokens=[("<s>", 1)])
+    d = tmp_path / "llama2"
+    d.mkdir()
+    hf.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": True,
+        "chat_template": "{% for m in messages %}[INST] {{ m.content }} [/INST]{% endfor %}"}))
+    return d, hf
+
+
+def test_convert_sentencepiece_style(tmp_path):
+    d, hf = _llama2_style_hf_dir(tmp_path)
+    vectors = read_vectors("llama-spm")
+    for text, want in vectors:  # the fixture is a faithful Llama 2 tokenizer
+        assert hf.encode(text, add_special_tokens=False).ids == want, text
+    md = hf_tokenizer_to_metadata(d)
+    assert md["tokenizer.ggml.model"] == "llama" and "tokenizer.ggml.add_space_prefix" not in md
+    assert md["tokenizer.ggml.bos_token_id"] == 1 and md["tokenizer.ggml.add_bos_token"] is True
+    tok = Tokenizer.from_metadata(md)
+    assert tok.token_type(13) == TokenType.BYTE and tok.token_type(0) == TokenType.UNKNOWN
+    for text, want in vectors:
+        assert tok.encode(text, add_special=False, parse_special=False) == want, text
+        assert tok.decode(want) == hf.decode(want, skip_special_tokens=False)
+    assert tok.encode("Hello</s>") == hf.encode("Hello</s>").ids
+
+
+def test_encode_prompt_single_bos():
+    tok = vocab_tokenizer("llama-bpe")
+    rendered = "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
+    ids = tok.encode_prompt(rendered)
+    assert ids.count(128000) == 1 and ids[0] == 128000 and ids[1] == 128006
+    assert tok.encode_prompt("<|start_header_id|>user")[:2] == [128000, 128006]  # BOS added when missing
+    assert vocab_tokenizer("qwen2").encode_prompt("<|im_start|>user")[0] == 151644  # qwen adds none
