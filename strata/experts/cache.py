@@ -1,0 +1,184 @@
+"""The expert cache: slots of the hottest experts on the compute device, the expert_map, and the copies.
+
+Slots hold experts in their stored format (the same bytes as the host store). Layers whose experts have the
+same formats and shapes share one pool tensor per projection, `[n_layers_in_pool * slots + staging, rows,
+row_bytes]`: layer `l` owns slots `base[l] .. base[l] + slots`, and the last `staging` slots are a ring that
+misses streamed over PCIe land in (shared by the pool's layers). `expert_map` `[L, E]` (int64, on the device)
+holds each ready expert's slot in its layer's pool, -1 elsewhere; the GPU reads it without the host.
+
+Copies run on a side CUDA stream. Before a batch of copies the side stream waits for the main stream's work
+issued so far (which may still read a victim's slot or a staging slot); each copy records an event, so the
+main stream waits only for the copies it reads and the policy marks an expert ready only once its copy is done.
+On a CPU-only machine the "device" is the host: the pool is a host tensor and copies are synchronous.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from strata import StrataError
+from strata.config import ExpertConfig
+from strata.experts.resident import ExpertWeights
+from strata.experts.store import ExpertStore
+from strata.quant import QTensor
+
+log = logging.getLogger("strata")
+
+GiB, MiB = 1 << 30, 1 << 20
+
+
+def _sig(ew: ExpertWeights) -> tuple:
+    return tuple((t.qtype, t.shape[1:]) for t in (ew.gate, ew.up, ew.down))
+
+
+@dataclass
+class SlotPool:
+    """Slots for the layers of one weight signature: gate, up, down raw blocks, each [n, rows, row_bytes]."""
+
+    sig: tuple
+    gate: QTensor
+    up: QTensor
+    down: QTensor
+    stage_base: int  # first staging slot
+    staging: int
+    base: dict[int, int] = field(default_factory=dict)  # layer -> first slot
+    stage_next: int = 0  # ring position
+
+    def expert(self, slot: int) -> tuple[QTensor, QTensor, QTensor]:
+        return self.gate[slot], self.up[slot], self.down[slot]
+
+    def nbytes(self) -> int:
+        return self.gate.nbytes + self.up.nbytes + self.down.nbytes
+
+
+def budget_slots(cfg: ExpertConfig, store: ExpertStore, device: torch.device, staging: int) -> int:
+    """Cache slots per layer (uniform) from --expert-slots, --vram-gb / --vram-reserve-mib, or the free VRAM.
+
+    GPU: the budget is the whole process's (`--vram-gb`), less what torch holds now (dense weights, KV and
+    buffers allocated before the cache), the reserve (CUDA context, activations) and the staging ring; without
+    --vram-gb, all free VRAM less the reserve. CPU: the pool lives in RAM; --vram-gb less the reserve sizes it
+    as it would on a GPU, and without a budget every expert gets a slot.
+    """
+    E = store.n_experts
+    if cfg.slots is not None:
+        if cfg.slots < 0:
+            raise StrataError("--expert-slots must be >= 0")
+        return min(cfg.slots, E)
+    per_slot = sum(store.expert_nbytes(i) for i in store.layer_ids)  # one slot in every layer
+    stage_bytes = staging * store.expert_nbytes()
+    reserve = cfg.vram_reserve_mib * MiB
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        left = free - reserve - stage_bytes
+        if cfg.vram_gb is not None:
+            left = min(left, int(cfg.vram_gb * GiB) - torch.cuda.memory_reserved(device) - reserve - stage_bytes)
+    elif cfg.vram_gb is not None:
+        left = int(cfg.vram_gb * GiB) - reserve - stage_bytes
+    else:
+        return E
+    return int(max(0, min(E, left // per_slot)))
+
+
+class ExpertCache:
+    """The slot pools, the device expert_map and the copy machinery for `store`'s layers."""
+
+    def __init__(self, store: ExpertStore, slots: int, staging: int, device: torch.device):
+        if slots < 0 or staging < 1:
+            raise StrataError(f"expert cache needs slots >= 0 and staging >= 1 (got {slots}, {staging})")
+        self.store, self.slots, self.staging, self.device = store, slots, staging, device
+        self.layer_ids = store.layer_ids
+        self.index = {layer: li for li, layer in enumerate(self.layer_ids)}
+        self.cuda = device.type == "cuda"
+        self.side = torch.cuda.Stream(device) if self.cuda else None
+        groups: dict[tuple, list[int]] = {}
+        for i in self.layer_ids:
+            groups.setdefault(_sig(store[i]), []).append(i)
+        self.pools: list[SlotPool] = []
+        self.pool_of: dict[int, SlotPool] = {}
+        try:
+            for sig, layers in groups.items():
+                n = len(layers) * slots + staging
+                ew = store[layers[0]]
+                ts = [QTensor(torch.zeros((n, *t.raw.shape[1:]), dtype=torch.uint8, device=device), t.qtype,
+                              (n, *t.shape[1:])) for t in (ew.gate, ew.up, ew.down)]
+                pool = SlotPool(sig, *ts, stage_base=len(layers) * slots, staging=staging)
+                for j, i in enumerate(layers):
+                    pool.base[i] = j * slots
+                    self.pool_of[i] = pool
+                self.pools.append(pool)
+        except torch.OutOfMemoryError:
+            need = sum(len(ls) * slots + staging for ls in groups.values()) * store.expert_nbytes()
+            raise StrataError(f"the expert cache ({need / GiB:.1f} GiB) does not fit in VRAM; lower --vram-gb or "
+                              "--expert-slots, or raise --vram-reserve-mib") from None
+        L, E = len(self.layer_ids), store.n_experts
+        self.map = torch.full((L, E), -1, dtype=torch.int64, device=device)  # [L, E] slot in the layer's pool
+        self.copies = 0
+        self.copied_bytes = 0
+
+    def nbytes(self) -> int:
+        return sum(p.nbytes() for p in self.pools)
+
+    # --- the map ----------------------------------------------------------------------------------------------
+    def upload_map(self, li: int, row: np.ndarray) -> None:
+        """Set expert_map[li] from the host policy's row (slot within the layer, -1) on the main stream."""
+        layer = self.layer_ids[li]
+        base = self.pool_of[layer].base[layer]
+        r = np.where(row >= 0, row.astype(np.int64) + base, -1)
+        t = torch.from_numpy(r)
+        if self.cuda:
+            # a fresh pinned buffer from torch's caching host allocator, not reused before the copy ran
+            self.map[li].copy_(t.pin_memory(), non_blocking=True)
+        else:
+            self.map[li].copy_(t)
+
+    def slot(self, layer: int, slot_in_layer: int) -> int:
+        return self.pool_of[layer].base[layer] + slot_in_layer
+
+    # --- copies -----------------------------------------------------------------------------------------------
+    def begin_copies(self) -> None:
+        """Order the next copies after the main stream's work issued so far (readers of victim/staging slots)."""
+        if self.cuda:
+            self.side.wait_stream(torch.cuda.current_stream(self.device))
+
+    def copy(self, layer: int, expert: int, slot: int):
+        """Copy one expert from the host store into `slot` of its layer's pool; returns its event (CUDA) or None."""
+        pool, src = self.pool_of[layer], self.store[layer]
+        pairs = ((pool.gate.raw[slot], src.gate.raw[expert]), (pool.up.raw[slot], src.up.raw[expert]),
+                 (pool.down.raw[slot], src.down.raw[expert]))
+        self.copies += 1
+        self.copied_bytes += sum(s.numel() for _, s in pairs)
+        if not self.cuda:
+            for d, s in pairs:
+                d.copy_(s)
+            return None
+        with torch.cuda.stream(self.side):
+            for d, s in pairs:
+                d.copy_(s, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self.side)
+        return ev
+
+    def wait(self, ev) -> None:
+        """Make the main stream wait for a copy (no host sync)."""
+        if ev is not None:
+            torch.cuda.current_stream(self.device).wait_event(ev)
+
+    # --- the staging ring ---------------------------------------------------------------------------------------
+    def stage_slots(self, layer: int, n: int) -> list[int]:
+        """n ring slots of the layer's pool for streamed experts (n <= staging); their previous readers must
+        be done, which begin_copies() ensures for work issued before it."""
+        pool = self.pool_of[layer]
+        if n > pool.staging:
+            raise ValueError(f"{n} streamed experts exceed the staging ring of {pool.staging}")
+        out = []
+        for _ in range(n):
+            out.append(pool.stage_base + pool.stage_next)
+            pool.stage_next = (pool.stage_next + 1) % pool.staging
+        return out
+
+    def staging_for(self, layer: int) -> int:
+        return self.pool_of[layer].staging

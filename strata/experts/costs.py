@@ -1,0 +1,216 @@
+"""Per-expert costs measured on this machine: what `--cpu-plan auto` and the prefill split decide from.
+
+- `measure_cpu_expert_ms(weights, threads)`: one token through one expert on the CPU lane, weights read from
+  RAM (the experts sampled cycle through more bytes than the last-level cache holds).
+- `measure_pcie_expert_ms(weights)`: one expert's bytes host -> device (pinned, async); on a CPU-only
+  machine the copy into the host slot pool.
+- `measure_gpu_expert_ms(weights)`: one token through one expert from device slots (grouped call on CUDA).
+- `cost_model_for(backend)`: those three (and per-further-token costs for prefill) as a CostModel, cached per
+  machine and expert shape in the user's cache directory (`strata calibrate` will re-measure).
+- `cpu_bandwidth(weights, threads)`: GB/s of the CPU lane (packed bytes read per second), for reports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import os
+import pathlib
+import platform
+import statistics
+import time
+
+import torch
+
+from strata.config import env
+from strata.experts.cpu_lane import CpuLane
+from strata.experts.plan import CostModel
+from strata.experts.resident import ExpertWeights, expert_ffn
+from strata.quant import QTensor
+
+log = logging.getLogger("strata")
+
+SAMPLE_EXPERTS = 32  # experts cycled through per measurement (more bytes than a last-level cache)
+
+
+def cache_dir() -> pathlib.Path:
+    base = env("STRATA_CACHE_DIR") or os.path.join(env("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "strata")
+    return pathlib.Path(base)
+
+
+def machine_id(device: torch.device) -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return f"{cpu} x{os.cpu_count()} | {gpu} | torch {torch.__version__}"
+
+
+def model_id(ew: ExpertWeights, dtype: torch.dtype, threads: int, kernel: str) -> str:
+    shapes = "/".join(f"{t.qtype.name}{list(t.shape[1:])}" for t in (ew.gate, ew.up, ew.down))
+    return f"{shapes} {str(dtype).replace('torch.', '')} threads={threads} kernel={kernel}"
+
+
+def _sample(ew: ExpertWeights, n: int | None = None) -> list[int]:
+    return list(range(min(ew.n_experts, n or SAMPLE_EXPERTS)))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_passes(fn, passes: int, device: torch.device = torch.device("cpu")) -> float:
+    """Median seconds of fn() over `passes` timed runs, after one warm-up."""
+    fn()
+    _sync(device)
+    times = []
+    for _ in range(passes):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_cpu_expert_ms(weights: ExpertWeights, threads: int = 0, *, dtype: torch.dtype = torch.bfloat16,
+                          kernel: str = "auto", tokens: int = 1, lane: CpuLane | None = None, layer: int = 0,
+                          passes: int = 3, n_experts: int | None = None) -> float:
+    """ms for `tokens` tokens through one expert on the CPU lane (its kernel for `dtype`), weights from RAM."""
+    before = torch.get_num_threads()
+    if lane is None:
+        lane, layer = CpuLane({0: weights}, threads, kernel, dtype), 0
+    elif threads:
+        torch.set_num_threads(threads)
+    try:
+        experts = _sample(weights, n_experts)
+        x = torch.randn(tokens, weights.gate.shape[-1]).to(dtype)
+
+        def run():
+            for e in experts:
+                lane.expert(layer, e, x)
+
+        return _time_passes(run, passes) / len(experts) * 1e3
+    finally:
+        torch.set_num_threads(before)
+
+
+def cpu_bandwidth(weights: ExpertWeights, threads: int = 0, *, dtype: torch.dtype = torch.bfloat16,
+                  kernel: str = "auto", passes: int = 3, n_experts: int | None = None) -> tuple[float, float, str]:
+    """(ms per expert, GB/s of the bytes the kernel reads, kernel) for one token on the CPU lane."""
+    lane = CpuLane({0: weights}, threads, kernel, dtype)
+    before = torch.get_num_threads()
+    ms = measure_cpu_expert_ms(weights, threads, dtype=dtype, lane=lane, passes=passes, n_experts=n_experts)
+    torch.set_num_threads(before)
+    kind = lane.kernel[0]
+    nbytes = lane.nbytes() / max(len(lane._int4[0]), 1) if kind == "int4" else weights.expert_nbytes()
+    return ms, nbytes / (ms * 1e-3) / 1e9, kind
+
+
+def measure_pcie_expert_ms(weights: ExpertWeights, device: torch.device | str | None = None,
+                           passes: int = 3, n_experts: int | None = None) -> float:
+    """ms to copy one expert's stored bytes host -> device (pinned source on CUDA)."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    experts = _sample(weights, n_experts)
+    ts = (weights.gate, weights.up, weights.down)
+    if device.type == "cuda":
+        src = [[t.raw[e].pin_memory() if not t.raw.is_pinned() else t.raw[e] for t in ts] for e in experts]
+    else:
+        src = [[t.raw[e] for t in ts] for e in experts]
+    dst = [torch.empty_like(s, device=device) for s in src[0]]
+
+    def run():
+        for parts in src:
+            for d, s in zip(dst, parts):
+                d.copy_(s, non_blocking=True)
+
+    return _time_passes(run, passes, device) / len(experts) * 1e3
+
+
+def measure_gpu_expert_ms(weights: ExpertWeights, device: torch.device | str | None = None, *,
+                          dtype: torch.dtype | None = None, tokens: int = 1, k: int = 8, passes: int = 3) -> float:
+    """ms for `tokens` tokens through one expert held in device slots (the grouped call for decode on CUDA)."""
+    from strata.ops.expert_gather import gather_expert_ffn
+
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    n = min(weights.n_experts, max(k, 1))
+    pool = [QTensor(t.raw[:n].to(device), t.qtype, (n, *t.shape[1:])) for t in (weights.gate, weights.up, weights.down)]
+    d = weights.gate.shape[-1]
+    if device.type == "cuda" and tokens == 1:
+        x = torch.randn(n, d, device=device).to(dtype)
+        slots = torch.arange(n, device=device)
+        return _time_passes(lambda: gather_expert_ffn(x, *pool, slots), passes, device) / n * 1e3
+    x = torch.randn(tokens, d, device=device).to(dtype)
+
+    def run():
+        for e in range(n):
+            expert_ffn(x, pool[0][e], pool[1][e], pool[2][e])
+
+    return _time_passes(run, passes, device) / n * 1e3
+
+
+def _handoff_ms(device: torch.device) -> float:
+    """One GPU -> CPU -> GPU round trip of a token's activations (the CPU lane's per-layer hand-off)."""
+    if device.type != "cuda":
+        return 0.0
+    x = torch.randn(1, 4096, device=device)
+    buf = torch.empty_like(x, device="cpu").pin_memory()
+
+    def run():
+        buf.copy_(x, non_blocking=True)
+        torch.cuda.current_stream(device).synchronize()
+        x.copy_(buf, non_blocking=True)
+
+    return _time_passes(run, 20, device) * 1e3
+
+
+def measure_cost_model(weights: ExpertWeights, device: torch.device, dtype: torch.dtype, threads: int = 0,
+                       lane: CpuLane | None = None, layer: int = 0) -> CostModel:
+    cpu1 = measure_cpu_expert_ms(weights, threads, dtype=dtype, lane=lane, layer=layer)
+    cpu8 = measure_cpu_expert_ms(weights, threads, dtype=dtype, lane=lane, layer=layer, tokens=8, passes=1)
+    gpu1 = measure_gpu_expert_ms(weights, device, dtype=dtype)
+    gpu8 = measure_gpu_expert_ms(weights, device, dtype=dtype, tokens=8, passes=1)
+    return CostModel(
+        cpu_ms_per_expert=cpu1,
+        pcie_ms_per_expert=measure_pcie_expert_ms(weights, device),
+        gpu_ms_per_expert=gpu1,
+        cpu_ms_per_token_expert=max((cpu8 - cpu1) / 7, 0.0),
+        gpu_ms_per_token_expert=max((gpu8 - gpu1) / 7, 0.0),
+        cpu_overhead_ms=_handoff_ms(device),
+    )
+
+
+def cost_model_for(backend) -> CostModel:
+    """The backend's costs: this machine's cached measurement for its expert shape, else measured now and cached."""
+    layer = backend.layer_ids[0]
+    ew = backend.store[layer]
+    lane = backend.lane
+    threads = lane.threads if lane is not None else torch.get_num_threads()
+    kernel = lane.kernel[layer] if lane is not None else "none"
+    machine, model = machine_id(backend.device), model_id(ew, backend.dtype, threads, kernel)
+    path = cache_dir() / "costs" / (hashlib.sha256(f"{machine}\n{model}".encode()).hexdigest()[:24] + ".json")
+    if path.exists():
+        try:
+            cm = CostModel.load(path)
+            if cm.matches(machine, model):
+                return cm
+        except Exception as e:  # a damaged cache entry is re-measured, never fatal
+            log.warning("strata: ignoring cached cost model %s: %s", path, e)
+    log.info("strata: measuring expert costs on this machine (cached in %s)", path)
+    if lane is None:
+        lane = CpuLane({layer: ew}, threads, "auto", backend.dtype)
+    cm = measure_cost_model(ew, backend.device, backend.dtype, threads, lane=lane, layer=layer)
+    cm = dataclasses.replace(cm, machine=machine, model=model)
+    try:
+        cm.save(path)
+    except OSError as e:
+        log.warning("strata: could not cache the cost model in %s: %s", path, e)
+    return cm

@@ -1,0 +1,204 @@
+"""The CPU lane: missed experts computed on the host, from the host copy, while the GPU computes the hits.
+
+Two kernels per expert FFN (`silu(x @ gate.T) * (x @ up.T) @ down.T`):
+
+- `ref`: `strata.experts.resident.expert_ffn` on the stored blocks: the exact reference math (float32), the
+  same as the all-resident backend on the CPU, so offloaded CPU runs match it. Slow: it dequantizes the expert's
+  rows on every call.
+- `int4`: the weights repacked once at load into the layout of torch's fused
+  `aten._weight_int4pack_mm_for_cpu` (4-bit values, a bf16 scale and zero per 32-group), which reads the
+  packed weights once per call without materialising floats. Exact where the format allows, up to the bf16
+  rounding of the scales and zeros: Q4_K `w = d*sc*q - dmin*m = (q - 8)*scale + zero` with `scale = d*sc`,
+  `zero = 8*d*sc - dmin*m`; Q4_0 `w = (q - 8)*d`. Needs bf16/f16 activations (the kernel takes bf16; float32
+  activations would be 20x slower), i.e. the GPU's compute dtype; gate and up are packed as one [2*ff, d]
+  weight so an expert is two calls.
+
+`auto` takes `int4` for bf16/f16 activations and a repackable format, else `ref`. Other formats (Q8_0,
+Q5_K, Q6_K, ...) use `ref` until a kernel for them lands.
+
+Threads: torch's intra-op pool is process-wide; `CpuLane(threads=n)` sets it (0 leaves torch's default, one
+per physical core). The lane runs on the calling thread: the backend launches the GPU's work first, then
+calls the lane, so both run at once.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+
+from strata import StrataError
+from strata.experts.resident import ExpertWeights, expert_ffn
+from strata.quant import QTensor
+
+log = logging.getLogger("strata")
+
+Q = GGMLQuantizationType
+KERNELS = ("auto", "ref", "int4")
+INT4_TYPES = frozenset({Q.Q4_K, Q.Q4_0})
+GROUP = 32  # int4pack group size: the sub-block of Q4_K, the block of Q4_0
+
+
+def _f16_field(b: np.ndarray, off: int) -> np.ndarray:
+    """The f16 at byte offset `off` of each block (last axis = block bytes) as float32, shape [..., 1]."""
+    return np.ascontiguousarray(b[..., off:off + 2]).view(np.float16).astype(np.float32)
+
+
+def _q4k_unpack(raw: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K rows [n, k/256*144] -> (q uint8 [n, k], scale f32 [n, k/32], zero f32 [n, k/32])."""
+    b = raw.reshape(n, k // 256, 144)
+    d, dmin = _f16_field(b, 0), _f16_field(b, 2)  # [n, nb, 1]
+    s = b[..., 4:16].reshape(n, k // 256, 3, 4)
+    s0, s1, s2 = s[..., 0, :], s[..., 1, :], s[..., 2, :]
+    sc = np.concatenate([s0 & 0x3F, (s2 & 0x0F) | ((s0 >> 2) & 0x30)], -1).astype(np.float32)  # [n, nb, 8]
+    mn = np.concatenate([s1 & 0x3F, (s2 >> 4) | ((s1 >> 2) & 0x30)], -1).astype(np.float32)
+    scale = (d * sc).reshape(n, k // GROUP)  # d*sc in float32, as the reference dequantizer computes it
+    zero = 8.0 * scale - (dmin * mn).reshape(n, k // GROUP)
+    qs = b[..., 16:].reshape(n, k // 256, 4, 1, 32)  # 32 bytes hold sub-blocks 2i (low) and 2i+1 (high)
+    q = np.concatenate([qs & 0x0F, qs >> 4], 3).reshape(n, k)
+    return q, scale, zero
+
+
+def _q4_0_unpack(raw: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    b = raw.reshape(n, k // 32, 18)
+    d = _f16_field(b, 0).reshape(n, k // 32)
+    qs = b[..., 2:].reshape(n, k // 32, 1, 16)
+    q = np.concatenate([qs & 0x0F, qs >> 4], 2).reshape(n, k)
+    return q, d, np.zeros_like(d)
+
+
+_UNPACK = {Q.Q4_K: _q4k_unpack, Q.Q4_0: _q4_0_unpack}
+
+
+class Int4Weight:
+    """One [n, k] weight in `_weight_int4pack_mm_for_cpu`'s layout."""
+
+    __slots__ = ("packed", "sz", "n")
+
+    def __init__(self, packed: torch.Tensor, sz: torch.Tensor, n: int):
+        self.packed, self.sz, self.n = packed, sz, n
+
+    @classmethod
+    def from_parts(cls, q: np.ndarray, scale: np.ndarray, zero: np.ndarray) -> "Int4Weight":
+        n, _ = q.shape
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.from_numpy(q.astype(np.int32)), 1)
+        sz = torch.stack([torch.from_numpy(scale).t(), torch.from_numpy(zero).t()], -1)  # [k/32, n, 2]
+        return cls(packed, sz.to(torch.bfloat16).contiguous(), n)
+
+    def nbytes(self) -> int:
+        return self.packed.numel() * self.packed.element_size() + self.sz.numel() * self.sz.element_size()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, k] bf16 -> [T, n] bf16
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.sz)
+
+
+def repack_int4(*weights: QTensor) -> Int4Weight:
+    """2-D QTensors of one format (stacked along rows, e.g. gate and up) -> one Int4Weight."""
+    parts = []
+    for w in weights:
+        if w.qtype not in _UNPACK or len(w.shape) != 2:
+            raise StrataError(f"no int4 repack for a {w.qtype.name} weight of shape {w.shape}")
+        n, k = w.shape
+        parts.append(_UNPACK[w.qtype](w.raw.numpy(), n, k))
+    q, scale, zero = (np.concatenate([p[i] for p in parts], 0) for i in range(3))
+    return Int4Weight.from_parts(q, scale, zero)
+
+
+def int4_supported(ew: ExpertWeights) -> bool:
+    """The int4 kernel takes this layer's experts (each projection's format repacks, rows are whole groups)."""
+    if not all(t.qtype in INT4_TYPES for t in (ew.gate, ew.up, ew.down)):
+        return False
+    if ew.gate.qtype != ew.up.qtype:
+        return False
+    # the CPU kernel wants k a multiple of the group and n a multiple of its 64-wide blocks
+    return all(t.shape[-1] % GROUP == 0 and t.shape[-2] % 64 == 0 for t in (ew.gate, ew.down))
+
+
+class _Int4Expert:
+    __slots__ = ("gate_up", "down", "ff")
+
+    def __init__(self, ew: ExpertWeights, e: int):
+        self.ff = ew.gate.shape[1]
+        self.gate_up = repack_int4(ew.gate[e], ew.up[e])  # [2*ff, d]
+        self.down = repack_int4(ew.down[e])  # [d, ff]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, d] bf16 -> [T, d] bf16
+        h = self.gate_up(x)
+        return self.down(F.silu(h[:, : self.ff]) * h[:, self.ff :])
+
+
+class CpuLane:
+    """Computes (expert, tokens) jobs of one MoE layer on the host.
+
+    layers: model layer -> ExpertWeights on the host (the store's copy). `dtype` is the activations' dtype
+    (the model's compute dtype), which picks the kernel under `auto`.
+    """
+
+    def __init__(self, layers: dict[int, ExpertWeights], threads: int = 0, kernel: str = "auto",
+                 dtype: torch.dtype = torch.float32, repack: bool = True):
+        if kernel not in KERNELS:
+            raise StrataError(f"cpu kernel must be one of {', '.join(KERNELS)} (got {kernel!r})")
+        if threads < 0:
+            raise StrataError("--cpu-threads must be >= 0")
+        if threads:
+            torch.set_num_threads(threads)
+        self.threads = torch.get_num_threads()
+        self.layers, self.dtype = layers, dtype
+        self.kernel: dict[int, str] = {}
+        self._int4: dict[int, dict[int, _Int4Expert]] = {}
+        for i, ew in layers.items():
+            want = kernel
+            if kernel == "auto":
+                want = "int4" if dtype in (torch.bfloat16, torch.float16) and int4_supported(ew) and repack else "ref"
+            elif kernel == "int4" and not int4_supported(ew):
+                raise StrataError(f"layer {i}: the int4 CPU kernel does not take {ew.gate.qtype.name}/"
+                                  f"{ew.down.qtype.name} experts of shape {ew.gate.shape[1:]}")
+            self.kernel[i] = want
+            if want == "int4":
+                self._int4[i] = {}  # filled lazily per expert, or all at once by prepare()
+
+    def prepare(self, progress: bool = False) -> None:
+        """Repack every expert the int4 kernel will read now (load time), not on first use."""
+        todo = [(i, e) for i in self._int4 for e in range(self.layers[i].n_experts) if e not in self._int4[i]]
+        if not todo:
+            return
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(todo), unit="expert", desc="strata: repacking experts for the CPU", leave=False)
+        for i, e in todo:
+            self._int4[i][e] = _Int4Expert(self.layers[i], e)
+            if bar is not None:
+                bar.update()
+        if bar is not None:
+            bar.close()
+
+    def nbytes(self) -> int:
+        """Host bytes of the repacked copies made so far."""
+        return sum(x.gate_up.nbytes() + x.down.nbytes() for d in self._int4.values() for x in d.values())
+
+    def expert(self, layer: int, e: int, x: torch.Tensor) -> torch.Tensor:
+        """One expert over tokens x [T, d] (host) -> [T, d] float32."""
+        if self.kernel[layer] == "int4":
+            packed = self._int4[layer].get(e)
+            if packed is None:
+                packed = self._int4[layer][e] = _Int4Expert(self.layers[layer], e)
+            return packed(x.to(torch.bfloat16)).float()
+        ew = self.layers[layer]
+        return expert_ffn(x, ew.gate[e], ew.up[e], ew.down[e]).float()
+
+    def run(self, layer: int, x: torch.Tensor, jobs: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+        """jobs: (expert, token indices [n_e]) -> outputs [sum n_e, d] float32 in job order. x [N, d] on the host."""
+        total = sum(int(t.numel()) for _, t in jobs)
+        out = torch.empty(total, x.shape[-1], dtype=torch.float32)
+        xin = x.to(torch.bfloat16) if self.kernel[layer] == "int4" else x  # convert once per layer
+        r = 0
+        for e, tok in jobs:
+            n = int(tok.numel())
+            out[r:r + n] = self.expert(layer, e, xin[tok])
+            r += n
+        return out

@@ -1,0 +1,393 @@
+"""Tiered expert execution: hot experts in a VRAM slot cache, every expert in host RAM, misses on the CPU or
+streamed over PCIe, all behind `forward(layer, x, ids, w)`.
+
+Per MoE layer and step (one forward of the engine):
+
+ 1. (CUDA) ids and x start their copy to the host; the GPU computes every (token, choice) pair from the slot
+    pool through the device `expert_map`, misses masked to zero (`gather_expert_ffn`: a few batched calls,
+    no per-expert launches) -- queued before the host knows anything.
+ 2. Host sync #1: wait for ids/x on the host (the one sync of the decode step's hand-off).
+ 3. The host mirror of the map gives hits; misses are split by the plan (`--cpu-plan` per token, or the
+    measured cost model: `CpuPlan.auto` for one token, `prefill_split` for a chunk) into a CPU share and
+    experts streamed over PCIe. The policy observes the routing and admits experts within the swap budget.
+ 4. Copies (admissions into cache slots, streamed experts into the staging ring) go out on the side stream;
+    the main stream waits on their events and computes the streamed experts.
+ 5. The CPU lane computes its share on the host meanwhile; its results go back (pinned, async) and are
+    scattered into the [N, k, d] outputs, summed in routing order in float32 (`combine`, as resident).
+
+On a CPU-only machine the same tiers run with the "GPU" being the host (pool = host tensor, synchronous
+copies), and hits are computed per expert exactly as the resident backend does, so logits match it.
+
+A new step is recognised by a call for the first MoE layer. `stats` counts every lookup (hits + cpu + pcie =
+lookups); `profile` is a StepProfile the engine may also feed (attention, dense) and `profile_report()`
+renders it (with --profile; GPU buckets come from CUDA events, resolved with one sync per step).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import time
+from collections import Counter
+
+import numpy as np
+import torch
+
+from strata import StrataError
+from strata.config import EngineConfig
+from strata.experts.cache import ExpertCache, budget_slots
+from strata.experts.cpu_lane import CpuLane
+from strata.experts.plan import CostModel, CpuPlan
+from strata.experts.policy import make_policy
+from strata.experts.profile import RoutingProfile, warm_policy
+from strata.experts.resident import ExpertWeights, combine, expert_ffn
+from strata.experts.stats import ExpertStats, StepProfile
+from strata.experts.store import ExpertStore
+from strata.ops.expert_gather import gather_expert_ffn
+
+log = logging.getLogger("strata")
+
+PAIRS_MAX = 64  # (token, choice) pairs up to which CUDA computes all pairs from the map before the host sync
+
+
+def _all_cpu_zero(text: str) -> bool:
+    t = text.replace(",", "").strip()
+    return bool(t) and set(t) == {"0"}
+
+
+class TieredExperts:
+    """The tiered experts backend. layers: model layer -> ExpertWeights on the host (mapped file views).
+
+    cpu_kernel: the CPU lane's kernel (auto | ref | int4); cost_model: use these costs for `--cpu-plan auto`
+    instead of measuring (or loading the machine's cached measurement).
+    """
+
+    def __init__(self, layers: dict[int, ExpertWeights], cfg: EngineConfig, *, cpu_kernel: str = "auto",
+                 cost_model: CostModel | None = None, progress: bool = True):
+        self.cfg, self.ex = cfg, cfg.experts
+        self.device, self.dtype = cfg.torch_device, cfg.torch_dtype
+        self.cuda = self.device.type == "cuda"
+        self.progress = progress
+        self.store = ExpertStore(layers, pin=None if self.cuda else False, low_ram=self.ex.low_ram, progress=progress)
+        self.layer_ids = self.store.layer_ids
+        self.index = {layer: li for li, layer in enumerate(self.layer_ids)}
+        self.n_experts = self.store.n_experts
+        self.lane: CpuLane | None = None
+        if not _all_cpu_zero(self.ex.cpu_plan):  # a plan that never uses the CPU needs no lane (nor repacking)
+            self.lane = CpuLane(self.store.layers, self.ex.cpu_threads, cpu_kernel, self.dtype)
+            if not self.ex.low_ram:
+                self.lane.prepare(progress=progress)
+        self.costs = cost_model
+        self.stats = ExpertStats()  # cumulative
+        self.request = ExpertStats()  # since begin_request()
+        self.profile = StepProfile()
+        self.profiling = bool(self.ex.profile)
+        self._events: list[tuple[str, object, object]] = []  # (bucket, start, end) CUDA events to resolve
+        self.cache: ExpertCache | None = None  # set up at the first forward, once KV and buffers exist
+        self.policy = None
+        self.plan: CpuPlan | None = None
+        self.k = 0
+        self._pending: list[dict[int, object]] = [{} for _ in self.layer_ids]  # li -> expert -> copy event
+        self._loaded_profile: RoutingProfile | None = None
+        self._pin_bufs: dict[str, torch.Tensor] = {}
+        self._saved = False
+
+    # --- set-up -----------------------------------------------------------------------------------------------
+    def setup(self, k: int) -> None:
+        """Size and fill the cache, pick the plan. Called by the first forward (or by the engine after it
+        allocated the KV cache, so the VRAM budget sees it)."""
+        if self.cache is not None:
+            return
+        self.k = k
+        staging = max(2 * k, 8)
+        slots = budget_slots(self.ex, self.store, self.device, staging)
+        self.cache = ExpertCache(self.store, slots, staging, self.device)
+        L, E = len(self.layer_ids), self.n_experts
+        kw = dict(swap_budget=self.ex.swap_budget)
+        if self.ex.cache_policy == "lfu-decay":
+            kw["promote_min"] = self.ex.promote_min
+        self.policy = make_policy(self.ex.cache_policy, L, E, slots, **kw)
+        if self.ex.cpu_plan.strip() == "auto":
+            if self.costs is None:
+                from strata.experts.costs import cost_model_for
+
+                self.costs = cost_model_for(self)
+            self.plan = self.costs.cpu_plan(k)
+        else:
+            self.plan = CpuPlan.parse(self.ex.cpu_plan, k)
+        if self.lane is None and any(self.plan.shares):
+            raise StrataError("internal: the CPU lane is off but the plan uses the CPU")
+        log.info("strata: expert cache %d slots/layer (%.2f GiB), plan %s, CPU kernel %s", slots,
+                 self.cache.nbytes() / 2**30, self.plan,
+                 ",".join(sorted(set(self.lane.kernel.values()))) if self.lane else "-")
+        if self.ex.expert_profile:
+            self.load_profile(self.ex.expert_profile)
+        if self.ex.expert_profile_save:
+            atexit.register(self.close)
+
+    def load_profile(self, path) -> None:
+        """Fill the cache from a routing profile: each layer's top-ranked experts copied in before serving."""
+        prof = RoutingProfile.load(path, len(self.layer_ids), self.n_experts)
+        warm_policy(self.policy, prof)
+        self._loaded_profile = prof
+        self.cache.begin_copies()
+        for li, layer in enumerate(self.layer_ids):
+            for e, slot in self.policy.resident(li).items():
+                self.cache.copy(layer, e, self.cache.slot(layer, slot))
+            self.cache.upload_map(li, self.policy.expert_map()[li])
+        if self.cuda:
+            self.cache.side.synchronize()
+
+    def routing_profile(self) -> RoutingProfile:
+        """What was routed so far (merged with the profile the cache was filled from)."""
+        prof = RoutingProfile.from_policy(self.policy, model=self.cfg.model or "")
+        return prof.merge(self._loaded_profile) if self._loaded_profile is not None else prof
+
+    def save_profile(self, path=None) -> None:
+        """Write the learned routing profile atomically (to --expert-profile-save by default)."""
+        path = path or self.ex.expert_profile_save
+        if path and self.policy is not None:
+            self.routing_profile().save(path)
+
+    def close(self) -> None:
+        if not self._saved and self.ex.expert_profile_save:
+            self._saved = True
+            self.save_profile()
+
+    # --- requests and steps -----------------------------------------------------------------------------------
+    def begin_request(self) -> ExpertStats:
+        """Start counting a new request; returns the finished one's counts."""
+        done, self.request = self.request, ExpertStats()
+        return done
+
+    def _begin_step(self, n_tokens: int) -> None:
+        self.policy.tick()
+        self.stats.add(tokens=n_tokens)
+        self.request.add(tokens=n_tokens)
+        if self.profiling:
+            self._resolve_events()
+            self.profile.add_tokens(n_tokens)
+
+    def _poll(self, li: int) -> None:
+        """Mark experts whose copy finished as ready (event.query(): no sync)."""
+        pend = self._pending[li]
+        if not pend:
+            return
+        done = [e for e, ev in pend.items() if ev is None or ev.query()]
+        for e in done:
+            del pend[e]
+            self.policy.mark_ready(li, e)
+        if done:
+            self.cache.upload_map(li, self.policy.expert_map()[li])
+
+    # --- profiling ----------------------------------------------------------------------------------------------
+    def _mark(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def _span(self, bucket: str, start, end=None) -> None:
+        end = self._mark() if end is None else end
+        if self.cuda:
+            self._events.append((bucket, start, end))
+        else:
+            self.profile.add(bucket, (end - start) * 1e3)
+
+    def _resolve_events(self) -> None:
+        if not self._events:
+            return
+        torch.cuda.synchronize(self.device)  # profiling only: one sync per step
+        for bucket, a, b in self._events:
+            self.profile.add(bucket, max(a.elapsed_time(b), 0.0))
+        self._events.clear()
+
+    def profile_report(self, measured_ms: float | None = None) -> str:
+        """The per-token time breakdown (with --profile), '' otherwise."""
+        if not self.profiling:
+            return ""
+        self._resolve_events()
+        return self.profile.render(measured_ms)
+
+    # --- the MoE layer --------------------------------------------------------------------------------------------
+    def _pinned(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """t (device) copied into a reusable pinned host buffer, asynchronously."""
+        buf = self._pin_bufs.get(name)
+        if buf is None or buf.numel() < t.numel() or buf.dtype != t.dtype:
+            buf = torch.empty(max(t.numel(), 1 << 16), dtype=t.dtype, pin_memory=True)
+            self._pin_bufs[name] = buf
+        out = buf[: t.numel()].view(t.shape)
+        out.copy_(t, non_blocking=True)
+        return out
+
+    def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        N, k = ids.shape
+        if self.cache is None:
+            self.setup(k)
+        li = self.index[layer]
+        if li == 0:
+            self._begin_step(N)
+        self._poll(li)
+        cache, pool = self.cache, self.cache.pool_of[layer]
+        d = x.shape[-1]
+        row = self.policy.expert_map()[li].copy()  # [E] host mirror of the device map row: slot or -1
+        t_hits = self._mark() if self.profiling else None
+        y = None  # [N*k, d] float32 on the device
+        if self.cuda:
+            # hits from the device map, queued before the host looks at the routing (no sync yet)
+            ids_h = self._pinned("ids", ids)
+            x_h = self._pinned("x", x) if self.lane is not None else None
+            ready = torch.cuda.Event()
+            ready.record()
+            if N * k <= PAIRS_MAX:
+                gslot = cache.map[li].index_select(0, ids.reshape(-1))  # [N*k]
+                xs = x.repeat_interleave(k, dim=0)  # [N*k, d]
+                y = gather_expert_ffn(xs, pool.gate, pool.up, pool.down, gslot.clamp(min=0))
+                y = torch.where((gslot >= 0).unsqueeze(1), y, 0.0)
+            ready.synchronize()  # host sync #1: the routing (and x for the CPU lane) on the host
+            ids_np = ids_h.numpy().copy()
+        else:
+            x_h = x
+            ids_np = ids.numpy().copy()
+        hit = row[ids_np] >= 0  # [N, k]
+        if y is None:
+            y = torch.zeros(N * k, d, dtype=torch.float32, device=x.device)
+            groups = self._groups(ids_np, hit, lambda e: cache.slot(layer, int(row[e])))
+            self._compute(pool, x, groups, y)
+        if self.profiling:
+            self._span("gpu_experts", t_hits)
+
+        # misses: CPU share and PCIe share
+        cpu_experts, stream = self._split(li, ids_np, hit)
+        pol = self.policy
+        pol.observe(li, ids_np.reshape(-1).tolist())
+        swaps = pol.plan_swaps(li)
+        pol.commit(li, swaps)
+        cache.begin_copies()
+        admitted: dict[int, tuple[int, object]] = {}
+        for sw in swaps:
+            gs = cache.slot(layer, sw.slot)
+            admitted[sw.admit] = (gs, cache.copy(layer, sw.admit, gs))
+            self._pending[li][sw.admit] = admitted[sw.admit][1]
+        t_pcie = self._mark() if self.profiling else None
+        if stream:
+            self._stream(layer, pool, x, ids_np, hit, stream, admitted, y, t_pcie)
+        if not self.cuda:
+            self._poll(li)  # host copies are done: admitted experts are hits from the next step on
+        elif swaps:
+            cache.upload_map(li, pol.expert_map()[li])  # victims are misses from now on
+
+        n_cpu = 0
+        if cpu_experts:
+            t_cpu = self._mark() if self.profiling else None
+            groups = self._groups(ids_np, ~hit, lambda e: e, only=cpu_experts)
+            jobs = [(e, torch.from_numpy(tok)) for e, tok, _ in groups]
+            out = self.lane.run(layer, x_h, jobs)  # [P, d] float32 on the host
+            idx = np.concatenate([p for _, _, p in groups])
+            n_cpu = len(idx)
+            if self.profiling:
+                self._span("cpu_wait", t_cpu)
+            if self.cuda:
+                out = out.pin_memory().to(self.device, non_blocking=True)
+                y[torch.from_numpy(idx).pin_memory().to(self.device, non_blocking=True)] = out
+            else:
+                y[torch.from_numpy(idx)] = out
+        n_hit = int(hit.sum())
+        counts = dict(hits=n_hit, cpu=n_cpu, pcie=N * k - n_hit - n_cpu, swaps=len(swaps), layers=N)
+        self.stats.add(**counts)
+        self.request.add(**counts)
+        return combine(y.view(N, k, d), w, x.dtype)
+
+    # --- helpers --------------------------------------------------------------------------------------------
+    @staticmethod
+    def _groups(ids_np: np.ndarray, mask: np.ndarray, key, only=None) -> list[tuple[int, np.ndarray, np.ndarray]]:
+        """Masked (token, choice) pairs grouped by expert, in expert order:
+        [(key(expert), token indices, flat pair indices)]."""
+        k = ids_np.shape[1]
+        flat = np.flatnonzero(mask.reshape(-1))
+        if only is not None:
+            flat = flat[np.isin(ids_np.reshape(-1)[flat], list(only))]
+        if flat.size == 0:
+            return []
+        ex = ids_np.reshape(-1)[flat]
+        order = np.argsort(ex, kind="stable")
+        flat, ex = flat[order], ex[order]
+        cut = np.flatnonzero(np.diff(ex)) + 1
+        return [(key(int(e[0])), p // k, p) for e, p in zip(np.split(ex, cut), np.split(flat, cut))]
+
+    def _compute(self, pool, x: torch.Tensor, groups, y: torch.Tensor) -> None:
+        """On the device: groups [(slot, token idx, pair idx)] -> y[pair idx] (float32)."""
+        if not groups:
+            return
+        dev = x.device
+        n_pairs = sum(len(p) for _, _, p in groups)
+        if self.cuda and n_pairs <= PAIRS_MAX:  # decode-sized: one grouped call over all pairs
+            slots = np.concatenate([np.full(len(p), s) for s, _, p in groups])
+            tok = np.concatenate([t for _, t, _ in groups])
+            pairs = np.concatenate([p for _, _, p in groups])
+            st = torch.from_numpy(np.stack([slots, tok, pairs])).to(dev)
+            y[st[2]] = gather_expert_ffn(x.index_select(0, st[1]), pool.gate, pool.up, pool.down, st[0])
+            return
+        for s, tok, pairs in groups:  # chunk-sized: a matmul per expert over its tokens
+            ti = torch.from_numpy(tok).to(dev)
+            y[torch.from_numpy(pairs).to(dev)] = expert_ffn(x.index_select(0, ti), *pool.expert(s)).float()
+
+    def _split(self, li: int, ids_np: np.ndarray, hit: np.ndarray) -> tuple[set[int], set[int]]:
+        """Missed experts -> (computed on the CPU, streamed over PCIe)."""
+        miss = ~hit
+        if not miss.any():
+            return set(), set()
+        N = ids_np.shape[0]
+        missed = ids_np[miss]
+        if self.ex.cpu_plan.strip() == "auto" and N > 1:
+            tpe = Counter(ids_np.reshape(-1).tolist())
+            split = self.costs.prefill_split(tpe, resident=set(ids_np[hit].tolist()))
+            return set(split.cpu), set(split.stream)
+        scores = self.policy.scores(li)
+        stream: set[int] = set()
+        for t in range(N):
+            _, pcie = self.plan.choose(ids_np[t][miss[t]].tolist(), scores)
+            stream.update(pcie)
+        cpu = set(missed.tolist()) - stream
+        return cpu, stream
+
+    def _stream(self, layer: int, pool, x, ids_np, hit, stream: set[int], admitted, y, t_pcie) -> None:
+        """Copy the streamed experts (admitted ones into their cache slot, others through the staging ring,
+        in batches that overlap the next batch's copy with this one's compute) and compute them on the device."""
+        cache = self.cache
+        groups = self._groups(ids_np, ~hit, lambda e: e, only=stream)
+        in_slot = [(e, t, p) for e, t, p in groups if e in admitted]
+        staged = [(e, t, p) for e, t, p in groups if e not in admitted]
+        waited = False
+        if in_slot:
+            for e, _, _ in in_slot:
+                cache.wait(admitted[e][1])
+            waited = True
+            self._compute(pool, x, [(admitted[e][0], t, p) for e, t, p in in_slot], y)
+        ring = cache.staging_for(layer)
+        batch = ring if len(staged) <= ring else max(1, ring // 2)
+        batches = [staged[i:i + batch] for i in range(0, len(staged), batch)]
+        issued: list = []  # per batch: (slot groups, events)
+
+        def issue(b):
+            slots = cache.stage_slots(layer, len(b))
+            evs = [cache.copy(layer, e, s) for (e, _, _), s in zip(b, slots)]
+            return [(s, t, p) for s, (_, t, p) in zip(slots, b)], evs
+
+        if batches:
+            issued.append(issue(batches[0]))
+        for i in range(len(batches)):
+            if i + 1 < len(batches):
+                issued.append(issue(batches[i + 1]))  # the ring's other half; its readers ran before begin_copies
+            g, evs = issued[i]
+            for ev in evs:
+                cache.wait(ev)
+            if self.profiling and not waited:
+                self._span("pcie_wait", t_pcie)
+                waited = True
+            self._compute(pool, x, g, y)
+            if i + 2 < len(batches):
+                cache.begin_copies()  # the next copy into this half waits for this compute
+        if self.profiling and not waited:
+            self._span("pcie_wait", t_pcie)
