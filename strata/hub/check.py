@@ -18,7 +18,17 @@ from strata.hub.verify import GGUFHeader, read_gguf_header
 
 GiB = 1 << 30
 MiB = 1 << 20
-VRAM_RESERVE = 700 * MiB  # CUDA context, allocator slack, activations and staging buffers
+# These mirror the engine's sizing (strata.experts.cache.budget_slots; tests hold them equal): without
+# importing torch, `strata check` answers in a moment.
+VRAM_RESERVE = 700 * MiB  # ExpertConfig.vram_reserve_mib: CUDA context, allocator slack, activations
+DEFAULT_CTX = 8192  # EngineConfig.ctx_size 0 = min(the model's context, 8192)
+
+
+def staging_slots(n_expert_used: int) -> int:
+    """Experts the staging ring holds (the tiered backend's `max(2 * k, 8)`)."""
+    return max(2 * n_expert_used, 8)
+
+
 RAM_HEADROOM = 2 * GiB  # OS, the server process itself, page cache for the memory-mapped files
 KV_BYTES_PER_ELEMENT = 2  # f16/bf16 KV cache
 _LAYER = re.compile(r"^blk\.(\d+)\.")
@@ -105,42 +115,47 @@ class Fit:
     ctx: int
     ok: bool
     vram_budget: int | None
-    vram_needed: int | None  # dense + KV + reserve (without any expert slot)
+    vram_needed: int | None  # dense + KV + reserve + staging ring (without any cache slot)
     kv_bytes: int
     ram_needed: int
     ram_available: int
-    slots: int  # expert slots the VRAM left over holds
-    slots_share: float  # of all (layer, expert) pairs
+    slots: int  # cache slots per MoE layer (the engine gives every layer the same number)
+    slots_share: float  # slots / experts per layer
     reasons: list[str] = field(default_factory=list)  # why it cannot run
     fixes: list[str] = field(default_factory=list)  # what would make it fit
     notes: list[str] = field(default_factory=list)
 
 
-def fit(fp: ModelFootprint, machine: MachineInfo, ctx: int, vram_budget: int | None = None) -> Fit:
-    """The verdict for running `fp` with a context of `ctx` tokens on `machine`.
+def fit(fp: ModelFootprint, machine: MachineInfo, ctx: int = 0, vram_budget: int | None = None) -> Fit:
+    """The verdict for running `fp` with a context of `ctx` tokens (0: the engine's default) on `machine`.
 
     `vram_budget` (bytes) defaults to the first GPU's free VRAM; with no GPU and no budget the model runs on
-    the CPU, all of it from RAM.
+    the CPU, all of it from RAM. Slots are counted as the engine counts them: one slot per layer costs one
+    expert of every MoE layer.
     """
+    ctx = ctx or min(fp.context_length or DEFAULT_CTX, DEFAULT_CTX)
     if vram_budget is None and machine.gpus:
         vram_budget = machine.gpus[0].vram_free
     kv = fp.kv_bytes_per_token * ctx
     if vram_budget is None:
         return _fit_cpu(fp, machine, ctx, kv)
-    vram_needed = fp.dense_bytes + kv + VRAM_RESERVE
+    staging = staging_slots(fp.n_expert_used) * fp.slot_bytes if fp.n_expert else 0
+    vram_needed = fp.dense_bytes + kv + VRAM_RESERVE + staging
     ram_needed = fp.expert_bytes + RAM_HEADROOM
     spare = vram_budget - vram_needed
-    slots = min(spare // fp.slot_bytes, fp.n_expert_total) if fp.slot_bytes and spare > 0 else 0
-    share = slots / fp.n_expert_total if fp.n_expert_total else 1.0
+    per_slot = fp.expert_bytes // fp.n_expert if fp.n_expert else 0  # one expert in every layer
+    slots = min(spare // per_slot, fp.n_expert) if per_slot and spare > 0 else 0
+    share = slots / fp.n_expert if fp.n_expert else 1.0
     f = Fit("gpu", ctx, True, vram_budget, vram_needed, kv, ram_needed, machine.ram_available, int(slots), share)
     if spare < 0:
         f.ok = False
         f.reasons.append(
             f"VRAM: needs {_g(vram_needed)} (dense weights {_g(fp.dense_bytes)} + KV for {ctx} tokens {_g(kv)} "
-            f"+ reserve {_g(VRAM_RESERVE)}), budget is {_g(vram_budget)}"
+            f"+ reserve {_g(VRAM_RESERVE)} + staging {_g(staging)}), budget is {_g(vram_budget)}"
         )
         f.fixes.append(f"{_g(-spare)} more free VRAM (--vram-gb sets the budget)")
-        max_ctx = (vram_budget - fp.dense_bytes - VRAM_RESERVE) // fp.kv_bytes_per_token if fp.kv_bytes_per_token else 0
+        room = vram_budget - (vram_needed - kv)
+        max_ctx = room // fp.kv_bytes_per_token if fp.kv_bytes_per_token else 0
         if max_ctx >= 512:
             f.fixes.append(f"a smaller context: -c {int(max_ctx) // 256 * 256} fits")
         f.fixes.append("a smaller quant of the model")
@@ -154,13 +169,11 @@ def fit(fp: ModelFootprint, machine: MachineInfo, ctx: int, vram_budget: int | N
             f.fixes.append(f"free {_g(ram_needed - machine.ram_available)} of RAM (close other programs)")
         else:
             f.fixes.append(f"{_g(ram_needed - machine.ram_total)} more RAM, or a smaller quant of the model")
-    if f.ok and fp.n_expert_total:
-        active = fp.n_moe_layers * fp.n_expert_used
-        if slots < active:
-            f.notes.append(
-                f"{slots} slots hold less than one token's active experts ({active}): most experts are computed "
-                "by the CPU or copied each token; expect CPU-bound speed"
-            )
+    if f.ok and fp.n_expert and slots < fp.n_expert_used:
+        f.notes.append(
+            f"{slots} slots per layer are fewer than the {fp.n_expert_used} experts each token uses: most experts "
+            "are computed by the CPU or copied each token; expect CPU-bound speed"
+        )
     if fp.context_length and ctx > fp.context_length:
         f.notes.append(f"-c {ctx} is beyond the model's trained context of {fp.context_length}")
     return f

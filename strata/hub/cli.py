@@ -44,7 +44,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     c.add_argument("-m", "--model", help="a GGUF path or REPO[:QUANT] in the models directory")
     c.add_argument("--models-dir", type=Path, help="models directory (default: as for pull)")
     c.add_argument("--vram-gb", type=float, help="VRAM budget in GiB (default: the first GPU's free VRAM)")
-    c.add_argument("-c", "--ctx-size", type=int, default=8192, help="context length to plan for (default: 8192)")
+    c.add_argument("-c", "--ctx-size", type=int, default=0, help="context to plan for (default: min(model's, 8192))")
     c.add_argument("--json", action="store_true", help="machine-readable output")
     c.set_defaults(func=cmd_check)
 
@@ -212,7 +212,10 @@ def _print_report(machine, fp, verdict) -> None:
     if verdict.mode == "gpu":
         con.print(f"  VRAM: needs {_g(verdict.vram_needed)} + expert slots, budget {_g(verdict.vram_budget)}")
         if fp.n_expert:
-            con.print(f"  expert slots: {verdict.slots} ({verdict.slots_share:.1%} of {fp.n_expert_total} experts)")
+            con.print(
+                f"  expert cache: {verdict.slots} slots per layer = {verdict.slots_share:.1%} of the {fp.n_expert} "
+                f"experts ({verdict.slots * fp.n_moe_layers} of {fp.n_expert_total} in all)"
+            )
     con.print(f"  RAM: needs {_g(verdict.ram_needed)}, {_g(verdict.ram_available)} available")
     for n in verdict.notes:
         con.print(f"  note: {n}")

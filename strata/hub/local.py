@@ -89,7 +89,7 @@ def select_files(names: list[str], selector: str | None, what: str) -> list[str]
     chosen = main or chosen
     keys = sorted({_model_key(n) for n in chosen})
     if len(keys) > 1:
-        raise StrataError(f"{selector or 'the repo'} matches {len(keys)} models in {what}: {', '.join(keys)}; pick one as REPO:FILE")
+        raise StrataError(f"{selector or 'the repo'} matches {len(keys)} models in {what}: {', '.join(keys)}; pick one as REPO:QUANT or REPO:FILE")
     return _order(chosen)
 
 

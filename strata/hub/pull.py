@@ -87,12 +87,14 @@ def hf_plan(
 ) -> list[RemoteFile]:
     """Files of `repo` chosen by `selector`, with sizes and sha256s from the hub's API (LFS metadata)."""
     from huggingface_hub import HfApi, constants
-    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 
     endpoint = (endpoint or constants.ENDPOINT).rstrip("/")
     api = HfApi(endpoint=endpoint, token=token)
     try:
         info = api.model_info(repo, revision=revision, files_metadata=True)
+    except GatedRepoError as e:
+        raise StrataError(f"{repo} is gated: accept its terms on the hub's page, then log in (hf auth login) or pass --token") from e
     except RepositoryNotFoundError as e:
         raise StrataError(f"{repo}: no such model repository at {endpoint} (or it is private/gated)") from e
     except RevisionNotFoundError as e:
@@ -127,6 +129,7 @@ def select_files_for(names: list[str], selector: str | None, repo: str) -> list[
     return chosen
 
 
+_SHARD_NO = re.compile(r"-\d{5}-of-(\d{5})\.gguf$", re.IGNORECASE)
 _HUB_LIKE = re.compile(r"/(?:models/)?(?P<owner>[^/]+)/(?P<repo>[^/]+)/resolve/[^/]+/(?P<file>.+)$")
 
 
@@ -171,7 +174,9 @@ def url_plan(
         raise StrataError("--size applies to a single file, not to a split set")
     files = []
     for i, n in enumerate(names):
-        u = parsed._replace(path=str(Path(parsed.path).parent / n)).geturl() if len(names) > 1 else url
+        u = url
+        if len(names) > 1:  # same URL, this shard's number (the path's own encoding kept)
+            u = parsed._replace(path=_SHARD_NO.sub(f"-{i + 1:05d}-of-\\1.gguf", parsed.path)).geturl()
         fsize, fsha = (manifest or {}).get(n, (None, None))
         files.append(
             RemoteFile(

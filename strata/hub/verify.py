@@ -259,8 +259,6 @@ def check_gguf_file(path: Path, name: str | None = None) -> GGUFHeader:
         h = read_gguf_header(path)
     except StrataError as e:
         raise StrataError(str(e).replace(Path(path).name, name, 1)) from e
-    if h.data_offset > h.file_size:
-        raise StrataError(f"{name}: truncated inside the header ({h.file_size} bytes, data starts at {h.data_offset})")
     for t in h.tensors:
         if t.offset % h.alignment:
             raise StrataError(f"{name}: tensor {t.name} at offset {t.offset} is not {h.alignment}-byte aligned")

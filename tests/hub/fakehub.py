@@ -127,8 +127,10 @@ def _make_handler(hub: FakeHub):
         def do_GET(self) -> None:
             self._serve(head=False)
 
-        def _send(self, code: int, body: bytes, ctype: str = "application/json") -> None:
-            self.send_response(code)
+        def _send(self, status: int, body: bytes, ctype: str = "application/json", code: str = "") -> None:
+            self.send_response(status)
+            if code:
+                self.send_header("X-Error-Code", code)
             self.send_header("Content-Type", ctype)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
@@ -142,9 +144,11 @@ def _make_handler(hub: FakeHub):
                 hub.log.append(("HEAD" if head else "GET", path, rng))
             m = re.match(r"^/api/models/([^/]+/[^/]+)/revision/([^/]+)$", path)
             if m:
+                if m.group(1) not in hub.repos:  # the hub answers 401 + RepoNotFound, as for private repos
+                    return self._send(401, b'{"error": "Repository not found"}', code="RepoNotFound")
                 data = hub.listing(m.group(1), m.group(2))
                 if data is None:
-                    return self._send(404, b'{"error": "Repository not found"}')
+                    return self._send(404, b'{"error": "Invalid rev id"}', code="RevisionNotFound")
                 return self._send(200, json.dumps(data).encode())
             m = re.match(r"^/([^/]+/[^/]+)/resolve/([^/]+)/(.+)$", path)
             content = None

@@ -1,0 +1,203 @@
+"""`strata check`: machine probing, the model footprint from GGUF tensor tables, the fit verdict."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from strata.cli import main
+from strata.hub.check import (
+    DEFAULT_CTX,
+    RAM_HEADROOM,
+    VRAM_RESERVE,
+    GiB,
+    MiB,
+    ModelFootprint,
+    fit,
+    kv_bytes_per_token,
+    model_footprint,
+)
+from strata.hub.machine import CPUInfo, GPUInfo, MachineInfo, parse_cpuinfo, probe
+from strata.hub.verify import GGUFHeader
+
+from .conftest import write_gguf
+
+X86 = """processor	: 0
+vendor_id	: AuthenticAMD
+model name	: AMD Ryzen 9 9950X 16-Core Processor
+flags		: fpu sse4_2 avx avx2 fma f16c avx512f avx512bw avx512vl avx512_bf16 avx512_vnni
+processor	: 1
+model name	: ignored
+"""
+ARM = """processor	: 0
+BogoMIPS	: 50.00
+Features	: fp asimd evtstrm aes asimdhp asimddp sve i8mm bf16
+CPU implementer	: 0x41
+"""
+
+
+def test_parse_cpuinfo():
+    model, flags = parse_cpuinfo(X86)
+    assert model == "AMD Ryzen 9 9950X 16-Core Processor"
+    assert {"avx2", "avx512f", "avx512_bf16"} <= flags and "amx_tile" not in flags
+    _, flags = parse_cpuinfo(ARM)
+    assert {"asimd", "sve", "i8mm"} <= flags
+
+
+def test_pcie_warnings():
+    g = GPUInfo(0, "RTX 4090", 24 * GiB, 23 * GiB, pcie_gen=4, pcie_gen_max=4, pcie_width=8, pcie_width_max=16)
+    (w,) = g.pcie_warnings()
+    assert "x8 but can do x16" in w and "50%" in w
+    assert g.pcie_gbps() == pytest.approx(4 * 1.969 * 2) and g.pcie_gbps(current=False) == pytest.approx(16 * 1.969)
+    assert GPUInfo(0, "x", 1, 1, 4, 4, 16, 16).pcie_warnings() == []
+    assert "gen 1, maximum gen 4" in GPUInfo(0, "x", 1, 1, 1, 4, 16, 16).pcie_warnings()[0]
+    assert GPUInfo(0, "x", 1, 1).pcie_warnings() == []  # NVML could not tell: no guess
+
+
+def test_probe_this_machine(tmp_path):
+    m = probe(tmp_path / "not" / "yet")
+    assert m.ram_total > 0 and 0 < m.ram_available <= m.ram_total
+    assert m.disk_path == str(tmp_path) and m.disk_free > 0
+    assert m.cpu.cores_logical and m.cpu.model
+    assert m.gpus or m.gpu_note  # either GPUs or the reason there are none
+
+
+def _moe_gguf(path):
+    """2 MoE layers of 4 experts (f16 gate/up/down [4, 8, 16]) + dense f32 tensors."""
+    f16 = np.float16
+    t = {"token_embd.weight": np.zeros((32, 16), np.float32), "output_norm.weight": np.zeros(16, np.float32)}
+    for i in range(2):
+        t[f"blk.{i}.attn_q.weight"] = np.zeros((16, 16), np.float32)
+        t[f"blk.{i}.ffn_gate_inp.weight"] = np.zeros((4, 16), np.float32)  # router: dense
+        t[f"blk.{i}.ffn_gate_exps.weight"] = np.zeros((4, 8, 16), f16)
+        t[f"blk.{i}.ffn_up_exps.weight"] = np.zeros((4, 8, 16), f16)
+        t[f"blk.{i}.ffn_down_exps.weight"] = np.zeros((4, 16, 8), f16)
+    kv = {
+        "qwen3moe.block_count": 2,
+        "qwen3moe.expert_count": 4,
+        "qwen3moe.expert_used_count": 2,
+        "qwen3moe.embedding_length": 16,
+        "qwen3moe.attention.head_count": 4,
+        "qwen3moe.attention.head_count_kv": 2,
+        "qwen3moe.context_length": 4096,
+    }
+    return write_gguf(path, t, kv)
+
+
+def test_model_footprint(tmp_path):
+    fp = model_footprint([_moe_gguf(tmp_path / "m.gguf")])
+    expert = 2 * 3 * 4 * 8 * 16 * 2  # layers x (gate, up, down) x elements x f16
+    dense = 4 * (32 * 16 + 16 + 2 * (16 * 16 + 4 * 16))
+    assert (fp.expert_bytes, fp.dense_bytes, fp.total_bytes) == (expert, dense, expert + dense)
+    assert (fp.n_expert, fp.n_expert_used, fp.n_moe_layers, fp.n_expert_total) == (4, 2, 2, 8)
+    assert fp.slot_bytes == 3 * 8 * 16 * 2  # one expert of one layer: its gate, up and down rows
+    assert fp.kv_bytes_per_token == 2 * 2 * (4 + 4) * 2  # layers x kv heads x (k + v head dim) x f16
+    assert fp.context_length == 4096 and fp.architecture == "qwen3moe"
+
+
+def _header(**arch) -> GGUFHeader:
+    return GGUFHeader(None, 0, 0, 32, {"general.architecture": "a", **{f"a.{k}": v for k, v in arch.items()}})
+
+
+def test_kv_bytes_variants():
+    # explicit key/value lengths (Qwen3: head_dim 128 while embedding/heads = 64)
+    assert kv_bytes_per_token(_header(block_count=48, embedding_length=2048, **{"attention.head_count": 32,
+        "attention.head_count_kv": 4, "attention.key_length": 128, "attention.value_length": 128})) == 48 * 4 * 256 * 2  # fmt: skip
+    # per-layer kv heads, 0 for layers without attention
+    assert kv_bytes_per_token(_header(block_count=4, embedding_length=64, **{"attention.head_count": 4,
+        "attention.head_count_kv": [2, 0, 0, 2]})) == 4 * 32 * 2  # fmt: skip
+    # hybrid: one attention layer in four
+    assert kv_bytes_per_token(_header(block_count=48, embedding_length=2048, full_attention_interval=4, **{
+        "attention.head_count": 16, "attention.head_count_kv": 2, "attention.key_length": 256,
+        "attention.value_length": 256})) == 12 * 2 * 512 * 2  # fmt: skip
+    # MLA: compressed latent + rope part
+    assert kv_bytes_per_token(_header(block_count=61, embedding_length=7168, **{"attention.head_count": 128,
+        "attention.kv_lora_rank": 512, "rope.dimension_count": 64})) == 61 * 576 * 2  # fmt: skip
+
+
+def _machine(vram_free=None, ram_avail=64 * GiB, ram_total=64 * GiB) -> MachineInfo:
+    gpus = [GPUInfo(0, "GPU", 24 * GiB, vram_free, 4, 4, 16, 16)] if vram_free is not None else []
+    return MachineInfo(gpus, None if gpus else "none", ram_total, ram_avail, CPUInfo("cpu", 8, 16), "/", 100 * GiB)
+
+
+# A Qwen3-30B-A3B-shaped footprint: 48 MoE layers x 128 experts.
+QWEN = ModelFootprint(
+    files=["q.gguf"], architecture="qwen3moe", total_bytes=int(17.5 * GiB), dense_bytes=int(1.5 * GiB),
+    expert_bytes=16 * GiB, n_expert=128, n_expert_used=8, n_moe_layers=48, slot_bytes=16 * GiB // (48 * 128),
+    kv_bytes_per_token=48 * 4 * 256 * 2, context_length=40960,
+)  # fmt: skip
+
+
+STAGING = 16 * QWEN.slot_bytes  # max(2 * top-k, 8) experts
+PER_SLOT = 16 * GiB // 128  # one slot per layer holds one expert of each of the 48 layers
+
+
+def test_fit_gpu():
+    f = fit(QWEN, _machine(vram_free=8 * GiB), ctx=32768)
+    kv = 32768 * 98304
+    need = int(1.5 * GiB) + kv + VRAM_RESERVE + STAGING
+    assert (f.mode, f.ok, f.kv_bytes, f.vram_needed, f.vram_budget) == ("gpu", True, kv, need, 8 * GiB)
+    assert f.slots == (8 * GiB - need) // PER_SLOT == 22
+    assert f.slots_share == pytest.approx(22 / 128)
+    assert f.ram_needed == 16 * GiB + RAM_HEADROOM
+    # a budget past the whole model: every expert gets a slot, no more
+    assert fit(QWEN, _machine(vram_free=8 * GiB), 4096, vram_budget=40 * GiB).slots == 128
+    assert fit(QWEN, _machine(vram_free=8 * GiB)).ctx == 8192  # the engine's default context
+
+
+def test_fit_vram_short_says_what_fits():
+    f = fit(QWEN, _machine(vram_free=8 * GiB), ctx=65536, vram_budget=6 * GiB)
+    assert not f.ok and f.slots == 0 and "VRAM: needs" in f.reasons[0]
+    max_ctx = (6 * GiB - int(1.5 * GiB) - VRAM_RESERVE - STAGING) // 98304
+    assert f"-c {max_ctx // 256 * 256} fits" in " ".join(f.fixes)
+    assert fit(QWEN, _machine(), max_ctx // 256 * 256, vram_budget=6 * GiB).ok
+    assert not fit(QWEN, _machine(), max_ctx + 1, vram_budget=6 * GiB).ok
+
+
+def test_engine_sizing_constants():
+    from strata.config import EngineConfig, ExpertConfig
+
+    assert VRAM_RESERVE == ExpertConfig().vram_reserve_mib * MiB
+    assert EngineConfig().ctx_size == 0 and DEFAULT_CTX == 8192
+
+
+def test_fit_ram_short():
+    f = fit(QWEN, _machine(vram_free=24 * GiB, ram_avail=12 * GiB, ram_total=16 * GiB), ctx=8192)
+    assert not f.ok and "RAM: needs 18.00 GiB" in f.reasons[0]
+    assert "more RAM" in f.fixes[0]
+    f = fit(QWEN, _machine(vram_free=24 * GiB, ram_avail=12 * GiB, ram_total=32 * GiB), ctx=8192)
+    assert "close other programs" in f.fixes[0]
+
+
+def test_fit_cpu_only():
+    f = fit(QWEN, _machine(ram_avail=21 * GiB), ctx=8192)
+    assert f.mode == "cpu" and f.ok and f.ram_needed == int(17.5 * GiB) + 8192 * 98304 + RAM_HEADROOM
+    assert not fit(QWEN, _machine(ram_avail=16 * GiB), ctx=8192).ok
+
+
+def test_fit_few_slots_noted():
+    need = QWEN.dense_bytes + 4096 * 98304 + VRAM_RESERVE + STAGING
+    f = fit(QWEN, _machine(), 4096, vram_budget=need + 5 * PER_SLOT)
+    assert f.ok and f.slots == 5 and "fewer than the 8 experts each token uses" in f.notes[0]
+
+
+def test_check_cli(tmp_path, capsys):
+    m = _moe_gguf(tmp_path / "m.gguf")
+    assert main(["check", "-m", str(m), "--vram-gb", "4", "-c", "1024", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fit"]["ok"] and out["fit"]["slots"] == 4 and out["model"]["n_expert"] == 4
+    assert out["machine"]["ram_total"] > 0
+    assert main(["check", "-m", str(m), "--vram-gb", "0.5"]) == 1  # below the reserve alone
+    text = capsys.readouterr().out
+    assert "verdict: it cannot run" in text and "would fit with:" in text
+    assert main(["check"]) == 0
+    text = capsys.readouterr().out
+    assert "RAM" in text and "SIMD" in text
+    assert main(["check", "-m", "acme/absent:Q4_K_M", "--models-dir", str(tmp_path)]) == 1
+    assert "strata pull acme/absent:Q4_K_M" in capsys.readouterr().err
+
+
+def test_megabyte_constants():
+    assert MiB * 1024 == GiB and VRAM_RESERVE == 700 * MiB

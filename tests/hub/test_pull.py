@@ -1,0 +1,233 @@
+"""`strata pull` from the (fake) hub: file choice, layout, markers, poisoned markers, interrupted runs."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+from strata import StrataError
+from strata.hub import resolve_model
+from strata.hub.pull import PullOptions, Reporter, hf_plan, pull
+from strata.hub.verify import marker_path, read_marker
+
+from .conftest import REPO, sha
+from .test_pull_faults import SHARD2, assert_exact, dest
+
+SHARDS = [f"Tiny-MoE-Q4_K_M-{i:05d}-of-00003.gguf" for i in (1, 2, 3)]
+
+
+def _pull(hub, tmp_path, spec, opts, reporter, **kw):
+    return pull(spec, models_dir=tmp_path / "models", endpoint=hub.url, token=False, opts=opts, reporter=reporter, **kw)
+
+
+def test_hub_listing_through_huggingface_hub(hub, tmp_path, model_set):
+    files = hf_plan(REPO, "Q4_K_M", tmp_path, endpoint=hub.url, token=False)
+    assert [f.name for f in files] == SHARDS
+    commit = hub.repos[REPO].commit
+    for f in files:
+        assert f.size == len(model_set[f.name]) and f.sha256 == sha(model_set[f.name])
+        assert f.url == f"{hub.url}/{REPO}/resolve/{commit}/{f.name}"  # every shard pinned to one commit
+        assert f.dest == tmp_path / REPO / f.name
+    (readme,) = hf_plan(REPO, "README.md", tmp_path, endpoint=hub.url, token=False)
+    assert readme.sha256 is None and readme.git_sha1 is not None  # non-LFS: checked by git blob id
+
+
+def test_pull_quant_then_resolve(hub, tmp_path, opts, reporter, model_set):
+    out = _pull(hub, tmp_path, f"{REPO}:Q4_K_M", opts, reporter)
+    assert [p.name for p in out] == SHARDS
+    for p in out:
+        assert_exact(p, model_set[p.name])
+        m = json.loads(marker_path(p).read_text())
+        assert set(m) >= {"size", "sha256", "source", "time"} and m["source"].startswith(f"hf:{REPO}@")
+    assert resolve_model(f"{REPO}:Q4_K_M", tmp_path / "models") == out
+    assert resolve_model(f"{REPO}:q4_k_m", tmp_path / "models") == out
+    assert resolve_model(f"{REPO}:{SHARD2}", tmp_path / "models") == out
+    assert resolve_model(str(out[0])) == out  # a first-shard path brings its set
+    assert resolve_model(str(out[1])) == [out[1]]  # any other path passes through unchanged
+    # Running it again fetches nothing.
+    n = len(hub.gets())
+    _pull(hub, tmp_path, f"{REPO}:Q4_K_M", opts, reporter)
+    assert len(hub.gets()) == n
+
+
+def test_git_blob_id_checked_for_small_files(hub, tmp_path, opts, reporter):
+    (out,) = _pull(hub, tmp_path, f"{REPO}:README.md", opts, reporter)
+    assert out.read_bytes() == b"# tiny\n" and read_marker(out).verified_against == "git-sha1"
+    # The server's bytes change while its listing keeps the old blob id (same size): refused.
+    hub.repos[REPO].meta["README.md"] = {"blobId": _git(b"# tiny\n")}
+    hub.repos[REPO].files["README.md"] = b"# tinY\n"
+    with pytest.raises(StrataError, match="git blob id"):
+        pull(f"{REPO}:README.md", models_dir=tmp_path / "m2", endpoint=hub.url, token=False, opts=opts, reporter=reporter)
+
+
+def _git(data: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def test_selection_errors(hub, tmp_path, opts, reporter):
+    with pytest.raises(StrataError, match=r"no file .* matches 'Q2_K'; available: Tiny-MoE-Q4_K_M, Tiny-MoE-Q8_0"):
+        _pull(hub, tmp_path, f"{REPO}:Q2_K", opts, reporter)
+    with pytest.raises(StrataError, match="matches 2 models"):
+        _pull(hub, tmp_path, REPO, opts, reporter)
+    with pytest.raises(StrataError, match="no such model repository"):
+        _pull(hub, tmp_path, "acme/nothing:Q4_K_M", opts, reporter)
+    with pytest.raises(StrataError, match="apply to URL downloads"):
+        _pull(hub, tmp_path, f"{REPO}:Q8_0", opts, reporter, sha256=["00" * 32])
+    hub.repos[REPO].files.pop(SHARD2)
+    with pytest.raises(StrataError, match=r"incomplete split GGUF set \(have parts \[1, 3\] of 3\)"):
+        _pull(hub, tmp_path, f"{REPO}:Q4_K_M", opts, reporter)
+
+
+# --- markers --------------------------------------------------------------------------------------------
+
+
+def _poison(path, size: int, sha256: str) -> None:
+    marker_path(path).write_text(json.dumps({"size": size, "sha256": sha256, "source": "x", "time": "t"}))
+
+
+def test_poisoned_marker_on_short_file_is_repaired(hub, tmp_path, opts, reporter, model_set):
+    # The failure from the field: a "done" marker written for a file cut short (marker matching the short file).
+    data = model_set[SHARD2]
+    out = dest(tmp_path, SHARD2)
+    out.parent.mkdir(parents=True)
+    out.write_bytes(data[:150_000])
+    _poison(out, 150_000, sha(data[:150_000]))
+    _pull(hub, tmp_path, f"{REPO}:Q4_K_M", opts, reporter)
+    assert_exact(out, data)
+    assert [r for _, _, r in hub.gets(SHARD2)] == ["bytes=150000-"]  # the good prefix was kept and completed
+    assert any("re-verifying" in w for w in reporter.warnings)
+
+
+def test_marker_claiming_full_size_on_short_file(hub, tmp_path, opts, reporter, model_set):
+    data = model_set[SHARD2]
+    out = dest(tmp_path, SHARD2)
+    out.parent.mkdir(parents=True)
+    out.write_bytes(data[:150_000])
+    _poison(out, len(data), sha(data))
+    with pytest.raises(StrataError):
+        resolve_model(f"{REPO}:{SHARD2}", tmp_path / "models")  # never loaded as finished
+    _pull(hub, tmp_path, f"{REPO}:Q4_K_M", opts, reporter)
+    assert_exact(out, data)
+
+
+def test_short_prefix_with_wrong_bytes_is_redownloaded(hub, tmp_path, opts, reporter, model_set):
+    data = model_set[SHARD2]
+    out = dest(tmp_path, SHARD2)
+    out.parent.mkdir(parents=True)
+    out.write_bytes(b"\0" * 150_000)  # resumed, then the full hash fails, then a clean download
+    _pull(hub, tmp_path, f"{REPO}:Q4_K_M", opts, reporter)
+    assert_exact(out, data)
+    assert [r for _, _, r in hub.gets(SHARD2)] == ["bytes=150000-", None]
+
+
+def test_same_size_corruption_needs_verify(hub, tmp_path, opts, reporter, model_set):
+    _pull(hub, tmp_path, f"{REPO}:Q4_K_M", opts, reporter)
+    out = dest(tmp_path, SHARD2)
+    good = out.read_bytes()
+    out.write_bytes(good[:1000] + bytes([good[1000] ^ 1]) + good[1001:])  # bit rot after the fact
+    opts.verify = True
+    _pull(hub, tmp_path, f"{REPO}:Q4_K_M", opts, reporter)
+    assert_exact(out, model_set[SHARD2])
+    assert len(hub.gets(SHARD2)) == 2 and len(hub.gets(SHARDS[0])) == 1  # only the rotten one came again
+
+
+def test_file_without_marker_is_verified_not_refetched(hub, tmp_path, opts, reporter, model_set):
+    _pull(hub, tmp_path, f"{REPO}:Q4_K_M", opts, reporter)
+    out = dest(tmp_path, SHARD2)
+    marker_path(out).unlink()  # e.g. killed between the rename and the marker
+    n = len(hub.gets())
+    _pull(hub, tmp_path, f"{REPO}:Q4_K_M", opts, reporter)
+    assert_exact(out, model_set[SHARD2])
+    assert len(hub.gets()) == n
+
+
+def test_stale_marker_without_file_is_removed(hub, tmp_path, opts, reporter, model_set):
+    out = dest(tmp_path, SHARD2)
+    out.parent.mkdir(parents=True)
+    _poison(out, len(model_set[SHARD2]), sha(model_set[SHARD2]))
+    _pull(hub, tmp_path, f"{REPO}:Q4_K_M", opts, reporter)
+    assert_exact(out, model_set[SHARD2])
+
+
+# --- interrupted runs ----------------------------------------------------------------------------------
+
+
+class _InterruptAfter(Reporter):
+    """Sets the cancel event (what Ctrl-C does) once `name` has received some bytes."""
+
+    def __init__(self, name: str, cancel: threading.Event) -> None:
+        super().__init__()
+        self.name, self.cancel = name, cancel
+
+    def task(self, description, total):
+        rep = self
+
+        class T:
+            def update(self, completed, total=None):
+                pass
+
+            def advance(self, n):
+                if rep.name in description:
+                    rep.cancel.set()
+
+        return T()
+
+
+def test_interrupted_pull_resumes_without_refetching(hub, tmp_path, model_set):
+    opts = PullOptions(jobs=1, retries=3, backoff=0.0, sleep=lambda s: None)
+    rep = _InterruptAfter(SHARD2, opts.cancel)
+    with pytest.raises(StrataError, match="interrupted"):
+        _pull(hub, tmp_path, f"{REPO}:Q4_K_M", opts, rep)
+    first, second, third = (dest(tmp_path, n) for n in SHARDS)
+    assert read_marker(first) is not None
+    assert not second.exists() and not marker_path(second).exists()
+    kept = second.with_name(second.name + ".part").stat().st_size
+    assert 0 < kept < len(model_set[SHARD2])
+    assert not third.exists() and hub.gets(SHARDS[2]) == []  # never started
+
+    opts2 = PullOptions(jobs=3, retries=3, backoff=0.0, sleep=lambda s: None)
+    _pull(hub, tmp_path, f"{REPO}:Q4_K_M", opts2, Reporter())
+    for n in SHARDS:
+        assert_exact(dest(tmp_path, n), model_set[n])
+    assert len(hub.gets(SHARDS[0])) == 1  # the finished shard was not downloaded again
+    assert hub.gets(SHARD2)[-1][2] == f"bytes={kept}-"
+
+
+def test_failed_run_then_rerun(hub, tmp_path, opts, reporter, model_set):
+    hub.fault("drop", match=SHARD2, times=None, at=100_000)
+    with pytest.raises(StrataError):
+        _pull(hub, tmp_path, f"{REPO}:Q4_K_M", opts, reporter)
+    hub.faults.clear()
+    n1 = len(hub.gets(SHARDS[0]))
+    _pull(hub, tmp_path, f"{REPO}:Q4_K_M", opts, Reporter())
+    for n in SHARDS:
+        assert_exact(dest(tmp_path, n), model_set[n])
+    assert len(hub.gets(SHARDS[0])) == n1
+    assert hub.gets(SHARD2)[-1][2] == "bytes=100000-"
+
+
+def test_hf_endpoint_env_is_honoured(hub, tmp_path, model_set, monkeypatch):
+    # HF_ENDPOINT is read by huggingface_hub at import; strata takes its endpoint from there.
+    import huggingface_hub.constants as c
+
+    monkeypatch.setattr(c, "ENDPOINT", hub.url)
+    out = pull(f"{REPO}:Q8_0", models_dir=tmp_path / "m", token=False, opts=PullOptions(backoff=0.0), reporter=Reporter())
+    assert_exact(out[0], model_set["Tiny-MoE-Q8_0.gguf"])
+
+
+def test_pull_cli(hub, tmp_path, capsys, model_set):
+    from strata.cli import main
+
+    d = tmp_path / "cli"
+    argv = ["pull", f"{REPO}:Q4_K_M", "--models-dir", str(d), "--endpoint", hub.url, "--token", "x"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out.split()
+    assert out == [str(d / REPO / n) for n in SHARDS]
+    assert all(e[0] == "GET" for e in hub.log)
+    hub.fault("status", match="Q8_0", times=None, at=403)
+    assert main(["pull", f"{REPO}:Q8_0", "--models-dir", str(d), "--endpoint", hub.url, "--token", "x"]) == 1
+    assert "HTTP 403" in capsys.readouterr().err
