@@ -1,0 +1,42 @@
+"""`strata generate`: only the generated text on stdout, statistics on stderr, same seed -> same text."""
+
+import subprocess
+import sys
+
+
+def gen(path, *extra):
+    cmd = [sys.executable, "-m", "strata", "generate", "-m", str(path), "--device", "cpu", *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
+def test_generate_streams_only_text(hf_and_gguf):
+    from strata.config import EngineConfig
+    from strata.engine.engine import Engine
+    from strata.engine.loader import load_model
+    from strata.engine.sampler import SamplingParams
+
+    _, path = hf_and_gguf("qwen3moe")
+    r = gen(path, "-p", "def hello():", "-n", "12", "--temperature", "0")
+    assert r.returncode == 0, r.stderr
+    assert "tok/s" in r.stderr and "tok/s" not in r.stdout
+    # stdout is exactly the decoded greedy continuation (+ a final newline)
+    lm = load_model(str(path), EngineConfig(device="cpu", dtype="float32"))
+    ids = lm.tokenizer.encode("def hello():")
+    toks = list(Engine(lm).generate(ids, SamplingParams(temperature=0), 12, stop_ids=lm.tokenizer.eot_ids))
+    toks = [t for t in toks if t not in lm.tokenizer.eot_ids]
+    assert r.stdout == lm.tokenizer.decode(toks) + "\n"
+
+
+def test_same_seed_same_text(hf_and_gguf):
+    _, path = hf_and_gguf("qwen3moe")
+    a = gen(path, "-p", "x = ", "-n", "16", "--temperature", "1.0", "--seed", "42")
+    b = gen(path, "-p", "x = ", "-n", "16", "--temperature", "1.0", "--seed", "42")
+    c = gen(path, "-p", "x = ", "-n", "16", "--temperature", "1.0", "--seed", "43")
+    assert a.returncode == 0 and a.stdout == b.stdout
+    assert a.stdout != c.stdout
+
+
+def test_chat_flag_uses_template(hf_and_gguf):
+    _, path = hf_and_gguf("qwen3moe")
+    r = gen(path, "-p", "hi", "-n", "4", "--chat", "--temperature", "0")
+    assert r.returncode == 0, r.stderr
