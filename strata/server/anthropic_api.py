@@ -1,0 +1,240 @@
+"""Anthropic's Messages API: POST /v1/messages (stream and not), POST /v1/messages/count_tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from strata.server.openai_api import check_model, read_json, server_of
+from strata.server.protocol import (AOther, APIError, ARedactedThinking, AText, AThinking, AToolResult, AToolUse,
+                                    CountTokensRequest, MessagesRequest, bad_request, parse)
+from strata.server.runner import GenerationError, Job, sampling
+
+router = APIRouter()
+
+STOP_REASON = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "abort": "end_turn"}
+
+
+def _system(system) -> str | None:
+    if system is None:
+        return None
+    return system if isinstance(system, str) else "".join(b.text for b in system)
+
+
+def _result_text(content) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    out = []
+    for b in content:
+        if isinstance(b, AOther):
+            raise bad_request(f"tool_result content blocks of type {b.type!r} are not supported (text only)")
+        out.append(b.text)
+    return "".join(out)
+
+
+def to_chat(body) -> list[dict]:
+    """Anthropic messages -> the chat template's messages (OpenAI's shape, which templates expect)."""
+    msgs = []
+    sys_text = _system(body.system)
+    if sys_text:
+        msgs.append({"role": "system", "content": sys_text})
+    for i, m in enumerate(body.messages):
+        if isinstance(m.content, str):
+            msgs.append({"role": m.role, "content": m.content})
+            continue
+        if m.role == "user":
+            text = []
+            for b in m.content:
+                if isinstance(b, AToolResult):
+                    out = _result_text(b.content)
+                    msgs.append({"role": "tool", "tool_call_id": b.tool_use_id,
+                                 "content": ("Error: " + out) if b.is_error else out})
+                elif isinstance(b, AText):
+                    text.append(b.text)
+                elif isinstance(b, AOther):
+                    raise bad_request(f"messages.{i}: content blocks of type {b.type!r} are not supported")
+                else:
+                    raise bad_request(f"messages.{i}: a user message cannot hold {b.type} blocks")
+            if text:
+                msgs.append({"role": "user", "content": "".join(text)})
+        else:
+            d = {"role": "assistant", "content": ""}
+            text, thinking, calls = [], [], []
+            for b in m.content:
+                if isinstance(b, AText):
+                    text.append(b.text)
+                elif isinstance(b, AThinking):
+                    thinking.append(b.thinking)
+                elif isinstance(b, AToolUse):
+                    calls.append({"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input}})
+                elif isinstance(b, ARedactedThinking):
+                    continue
+                else:
+                    raise bad_request(f"messages.{i}: an assistant message cannot hold {b.type} blocks")
+            d["content"] = "".join(text)
+            if thinking:
+                d["reasoning_content"] = "".join(thinking)
+            if calls:
+                d["tool_calls"] = calls
+            msgs.append(d)
+    return msgs
+
+
+def _tools(body) -> list[dict] | None:
+    if not body.tools:
+        return None
+    return [{"type": "function", "function": {"name": t.name, "description": t.description or "",
+                                              "parameters": t.input_schema}} for t in body.tools]
+
+
+def _thinking(body) -> bool | None:
+    if body.thinking is None:
+        return None
+    return body.thinking.type != "disabled"
+
+
+async def _prompt(srv, body, tools) -> tuple[list[int], str]:
+    text = await asyncio.to_thread(srv.render, to_chat(body), tools, _thinking(body))
+    return await asyncio.to_thread(srv.encode_chat, text), text
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(request: Request):
+    srv = server_of(request)
+    body = parse(CountTokensRequest, await read_json(request))
+    check_model(request, body.model)
+    ids, _ = await _prompt(srv, body, _tools(body))
+    return {"input_tokens": len(ids)}
+
+
+@router.post("/v1/messages")
+async def messages(request: Request):
+    srv = server_of(request)
+    body = parse(MessagesRequest, await read_json(request))
+    check_model(request, body.model)
+    tools = _tools(body)
+    tc = body.tool_choice
+    use_tools = tools if not (tc and tc.type == "none") else None
+    ids, text = await _prompt(srv, body, use_tools)
+    max_tokens = srv.max_tokens(len(ids), body.max_tokens)
+    grammar = None
+    if use_tools and tc is not None and tc.type in ("any", "tool"):
+        if tc.type == "tool" and tc.name not in {t["function"]["name"] for t in use_tools}:
+            raise bad_request(f"tool_choice names {tc.name!r}, which is not among the request's tools")
+        grammar = srv.tool_call_grammar(use_tools, tc.name if tc.type == "tool" else None,
+                                         not tc.disable_parallel_tool_use)
+    stops = [s for s in (body.stop_sequences or []) if s]
+    if len(stops) > 16:
+        raise bad_request("stop_sequences: at most 16")
+    job = srv.finish_job(Job(ids, max_tokens, sampling(body), stops, None, grammar, reasoning=True,
+                             in_reasoning=text.rstrip().endswith("<think>"), tools=use_tools))
+    mid = "msg_" + uuid.uuid4().hex[:24]
+    if body.stream:
+        return StreamingResponse(_stream(srv, job, mid), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    blocks, res = [], None
+    try:
+        async for ev in srv.run(job, request):
+            kind = ev[0]
+            if kind == "reasoning":
+                if blocks and blocks[-1]["type"] == "thinking":
+                    blocks[-1]["thinking"] += ev[1]
+                else:
+                    blocks.append({"type": "thinking", "thinking": ev[1], "signature": ""})
+            elif kind == "content":
+                if blocks and blocks[-1]["type"] == "text":
+                    blocks[-1]["text"] += ev[1]
+                else:
+                    blocks.append({"type": "text", "text": ev[1]})
+            elif kind == "tool_call":
+                c = ev[1]
+                blocks.append({"type": "tool_use", "id": "toolu_" + c.id[5:], "name": c.name, "input": c.args_dict()})
+            else:
+                res = ev[1]
+    except GenerationError as e:
+        raise APIError(500, str(e), "api_error") from None
+    for b in blocks:
+        if b["type"] == "thinking":
+            b["thinking"] = b["thinking"].rstrip("\n")
+    return JSONResponse({
+        "id": mid, "type": "message", "role": "assistant", "model": srv.model_id, "content": blocks,
+        "stop_reason": "stop_sequence" if res.stop_word else STOP_REASON.get(res.finish_reason, "end_turn"),
+        "stop_sequence": res.stop_word, "usage": _usage(res), "timings": res.timings,
+    })
+
+
+def _usage(res) -> dict:
+    return {"input_tokens": res.prompt_tokens - res.cached_tokens, "output_tokens": res.completion_tokens,
+            "cache_read_input_tokens": res.cached_tokens, "cache_creation_input_tokens": 0}
+
+
+def _ev(name: str, data: dict) -> str:
+    return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+async def _stream(srv, job: Job, mid: str):
+    n_prompt = len(job.prompt)
+    yield _ev("message_start", {"type": "message_start", "message": {
+        "id": mid, "type": "message", "role": "assistant", "model": srv.model_id, "content": [],
+        "stop_reason": None, "stop_sequence": None,
+        "usage": {"input_tokens": n_prompt, "output_tokens": 0, "cache_read_input_tokens": 0,
+                  "cache_creation_input_tokens": 0}}})
+    index, open_type = -1, None
+
+    def close():
+        nonlocal open_type
+        out = []
+        if open_type == "thinking":
+            out.append(_ev("content_block_delta", {"type": "content_block_delta", "index": index,
+                                                   "delta": {"type": "signature_delta", "signature": ""}}))
+        if open_type is not None:
+            out.append(_ev("content_block_stop", {"type": "content_block_stop", "index": index}))
+        open_type = None
+        return out
+
+    def open_block(kind: str, block: dict):
+        nonlocal index, open_type
+        out = close()
+        index += 1
+        open_type = kind
+        out.append(_ev("content_block_start", {"type": "content_block_start", "index": index,
+                                               "content_block": block}))
+        return out
+
+    try:
+        async for ev in srv.run(job):
+            kind = ev[0]
+            out = []
+            if kind == "reasoning":
+                if open_type != "thinking":
+                    out += open_block("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+                out.append(_ev("content_block_delta", {"type": "content_block_delta", "index": index,
+                                                       "delta": {"type": "thinking_delta", "thinking": ev[1]}}))
+            elif kind == "content":
+                if open_type != "text":
+                    out += open_block("text", {"type": "text", "text": ""})
+                out.append(_ev("content_block_delta", {"type": "content_block_delta", "index": index,
+                                                       "delta": {"type": "text_delta", "text": ev[1]}}))
+            elif kind == "tool_call":
+                c = ev[1]
+                out += open_block("tool_use", {"type": "tool_use", "id": "toolu_" + c.id[5:], "name": c.name,
+                                               "input": {}})
+                out.append(_ev("content_block_delta", {"type": "content_block_delta", "index": index,
+                                                       "delta": {"type": "input_json_delta",
+                                                                 "partial_json": json.dumps(c.args_dict())}}))
+            else:
+                res = ev[1]
+                out += close()
+                reason = "stop_sequence" if res.stop_word else STOP_REASON.get(res.finish_reason, "end_turn")
+                out.append(_ev("message_delta", {"type": "message_delta",
+                                                 "delta": {"stop_reason": reason, "stop_sequence": res.stop_word},
+                                                 "usage": _usage(res), "timings": res.timings}))
+                out.append(_ev("message_stop", {"type": "message_stop"}))
+            for o in out:
+                yield o
+    except GenerationError as e:
+        yield _ev("error", {"type": "error", "error": {"type": "api_error", "message": str(e)}})

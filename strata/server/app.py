@@ -1,0 +1,218 @@
+"""The FastAPI application: routes, error bodies, access control, and the engine's life cycle.
+
+`create_app(cfg, load)` returns an app whose lifespan loads the model on a background thread (so /health can
+say 503 while it loads), builds the Engine and starts its worker thread; `create_app(cfg, lm=...)` serves an
+already-loaded model.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from strata import __version__
+from strata.server.protocol import APIError
+
+log = logging.getLogger("strata.server")
+
+
+@dataclass
+class ServeConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_key: str | None = None
+    cors_origins: list[str] = field(default_factory=list)
+    parallel: int = 1
+    prompt_cache_mib: int = 1024
+    model_id: str = "strata"
+    aliases: list[str] = field(default_factory=list)
+    prefill_chunk: int = 0
+    warmup: bool = True
+
+
+def create_app(cfg: ServeConfig, load: Callable[[], object] | None = None, lm=None,
+               narrate: Callable[[str], None] | None = None,
+               on_error: Callable[[BaseException], None] | None = None) -> FastAPI:
+    from contextlib import asynccontextmanager
+
+    say = narrate or (lambda msg: log.info(msg))
+    holder: dict = {}
+
+    def bring_up():
+        try:
+            model = lm if lm is not None else load()
+            state = _start_engine(app, cfg, model, say)
+            holder["worker"] = state
+        except BaseException as e:  # noqa: BLE001 - reported by the caller (the CLI exits)
+            app.state.load_error = f"{type(e).__name__}: {e}"
+            log.error("strata: could not start: %s", app.state.load_error)
+            if on_error is not None:
+                on_error(e)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        t = threading.Thread(target=bring_up, name="strata-load", daemon=True)
+        t.start()
+        if lm is not None:  # already loaded: be ready when the server is
+            t.join()
+        yield
+        w = holder.get("worker")
+        if w is not None:
+            w.stop()
+
+    app = FastAPI(title="strata", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.server = None
+    app.state.load_error = None
+    app.state.model_id = cfg.model_id
+    app.state.model_names = {cfg.model_id, *cfg.aliases}
+    app.state.model_meta = {}
+    app.state.started = time.time()
+    app.state.cfg = cfg
+
+    from strata.server.metrics import Metrics
+
+    app.state.metrics = Metrics(cfg.model_id)
+    _routes(app)
+    from strata.server import anthropic_api, openai_api
+
+    app.include_router(openai_api.router)
+    app.include_router(anthropic_api.router)
+    if cfg.cors_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=cfg.cors_origins, allow_methods=["GET", "POST", "OPTIONS"],
+                           allow_headers=["*"])
+    from strata.server.auth import AccessControl
+
+    app.add_middleware(AccessControl, api_key=cfg.api_key, bound_host=cfg.host)
+    return app
+
+
+def _start_engine(app: FastAPI, cfg: ServeConfig, lm, say) -> object:
+    from strata.engine.engine import Engine
+    from strata.server.grammar import Grammars, constrained_available
+    from strata.server.prompt_cache import PromptCache
+    from strata.server.runner import Server
+    from strata.server.scheduler import EngineWorker
+    from strata.server.toolcalls import detect_format
+
+    if lm.tokenizer is None:
+        raise APIError(500, "the model has no tokenizer in its metadata")
+    t0 = time.perf_counter()
+    engine = Engine(lm, n_slots=cfg.parallel, prefill_chunk=cfg.prefill_chunk or None)
+    kv_mib = engine.kv.nbytes / 2**20
+    say(f"KV cache: {cfg.parallel} slot(s) x {engine.max_ctx} tokens ({kv_mib:.0f} MiB on {engine.device}), "
+        f"prefill chunk {engine.prefill_chunk}")
+    if cfg.warmup:
+        say("warming up (one forward pass)")
+        for _ in engine.generate(lm.tokenizer.encode("Hello", add_special=False) or [0],
+                                 max_tokens=1):
+            pass
+        engine.slot_tokens = {s: [] for s in range(engine.n_slots)}
+    metrics = app.state.metrics
+    cache = PromptCache(cfg.prompt_cache_mib)
+    metrics.prompt_cache = cache
+    worker = EngineWorker(engine, cache, metrics)
+    metrics.worker = worker
+    tool_format = detect_format(lm.gguf.get("tokenizer.chat_template"))
+    grammars = Grammars(lm.tokenizer, getattr(lm.args, "vocab_size", None) or lm.tokenizer.vocab_size)
+    srv = Server(lm, worker, metrics, grammars, tool_format, cfg.model_id, engine.max_ctx)
+    structured = "constrained" if constrained_available() else "validated"
+    app.state.model_meta = {"n_ctx": engine.max_ctx, "n_ctx_train": getattr(lm.args, "ctx_len", None),
+                            "n_vocab": srv.vocab_size, "arch": lm.gguf.arch, "parallel": cfg.parallel,
+                            "tool_call_format": tool_format, "structured_output": structured,
+                            "path": str(lm.cfg.model)}
+    metrics.settings = {"model": str(lm.cfg.model), "n_ctx": engine.max_ctx, "parallel": cfg.parallel,
+                        "prefill_chunk": engine.prefill_chunk, "device": str(engine.device),
+                        "dtype": str(lm.cfg.torch_dtype).replace("torch.", ""),
+                        "experts": lm.cfg.experts.mode, "prompt_cache_mib": cfg.prompt_cache_mib,
+                        "structured_output": structured, "tool_call_format": tool_format,
+                        "api_key": cfg.api_key is not None, "host": cfg.host, "port": cfg.port}
+    worker.start()
+    app.state.server = srv
+    say(f"ready in {time.perf_counter() - t0:.1f}s")
+    return worker
+
+
+def _error(status: int, message: str, type_: str) -> JSONResponse:
+    return JSONResponse(APIError(status, message, type_).body(), status_code=status)
+
+
+def _routes(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):
+        if e.status_code == 404:
+            return _error(404, f"no route {request.method} {request.url.path}", "not_found_error")
+        if e.status_code == 405:
+            return _error(405, f"method {request.method} not allowed on {request.url.path}", "invalid_request_error")
+        return _error(e.status_code, str(e.detail), "invalid_request_error")
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, e: Exception):
+        log.exception("unhandled error on %s", request.url.path)
+        return _error(500, f"internal error: {type(e).__name__}", "server_error")
+
+    @app.get("/health")
+    async def health(request: Request):
+        st = request.app.state
+        if st.server is None:
+            if st.load_error:
+                return _error(500, f"the model failed to load: {st.load_error}", "server_error")
+            return JSONResponse({"status": "loading", "error": {"code": 503, "message": "Loading model",
+                                                                "type": "unavailable_error"}}, status_code=503)
+        w = st.server.worker
+        return {"status": "ok", "model": st.model_id, "slots_idle": len(w.engine.free_slots),
+                "slots_processing": w.n_running, "requests_waiting": w.n_waiting}
+
+    @app.get("/props")
+    async def props(request: Request):
+        from strata.server.openai_api import server_of
+
+        srv = server_of(request)
+        tok = srv.tok
+        return {
+            "default_generation_settings": {"n_ctx": srv.ctx, "id_slot": -1, "params": {
+                "temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repeat_penalty": 1.0,
+                "presence_penalty": 0.0, "frequency_penalty": 0.0, "cache_prompt": True}},
+            "total_slots": srv.worker.engine.n_slots,
+            "model_alias": srv.model_id,
+            "model_path": request.app.state.model_meta.get("path"),
+            "chat_template": srv.lm.gguf.get("tokenizer.chat_template") or "",
+            "bos_token": tok.decode([tok.bos_id]) if tok.bos_id is not None else "",
+            "eos_token": tok.decode([tok.eos_id]) if tok.eos_id is not None else "",
+            "modalities": {"vision": False, "audio": False},
+            "build_info": f"strata {__version__}",
+            "structured_output": request.app.state.model_meta.get("structured_output"),
+            "tool_call_format": srv.tool_format,
+        }
+
+    @app.get("/slots")
+    async def slots(request: Request):
+        from strata.server.openai_api import server_of
+
+        return server_of(request).worker.slots()
+
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        m = request.app.state.metrics
+        if request.query_params.get("format") == "json" or "application/json" in request.headers.get("accept", ""):
+            return JSONResponse(m.as_json())
+        return PlainTextResponse(m.prometheus().decode(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def model_id_for(path: str | os.PathLike) -> str:
+    name = os.path.basename(str(path))
+    return name[:-5] if name.endswith(".gguf") else name

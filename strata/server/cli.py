@@ -1,0 +1,91 @@
+"""`strata serve`: the OpenAI- and Anthropic-compatible HTTP server."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from strata import StrataError
+
+
+def register(sub) -> None:
+    from strata.engine.cli import add_engine_args
+
+    p = sub.add_parser("serve", help="serve the model over OpenAI- and Anthropic-compatible HTTP APIs")
+    add_engine_args(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    g.add_argument("--port", type=int, default=8080)
+    g.add_argument("--api-key", default=None, help="require this key on every route but /health "
+                   "(default: $STRATA_API_KEY)")
+    g.add_argument("-np", "--parallel", type=int, default=1, help="sequences decoded together (KV slots)")
+    g.add_argument("--prompt-cache-mib", type=int, default=1024,
+                   help="host RAM for the KV of past conversations (0 = only what the slots hold)")
+    g.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                   help="allow browser requests from this origin (repeatable; default: none)")
+    g.add_argument("--alias", action="append", default=[], help="another model name clients may use (repeatable)")
+    g.add_argument("--threads", type=int, default=0, help="PyTorch CPU threads (default: PyTorch's choice)")
+    g.add_argument("--no-warmup", action="store_true", help="skip the warm-up forward pass")
+    p.set_defaults(func=cmd_serve)
+
+
+def _say(msg: str) -> None:
+    print(f"strata: {msg}", file=sys.stderr, flush=True)
+
+
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    from strata.config import env
+    from strata.engine.cli import load_from_args, resolve_model_path
+    from strata.server.app import ServeConfig, create_app, model_id_for
+    from strata.server.auth import is_loopback
+
+    if args.parallel < 1:
+        raise StrataError("--parallel must be at least 1")
+    if not 0 < args.port < 65536:
+        raise StrataError(f"--port must be 1..65535 (got {args.port})")
+    if args.prompt_cache_mib < 0:
+        raise StrataError("--prompt-cache-mib must be >= 0")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    key = args.api_key or env("STRATA_API_KEY") or None
+    path = resolve_model_path(args.model)
+    args.model = path
+    cfg = ServeConfig(host=args.host, port=args.port, api_key=key, cors_origins=args.cors_origin,
+                      parallel=args.parallel, prompt_cache_mib=args.prompt_cache_mib, model_id=model_id_for(path),
+                      aliases=args.alias, prefill_chunk=args.prefill_chunk, warmup=not args.no_warmup)
+    if not key and not is_loopback(args.host):
+        bar = "!" * 78
+        print(f"{bar}\nstrata: WARNING: binding {args.host} with no API key: anyone who can reach this port can use "
+              f"the model.\nstrata: WARNING: pass --api-key KEY (or set STRATA_API_KEY).\n{bar}", file=sys.stderr,
+              flush=True)
+    state = {}
+
+    def load():
+        t0 = time.perf_counter()
+        lm = load_from_args(args)
+        _say(f"model loaded in {time.perf_counter() - t0:.1f}s")
+        return lm
+
+    def failed(e: BaseException) -> None:
+        state["error"] = e
+        server.should_exit = True
+
+    app = create_app(cfg, load=load, narrate=_say, on_error=failed)
+    _say(f"listening on http://{_url_host(args.host)}:{args.port} (the model loads in the background; "
+         f"/health answers 503 until it is ready)")
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=3)
+    server = uvicorn.Server(config)
+    server.run()
+    if "error" in state:
+        e = state["error"]
+        raise e if isinstance(e, StrataError) else StrataError(f"could not start: {e}")
+    return 0
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host

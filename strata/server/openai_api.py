@@ -1,0 +1,299 @@
+"""OpenAI's API: POST /v1/chat/completions, POST /v1/completions, GET /v1/models."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from strata.server.protocol import APIError, ChatRequest, CompletionRequest, OtherPart, bad_request, parse
+from strata.server.runner import GenerationError, Job, Result, parse_arguments, sampling, stop_list
+
+router = APIRouter()
+FINGERPRINT = "strata"
+
+
+async def read_json(request: Request):
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):
+        raise bad_request("the request body is not valid JSON") from None
+
+
+def server_of(request: Request):
+    srv = getattr(request.app.state, "server", None)
+    if srv is None:
+        raise APIError(503, "the model is still loading", "unavailable_error")
+    return srv
+
+
+def check_model(request: Request, name: str | None) -> None:
+    if name is not None and name not in request.app.state.model_names:
+        raise APIError(404, f"model {name!r} not found (this server serves {request.app.state.model_id!r})",
+                       "not_found_error", "model_not_found")
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def usage(res: Result) -> dict:
+    return {"prompt_tokens": res.prompt_tokens, "completion_tokens": res.completion_tokens,
+            "total_tokens": res.prompt_tokens + res.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": res.cached_tokens}}
+
+
+def error_event(e: Exception) -> str:
+    return sse({"error": {"type": "server_error", "message": str(e), "code": None, "param": None}})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# chat
+
+
+def _text(content, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for p in content:
+        if isinstance(p, OtherPart):
+            raise bad_request(f"{where}: content parts of type {p.type!r} are not supported (text only)")
+        parts.append(p.text)
+    return "".join(parts)
+
+
+def chat_messages(body: ChatRequest) -> list[dict]:
+    msgs = []
+    for i, m in enumerate(body.messages):
+        d = {"role": "system" if m.role == "developer" else m.role,
+             "content": _text(m.content, f"messages.{i}")}
+        if m.role == "assistant" and m.tool_calls:
+            d["tool_calls"] = [{"id": tc.id or f"call_{i}_{j}", "type": "function",
+                                "function": {"name": tc.function.name,
+                                             "arguments": parse_arguments(tc.function.arguments)}}
+                               for j, tc in enumerate(m.tool_calls)]
+        if m.role == "tool":
+            if m.tool_call_id:
+                d["tool_call_id"] = m.tool_call_id
+            if m.name:
+                d["name"] = m.name
+        if m.role == "assistant" and m.reasoning_content:
+            d["reasoning_content"] = m.reasoning_content
+        msgs.append(d)
+    return msgs
+
+
+async def prepare_chat(srv, body: ChatRequest) -> Job:
+    if body.logprobs:
+        raise bad_request("logprobs are not supported")
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+    choice = body.tool_choice or "auto"
+    only = None
+    if not isinstance(choice, str):
+        only = choice.function.name
+        if not tools or only not in {t["function"]["name"] for t in tools}:
+            raise bad_request(f"tool_choice names {only!r}, which is not among the request's tools")
+    elif choice == "required" and not tools:
+        raise bad_request("tool_choice 'required' needs tools")
+    use_tools = tools if choice != "none" else None
+    thinking = None
+    if body.reasoning_effort is not None:
+        thinking = body.reasoning_effort != "none"
+    kw = body.chat_template_kwargs or {}
+    if isinstance(kw.get("enable_thinking"), bool):
+        thinking = kw["enable_thinking"]
+    msgs = chat_messages(body)
+    text = await asyncio.to_thread(srv.render, msgs, use_tools, thinking)
+    ids = await asyncio.to_thread(srv.encode_chat, text)
+    max_tokens = srv.max_tokens(len(ids), body.max_completion_tokens or body.max_tokens)
+    grammar = None
+    if use_tools and (only is not None or choice == "required"):
+        grammar = srv.tool_call_grammar(use_tools, only, body.parallel_tool_calls is not False)
+    elif body.response_format is not None and body.response_format.type != "text":
+        rf = body.response_format
+        schema, strict = None, False
+        if rf.type == "json_schema":
+            spec = rf.json_schema
+            schema = (spec.schema_ if spec else None) or rf.schema_
+            if schema is None:
+                raise bad_request("response_format json_schema needs json_schema.schema")
+            strict = bool(spec and spec.strict)
+        grammar = srv.json_grammar(schema, strict)
+    job = Job(ids, max_tokens, sampling(body), stop_list(body.stop), body.logit_bias, grammar, reasoning=True,
+              in_reasoning=text.rstrip().endswith("<think>"), tools=use_tools, cache_prompt=body.cache_prompt)
+    return srv.finish_job(job)
+
+
+def _call_json(c, index: int) -> dict:
+    return {"index": index, "id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request):
+    srv = server_of(request)
+    body = parse(ChatRequest, await read_json(request))
+    check_model(request, body.model)
+    job = await prepare_chat(srv, body)
+    cid, created = "chatcmpl-" + uuid.uuid4().hex[:24], int(time.time())
+    base = {"id": cid, "created": created, "model": srv.model_id, "system_fingerprint": FINGERPRINT}
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(_chat_stream(srv, job, base, include_usage), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    content, reasoning, calls, res = [], [], [], None
+    try:
+        async for ev in srv.run(job, request):
+            if ev[0] == "content":
+                content.append(ev[1])
+            elif ev[0] == "reasoning":
+                reasoning.append(ev[1])
+            elif ev[0] == "tool_call":
+                calls.append(ev[1])
+            else:
+                res = ev[1]
+    except GenerationError as e:
+        raise APIError(500, str(e), "server_error") from None
+    text = "".join(content)
+    msg = {"role": "assistant", "content": text if (text or not calls) else None}
+    if reasoning:
+        msg["reasoning_content"] = "".join(reasoning).rstrip("\n")
+    if calls:
+        msg["tool_calls"] = [_call_json(c, i) for i, c in enumerate(calls)]
+        for t in msg["tool_calls"]:
+            del t["index"]
+    return JSONResponse({**base, "object": "chat.completion",
+                         "choices": [{"index": 0, "message": msg, "finish_reason": res.finish_reason,
+                                      "logprobs": None}],
+                         "usage": usage(res), "timings": res.timings})
+
+
+async def _chat_stream(srv, job: Job, base: dict, include_usage: bool):
+    def chunk(delta, finish=None, **extra):
+        return sse({**base, "object": "chat.completion.chunk",
+                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **extra})
+
+    yield chunk({"role": "assistant", "content": ""})
+    n_calls = 0
+    try:
+        async for ev in srv.run(job):
+            kind = ev[0]
+            if kind == "content":
+                yield chunk({"content": ev[1]})
+            elif kind == "reasoning":
+                yield chunk({"reasoning_content": ev[1]})
+            elif kind == "tool_call":
+                c = ev[1]
+                yield chunk({"tool_calls": [{"index": n_calls, "id": c.id, "type": "function",
+                                             "function": {"name": c.name, "arguments": ""}}]})
+                yield chunk({"tool_calls": [{"index": n_calls, "function": {"arguments": c.arguments}}]})
+                n_calls += 1
+            else:
+                res = ev[1]
+                yield chunk({}, res.finish_reason, timings=res.timings)
+                if include_usage:
+                    yield sse({**base, "object": "chat.completion.chunk", "choices": [], "usage": usage(res)})
+    except GenerationError as e:
+        yield error_event(e)
+    yield "data: [DONE]\n\n"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# completions
+
+
+async def prepare_completion(srv, body: CompletionRequest) -> tuple[Job, str]:
+    if body.logprobs:
+        raise bad_request("logprobs are not supported")
+    if body.suffix:
+        raise bad_request("suffix (fill-in-the-middle) is not supported")
+    p = body.prompt
+    if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+        if len(p) != 1:
+            raise bad_request("prompt: one prompt per request")
+        p = p[0]
+    if isinstance(p, str):
+        ids = await asyncio.to_thread(srv.tok.encode, p)
+        text = p
+    else:
+        if any(not 0 <= t < srv.vocab_size for t in p):
+            raise bad_request(f"prompt: token ids must be in 0..{srv.vocab_size - 1}")
+        ids, text = list(p), srv.tok.decode(p)
+    max_tokens = srv.max_tokens(len(ids), body.max_tokens if body.max_tokens is not None else 16)
+    job = Job(ids, max_tokens, sampling(body), stop_list(body.stop), body.logit_bias, None,
+              cache_prompt=body.cache_prompt, kind="completion")
+    return srv.finish_job(job), text if body.echo else ""
+
+
+@router.post("/v1/completions")
+async def completions(request: Request):
+    srv = server_of(request)
+    body = parse(CompletionRequest, await read_json(request))
+    check_model(request, body.model)
+    job, echo = await prepare_completion(srv, body)
+    base = {"id": "cmpl-" + uuid.uuid4().hex[:24], "object": "text_completion", "created": int(time.time()),
+            "model": srv.model_id, "system_fingerprint": FINGERPRINT}
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(_completion_stream(srv, job, base, echo, include_usage),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    parts, res = [echo], None
+    try:
+        async for ev in srv.run(job, request):
+            if ev[0] == "content":
+                parts.append(ev[1])
+            elif ev[0] == "done":
+                res = ev[1]
+    except GenerationError as e:
+        raise APIError(500, str(e), "server_error") from None
+    return JSONResponse({**base, "choices": [{"index": 0, "text": "".join(parts), "logprobs": None,
+                                              "finish_reason": res.finish_reason}],
+                         "usage": usage(res), "timings": res.timings})
+
+
+async def _completion_stream(srv, job: Job, base: dict, echo: str, include_usage: bool):
+    def chunk(text, finish=None, **extra):
+        return sse({**base, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+                    **extra})
+
+    try:
+        if echo:
+            yield chunk(echo)
+        async for ev in srv.run(job):
+            if ev[0] == "content":
+                yield chunk(ev[1])
+            elif ev[0] == "done":
+                res = ev[1]
+                yield chunk("", res.finish_reason, timings=res.timings)
+                if include_usage:
+                    yield sse({**base, "choices": [], "usage": usage(res)})
+    except GenerationError as e:
+        yield error_event(e)
+    yield "data: [DONE]\n\n"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# models
+
+
+def model_card(request: Request) -> dict:
+    st = request.app.state
+    return {"id": st.model_id, "object": "model", "created": int(st.started), "owned_by": "strata",
+            "meta": st.model_meta}
+
+
+@router.get("/v1/models")
+async def models(request: Request):
+    return {"object": "list", "data": [model_card(request)]}
+
+
+@router.get("/v1/models/{name:path}")
+async def model(name: str, request: Request):
+    check_model(request, name)
+    return model_card(request)

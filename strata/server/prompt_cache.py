@@ -1,0 +1,125 @@
+"""The conversation cache: KV of past conversations kept in host RAM so that a follow-up turn re-reads only its
+new tokens, even after its KV slot went to someone else.
+
+The engine already reuses the longest prefix that a free slot still holds. This adds a second tier: before a
+slot's content is overwritten by an unrelated prompt, its KV is copied to RAM (within a byte budget, least
+recently used evicted), and a prompt whose longest cached prefix lives in RAM gets it copied back into a free
+slot before the engine places it. Only the engine thread calls this (it touches the engine's KV).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+MIN_TOKENS = 16  # shorter prefixes are cheaper to recompute than to copy around
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+@dataclass
+class Entry:
+    tokens: list[int]
+    k: list[torch.Tensor]  # per layer [n, *k_shape] on the host
+    v: list[torch.Tensor] | None
+    nbytes: int
+
+
+class PromptCache:
+    def __init__(self, budget_mib: int):
+        self.budget = max(0, budget_mib) << 20
+        self.entries: OrderedDict[tuple, Entry] = OrderedDict()  # key: tuple(tokens); last = most recent
+        self.used = 0
+        self.slot_used: dict[int, float] = {}  # slot -> last time it was handed out (LRU victim choice)
+        self.saves = self.restores = self.evictions = 0
+
+    # -- bookkeeping ---------------------------------------------------------------------------------------------
+    def _save(self, engine, slot: int) -> None:
+        toks = engine.slot_tokens[slot]
+        n = len(toks)
+        if n < MIN_TOKENS or not self.budget:
+            return
+        key = tuple(toks)
+        if key in self.entries:
+            self.entries.move_to_end(key)
+            return
+        for other in self.entries.values():  # already held as the prefix of a longer entry
+            if len(other.tokens) >= n and other.tokens[:n] == toks:
+                return
+        kv = engine.kv
+        k = [kv.k[layer][slot, :n].to("cpu", copy=True) for layer in range(kv.n_layers)]
+        v = [kv.v[layer][slot, :n].to("cpu", copy=True) for layer in range(kv.n_layers)] if kv.v is not None else None
+        nbytes = sum(t.numel() * t.element_size() for t in k + (v or []))
+        if nbytes > self.budget:
+            return
+        # drop entries that are prefixes of this one (the conversation moved on)
+        for key2 in [k2 for k2, e in self.entries.items() if len(e.tokens) <= n and toks[: len(e.tokens)] == e.tokens]:
+            self._drop(key2)
+        while self.used + nbytes > self.budget and self.entries:
+            self._drop(next(iter(self.entries)))
+            self.evictions += 1
+        self.entries[key] = Entry(list(toks), k, v, nbytes)
+        self.used += nbytes
+        self.saves += 1
+
+    def _drop(self, key) -> None:
+        e = self.entries.pop(key)
+        self.used -= e.nbytes
+
+    def _restore(self, engine, slot: int, e: Entry, n: int) -> None:
+        kv = engine.kv
+        for layer in range(kv.n_layers):
+            kv.k[layer][slot, :n] = e.k[layer][:n].to(kv.device, non_blocking=True)
+            if kv.v is not None and e.v is not None:
+                kv.v[layer][slot, :n] = e.v[layer][:n].to(kv.device, non_blocking=True)
+        engine.slot_tokens[slot] = list(e.tokens[:n])
+        self.entries.move_to_end(tuple(e.tokens))
+        self.restores += 1
+
+    # -- the one entry point -------------------------------------------------------------------------------------
+    def prepare(self, engine, prompt: list[int]) -> None:
+        """Arrange the engine's free slots so that `engine.add` finds the longest cached prefix of `prompt`, and
+        save whatever KV the chosen slot held that the new prompt will overwrite."""
+        free = engine.free_slots
+        if not free:
+            return
+        best, best_n = None, 0
+        for s in free:
+            n = common_prefix(engine.slot_tokens[s], prompt)
+            if n > best_n:
+                best, best_n = s, n
+        ram, ram_n = None, 0
+        for e in self.entries.values():
+            n = common_prefix(e.tokens, prompt)
+            if n > ram_n:
+                ram, ram_n = e, n
+        if ram is not None and ram_n > best_n and ram_n >= MIN_TOKENS:
+            slot = self._victim(free)
+            self._save(engine, slot)
+            self._restore(engine, slot, ram, ram_n)
+        elif best is not None:
+            slot = best
+            if common_prefix(engine.slot_tokens[slot], prompt) < len(engine.slot_tokens[slot]):
+                self._save(engine, slot)  # the tail past the shared prefix is about to be overwritten
+        else:
+            slot = self._victim(free)
+            self._save(engine, slot)
+        free.remove(slot)
+        free.insert(0, slot)  # engine.add takes the first slot of the longest prefix, or the first one
+        self.slot_used[slot] = time.monotonic()
+
+    def _victim(self, free: list[int]) -> int:
+        return min(free, key=lambda s: self.slot_used.get(s, 0.0))
+
+    def stats(self) -> dict:
+        return {"entries": len(self.entries), "bytes": self.used, "budget_bytes": self.budget,
+                "saves": self.saves, "restores": self.restores, "evictions": self.evictions}

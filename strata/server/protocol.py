@@ -1,0 +1,252 @@
+"""Request bodies of the OpenAI and Anthropic APIs as pydantic models, and the one error type the server answers.
+
+Validation is strict about what the server uses (types, ranges, roles) and ignores fields it does not know, the
+way OpenAI-compatible servers do, so that newer clients keep working. Every rejection becomes a 400 with
+OpenAI's error body; nothing a client sends may reach the engine unchecked.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class APIError(Exception):
+    """An HTTP error with OpenAI's body: {"error": {"type", "message", "code"}}."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.code = status, message, type_, code
+
+    def body(self) -> dict:
+        return {"error": {"type": self.type, "message": self.message, "code": self.code, "param": None}}
+
+
+def bad_request(message: str) -> APIError:
+    return APIError(400, message)
+
+
+def parse(model: type[BaseModel], body: Any) -> Any:
+    """Validate a decoded JSON body, turning pydantic's errors into one readable 400 line."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        errs = e.errors()
+        parts = []
+        for err in errs[:3]:
+            loc = ".".join(str(x) for x in err.get("loc", ())) or "body"
+            parts.append(f"{loc}: {err.get('msg', 'invalid')}")
+        more = f" (and {len(errs) - 3} more)" if len(errs) > 3 else ""
+        raise bad_request("; ".join(parts) + more) from None
+
+
+class _M(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+Float = Union[float, int]
+
+# ---------------------------------------------------------------------------------------------------------------
+# OpenAI: chat completions
+
+
+class TextPart(_M):
+    type: Literal["text", "input_text"]
+    text: str
+
+
+class OtherPart(_M):
+    """A content part the server cannot use (images, audio, files): rejected with a clear message."""
+
+    type: Literal["image_url", "input_image", "input_audio", "file", "image", "refusal"]
+
+
+class FunctionCall(_M):
+    name: str
+    arguments: Union[str, dict[str, Any]] = "{}"
+
+
+class ToolCall(_M):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_M):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[Union[TextPart, OtherPart]], None] = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+
+class FunctionDef(_M):
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_M):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedFunction(_M):
+    name: str
+
+
+class NamedToolChoice(_M):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class JSONSchemaSpec(_M):
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_M):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaSpec | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # llama.cpp's shorthand
+
+
+class StreamOptions(_M):
+    include_usage: bool = False
+
+
+class SamplingFields(_M):
+    """Sampling fields shared by /v1/chat/completions and /v1/completions (OpenAI's plus llama.cpp's)."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: Float | None = Field(default=None, ge=0, le=100)
+    top_p: Float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=0)
+    min_p: Float | None = Field(default=None, ge=0, le=1)
+    seed: int | None = None
+    presence_penalty: Float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: Float | None = Field(default=None, ge=-2, le=2)
+    repetition_penalty: Float | None = Field(default=None, gt=0, le=10)
+    repeat_penalty: Float | None = Field(default=None, gt=0, le=10)
+    stop: Union[str, list[str], None] = None
+    n: int | None = Field(default=None, ge=1, le=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, Float] | None = None
+    logprobs: bool | None = None
+    cache_prompt: bool = True
+    user: str | None = None
+
+
+class ChatRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    tools: list[Tool] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Union[str, list[int], list[str]]
+    echo: bool = False
+    suffix: str | None = None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Anthropic: messages
+
+
+class AText(_M):
+    type: Literal["text"]
+    text: str
+
+
+class AThinking(_M):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+
+
+class ARedactedThinking(_M):
+    type: Literal["redacted_thinking"]
+    data: str = ""
+
+
+class AToolUse(_M):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any] = Field(default_factory=dict)
+
+
+class AToolResult(_M):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: Union[str, list[Union[AText, "AOther"]], None] = None
+    is_error: bool | None = None
+
+
+class AOther(_M):
+    type: Literal["image", "document", "search_result", "server_tool_use", "web_search_tool_result"]
+
+
+AToolResult.model_rebuild()
+
+ABlock = Union[AText, AThinking, ARedactedThinking, AToolUse, AToolResult, AOther]
+
+
+class AMessage(_M):
+    role: Literal["user", "assistant"]
+    content: Union[str, list[ABlock]]
+
+
+class ATool(_M):
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
+    type: str | None = None
+
+
+class AToolChoice(_M):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class AThinkingConfig(_M):
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = None
+
+
+class MessagesRequest(_M):
+    model: str | None = None
+    messages: list[AMessage] = Field(min_length=1)
+    max_tokens: int = Field(ge=1)
+    system: Union[str, list[AText], None] = None
+    stop_sequences: list[str] | None = None
+    temperature: Float | None = Field(default=None, ge=0, le=1)
+    top_p: Float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=0)
+    stream: bool = False
+    tools: list[ATool] | None = None
+    tool_choice: AToolChoice | None = None
+    thinking: AThinkingConfig | None = None
+    metadata: dict[str, Any] | None = None
+
+
+class CountTokensRequest(_M):
+    model: str | None = None
+    messages: list[AMessage] = Field(min_length=1)
+    system: Union[str, list[AText], None] = None
+    tools: list[ATool] | None = None
+    thinking: AThinkingConfig | None = None

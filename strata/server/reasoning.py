@@ -1,0 +1,95 @@
+"""Splitting a model's reasoning (`<think>…</think>`) from its answer, incrementally, as text streams in.
+
+Text that might be the start of a tag is held back until the next piece decides it, so a tag split across
+tokens is never shown to the client.
+"""
+
+from __future__ import annotations
+
+OPEN, CLOSE = "<think>", "</think>"
+
+
+def partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `marker` (0 if none)."""
+    for n in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class ReasoningSplitter:
+    """Feed text pieces; get (reasoning, content) pieces back.
+
+    `in_reasoning` starts true when the prompt already opened the block (templates that end the generation
+    prompt with `<think>`). With `enabled=False` everything is content. Only a block at the start of the output
+    counts: a `<think>` after answer text is answer text.
+    """
+
+    def __init__(self, enabled: bool = True, in_reasoning: bool = False):
+        self.enabled = enabled
+        self.in_reasoning = enabled and in_reasoning
+        self._buf = ""
+        self._seen_content = False
+        self._after_close = False  # drop the blank lines templates put between </think> and the answer
+        self._r_started = False  # drop the newline after <think>
+
+    def push(self, text: str) -> tuple[str, str]:
+        if not self.enabled:
+            return "", text
+        self._buf += text
+        r, c = [], []
+        while self._buf:
+            buf = self._buf
+            if self.in_reasoning:
+                i = buf.find(CLOSE)
+                if i >= 0:
+                    r.append(buf[:i])
+                    self._buf = buf[i + len(CLOSE):]
+                    self.in_reasoning, self._after_close = False, True
+                    continue
+                keep = partial_suffix(buf, CLOSE)
+                r.append(buf[: len(buf) - keep])
+                self._buf = buf[len(buf) - keep:]
+                break
+            if self._after_close:
+                buf = buf.lstrip("\n")
+                if not buf:
+                    self._buf = ""
+                    break
+                self._after_close = False
+            if not self._seen_content:
+                s = buf.lstrip()
+                if s.startswith(OPEN):
+                    self._buf = s[len(OPEN):]
+                    self.in_reasoning = True
+                    continue
+                if OPEN.startswith(s):  # may still become <think> (or is only whitespace so far): wait
+                    self._buf = buf
+                    break
+            c.append(buf)
+            self._seen_content = True
+            self._buf = ""
+        return self._reasoning("".join(r)), "".join(c)
+
+    def _reasoning(self, r: str) -> str:
+        if not self._r_started:
+            r = r.lstrip("\n")
+            self._r_started = bool(r)
+        return r
+
+    def flush(self) -> tuple[str, str]:
+        """The end of the output: whatever is held back is released (an unclosed block stays reasoning)."""
+        buf, self._buf = self._buf, ""
+        if self.in_reasoning:
+            return self._reasoning(buf), ""
+        if self._after_close:
+            buf = buf.lstrip("\n")
+        return "", buf
+
+
+def split_reasoning(text: str, enabled: bool = True, in_reasoning: bool = False) -> tuple[str, str]:
+    """Non-streaming split of a whole output into (reasoning, content)."""
+    s = ReasoningSplitter(enabled, in_reasoning)
+    r1, c1 = s.push(text)
+    r2, c2 = s.flush()
+    return (r1 + r2).rstrip("\n"), (c1 + c2)

@@ -1,0 +1,282 @@
+"""What both APIs share: chat messages -> prompt tokens, request -> engine request, and the output pipeline
+(tokens -> text -> stop strings -> reasoning / answer -> tool calls) as a stream of events.
+
+Events: ("reasoning", text), ("content", text), ("tool_call", ParsedCall), ("done", Result).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+
+from strata import StrataError
+from strata.engine.sampler import SamplingParams
+from strata.server.grammar import bias_processor, chain, constrained_available
+from strata.server.protocol import APIError, bad_request
+from strata.server.reasoning import ReasoningSplitter, partial_suffix
+from strata.server.scheduler import GenRequest
+from strata.server.toolcalls import ParsedCall, ToolCallStream, closed, tool_grammar
+
+
+@dataclass
+class Job:
+    """A request ready for the engine, with what the output pipeline needs to know."""
+
+    prompt: list[int]
+    max_tokens: int
+    params: SamplingParams
+    stop: list[str] = field(default_factory=list)
+    logit_bias: dict | None = None
+    grammar: str | None = None  # llguidance grammar (already compiled from lark / JSON schema)
+    reasoning: bool = False  # split <think> blocks
+    in_reasoning: bool = False  # the prompt already opened one
+    tools: list[dict] | None = None  # parse tool calls against these (None: no parsing)
+    cache_prompt: bool = True
+    kind: str = "chat"
+    make_processor: object = None  # set by Server.finish_job: built (and the grammar checked) before any output
+
+
+@dataclass
+class Result:
+    finish_reason: str  # stop | length | tool_calls | abort
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    timings: dict
+    stop_word: str | None = None
+
+
+class GenerationError(Exception):
+    pass
+
+
+def sampling(body, defaults: SamplingParams | None = None) -> SamplingParams:
+    d = defaults or SamplingParams()
+    g = lambda name, default: default if getattr(body, name, None) is None else getattr(body, name)  # noqa: E731
+    rep = getattr(body, "repetition_penalty", None) or getattr(body, "repeat_penalty", None) or d.repetition_penalty
+    p = SamplingParams(temperature=float(g("temperature", d.temperature)), top_k=int(g("top_k", d.top_k)),
+                       top_p=float(g("top_p", d.top_p)), min_p=float(g("min_p", d.min_p)), repetition_penalty=float(rep),
+                       presence_penalty=float(g("presence_penalty", d.presence_penalty)),
+                       frequency_penalty=float(g("frequency_penalty", d.frequency_penalty)), seed=g("seed", d.seed))
+    try:
+        p.validate()
+    except StrataError as e:
+        raise bad_request(str(e)) from None
+    return p
+
+
+def stop_list(stop) -> list[str]:
+    if stop is None:
+        return []
+    out = [stop] if isinstance(stop, str) else list(stop)
+    if len(out) > 16:
+        raise bad_request("stop: at most 16 stop sequences")
+    return [s for s in out if s]
+
+
+def parse_arguments(args) -> dict:
+    """Tool-call arguments as a dict for the chat template (templates iterate over them)."""
+    if isinstance(args, dict):
+        return args
+    try:
+        v = json.loads(args) if args else {}
+    except ValueError:
+        raise bad_request("tool_calls: function.arguments must be a JSON object") from None
+    if not isinstance(v, dict):
+        raise bad_request("tool_calls: function.arguments must be a JSON object")
+    return v
+
+
+class StopStrings:
+    """Cuts the output at the first stop string, holding back text that may be the start of one."""
+
+    def __init__(self, stops: list[str]):
+        self.stops, self._buf, self.hit = stops, "", None
+
+    def push(self, text: str) -> str:
+        if not self.stops or self.hit:
+            return "" if self.hit else text
+        self._buf += text
+        first = None
+        for s in self.stops:
+            i = self._buf.find(s)
+            if i >= 0 and (first is None or i < first[0]):
+                first = (i, s)
+        if first is not None:
+            self.hit = first[1]
+            out, self._buf = self._buf[: first[0]], ""
+            return out
+        keep = max(partial_suffix(self._buf, s) for s in self.stops)
+        out, self._buf = self._buf[: len(self._buf) - keep], self._buf[len(self._buf) - keep:]
+        return out
+
+    def flush(self) -> str:
+        out, self._buf = self._buf, ""
+        return "" if self.hit else out
+
+
+class Server:
+    """The loaded model and its engine worker, as the API modules see them (set up in app.py)."""
+
+    def __init__(self, lm, worker, metrics, grammars, tool_format: str, model_id: str, ctx: int):
+        self.lm, self.worker, self.metrics, self.grammars = lm, worker, metrics, grammars
+        self.tok, self.template = lm.tokenizer, lm.template
+        self.tool_format, self.model_id, self.ctx = tool_format, model_id, ctx
+        self.vocab_size = getattr(lm.args, "vocab_size", None) or self.tok.vocab_size
+
+    # -- prompts -------------------------------------------------------------------------------------------------
+    def render(self, messages: list[dict], tools: list[dict] | None, enable_thinking: bool | None) -> str:
+        if self.template is None:
+            raise bad_request("this model has no chat template; use /v1/completions")
+        try:
+            return self.template.render(messages, tools=tools or None, add_generation_prompt=True,
+                                        enable_thinking=enable_thinking)
+        except APIError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a template that rejects the conversation says why
+            raise bad_request(f"the chat template rejected the messages: {str(e)[:300]}") from None
+
+    def encode_chat(self, text: str) -> list[int]:
+        if hasattr(self.tok, "encode_prompt"):  # BOS as the GGUF says, unless the template wrote it
+            return self.tok.encode_prompt(text)
+        ids = self.tok.encode(text, add_special=False)
+        if self.tok.add_bos and self.tok.bos_id is not None and (not ids or ids[0] != self.tok.bos_id):
+            ids = [self.tok.bos_id] + ids
+        return ids
+
+    def max_tokens(self, n_prompt: int, asked: int | None) -> int:
+        if n_prompt == 0:
+            raise bad_request("the prompt is empty")
+        if asked is None:
+            if n_prompt >= self.ctx:
+                raise bad_request(f"the prompt of {n_prompt} tokens does not fit the context of {self.ctx} tokens")
+            return self.ctx - n_prompt
+        try:
+            self.worker.engine.check_fits(n_prompt, asked)
+        except StrataError as e:
+            raise bad_request(str(e)) from None
+        return asked
+
+    # -- constraints ---------------------------------------------------------------------------------------------
+    def tool_call_grammar(self, tools: list[dict], only: str | None, parallel: bool) -> str | None:
+        if not constrained_available():
+            return None
+        return self.grammars.lark(tool_grammar(self.tool_format, tools, only, self.grammars.literal, parallel))
+
+    def json_grammar(self, schema: dict | None, strict: bool) -> str | None:
+        if not constrained_available():
+            return None
+        if schema is None:
+            schema = {"type": "object"}
+        return self.grammars.json_schema(closed(schema) if strict else schema)
+
+    # -- running -------------------------------------------------------------------------------------------------
+    def finish_job(self, job: Job) -> Job:
+        job.make_processor = self._processor_factory(job)
+        return job
+
+    def _processor_factory(self, job: Job):
+        if not job.logit_bias and not job.grammar:
+            return None
+        bias = bias_processor(job.logit_bias, self.vocab_size, self.worker.engine.device) if job.logit_bias else None
+        proc = self.grammars.processor(job.grammar) if job.grammar else None  # validated here: 400 on a bad one
+
+        def make(seq):
+            return chain(bias, proc.bind(seq) if proc is not None else None)
+
+        return make
+
+    async def run(self, job: Job, request=None):
+        """Generate; yield events. Cancels the generation when the consumer stops early or the client leaves."""
+        stop_ids = set(self.tok.eot_ids)
+        req = GenRequest(job.prompt, job.params, job.max_tokens, stop_ids, job.cache_prompt,
+                         job.make_processor, kind=job.kind)
+        self.worker.submit(req)
+        dec = self.tok.stream_decoder()
+        stops = StopStrings(job.stop)
+        rs = ReasoningSplitter(job.reasoning, job.in_reasoning)
+        tc = ToolCallStream(self.tool_format, job.tools, enabled=job.tools is not None)
+        n_calls = 0
+        done = False
+
+        def pipeline(text: str, final: bool):
+            nonlocal n_calls
+            out = []
+            text = stops.push(text)
+            if final:
+                text += stops.flush()
+            r, c = rs.push(text)
+            if final:
+                r2, c2 = rs.flush()
+                r, c = r + r2, c + c2
+            if r:
+                out.append(("reasoning", r))
+            t, calls = tc.push(c)
+            if final:
+                t2, calls2 = tc.flush()
+                t, calls = t + t2, calls + calls2
+            if t:
+                out.append(("content", t))
+            for call in calls:
+                out.append(("tool_call", call))
+            n_calls += len(calls)
+            return out
+
+        try:
+            while True:
+                ev = await self._next(req, request)
+                kind = ev[0]
+                if kind == "start":
+                    continue
+                if kind == "token":
+                    if stops.hit or ev[1] in stop_ids:
+                        continue
+                    for e in pipeline(dec.put(ev[1]), False):
+                        yield e
+                    if stops.hit:
+                        self.worker.cancel(req, "stop")
+                    continue
+                if kind == "error":
+                    done = True
+                    raise GenerationError(ev[1])
+                # done
+                done = True
+                for e in pipeline(dec.flush(), True):
+                    yield e
+                reason = ev[1]
+                if reason == "stop" and n_calls:
+                    reason = "tool_calls"
+                yield ("done", self._result(req, reason, stops.hit))
+                return
+        finally:
+            if not done:
+                self.worker.cancel(req, "abort")
+
+    async def _next(self, req: GenRequest, request):
+        if request is None:
+            return await req.events.get()
+        while True:  # a non-streaming client that hangs up frees its slot too
+            try:
+                return await asyncio.wait_for(req.events.get(), 0.25)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    self.worker.cancel(req, "abort")
+                    raise GenerationError("client disconnected") from None
+
+    def _result(self, req: GenRequest, reason: str, stop_word: str | None) -> Result:
+        seq = req.seq
+        n_out = len(seq.output) if seq else 0
+        prompt_n = seq.prompt_n if seq else len(req.prompt)
+        p_ms, g_ms = (seq.prompt_ms, seq.predicted_ms) if seq else (0.0, 0.0)
+        timings = {
+            "prompt_n": prompt_n, "prompt_ms": p_ms,
+            "prompt_per_token_ms": p_ms / prompt_n if prompt_n else 0.0,
+            "prompt_per_second": prompt_n / (p_ms / 1e3) if p_ms else 0.0,
+            "predicted_n": n_out, "predicted_ms": g_ms,
+            "predicted_per_token_ms": g_ms / n_out if n_out else 0.0,
+            "predicted_per_second": n_out / (g_ms / 1e3) if g_ms else 0.0,
+            "cache_n": seq.cached if seq else 0, "draft_n": 0, "draft_n_accepted": 0,
+        }
+        return Result(reason if reason != "stop" or not stop_word else "stop", len(req.prompt), n_out,
+                      seq.cached if seq else 0, timings, stop_word)

@@ -1,0 +1,221 @@
+"""The bridge between the async server and the synchronous engine.
+
+One thread owns the Engine and is the only one that touches it. Requests wait in a first-in first-out queue;
+between steps the thread drops cancelled requests (a client that went away, a stop string that matched),
+admits waiting requests into free slots in arrival order, then runs one `engine.step()` (one prefill chunk plus
+one decode token of every running sequence) and hands each new token to its request's asyncio queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from strata.engine.engine import Engine, Sequence
+from strata.engine.sampler import SamplingParams
+from strata.server.prompt_cache import PromptCache
+
+log = logging.getLogger("strata.server")
+
+
+@dataclass
+class GenRequest:
+    prompt: list[int]
+    params: SamplingParams
+    max_tokens: int
+    stop_ids: set[int]
+    cache_prompt: bool = True
+    make_processor: Callable[[Sequence], Callable | None] | None = None  # built on the engine thread at admission
+    kind: str = "chat"
+    # filled in as it runs
+    id: int = 0
+    loop: asyncio.AbstractEventLoop | None = None
+    events: asyncio.Queue | None = None
+    seq: Sequence | None = None
+    cancelled: str | None = None  # the reason, once cancelled
+    t_submit: float = field(default_factory=time.perf_counter)
+    t_admit: float = 0.0
+    t_first: float = 0.0
+    t_last: float = 0.0
+    t_end: float = 0.0
+    admit_step: int = -1
+    cancel_step: int = -1
+    n_out: int = 0
+    finish_reason: str | None = None
+
+    def _emit(self, ev) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, ev)
+
+
+class EngineWorker:
+    """Owns the engine on one thread. `submit` / `cancel` may be called from any thread."""
+
+    def __init__(self, engine: Engine, prompt_cache: PromptCache | None = None, metrics=None):
+        self.engine = engine
+        self.cache = prompt_cache
+        self.metrics = metrics
+        self.waiting: deque[GenRequest] = deque()
+        self.active: dict[int, GenRequest] = {}  # seq id -> request (engine thread only)
+        self.steps = 0
+        self.tokens_out = 0
+        self._cv = threading.Condition()
+        self._stop = False
+        self._ids = 0
+        self.state = "idle"  # idle | reading | generating
+        self.last_step_ms = 0.0
+        self._thread = threading.Thread(target=self._run, name="strata-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        self._thread.join(timeout=10)
+
+    # -- called from the server ----------------------------------------------------------------------------------
+    def submit(self, req: GenRequest) -> GenRequest:
+        req.loop = asyncio.get_running_loop()
+        req.events = asyncio.Queue()
+        with self._cv:
+            self._ids += 1
+            req.id = self._ids
+            req.t_submit = time.perf_counter()
+            self.waiting.append(req)
+            self._cv.notify_all()
+        return req
+
+    def cancel(self, req: GenRequest, reason: str = "abort") -> None:
+        with self._cv:
+            if req.cancelled is None and req.finish_reason is None:
+                req.cancelled = reason
+                req.cancel_step = self.steps
+                self._cv.notify_all()
+
+    @property
+    def n_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def n_running(self) -> int:
+        return len(self.engine.running)
+
+    # -- the engine thread ---------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stop and not self.waiting and not self.engine.running:
+                    self.state = "idle"
+                    self._cv.wait()
+                if self._stop:
+                    break
+                dropped = [r for r in self.waiting if r.cancelled]
+                if dropped:
+                    self.waiting = deque(r for r in self.waiting if not r.cancelled)
+            for req in dropped:
+                self._finish(req, req.cancelled)
+            self._drop_cancelled()
+            while self.engine.free_slots:
+                with self._cv:
+                    if not self.waiting:
+                        break
+                    req = self.waiting.popleft()
+                if req.cancelled:
+                    self._finish(req, req.cancelled)
+                    continue
+                self._admit(req)
+            if not self.engine.running:
+                continue
+            self.state = "reading" if any(not s.prompt_done for s in self.engine.running) else "generating"
+            t0 = time.perf_counter()
+            try:
+                out = self.engine.step()
+            except Exception as e:  # a failing step fails its requests, never the server
+                log.exception("engine step failed")
+                for seq in list(self.engine.running):
+                    self.engine.release(seq, "error")
+                    req = self.active.pop(seq.id, None)
+                    if req is not None:
+                        req._emit(("error", f"engine failure: {type(e).__name__}: {e}"))
+                        self._finish(req, "error", emit=False)
+                continue
+            now = time.perf_counter()
+            self.last_step_ms = (now - t0) * 1e3
+            self.steps += 1
+            for seq, tok in out:
+                req = self.active.get(seq.id)
+                if req is None:
+                    continue
+                if not req.t_first:
+                    req.t_first = now
+                    if self.metrics:
+                        self.metrics.first_token(req, now - req.t_submit)
+                elif self.metrics:
+                    self.metrics.inter_token(now - req.t_last)
+                req.t_last = now
+                req.n_out += 1
+                self.tokens_out += 1
+                req._emit(("token", tok))
+                if seq.finished:
+                    self.active.pop(seq.id, None)
+                    self._finish(req, seq.finish_reason or "stop")
+
+    def _drop_cancelled(self) -> None:
+        for sid, req in list(self.active.items()):
+            if req.cancelled:
+                self.engine.release(req.seq, req.cancelled)
+                del self.active[sid]
+                self._finish(req, req.cancelled)
+
+    def _admit(self, req: GenRequest) -> None:
+        e = self.engine
+        seq = Sequence(list(req.prompt), req.params, req.max_tokens, set(req.stop_ids))
+        try:
+            if req.make_processor is not None:
+                seq.logits_processor = req.make_processor(seq)
+            if self.cache is not None:
+                if req.cache_prompt:
+                    self.cache.prepare(e, seq.prompt)
+                else:
+                    self.cache.prepare(e, [])
+            e.add(seq, reuse_prefix=req.cache_prompt)
+        except Exception as ex:  # noqa: BLE001 - reported to the client
+            req._emit(("error", str(ex)))
+            self._finish(req, "error", emit=False)
+            return
+        req.seq = seq
+        req.t_admit = time.perf_counter()
+        req.admit_step = self.steps
+        self.active[seq.id] = req
+        if self.metrics:
+            self.metrics.admitted(req)
+        req._emit(("start", seq))
+
+    def _finish(self, req: GenRequest, reason: str, emit: bool = True) -> None:
+        req.finish_reason = reason
+        req.t_end = time.perf_counter()
+        if self.metrics:
+            self.metrics.finished(req)
+        if emit:
+            req._emit(("done", reason))
+
+    # -- introspection (any thread; a snapshot, good enough for /slots and /metrics) ------------------------------
+    def slots(self) -> list[dict]:
+        e = self.engine
+        by_slot = {s.slot: s for s in list(e.running)}
+        out = []
+        for i in range(e.n_slots):
+            s = by_slot.get(i)
+            out.append({
+                "id": i, "id_task": s.id if s else -1, "n_ctx": e.max_ctx, "is_processing": s is not None,
+                "n_prompt_tokens": len(s.prompt) if s else 0, "n_cached": len(e.slot_tokens.get(i, ())),
+                "n_decoded": len(s.output) if s else 0,
+                "state": ("reading" if not s.prompt_done else "generating") if s else "idle",
+            })
+        return out

@@ -1,0 +1,345 @@
+"""Tool calls in the model's own format: detection from the chat template, parsing (whole or streamed), and the
+grammar that constrains output to a call when the client requires one.
+
+Formats (what the model writes):
+
+- ``hermes`` (Qwen2.5/Qwen3, Hermes, many others): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
+- ``qwen3_coder``: ``<tool_call><function=NAME><parameter=KEY>VALUE</parameter>...</function></tool_call>``
+- ``deepseek``: ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```
+  <｜tool▁call▁end｜>...<｜tool▁calls▁end｜>`` (V3; V3.1 drops ``function`` and the code fence)
+- ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}]`` or ``[TOOL_CALLS]NAME[ARGS]{...}``
+
+A block that does not parse is returned as text, so nothing the model wrote is lost.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+
+from strata.server.reasoning import partial_suffix
+
+DS_CALLS_BEGIN, DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+DS_CALL_BEGIN, DS_CALL_END, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+
+
+@dataclass
+class ParsedCall:
+    name: str
+    arguments: str  # a JSON object, as text
+    id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
+
+    def args_dict(self) -> dict:
+        try:
+            v = json.loads(self.arguments)
+        except ValueError:
+            return {}
+        return v if isinstance(v, dict) else {}
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    name: str
+    start: str
+    end: str | None  # None: the block runs to the end of the output
+
+
+FORMATS = {
+    "hermes": ToolFormat("hermes", "<tool_call>", "</tool_call>"),
+    "qwen3_coder": ToolFormat("qwen3_coder", "<tool_call>", "</tool_call>"),
+    "deepseek": ToolFormat("deepseek", DS_CALLS_BEGIN, DS_CALLS_END),
+    "mistral": ToolFormat("mistral", "[TOOL_CALLS]", None),
+}
+
+
+def detect_format(template_source: str | None) -> str:
+    """The tool-call format a chat template teaches its model (hermes when the template says nothing)."""
+    src = template_source or ""
+    if "<function=" in src and "<parameter=" in src:
+        return "qwen3_coder"
+    if "tool▁calls▁begin" in src or "tool▁call▁begin" in src:
+        return "deepseek"
+    if "[TOOL_CALLS]" in src:
+        return "mistral"
+    return "hermes"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# parsing one block (the text between the format's start and end markers)
+
+
+def _json_args(v) -> str | None:
+    if isinstance(v, str):
+        try:
+            v = json.loads(v)
+        except ValueError:
+            return None
+    if v is None:
+        v = {}
+    return json.dumps(v, ensure_ascii=False) if isinstance(v, dict) else None
+
+
+def _call_from_obj(obj) -> ParsedCall | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    args = _json_args(obj.get("arguments", obj.get("parameters", {})))
+    return ParsedCall(obj["name"], args) if args is not None else None
+
+
+_XML_FUNC = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.S)
+_XML_PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?(?:</parameter>|(?=<parameter=)|$)", re.S)
+
+
+def _param_types(tools: list[dict] | None, fname: str) -> dict[str, object]:
+    for t in tools or []:
+        f = t.get("function", t)
+        if f.get("name") == fname:
+            return {k: (v or {}).get("type") for k, v in ((f.get("parameters") or {}).get("properties") or {}).items()}
+    return {}
+
+
+def _parse_xml(body: str, tools: list[dict] | None) -> list[ParsedCall] | None:
+    calls = []
+    for m in _XML_FUNC.finditer(body):
+        name = m.group(1).strip()
+        types = _param_types(tools, name)
+        args = {}
+        for p in _XML_PARAM.finditer(m.group(2)):
+            key, raw = p.group(1).strip(), p.group(2)
+            if types.get(key) == "string":
+                args[key] = raw
+                continue
+            try:
+                args[key] = json.loads(raw)
+            except ValueError:
+                args[key] = raw
+        calls.append(ParsedCall(name, json.dumps(args, ensure_ascii=False)))
+    return calls or None
+
+
+def _parse_hermes(body: str, tools) -> list[ParsedCall] | None:
+    body = body.strip()
+    if body.startswith("<function="):
+        return _parse_xml(body, tools)
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    c = _call_from_obj(obj)
+    return [c] if c else None
+
+
+_DS_CALL = re.compile(
+    re.escape(DS_CALL_BEGIN)
+    + r"(?:(?:function)?" + re.escape(DS_SEP) + r"([^\n]+)\n```(?:json)?\n(.*?)\n```"
+    + r"|([^<]*?)" + re.escape(DS_SEP) + r"(.*?))" + r"\s*(?:" + re.escape(DS_CALL_END) + r"|$)",
+    re.S,
+)
+
+
+def _parse_deepseek(body: str, tools) -> list[ParsedCall] | None:
+    calls = []
+    for m in _DS_CALL.finditer(body):
+        name, args = (m.group(1), m.group(2)) if m.group(1) is not None else (m.group(3), m.group(4))
+        a = _json_args(args.strip())
+        if not name or not name.strip() or a is None:
+            return None
+        calls.append(ParsedCall(name.strip(), a))
+    return calls or None
+
+
+def _parse_mistral(body: str, tools) -> list[ParsedCall] | None:
+    body = body.strip()
+    if body.startswith("["):
+        try:
+            arr = json.loads(body)
+        except ValueError:
+            return None
+        calls = [_call_from_obj(o) for o in (arr if isinstance(arr, list) else [arr])]
+        return calls if calls and all(calls) else None
+    calls = []
+    for part in body.split("[TOOL_CALLS]"):
+        if not part.strip():
+            continue
+        name, sep, rest = part.partition("[ARGS]")
+        name = name.split("[CALL_ID]")[0].strip()
+        a = _json_args(rest.strip()) if sep else None
+        if not name or a is None:
+            return None
+        calls.append(ParsedCall(name, a))
+    return calls or None
+
+
+PARSERS = {"hermes": _parse_hermes, "qwen3_coder": _parse_hermes, "deepseek": _parse_deepseek,
+           "mistral": _parse_mistral}
+
+
+def parse_block(fmt: str, body: str, tools: list[dict] | None = None) -> list[ParsedCall] | None:
+    return PARSERS[fmt](body, tools)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# streaming
+
+
+class ToolCallStream:
+    """Feed answer text; get (text, calls) back. Text that may start a call is held until it is decided."""
+
+    def __init__(self, fmt: str, tools: list[dict] | None = None, enabled: bool = True):
+        self.fmt, self.spec, self.tools, self.enabled = fmt, FORMATS[fmt], tools, enabled
+        self._buf = ""
+        self._in_block = False
+        self.calls: list[ParsedCall] = []
+
+    def push(self, text: str) -> tuple[str, list[ParsedCall]]:
+        if not self.enabled:
+            return text, []
+        self._buf += text
+        out, calls = [], []
+        start, end = self.spec.start, self.spec.end
+        while self._buf:
+            if not self._in_block:
+                i = self._buf.find(start)
+                if i >= 0:
+                    out.append(self._buf[:i])
+                    self._buf = self._buf[i + len(start):]
+                    self._in_block = True
+                    continue
+                keep = partial_suffix(self._buf, start)
+                out.append(self._buf[: len(self._buf) - keep])
+                self._buf = self._buf[len(self._buf) - keep:]
+                break
+            if end is None:
+                break  # the block runs to the end of the output
+            j = self._buf.find(end)
+            if j < 0:
+                break
+            body, self._buf = self._buf[:j], self._buf[j + len(end):]
+            self._in_block = False
+            got = parse_block(self.fmt, body, self.tools)
+            if got:
+                calls += got
+            else:
+                out.append(start + body + end)
+        self.calls += calls
+        return self._text("".join(out)), calls
+
+    def _text(self, text: str) -> str:
+        # whitespace between or after calls is layout, not an answer
+        return "" if self.calls and not text.strip() else text
+
+    def flush(self) -> tuple[str, list[ParsedCall]]:
+        buf, self._buf = self._buf, ""
+        if not self._in_block:
+            return self._text(buf), []
+        self._in_block = False
+        got = parse_block(self.fmt, buf, self.tools)
+        if got:
+            self.calls += got
+            return "", got
+        return self.spec.start + buf, []
+
+
+def parse_tool_calls(fmt: str, text: str, tools: list[dict] | None = None) -> tuple[str, list[ParsedCall]]:
+    """Whole-output parse: (remaining text, calls)."""
+    s = ToolCallStream(fmt, tools)
+    t1, c1 = s.push(text)
+    t2, c2 = s.flush()
+    return (t1 + t2), c1 + c2
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# grammars (llguidance's Lark dialect) that force a call when tool_choice is "required" or names a function
+
+
+def closed(schema):
+    """The schema with `additionalProperties: false` wherever an object lists its properties and says nothing
+    (OpenAI's strict mode): a forced call then holds exactly the declared arguments."""
+    if isinstance(schema, list):
+        return [closed(x) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed(v) for k, v in schema.items()}
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def call_schema(tools: list[dict], only: str | None = None) -> dict:
+    """JSON schema of {"name": ..., "arguments": {...}} for the given tools (OpenAI tool dicts)."""
+    alts = []
+    for t in tools:
+        f = t.get("function", t)
+        if only is not None and f["name"] != only:
+            continue
+        params = closed(f.get("parameters") or {"type": "object"})
+        alts.append({"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": params},
+                     "required": ["name", "arguments"], "additionalProperties": False})
+    return alts[0] if len(alts) == 1 else {"anyOf": alts}
+
+
+_COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def _json_rule(schema: dict) -> str:
+    """`%json` with fixed separators: a free-whitespace grammar lets a weak model pad forever."""
+    return "%json " + json.dumps({**schema, "x-guidance": _COMPACT}, ensure_ascii=False)
+
+
+def _lark_str(s: str) -> str:
+    return json.dumps(s, ensure_ascii=False)
+
+
+def tool_grammar(fmt: str, tools: list[dict], only: str | None = None, lit=_lark_str, parallel: bool = True) -> str:
+    """A Lark grammar whose sentences are one or more tool calls in `fmt`.
+
+    `lit(text)` writes a literal: a marker that is a special token of the vocabulary must be written as that
+    token (`<[id]>`), since its text would otherwise be spelled out in ordinary tokens.
+    """
+    sch = call_schema(tools, only)
+    more = "(\"\\n\" call)*" if parallel else ""
+    if fmt in ("hermes",):
+        return (f"start: call {more}\ncall: {lit('<tool_call>')} \"\\n\" body \"\\n\" {lit('</tool_call>')}\n"
+                f"body: {_json_rule(sch)}\n")
+    if fmt == "qwen3_coder":
+        alts, rules = [], []
+        for k, t in enumerate(tools):
+            f = t.get("function", t)
+            if only is not None and f["name"] != only:
+                continue
+            params = f.get("parameters") or {}
+            props = params.get("properties") or {}
+            req = [p for p in props if p in set(params.get("required") or [])] or list(props)
+            seq = [f"\"<function={f['name']}>\\n\""]
+            for j, p in enumerate(req):
+                ps = props[p] or {}
+                if ps.get("type") == "string" and "enum" in ps:
+                    val = " | ".join(_lark_str(str(v)) for v in ps["enum"])
+                    rules.append(f"v{k}_{j}: {val}")
+                elif ps.get("type") == "string":
+                    rules.append(f"v{k}_{j}: /[^<]{{0,200}}/")
+                else:
+                    rules.append(f"v{k}_{j}: {_json_rule(closed(ps))}")
+                seq.append(f"\"<parameter={p}>\\n\" v{k}_{j} \"\\n</parameter>\\n\"")
+            seq.append("\"</function>\"")
+            alts.append(f"f{k}")
+            rules.append(f"f{k}: " + " ".join(seq))
+        return (f"start: call {more}\ncall: {lit('<tool_call>')} \"\\n\" ({' | '.join(alts)}) \"\\n\" "
+                f"{lit('</tool_call>')}\n" + "\n".join(rules) + "\n")
+    if fmt == "deepseek":
+        alts, rules = [], []
+        for k, t in enumerate(tools):
+            f = t.get("function", t)
+            if only is not None and f["name"] != only:
+                continue
+            alts.append(f"c{k}")
+            rules.append(f"c{k}: {lit(DS_CALL_BEGIN)} \"function\" {lit(DS_SEP)} {_lark_str(f['name'])} "
+                         f"\"\\n```json\\n\" a{k} \"\\n```\" {lit(DS_CALL_END)}")
+            rules.append(f"a{k}: {_json_rule(closed(f.get('parameters') or {'type': 'object'}))}")
+        return (f"start: {lit(DS_CALLS_BEGIN)} ({' | '.join(alts)}){'+' if parallel else ''} {lit(DS_CALLS_END)}\n" + "\n".join(rules) + "\n")
+    if fmt == "mistral":
+        arr = {"type": "array", "items": sch, "minItems": 1, **({} if parallel else {"maxItems": 1})}
+        return f"start: {lit('[TOOL_CALLS]')} body\nbody: {_json_rule(arr)}\n"
+    raise ValueError(f"no grammar for tool format {fmt}")
