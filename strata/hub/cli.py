@@ -21,11 +21,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "or a plain URL, resuming partial files and verifying the full sha256 before a file counts as done.",
     )
     p.add_argument("spec", metavar="REPO[:QUANT_OR_FILE] | URL", help="e.g. unsloth/Qwen3-30B-A3B-GGUF:Q4_K_M")
-    p.add_argument("--models-dir", type=Path, help="where models go (default: $STRATA_MODELS_DIR or ~/.cache/strata/models)")
+    p.add_argument(
+        "--models-dir", type=Path, help="where models go (default: $STRATA_MODELS_DIR or ~/.cache/strata/models)"
+    )
     p.add_argument("--revision", default="main", help="hub branch, tag or commit (default: main)")
     p.add_argument("--endpoint", help="hub endpoint (default: $HF_ENDPOINT or https://huggingface.co)")
     p.add_argument("--token", help="hub token (default: the saved one / $HF_TOKEN)")
-    p.add_argument("--sha256", action="append", metavar="HEX", help="URL only: expected sha256 (once per shard, in order)")
+    p.add_argument(
+        "--sha256", action="append", metavar="HEX", help="URL only: expected sha256 (once per shard, in order)"
+    )
     p.add_argument("--size", type=int, metavar="BYTES", help="URL only: expected size in bytes")
     p.add_argument("--manifest", type=Path, help="URL only: sha256sum-style or JSON file of expected hashes")
     p.add_argument("-o", "--output", type=Path, help="URL only: destination file or directory")
@@ -171,7 +175,9 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def _g(n: int | None) -> str:
-    return "?" if n is None else f"{n / (1 << 30):.1f} GiB"
+    if n is None:
+        return "?"
+    return f"{n / (1 << 30):.1f} GiB" if abs(n) >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
 
 
 def _print_report(machine, fp, verdict) -> None:
@@ -200,14 +206,19 @@ def _print_report(machine, fp, verdict) -> None:
     con.print(f"  disk {_g(machine.disk_free)} free at {machine.disk_path}")
     if fp is None:
         return
-    con.print(f"[bold]Model[/bold] {Path(fp.files[0]).name}" + (f" (+{len(fp.files) - 1} shards)" if len(fp.files) > 1 else ""))
-    con.print(f"  {fp.architecture}: {_g(fp.total_bytes)} of weights = dense {_g(fp.dense_bytes)} + experts {_g(fp.expert_bytes)}")
+    more = f" (+{len(fp.files) - 1} shards)" if len(fp.files) > 1 else ""
+    con.print(f"[bold]Model[/bold] {Path(fp.files[0]).name}{more}")
+    con.print(
+        f"  {fp.architecture}: {_g(fp.total_bytes)} of weights = dense {_g(fp.dense_bytes)} "
+        f"+ experts {_g(fp.expert_bytes)}"
+    )
     if fp.n_expert:
         con.print(
             f"  {fp.n_moe_layers} MoE layers x {fp.n_expert} experts (top-{fp.n_expert_used}), "
             f"{fp.slot_bytes / (1 << 20):.1f} MiB per expert"
         )
-    con.print(f"  KV cache: {fp.kv_bytes_per_token / 1024:.1f} KiB per token, {_g(verdict.kv_bytes)} for {verdict.ctx} tokens")
+    kv_tok = fp.kv_bytes_per_token / 1024
+    con.print(f"  KV cache: {kv_tok:.1f} KiB per token, {_g(verdict.kv_bytes)} for {verdict.ctx} tokens")
     con.print("[bold]Fit[/bold]")
     if verdict.mode == "gpu":
         con.print(f"  VRAM: needs {_g(verdict.vram_needed)} + expert slots, budget {_g(verdict.vram_budget)}")

@@ -226,6 +226,9 @@ def _accept(
         raise _Retry(f"HTTP 416 for a resume from byte {have}: starting over")
     if code >= 400:
         raise StrataError(f"{name}: HTTP {code} from {r.request.url}")
+    if r.headers.get("content-encoding", "identity").lower() not in ("identity", ""):
+        # Offsets and hashes are of the file itself; a compressed body is neither.
+        raise _Retry(f"server sent a {r.headers['content-encoding']}-encoded body despite Accept-Encoding: identity")
 
     if code == 206:
         cr = parse_content_range(r.headers.get("content-range"))
@@ -279,7 +282,8 @@ def _write_body(
             offset += len(chunk)
             task.advance(len(chunk))
             if cancelled():
-                raise Interrupted(f"{part.name.removesuffix('.part')}: interrupted ({offset} bytes kept in {part.name})")
+                name = part.name.removesuffix(".part")
+                raise Interrupted(f"{name}: interrupted ({offset} bytes kept in {part.name})")
         f.flush()
         os.fsync(f.fileno())
     return offset

@@ -20,10 +20,12 @@ _REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 def default_models_dir() -> Path:
     """$STRATA_MODELS_DIR, else `<user cache>/strata/models` ($XDG_CACHE_HOME or ~/.cache)."""
-    env = os.environ.get("STRATA_MODELS_DIR")
-    if env:
-        return Path(env).expanduser()
-    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    from strata.config import env  # the one place strata reads the environment
+
+    models = env("STRATA_MODELS_DIR")
+    if models:
+        return Path(models).expanduser()
+    cache = env("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(cache).expanduser() / "strata" / "models"
 
 
@@ -79,7 +81,8 @@ def select_files(names: list[str], selector: str | None, what: str) -> list[str]
     elif selector:
         chosen = [n for n in ggufs if _quant_matches(n, selector)]
         if not chosen:
-            raise StrataError(f"no file in {what} matches {selector!r}; available: {_available(ggufs) or 'no GGUF files'}")
+            have = _available(ggufs) or "no GGUF files"
+            raise StrataError(f"no file in {what} matches {selector!r}; available: {have}")
     else:
         chosen = ggufs
         if not chosen:
@@ -89,7 +92,10 @@ def select_files(names: list[str], selector: str | None, what: str) -> list[str]
     chosen = main or chosen
     keys = sorted({_model_key(n) for n in chosen})
     if len(keys) > 1:
-        raise StrataError(f"{selector or 'the repo'} matches {len(keys)} models in {what}: {', '.join(keys)}; pick one as REPO:QUANT or REPO:FILE")
+        raise StrataError(
+            f"{selector or 'the repo'} matches {len(keys)} models in {what}: {', '.join(keys)}; "
+            "pick one as REPO:QUANT or REPO:FILE"
+        )
     return _order(chosen)
 
 
@@ -105,10 +111,11 @@ def check_shard_set(names: list[str], what: str) -> None:
         return
     if not all(infos):
         raise StrataError(f"{what}: split and unsplit files mixed: {names}")
-    counts = {i[2] for i in infos}  # type: ignore[index]
-    idx = sorted(i[1] for i in infos)  # type: ignore[index]
-    if len(counts) != 1 or idx != list(range(1, counts.pop() + 1)):
-        raise StrataError(f"{what}: incomplete split GGUF set (have parts {idx} of {infos[0][2]})")  # type: ignore[index]
+    counts = {i[2] for i in infos if i}
+    idx = sorted(i[1] for i in infos if i)
+    n = max(counts)
+    if len(counts) != 1 or idx != list(range(1, n + 1)):
+        raise StrataError(f"{what}: incomplete split GGUF set (have parts {idx} of {n})")
 
 
 def resolve_model(spec: str | os.PathLike, models_dir: str | os.PathLike | None = None) -> list[Path]:

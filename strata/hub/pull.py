@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
-from urllib.parse import unquote, urlparse
+from urllib.parse import quote, unquote, urlparse
 
 import httpx
 
@@ -94,7 +94,9 @@ def hf_plan(
     try:
         info = api.model_info(repo, revision=revision, files_metadata=True)
     except GatedRepoError as e:
-        raise StrataError(f"{repo} is gated: accept its terms on the hub's page, then log in (hf auth login) or pass --token") from e
+        raise StrataError(
+            f"{repo} is gated: accept its terms on the hub's page, then log in (hf auth login) or pass --token"
+        ) from e
     except RepositoryNotFoundError as e:
         raise StrataError(f"{repo}: no such model repository at {endpoint} (or it is private/gated)") from e
     except RevisionNotFoundError as e:
@@ -112,7 +114,7 @@ def hf_plan(
         files.append(
             RemoteFile(
                 name=name,
-                url=f"{endpoint}/{repo}/resolve/{commit}/{name}",
+                url=f"{endpoint}/{repo}/resolve/{commit}/{quote(name)}",
                 dest=models_dir / repo / name,
                 size=size,
                 sha256=sha.lower() if sha else None,
@@ -235,7 +237,11 @@ def _already_there(f: RemoteFile) -> int:
 
 def check_disk_space(files: list[RemoteFile], where: Path, disk_free: Callable[[Path], int]) -> int:
     """Bytes still to download; StrataError when they do not fit in the free space at `where`."""
-    need = sum(f.size - _already_there(f) for f in files if f.size is not None and not marker_valid(f.dest, f.size, f.sha256))
+    need = sum(
+        f.size - _already_there(f)
+        for f in files
+        if f.size is not None and not marker_valid(f.dest, f.size, f.sha256)
+    )
     free = disk_free(where)
     if need > free:
         raise StrataError(
@@ -353,7 +359,8 @@ def _pull_one(f: RemoteFile, opts: PullOptions, rep: Reporter, client: httpx.Cli
             return f.dest
         m = read_marker(f.dest)
         if m is not None and not opts.verify:
-            rep.warn(f"{short}: marker does not match the file (marker {m.size} bytes, file {f.dest.stat().st_size}); re-verifying")
+            size = f.dest.stat().st_size
+            rep.warn(f"{short}: marker does not match the file (marker {m.size} bytes, file {size}); re-verifying")
         remove_marker(f.dest)  # from here on the file is unproven until hashed
         digest = _hash(f, f.dest, rep)
         why = _digest_ok(f, digest)
@@ -402,7 +409,10 @@ def _pull_one(f: RemoteFile, opts: PullOptions, rep: Reporter, client: httpx.Cli
         if attempt < opts.hash_retries:
             rep.warn(f"{short}: {why}; downloading it again from the start")
             continue
-        raise StrataError(f"{short}: {why} after {attempt + 1} download(s); the source serves different bytes than its metadata promises")
+        raise StrataError(
+            f"{short}: {why} after {attempt + 1} download(s); "
+            "the source serves different bytes than its metadata promises"
+        )
     _check_structure(f, f.part)
     os.replace(f.part, f.dest)
     write_marker(f.dest, digest, f.source, _verified_against(f, t.size_confirmed))
@@ -459,7 +469,9 @@ def pull(
         )
     else:
         if sha256 or size is not None or output is not None:
-            raise StrataError("--sha256, --size and -o apply to URL downloads; the hub's metadata gives sizes and hashes")
+            raise StrataError(
+                "--sha256, --size and -o apply to URL downloads; the hub's metadata gives sizes and hashes"
+            )
         repo, selector = local.parse_spec(spec)
         files = hf_plan(repo, selector, root, revision=revision, endpoint=endpoint, token=token)
         if opts.headers is None:

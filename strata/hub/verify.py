@@ -264,5 +264,7 @@ def check_gguf_file(path: Path, name: str | None = None) -> GGUFHeader:
             raise StrataError(f"{name}: tensor {t.name} at offset {t.offset} is not {h.alignment}-byte aligned")
         end = t.offset + t.n_bytes
         if end > h.file_size:
-            raise StrataError(f"{name}: tensor {t.name} ends at byte {end} but the file has {h.file_size} bytes (truncated)")
+            raise StrataError(
+                f"{name}: tensor {t.name} ends at byte {end} but the file has {h.file_size} bytes (truncated)"
+            )
     return h

@@ -104,7 +104,8 @@ def _header(**arch) -> GGUFHeader:
 def test_kv_bytes_variants():
     # explicit key/value lengths (Qwen3: head_dim 128 while embedding/heads = 64)
     assert kv_bytes_per_token(_header(block_count=48, embedding_length=2048, **{"attention.head_count": 32,
-        "attention.head_count_kv": 4, "attention.key_length": 128, "attention.value_length": 128})) == 48 * 4 * 256 * 2  # fmt: skip
+        "attention.head_count_kv": 4, "attention.key_length": 128, "attention.value_length": 128})
+    ) == 48 * 4 * 256 * 2  # fmt: skip
     # per-layer kv heads, 0 for layers without attention
     assert kv_bytes_per_token(_header(block_count=4, embedding_length=64, **{"attention.head_count": 4,
         "attention.head_count_kv": [2, 0, 0, 2]})) == 4 * 32 * 2  # fmt: skip
@@ -201,3 +202,16 @@ def test_check_cli(tmp_path, capsys):
 
 def test_megabyte_constants():
     assert MiB * 1024 == GiB and VRAM_RESERVE == 700 * MiB
+
+
+@pytest.mark.gpu
+def test_probe_gpu():
+    pytest.importorskip("pynvml")
+    import torch
+
+    m = probe(".")
+    assert len(m.gpus) >= torch.cuda.device_count() >= 1, m.gpu_note
+    g = m.gpus[0]
+    assert 0 < g.vram_free <= g.vram_total
+    if g.pcie_width_max is not None:  # NVML reports PCIe on discrete cards (not on SXM/NVLink-only boards)
+        assert 1 <= (g.pcie_width or 0) <= g.pcie_width_max

@@ -59,7 +59,7 @@ def test_git_blob_id_checked_for_small_files(hub, tmp_path, opts, reporter):
     hub.repos[REPO].meta["README.md"] = {"blobId": _git(b"# tiny\n")}
     hub.repos[REPO].files["README.md"] = b"# tinY\n"
     with pytest.raises(StrataError, match="git blob id"):
-        pull(f"{REPO}:README.md", models_dir=tmp_path / "m2", endpoint=hub.url, token=False, opts=opts, reporter=reporter)
+        pull(f"{REPO}:README.md", models_dir=tmp_path / "m2", endpoint=hub.url, token=False, opts=opts)
 
 
 def _git(data: bytes) -> str:
@@ -215,7 +215,7 @@ def test_hf_endpoint_env_is_honoured(hub, tmp_path, model_set, monkeypatch):
     import huggingface_hub.constants as c
 
     monkeypatch.setattr(c, "ENDPOINT", hub.url)
-    out = pull(f"{REPO}:Q8_0", models_dir=tmp_path / "m", token=False, opts=PullOptions(backoff=0.0), reporter=Reporter())
+    out = pull(f"{REPO}:Q8_0", models_dir=tmp_path / "m", token=False, opts=PullOptions(backoff=0.0))
     assert_exact(out[0], model_set["Tiny-MoE-Q8_0.gguf"])
 
 

@@ -141,7 +141,8 @@ def test_truncated_gguf_without_hash_fails_structure_check(hub, tmp_path, opts, 
     data = model_set[SHARD2]
     url = hub.add_plain(SHARD2.replace("00002", "00001").replace("of-00003", "of-00001"), data[:200_000])
     out = tmp_path / "one.gguf"
-    with pytest.raises(StrataError, match=r"one\.gguf: tensor blk\.2\.ffn_down_exps\.weight ends at byte 262400 .*\(truncated\)"):
+    msg = r"one\.gguf: tensor blk\.2\.ffn_down_exps\.weight ends at byte 262400 .*\(truncated\)"
+    with pytest.raises(StrataError, match=msg):
         _pull(hub, tmp_path, url, opts, reporter, output=out)
     assert_not_finished(out)
     assert not out.with_name("one.gguf.part").exists()
