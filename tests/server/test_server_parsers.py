@@ -1,0 +1,180 @@
+"""Tool-call, reasoning and stop-string parsing on crafted text, whole and streamed piece by piece, and the
+grammars that force a call, run through llguidance with the tiny model's real vocabulary."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from strata.server.reasoning import ReasoningSplitter, split_reasoning
+from strata.server.runner import StopStrings
+from strata.server.toolcalls import (DS_CALL_BEGIN, DS_CALL_END, DS_CALLS_BEGIN, DS_CALLS_END, DS_SEP,
+                                     ToolCallStream, detect_format, parse_tool_calls, tool_grammar)
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Tokyo"]},
+                                     "days": {"type": "integer"}}, "required": ["city", "days"]}}}]
+
+CASES = {
+    "hermes": ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n'
+               '</tool_call>\n<tool_call>{"name": "get_weather", "arguments": {"city": "Tokyo", "days": 1}}'
+               '</tool_call>'),
+    "qwen3_coder": ("Let me check. <tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+                    "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call><tool_call><function=get_weather>"
+                    "<parameter=city>Tokyo</parameter><parameter=days>1</parameter></function></tool_call>"),
+    "deepseek": (f"Let me check. {DS_CALLS_BEGIN}{DS_CALL_BEGIN}function{DS_SEP}get_weather\n```json\n"
+                 f'{{"city": "Paris", "days": 2}}\n```{DS_CALL_END}{DS_CALL_BEGIN}get_weather{DS_SEP}'
+                 f'{{"city": "Tokyo", "days": 1}}{DS_CALL_END}{DS_CALLS_END}'),
+    "mistral": ('Let me check. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}, '
+                '{"name": "get_weather", "arguments": {"city": "Tokyo", "days": 1}}]'),
+}
+EXPECTED = [("get_weather", {"city": "Paris", "days": 2}), ("get_weather", {"city": "Tokyo", "days": 1})]
+
+
+@pytest.mark.parametrize("fmt", sorted(CASES))
+def test_whole_output(fmt):
+    text, calls = parse_tool_calls(fmt, CASES[fmt], TOOLS)
+    assert text.strip() == "Let me check."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == EXPECTED
+    assert len({c.id for c in calls}) == 2
+
+
+@pytest.mark.parametrize("fmt", sorted(CASES))
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_streamed_in_random_pieces(fmt, seed):
+    rng = random.Random(seed)
+    src, pieces, i = CASES[fmt], [], 0
+    while i < len(src):
+        n = rng.randint(1, 5)
+        pieces.append(src[i:i + n])
+        i += n
+    s = ToolCallStream(fmt, TOOLS)
+    text, calls = [], []
+    for p in pieces:
+        t, c = s.push(p)
+        text.append(t)
+        calls += c
+        assert "<tool" not in "".join(text) and "[TOOL" not in "".join(text) and "｜" not in "".join(text)
+    t, c = s.flush()
+    text.append(t)
+    calls += c
+    assert "".join(text).strip() == "Let me check."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == EXPECTED
+
+
+def test_mistral_new_format():
+    text, calls = parse_tool_calls("mistral", 'x[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 2}')
+    assert text == "x" and [(c.name, json.loads(c.arguments)) for c in calls] == EXPECTED[:1]
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "deepseek"])
+def test_broken_block_stays_text(fmt):
+    src = "before <tool_call>{not json</tool_call> after" if fmt == "hermes" else \
+        f"before {DS_CALLS_BEGIN}garbage{DS_CALLS_END} after"
+    text, calls = parse_tool_calls(fmt, src)
+    assert calls == [] and text == src
+
+
+def test_unfinished_block_at_the_end_is_text():
+    text, calls = parse_tool_calls("hermes", 'hi <tool_call>{"name": "get_wea')
+    assert calls == [] and text == 'hi <tool_call>{"name": "get_wea'
+
+
+def test_engine_text_around_a_call(lm):
+    """Text the real engine produced, with a call spliced in the middle, streamed token by token."""
+    from strata.engine.engine import Engine
+    from strata.engine.sampler import SamplingParams
+
+    tok = lm.tokenizer
+    eng = Engine(lm, n_slots=1, prefill_chunk=64)
+    ids = list(eng.generate(tok.encode("Hello"), SamplingParams(temperature=0), 12, set()))
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Tokyo", "days": 1}}\n</tool_call>'
+    ids = ids[:6] + tok.encode(call, add_special=False) + ids[6:]
+    dec, s = tok.stream_decoder(), ToolCallStream("hermes", TOOLS)
+    text, calls = [], []
+    for t in ids:
+        a, b = s.push(dec.put(t))
+        text.append(a)
+        calls += b
+    a, b = s.push(dec.flush())
+    c, d = s.flush()
+    text += [a, c]
+    calls += b + d
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == EXPECTED[1:]
+    assert "".join(text) == tok.decode(ids).replace(call, "")
+
+
+def test_detect_format():
+    from strata.gguf.builtin_templates import QWEN3_TEMPLATE
+
+    assert detect_format(QWEN3_TEMPLATE) == "hermes"
+    assert detect_format("{{ '<function=' + x + '<parameter=' }}") == "qwen3_coder"
+    assert detect_format("{{'<｜tool▁calls▁begin｜>'}}") == "deepseek"
+    assert detect_format("[TOOL_CALLS]") == "mistral"
+    assert detect_format(None) == "hermes"
+
+
+# -- reasoning ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text,start,expected", [
+    ("<think>\nweigh it\n</think>\n\nThe answer.", False, ("weigh it", "The answer.")),
+    ("weigh it\n</think>\n\nThe answer.", True, ("weigh it", "The answer.")),
+    ("The answer <think>not reasoning</think>", False, ("", "The answer <think>not reasoning</think>")),
+    ("  <think>a</think>b", False, ("a", "b")),
+    ("<think>never closed", False, ("never closed", "")),
+    ("<thin", False, ("", "<thin")),
+])
+def test_split_reasoning(text, start, expected):
+    assert split_reasoning(text, in_reasoning=start) == expected
+    s = ReasoningSplitter(True, start)  # one character at a time gives the same split
+    got = [s.push(ch) for ch in text] + [s.flush()]
+    r, c = "".join(x for x, _ in got), "".join(y for _, y in got)
+    assert (r.rstrip("\n"), c) == expected
+
+
+def test_reasoning_disabled():
+    assert split_reasoning("<think>x</think>y", enabled=False) == ("", "<think>x</think>y")
+
+
+# -- stop strings ------------------------------------------------------------------------------------------------
+
+
+def test_stop_strings_across_pieces():
+    s = StopStrings(["STOP", "\n\n"])
+    out = "".join(s.push(p) for p in ["abc S", "TO", "P def"]) + s.flush()
+    assert out == "abc " and s.hit == "STOP"
+    s = StopStrings(["STOP"])
+    out = "".join(s.push(p) for p in ["abc S", "TOx"]) + s.flush()
+    assert out == "abc STOx" and s.hit is None
+
+
+# -- grammars through llguidance with the real vocabulary --------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "qwen3_coder", "deepseek", "mistral"])
+def test_tool_grammar_accepts_the_formats_own_text(fmt, lm):
+    """The grammar that forces a call accepts a call written in the format, and that text parses back."""
+    llg = pytest.importorskip("llguidance")
+    from strata.server.grammar import Grammars
+
+    g = Grammars(lm.tokenizer, lm.tokenizer.vocab_size)
+    src = tool_grammar(fmt, TOOLS[:1], None, g.literal, parallel=False)
+    grammar = g.lark(src)
+    assert llg.LLMatcher.validate_grammar(grammar, g._lltok()) == ""
+    texts = {
+        "hermes": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>',
+        "qwen3_coder": "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+                       "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>",
+        "deepseek": CASES["deepseek"].split("Let me check. ")[1].split(DS_CALL_BEGIN + "get_weather")[0] + DS_CALLS_END,
+        "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}]',
+    }
+    m = llg.LLMatcher(g._lltok(), grammar, log_level=0)
+    ids = lm.tokenizer.encode(texts[fmt], add_special=False)
+    for t in ids:
+        assert m.consume_token(t), (fmt, lm.tokenizer.decode([t]), m.get_error())
+    assert m.is_accepting()
+    _, calls = parse_tool_calls(fmt, texts[fmt], TOOLS)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == EXPECTED[:1]
