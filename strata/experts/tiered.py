@@ -59,15 +59,17 @@ class TieredExperts:
     """The tiered experts backend. layers: model layer -> ExpertWeights on the host (mapped file views).
 
     cpu_kernel: the CPU lane's kernel (auto | ref | int4); cost_model: use these costs for `--cpu-plan auto`
-    instead of measuring (or loading the machine's cached measurement).
+    instead of measuring (or loading the machine's cached measurement); staging: slots of the ring that
+    streamed experts land in (default max(2k, 8)).
     """
 
     def __init__(self, layers: dict[int, ExpertWeights], cfg: EngineConfig, *, cpu_kernel: str = "auto",
-                 cost_model: CostModel | None = None, progress: bool = True):
+                 cost_model: CostModel | None = None, staging: int | None = None, progress: bool = True):
         self.cfg, self.ex = cfg, cfg.experts
         self.device, self.dtype = cfg.torch_device, cfg.torch_dtype
         self.cuda = self.device.type == "cuda"
         self.progress = progress
+        self._staging = staging
         self.store = ExpertStore(layers, pin=None if self.cuda else False, low_ram=self.ex.low_ram, progress=progress)
         self.layer_ids = self.store.layer_ids
         self.index = {layer: li for li, layer in enumerate(self.layer_ids)}
@@ -99,7 +101,7 @@ class TieredExperts:
         if self.cache is not None:
             return
         self.k = k
-        staging = max(2 * k, 8)
+        staging = self._staging or max(2 * k, 8)
         slots = budget_slots(self.ex, self.store, self.device, staging)
         self.cache = ExpertCache(self.store, slots, staging, self.device)
         L, E = len(self.layer_ids), self.n_experts
@@ -140,7 +142,9 @@ class TieredExperts:
 
     def routing_profile(self) -> RoutingProfile:
         """What was routed so far (merged with the profile the cache was filled from)."""
-        prof = RoutingProfile.from_policy(self.policy, model=self.cfg.model or "")
+        # counts per routed token (a prefill chunk is many tokens in one policy step)
+        prof = RoutingProfile(self.policy.n_layers, self.n_experts, self.policy.usage(), tokens=self.stats.tokens,
+                              model=self.cfg.model or "")
         return prof.merge(self._loaded_profile) if self._loaded_profile is not None else prof
 
     def save_profile(self, path=None) -> None:

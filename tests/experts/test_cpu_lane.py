@@ -1,0 +1,104 @@
+"""The CPU lane's kernels against the reference expert FFN, the int4 repack against the reference dequantizer,
+the grouped slot-pool op, and the cost measurements."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from strata import StrataError
+from strata.experts import costs
+from strata.experts.cpu_lane import CpuLane, _q4_0_unpack, _q4k_unpack, int4_supported
+from strata.experts.resident import ExpertWeights, expert_ffn
+from strata.ops.expert_gather import gather_expert_ffn
+from strata.quant import random_qtensor
+from tests.experts.tiered_model import Q
+
+
+def _experts(qtype, E=4, d=256, ff=256, seed=0) -> ExpertWeights:
+    rng = np.random.default_rng(seed)
+    return ExpertWeights(random_qtensor(qtype, (E, ff, d), rng), random_qtensor(qtype, (E, ff, d), rng),
+                         random_qtensor(qtype, (E, d, ff), rng))
+
+
+@pytest.fixture(scope="module")
+def q4k():
+    return _experts(Q.Q4_K)
+
+
+@pytest.mark.parametrize("qtype,unpack", [(Q.Q4_K, _q4k_unpack), (Q.Q4_0, _q4_0_unpack)])
+def test_int4_repack_is_the_format_exactly(qtype, unpack):
+    # (q - 8) * scale + zero in float32 reproduces the reference dequantizer up to float32 rounding: the only
+    # loss of the int4 kernel is the bf16 rounding of scale and zero
+    w = random_qtensor(qtype, (128, 512), rng=3)
+    q, scale, zero = unpack(w.raw.numpy(), 128, 512)
+    assert q.min() >= 0 and q.max() <= 15 and scale.shape == (128, 16)
+    rebuilt = (q.astype(np.float32).reshape(128, 16, 32) - 8) * scale[..., None] + zero[..., None]
+    ref = w.dequantize().numpy()
+    np.testing.assert_allclose(rebuilt.reshape(128, 512), ref, rtol=0, atol=4e-6 * np.abs(ref).max())
+
+
+def test_int4_kernel_matches_reference_in_bf16(q4k):
+    lane = CpuLane({7: q4k}, kernel="int4", dtype=torch.bfloat16)
+    assert lane.kernel[7] == "int4"
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0))
+    for e in range(q4k.n_experts):
+        ref = expert_ffn(x, q4k.gate[e], q4k.up[e], q4k.down[e])  # float32 oracle
+        got = lane.expert(7, e, x.bfloat16())
+        assert got.dtype == torch.float32
+        rel = ((got - ref).norm() / ref.norm()).item()
+        assert rel < 2e-2, rel  # bf16 activations, scales and output
+
+
+def test_auto_kernel_choice_and_ref_is_exact(q4k):
+    q8 = _experts(Q.Q8_0, d=64, ff=64)
+    lane = CpuLane({0: q4k, 1: q8}, dtype=torch.bfloat16)
+    assert lane.kernel == {0: "int4", 1: "ref"}
+    assert CpuLane({0: q4k}, dtype=torch.float32).kernel == {0: "ref"}  # float32: the exact path
+    assert not int4_supported(q8)
+    with pytest.raises(StrataError, match="int4"):
+        CpuLane({1: q8}, kernel="int4", dtype=torch.bfloat16)
+    ref_lane = CpuLane({1: q8}, dtype=torch.float32)
+    x = torch.randn(5, 64)
+    jobs = [(2, torch.tensor([0, 3])), (0, torch.tensor([1, 2, 4]))]
+    out = ref_lane.run(1, x, jobs)
+    want = torch.cat([expert_ffn(x[t], q8.gate[e], q8.up[e], q8.down[e]) for e, t in jobs])
+    assert torch.equal(out, want)
+
+
+def test_prepare_repacks_every_expert_once(q4k):
+    lane = CpuLane({0: q4k}, dtype=torch.bfloat16)
+    assert lane.nbytes() == 0
+    lane.prepare()
+    n = lane.nbytes()
+    # 4 bits per weight + a bf16 scale and zero per 32 weights = 5 bits per weight
+    assert n == q4k.n_experts * 3 * 256 * 256 * 5 // 8
+    lane.prepare()
+    assert lane.nbytes() == n
+
+
+@pytest.mark.parametrize("qtype,dtype", [(Q.Q8_0, torch.float32), (Q.Q4_K, torch.float32), (Q.F16, torch.bfloat16)])
+def test_gather_expert_ffn_matches_per_expert(qtype, dtype):
+    ew = _experts(qtype, E=5, d=256, ff=256, seed=1)
+    slots = torch.tensor([4, 0, 4, 2, 1, 3])
+    x = torch.randn(len(slots), 256, generator=torch.Generator().manual_seed(2)).to(dtype)
+    got = gather_expert_ffn(x, ew.gate, ew.up, ew.down, slots)
+    want = torch.stack([expert_ffn(x[i:i + 1].float(), ew.gate[s], ew.up[s], ew.down[s])[0]
+                        for i, s in enumerate(slots.tolist())])
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert ((got - want).norm() / want.norm()).item() < tol
+
+
+def test_cost_measurements_are_positive(q4k):
+    ms = costs.measure_cpu_expert_ms(q4k, threads=1, dtype=torch.bfloat16, passes=1)
+    assert ms > 0 and math.isfinite(ms)
+    assert torch.get_num_threads() >= 1
+    assert costs.measure_pcie_expert_ms(q4k, "cpu", passes=1) > 0
+    assert costs.measure_gpu_expert_ms(q4k, "cpu", passes=1) > 0
+    ms, gbps, kind = costs.cpu_bandwidth(q4k, 1, passes=1)
+    assert kind == "int4" and gbps > 0
+    cm = costs.measure_cost_model(q4k, torch.device("cpu"), torch.bfloat16, threads=1)
+    assert cm.cpu_ms_per_expert > 0 and cm.cpu_overhead_ms == 0.0

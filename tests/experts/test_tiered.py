@@ -1,0 +1,247 @@
+"""Tiered expert execution against the all-resident oracle: same logits for every plan and cache size."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from strata.config import EngineConfig, ExpertConfig
+from strata.engine.loader import load_model
+from strata.experts.plan import CostModel
+from strata.experts.profile import RoutingProfile
+from strata.experts.tiered import TieredExperts
+from strata.kv.cache import Segment
+from tests.experts.tiered_model import Q, write_moe_gguf
+
+PROMPT = [5, 17, 3, 88, 41, 41, 9, 60, 2, 33, 71, 14]
+DECODE = [7, 50, 23, 91, 4, 66]
+# CPU expert cheap vs PCIe dear, and the reverse: `--cpu-plan auto` must follow either
+CHEAP_CPU = CostModel(cpu_ms_per_expert=0.05, pcie_ms_per_expert=1.0, gpu_ms_per_expert=0.01)
+DEAR_CPU = CostModel(cpu_ms_per_expert=5.0, pcie_ms_per_expert=0.1, gpu_ms_per_expert=0.01)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return write_moe_gguf(tmp_path_factory.mktemp("tiered") / "moe.gguf", n_experts=8, k=2)
+
+
+def _load(path, backend_kw=None, **ex):
+    mode = ex.pop("mode", "tiered")
+    cfg = EngineConfig(model=str(path), device="cpu", dtype="float32", experts=ExpertConfig(mode=mode, **ex))
+    if backend_kw:
+        import strata.engine.loader as loader
+
+        real = loader.make_experts_factory
+
+        def factory(c):
+            return lambda layers: TieredExperts(layers, c, progress=False, **backend_kw)
+
+        loader.make_experts_factory = factory
+        try:
+            return load_model(str(path), cfg, with_tokenizer=False)
+        finally:
+            loader.make_experts_factory = real
+    return load_model(str(path), cfg, with_tokenizer=False)
+
+
+@torch.inference_mode()
+def _run(lm, prompt=PROMPT, decode=DECODE) -> torch.Tensor:
+    """Logits of a prefill chunk then single-token decode steps: [len(prompt) + len(decode), V]."""
+    m = lm.model
+    kv = m.new_kv_cache(1, 64)
+    out = [m.forward(torch.tensor(prompt), torch.arange(len(prompt)), [Segment(0, 0, len(prompt))], kv,
+                     all_logits=True)]
+    for i, t in enumerate(decode):
+        p = len(prompt) + i
+        out.append(m.forward(torch.tensor([t]), torch.tensor([p]), [Segment(0, p, 1)], kv, all_logits=True))
+    return torch.cat(out)
+
+
+@pytest.fixture(scope="module")
+def reference(model_path):
+    return _run(_load(model_path, mode="resident"))
+
+
+def _check_stats(ex: TieredExperts, n_tokens: int, n_layers: int = 3, k: int = 2):
+    s = ex.stats
+    assert s.hits + s.cpu + s.pcie == s.lookups == n_tokens * n_layers * k
+    assert s.tokens == n_tokens and s.layers == n_tokens * n_layers
+
+
+@pytest.mark.parametrize("plan", ["012", "000", "011", "001", "auto"])
+@pytest.mark.parametrize("slots", [0, 3, 8])
+def test_plans_and_cache_sizes_match_resident(model_path, reference, plan, slots):
+    kw = {"cost_model": CHEAP_CPU} if plan == "auto" else None
+    lm = _load(model_path, kw, slots=slots, cpu_plan=plan)
+    out = _run(lm)
+    assert (out - reference).abs().max().item() <= 1e-5
+    ex = lm.model.experts
+    n = len(PROMPT) + len(DECODE)
+    _check_stats(ex, n)
+    s = ex.stats
+    if slots == 0:
+        assert s.hits == 0 and s.swaps == 0
+    if plan == "012":
+        assert s.pcie == 0 and s.cpu == s.lookups - s.hits
+    if plan == "000":
+        assert s.cpu == 0 and s.pcie == s.lookups - s.hits
+    if plan in ("011", "001") and slots == 0:
+        assert s.cpu > 0 and s.pcie > 0
+    if slots == 8:
+        assert s.hits > 0
+
+
+def test_auto_plan_follows_the_costs(model_path, reference):
+    cheap = _load(model_path, {"cost_model": CHEAP_CPU}, slots=0, cpu_plan="auto")
+    dear = _load(model_path, {"cost_model": DEAR_CPU}, slots=0, cpu_plan="auto")
+    for lm in (cheap, dear):
+        assert (_run(lm) - reference).abs().max().item() <= 1e-5
+    assert str(cheap.model.experts.plan) == "012" and str(dear.model.experts.plan) == "000"
+    assert cheap.model.experts.stats.cpu > dear.model.experts.stats.cpu
+    assert dear.model.experts.stats.pcie > cheap.model.experts.stats.pcie
+
+
+def test_auto_plan_measured_on_this_machine(model_path, reference, tmp_path, monkeypatch):
+    monkeypatch.setenv("STRATA_CACHE_DIR", str(tmp_path))
+    lm = _load(model_path, slots=2, cpu_plan="auto")
+    assert (_run(lm) - reference).abs().max().item() <= 1e-5
+    cm = lm.model.experts.costs
+    assert cm is not None and cm.cpu_ms_per_expert > 0 and math.isfinite(cm.pcie_ms_per_expert)
+    assert list((tmp_path / "costs").glob("*.json")), "the measurement is cached"
+    again = _load(model_path, slots=2, cpu_plan="auto")
+    _run(again, decode=[])
+    assert again.model.experts.costs == cm  # read back from the cache, not re-measured
+
+
+def test_staging_ring_in_batches_and_lru(model_path, reference):
+    # a ring of 3 slots: a prefill streaming up to 8 experts per layer goes through it in batches
+    lm = _load(model_path, {"staging": 3}, slots=2, cpu_plan="000", cache_policy="lru")
+    assert (_run(lm) - reference).abs().max().item() <= 1e-5
+    _check_stats(lm.model.experts, len(PROMPT) + len(DECODE))
+
+
+def test_budget_smaller_than_the_experts_runs(model_path, reference):
+    lm0 = _load(model_path, slots=0, cpu_plan="000")
+    _run(lm0, decode=[])  # sets up the cache
+    probe = lm0.model.experts
+    per_slot = sum(probe.store.expert_nbytes(i) for i in probe.layer_ids)
+    staging = probe.cache.staging * probe.store.expert_nbytes()
+    budget = (3 * per_slot + staging + per_slot // 2) / 2**30  # room for 3 of 8 experts per layer
+    lm = _load(model_path, vram_gb=budget, vram_reserve_mib=0, cpu_plan="011")
+    assert (_run(lm) - reference).abs().max().item() <= 1e-5
+    ex = lm.model.experts
+    assert ex.cache.slots == 3
+    assert ex.cache.nbytes() < ex.store.nbytes()
+
+
+def test_cache_learns_over_a_repeated_prompt(model_path):
+    lm = _load(model_path, slots=4, cpu_plan="012", swap_budget=1)
+    ex = lm.model.experts
+    rates = []
+    for _ in range(3):
+        ex.begin_request()
+        _run(lm, prompt=PROMPT[:2], decode=PROMPT[2:] + DECODE)
+        rates.append(ex.request.hit_rate)
+    assert rates[0] < rates[1] <= rates[2] + 1e-9, rates
+    assert ex.stats.swaps > 0
+
+
+def test_profile_save_load_round_trip_fills_the_cache(model_path, reference, tmp_path):
+    path = tmp_path / "routing.json"
+    lm = _load(model_path, slots=3, cpu_plan="012", expert_profile_save=str(path))
+    _run(lm)
+    lm.model.experts.close()
+    prof = RoutingProfile.load(path, 3, 8)
+    assert prof.tokens == len(PROMPT) + len(DECODE) and prof.counts.sum() == prof.tokens * 2 * 3
+
+    warm = _load(model_path, slots=3, cpu_plan="012", expert_profile=str(path))
+    cold = _load(model_path, slots=3, cpu_plan="012")
+    for lm2 in (warm, cold):
+        assert (_run(lm2) - reference).abs().max().item() <= 1e-5
+    ex = warm.model.experts
+    for li in range(3):
+        assert sorted(ex.policy.resident(li)) == sorted(prof.ranking(li)[:3]) or ex.stats.swaps > 0
+    assert ex.stats.hits > cold.model.experts.stats.hits
+    # the first step already hits: the cache was filled before serving
+    first = _load(model_path, slots=3, cpu_plan="012", expert_profile=str(path))
+    _run(first, decode=[])
+    assert first.model.experts.stats.hits > 0
+
+
+def test_profile_report_has_the_backend_buckets(model_path):
+    lm = _load(model_path, slots=2, cpu_plan="011", profile=True)
+    _run(lm)
+    rep = lm.model.experts.profile_report()
+    for label in ("GPU experts", "CPU wait", "PCIe wait", "total"):
+        assert label in rep, rep
+    assert lm.model.experts.profile.tokens == len(PROMPT) + len(DECODE)
+    off = _load(model_path, slots=2, cpu_plan="011")
+    _run(off, decode=[])
+    assert off.model.experts.profile_report() == ""
+
+
+def test_quantized_experts_match_resident(tmp_path):
+    path = write_moe_gguf(tmp_path / "q8.gguf", d=64, ff=64, n_experts=8, k=2, expert_type=Q.Q8_0)
+    ref = _run(_load(path, mode="resident"), decode=DECODE[:2])
+    for plan, slots in (("011", 2), ("000", 0)):
+        out = _run(_load(path, slots=slots, cpu_plan=plan), decode=DECODE[:2])
+        assert (out - ref).abs().max().item() <= 1e-5
+
+
+def test_bad_plan_is_a_clear_error(model_path):
+    from strata import StrataError
+
+    lm = _load(model_path, slots=2, cpu_plan="0123")  # covers k=3, the model routes 2
+    with pytest.raises(StrataError, match="routes 2"):
+        _run(lm, decode=[])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("plan,slots", [("012", 0), ("000", 0), ("011", 3), ("000", 8)])
+def test_cuda_tiered_matches_resident(model_path, plan, slots):
+    def cuda(mode, **ex):
+        cfg = EngineConfig(model=str(model_path), device="cuda", dtype="float32",
+                           experts=ExpertConfig(mode=mode, **ex))
+        return load_model(str(model_path), cfg, with_tokenizer=False)
+
+    ref = _run_cuda(cuda("resident"))
+    lm = cuda("tiered", slots=slots, cpu_plan=plan)
+    out = _run_cuda(lm)
+    assert ((out - ref).abs().max() / ref.abs().max()).item() <= 1e-5
+    ex = lm.model.experts
+    assert ex.store.pinned and ex.cache.side is not None
+    _check_stats(ex, len(PROMPT) + len(DECODE))
+    # a second pass after the side-stream copies landed: hits come from the slots
+    out2 = _run_cuda(lm)
+    assert ((out2 - ref).abs().max() / ref.abs().max()).item() <= 1e-5
+    if slots:
+        assert ex.stats.hits > 0
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_tiered_runs(model_path):
+    cfg = EngineConfig(model=str(model_path), device="cuda", dtype="bfloat16",
+                       experts=ExpertConfig(mode="tiered", slots=3, cpu_plan="011", profile=True))
+    lm = load_model(str(model_path), cfg, with_tokenizer=False)
+    ref = _run_cuda(load_model(str(model_path), EngineConfig(model=str(model_path), device="cuda", dtype="bfloat16",
+                                                             experts=ExpertConfig(mode="resident")),
+                               with_tokenizer=False))
+    out = _run_cuda(lm)
+    assert torch.isfinite(out).all()
+    assert ((out - ref).abs().max() / ref.abs().max()).item() <= 5e-2
+    assert "GPU experts" in lm.model.experts.profile_report()
+
+
+@torch.inference_mode()
+def _run_cuda(lm, prompt=PROMPT, decode=DECODE):
+    m, dev = lm.model, lm.model.device
+    kv = m.new_kv_cache(1, 64)
+    out = [m.forward(torch.tensor(prompt, device=dev), torch.arange(len(prompt), device=dev),
+                     [Segment(0, 0, len(prompt))], kv, all_logits=True)]
+    for i, t in enumerate(decode):
+        p = len(prompt) + i
+        out.append(m.forward(torch.tensor([t], device=dev), torch.tensor([p], device=dev), [Segment(0, p, 1)], kv,
+                             all_logits=True))
+    return torch.cat(out).float().cpu()
