@@ -126,7 +126,7 @@ async def messages(request: Request):
         if tc.type == "tool" and tc.name not in {t["function"]["name"] for t in use_tools}:
             raise bad_request(f"tool_choice names {tc.name!r}, which is not among the request's tools")
         grammar = srv.tool_call_grammar(use_tools, tc.name if tc.type == "tool" else None,
-                                         not tc.disable_parallel_tool_use)
+                                         not tc.disable_parallel_tool_use, text.rstrip().endswith("<think>"))
     stops = [s for s in (body.stop_sequences or []) if s]
     if len(stops) > 16:
         raise bad_request("stop_sequences: at most 16")

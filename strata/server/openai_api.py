@@ -115,7 +115,8 @@ async def prepare_chat(srv, body: ChatRequest) -> Job:
     max_tokens = srv.max_tokens(len(ids), body.max_completion_tokens or body.max_tokens)
     grammar = None
     if use_tools and (only is not None or choice == "required"):
-        grammar = srv.tool_call_grammar(use_tools, only, body.parallel_tool_calls is not False)
+        grammar = srv.tool_call_grammar(use_tools, only, body.parallel_tool_calls is not False,
+                                        text.rstrip().endswith("<think>"))
     elif body.response_format is not None and body.response_format.type != "text":
         rf = body.response_format
         schema, strict = None, False

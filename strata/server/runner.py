@@ -159,10 +159,15 @@ class Server:
         return asked
 
     # -- constraints ---------------------------------------------------------------------------------------------
-    def tool_call_grammar(self, tools: list[dict], only: str | None, parallel: bool) -> str | None:
+    def tool_call_grammar(self, tools: list[dict], only: str | None, parallel: bool, in_reasoning: bool = False
+                          ) -> str | None:
         if not constrained_available():
             return None
-        return self.grammars.lark(tool_grammar(self.tool_format, tools, only, self.grammars.literal, parallel))
+        src = tool_grammar(self.tool_format, tools, only, self.grammars.literal, parallel)
+        if in_reasoning:  # the prompt opened a reasoning block: a forced call closes it first
+            src = src.replace("start:", "call_start:", 1)
+            src = f"start: {self.grammars.literal('</think>')} \"\\n\\n\" call_start\n" + src
+        return self.grammars.lark(src)
 
     def json_grammar(self, schema: dict | None, strict: bool) -> str | None:
         if not constrained_available():
