@@ -46,67 +46,8 @@ class TokenType(IntEnum):
     BYTE = 6
 
 
-# --------------------------------------------------------------------------------------------------------------
-# GGUF metadata (keys and values only: fast enough for 150k-token vocabularies, no tensor parsing)
-
-_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_NP = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1", 10: "<u8", 11: "<i8",
-       12: "<f8"}
-_STRING, _ARRAY = 8, 9
-
-
-def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
-    """Read a GGUF file's key/value metadata into a plain dict (arrays become lists)."""
-    path = Path(path)
-    try:
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            return _parse_gguf_kv(mm, path)
-    except (OSError, ValueError) as e:
-        raise StrataError(f"cannot read GGUF metadata from {path}: {e}") from e
-
-
-def _parse_gguf_kv(buf, path: Path) -> dict[str, Any]:
-    if buf[:4] != b"GGUF":
-        raise StrataError(f"{path} is not a GGUF file (bad magic {bytes(buf[:4])!r})")
-    (version,) = struct.unpack_from("<I", buf, 4)
-    if version not in (2, 3):
-        raise StrataError(f"{path}: unsupported GGUF version {version} (big-endian files are not supported)")
-    _, n_kv = struct.unpack_from("<QQ", buf, 8)
-    pos = 24
-
-    def read_str(pos: int) -> tuple[str, int]:
-        (n,) = struct.unpack_from("<Q", buf, pos)
-        pos += 8
-        return bytes(buf[pos:pos + n]).decode("utf-8", errors="replace"), pos + n
-
-    def read_val(vtype: int, pos: int) -> tuple[Any, int]:
-        if vtype == _STRING:
-            return read_str(pos)
-        if vtype in _SCALAR:
-            fmt = _SCALAR[vtype]
-            (v,) = struct.unpack_from(fmt, buf, pos)
-            return v, pos + struct.calcsize(fmt)
-        if vtype == _ARRAY:
-            etype, n = struct.unpack_from("<IQ", buf, pos)
-            pos += 12
-            if etype in _NP:
-                dt = np.dtype(_NP[etype])
-                arr = np.frombuffer(buf, dtype=dt, count=n, offset=pos)
-                vals = arr.astype(bool).tolist() if etype == 7 else arr.tolist()
-                return vals, pos + n * dt.itemsize
-            out = []
-            for _ in range(n):
-                v, pos = read_val(etype, pos)
-                out.append(v)
-            return out, pos
-        raise ValueError(f"unknown GGUF value type {vtype}")
-
-    md: dict[str, Any] = {}
-    for _ in range(n_kv):
-        key, pos = read_str(pos)
-        (vtype,) = struct.unpack_from("<I", buf, pos)
-        md[key], pos = read_val(vtype, pos + 4)
-    return md
+# GGUF metadata is read by strata.gguf.reader (kept importable from here for callers of the tokenizer)
+from strata.gguf.reader import read_gguf_metadata  # noqa: E402,F401
 
 
 # --------------------------------------------------------------------------------------------------------------
