@@ -247,8 +247,7 @@ class TieredExperts:
             if N * k <= PAIRS_MAX:
                 gslot = cache.map[li].index_select(0, ids.reshape(-1))  # [N*k]
                 xs = x.repeat_interleave(k, dim=0)  # [N*k, d]
-                y = gather_expert_ffn(xs, pool.gate, pool.up, pool.down, gslot.clamp(min=0))
-                y = torch.where((gslot >= 0).unsqueeze(1), y, 0.0)
+                y = gather_expert_ffn(xs, pool.gate, pool.up, pool.down, gslot)  # misses (-1) give 0
             ready.synchronize()  # host sync #1: the routing (and x for the CPU lane) on the host
             ids_np = ids_h.numpy().copy()
         else:

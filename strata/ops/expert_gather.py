@@ -5,7 +5,8 @@ pool applied to `x[p]`: the pairs' expert blocks are gathered with one index_sel
 dequantized in one batched call, and multiplied with `torch.bmm`. On the GPU this replaces a Python loop of
 per-expert matmuls (launch-bound: ~0.4 TB/s) with a constant number of launches per layer. It still writes the
 dequantized weights once (in the activation dtype) and reads them back; a fused kernel reading the blocks
-directly would save that traffic. Reference twin: `strata.experts.resident.expert_ffn` per pair.
+directly saves that traffic: `strata.ops.expert_triton` (Q4_K, Q8_0), taken on CUDA when Triton is present.
+Reference twin: `strata.experts.resident.expert_ffn` per pair.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from strata.ops import expert_triton
 from strata.quant import QTensor
 from strata.quant.dequant import dequantize_flat
 
@@ -29,7 +31,16 @@ def _gather(w: QTensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
 
 def gather_expert_ffn(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor,
                       slots: torch.Tensor) -> torch.Tensor:
-    """x [P, d], pools [S, ff, d] / [S, ff, d] / [S, d, ff], slots [P] int64 -> [P, d] float32."""
+    """x [P, d], pools [S, ff, d] / [S, ff, d] / [S, d, ff], slots [P] int64 (negative: a miss, output 0)
+    -> [P, d] float32. On CUDA, formats with a fused Triton kernel (Q4_K, Q8_0) take it: two launches."""
+    if x.is_cuda and expert_triton.supports(gate, up, down):
+        return expert_triton.triton_expert_ffn(x, gate, up, down, slots)
+    y = _torch_gather_ffn(x, gate, up, down, slots.clamp(min=0))
+    return torch.where((slots >= 0).unsqueeze(1), y, 0.0)
+
+
+def _torch_gather_ffn(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor,
+                      slots: torch.Tensor) -> torch.Tensor:
     P, d = x.shape
     dtype = x.dtype if x.dtype.is_floating_point else torch.float32
     ff = gate.shape[1]
