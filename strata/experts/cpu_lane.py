@@ -165,17 +165,45 @@ class CpuLane:
         todo = [(i, e) for i in self._int4 for e in range(self.layers[i].n_experts) if e not in self._int4[i]]
         if not todo:
             return
+        import psutil
+
+        need = self.repacked_nbytes(todo)
+        avail = psutil.virtual_memory().available
+        if need + (2 << 30) > avail:
+            raise StrataError(
+                f"repacking experts for the CPU lane needs {need / 2**30:.1f} GiB of RAM, {avail / 2**30:.1f} GiB "
+                "are free; use --cpu-plan 0...0 (misses over PCIe only) or --low-ram (repack on first use)"
+            )
         bar = None
         if progress:
             from tqdm import tqdm
 
             bar = tqdm(total=len(todo), unit="expert", desc="strata: repacking experts for the CPU", leave=False)
-        for i, e in todo:
-            self._int4[i][e] = _Int4Expert(self.layers[i], e)
-            if bar is not None:
-                bar.update()
+
+        def one(item):
+            i, e = item
+            return i, e, _Int4Expert(self.layers[i], e)
+
+        # numpy and torch release the GIL in the heavy parts: one worker per lane thread
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max(1, self.threads)) as pool:
+            for i, e, packed in pool.map(one, todo):
+                self._int4[i][e] = packed
+                if bar is not None:
+                    bar.update()
         if bar is not None:
             bar.close()
+
+    def repacked_nbytes(self, todo=None) -> int:
+        """Host bytes the int4 copies of `todo` [(layer, expert)] (default: all int4 experts) take: 5 bits/weight."""
+        if todo is None:
+            todo = [(i, e) for i in self._int4 for e in range(self.layers[i].n_experts)]
+        total = 0
+        for i, _ in todo:
+            ew = self.layers[i]
+            total += sum(t.numel() // ew.n_experts for t in (ew.gate, ew.up, ew.down)) * 5 // 8
+        return total
 
     def nbytes(self) -> int:
         """Host bytes of the repacked copies made so far."""

@@ -245,3 +245,19 @@ def _run_cuda(lm, prompt=PROMPT, decode=DECODE):
         out.append(m.forward(torch.tensor([t], device=dev), torch.tensor([p], device=dev), [Segment(0, p, 1)], kv,
                              all_logits=True))
     return torch.cat(out).float().cpu()
+
+
+def test_bf16_with_the_int4_cpu_lane_stays_close_to_resident(tmp_path):
+    path = write_moe_gguf(tmp_path / "q4k.gguf", d=256, ff=256, n_layers=2, n_experts=4, k=2, heads=4, kv_heads=2,
+                          head_dim=64, expert_type=Q.Q4_K)
+
+    def load(**ex):
+        cfg = EngineConfig(model=str(path), device="cpu", dtype="bfloat16", experts=ExpertConfig(**ex))
+        return load_model(str(path), cfg, with_tokenizer=False)
+
+    ref = _run(load(mode="resident"), prompt=PROMPT[:4], decode=DECODE[:2]).float()
+    lm = load(mode="tiered", slots=1, cpu_plan="012")
+    assert set(lm.model.experts.lane.kernel.values()) == {"int4"}
+    out = _run(lm, prompt=PROMPT[:4], decode=DECODE[:2]).float()
+    assert lm.model.experts.stats.cpu > 0
+    assert ((out - ref).norm() / ref.norm()).item() < 3e-2
