@@ -52,16 +52,17 @@ def cmd_serve(args) -> int:
 
         torch.set_num_threads(args.threads)
     key = args.api_key or env("STRATA_API_KEY") or None
-    path = resolve_model_path(args.model)
-    args.model = path
-    cfg = ServeConfig(host=args.host, port=args.port, api_key=key, cors_origins=args.cors_origin,
-                      parallel=args.parallel, prompt_cache_mib=args.prompt_cache_mib, model_id=model_id_for(path),
-                      aliases=args.alias, prefill_chunk=args.prefill_chunk, warmup=not args.no_warmup)
+    cfg_kw = dict(host=args.host, port=args.port, api_key=key, cors_origins=args.cors_origin, parallel=args.parallel,
+                  prompt_cache_mib=args.prompt_cache_mib, aliases=args.alias, prefill_chunk=args.prefill_chunk,
+                  warmup=not args.no_warmup)
     if not key and not is_loopback(args.host):
         bar = "!" * 78
         print(f"{bar}\nstrata: WARNING: binding {args.host} with no API key: anyone who can reach this port can use "
               f"the model.\nstrata: WARNING: pass --api-key KEY (or set STRATA_API_KEY).\n{bar}", file=sys.stderr,
               flush=True)
+    path = resolve_model_path(args.model)
+    args.model = path
+    cfg = ServeConfig(model_id=model_id_for(path), **cfg_kw)
     state = {}
 
     def load():

@@ -81,7 +81,7 @@ class Metrics:
         self.queue_time = Histogram("vllm:request_queue_time_seconds", "Time waiting for a slot", L,
                                     buckets=E2E_BUCKETS, registry=reg).labels(*M)
         reg.register(_StrataCollector(self))
-        self.recent = deque(maxlen=32)  # the last finished requests
+        self.recent = deque(maxlen=256)  # the last finished requests
         self._tok_times = deque(maxlen=4096)
         self._lock = threading.Lock()
         self.totals = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "errors": 0,

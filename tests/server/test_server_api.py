@@ -26,6 +26,9 @@ MSG = [{"role": "user", "content": "What is the weather in Paris?"}]
 GREEDY = {"extra_body": {"temperature": 0}}  # the anthropic client has no temperature argument any more
 
 
+_http = httpx.Client(timeout=60)
+
+
 @pytest.fixture(scope="module")
 def oai(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
@@ -37,15 +40,15 @@ def anth(server):
 
 
 def test_health_models_props_slots(server):
-    h = httpx.get(server.url + "/health").json()
+    h = _http.get(server.url + "/health").json()
     assert h["status"] == "ok"
     models = openai.OpenAI(base_url=server.url + "/v1", api_key="x").models.list()
     assert [m.id for m in models.data] == ["tiny"]
     assert models.data[0].meta["structured_output"] in ("constrained", "validated")
-    props = httpx.get(server.url + "/props").json()
+    props = _http.get(server.url + "/props").json()
     assert props["total_slots"] == 2 and props["default_generation_settings"]["n_ctx"] == CTX
     assert "<|im_start|>" in props["chat_template"]
-    slots = httpx.get(server.url + "/slots").json()
+    slots = _http.get(server.url + "/slots").json()
     assert [s["id"] for s in slots] == [0, 1]
 
 
@@ -244,7 +247,7 @@ def test_reasoning_split(thinking_lm):
 
 def test_metrics(server, oai):
     oai.chat.completions.create(model="tiny", messages=MSG, max_tokens=3, temperature=0)
-    text = httpx.get(server.url + "/metrics").text
+    text = _http.get(server.url + "/metrics").text
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:prompt_tokens_total",
                  "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_bucket",
                  "vllm:inter_token_latency_seconds_bucket", "vllm:prefix_cache_queries_total",
@@ -252,8 +255,8 @@ def test_metrics(server, oai):
                  "strata_cpu_experts_per_token", "strata_pcie_experts_per_token", "strata_expert_swaps_total",
                  "strata_expert_cache_vram_bytes"):
         assert name in text, name
-    j = httpx.get(server.url + "/metrics?format=json").json()
-    assert set(j) == set(httpx.get(server.url + "/metrics", headers={"Accept": "application/json"}).json())
+    j = _http.get(server.url + "/metrics?format=json").json()
+    assert set(j) == set(_http.get(server.url + "/metrics", headers={"Accept": "application/json"}).json())
     assert j["state"]["status"] in ("idle", "reading", "generating")
     assert j["settings"]["parallel"] == 2 and j["totals"]["requests"] >= 1
     assert j["recent_requests"][-1]["completion_tokens"] == 3

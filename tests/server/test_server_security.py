@@ -1,0 +1,203 @@
+"""Access control, error bodies and fuzzed input against a real server; the `strata serve` command itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from .conftest import CTX, free_port, serve
+
+KEY = "s3cret-key"
+ROUTES = [("GET", "/v1/models", None), ("GET", "/v1/models/tiny", None), ("GET", "/props", None),
+          ("GET", "/slots", None), ("GET", "/metrics", None),
+          ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}),
+          ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 1}),
+          ("POST", "/v1/messages", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}),
+          ("POST", "/v1/messages/count_tokens", {"messages": [{"role": "user", "content": "hi"}]}),
+          ("GET", "/no/such/route", None)]
+
+
+_http = httpx.Client(timeout=60)  # one client: building one (its TLS context) costs more than a request here
+
+
+def _req(url, method, path, body, headers=None):
+    return _http.request(method, url + path, json=body, headers=headers or {})
+
+
+def test_api_key_on_every_route(lm):
+    with serve(lm, api_key=KEY) as s:
+        assert _req(s.url, "GET", "/health", None).status_code == 200  # the one open route
+        for method, path, body in ROUTES:
+            r = _req(s.url, method, path, body)
+            assert r.status_code == 401, (path, r.status_code)
+            assert r.json()["error"]["type"] == "authentication_error"
+            assert _req(s.url, method, path, body, {"Authorization": "Bearer wrong"}).status_code == 401
+            assert _req(s.url, method, path, body, {"x-api-key": KEY[:-1]}).status_code == 401
+            want = 404 if path == "/no/such/route" else 200
+            assert _req(s.url, method, path, body, {"Authorization": f"Bearer {KEY}"}).status_code == want, path
+            assert _req(s.url, method, path, body, {"x-api-key": KEY}).status_code == want, path
+        # a key makes the server safe to reach by any name
+        assert _req(s.url, "GET", "/v1/models", None, {"x-api-key": KEY, "Host": "evil.example"}).status_code == 200
+
+
+def test_host_header_without_key(server):
+    for host in ("evil.example", "evil.example:8080", "localhost.evil.example"):
+        r = _http.get(server.url + "/v1/models", headers={"Host": host})
+        assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error", host
+    for host in ("localhost", f"localhost:{server.port}", f"127.0.0.1:{server.port}", "[::1]:80", "10.1.2.3"):
+        assert _http.get(server.url + "/v1/models", headers={"Host": host}).status_code == 200, host
+
+
+def test_no_cors_unless_asked(server, lm):
+    pre = {"Origin": "http://app.example", "Access-Control-Request-Method": "POST"}
+    r = _http.options(server.url + "/v1/chat/completions", headers=pre)
+    assert "access-control-allow-origin" not in r.headers
+    with serve(lm, cors_origins=["http://app.example"]) as s:
+        r = _http.options(s.url + "/v1/chat/completions", headers=pre)
+        assert r.headers.get("access-control-allow-origin") == "http://app.example"
+        r = _http.options(s.url + "/v1/chat/completions", headers={**pre, "Origin": "http://other.example"})
+        assert r.headers.get("access-control-allow-origin") is None
+
+
+@pytest.mark.parametrize("path,body,fragment", [
+    ("/v1/chat/completions", b"{not json", "not valid JSON"),
+    ("/v1/chat/completions", b"[1, 2]", "JSON object"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": "hi"}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, "temperature"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": CTX}, "exceeds"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi " * 600}]}, "context"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"x": 1}}, "logit_bias"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "not supported"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, "tools"),
+    ("/v1/completions", {"prompt": [10 ** 9]}, "token ids"),
+    ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}]}, "max_tokens"),
+    ("/v1/messages", {"max_tokens": 5, "messages": [{"role": "system", "content": "hi"}]}, "role"),
+])
+def test_bad_requests_are_400(server, path, body, fragment):
+    if isinstance(body, bytes):
+        r = _http.post(server.url + path, content=body, headers={"content-type": "application/json"})
+    else:
+        r = _http.post(server.url + path, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and fragment in err["message"], err
+
+
+def test_not_found(server):
+    r = _http.get(server.url + "/v2/nothing")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    r = _http.post(server.url + "/v1/chat/completions", json={"model": "gpt-9", "messages": [
+        {"role": "user", "content": "hi"}], "max_tokens": 1})
+    assert r.status_code == 404 and "gpt-9" in r.json()["error"]["message"]
+    assert _http.get(server.url + "/v1/models/gpt-9").status_code == 404
+
+
+# -- fuzz --------------------------------------------------------------------------------------------------------
+
+_json = st.recursive(st.none() | st.booleans() | st.integers(-10**12, 10**12) | st.floats(allow_nan=False)
+                     | st.text(max_size=12),
+                     lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
+                     max_leaves=12)
+_VALID = {
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+    "/v1/completions": {"prompt": "hi", "max_tokens": 1},
+    "/v1/messages": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+    "/v1/messages/count_tokens": {"messages": [{"role": "user", "content": "hi"}]},
+}
+_FIELDS = ["messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
+           "seed", "stop", "stream", "stream_options", "logit_bias", "tools", "tool_choice", "response_format",
+           "reasoning_effort", "n", "presence_penalty", "system", "stop_sequences", "thinking", "model",
+           "cache_prompt", "frequency_penalty", "repeat_penalty", "chat_template_kwargs", "echo", "logprobs"]
+_MSG_FIELDS = ["role", "content", "tool_calls", "tool_call_id", "name"]
+
+
+@st.composite
+def _bodies(draw):
+    path = draw(st.sampled_from(sorted(_VALID)))
+    kind = draw(st.integers(0, 3))
+    if kind == 0:  # bytes that are (mostly) not JSON
+        return path, draw(st.binary(max_size=40) | st.text(max_size=40).map(str.encode))
+    if kind == 1:  # JSON of any shape
+        return path, json.dumps(draw(_json)).encode()
+    body = json.loads(json.dumps(_VALID[path]))
+    field = draw(st.sampled_from(_FIELDS))
+    if kind == 2:  # one field of a valid request replaced
+        body[field] = draw(_json)
+    else:  # one field of its message replaced
+        msgs = body.get("messages", [{}])
+        msgs[0][draw(st.sampled_from(_MSG_FIELDS))] = draw(_json)
+    if field not in ("max_tokens", "max_completion_tokens") and path != "/v1/messages/count_tokens":
+        body["max_tokens"] = 1  # a body that happens to be valid generates one token, not a context's worth
+    return path, json.dumps(body).encode()
+
+
+def test_fuzz_never_5xx(server):
+    client = httpx.Client(base_url=server.url, timeout=60)
+    seen = {"n": 0, "ok": 0}
+
+    @settings(max_examples=1000, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(_bodies())
+    def run(case):
+        path, raw = case
+        r = client.post(path, content=raw, headers={"content-type": "application/json"})
+        assert r.status_code < 500, (path, raw, r.status_code, r.text[:300])
+        seen["n"] += 1
+        seen["ok"] += r.status_code == 200
+        if r.status_code != 200:
+            assert "error" in r.json()
+
+    run()
+    assert seen["n"] >= 1000 and 0 < seen["ok"] < seen["n"]
+    assert client.get("/health").json()["status"] == "ok"
+
+
+# -- the command ------------------------------------------------------------------------------------------------
+
+
+def test_strata_serve_command(tiny_gguf):
+    """`strata serve` binds loopback by default, narrates its start-up, and answers /health once ready."""
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "STRATA_API_KEY": ""}
+    p = subprocess.Popen([sys.executable, "-m", "strata", "serve", "-m", str(tiny_gguf), "--port", str(port),
+                          "-c", "256", "--threads", "1"], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        t0, status = time.time(), None
+        while time.time() - t0 < 120:
+            try:
+                status = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code
+            except httpx.TransportError:
+                status = None
+            if status == 200 or p.poll() is not None:
+                break
+            assert status in (None, 503)
+            time.sleep(0.1)
+        assert status == 200
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    finally:
+        p.terminate()
+        err = p.communicate(timeout=30)[1]
+    assert f"listening on http://127.0.0.1:{port}" in err
+    assert "loading" in err and "ready" in err and "WARNING" not in err
+
+
+def test_non_loopback_without_key_warns(capsys, tmp_path):
+    from strata.cli import main
+
+    rc = main(["serve", "--host", "0.0.0.0", "-m", str(tmp_path / "missing.gguf")])
+    err = capsys.readouterr().err
+    assert "WARNING: binding 0.0.0.0 with no API key" in err
+    assert rc == 1
