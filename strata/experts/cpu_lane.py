@@ -11,10 +11,11 @@ Two kernels per expert FFN (`silu(x @ gate.T) * (x @ up.T) @ down.T`):
   rounding of the scales and zeros: Q4_K `w = d*sc*q - dmin*m = (q - 8)*scale + zero` with `scale = d*sc`,
   `zero = 8*d*sc - dmin*m`; Q4_0 `w = (q - 8)*d`. Needs bf16/f16 activations (the kernel takes bf16; float32
   activations would be 20x slower), i.e. the GPU's compute dtype; gate and up are packed as one [2*ff, d]
-  weight so an expert is two calls.
+  weight so an expert is two calls. Q8_0 (per-32-block scales, which the per-row `_weight_int8pack_mm`
+  cannot take) goes as two int4 halves along a doubled k: exact up to the bf16 scales, 10 bits per weight.
 
-`auto` takes `int4` for bf16/f16 activations and a repackable format, else `ref`. Other formats (Q8_0,
-Q5_K, Q6_K, ...) use `ref` until a kernel for them lands.
+`auto` takes `int4` for bf16/f16 activations and a repackable format (Q4_K, Q4_0, Q8_0), else `ref`. Other
+formats (Q5_K, Q6_K, ...) use `ref` until a kernel for them lands.
 
 Threads: torch's intra-op pool is process-wide; `CpuLane(threads=n)` sets it (0 leaves torch's default, one
 per physical core). The lane runs on the calling thread: the backend launches the GPU's work first, then
@@ -38,7 +39,7 @@ log = logging.getLogger("strata")
 
 Q = GGMLQuantizationType
 KERNELS = ("auto", "ref", "int4")
-INT4_TYPES = frozenset({Q.Q4_K, Q.Q4_0})
+INT4_TYPES = frozenset({Q.Q4_K, Q.Q4_0, Q.Q8_0})
 GROUP = 32  # int4pack group size: the sub-block of Q4_K, the block of Q4_0
 
 
@@ -70,28 +71,46 @@ def _q4_0_unpack(raw: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarra
     return q, d, np.zeros_like(d)
 
 
-_UNPACK = {Q.Q4_K: _q4k_unpack, Q.Q4_0: _q4_0_unpack}
+def _q8_0_unpack(raw: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q8_0 as two int4 halves along a doubled k: q = 16*hi + lo (hi = q >> 4 in -8..7, lo = q & 15), so
+    d*q = (hi + 8 - 8)*16d + (lo - 8)*d + 8d: columns 0..k-1 hold hi + 8 (scale 16d, zero 0), columns k..2k-1
+    hold lo (scale d, zero 8d). The kernel then reads [x, x] against [n, 2k]: 10 bits per weight, exact up to
+    the bf16 rounding of the scales."""
+    b = raw.reshape(n, k // 32, 34)
+    d = _f16_field(b, 0).reshape(n, k // 32)
+    q = np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(n, k)
+    hi = ((q >> 4) + 8).astype(np.uint8)
+    lo = (q & 15).astype(np.uint8)
+    scale = np.concatenate([16.0 * d, d], 1)
+    zero = np.concatenate([np.zeros_like(d), 8.0 * d], 1)
+    return np.concatenate([hi, lo], 1), scale, zero
+
+
+_UNPACK = {Q.Q4_K: _q4k_unpack, Q.Q4_0: _q4_0_unpack, Q.Q8_0: _q8_0_unpack}
+DOUBLED = frozenset({Q.Q8_0})  # formats packed along a doubled k (the input is repeated)
 
 
 class Int4Weight:
-    """One [n, k] weight in `_weight_int4pack_mm_for_cpu`'s layout."""
+    """One [n, k] weight in `_weight_int4pack_mm_for_cpu`'s layout (k doubled for DOUBLED formats)."""
 
-    __slots__ = ("packed", "sz", "n")
+    __slots__ = ("packed", "sz", "n", "doubled")
 
-    def __init__(self, packed: torch.Tensor, sz: torch.Tensor, n: int):
-        self.packed, self.sz, self.n = packed, sz, n
+    def __init__(self, packed: torch.Tensor, sz: torch.Tensor, n: int, doubled: bool = False):
+        self.packed, self.sz, self.n, self.doubled = packed, sz, n, doubled
 
     @classmethod
-    def from_parts(cls, q: np.ndarray, scale: np.ndarray, zero: np.ndarray) -> "Int4Weight":
+    def from_parts(cls, q: np.ndarray, scale: np.ndarray, zero: np.ndarray, doubled: bool = False) -> "Int4Weight":
         n, _ = q.shape
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.from_numpy(q.astype(np.int32)), 1)
         sz = torch.stack([torch.from_numpy(scale).t(), torch.from_numpy(zero).t()], -1)  # [k/32, n, 2]
-        return cls(packed, sz.to(torch.bfloat16).contiguous(), n)
+        return cls(packed, sz.to(torch.bfloat16).contiguous(), n, doubled)
 
     def nbytes(self) -> int:
         return self.packed.numel() * self.packed.element_size() + self.sz.numel() * self.sz.element_size()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, k] bf16 -> [T, n] bf16
+        if self.doubled:
+            x = torch.cat([x, x], -1)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.sz)
 
 
@@ -103,8 +122,10 @@ def repack_int4(*weights: QTensor) -> Int4Weight:
             raise StrataError(f"no int4 repack for a {w.qtype.name} weight of shape {w.shape}")
         n, k = w.shape
         parts.append(_UNPACK[w.qtype](w.raw.numpy(), n, k))
+    if len({w.qtype in DOUBLED for w in weights}) > 1:
+        raise StrataError("weights stacked into one int4 weight must all be doubled formats or none")
     q, scale, zero = (np.concatenate([p[i] for p in parts], 0) for i in range(3))
-    return Int4Weight.from_parts(q, scale, zero)
+    return Int4Weight.from_parts(q, scale, zero, doubled=weights[0].qtype in DOUBLED)
 
 
 def int4_supported(ew: ExpertWeights) -> bool:
@@ -202,7 +223,8 @@ class CpuLane:
         total = 0
         for i, _ in todo:
             ew = self.layers[i]
-            total += sum(t.numel() // ew.n_experts for t in (ew.gate, ew.up, ew.down)) * 5 // 8
+            total += sum(t.numel() // ew.n_experts * (10 if t.qtype in DOUBLED else 5) // 8
+                         for t in (ew.gate, ew.up, ew.down))
         return total
 
     def nbytes(self) -> int:

@@ -11,7 +11,7 @@ import torch
 
 from strata import StrataError
 from strata.experts import costs
-from strata.experts.cpu_lane import CpuLane, _q4_0_unpack, _q4k_unpack, int4_supported
+from strata.experts.cpu_lane import CpuLane, _q4_0_unpack, _q4k_unpack, _q8_0_unpack, int4_supported
 from strata.experts.resident import ExpertWeights, expert_ffn
 from strata.ops.expert_gather import gather_expert_ffn
 from strata.quant import random_qtensor
@@ -41,12 +41,24 @@ def test_int4_repack_is_the_format_exactly(qtype, unpack):
     np.testing.assert_allclose(rebuilt.reshape(128, 512), ref, rtol=0, atol=4e-6 * np.abs(ref).max())
 
 
-def test_int4_kernel_matches_reference_in_bf16(q4k):
-    lane = CpuLane({7: q4k}, kernel="int4", dtype=torch.bfloat16)
+def test_q8_0_as_two_int4_halves_is_exact():
+    w = random_qtensor(Q.Q8_0, (64, 128), rng=4)
+    q, scale, zero = _q8_0_unpack(w.raw.numpy(), 64, 128)
+    assert q.shape == (64, 256) and q.max() <= 15
+    vals = (q.astype(np.float32).reshape(64, 8, 32) - 8) * scale[..., None] + zero[..., None]  # [64, 8 groups, 32]
+    rebuilt = vals[:, :4].reshape(64, 128) + vals[:, 4:].reshape(64, 128)  # the two halves of the doubled k
+    ref = w.dequantize().numpy()
+    np.testing.assert_allclose(rebuilt, ref, rtol=0, atol=1e-6 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0])
+def test_int4_kernel_matches_reference_in_bf16(q4k, qtype):
+    ew = q4k if qtype == Q.Q4_K else _experts(Q.Q8_0, d=256, ff=128)
+    lane = CpuLane({7: ew}, kernel="int4", dtype=torch.bfloat16)
     assert lane.kernel[7] == "int4"
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0))
-    for e in range(q4k.n_experts):
-        ref = expert_ffn(x, q4k.gate[e], q4k.up[e], q4k.down[e])  # float32 oracle
+    for e in range(ew.n_experts):
+        ref = expert_ffn(x, ew.gate[e], ew.up[e], ew.down[e])  # float32 oracle
         got = lane.expert(7, e, x.bfloat16())
         assert got.dtype == torch.float32
         rel = ((got - ref).norm() / ref.norm()).item()
@@ -55,15 +67,16 @@ def test_int4_kernel_matches_reference_in_bf16(q4k):
 
 def test_auto_kernel_choice_and_ref_is_exact(q4k):
     q8 = _experts(Q.Q8_0, d=64, ff=64)
-    lane = CpuLane({0: q4k, 1: q8}, dtype=torch.bfloat16)
-    assert lane.kernel == {0: "int4", 1: "ref"}
+    q6 = _experts(Q.Q6_K, d=256, ff=256, E=2)
+    lane = CpuLane({0: q4k, 1: q8, 2: q6}, dtype=torch.bfloat16)
+    assert lane.kernel == {0: "int4", 1: "int4", 2: "ref"}
     assert CpuLane({0: q4k}, dtype=torch.float32).kernel == {0: "ref"}  # float32: the exact path
-    assert not int4_supported(q8)
+    assert not int4_supported(q6)
     with pytest.raises(StrataError, match="int4"):
-        CpuLane({1: q8}, kernel="int4", dtype=torch.bfloat16)
+        CpuLane({2: q6}, kernel="int4", dtype=torch.bfloat16)
     ref_lane = CpuLane({1: q8}, dtype=torch.float32)
     x = torch.randn(5, 64)
-    jobs = [(2, torch.tensor([0, 3])), (0, torch.tensor([1, 2, 4]))]
+    jobs = [(2, torch.tensor([0, 3])), (0, torch.tensor([1, 2, 4]))]  # float32 activations: ref
     out = ref_lane.run(1, x, jobs)
     want = torch.cat([expert_ffn(x[t], q8.gate[e], q8.up[e], q8.down[e]) for e, t in jobs])
     assert torch.equal(out, want)
