@@ -126,7 +126,9 @@ def _start_engine(app: FastAPI, cfg: ServeConfig, lm, say) -> object:
     tool_format = detect_format(lm.gguf.get("tokenizer.chat_template"))
     grammars = Grammars(lm.tokenizer, getattr(lm.args, "vocab_size", None) or lm.tokenizer.vocab_size)
     srv = Server(lm, worker, metrics, grammars, tool_format, cfg.model_id, engine.max_ctx)
-    structured = "constrained" if constrained_available() else "validated"
+    # with llguidance, json_object / json_schema / forced tool calls are constrained token by token; without it
+    # they are only asked for (the chat template's tool prompt) and parsed afterwards
+    structured = "constrained" if constrained_available() else "unconstrained"
     app.state.model_meta = {"n_ctx": engine.max_ctx, "n_ctx_train": getattr(lm.args, "ctx_len", None),
                             "n_vocab": srv.vocab_size, "arch": lm.gguf.arch, "parallel": cfg.parallel,
                             "tool_call_format": tool_format, "structured_output": structured,

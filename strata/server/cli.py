@@ -60,7 +60,10 @@ def cmd_serve(args) -> int:
         print(f"{bar}\nstrata: WARNING: binding {args.host} with no API key: anyone who can reach this port can use "
               f"the model.\nstrata: WARNING: pass --api-key KEY (or set STRATA_API_KEY).\n{bar}", file=sys.stderr,
               flush=True)
-    path = resolve_model_path(args.model)
+    try:
+        path = resolve_model_path(args.model)
+    except ImportError:
+        raise StrataError("no model given and this build has no embedded default model: pass -m MODEL") from None
     args.model = path
     cfg = ServeConfig(model_id=model_id_for(path), **cfg_kw)
     state = {}

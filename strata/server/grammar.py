@@ -1,8 +1,8 @@
 """Logits processors for the engine's sampler path: OpenAI's `logit_bias` and grammar-constrained output
 (JSON schema for `response_format`, tool-call grammars for `tool_choice` required/named) through llguidance.
 
-llguidance is optional: without it, structured output is validated after generation instead of constrained,
-and /props says which one the server does.
+llguidance is optional: without it, output is not constrained (a forced tool call or a JSON response is only
+asked for, and parsed afterwards), and /props and /v1/models say so ("structured_output").
 """
 
 from __future__ import annotations

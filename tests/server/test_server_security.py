@@ -201,3 +201,31 @@ def test_non_loopback_without_key_warns(capsys, tmp_path):
     err = capsys.readouterr().err
     assert "WARNING: binding 0.0.0.0 with no API key" in err
     assert rc == 1
+
+
+def test_health_is_503_until_the_model_is_loaded(lm):
+    """The app answers while the model loads (here: a load that waits for a signal), 503 until it is in."""
+    import threading
+
+    from strata.server.app import ServeConfig, create_app
+
+    from .conftest import Running
+
+    go = threading.Event()
+
+    def load():
+        go.wait(60)
+        return lm
+
+    port = free_port()
+    with Running(create_app(ServeConfig(port=port, model_id="tiny", warmup=False), load=load), port) as s:
+        r = _http.get(s.url + "/health")
+        assert r.status_code == 503
+        r = _http.post(s.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 503 and r.json()["error"]["type"] == "unavailable_error"
+        go.set()
+        t0 = time.time()
+        while _http.get(s.url + "/health").status_code != 200:
+            assert time.time() - t0 < 30
+            time.sleep(0.02)
+        assert _http.get(s.url + "/health").json()["status"] == "ok"
