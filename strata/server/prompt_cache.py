@@ -82,7 +82,6 @@ class PromptCache:
             if kv.v is not None and e.v is not None:
                 kv.v[layer][slot, :n] = e.v[layer][:n].to(kv.device, non_blocking=True)
         engine.slot_tokens[slot] = list(e.tokens[:n])
-        self.entries.move_to_end(tuple(e.tokens))
         self.restores += 1
 
     # -- the one entry point -------------------------------------------------------------------------------------
@@ -103,13 +102,19 @@ class PromptCache:
             if n > ram_n:
                 ram, ram_n = e, n
         if ram is not None and ram_n > best_n and ram_n >= MIN_TOKENS:
+            # the entry moves into the slot (which will be saved again, grown, when it is next overwritten):
+            # take it out first so that saving the slot's old content cannot evict it
+            self._drop(tuple(ram.tokens))
             slot = self._victim(free)
             self._save(engine, slot)
             self._restore(engine, slot, ram, ram_n)
         elif best is not None:
             slot = best
-            if common_prefix(engine.slot_tokens[slot], prompt) < len(engine.slot_tokens[slot]):
-                self._save(engine, slot)  # the tail past the shared prefix is about to be overwritten
+            held = len(engine.slot_tokens[slot])
+            if held - best_n >= max(MIN_TOKENS, held // 2):
+                # a branch: most of what the slot holds is about to be overwritten, keep it. (A follow-up turn
+                # overwrites only the tail where the re-tokenized reply differs: not worth a copy.)
+                self._save(engine, slot)
         else:
             slot = self._victim(free)
             self._save(engine, slot)

@@ -16,7 +16,7 @@ from strata.server.grammar import bias_processor, chain, constrained_available
 from strata.server.protocol import APIError, bad_request
 from strata.server.reasoning import ReasoningSplitter, partial_suffix
 from strata.server.scheduler import GenRequest
-from strata.server.toolcalls import ParsedCall, ToolCallStream, closed, tool_grammar
+from strata.server.toolcalls import ToolCallStream, closed, tool_grammar
 
 
 @dataclass
@@ -56,7 +56,8 @@ def sampling(body, defaults: SamplingParams | None = None) -> SamplingParams:
     g = lambda name, default: default if getattr(body, name, None) is None else getattr(body, name)  # noqa: E731
     rep = getattr(body, "repetition_penalty", None) or getattr(body, "repeat_penalty", None) or d.repetition_penalty
     p = SamplingParams(temperature=float(g("temperature", d.temperature)), top_k=int(g("top_k", d.top_k)),
-                       top_p=float(g("top_p", d.top_p)), min_p=float(g("min_p", d.min_p)), repetition_penalty=float(rep),
+                       top_p=float(g("top_p", d.top_p)), min_p=float(g("min_p", d.min_p)),
+                       repetition_penalty=float(rep),
                        presence_penalty=float(g("presence_penalty", d.presence_penalty)),
                        frequency_penalty=float(g("frequency_penalty", d.frequency_penalty)), seed=g("seed", d.seed))
     try:

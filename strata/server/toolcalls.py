@@ -338,7 +338,8 @@ def tool_grammar(fmt: str, tools: list[dict], only: str | None = None, lit=_lark
             rules.append(f"c{k}: {lit(DS_CALL_BEGIN)} \"function\" {lit(DS_SEP)} {_lark_str(f['name'])} "
                          f"\"\\n```json\\n\" a{k} \"\\n```\" {lit(DS_CALL_END)}")
             rules.append(f"a{k}: {_json_rule(closed(f.get('parameters') or {'type': 'object'}))}")
-        return (f"start: {lit(DS_CALLS_BEGIN)} ({' | '.join(alts)}){'+' if parallel else ''} {lit(DS_CALLS_END)}\n" + "\n".join(rules) + "\n")
+        rep = "+" if parallel else ""
+        return f"start: {lit(DS_CALLS_BEGIN)} ({' | '.join(alts)}){rep} {lit(DS_CALLS_END)}\n" + "\n".join(rules) + "\n"
     if fmt == "mistral":
         arr = {"type": "array", "items": sch, "minItems": 1, **({} if parallel else {"maxItems": 1})}
         return f"start: {lit('[TOOL_CALLS]')} body\nbody: {_json_rule(arr)}\n"

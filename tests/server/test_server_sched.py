@@ -3,7 +3,6 @@ to running alone), every request answered, and a client that hangs up frees its 
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
