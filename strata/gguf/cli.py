@@ -1,0 +1,93 @@
+"""`strata convert` (transformers checkpoint -> GGUF) and `strata synth` (synthetic benchmark models)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from strata import StrataError
+
+# The synth presets (strata.gguf.synth.PRESETS), listed here so that `strata --help` imports nothing heavy.
+PRESET_NAMES = ("qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3", "mixtral-8x7b",
+                "tiny-qwen3moe", "tiny-deepseek", "tiny-mixtral")
+CONVERT_TYPES = ("f32", "f16", "bf16", "q8_0")
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+def cmd_convert(args) -> int:
+    from strata.gguf.convert import convert
+
+    src = Path(args.hf_dir)
+    if not src.is_dir():
+        raise StrataError(f"{src} is not a directory (strata convert reads a transformers checkpoint directory)")
+    out = convert(src, args.out, args.type)
+    print(f"strata: wrote {out} ({_gb(out.stat().st_size)}, {args.type})", file=sys.stderr)
+    return 0
+
+
+def cmd_synth(args) -> int:
+    import torch
+
+    from strata.gguf.synth import (REPORT_CPU_MAX_BYTES, format_report, get_preset, routing_report, synth,
+                                   type_names)
+    from strata.quant.formats import as_qtype, check_supported
+
+    get_preset(args.preset, args.layers)  # fail on a bad preset before anything is written
+    for flag in ("experts_type", "dense_type", "head_type"):
+        try:
+            check_supported(as_qtype(getattr(args, flag)))
+        except StrataError:
+            raise StrataError(f"--{flag.replace('_', '-')} {getattr(args, flag)} is not a weight format strata "
+                              f"runs ({type_names()})") from None
+    r = synth(args.preset, args.out, args.experts_type, args.dense_type, args.head_type, seed=args.seed,
+              layers=args.layers, progress=not args.quiet)
+    p = r["preset"]
+    print(f"strata: wrote {args.out}: {p.about or p.name}{f' cut to {p.n_layers} layers' if args.layers else ''}, "
+          f"{_gb(r['bytes'])} in {r['seconds']:.1f} s ({r['gbps']:.2f} GB/s)", file=sys.stderr)
+    if args.no_report:
+        return 0
+    size = Path(args.out).stat().st_size
+    if not torch.cuda.is_available() and size > REPORT_CPU_MAX_BYTES:
+        print(f"strata: routing report skipped: running a {_gb(size)} model on the CPU would take too long "
+              "(it runs on a GPU, or on a CPU for models up to "
+              f"{_gb(REPORT_CPU_MAX_BYTES)}: try --layers 2); --no-report silences this", file=sys.stderr)
+        return 0
+    if torch.cuda.is_available():
+        free, _ = torch.cuda.mem_get_info()
+        if size > 0.9 * free:
+            print(f"strata: routing report skipped: the {_gb(size)} model does not fit in the GPU's "
+                  f"{_gb(free)} free memory", file=sys.stderr)
+            return 0
+    print(format_report(routing_report(args.out)))
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("convert", help="convert a transformers checkpoint (safetensors) to GGUF",
+                       description="Convert a transformers checkpoint directory (config.json, *.safetensors, "
+                                   "tokenizer.json) to one GGUF file, named and laid out as llama.cpp does.")
+    p.add_argument("hf_dir", metavar="HF_DIR", help="checkpoint directory")
+    p.add_argument("out", metavar="OUT.gguf", help="output file")
+    p.add_argument("--type", default="f16", choices=CONVERT_TYPES, help="weight format (default f16; norms "
+                   "and routers stay f32)")
+    p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("synth", help="write a synthetic model with a real model's shapes and tokenizer",
+                       description="Write an architecture-faithful GGUF with deterministic pseudo-random weights "
+                                   "and the real tokenizer, for benchmarks (it is not a trained model). Then "
+                                   "report how the model routes a sample text (expert popularity, distinct "
+                                   "experts per 512-token batch) by running it with strata.")
+    p.add_argument("preset", metavar="PRESET", help=", ".join(PRESET_NAMES))
+    p.add_argument("out", metavar="OUT.gguf", help="output file (written as OUT.gguf.tmp, renamed when done)")
+    p.add_argument("--experts-type", default="Q4_K", help="routed experts' format (default Q4_K)")
+    p.add_argument("--dense-type", default="Q8_0", help="attention, dense FFN and shared experts (default Q8_0; "
+                   "token embeddings are Q8_0 unless this is a float type)")
+    p.add_argument("--head-type", default="Q6_K", help="output head (default Q6_K)")
+    p.add_argument("--seed", type=int, default=0, help="weights seed (same seed, same bytes)")
+    p.add_argument("--layers", type=int, default=None, help="keep only the first N layers (smaller files)")
+    p.add_argument("--no-report", action="store_true", help="skip the routing report")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_synth)

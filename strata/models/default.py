@@ -1,0 +1,57 @@
+"""The model strata runs when none is named (`strata generate -p hi`, `strata serve` without -m).
+
+A trained small model will ship as `strata/data/strata-tiny.gguf`; until it does, strata makes a tiny synthetic
+MoE (`strata synth tiny-qwen3moe`: 4 layers, 16 experts top-4, a small trained tokenizer, Qwen3's chat template)
+on first use and caches it. Its weights are random: it exercises the whole stack (tokenizer, template, routing,
+the experts backend, the server) but its text is gibberish, and strata says so whenever it is used.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from pathlib import Path
+
+SHIPPED = Path(__file__).resolve().parents[1] / "data" / "strata-tiny.gguf"
+PRESET = "tiny-qwen3moe"
+SYNTH_VERSION = 1  # bump when synth's output for the preset changes, so caches are remade
+NAME = "strata-tiny (SYNTHETIC: random weights, not a trained model)"
+
+
+def cache_dir() -> Path:
+    """$STRATA_CACHE, else `$XDG_CACHE_HOME/strata`, else `~/.cache/strata`."""
+    from strata.config import env
+
+    root = env("STRATA_CACHE")
+    if root:
+        return Path(root).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(xdg).expanduser() / "strata"
+
+
+def synthetic_path() -> Path:
+    return cache_dir() / "models" / f"strata-tiny-synthetic-v{SYNTH_VERSION}.gguf"
+
+
+def default_model_path(warn: bool = True) -> Path:
+    """The default model's file: the shipped trained model if present, else the cached synthetic one (made now
+    if missing; concurrent first runs each write their own temporary file and atomically rename it)."""
+    if SHIPPED.is_file():
+        return SHIPPED
+    path = synthetic_path()
+    if not path.is_file():
+        from strata.gguf.synth import synth
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+        try:
+            synth(PRESET, tmp, name=NAME, seed=0, progress=False)
+            os.replace(tmp, path)  # identical bytes whoever wins
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+    if warn:
+        print(f"strata: warning: no model given: using {path}, a SYNTHETIC model with random weights (its text "
+              "is gibberish); pass -m MODEL.gguf or REPO:QUANT to run a real model", file=sys.stderr)
+    return path
