@@ -225,6 +225,14 @@ class TieredExperts:
         out.copy_(t, non_blocking=True)
         return out
 
+    def _to_dev(self, a) -> torch.Tensor:
+        """A host array/tensor on the device; on CUDA through pinned memory, asynchronously (a pageable copy
+        could wait for the stream, and with it for the GPU work this layer queued to overlap the CPU lane)."""
+        t = torch.from_numpy(a) if isinstance(a, np.ndarray) else a
+        if not self.cuda:
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
     def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         N, k = ids.shape
         if self.cache is None:
@@ -291,11 +299,7 @@ class TieredExperts:
             n_cpu = len(idx)
             if self.profiling:
                 self._span("cpu_wait", t_cpu)
-            if self.cuda:
-                out = out.pin_memory().to(self.device, non_blocking=True)
-                y[torch.from_numpy(idx).pin_memory().to(self.device, non_blocking=True)] = out
-            else:
-                y[torch.from_numpy(idx)] = out
+            y[self._to_dev(idx)] = self._to_dev(out)
         n_hit = int(hit.sum())
         counts = dict(hits=n_hit, cpu=n_cpu, pcie=N * k - n_hit - n_cpu, swaps=len(swaps), layers=N)
         self.stats.add(**counts)
@@ -323,18 +327,17 @@ class TieredExperts:
         """On the device: groups [(slot, token idx, pair idx)] -> y[pair idx] (float32)."""
         if not groups:
             return
-        dev = x.device
         n_pairs = sum(len(p) for _, _, p in groups)
         if self.cuda and n_pairs <= PAIRS_MAX:  # decode-sized: one grouped call over all pairs
             slots = np.concatenate([np.full(len(p), s) for s, _, p in groups])
             tok = np.concatenate([t for _, t, _ in groups])
             pairs = np.concatenate([p for _, _, p in groups])
-            st = torch.from_numpy(np.stack([slots, tok, pairs])).to(dev)
+            st = self._to_dev(np.stack([slots, tok, pairs]))
             y[st[2]] = gather_expert_ffn(x.index_select(0, st[1]), pool.gate, pool.up, pool.down, st[0])
             return
         for s, tok, pairs in groups:  # chunk-sized: a matmul per expert over its tokens
-            ti = torch.from_numpy(tok).to(dev)
-            y[torch.from_numpy(pairs).to(dev)] = expert_ffn(x.index_select(0, ti), *pool.expert(s)).float()
+            ti = self._to_dev(tok)
+            y[self._to_dev(pairs)] = expert_ffn(x.index_select(0, ti), *pool.expert(s)).float()
 
     def _split(self, li: int, ids_np: np.ndarray, hit: np.ndarray) -> tuple[set[int], set[int]]:
         """Missed experts -> (computed on the CPU, streamed over PCIe)."""

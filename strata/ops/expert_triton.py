@@ -2,7 +2,7 @@
 copy, two launches per MoE layer.
 
 For each (pair p, block of output rows) a program reads the slot `slots[p]` (negative = a miss: the pair's
-output is zero), walks the reduction dimension block by block, decodes the GGML blocks in registers and
+output is zero and no weight is read), walks the reduction dimension block by block, decodes the GGML blocks in registers and
 accumulates in float32:
 
     kernel 1:  a[p] = silu(x[p] @ gate[slot].T) * (x[p] @ up[slot].T)      [P, ff]
@@ -108,14 +108,14 @@ if triton is not None:
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         nm = n < N
         n = tl.minimum(n, N - 1)
-        s = tl.load(slots + p)
-        valid = s >= 0
-        s = tl.maximum(s, 0).to(tl.int64)
-        xp = x + p * K
-        g = _dot(gate + s * g_slot_bytes + n.to(tl.int64) * g_row_bytes, xp, K, QG, BN)
-        u = _dot(up + s * u_slot_bytes + n.to(tl.int64) * u_row_bytes, xp, K, QU, BN)
-        a = g / (1.0 + tl.exp(-g)) * u
-        tl.store(out + p * N + n, tl.where(valid, a, 0.0), mask=nm)
+        s = tl.load(slots + p).to(tl.int64)
+        if s >= 0:
+            xp = x + p * K
+            g = _dot(gate + s * g_slot_bytes + n.to(tl.int64) * g_row_bytes, xp, K, QG, BN)
+            u = _dot(up + s * u_slot_bytes + n.to(tl.int64) * u_row_bytes, xp, K, QU, BN)
+            tl.store(out + p * N + n, g / (1.0 + tl.exp(-g)) * u, mask=nm)
+        else:  # a miss: no weight is read
+            tl.store(out + p * N + n, tl.zeros([BN], dtype=tl.float32), mask=nm)
 
     @triton.jit
     def _gemv_kernel(x, w, slots, out, N, K, slot_bytes, row_bytes, QT: tl.constexpr, BN: tl.constexpr):
@@ -123,11 +123,12 @@ if triton is not None:
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         nm = n < N
         n = tl.minimum(n, N - 1)
-        s = tl.load(slots + p)
-        valid = s >= 0
-        s = tl.maximum(s, 0).to(tl.int64)
-        y = _dot(w + s * slot_bytes + n.to(tl.int64) * row_bytes, x + p * K, K, QT, BN)
-        tl.store(out + p * N + n, tl.where(valid, y, 0.0), mask=nm)
+        s = tl.load(slots + p).to(tl.int64)
+        if s >= 0:
+            y = _dot(w + s * slot_bytes + n.to(tl.int64) * row_bytes, x + p * K, K, QT, BN)
+            tl.store(out + p * N + n, y, mask=nm)
+        else:
+            tl.store(out + p * N + n, tl.zeros([BN], dtype=tl.float32), mask=nm)
 
 
 def supports(gate, up, down) -> bool:
