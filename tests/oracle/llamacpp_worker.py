@@ -7,7 +7,7 @@ file's metadata and tensors disagree; the test then sees a failed child with lla
 a dead pytest.
 
 Job: {"model": PATH, "threads": 2, "ctx": 256, "force_token": ID, "requests": [REQ, ...]}, REQ one of
-  {"op": "greedy", "prompt": [ids], "n": N}        -> {"tokens": [N ids]}
+  {"op": "greedy", "prompt": [ids], "n": N}        -> {"tokens": [<= N ids, up to an end-of-generation]}
   {"op": "top", "prompts": [[ids], ...], "k": K}   -> {"top": [[[id, logprob] x K] per prompt]}
 
 Both go to the server's native `/completion` endpoint on loopback (the server xllamacpp starts in-process).
@@ -29,7 +29,11 @@ def _post(base: str, body: dict) -> dict:
     req = urllib.request.Request(base + "/completion", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as r:
-        return json.loads(r.read())
+        res = json.loads(r.read())
+    if res.get("tokens_evaluated") != len(body["prompt"]):  # e.g. a BOS put in front of the given ids
+        raise RuntimeError(f"llama.cpp evaluated {res.get('tokens_evaluated')} prompt tokens for "
+                           f"{len(body['prompt'])} ids")
+    return res
 
 
 def main() -> int:
