@@ -168,11 +168,18 @@ def test_fuzz_never_5xx(server):
 
 
 def test_strata_serve_command(tiny_gguf):
-    """`strata serve` binds loopback by default, narrates its start-up, and answers /health once ready."""
+    """`strata serve` binds loopback by default, narrates its start-up, and answers /health once ready; with no
+    model named it serves the default one."""
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "STRATA_API_KEY": ""}
-    p = subprocess.Popen([sys.executable, "-m", "strata", "serve", "-m", str(tiny_gguf), "--port", str(port),
-                          "-c", "256", "--threads", "1"], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        from strata.models.default import default_model_path
+
+        model = [] if str(default_model_path(warn=False)) == str(tiny_gguf) else ["-m", str(tiny_gguf)]
+    except ImportError:
+        model = ["-m", str(tiny_gguf)]
+    p = subprocess.Popen([sys.executable, "-m", "strata", "serve", *model, "--port", str(port), "-c", "256",
+                          "--threads", "1"], env=env, stderr=subprocess.PIPE, text=True)
     try:
         t0, status = time.time(), None
         while time.time() - t0 < 120:
