@@ -130,8 +130,9 @@ async def messages(request: Request):
     stops = [s for s in (body.stop_sequences or []) if s]
     if len(stops) > 16:
         raise bad_request("stop_sequences: at most 16")
-    job = srv.finish_job(Job(ids, max_tokens, sampling(body), stops, None, grammar, reasoning=True,
-                             in_reasoning=text.rstrip().endswith("<think>"), tools=use_tools))
+    job = await asyncio.to_thread(srv.finish_job, Job(ids, max_tokens, sampling(body), stops, None, grammar,
+                                                      reasoning=True, in_reasoning=text.rstrip().endswith("<think>"),
+                                                      tools=use_tools))
     mid = "msg_" + uuid.uuid4().hex[:24]
     if body.stream:
         return StreamingResponse(_stream(srv, job, mid), media_type="text/event-stream",

@@ -129,7 +129,7 @@ async def prepare_chat(srv, body: ChatRequest) -> Job:
         grammar = srv.json_grammar(schema, strict)
     job = Job(ids, max_tokens, sampling(body), stop_list(body.stop), body.logit_bias, grammar, reasoning=True,
               in_reasoning=text.rstrip().endswith("<think>"), tools=use_tools, cache_prompt=body.cache_prompt)
-    return srv.finish_job(job)
+    return await asyncio.to_thread(srv.finish_job, job)  # a grammar may take a moment to build
 
 
 def _call_json(c, index: int) -> dict:
@@ -229,7 +229,7 @@ async def prepare_completion(srv, body: CompletionRequest) -> tuple[Job, str]:
     max_tokens = srv.max_tokens(len(ids), body.max_tokens if body.max_tokens is not None else 16)
     job = Job(ids, max_tokens, sampling(body), stop_list(body.stop), body.logit_bias, None,
               cache_prompt=body.cache_prompt, kind="completion")
-    return srv.finish_job(job), text if body.echo else ""
+    return await asyncio.to_thread(srv.finish_job, job), text if body.echo else ""
 
 
 @router.post("/v1/completions")

@@ -250,7 +250,7 @@ class Server:
                 done = True
                 for e in pipeline(dec.flush(), True):
                     yield e
-                reason = ev[1]
+                reason = "stop" if stops.hit else ev[1]
                 if reason == "stop" and n_calls:
                     reason = "tool_calls"
                 yield ("done", self._result(req, reason, stops.hit))
