@@ -130,7 +130,7 @@ class SamplingFields(_M):
     top_p: Float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=0)
     min_p: Float | None = Field(default=None, ge=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)  # what torch.Generator takes
     presence_penalty: Float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: Float | None = Field(default=None, ge=-2, le=2)
     repetition_penalty: Float | None = Field(default=None, gt=0, le=10)
