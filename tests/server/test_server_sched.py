@@ -93,7 +93,7 @@ def test_disconnect_frees_the_slot_within_one_step(lm):
         assert got and got[0].usage.completion_tokens == 3
         recs = {r["finish_reason"]: r for r in _recent(s.url)}
         gone, nxt = recs["abort"], recs["length"]
-        assert gone["completion_tokens"] < 100
+        assert gone["completion_tokens"] < 400  # stopped long before its max_tokens
         assert nxt["id"] == gone["id"] + 1
         assert 0 <= nxt["admit_step"] - gone["cancel_step"] <= 1, (gone, nxt)
         assert _http.get(s.url + "/health").json()["slots_idle"] == 1
