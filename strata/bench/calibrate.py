@@ -1,0 +1,453 @@
+"""`strata calibrate -m MODEL`: measure this machine, then tune the tiered-expert knobs by short decode runs.
+
+1. Costs: one expert's CPU time by thread count (the CPU lane's kernel, weights from RAM) and its PCIe copy
+   time (`strata.experts.costs`).
+2. Search, one knob at a time in a fixed order (CPU threads, plan, PCIe share, cache policy, promote-min, swap
+   budget): each candidate runs against the current setting in interleaved A/B pairs of short greedy decodes
+   (a warm-up decode after every switch, so a cold cache is never timed), and replaces it only if the median
+   of the paired speed ratios beats it by more than 3%. Noise cannot ratchet the setting: a candidate must win
+   clearly, against the current one, measured in the same minutes.
+3. The kept setting is measured once more against where the search started (the gain printed is that
+   measurement) and saved per machine + model + budget in the user's cache directory, with the cost model
+   for its thread count where `--cpu-plan auto` reads it.
+
+`strata serve` (and every engine command) picks the saved setting up through `load_calibration()` /
+`apply_calibration()`: a flag the user set explicitly always wins.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+from strata import StrataError
+
+log = logging.getLogger("strata")
+
+FORMAT, VERSION = "strata-calibration", 1
+THRESHOLD = 0.03  # a candidate must be > 3% faster than the current setting
+KNOBS = ("threads", "plan", "pcie_share", "cache_policy", "promote_min", "swap_budget")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """The knobs calibrate tunes (the engine flags of the same names)."""
+
+    threads: int  # --cpu-threads (0 = physical cores)
+    cpu_plan: str  # --cpu-plan: auto, or one CPU share per miss count
+    cache_policy: str  # --cache-policy
+    promote_min: float  # --promote-min (lfu-decay only)
+    swap_budget: int  # --swap-budget
+
+    def flags(self) -> list[str]:
+        return ["--cpu-threads", str(self.threads), "--cpu-plan", self.cpu_plan, "--cache-policy", self.cache_policy,
+                "--promote-min", f"{self.promote_min:g}", "--swap-budget", str(self.swap_budget)]
+
+    def diff(self, other: "Setting") -> dict:
+        """{knob: (self's value, other's value)} where they differ."""
+        return {f.name: (getattr(self, f.name), getattr(other, f.name)) for f in dataclasses.fields(self)
+                if getattr(self, f.name) != getattr(other, f.name)}
+
+
+@dataclass
+class Trial:
+    knob: str
+    current: Setting
+    candidate: Setting
+    current_ms: list[float]  # ms per decoded token, in pair order
+    candidate_ms: list[float]
+    gain: float  # median over pairs of current_ms / candidate_ms, minus 1 (> 0: the candidate is faster)
+    kept: bool
+
+    def as_dict(self) -> dict:
+        return {"knob": self.knob, "current": dataclasses.asdict(self.current),
+                "candidate": dataclasses.asdict(self.candidate), "current_ms": self.current_ms,
+                "candidate_ms": self.candidate_ms, "gain": self.gain, "kept": self.kept}
+
+
+Measure = Callable[[Setting], float]  # ms per decoded token with this setting applied
+
+
+def ab(measure: Measure, a: Setting, b: Setting, repeats: int) -> tuple[list[float], list[float]]:
+    """Interleaved pairs: who goes first alternates (a b, b a, a b, ...), so drift (heat, other load) falls on
+    both sides. Returns (a's times, b's times), pair by pair."""
+    ta, tb = [], []
+    for i in range(repeats):
+        if i % 2 == 0:
+            ta.append(measure(a))
+            tb.append(measure(b))
+        else:
+            tb.append(measure(b))
+            ta.append(measure(a))
+    return ta, tb
+
+
+def paired_gain(current_ms: Sequence[float], candidate_ms: Sequence[float]) -> float:
+    """Median over pairs of current / candidate time, minus 1: +0.05 = the candidate is 5% faster."""
+    return statistics.median(c / d for c, d in zip(current_ms, candidate_ms)) - 1.0
+
+
+def try_candidate(measure: Measure, knob: str, current: Setting, candidate: Setting, repeats: int,
+                  threshold: float = THRESHOLD) -> Trial:
+    cur, cand = ab(measure, current, candidate, repeats)
+    gain = paired_gain(cur, cand)
+    return Trial(knob, current, candidate, cur, cand, gain, gain > threshold)
+
+
+def search(measure: Measure, start: Setting, space: Iterable[tuple[str, list[Setting | dict]]], repeats: int = 3,
+           threshold: float = THRESHOLD, say: Callable[[str], None] = print) -> tuple[Setting, list[Trial]]:
+    """Coordinate search: for each (knob, candidates), each candidate (a Setting, or a dict of fields to change
+    in the current one) against the current setting; kept only if it wins by more than `threshold`."""
+    current, trials = start, []
+    for knob, cands in space:
+        for c in cands:
+            cand = dataclasses.replace(current, **c) if isinstance(c, dict) else c
+            if cand == current:
+                continue
+            t = try_candidate(measure, knob, current, cand, repeats, threshold)
+            trials.append(t)
+            change = ", ".join(f"{k} {v[0]} -> {v[1]}" for k, v in current.diff(cand).items())
+            say(f"  {knob:<12} {change:<44} {statistics.median(t.current_ms):8.2f} -> "
+                f"{statistics.median(t.candidate_ms):8.2f} ms/token ({t.gain:+.1%}) {'KEPT' if t.kept else ''}")
+            if t.kept:
+                current = cand
+    return current, trials
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the candidate space
+
+
+def share_plan(k: int, pcie_share: float) -> str:
+    """A plan sending `pcie_share` of each token-layer's misses over PCIe (rounded half up), the rest to the CPU."""
+    from strata.experts.plan import CpuPlan
+
+    shares = [m - int(pcie_share * m + 0.5) for m in range(k + 1)]
+    return str(CpuPlan(shares))
+
+
+def thread_candidates(cpu_ms: dict[int, float], keep: int = 3) -> list[int]:
+    """The thread counts with the fastest per-expert CPU time (measured), fastest first."""
+    return [t for t, _ in sorted(cpu_ms.items(), key=lambda kv: (kv[1], -kv[0]))[:keep]]
+
+
+def thread_counts(physical: int) -> list[int]:
+    """1, 2, 4, ... up to the physical cores, and the physical count itself."""
+    out, t = [], 1
+    while t < physical:
+        out.append(t)
+        t *= 2
+    return out + [physical]
+
+
+def candidate_space(k: int, cpu_ms: dict[int, float], knobs: Sequence[str] = KNOBS,
+                    has_lane: bool = True) -> list[tuple[str, list[dict]]]:
+    space: list[tuple[str, list[dict]]] = []
+    if "threads" in knobs and has_lane:
+        space.append(("threads", [{"threads": t} for t in thread_candidates(cpu_ms)]))
+    if "plan" in knobs and has_lane:
+        space.append(("plan", [{"cpu_plan": p} for p in ("auto", share_plan(k, 0.0), share_plan(k, 1.0))]))
+    if "pcie_share" in knobs and has_lane:
+        space.append(("pcie_share", [{"cpu_plan": share_plan(k, s)} for s in (0.25, 0.5, 0.75)]))
+    if "cache_policy" in knobs:
+        space.append(("cache_policy", [{"cache_policy": p} for p in ("lfu-decay", "lru")]))
+    if "promote_min" in knobs:
+        space.append(("promote_min", [{"promote_min": v, "cache_policy": "lfu-decay"} for v in (0.0, 0.5, 1.0, 2.0)]))
+    if "swap_budget" in knobs:
+        space.append(("swap_budget", [{"swap_budget": v} for v in (1, 2, 4, 8, 16)]))
+    return space
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# where results live, and how the engine reads them
+
+
+def calibration_dir() -> Path:
+    from strata.experts.costs import cache_dir
+
+    return cache_dir() / "calibration"
+
+
+def model_key(model_path: str | os.PathLike) -> str:
+    """The model file by name and size (a re-download of the same file keeps its calibration)."""
+    p = Path(model_path)
+    try:
+        size = p.stat().st_size
+    except OSError:
+        size = -1
+    return f"{p.name}:{size}"
+
+
+def budget_key(device: str, vram_gb: float | None, slots: int | None) -> str:
+    """What decides the cache's size (and so which knobs win): the device and the VRAM budget or slot count."""
+    return f"device={device} vram_gb={vram_gb} slots={slots}"
+
+
+def calibration_path(model_path: str | os.PathLike, cfg) -> Path:
+    """Where the calibration of `model_path` with engine config `cfg` on this machine lives."""
+    import torch
+
+    from strata.experts.costs import machine_id
+
+    key = "\n".join([machine_id(torch.device(cfg.device)), model_key(model_path),
+                     budget_key(cfg.device, cfg.experts.vram_gb, cfg.experts.slots)])
+    return calibration_dir() / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
+
+
+def load_calibration(model_path: str | os.PathLike, cfg) -> dict | None:
+    """The saved calibration for this machine, model and budget, or None (a damaged file is ignored)."""
+    path = calibration_path(model_path, cfg)
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if data.get("format") != FORMAT or data.get("version") != VERSION:
+            return None
+        Setting(**data["setting"])
+        return data
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        log.warning("strata: ignoring calibration %s: %s", path, e)
+        return None
+
+
+def apply_calibration(cfg, calib: dict, explicit: set[str] = frozenset()) -> dict:
+    """Set cfg.experts' knobs from a calibration, except those named in `explicit` (ExpertConfig field names
+    the user set) or already moved from their defaults. Returns {field: (old, new)} of what changed."""
+    from strata.config import ExpertConfig
+
+    s = Setting(**calib["setting"])
+    defaults = ExpertConfig()
+    ex = cfg.experts
+    changed = {}
+    for field, value in (("cpu_threads", s.threads), ("cpu_plan", s.cpu_plan), ("cache_policy", s.cache_policy),
+                         ("promote_min", s.promote_min), ("swap_budget", s.swap_budget)):
+        if field in explicit or getattr(ex, field) != getattr(defaults, field):
+            continue
+        if getattr(ex, field) != value:
+            changed[field] = (getattr(ex, field), value)
+            setattr(ex, field, value)
+    ex.validate()
+    return changed
+
+
+def save_calibration(path: Path, data: dict) -> None:
+    from strata.experts.profile import atomic_write_text
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps({"format": FORMAT, "version": VERSION, **data}, indent=1, default=str))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# driving the engine
+
+
+def setting_of(ex) -> Setting:
+    """The Setting an ExpertConfig describes (0 threads = the physical cores, written out)."""
+    return Setting(ex.cpu_threads or physical_cores(), ex.cpu_plan, ex.cache_policy, float(ex.promote_min),
+                   int(ex.swap_budget))
+
+
+def physical_cores() -> int:
+    import psutil
+
+    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+
+
+class EngineBench:
+    """Short greedy decodes on a loaded model whose tiered-experts knobs can be switched in place."""
+
+    def __init__(self, lm, prompt: list[int], decode_tokens: int):
+        from strata.engine.engine import Engine
+
+        self.lm = lm
+        self.engine = Engine(lm, n_slots=1)
+        self.backend = lm.model.experts
+        if not hasattr(self.backend, "policy") or not hasattr(self.backend, "lane"):
+            raise StrataError("calibrate tunes tiered experts: pass --vram-gb (the VRAM budget) or --expert-slots")
+        self.prompt, self.n = prompt, decode_tokens
+        self.runs = 0
+        self.decode()  # sets the backend up (cache, policy, plan) before anything is switched
+        self.applied: Setting = setting_of(self.backend.ex)
+
+    @property
+    def k(self) -> int:
+        return self.backend.k
+
+    def decode(self) -> float:
+        """ms per token of one greedy decode of `n` tokens after the prompt (the prefill is not timed)."""
+        from strata.engine.engine import Sequence
+        from strata.engine.sampler import SamplingParams
+
+        seq = Sequence(list(self.prompt), SamplingParams(temperature=0.0), self.n, set())
+        self.engine.add(seq, reuse_prefix=False)
+        try:
+            while not seq.finished:
+                self.engine.step()
+        finally:
+            self.engine.release(seq, "abort")
+        self.runs += 1
+        steps = len(seq.output) - 1
+        if steps < 1:
+            raise StrataError("calibrate: a decode produced fewer than 2 tokens")
+        return seq.predicted_ms / steps
+
+    def apply(self, s: Setting) -> None:
+        if s == self.applied:
+            return
+        import torch
+
+        b = self.backend
+        with torch.inference_mode():  # the device map was made in inference mode: update it in kind
+            if hasattr(b, "reconfigure"):  # the backend's own switch, where it has one
+                b.reconfigure(threads=s.threads, cpu_plan=s.cpu_plan, cache_policy=s.cache_policy,
+                              promote_min=s.promote_min, swap_budget=s.swap_budget)
+            else:
+                _reconfigure(b, s, self.applied)
+        self.applied = s
+
+    def measure(self, s: Setting) -> float:
+        self.apply(s)
+        self.decode()  # warm-up: caches and threads settle after a switch
+        return self.decode()
+
+
+def _reconfigure(b, s: Setting, old: Setting) -> None:
+    """Switch a TieredExperts backend's knobs in place (threads, plan, policy); a new policy starts empty."""
+    import torch
+
+    from strata.experts.plan import CpuPlan
+    from strata.experts.policy import make_policy
+
+    ex = b.ex
+    if b.lane is not None:
+        torch.set_num_threads(s.threads or physical_cores())
+        b.lane.threads = torch.get_num_threads()
+    ex.cpu_threads = s.threads
+    ex.cpu_plan = s.cpu_plan
+    if s.cpu_plan.strip() == "auto":
+        from strata.experts.costs import cost_model_for
+
+        b.costs = cost_model_for(b)  # the costs of the current thread count (cached per machine)
+        b.plan = b.costs.cpu_plan(b.k)
+    else:
+        b.plan = CpuPlan.parse(s.cpu_plan, b.k)
+    if b.lane is None and any(b.plan.shares):
+        raise StrataError("the CPU lane is off (the model was loaded with an all-PCIe plan)")
+    policy_old = (old.cache_policy, old.promote_min, old.swap_budget)
+    policy_new = (s.cache_policy, s.promote_min, s.swap_budget)
+    if policy_old != policy_new:
+        if b.cuda:
+            torch.cuda.synchronize(b.device)  # no copy may still be landing in a slot the new policy reassigns
+        ex.cache_policy, ex.promote_min, ex.swap_budget = s.cache_policy, s.promote_min, s.swap_budget
+        L, E = len(b.layer_ids), b.n_experts
+        kw = {"swap_budget": s.swap_budget}
+        if s.cache_policy == "lfu-decay":
+            kw["promote_min"] = s.promote_min
+        b.policy = make_policy(s.cache_policy, L, E, b.cache.slots, **kw)
+        b._pending = [{} for _ in b.layer_ids]
+        for li in range(L):
+            b.cache.upload_map(li, b.policy.expert_map()[li])
+
+
+def measure_costs(backend, threads_list: list[int], say=print) -> dict:
+    """Per-expert CPU ms by thread count, and PCIe copy ms, on this machine."""
+    import torch
+
+    from strata.experts.costs import measure_cpu_expert_ms, measure_pcie_expert_ms
+
+    layer = backend.layer_ids[0]
+    ew = backend.store[layer]
+    cpu: dict[int, float] = {}
+    before = torch.get_num_threads()
+    if backend.lane is not None:
+        for t in threads_list:
+            cpu[t] = measure_cpu_expert_ms(ew, t, dtype=backend.dtype, lane=backend.lane, layer=layer)
+            nbytes = ew.expert_nbytes()
+            say(f"  CPU   {t:3d} threads: {cpu[t]:8.4f} ms/expert ({nbytes / (cpu[t] * 1e-3) / 1e9:6.1f} GB/s of "
+                "stored weights)")
+    torch.set_num_threads(before)
+    if backend.lane is not None:
+        backend.lane.threads = before
+    pcie = measure_pcie_expert_ms(ew, backend.device)
+    say(f"  PCIe  one expert ({ew.expert_nbytes() / 2**20:.2f} MiB): {pcie:8.4f} ms "
+        f"({ew.expert_nbytes() / (pcie * 1e-3) / 1e9:6.1f} GB/s){'' if backend.cuda else ' (no GPU: a host copy)'}")
+    return {"cpu_ms_per_expert": cpu, "pcie_ms_per_expert": pcie, "expert_bytes": ew.expert_nbytes(),
+            "kernel": backend.lane.kernel[layer] if backend.lane is not None else None}
+
+
+def save_cost_model(backend) -> Path | None:
+    """Measure the cost model at the backend's current thread count and store it where `--cpu-plan auto` looks
+    (the path scheme of strata.experts.costs.cost_model_for)."""
+    import dataclasses as dc
+
+    from strata.experts.costs import cache_dir, machine_id, measure_cost_model, model_id
+
+    if backend.lane is None:
+        return None
+    layer = backend.layer_ids[0]
+    ew = backend.store[layer]
+    machine = machine_id(backend.device)
+    model = model_id(ew, backend.dtype, backend.lane.threads, backend.lane.kernel[layer])
+    path = cache_dir() / "costs" / (hashlib.sha256(f"{machine}\n{model}".encode()).hexdigest()[:24] + ".json")
+    cm = measure_cost_model(ew, backend.device, backend.dtype, backend.lane.threads, lane=backend.lane, layer=layer)
+    dc.replace(cm, machine=machine, model=model).save(path)
+    return path
+
+
+def calibrate(lm, model_path: str, *, knobs: Sequence[str] = KNOBS, repeats: int = 3, decode_tokens: int = 32,
+              prompt_tokens: int = 64, threshold: float = THRESHOLD, save: bool = True, say=print) -> dict:
+    """The whole procedure on a loaded model (see the module docstring); returns what is saved."""
+    from strata.bench.prompts import filler_words, join_words
+
+    tok = lm.tokenizer
+    if tok is not None:
+        prompt = tok.encode(join_words(filler_words(prompt_tokens * 2)))[:prompt_tokens]
+    else:
+        prompt = [(7 * i + 3) % max(lm.args.vocab_size - 1, 2) + 1 for i in range(prompt_tokens)]
+    t0 = time.perf_counter()
+    bench = EngineBench(lm, prompt, decode_tokens)
+    b = bench.backend
+    start = setting_of(b.ex)  # what the flags asked for: the search starts there
+    say(f"strata calibrate: {Path(model_path).name} on {b.device}, {len(b.layer_ids)} MoE layers x {b.n_experts} "
+        f"experts (top-{bench.k}), {b.cache.slots} cache slots per layer")
+    say("costs:")
+    threads_list = thread_counts(physical_cores())
+    costs = measure_costs(b, threads_list, say)
+    space = candidate_space(bench.k, costs["cpu_ms_per_expert"], knobs, has_lane=b.lane is not None)
+    say(f"search ({repeats} interleaved pairs per candidate, {decode_tokens}-token decodes, keep if > "
+        f"{threshold:.0%} faster):")
+    best, trials = search(bench.measure, start, space, repeats, threshold, say)
+    final_start, final_best = ab(bench.measure, start, best, repeats) if best != start else ([], [])
+    gain = paired_gain(final_start, final_best) if final_start else 0.0
+    bench.apply(best)
+    cost_path = save_cost_model(b) if save else None
+    result = {"model": model_key(model_path), "model_path": str(model_path),
+              "setting": dataclasses.asdict(best), "start": dataclasses.asdict(start),
+              "changed": {k: list(v) for k, v in start.diff(best).items()},
+              "gain": gain, "start_ms": final_start, "best_ms": final_best, "costs": costs,
+              "trials": [t.as_dict() for t in trials], "repeats": repeats, "decode_tokens": decode_tokens,
+              "threshold": threshold, "seconds": time.perf_counter() - t0, "decode_runs": bench.runs,
+              "cost_model_path": str(cost_path) if cost_path else None, "flags": best.flags()}
+    if save:
+        path = calibration_path(model_path, lm.cfg)
+        save_calibration(path, result)
+        result["path"] = str(path)
+    if result["changed"]:
+        say("changed: " + ", ".join(f"{k} {v[0]} -> {v[1]}" for k, v in result["changed"].items())
+            + f"; measured gain {gain:+.1%} ({statistics.median(final_start):.2f} -> "
+              f"{statistics.median(final_best):.2f} ms/token)")
+    else:
+        say("no setting beat the current one by more than "
+            f"{threshold:.0%}: nothing changed")
+    say(f"flags: {' '.join(best.flags())}")
+    if save:
+        say(f"saved {result['path']}")
+    return result

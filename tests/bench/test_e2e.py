@@ -1,0 +1,141 @@
+"""The bench end to end on the tiny model: a real strata server on loopback, llama.cpp's server (xllamacpp) as the
+peer, the CLI writing JSON, Markdown and PNG plots."""
+
+import importlib.util
+import json
+import math
+
+import pytest
+
+from strata import StrataError
+from strata.bench.client import BenchClient, strata_server
+from strata.bench.prompts import PromptBuilder
+from strata.bench.sweep import check_uncached
+from strata.cli import main
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("strata.server.app") is None,
+                                reason="the server (strata.server.app) is not in this tree yet")
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def tiny(hf_and_gguf):
+    return str(hf_and_gguf("qwen3moe")[1])
+
+
+@pytest.fixture(scope="module")
+def server(tiny, tmp_path_factory):
+    log = tmp_path_factory.mktemp("bench-server") / "serve.log"
+    with strata_server(tiny, ["--expert-slots", "4", "-c", "512"], log, parallel=2) as proc:
+        yield proc.url
+
+
+def test_counter_agrees_with_the_engine(server):
+    """The token count the prompts are built with is the count the engine prefills, and the engine's timings
+    arrive through the stream."""
+    c = BenchClient(server)
+    try:
+        p = PromptBuilder(c.count_tokens, tag="t").build(150)
+        assert c._counter == "strata"  # the count route, not a generation
+        rep = c.chat([{"role": "user", "content": p.text}], 4, ignore_eos=True)
+        assert rep.error is None and rep.prompt_tokens == p.tokens == 150
+        assert rep.timings["prompt_n"] == 150 and rep.cached_tokens == 0
+        assert rep.completion_tokens == rep.timings["predicted_n"] >= 2
+        assert rep.decode_tok_s > 0 and rep.prefill_tok_s > 0
+        assert 0 < rep.ttft_s <= rep.wall_s
+    finally:
+        c.close()
+
+
+def test_a_cached_prompt_is_caught(server):
+    """The same prompt twice with the server's prompt cache on: the engine reuses it and the sweep's check
+    refuses the numbers; with unique first lines and cache_prompt false nothing is reused."""
+    c = BenchClient(server)
+    try:
+        b = PromptBuilder(c.count_tokens, tag="t")
+        text = b.build(120).text
+        c.chat([{"role": "user", "content": text}], 2, cache_prompt=True)
+        again = c.chat([{"role": "user", "content": text}], 2, cache_prompt=True)
+        assert again.cached_tokens > 0
+        with pytest.raises(StrataError, match="cached prompt tokens"):
+            check_uncached(again, "test")
+        fresh = c.chat([{"role": "user", "content": b.build(120).text}], 2, cache_prompt=False)
+        check_uncached(fresh, "test")
+    finally:
+        c.close()
+
+
+def test_bench_all_suites_with_llamacpp_peer(server, tmp_path):
+    rc = main(["bench", "all", "--url", server, "--name", "e2e", "--out", str(tmp_path), "--lengths", "64,200",
+               "--runs", "2", "--gen", "4", "--workers", "1,2", "--conc-prompt", "64", "--conc-gen", "4",
+               "--conc-requests", "1", "--needle-lengths", "256", "--depths", "50", "--sanity-tokens", "4",
+               "--vs", "llamacpp", "--peer-threads", "1"])
+    assert rc == 0
+    (out,) = tmp_path.iterdir()
+    for name in ("results.json", "results.md", "sweep.png", "concurrency.png", "needle.png"):
+        assert (out / name).stat().st_size > 100, name
+    for name in ("sweep.png", "concurrency.png", "needle.png"):
+        assert (out / name).read_bytes()[:8] == PNG
+    res = json.loads((out / "results.json").read_text())
+    assert res["format"] == "strata-bench" and res["machine"]["check"]["cpu"]["cores_logical"] >= 1
+    assert res["model"]["footprint"]["n_expert"] == 8
+    sweep = res["suites"]["sweep"]
+    assert [r["length"] for r in sweep["rows"]] == [64, 200]
+    for row in sweep["rows"]:
+        assert len(row["runs"]) == 2 and len(row["warmup"]) == 1
+        for r in row["runs"]:
+            assert r["cache_n"] == 0  # nothing reused
+            assert r["prompt_tokens"] == row["length"]  # sizes exact
+            assert r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0 and r["ttft_s"] > 0
+        assert row["prefill_tok_s"]["min"] <= row["prefill_tok_s"]["median"] <= row["prefill_tok_s"]["max"]
+        assert row["experts"]  # the server's expert statistics were read
+    conc = res["suites"]["concurrency"]
+    assert [lv["workers"] for lv in conc["levels"]] == [1, 2] and all(lv["errors"] == 0 for lv in conc["levels"])
+    assert conc["levels"][1]["requests"] == 2 and conc["levels"][1]["aggregate_tok_s"] > 0
+    needle = res["suites"]["needle"]
+    assert len(needle["cells"]) == 1 and "trained model" in needle["note"]
+    sanity = res["suites"]["sanity"]
+    assert sanity["total"] == 12 and {c["kind"] for c in sanity["cases"]} == {"instruction", "retrieval", "tool"}
+    peer = res["peers"]["llamacpp"]
+    assert "error" not in peer, peer.get("error")
+    assert [r["length"] for r in peer["suites"]["sweep"]["rows"]] == [64, 200]
+    assert all(r["cache_n"] == 0 for row in peer["suites"]["sweep"]["rows"] for r in row["runs"])
+    ratios = res["ratios"]["llamacpp"]
+    assert [x["length"] for x in ratios["sweep"]] == [64, 200]
+    for x in ratios["sweep"]:
+        assert math.isfinite(x["prefill"]) and math.isfinite(x["decode"]) and x["decode"] > 0
+    md = (out / "results.md").read_text()
+    for heading in ("## Prefill / decode sweep", "## Concurrency", "## Needle in a haystack", "## Sanity",
+                    "### llamacpp", "strata / llamacpp"):
+        assert heading in md
+
+    # the sanity set against this run as baseline: the same greedy answers, nothing regressed
+    rc = main(["bench", "sanity", "--url", server, "--name", "again", "--out", str(tmp_path), "--sanity-tokens", "4",
+               "--baseline", str(out / "results.json")])
+    assert rc == 0
+    again = json.loads(next(p for p in tmp_path.iterdir() if p.name.endswith("again")).joinpath("results.json")
+                       .read_text())
+    cmp = again["suites"]["sanity"]["compare"]
+    assert cmp["regressed"] == [] and cmp["changed"] == []
+
+
+def test_bench_starts_its_own_server(tiny, tmp_path):
+    rc = main(["bench", "sweep", "-m", tiny, "--expert-slots", "4", "--name", "own", "--out", str(tmp_path),
+               "--lengths", "100", "--runs", "1", "--gen", "3"])
+    assert rc == 0
+    res = json.loads(next(tmp_path.iterdir()).joinpath("results.json").read_text())
+    (phase,) = res["server"]["phases"]
+    assert phase["suites"] == ["sweep"] and phase["parallel"] == 1
+    argv = phase["argv"]
+    assert argv[argv.index("--expert-slots") + 1] == "4" and argv[argv.index("-c") + 1] == str(phase["ctx"])
+    assert res["server"]["flags"] == ["--expert-slots", "4"]
+    assert res["suites"]["sweep"]["rows"][0]["prompt_tokens"] == [100]
+
+
+def test_bench_refuses_a_server_that_is_not_there(tmp_path):
+    with pytest.raises(StrataError, match="not ready"):
+        from strata.cli import build_parser
+
+        args = build_parser().parse_args(["bench", "--url", "http://127.0.0.1:9", "--out", str(tmp_path)])
+        args.func(args)
