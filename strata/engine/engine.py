@@ -65,6 +65,9 @@ class Engine:
         self.max_ctx = lm.max_ctx
         self.device = self.model.device  # before _default_chunk, which reads it
         self.kv = self.model.new_kv_cache(self.n_slots, self.max_ctx, lm.cfg.torch_kv_dtype)
+        setup = getattr(self.model.experts, "setup", None)
+        if callable(setup):  # size the expert cache from what is left after the KV cache, before chunk sizing
+            setup(lm.args.n_experts_used)
         self.prefill_chunk = prefill_chunk or lm.cfg.prefill_chunk or self._default_chunk()
         self.free_slots = list(range(self.n_slots))
         self.running: list[Sequence] = []

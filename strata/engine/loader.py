@@ -51,6 +51,10 @@ def load_model(path: str, cfg: EngineConfig | None = None, with_tokenizer: bool 
     max_ctx = cfg.ctx_size or min(args.ctx_len, 8192)
     if cfg.ctx_size and cfg.ctx_size > args.ctx_len:
         log.warning("context %d exceeds the model's trained context %d", cfg.ctx_size, args.ctx_len)
+    if cfg.torch_device.type == "cuda":
+        from strata.ops import qgemv
+
+        qgemv.install()
     model = fam.build(g, cfg, make_experts_factory(cfg), max_ctx, args=args)
     lm = LoadedModel(model, g, args, cfg, max_ctx)
     if with_tokenizer and "tokenizer.ggml.model" in g.metadata:

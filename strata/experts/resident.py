@@ -21,6 +21,9 @@ def combine(y: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tenso
     return (y.float() * w.unsqueeze(-1).float()).sum(1).to(dtype)
 
 
+DECODE_PAIRS = 64  # up to this many (token, expert) pairs the grouped kernel beats per-expert GEMMs
+
+
 class ExpertWeights:
     """One MoE layer's stacked expert tensors, each `[E, out, in]` in its stored format."""
 
@@ -45,6 +48,13 @@ class ResidentExperts:
     def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         ew = self.layers[layer]
         n, k = ids.shape
+        if x.is_cuda and n * k <= DECODE_PAIRS:
+            # Decode: every (token, choice) pair through the grouped kernel over the whole expert stack (the
+            # "slot pool" is all experts): a constant number of launches and no host sync.
+            from strata.ops.expert_gather import gather_expert_ffn
+
+            y = gather_expert_ffn(x.repeat_interleave(k, 0), ew.gate, ew.up, ew.down, ids.reshape(-1))
+            return combine(y.view(n, k, -1), w, x.dtype)
         y = torch.zeros(n, k, x.shape[-1], dtype=torch.float32, device=x.device)
         flat = ids.reshape(-1)
         # Tokens grouped by expert: one matmul chain per used expert.

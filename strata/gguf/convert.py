@@ -102,7 +102,8 @@ def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, out_type: str = "
     w.add_context_length(int(cfg.get("max_position_embeddings", 4096)))
     w.add_embedding_length(d_model)
     w.add_head_count(n_head)
-    w.add_head_count_kv(n_kv)
+    # MLA runs as MQA over the latent cache: llama.cpp's layout (and its graph) needs head_count_kv = 1
+    w.add_head_count_kv(1 if arch == "deepseek2" else n_kv)
     w.add_rope_freq_base(_rope_theta(cfg))
     w.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
     w.add_vocab_size(int(cfg["vocab_size"]))

@@ -61,12 +61,12 @@ class GQAttention:
         for seg in segments:
             kv.write(self.layer, seg, k[i : i + seg.n], v[i : i + seg.n])
             ks, vs = kv.read(self.layer, seg)  # [L, Hkv, D]
-            qs = q[i : i + seg.n].transpose(0, 1)  # [H, n, D]
-            rep = self.n_heads // self.n_kv
-            ks = ks.to(x.dtype).transpose(0, 1).repeat_interleave(rep, 0)  # [H, L, D]
-            vs = vs.to(x.dtype).transpose(0, 1).repeat_interleave(rep, 0)
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=_causal_mask(seg, x.device), scale=self.scale)
-            out[i : i + seg.n] = o.transpose(0, 1)
+            qs = q[i : i + seg.n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+            ks = ks.to(x.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]: GQA inside SDPA, no repeat
+            vs = vs.to(x.dtype).transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=_causal_mask(seg, x.device), scale=self.scale,
+                                               enable_gqa=self.n_heads != self.n_kv)
+            out[i : i + seg.n] = o[0].transpose(0, 1)
             i += seg.n
         return qmatmul(out.reshape(n, self.n_heads * self.vd), self.wo)
 
@@ -133,13 +133,13 @@ class MLAttention:
         for seg in segments:
             kv.write(self.layer, seg, latent[i : i + seg.n], None)
             ks, _ = kv.read(self.layer, seg)  # [L, 1, lora + rope]
-            ks = ks.to(x.dtype).transpose(0, 1)  # [1, L, lora + rope]
-            qs = q_full[i : i + seg.n].transpose(0, 1)  # [H, n, lora + rope]
+            ks = ks.to(x.dtype).transpose(0, 1).unsqueeze(0)  # [1, 1, L, lora + rope]: one latent "head"
+            qs = q_full[i : i + seg.n].transpose(0, 1).unsqueeze(0)  # [1, H, n, lora + rope]
             o = F.scaled_dot_product_attention(
-                qs, ks.expand(self.h, -1, -1), ks[..., : self.lora].expand(self.h, -1, -1),
-                attn_mask=_causal_mask(seg, x.device), scale=self.scale,
+                qs, ks, ks[..., : self.lora], attn_mask=_causal_mask(seg, x.device), scale=self.scale,
+                enable_gqa=True,
             )
-            out[i : i + seg.n] = o.transpose(0, 1)
+            out[i : i + seg.n] = o[0].transpose(0, 1)
             i += seg.n
         o = torch.einsum("nhc,hvc->nhv", out, vb)  # [n, H, v]
         return qmatmul(o.reshape(n, self.h * self.vd), self.wo)

@@ -198,7 +198,8 @@ def dequantize_flat(raw: torch.Tensor, qtype, dtype: torch.dtype = torch.float32
         return out
     fn = BLOCK_DEQUANT[qt]
     blocks = flat.view(-1, size)                                      # [n_blocks, type_size]
-    step = max(1, CHUNK_ELEMENTS // block)
+    # bigger chunks on the GPU: each chunk is ~20 launches, and launches, not bytes, bound small decode steps
+    step = max(1, CHUNK_ELEMENTS * (8 if flat.is_cuda else 1) // block)
     for i in range(0, blocks.shape[0], step):                         # chunks of many blocks, not per block
         out[i * block:(i + step) * block].copy_(fn(blocks[i:i + step]).reshape(-1))
     return out

@@ -1,0 +1,99 @@
+"""In-process decode/prefill measurement for one model and one engine setting (the numbers in docs/BENCHMARKS.md).
+
+    python tools/bench_decode.py -m MODEL.gguf [engine flags...] --prompt-tokens 1024 --gen 256 --runs 3
+
+Greedy; 1 warm-up request then `--runs` measured ones, each with a fresh prompt (unique first tokens, no prefix
+reuse). Prints one JSON line per setting: median/min/max decode tok/s (engine clock), prefill tok/s, expert
+statistics of the measured runs, and the --profile breakdown when asked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, ".")
+
+from strata.engine.cli import add_engine_args, engine_config  # noqa: E402
+from strata.engine.engine import Engine, Sequence  # noqa: E402
+from strata.engine.loader import load_model  # noqa: E402
+from strata.engine.sampler import SamplingParams  # noqa: E402
+
+
+def sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def make_prompt(tok, n: int, salt: int) -> list[int]:
+    text = (f"Request {salt}: " + open(__file__).read() * 20)
+    ids = tok.encode(text, add_special=False) if tok else list(range(1, n + 1))
+    return ids[:n]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    add_engine_args(ap)
+    ap.add_argument("--prompt-tokens", type=int, default=1024)
+    ap.add_argument("--gen", type=int, default=256)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--prefill-only", type=int, default=0, help="also time a prefill of this many tokens")
+    ap.add_argument("--label", default="")
+    a = ap.parse_args()
+    cfg = engine_config(a)
+    t0 = time.perf_counter()
+    lm = load_model(a.model, cfg)
+    load_s = time.perf_counter() - t0
+    eng = Engine(lm, n_slots=1)
+    dev = lm.model.device
+    experts = lm.model.experts
+    res = {"label": a.label, "load_s": round(load_s, 1), "device": str(dev)}
+    decode, prefill = [], []
+    stats_before = None
+    for r in range(a.runs + 1):
+        ids = make_prompt(lm.tokenizer, a.prompt_tokens, salt=r * 7919 + 13)
+        seq = Sequence(ids, SamplingParams(temperature=0), a.gen, set())
+        eng.add(seq, reuse_prefix=False)
+        if r == 1 and hasattr(experts, "stats"):
+            stats_before = experts.stats.snapshot()
+            if getattr(experts, "profile", None) is not None:
+                experts.profile.reset()
+        while not seq.finished:
+            eng.step()
+        sync(dev)
+        if r == 0:
+            continue
+        prefill.append(seq.prompt_n / (seq.prompt_ms / 1e3))
+        decode.append((len(seq.output) - 1) / (seq.predicted_ms / 1e3))
+    res["decode_tok_s"] = {"median": round(statistics.median(decode), 2), "min": round(min(decode), 2),
+                           "max": round(max(decode), 2)}
+    res["prefill_tok_s"] = {"median": round(statistics.median(prefill), 1)}
+    if stats_before is not None:
+        d = experts.stats - stats_before
+        res["experts"] = d.as_dict()
+    if a.prefill_only:
+        ids = make_prompt(lm.tokenizer, a.prefill_only, salt=99991)
+        if len(ids) >= a.prefill_only:
+            seq = Sequence(ids, SamplingParams(temperature=0), 1, set())
+            eng.add(seq, reuse_prefix=False)
+            while not seq.finished:
+                eng.step()
+            sync(dev)
+            res["prefill_long"] = {"tokens": len(ids), "tok_s": round(seq.prompt_n / (seq.prompt_ms / 1e3), 1)}
+    if dev.type == "cuda":
+        res["max_vram_gib"] = round(torch.cuda.max_memory_allocated(dev) / 2**30, 2)
+    print(json.dumps(res), flush=True)
+    rep = getattr(experts, "profile_report", None)
+    if a.profile and callable(rep):
+        ms = 1e3 / res["decode_tok_s"]["median"]
+        print(rep(ms), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
