@@ -1,15 +1,17 @@
 """`strata synth PRESET OUT.gguf`: architecture-faithful GGUF files with pseudo-random weights, for benchmarks.
 
 Shapes, metadata and tensor names are those of the real model (the way llama.cpp's converter writes them); the
-vocabulary is the real one (Qwen3's 151,936 tokens, Llama 2's SentencePiece for Mixtral, DeepSeek's BPE padded
+vocabulary is the real one (Qwen3's 151,936 tokens, Llama 2's SentencePiece for Mixtral, DeepSeek LLM's BPE padded
 to V3's size) with the family's chat template, so prompts tokenize as they would on the real model.
 
 The weights are random but shaped so that routing behaves like a trained model's, not uniformly: the token
-embeddings are large (std 1) and every residual branch writes back small (attention output and FFN down
-projections at 0.1x), so the hidden state stays dominated by the token's identity through the whole depth. The
-router of each layer then sends a given token to the same experts every time it occurs (reuse from token to
-token), different tokens to different experts (no collapse), and per-expert router gains drawn from a
-log-normal make some experts popular (a skewed, Zipf-like popularity), as in real MoE models.
+embeddings are large (std 1, 50x the usual 0.02) and every residual branch writes back small (attention output
+and FFN down projections at 0.1x), so the hidden state stays dominated by the token's identity through the whole
+depth. Each layer's router then sends a token to the same experts whenever it occurs (reuse from token to token,
+Zipf-like popularity from the text's own word frequencies) and different tokens to different experts (no
+collapse into a few shared experts late in the sequence). All embeddings also share one direction, which each
+router sees as a fixed per-expert bias: some experts are popular everywhere, as in real MoE models.
+`strata synth` measures this on a sample text with strata's own forward (`routing_report`).
 """
 
 from __future__ import annotations
@@ -469,14 +471,14 @@ def format_report(s: dict) -> str:
     pct = " | ".join(f"top {f:.0%} {v:5.1%}" for f, v in zip(FRACTIONS, s["share"]))
     lines = [f"routing over {s['n_tokens']} tokens of {s.get('text', 'text')}, {s['n_layers']} MoE layers, "
              f"{E} experts, top-{k}:",
-             f"  share of picks taken by the most popular experts (mean over layers; uniform would be the %):",
+             "  share of picks taken by the most popular experts (mean over layers; uniform routing: the same %):",
              f"    {pct}",
-             "  cumulative share of picks (# = actual, . = uniform):"]
+             "  cumulative share of picks by the most popular experts (+ = uniform routing):"]
     for i, v in enumerate(s["curve"]):
-        bar = "#" * round(v * 40)
-        uni = round((i + 1) / 10 * 40)
-        lines.append(f"    top {(i + 1) * 10:3d}% |{bar}{'.' * max(0, uni - len(bar))}{' ' * (40 - max(uni, len(bar)))}| "
-                     f"{v:5.1%}")
+        cells = ["#" if j < round(v * 40) else " " for j in range(40)]
+        uni = round((i + 1) / 10 * 40) - 1
+        cells[uni] = "+"
+        lines.append(f"    top {(i + 1) * 10:3d}% [{''.join(cells)}] {v:5.1%}")
     for layer, d in s["layers"].items():
         lines.append(f"  layer {layer:3d}, {d['tokens']}-token batch: {d['distinct']}/{E} experts used, top-{k} sets "
                      f"differ for {d['pairs_differ']:.1%} of token pairs, {d['reuse_prev']:.1%} of picks reused "

@@ -145,7 +145,8 @@ def _add_offset(chunk: np.ndarray, spec: TensorSpec, first: int) -> None:
     row = spec.shape[-1]
     if spec.qtype == Q.Q8_0:
         # Q8_0 is d * q: halve the random q (now -64..63) and add the offset in units of d (clipped to +-64),
-        # so the sum still fits in int8. The pool's d was made for twice the std, so the std is as asked.
+        # so the sum still fits in int8 (offsets past +-64 d, about 1.7 std, are clipped). The pool's d was made
+        # for twice the std, so the std is as asked.
         blocks = chunk.reshape(-1, 34)
         d = float(blocks[:1, :2].copy().view(np.float16)[0, 0])
         q = blocks[:, 2:].view(np.int8)  # [n, 32]
@@ -253,6 +254,8 @@ def _write_data(f, bar, specs: list[TensorSpec], seed: int, align: int) -> None:
     wr.start()
     try:
         for s in specs:
+            if wr.error is not None:
+                break  # the disk refused (full, gone): stop making data, report below
             if s.make is not None:
                 arr = np.ascontiguousarray(s.make())
                 if arr.nbytes != s.nbytes:
@@ -270,10 +273,8 @@ def _write_data(f, bar, specs: list[TensorSpec], seed: int, align: int) -> None:
                 step = min(CHUNK_BYTES, gen.max_fill) // gen.group * gen.group
                 block, bsize = block_geometry(s.qtype)
                 done = 0
-                while done < s.nbytes:
+                while done < s.nbytes and wr.error is None:
                     buf = wr.free.get()
-                    if wr.error is not None:
-                        raise wr.error
                     n = min(step, s.nbytes - done)
                     gen.fill(buf[:_pad(n, gen.group)], rng, scale)
                     if s.offset is not None:

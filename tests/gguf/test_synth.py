@@ -1,0 +1,310 @@
+"""strata synth: real-shape synthetic models that load and run, deterministic bytes, skewed but uncollapsed routing,
+the fast random-block writer (checked with gguf-py's dequantizers), the default model cache, the CLI."""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import subprocess
+import sys
+import threading
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from strata import StrataError
+from strata.config import EngineConfig
+from strata.gguf import synth as S
+from strata.gguf.reader import open_gguf
+from strata.gguf.writer import RandomBlocks, TensorSpec, _add_offset, write_streamed
+from strata.quant.formats import SUPPORTED_TYPES, block_geometry
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+TINY = ("tiny-qwen3moe", "tiny-deepseek", "tiny-mixtral")
+
+
+@pytest.fixture(scope="module")
+def tiny_files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("synth")
+    files = {}
+    for p in TINY:
+        S.synth(p, d / f"{p}.gguf", progress=False)
+        files[p] = d / f"{p}.gguf"
+    return files
+
+
+# ---- the models load, run and are labelled ------------------------------------------------------------------
+
+@pytest.mark.parametrize("preset", TINY)
+def test_tiny_preset_loads_and_generates(tiny_files, preset):
+    from strata.engine.engine import Engine
+    from strata.engine.loader import load_model
+    from strata.engine.sampler import SamplingParams
+
+    lm = load_model(str(tiny_files[preset]), EngineConfig(device="cpu", ctx_size=64))
+    p = S.PRESETS[preset]
+    assert lm.gguf.arch == p.arch and lm.args.n_experts == p.n_experts and lm.args.n_layers == p.n_layers
+    assert "synthetic" in lm.gguf.get("general.name") and lm.gguf.get("strata.synthetic") is True
+    assert lm.template is not None and "<|im_start|>assistant" in lm.template.render(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    ids = lm.tokenizer.encode("Hello, world!")
+    assert lm.tokenizer.decode(ids) == "Hello, world!"
+    out = list(Engine(lm).generate(ids, SamplingParams(temperature=0), max_tokens=8))
+    assert len(out) == 8 and all(0 <= t < p.vocab for t in out)
+
+
+def test_same_seed_same_bytes(tmp_path, tiny_files):
+    a, b, c = tmp_path / "a.gguf", tmp_path / "b.gguf", tmp_path / "c.gguf"
+    S.synth("tiny-deepseek", a, progress=False)
+    S.synth("tiny-deepseek", c, seed=1, progress=False)
+    assert a.read_bytes() == tiny_files["tiny-deepseek"].read_bytes()
+    assert a.read_bytes() != c.read_bytes()
+    S.synth("tiny-qwen3moe", b, experts_type="Q8_0", dense_type="F16", head_type="Q4_0", progress=False)
+    g = open_gguf(b)
+    assert g.tensors["blk.0.ffn_up_exps.weight"].qtype == Q.Q8_0
+    assert g.tensors["blk.0.attn_q.weight"].qtype == Q.F16 and g.tensors["token_embd.weight"].qtype == Q.F16
+    assert g.tensors["output.weight"].qtype == Q.Q4_0 and g.tensors["blk.0.ffn_gate_inp.weight"].qtype == Q.F32
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+@pytest.mark.parametrize("preset", TINY)
+def test_llamacpp_runs_synthetic_models_the_same(tmp_path, preset):
+    """llama.cpp reads the synthetic files as their architecture and computes what strata computes (float
+    weights: greedy tokens equal, top log-probabilities equal to float rounding)."""
+    pytest.importorskip("xllamacpp")
+    from oracle.llamacpp import run_llamacpp
+
+    from strata.engine.engine import Engine
+    from strata.engine.loader import forward_all, load_model
+    from strata.engine.sampler import SamplingParams
+
+    f = tmp_path / f"{preset}.gguf"
+    S.synth(preset, f, experts_type="F32", dense_type="F32", head_type="F32", progress=False)
+    lm = load_model(str(f), EngineConfig(device="cpu", dtype="f32", ctx_size=64))
+    ids = lm.tokenizer.encode("Hello, world! def add(a, b): return a + b")
+    greedy, top = run_llamacpp(f, [{"op": "greedy", "prompt": ids, "n": 8}, {"op": "top", "prompts": [ids], "k": 5}],
+                               force_token=ids[0], workdir=tmp_path)
+    assert list(Engine(lm).generate(ids, SamplingParams(temperature=0), max_tokens=8)) == greedy["tokens"]
+    lp = torch.log_softmax(forward_all(lm, ids)[-1].double(), -1)
+    for tok, want in top["top"][0]:
+        assert lp[tok].item() == pytest.approx(want, abs=2e-3)
+
+
+# ---- the real presets have the real shapes ------------------------------------------------------------------
+
+@pytest.mark.parametrize("preset,billions", [("qwen3-30b-a3b", 30.5), ("qwen3-235b-a22b", 235.1),
+                                             ("deepseek-v3", 671.0), ("mixtral-8x7b", 46.7)])
+def test_real_preset_parameter_count(preset, billions):
+    # The published totals: a wrong width, head count or expert count anywhere would move these by > 0.5%.
+    n = sum(math.prod(s.shape) for s in S.tensor_plan(S.PRESETS[preset]))
+    assert n / 1e9 == pytest.approx(billions, rel=0.005)
+
+
+@pytest.mark.parametrize("preset,layers", [("qwen3-30b-a3b", None), ("deepseek-v3", 4), ("mixtral-8x7b", 2),
+                                           ("qwen3-235b-a22b", 2)])
+def test_real_preset_layout(tmp_path, preset, layers):
+    """The file as strata and gguf-py read it (header only: data=False writes a sparse file)."""
+    from strata.models.registry import family_for
+
+    out = tmp_path / "m.gguf"
+    S.synth(preset, out, layers=layers, data=False, progress=False)
+    assert out.stat().st_blocks * 512 < 64 << 20  # sparse: nothing but the header is on disk
+    p = S.get_preset(preset, layers)
+    g = open_gguf(out)
+    plan = S.tensor_plan(p)
+    assert [t.name for t in g] == [s.name for s in plan]
+    for s in plan:
+        t = g.tensors[s.name]
+        assert t.shape == s.shape and t.qtype == s.qtype, s.name
+    a = family_for(g.arch).load_args(g)
+    assert (a.n_layers, a.d_model, a.n_heads, a.vocab_size, a.n_experts, a.n_experts_used) == \
+        (p.n_layers, p.d_model, p.n_heads, p.vocab, p.n_experts, p.k)
+    assert a.moe_layers == list(range(p.first_dense, p.n_layers))
+    if preset.startswith("qwen3"):
+        assert (a.n_kv_heads, a.head_dim, a.expert_ffn_dim, a.rope_theta, a.ctx_len) == (4, 128, p.expert_ffn, 1e6,
+                                                                                         40960)
+        assert g.tensors["blk.0.attn_q_norm.weight"].shape == (128,)
+        assert g.get("tokenizer.ggml.pre") == "qwen2" and g.get("tokenizer.ggml.eos_token_id") == 151645
+    if preset == "deepseek-v3":
+        assert (a.first_dense_layers, a.q_lora_rank, a.kv_lora_rank, a.qk_nope_dim, a.qk_rope_dim, a.v_head_dim) == \
+            (3, 1536, 512, 128, 64, 128)
+        assert (a.gating, a.n_groups, a.topk_groups, a.routed_scale, a.n_shared_experts) == ("sigmoid", 8, 4, 2.5, 1)
+        assert a.rope_scaling.kind == "yarn" and a.rope_scaling.factor == 40
+        assert g.tensors["blk.3.ffn_gate_exps.weight"].shape == (256, 2048, 7168)
+        assert g.tensors["blk.0.ffn_gate.weight"].shape == (18432, 7168)
+    if preset == "mixtral-8x7b":
+        assert (a.n_kv_heads, a.ffn_dim, a.norm_eps) == (8, 14336, pytest.approx(1e-5))
+        assert g.get("tokenizer.ggml.model") == "llama" and len(g.get("tokenizer.ggml.scores")) == 32000
+
+
+def test_real_vocabularies(llamacpp_models):
+    from strata.gguf.tokenizer import Tokenizer, read_gguf_metadata
+
+    # the packaged copies are the llama.cpp files' tokenizer metadata, exactly
+    for name in ("qwen2", "llama-spm", "deepseek-llm"):
+        src = {k: v for k, v in read_gguf_metadata(llamacpp_models / f"ggml-vocab-{name}.gguf").items()
+               if k.startswith("tokenizer.")}
+        assert S._load_vocab(name) == src, name
+    qwen = Tokenizer.from_metadata(S.tokenizer_metadata(S.PRESETS["qwen3-30b-a3b"]))
+    assert qwen.vocab_size == 151936 and qwen.eos_id == 151645
+    # Qwen3's own ids: <|im_start|> user \n hi <think> </think> <|im_end|>
+    assert qwen.encode("<|im_start|>user\nhi<think></think><|im_end|>") == [151644, 872, 198, 6023, 151667, 151668,
+                                                                           151645]
+    md = S.tokenizer_metadata(S.PRESETS["deepseek-v3"])
+    ids = {t: i for i, t in enumerate(md["tokenizer.ggml.tokens"])}
+    assert len(md["tokenizer.ggml.tokens"]) == 129280
+    for t in ("<｜User｜>", "<｜Assistant｜>", "<｜tool▁calls▁begin｜>"):  # the template's specials exist, as CONTROL
+        assert md["tokenizer.ggml.token_type"][ids[t]] == 3
+    assert "<｜Assistant｜>" in md["tokenizer.chat_template"]
+
+
+# ---- routing: skewed, reused, not collapsed ---------------------------------------------------------------
+
+def test_routing_is_skewed_but_not_collapsed(tiny_files):
+    s = S.routing_report(tiny_files["tiny-qwen3moe"], device="cpu")
+    E, k = 16, 4
+    assert s["n_tokens"] == 640 and s["n_layers"] == 4
+    assert s["share"][3] > 0.40  # the top 25% of experts take well over 25% of the picks
+    last = s["layers"][3]
+    assert last["tokens"] == 512 and last["distinct"] >= 14  # nearly every expert still used at the last layer
+    assert last["pairs_differ"] > 0.9  # tokens keep their own experts through the depth
+    assert last["reuse_prev"] > k / E  # more reuse from token to token than chance
+    text = S.format_report(s)
+    assert "top 25%" in text and "experts used" in text
+
+
+def test_routing_stats_detect_collapse_and_uniformity():
+    n, E, k = 512, 16, 4
+    collapsed = torch.tensor([[0, 1, 2, 3]] * n)
+    s = S.routing_stats({0: collapsed, 1: collapsed}, E)
+    assert s["layers"][1]["distinct"] == k and s["layers"][1]["pairs_differ"] == 0.0
+    assert s["share"][3] == pytest.approx(1.0) and s["layers"][1]["reuse_prev"] == 1.0
+    g = torch.Generator().manual_seed(0)
+    uniform = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(n)])
+    s = S.routing_stats({5: uniform}, E)
+    assert s["share"][3] == pytest.approx(0.25, abs=0.03) and s["layers"][5]["distinct"] == E
+    assert s["layers"][5]["pairs_differ"] > 0.99
+
+
+# ---- the writer ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("qtype", sorted(SUPPORTED_TYPES, key=int), ids=lambda t: t.name)
+def test_random_blocks_are_valid(qtype):
+    """gguf-py dequantizes the fast blocks to finite values of the asked std; chunks differ from each other."""
+    gen = RandomBlocks(qtype, seed=0, pool_bytes=1 << 20)
+    rng = np.random.default_rng(1)
+    a, b = np.empty(gen.group * 64, np.uint8), np.empty(gen.group * 64, np.uint8)
+    gen.fill(a, rng, 0.05)
+    gen.fill(b, rng, 0.05)
+    x = gguf.quants.dequantize(a, qtype).reshape(-1)
+    assert np.isfinite(x).all() and x.std() == pytest.approx(0.05, rel=0.1) and abs(x.mean()) < 0.01
+    assert not np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.F16, Q.BF16, Q.F32], ids=lambda t: t.name)
+def test_shared_row_offset(qtype):
+    row, rows = 256, 8000
+    off = (0.4 * np.random.default_rng(0).standard_normal(row)).astype(np.float32)  # Q8_0 clips at ~1.7
+    spec = TensorSpec("e", (rows, row), qtype, 1.0, offset=off)
+    gen = RandomBlocks(qtype, 0, 4 * spec.nbytes)
+    buf = np.empty(-(-spec.nbytes // gen.group) * gen.group, np.uint8)
+    gen.fill(buf, np.random.default_rng(1), 2.0 if qtype == Q.Q8_0 else 1.0)
+    block, size = block_geometry(qtype)
+    half = spec.nbytes // 2 // size * size
+    _add_offset(buf[:half], spec, 0)  # in two pieces, as the writer does across chunks
+    _add_offset(buf[half:spec.nbytes], spec, half // size * block)
+    x = gguf.quants.dequantize(buf[:spec.nbytes], qtype).reshape(rows, row)
+    assert np.abs(x.mean(0) - off).max() < 0.08 and (x - off).std() == pytest.approx(1.0, rel=0.05)
+
+
+def test_streamed_file_reads_back(tmp_path):
+    w = gguf.GGUFWriter(None, "test")
+    w.add_uint32("test.n", 7)
+    norm = np.arange(96, dtype=np.float32)
+    specs = [TensorSpec("a", (3, 256), Q.Q4_K, 0.1), TensorSpec("n", (96,), Q.F32, 0.0, lambda: norm),
+             TensorSpec("b", (5, 7, 64), Q.Q8_0, 0.3)]
+    r = write_streamed(tmp_path / "t.gguf", w, specs, seed=0, progress=False)
+    assert r["bytes"] == (tmp_path / "t.gguf").stat().st_size and not (tmp_path / "t.gguf.tmp").exists()
+    rd = gguf.GGUFReader(tmp_path / "t.gguf")
+    t = {x.name: x for x in rd.tensors}
+    assert np.array_equal(t["n"].data, norm) and rd.fields["test.n"].contents() == 7
+    b = gguf.quants.dequantize(t["b"].data, Q.Q8_0)
+    assert b.shape == (5, 7, 64) and b.std() == pytest.approx(0.3, rel=0.15)
+
+
+def test_not_enough_disk(tmp_path, monkeypatch):
+    import shutil
+
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=10 << 20))
+    with pytest.raises(StrataError, match="not enough free disk"):
+        S.synth("tiny-mixtral", tmp_path / "m.gguf", progress=False)
+    assert not list(tmp_path.iterdir())
+
+
+def test_type_fallback_for_short_rows():
+    assert S.fit_type(Q.Q4_K, 128) == Q.Q5_0 and S.fit_type(Q.Q6_K, 64) == Q.Q8_0 and S.fit_type(Q.Q4_K, 512) == Q.Q4_K
+    assert S.fit_type(Q.Q8_0, 48) == Q.F16
+
+
+# ---- the default model -----------------------------------------------------------------------------------
+
+def test_default_model_cached_once(tmp_path, monkeypatch, capsys):
+    from strata.models import default
+
+    monkeypatch.setenv("STRATA_CACHE", str(tmp_path / "c"))
+    paths: list = []
+    threads = [threading.Thread(target=lambda: paths.append(default.default_model_path())) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(paths) == 2 and paths[0] == paths[1] == tmp_path / "c" / "models" / paths[0].name
+    assert [p.name for p in paths[0].parent.iterdir()] == [paths[0].name]  # no temporary left behind
+    assert "SYNTHETIC" in open_gguf(paths[0]).get("general.name")
+    assert "SYNTHETIC" in capsys.readouterr().err
+    mtime = paths[0].stat().st_mtime_ns
+    assert default.default_model_path(warn=False) == paths[0] and paths[0].stat().st_mtime_ns == mtime
+
+
+def test_default_model_locations(tmp_path, monkeypatch):
+    from strata.models import default
+
+    monkeypatch.delenv("STRATA_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
+    assert default.synthetic_path().parent == tmp_path / "x" / "strata" / "models"
+    shipped = tmp_path / "strata-tiny.gguf"
+    shipped.write_bytes(b"GGUF")
+    monkeypatch.setattr(default, "SHIPPED", shipped)
+    assert default.default_model_path() == shipped
+
+
+# ---- the CLI ---------------------------------------------------------------------------------------------
+
+def _strata(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "strata", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, **kw)
+
+
+def test_synth_cli(tmp_path):
+    r = _strata("synth", "tiny-qwen3moe", str(tmp_path / "m.gguf"), "-q")
+    assert r.returncode == 0, r.stderr
+    assert "wrote" in r.stderr and "GB/s" in r.stderr
+    assert "top 25%" in r.stdout and "512-token batch" in r.stdout
+
+
+def test_synth_cli_errors(tmp_path, capsys):
+    from strata.cli import main
+    from strata.gguf.cli import PRESET_NAMES
+
+    assert PRESET_NAMES == tuple(S.PRESETS)
+    for args, want in ((["no-such-model"], "tiny-qwen3moe"), (["tiny-mixtral", "--experts-type", "IQ2_XS"], "Q4_K"),
+                       (["tiny-mixtral", "--layers", "0"], "--layers")):
+        assert main(["synth", args[0], str(tmp_path / "x.gguf"), *args[1:]]) == 1
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and err.startswith("strata: error: ") and want in err, err
+    assert not list(tmp_path.iterdir())
