@@ -71,8 +71,10 @@ def test_same_seed_same_bytes(tmp_path, tiny_files):
     assert not list(tmp_path.glob("*.tmp"))
 
 
-@pytest.mark.parametrize("preset", TINY)
-def test_llamacpp_runs_synthetic_models_the_same(tmp_path, preset):
+@pytest.mark.parametrize("preset", [*TINY, pytest.param("tiny-deepseek-yarn", marks=pytest.mark.xfail(
+    strict=True, reason="strata's deepseek2 multiplies rope.scaling.yarn_log_multiplier (already 0.1 * "
+    "mscale_all_dim) by 0.1 again: softmax scale 1.037^2 instead of llama.cpp's 1.369^2 at factor 40"))])
+def test_llamacpp_runs_synthetic_models_the_same(tmp_path, monkeypatch, preset):
     """llama.cpp reads the synthetic files as their architecture and computes what strata computes (float
     weights: greedy tokens equal, top log-probabilities equal to float rounding)."""
     pytest.importorskip("xllamacpp")
@@ -82,6 +84,11 @@ def test_llamacpp_runs_synthetic_models_the_same(tmp_path, preset):
     from strata.engine.loader import forward_all, load_model
     from strata.engine.sampler import SamplingParams
 
+    if preset == "tiny-deepseek-yarn":  # DeepSeek-V3's YaRN settings on the tiny model
+        import dataclasses
+
+        p = dataclasses.replace(S.PRESETS["tiny-deepseek"], name=preset, yarn=S.PRESETS["deepseek-v3"].yarn)
+        monkeypatch.setitem(S.PRESETS, preset, p)
     f = tmp_path / f"{preset}.gguf"
     S.synth(preset, f, experts_type="F32", dense_type="F32", head_type="F32", progress=False)
     lm = load_model(str(f), EngineConfig(device="cpu", dtype="f32", ctx_size=64))
