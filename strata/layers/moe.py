@@ -52,13 +52,19 @@ class MoE:
         self.layer, self.routing, self.router, self.bias = layer, routing, router, bias
         self.experts, self.shared, self.shared_gate = experts, shared, shared_gate
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, prof=None) -> torch.Tensor:
+        t = prof._mark() if prof else None
         logits = qmatmul(x.float(), self.router)  # [N, E]
         ids, w = route(logits, self.routing, self.bias)
+        if prof:
+            prof._span("router_shared", t)
         out = self.experts.forward(self.layer, x, ids, w)
         if self.shared is not None:
+            t = prof._mark() if prof else None
             s = self.shared(x)
             if self.shared_gate is not None:
                 s = s * torch.sigmoid(qmatmul(x, self.shared_gate))
             out = out + s
+            if prof:
+                prof._span("router_shared", t)
         return out

@@ -60,9 +60,20 @@ class Block:
     def __init__(self, attn_norm: torch.Tensor, attn: Callable, ffn_norm: torch.Tensor, ffn: Callable, eps: float):
         self.attn_norm, self.attn, self.ffn_norm, self.ffn, self.eps = attn_norm, attn, ffn_norm, ffn, eps
 
-    def __call__(self, x, pos, segments, kv):
+    def __call__(self, x, pos, segments, kv, prof=None):
+        if prof is None:
+            h = x + self.attn(rms_norm(x, self.attn_norm, self.eps), pos, segments, kv)
+            return h + self.ffn(rms_norm(h, self.ffn_norm, self.eps))
+        # --profile: spans on the GPU stream (events), resolved once per step by the experts backend
+        t = prof._mark()
         h = x + self.attn(rms_norm(x, self.attn_norm, self.eps), pos, segments, kv)
-        return h + self.ffn(rms_norm(h, self.ffn_norm, self.eps))
+        prof._span("mla" if type(self.attn).__name__ == "MLAttention" else "attention", t)
+        if hasattr(self.ffn, "experts"):
+            return h + self.ffn(rms_norm(h, self.ffn_norm, self.eps), prof)
+        t = prof._mark()
+        out = h + self.ffn(rms_norm(h, self.ffn_norm, self.eps))
+        prof._span("dense_other", t)
+        return out
 
 
 @dataclass
@@ -94,14 +105,22 @@ class CausalLM:
     def forward(self, tokens: torch.Tensor, pos: torch.Tensor, segments: list[Segment], kv: KVCache,
                 all_logits: bool = False) -> torch.Tensor:
         """tokens, pos [N] -> logits [N, V] (all_logits) or [len(segments), V] (each segment's last token)."""
+        prof = self.experts if getattr(self.experts, "profiling", False) else None
+        t = prof._mark() if prof else None
         x = self.embed_tokens(tokens)
+        if prof:
+            prof._span("dense_other", t)
         for blk in self.blocks:
-            x = blk(x, pos, segments, kv)
+            x = blk(x, pos, segments, kv, prof)
+        t = prof._mark() if prof else None
         if not all_logits:
             last = torch.tensor(_last_indices(segments), device=x.device)
             x = x.index_select(0, last)
         x = rms_norm(x, self.out_norm, self.args.norm_eps)
-        return qmatmul(x, self.head).float()
+        logits = qmatmul(x, self.head).float()
+        if prof:
+            prof._span("dense_other", t)
+        return logits
 
 
 def _last_indices(segments: list[Segment]) -> list[int]:
