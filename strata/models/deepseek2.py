@@ -26,7 +26,8 @@ def load_args(g: GGUFModel):
     s = a.rope_scaling
     if s.kind == "yarn" and s.factor > 1:
         # DeepSeek applies YaRN's magnitude correction to the softmax scale (mscale^2), not to the rotary tables.
-        m = 0.1 * s.mscale_all_dim * math.log(s.factor) + 1.0 if s.mscale_all_dim else 1.0
+        # the GGUF key holds 0.1 * mscale_all_dim already (llama.cpp's yarn_log_multiplier)
+        m = s.mscale_all_dim * math.log(s.factor) + 1.0 if s.mscale_all_dim else 1.0
         a.extra["mla_mscale"] = m
     return a
 

@@ -71,9 +71,7 @@ def test_same_seed_same_bytes(tmp_path, tiny_files):
     assert not list(tmp_path.glob("*.tmp"))
 
 
-@pytest.mark.parametrize("preset", [*TINY, pytest.param("tiny-deepseek-yarn", marks=pytest.mark.xfail(
-    strict=True, reason="strata's deepseek2 multiplies rope.scaling.yarn_log_multiplier (already 0.1 * "
-    "mscale_all_dim) by 0.1 again: softmax scale 1.037^2 instead of llama.cpp's 1.369^2 at factor 40"))])
+@pytest.mark.parametrize("preset", [*TINY, "tiny-deepseek-yarn"])
 def test_llamacpp_runs_synthetic_models_the_same(tmp_path, monkeypatch, preset):
     """llama.cpp reads the synthetic files as their architecture and computes what strata computes (float
     weights: greedy tokens equal, top log-probabilities equal to float rounding)."""
