@@ -3,10 +3,10 @@
 1. Costs: one expert's CPU time by thread count (the CPU lane's kernel, weights from RAM) and its PCIe copy
    time (`strata.experts.costs`).
 2. Search, one knob at a time in a fixed order (CPU threads, plan, PCIe share, cache policy, promote-min, swap
-   budget): each candidate runs against the current setting in interleaved A/B pairs of short greedy decodes
-   (a warm-up decode after every switch, so a cold cache is never timed), and replaces it only if the median
-   of the paired speed ratios beats it by more than 3%. Noise cannot ratchet the setting: a candidate must win
-   clearly, against the current one, measured in the same minutes.
+   budget): each candidate runs against the current setting in interleaved A B B A blocks of short greedy
+   decodes (a warm-up decode before every timed one, so a cold cache is never timed), and replaces it only if
+   it is more than 3% faster in every block. Noise cannot ratchet the setting: a candidate must win clearly,
+   against the current one, measured in the same minutes; a linear drift of the machine cancels in a block.
 3. The kept setting is measured once more against where the search started (the gain printed is that
    measurement) and saved per machine + model + budget in the user's cache directory, with the cost model
    for its thread count where `--cpu-plan auto` reads it.
@@ -62,10 +62,10 @@ class Trial:
     knob: str
     current: Setting
     candidate: Setting
-    current_ms: list[float]  # ms per decoded token, in pair order
-    candidate_ms: list[float]
-    gain: float  # median over pairs of current_ms / candidate_ms, minus 1 (> 0: the candidate is faster)
-    kept: bool
+    current_ms: list[float]  # per A B B A block: the two ms-per-token times of the current setting, summed
+    candidate_ms: list[float]  # ... and of the candidate
+    gain: float  # median over blocks of current / candidate, minus 1 (> 0: the candidate is faster)
+    kept: bool  # faster by more than the threshold in every block
 
     def as_dict(self) -> dict:
         return {"knob": self.knob, "current": dataclasses.asdict(self.current),
@@ -77,32 +77,39 @@ Measure = Callable[[Setting], float]  # ms per decoded token with this setting a
 
 
 def ab(measure: Measure, a: Setting, b: Setting, repeats: int) -> tuple[list[float], list[float]]:
-    """Interleaved pairs: who goes first alternates (a b, b a, a b, ...), so drift (heat, other load) falls on
-    both sides. Returns (a's times, b's times), pair by pair."""
+    """`repeats` interleaved blocks A B B A: a drift in the machine's speed (heat, other load, a cache still
+    filling) that is linear over a block costs both settings the same. Returns per block the sum of A's two
+    times and of B's two times (ms per token)."""
     ta, tb = [], []
-    for i in range(repeats):
-        if i % 2 == 0:
-            ta.append(measure(a))
-            tb.append(measure(b))
-        else:
-            tb.append(measure(b))
-            ta.append(measure(a))
+    for _ in range(repeats):
+        a1 = measure(a)
+        b1 = measure(b)
+        b2 = measure(b)
+        a2 = measure(a)
+        ta.append(a1 + a2)
+        tb.append(b1 + b2)
     return ta, tb
 
 
+def block_gains(current_ms: Sequence[float], candidate_ms: Sequence[float]) -> list[float]:
+    """Per block, current / candidate time minus 1: +0.05 = the candidate is 5% faster."""
+    return [c / d - 1.0 for c, d in zip(current_ms, candidate_ms)]
+
+
 def paired_gain(current_ms: Sequence[float], candidate_ms: Sequence[float]) -> float:
-    """Median over pairs of current / candidate time, minus 1: +0.05 = the candidate is 5% faster."""
-    return statistics.median(c / d for c, d in zip(current_ms, candidate_ms)) - 1.0
+    """The median block gain (what is reported)."""
+    return statistics.median(block_gains(current_ms, candidate_ms))
 
 
 def try_candidate(measure: Measure, knob: str, current: Setting, candidate: Setting, repeats: int,
                   threshold: float = THRESHOLD) -> Trial:
+    """Kept only if the candidate beats the current setting by more than `threshold` in every block."""
     cur, cand = ab(measure, current, candidate, repeats)
-    gain = paired_gain(cur, cand)
-    return Trial(knob, current, candidate, cur, cand, gain, gain > threshold)
+    gains = block_gains(cur, cand)
+    return Trial(knob, current, candidate, cur, cand, statistics.median(gains), min(gains) > threshold)
 
 
-def search(measure: Measure, start: Setting, space: Iterable[tuple[str, list[Setting | dict]]], repeats: int = 3,
+def search(measure: Measure, start: Setting, space: Iterable[tuple[str, list[Setting | dict]]], repeats: int = 2,
            threshold: float = THRESHOLD, say: Callable[[str], None] = print) -> tuple[Setting, list[Trial]]:
     """Coordinate search: for each (knob, candidates), each candidate (a Setting, or a dict of fields to change
     in the current one) against the current setting; kept only if it wins by more than `threshold`."""
@@ -115,8 +122,8 @@ def search(measure: Measure, start: Setting, space: Iterable[tuple[str, list[Set
             t = try_candidate(measure, knob, current, cand, repeats, threshold)
             trials.append(t)
             change = ", ".join(f"{k} {v[0]} -> {v[1]}" for k, v in current.diff(cand).items())
-            say(f"  {knob:<12} {change:<44} {statistics.median(t.current_ms):8.2f} -> "
-                f"{statistics.median(t.candidate_ms):8.2f} ms/token ({t.gain:+.1%}) {'KEPT' if t.kept else ''}")
+            say(f"  {knob:<12} {change:<44} {statistics.median(t.current_ms) / 2:8.2f} -> "
+                f"{statistics.median(t.candidate_ms) / 2:8.2f} ms/token ({t.gain:+.1%}) {'KEPT' if t.kept else ''}")
             if t.kept:
                 current = cand
     return current, trials
@@ -402,7 +409,7 @@ def save_cost_model(backend) -> Path | None:
     return path
 
 
-def calibrate(lm, model_path: str, *, knobs: Sequence[str] = KNOBS, repeats: int = 3, decode_tokens: int = 32,
+def calibrate(lm, model_path: str, *, knobs: Sequence[str] = KNOBS, repeats: int = 2, decode_tokens: int = 32,
               prompt_tokens: int = 64, threshold: float = THRESHOLD, save: bool = True, say=print) -> dict:
     """The whole procedure on a loaded model (see the module docstring); returns what is saved."""
     from strata.bench.prompts import filler_words, join_words
@@ -422,11 +429,18 @@ def calibrate(lm, model_path: str, *, knobs: Sequence[str] = KNOBS, repeats: int
     threads_list = thread_counts(physical_cores())
     costs = measure_costs(b, threads_list, say)
     space = candidate_space(bench.k, costs["cpu_ms_per_expert"], knobs, has_lane=b.lane is not None)
-    say(f"search ({repeats} interleaved pairs per candidate, {decode_tokens}-token decodes, keep if > "
-        f"{threshold:.0%} faster):")
+    say(f"search ({repeats} A B B A blocks per candidate, {decode_tokens}-token decodes, keep if > "
+        f"{threshold:.0%} faster in every block):")
     best, trials = search(bench.measure, start, space, repeats, threshold, say)
     final_start, final_best = ab(bench.measure, start, best, repeats) if best != start else ([], [])
     gain = paired_gain(final_start, final_best) if final_start else 0.0
+    reverted = None
+    if final_start and min(block_gains(final_start, final_best)) <= threshold:
+        # the steps each won, their sum does not, measured again: keep what the user had
+        reverted = dataclasses.asdict(best)
+        say(f"the kept setting does not beat the start by more than {threshold:.0%} when measured again "
+            f"({gain:+.1%}): keeping the start")
+        best = start
     bench.apply(best)
     cost_path = save_cost_model(b) if save else None
     result = {"model": model_key(model_path), "model_path": str(model_path),
@@ -435,15 +449,16 @@ def calibrate(lm, model_path: str, *, knobs: Sequence[str] = KNOBS, repeats: int
               "gain": gain, "start_ms": final_start, "best_ms": final_best, "costs": costs,
               "trials": [t.as_dict() for t in trials], "repeats": repeats, "decode_tokens": decode_tokens,
               "threshold": threshold, "seconds": time.perf_counter() - t0, "decode_runs": bench.runs,
-              "cost_model_path": str(cost_path) if cost_path else None, "flags": best.flags()}
+              "cost_model_path": str(cost_path) if cost_path else None, "flags": best.flags(),
+              "reverted": reverted}
     if save:
         path = calibration_path(model_path, lm.cfg)
         save_calibration(path, result)
         result["path"] = str(path)
     if result["changed"]:
         say("changed: " + ", ".join(f"{k} {v[0]} -> {v[1]}" for k, v in result["changed"].items())
-            + f"; measured gain {gain:+.1%} ({statistics.median(final_start):.2f} -> "
-              f"{statistics.median(final_best):.2f} ms/token)")
+            + f"; measured gain {gain:+.1%} ({statistics.median(final_start) / 2:.2f} -> "
+              f"{statistics.median(final_best) / 2:.2f} ms/token)")
     else:
         say("no setting beat the current one by more than "
             f"{threshold:.0%}: nothing changed")

@@ -66,7 +66,7 @@ def register(sub) -> None:
     add_engine_args(c)
     c.add_argument("--knobs", default=",".join(_knobs()), help=f"which knobs to search (default: all: "
                    f"{','.join(_knobs())})")
-    c.add_argument("--repeats", type=int, default=3, help="interleaved A/B pairs per candidate (default 3)")
+    c.add_argument("--repeats", type=int, default=2, help="interleaved A B B A blocks per candidate (default 2)")
     c.add_argument("--decode-tokens", type=int, default=32, help="tokens per timed decode (default 32)")
     c.add_argument("--prompt-tokens", type=int, default=64, help="prompt tokens before each decode (default 64)")
     c.add_argument("--threshold", type=float, default=0.03, help="minimum gain to keep a setting (default 0.03)")

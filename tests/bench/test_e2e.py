@@ -27,7 +27,8 @@ def tiny(hf_and_gguf):
 @pytest.fixture(scope="module")
 def server(tiny, tmp_path_factory):
     log = tmp_path_factory.mktemp("bench-server") / "serve.log"
-    with strata_server(tiny, ["--expert-slots", "4", "-c", "512"], log, parallel=2) as proc:
+    # one torch thread: on a shared 2-core machine a busy neighbour stalls every multi-threaded op of a tiny model
+    with strata_server(tiny, ["--expert-slots", "4", "-c", "512", "--threads", "1"], log, parallel=2) as proc:
         yield proc.url
 
 
@@ -121,7 +122,7 @@ def test_bench_all_suites_with_llamacpp_peer(server, tmp_path):
 
 
 def test_bench_starts_its_own_server(tiny, tmp_path):
-    rc = main(["bench", "sweep", "-m", tiny, "--expert-slots", "4", "--name", "own", "--out", str(tmp_path),
+    rc = main(["bench", "sweep", "-m", tiny, "--expert-slots", "4", "--cpu-threads", "1", "--name", "own", "--out", str(tmp_path),
                "--lengths", "100", "--runs", "1", "--gen", "3"])
     assert rc == 0
     res = json.loads(next(tmp_path.iterdir()).joinpath("results.json").read_text())
@@ -129,7 +130,7 @@ def test_bench_starts_its_own_server(tiny, tmp_path):
     assert phase["suites"] == ["sweep"] and phase["parallel"] == 1
     argv = phase["argv"]
     assert argv[argv.index("--expert-slots") + 1] == "4" and argv[argv.index("-c") + 1] == str(phase["ctx"])
-    assert res["server"]["flags"] == ["--expert-slots", "4"]
+    assert res["server"]["flags"] == ["--expert-slots", "4", "--cpu-threads", "1"]
     assert res["suites"]["sweep"]["rows"][0]["prompt_tokens"] == [100]
 
 
