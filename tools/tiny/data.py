@@ -86,12 +86,12 @@ def is_test(rel: str) -> bool:
 
 
 def split_of(rel: str, heldout_mod: int = 40) -> str:
-    """heldout / val / train for a stdlib module path: 1 in ``heldout_mod`` each; tests and the generated codec
-    tables of ``encodings/`` always train."""
+    """heldout / val / train for a stdlib module path: 1 in ``heldout_mod`` held out, 2 in ``heldout_mod`` for
+    validation; tests and the generated codec tables of ``encodings/`` always train."""
     if is_test(rel) or rel.startswith("encodings/"):
         return "train"
     k = _key(rel) % heldout_mod
-    return "heldout" if k == 0 else "val" if k == 1 else "train"
+    return "heldout" if k == 0 else "val" if k in (1, 2) else "train"
 
 
 class Collector:

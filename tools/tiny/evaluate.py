@@ -164,3 +164,22 @@ def completion_diff(lm, recorded: dict, got: list[int], tie: float = 1e-3) -> st
         return None
     return (f"{recorded['name']}: token {i} is {got[i]}, recorded {want[i]} (logit gap {gap:.4f}); "
             f"got {lm.tokenizer.decode(got)!r}, recorded {recorded['text']!r}")
+
+
+def fill_strata_numbers(record: dict, gguf: str | Path, text: str, n_predict: int = N_PREDICT, log=print) -> None:
+    """Measure ``gguf`` with strata on the held-out ``text`` and write the numbers into ``record`` (in place):
+    perplexity, routing, completions, and the held-out slice's token counts (``heldout.ids`` too, for checks)."""
+    ctx = record["heldout"]["ctx"]
+    ev = strata_eval(gguf, text, ctx, n_predict=n_predict)
+    record["heldout"].update({"ids": ev["ids"], "tokens": len(ev["ids"]), "scored_tokens": ev["scored_tokens"],
+                              "windows": ev["windows"]})
+    record["perplexity"].update({"strata": ev["perplexity"], "strata_device": "cpu", "strata_dtype": "f32"})
+    record["routing"] = ev["routing"]
+    record["completions"] = ev["completions"]
+    log(f"eval: strata perplexity {ev['perplexity']:.3f} over {ev['scored_tokens']} tokens "
+        f"({ev['windows']} windows of {ctx})")
+    for c in ev["completions"]:
+        log(f"eval: greedy [{c['name']}] {c['prompt']!r} -> {c['text']!r}")
+    r = ev["routing"]
+    log("eval: LRU hit rate by capacity " + ", ".join(f"{k}: {v['hit_rate']:.3f}" for k, v in r["lru"].items())
+        + f"; median reuse distance {r['reuse_distance']['median']}")

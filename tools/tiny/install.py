@@ -65,11 +65,22 @@ def main(argv=None) -> int:
     rec = json.loads((run / "strata-tiny.json").read_text())
     if rec.get("training", {}).get("toy") and root == ROOT:
         print("warning: this is a --toy run", file=sys.stderr)
-    join_gguf(run, rec, root / "strata" / "data" / "strata-tiny.gguf")
-    shutil.copyfile(run / "strata-tiny.json", root / "strata" / "data" / "strata-tiny.json")
+    gguf = root / "strata" / "data" / "strata-tiny.gguf"
+    join_gguf(run, rec, gguf)
     held = (run / "strata-tiny-heldout.txt").read_text(encoding="utf-8")
     if hashlib.sha256(held.encode()).hexdigest() != rec["heldout"]["sha256"]:
         raise SystemExit("strata-tiny-heldout.txt: sha256 differs from the recorded one")
+    if rec.get("routing") is None or rec["perplexity"].get("strata") is None:
+        # the run saved the model but did not finish measuring it: strata's numbers are CPU float32 anyway
+        print("the run has no strata numbers (eval_error in its JSON?): measuring them here", file=sys.stderr)
+        sys.path.insert(0, str(ROOT))
+        from tools.tiny.evaluate import N_PREDICT, fill_strata_numbers
+
+        fill_strata_numbers(rec, gguf, held, 8 if rec["training"].get("toy") else N_PREDICT)
+        rec["heldout"].pop("ids")
+        rec["perplexity"]["strata_measured_at_install"] = True
+        rec.pop("eval_error", None)
+    (root / "strata" / "data" / "strata-tiny.json").write_text(json.dumps(rec, indent=1) + "\n")
     dst = root / rec["heldout"]["file"]
     dst.parent.mkdir(parents=True, exist_ok=True)
     dst.write_bytes((run / "strata-tiny-heldout.txt").read_bytes())

@@ -136,7 +136,7 @@ def train(model, train_ids: np.ndarray, val_ids: np.ndarray, a: TrainArgs, dev: 
             log(f"step {step} val_loss {v:.4f}")
             if v < best[0]:
                 best = (v, step, {k: t.detach().clone() for k, t in model.state_dict().items()})
-        if time.perf_counter() - t0 > a.seconds * 1.15:
+        if step < total and time.perf_counter() - t0 > a.seconds * 1.15:
             stopped = "time"
             log(f"train: stopped by the time limit at step {step} of {total}")
             break
