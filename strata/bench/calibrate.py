@@ -91,6 +91,15 @@ def ab(measure: Measure, a: Setting, b: Setting, repeats: int) -> tuple[list[flo
     return ta, tb
 
 
+def _ms(block_sums: Sequence[float]) -> str:
+    """ms per token over all of a setting's runs (each block holds two)."""
+    return f"{sum(block_sums) / (2 * len(block_sums)):8.2f}"
+
+
+def _gains(current_ms: Sequence[float], candidate_ms: Sequence[float]) -> str:
+    return "gain per block " + ", ".join(f"{g:+.1%}" for g in block_gains(current_ms, candidate_ms))
+
+
 def block_gains(current_ms: Sequence[float], candidate_ms: Sequence[float]) -> list[float]:
     """Per block, current / candidate time minus 1: +0.05 = the candidate is 5% faster."""
     return [c / d - 1.0 for c, d in zip(current_ms, candidate_ms)]
@@ -122,8 +131,8 @@ def search(measure: Measure, start: Setting, space: Iterable[tuple[str, list[Set
             t = try_candidate(measure, knob, current, cand, repeats, threshold)
             trials.append(t)
             change = ", ".join(f"{k} {v[0]} -> {v[1]}" for k, v in current.diff(cand).items())
-            say(f"  {knob:<12} {change:<44} {statistics.median(t.current_ms) / 2:8.2f} -> "
-                f"{statistics.median(t.candidate_ms) / 2:8.2f} ms/token ({t.gain:+.1%}) {'KEPT' if t.kept else ''}")
+            say(f"  {knob:<12} {change:<44} {_ms(t.current_ms)} -> {_ms(t.candidate_ms)} ms/token, "
+                f"{_gains(t.current_ms, t.candidate_ms)} {'KEPT' if t.kept else ''}".rstrip())
             if t.kept:
                 current = cand
     return current, trials
@@ -457,8 +466,8 @@ def calibrate(lm, model_path: str, *, knobs: Sequence[str] = KNOBS, repeats: int
         result["path"] = str(path)
     if result["changed"]:
         say("changed: " + ", ".join(f"{k} {v[0]} -> {v[1]}" for k, v in result["changed"].items())
-            + f"; measured gain {gain:+.1%} ({statistics.median(final_start) / 2:.2f} -> "
-              f"{statistics.median(final_best) / 2:.2f} ms/token)")
+            + f"; measured again against the start: {_ms(final_start).strip()} -> {_ms(final_best).strip()} ms/token, "
+              f"{_gains(final_start, final_best)}")
     else:
         say("no setting beat the current one by more than "
             f"{threshold:.0%}: nothing changed")

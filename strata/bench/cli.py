@@ -319,6 +319,12 @@ def _run_peer(peer: str, args, plan: Plan, model: str, model_ctx, synthetic, out
         return out
     # llama.cpp: its server through the same suites; llama-bench too where it is built
     server_bin = llamacpp.find_binary("llama-server", args.llama_server)
+    if server_bin is None:
+        from strata.hub.machine import probe_gpus
+
+        if probe_gpus()[0]:  # a GPU machine: the CPU build would be a straw man
+            return {"llamacpp": {"how": "llama.cpp", "error": f"no llama-server for this GPU at {llamacpp.BUILD_BIN} "
+                                 "(bench/peers/llamacpp.sh build, or --llama-server PATH)"}}
     n_cpu_moe = args.n_cpu_moe
     fit = None
     if n_cpu_moe is None and server_bin is not None and args.vram_gb is not None:

@@ -92,9 +92,17 @@ def _table(head: list[str], rows: list[list[str]]) -> list[str]:
 
 def _sweep_md(s: dict) -> list[str]:
     c = s["config"]
-    lines = [f"Uncached prompts (unique first line, `cache_prompt: false`), {c['warmup']} warm-up + {c['runs']} measured "
-             f"runs per length, {c['gen']} generated tokens; median (min-max). Prefill and decode from the engine's "
-             "timings, TTFT from the client's clock."]
+    if c.get("tool") == "llama-bench":
+        head = (f"llama-bench: prefill = `pp L`, decode = `tg {c['gen']}` at depth L, {c['runs']} repetitions after its "
+                "warm-up; median (min-max) of the repetitions.")
+    elif c.get("tool") == "hf_offload":
+        head = (f"transformers: one forward over exactly L prompt tokens, then {c['gen']} greedy steps with the KV "
+                f"cache, {c['warmup']} warm-up + {c['runs']} measured passes; TTFT = the prefill forward.")
+    else:
+        head = (f"Uncached prompts (unique first line, `cache_prompt: false`), {c['warmup']} warm-up + {c['runs']} "
+                f"measured runs per length, {c['gen']} generated tokens; median (min-max). Prefill and decode from the "
+                "engine's timings, TTFT from the client's clock.")
+    lines = [head]
     rows = []
     for r in s["rows"]:
         ex = r.get("experts") or {}
@@ -169,6 +177,10 @@ def markdown(results: dict) -> str:
                      f"experts {_bytes(fp.get('expert_bytes'))}; {fp.get('n_moe_layers')} MoE layers x "
                      f"{fp.get('n_expert')} experts, top-{fp.get('n_expert_used')}"
                      + ("; **synthetic weights: speed only, never quality**" if mod.get("synthetic") else ""))
+        if fp.get("n_expert"):
+            e = fp["n_moe_layers"] * fp["n_expert_used"] * fp["slot_bytes"]
+            lines.append(f"- roofline inputs per token at batch 1 (BENCH.md): routed expert bytes E = {_bytes(e)}, "
+                         f"other weights D <= {_bytes(fp['dense_bytes'])} (plus the KV read)")
     lines.append(f"- server: {srv.get('url')} {'(started by the bench)' if srv.get('started') else '(already running)'}"
                  f"; flags: `{' '.join(srv.get('flags') or []) or '(defaults)'}`")
     if srv.get("settings"):
@@ -234,10 +246,14 @@ def plots(results: dict, out: Path) -> list[Path]:
         fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
         for ax, key, label in zip(axes, ("prefill_tok_s", "decode_tok_s", "ttft_s"),
                                   ("prefill tok/s", "decode tok/s", "time to first token (s)")):
+            seen = []
             for name, suite in [("strata", suites.get("sweep"))] + [(n, p.get("sweep")) for n, p in peers.items()]:
                 xs, ys, err = _series(suite, key)
                 if xs:
                     ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=name)
+                    seen += [y for y in ys if y > 0]
+            if seen and max(seen) > 20 * min(seen):  # peers an order of magnitude apart: keep both readable
+                ax.set_yscale("log")
             ax.set_xscale("log", base=2)
             ticks = sorted({r["length"] for r in (suites.get("sweep") or {}).get("rows", [])})
             if ticks:

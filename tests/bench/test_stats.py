@@ -45,3 +45,22 @@ def test_ratio_never_hides_a_missing_number():
     assert ratio(6.0, 3.0) == 2.0
     for a, b in ((None, 1.0), (1.0, None), (1.0, 0.0), (math.nan, 1.0)):
         assert math.isnan(ratio(a, b))
+
+
+def test_expert_statistics_of_an_interval():
+    """/metrics snapshots with raw counts (ExpertStats.as_dict()) give the interval's rates; rates alone are
+    labelled cumulative."""
+    from strata.bench.record import expert_delta
+    from strata.experts.stats import ExpertStats
+
+    a = ExpertStats()
+    a.add(hits=30, cpu=6, pcie=4, tokens=5, layers=20, swaps=2)  # warm-up: a cold cache
+    before = {"experts": a.as_dict()}
+    a.add(hits=90, cpu=8, pcie=2, tokens=10, layers=40, swaps=1)
+    d = expert_delta(before, {"experts": a.as_dict()})
+    assert d["interval"] and d["lookups"] == 100 and d["hit_rate"] == pytest.approx(0.9)
+    assert d["cpu_per_token"] == pytest.approx(0.8) and d["pcie_per_token"] == pytest.approx(0.2)
+    assert d["swaps_per_token"] == pytest.approx(0.1)
+    rates = expert_delta({"experts": {"swaps": 3}}, {"experts": {"hit_rate": 0.7, "swaps": 5}})
+    assert rates == {"hit_rate": 0.7, "swaps": 5, "swaps_interval": 2, "cumulative": True}
+    assert expert_delta(None, {"experts": {}}) == {}
