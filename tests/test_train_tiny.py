@@ -23,6 +23,16 @@ from strata.bench.routing import (RoutingTrace, lru_hit_rates, lru_hits, popular
 from tools.tiny import data as D  # noqa: E402
 from tools.tiny.model import TinyConfig, TinyMoE, save_hf_checkpoint  # noqa: E402
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """strata's CPU forwards here run on one thread: the numbers do not depend on it, and on a runner shared with
+    other jobs torch's spinning thread pool was measured 30x slower (39 s vs 1.3 s for a 1024-token forward)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 # -- routing statistics, by hand ---------------------------------------------------------------------------------
 
 STREAM = np.array([[0, 1], [0, 2], [1, 0], [3, 2]])
@@ -203,7 +213,7 @@ def toy_run(tmp_path_factory):
     work = tmp_path_factory.mktemp("toy-work")
     cmd = [sys.executable, str(ROOT / "tools" / "train_tiny.py"), "--out", str(out), "--work", str(work), "--toy",
            "--steps", "6", "--heldout-kb", "2", "--part-mb", "0.06", "--no-hf-check"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}  # see one_thread
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return out, json.loads((out / "strata-tiny.json").read_text())
