@@ -186,7 +186,7 @@ def heldout_slice(files: list[SourceFile], target_chars: int, per_file_chars: in
     """A deterministic slice of the held-out files: whole lines, at most ``per_file_chars`` of each file."""
     parts, used, total = [], [], 0
     for f in sorted((f for f in files if f.split == "heldout"), key=lambda f: _key(f.rel)):
-        if total >= target_chars:
+        if target_chars - total < min(500, target_chars // 4):  # no slivers at the end
             break
         take = f.text[: min(per_file_chars, target_chars - total)]
         if len(take) < len(f.text):

@@ -8,7 +8,7 @@ RUN_DIR is what ``tools/train_tiny.py --out`` wrote (read only is fine). The GGU
 strata-tiny.json), then:
 
   strata/data/strata-tiny.gguf, strata/data/strata-tiny.json     the shipped model and its recorded numbers
-  tests/data/strata-tiny-heldout.txt                             the held-out slice CI measures
+  tests/data/strata-tiny-heldout.{txt,md}                        the held-out slice CI measures, its source and licence
   docs/strata-tiny/{train_log,manifest}.json, *.png              the log, the data manifest, the figures
   docs/strata-tiny.md                                            its GENERATED section, from the JSON
 """
@@ -84,6 +84,14 @@ def main(argv=None) -> int:
     dst = root / rec["heldout"]["file"]
     dst.parent.mkdir(parents=True, exist_ok=True)
     dst.write_bytes((run / "strata-tiny-heldout.txt").read_bytes())
+    h = rec["heldout"]
+    note = [f"# {dst.name}", "",
+            f"Held-out text for strata-tiny (docs/strata-tiny.md): whole lines from modules of the Python "
+            f"{rec['data']['sources']['stdlib']['python']} standard library, which are licensed under the PSF License "
+            f"Agreement (PSF-2.0), Copyright (c) 2001 Python Software Foundation; All Rights Reserved. "
+            f"The training split excludes these modules.", "", "| module | sha256 of the whole file | characters used |",
+            "|---|---|---|"] + [f"| Lib/{f['path']} | `{f['sha256']}` | {f['chars']} |" for f in h["files"]]
+    dst.with_suffix(".md").write_text("\n".join(note) + "\n", encoding="utf-8")
     docs = root / "docs" / "strata-tiny"
     docs.mkdir(parents=True, exist_ok=True)
     for name in ("train_log.json", "manifest.json"):
