@@ -1,9 +1,9 @@
 """The model strata runs when none is named (`strata generate -p hi`, `strata serve` without -m).
 
-A trained small model will ship as `strata/data/strata-tiny.gguf`; until it does, strata makes a tiny synthetic
-MoE (`strata synth tiny-qwen3moe`: 4 layers, 16 experts top-4, a small trained tokenizer, Qwen3's chat template)
-on first use and caches it. Its weights are random: it exercises the whole stack (tokenizer, template, routing,
-the experts backend, the server) but its text is gibberish, and strata says so whenever it is used.
+The default is strata-tiny, a small Qwen3-MoE trained by `tools/train_tiny.py` and shipped as
+`strata/data/strata-tiny.gguf` (see docs/strata-tiny.md). Should the file be missing (a trimmed install), strata
+makes a tiny synthetic MoE instead (`strata synth tiny-qwen3moe`) on first use and caches it; its weights are
+random, its text gibberish, and strata says so whenever it is used.
 """
 
 from __future__ import annotations
