@@ -17,6 +17,7 @@ sweep's shape (what `strata bench --vs hf` reads). Peak VRAM is torch's max rese
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import sys
@@ -92,16 +93,21 @@ def one_pass(m, ids: list[int], gen: int) -> tuple[float, float]:
     dev = m.get_input_embeddings().weight.device
     x = torch.tensor([ids], device=dev)
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    # newer transformers name the KV cache argument `cache` (and warn on `past_key_values`)
+    key = "cache" if "cache" in inspect.signature(m.forward).parameters else "past_key_values"
     with torch.inference_mode():
-        cache = DynamicCache()
+        try:
+            cache = DynamicCache(config=m.config)
+        except TypeError:  # older transformers
+            cache = DynamicCache()
         sync()
         t0 = time.perf_counter()
-        out = m(input_ids=x, past_key_values=cache, use_cache=True)
+        out = m(input_ids=x, use_cache=True, **{key: cache})
         nxt = out.logits[:, -1:].argmax(-1)
         sync()
         t1 = time.perf_counter()
         for _ in range(gen):
-            out = m(input_ids=nxt.to(dev), past_key_values=out.past_key_values, use_cache=True)
+            out = m(input_ids=nxt.to(dev), use_cache=True, **{key: cache})  # the cache grows in place
             nxt = out.logits[:, -1:].argmax(-1)
         sync()
         t2 = time.perf_counter()

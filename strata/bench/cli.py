@@ -235,7 +235,10 @@ def _run_started(args, plan: Plan, model: str, model_ctx: int | None, synthetic,
             try:
                 info = _server_info(client)
                 suites.update(run_suites(client, plan, names, synthetic, tag=label))
-                info["experts_total_after"] = (client.metrics() or {}).get("experts")
+                after = client.metrics() or {}
+                info["experts_total_after"] = after.get("experts")
+                if after.get("profile"):  # the per-token time breakdown (a server run with --profile)
+                    info["profile"] = after["profile"]
             finally:
                 client.close()
         phases.append({"suites": names, "parallel": parallel, "ctx": ctx, "how": how, "argv": proc.argv,
@@ -281,6 +284,9 @@ def cmd_bench(args) -> int:
                 results["suites"] = run_suites(client0, plan, plan.suites, synthetic, tag="strata")
             results["server"] = {"url": args.url, "started": False, "flags": [], **info,
                                  "vram_peak_bytes": peak.peak}
+            after = client0.metrics() or {}
+            if after.get("profile"):
+                results["server"]["profile"] = after["profile"]
         finally:
             client0.close()
     else:
@@ -295,13 +301,14 @@ def cmd_bench(args) -> int:
     for peer in dict.fromkeys(args.vs):
         if model_path is None:
             raise StrataError("--vs needs the model file (give -m, or a server whose /props names its model_path)")
-        results["peers"].update(_run_peer(peer, args, plan, model_path, model_ctx, synthetic, out_dir))
+        results["peers"].update(_run_peer(peer, args, plan, model_path, model_ctx, synthetic, out_dir,
+                                          _device(results["server"], args)))
     paths = report.write(results, out_dir)
     _print_summary(results, out_dir, paths)
     return 0
 
 
-def _run_peer(peer: str, args, plan: Plan, model: str, model_ctx, synthetic, out_dir: Path) -> dict:
+def _run_peer(peer: str, args, plan: Plan, model: str, model_ctx, synthetic, out_dir: Path, device: str) -> dict:
     from strata.bench.peers import hf, llamacpp
     from strata.bench.calibrate import physical_cores
 
@@ -319,12 +326,9 @@ def _run_peer(peer: str, args, plan: Plan, model: str, model_ctx, synthetic, out
         return out
     # llama.cpp: its server through the same suites; llama-bench too where it is built
     server_bin = llamacpp.find_binary("llama-server", args.llama_server)
-    if server_bin is None:
-        from strata.hub.machine import probe_gpus
-
-        if probe_gpus()[0]:  # a GPU machine: the CPU build would be a straw man
-            return {"llamacpp": {"how": "llama.cpp", "error": f"no llama-server for this GPU at {llamacpp.BUILD_BIN} "
-                                 "(bench/peers/llamacpp.sh build, or --llama-server PATH)"}}
+    if server_bin is None and device.startswith("cuda"):  # strata on the GPU against llama.cpp's CPU build: a straw man
+        return {"llamacpp": {"how": "llama.cpp", "error": f"strata ran on {device}, and there is no GPU llama-server at "
+                             f"{llamacpp.BUILD_BIN} (bench/peers/llamacpp.sh build, or --llama-server PATH)"}}
     n_cpu_moe = args.n_cpu_moe
     fit = None
     if n_cpu_moe is None and server_bin is not None and args.vram_gb is not None:
@@ -353,6 +357,15 @@ def _run_peer(peer: str, args, plan: Plan, model: str, model_ctx, synthetic, out
         except StrataError as e:
             out["llama-bench"] = {"how": "llama-bench", "error": str(e)}
     return out
+
+
+def _device(server: dict, args) -> str:
+    """Where strata ran: its server's settings, else the --device it was started with."""
+    for info in [server, *[ph.get("server") or {} for ph in server.get("phases", [])]]:
+        dev = (info.get("settings") or {}).get("device")
+        if dev:
+            return str(dev)
+    return str(args.device)
 
 
 def _fresh_dir(root: Path, name: str) -> Path:

@@ -159,6 +159,11 @@ def _sanity_md(s: dict) -> list[str]:
     return lines
 
 
+def _profiles(srv: dict) -> list[dict]:
+    out = [srv["profile"]] if srv.get("profile") else []
+    return out + [ph["server"]["profile"] for ph in srv.get("phases", []) if (ph.get("server") or {}).get("profile")]
+
+
 def markdown(results: dict) -> str:
     m, mod, srv = results.get("machine", {}), results.get("model", {}), results.get("server", {})
     chk = m.get("check", {})
@@ -185,6 +190,9 @@ def markdown(results: dict) -> str:
                  f"; flags: `{' '.join(srv.get('flags') or []) or '(defaults)'}`")
     if srv.get("settings"):
         lines.append(f"- settings: {json.dumps(srv['settings'], sort_keys=True)}")
+    for prof in _profiles(srv):
+        lines += ["", f"Per-token time breakdown ({prof.get('tokens')} tokens, the server's --profile):", ""]
+        lines += _table(["bucket", "ms/token"], [[k, f"{v:.3f}"] for k, v in (prof.get("ms_per_token") or {}).items()])
     suites = results.get("suites", {})
     for key, title, fn in (("sweep", "Prefill / decode sweep", _sweep_md), ("concurrency", "Concurrency", _conc_md),
                            ("needle", "Needle in a haystack", _needle_md), ("sanity", "Sanity", _sanity_md)):

@@ -28,7 +28,9 @@ def tiny(hf_and_gguf):
 def server(tiny, tmp_path_factory):
     log = tmp_path_factory.mktemp("bench-server") / "serve.log"
     # one torch thread: on a shared 2-core machine a busy neighbour stalls every multi-threaded op of a tiny model
-    with strata_server(tiny, ["--expert-slots", "4", "-c", "512", "--threads", "1"], log, parallel=2) as proc:
+    # on the CPU also on a GPU machine: llama.cpp's peer here is its CPU build (xllamacpp)
+    with strata_server(tiny, ["--device", "cpu", "--expert-slots", "4", "-c", "512", "--threads", "1"], log,
+                       parallel=2) as proc:
         yield proc.url
 
 
