@@ -35,10 +35,19 @@ def synthetic_path() -> Path:
 
 
 def default_model_path(warn: bool = True) -> Path:
-    """The default model's file: the shipped trained model if present, else the cached synthetic one (made now
-    if missing; concurrent first runs each write their own temporary file and atomically rename it)."""
+    """The default model's file: the shipped trained model if present, else the cached synthetic one."""
     if SHIPPED.is_file():
         return SHIPPED
+    path = synthetic_model_path()
+    if warn:
+        print(f"strata: warning: no model given: using {path}, a SYNTHETIC model with random weights (its text "
+              "is gibberish); pass -m MODEL.gguf or REPO:QUANT to run a real model", file=sys.stderr)
+    return path
+
+
+def synthetic_model_path() -> Path:
+    """The tiny synthetic model, made now if missing (concurrent first runs each write their own temporary file
+    and atomically rename it; the bytes are identical whoever wins)."""
     path = synthetic_path()
     if not path.is_file():
         from strata.gguf.synth import synth
@@ -47,11 +56,8 @@ def default_model_path(warn: bool = True) -> Path:
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
         try:
             synth(PRESET, tmp, name=NAME, seed=0, progress=False)
-            os.replace(tmp, path)  # identical bytes whoever wins
+            os.replace(tmp, path)
         finally:
             if tmp.exists():
                 tmp.unlink()
-    if warn:
-        print(f"strata: warning: no model given: using {path}, a SYNTHETIC model with random weights (its text "
-              "is gibberish); pass -m MODEL.gguf or REPO:QUANT to run a real model", file=sys.stderr)
     return path

@@ -262,6 +262,7 @@ def test_default_model_cached_once(tmp_path, monkeypatch, capsys):
     from strata.models import default
 
     monkeypatch.setenv("STRATA_CACHE", str(tmp_path / "c"))
+    monkeypatch.setattr(default, "SHIPPED", tmp_path / "absent.gguf")  # as in an install without strata-tiny
     paths: list = []
     threads = [threading.Thread(target=lambda: paths.append(default.default_model_path())) for _ in range(2)]
     for t in threads:

@@ -15,12 +15,11 @@ CTX = 512
 
 
 def tiny_model_path(hf_and_gguf):
-    try:
-        from strata.models.default import default_model_path
+    # The synthetic tiny model (random weights): its behaviour under forced outputs is what these tests pin
+    # down; the trained default model is served by tests/test_strata_tiny.py.
+    from strata.models.default import synthetic_model_path
 
-        return default_model_path()
-    except ImportError:
-        return hf_and_gguf("qwen3moe")[1]
+    return synthetic_model_path()
 
 
 @pytest.fixture(scope="session")
