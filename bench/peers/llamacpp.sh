@@ -52,6 +52,10 @@ build() {
   command -v cmake >/dev/null || die "cmake not found"
   if [[ "$GGML_CUDA" == ON ]]; then command -v nvcc >/dev/null || [[ -x /usr/local/cuda/bin/nvcc ]] || die "nvcc not found"; fi
   export PATH="$PATH:/usr/local/cuda/bin"
+  # a build configured elsewhere (another machine, path or backend) is started over, never patched
+  local stamp="$(hostname) $SRC GGML_CUDA=$GGML_CUDA ARCH=$CUDA_ARCH"
+  if [[ -d "$BUILD" && "$(cat "$BUILD/.strata-config" 2>/dev/null)" != "$stamp" ]]; then rm -rf "$BUILD"; fi
+  mkdir -p "$BUILD" && echo "$stamp" > "$BUILD/.strata-config"
   # the UI flags keep the configure step from downloading llama-server's web UI
   cmake -S "$SRC" -B "$BUILD" \
     -DGGML_CUDA="$GGML_CUDA" -DCMAKE_CUDA_ARCHITECTURES="$CUDA_ARCH" \
