@@ -73,12 +73,29 @@ def load_from_args(args):
     cfg = engine_config(args)
     path = resolve_model_path(args.model)
     cfg.model = path
+    _apply_saved_calibration(path, cfg)
     t0 = time.perf_counter()
     print(f"strata: loading {path}", file=sys.stderr)
     lm = load_model(path, cfg)
     print(f"strata: loaded {lm.gguf.arch} ({lm.args.n_layers} layers, {lm.args.n_experts} experts) in "
           f"{time.perf_counter() - t0:.1f}s on {cfg.device}", file=sys.stderr)
     return lm
+
+
+def _apply_saved_calibration(path: str, cfg) -> None:
+    """`strata calibrate` saves the best expert settings per machine + model + budget; use them unless the user
+    set those flags (a flag moved from its default always wins)."""
+    if cfg.experts.mode == "resident" or (cfg.experts.vram_gb is None and cfg.experts.slots is None
+                                           and cfg.experts.mode != "tiered"):
+        return
+    from strata.bench.calibrate import apply_calibration, load_calibration
+
+    calib = load_calibration(path, cfg)
+    if calib:
+        changed = apply_calibration(cfg, calib)
+        if changed:
+            desc = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items())
+            print(f"strata: using the saved calibration: {desc}", file=sys.stderr)
 
 
 def sampling_from_args(args):

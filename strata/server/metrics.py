@@ -146,11 +146,12 @@ class Metrics:
         out: dict = {}
         st = getattr(experts, "stats", None)
         if st is not None:
-            for k in ("hit_rate", "cpu_per_token", "pcie_per_token"):
-                f = getattr(st, k, None)
-                if callable(f):
-                    out[k] = float(f())
+            # raw counts plus the derived rates (properties on ExpertStats)
+            out.update(st.as_dict() if hasattr(st, "as_dict") else {})
             out["swaps"] = int(getattr(st, "swaps", 0))
+        prof = getattr(experts, "profile", None)
+        if getattr(experts, "profiling", False) and hasattr(prof, "as_dict"):
+            out["profile"] = prof.as_dict()
         vb = getattr(experts, "vram_bytes", None)
         if vb is not None:
             out["vram_bytes"] = int(vb() if callable(vb) else vb)

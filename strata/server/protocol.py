@@ -142,6 +142,7 @@ class SamplingFields(_M):
     logit_bias: dict[str, Float] | None = None
     logprobs: bool | None = None
     cache_prompt: bool = True
+    ignore_eos: bool = False  # llama.cpp's field: generate max_tokens even past end-of-turn (benchmarks)
     user: str | None = None
 
 

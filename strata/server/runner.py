@@ -33,6 +33,7 @@ class Job:
     in_reasoning: bool = False  # the prompt already opened one
     tools: list[dict] | None = None  # parse tool calls against these (None: no parsing)
     cache_prompt: bool = True
+    ignore_eos: bool = False
     kind: str = "chat"
     make_processor: object = None  # set by Server.finish_job: built (and the grammar checked) before any output
 
@@ -195,7 +196,7 @@ class Server:
 
     async def run(self, job: Job, request=None):
         """Generate; yield events. Cancels the generation when the consumer stops early or the client leaves."""
-        stop_ids = set(self.tok.eot_ids)
+        stop_ids = set() if job.ignore_eos else set(self.tok.eot_ids)
         req = GenRequest(job.prompt, job.params, job.max_tokens, stop_ids, job.cache_prompt,
                          job.make_processor, kind=job.kind)
         self.worker.submit(req)
@@ -280,8 +281,9 @@ class Server:
             "prompt_per_token_ms": p_ms / prompt_n if prompt_n else 0.0,
             "prompt_per_second": prompt_n / (p_ms / 1e3) if p_ms else 0.0,
             "predicted_n": n_out, "predicted_ms": g_ms,
-            "predicted_per_token_ms": g_ms / n_out if n_out else 0.0,
-            "predicted_per_second": n_out / (g_ms / 1e3) if g_ms else 0.0,
+            # predicted_ms runs from the first token (sampled off the prompt) to the last: n - 1 decode steps
+            "predicted_per_token_ms": g_ms / (n_out - 1) if n_out > 1 else 0.0,
+            "predicted_per_second": (n_out - 1) / (g_ms / 1e3) if g_ms and n_out > 1 else 0.0,
             "cache_n": seq.cached if seq else 0, "draft_n": 0, "draft_n_accepted": 0,
         }
         return Result(reason if reason != "stop" or not stop_word else "stop", len(req.prompt), n_out,

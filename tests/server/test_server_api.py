@@ -261,3 +261,13 @@ def test_metrics(server, oai):
     assert j["settings"]["parallel"] == 2 and j["totals"]["requests"] >= 1
     assert j["recent_requests"][-1]["completion_tokens"] == 3
     assert "ram" in j["machine"] and "gpus" in j["machine"]
+
+
+def test_ignore_eos_generates_max_tokens(server):
+    """llama.cpp's `ignore_eos`: exactly max_tokens come back, whatever the model would have ended with."""
+    r = _http.post(server.url + "/v1/completions", json={"prompt": "def f(", "max_tokens": 24, "temperature": 0,
+                                                          "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["usage"]["completion_tokens"] == 24 and body["choices"][0]["finish_reason"] == "length"
+    assert body["timings"]["predicted_n"] == 24
