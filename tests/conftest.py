@@ -6,7 +6,10 @@ import pytest
 import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+# helper modules imported by name from any test folder (never `from conftest import`: which conftest that
+# finds depends on collection order)
 sys.path.insert(0, str(ROOT / "tests" / "models"))  # hf_fixtures, gguf_rewrite
+sys.path.insert(0, str(ROOT / "tests" / "quant"))  # quant_helpers
 # Real data nobody here wrote (vocabularies, chat templates from llama.cpp, MIT; see its README).
 # (kept in the repository so a clean clone tests against it)
 TESTDATA = pathlib.Path(os.environ.get("STRATA_TESTDATA", ROOT / "tests" / "data"))
@@ -32,12 +35,6 @@ def llamacpp_models():
 VOCAB = 1001  # deliberately not a multiple of 64
 
 
-def make_tokenizer_dir(d: pathlib.Path, vocab: int = VOCAB) -> None:
-    from strata.gguf.tokenizer_hf import make_tiny_hf_tokenizer
-
-    make_tiny_hf_tokenizer(d, vocab_size=vocab)
-
-
 @pytest.fixture(scope="session")
 def hf_and_gguf(tmp_path_factory):
     """family -> (hf_dir, {type: gguf_path}), built lazily and cached for the session."""
@@ -49,10 +46,10 @@ def hf_and_gguf(tmp_path_factory):
     def get(family: str, out_type: str = "f32"):
         hf = root / family / "hf"
         if family not in cache:
-            from hf_fixtures import make_hf_model
+            from hf_fixtures import make_hf_model, make_tokenizer_dir
 
             make_hf_model(family, hf, vocab_size=VOCAB)
-            make_tokenizer_dir(hf)
+            make_tokenizer_dir(hf, VOCAB)
             cache[family] = {}
         if out_type not in cache[family]:
             out = root / family / f"model-{out_type}.gguf"

@@ -21,8 +21,7 @@ def _strata(*args):
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    from conftest import make_tokenizer_dir
-    from hf_fixtures import make_hf_model
+    from hf_fixtures import make_hf_model, make_tokenizer_dir
 
     d = tmp_path_factory.mktemp("hf") / "tiny-qwen3moe"
     model = make_hf_model("qwen3moe", d, vocab_size=1001)

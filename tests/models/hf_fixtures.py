@@ -77,3 +77,10 @@ def make_hf_model(family: str, out: Path, vocab_size: int, seed: int = 0, std: f
                 b.copy_(0.05 * torch.randn_like(b))
     model.save_pretrained(out)
     return model
+
+
+def make_tokenizer_dir(d: Path, vocab: int) -> None:
+    """A small trained byte-level BPE tokenizer (with a Qwen3 chat template) beside a checkpoint."""
+    from strata.gguf.tokenizer_hf import make_tiny_hf_tokenizer
+
+    make_tiny_hf_tokenizer(d, vocab_size=vocab)

@@ -12,7 +12,7 @@ from strata import StrataError
 from strata.quant import QTensor, bytes_for, dequantize, random_qtensor, type_name
 from strata.quant import dequant as dequant_mod
 
-from conftest import ALL_TYPES, assert_bits_equal, block_len
+from quant_helpers import ALL_TYPES, assert_bits_equal, block_len
 
 SHAPES = [(1, 1), (7, 3), (3, 5, 2)]     # rows..., blocks per row (the 3-D one is an expert stack)
 

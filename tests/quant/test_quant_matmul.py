@@ -13,7 +13,7 @@ from strata.quant import QTensor, qmatmul, random_qtensor, type_name
 from strata.quant import dequant as dequant_mod
 from strata.quant import matmul as matmul_mod
 
-from conftest import ALL_TYPES, block_len
+from quant_helpers import ALL_TYPES, block_len
 
 
 def _oracle(x: torch.Tensor, w: QTensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ from strata import StrataError
 from strata.quant import QTensor, bytes_for, random_qtensor, type_name
 from strata.quant.qtensor import QUANTIZABLE_TYPES
 
-from conftest import ALL_TYPES, block_len
+from quant_helpers import ALL_TYPES, block_len
 
 QUANTIZABLE = sorted(QUANTIZABLE_TYPES, key=int)
 

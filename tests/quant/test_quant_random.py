@@ -9,7 +9,7 @@ from gguf import GGMLQuantizationType as Q
 
 from strata.quant import bytes_for, random_qtensor, random_raw_bytes, type_name
 
-from conftest import ALL_TYPES, block_len
+from quant_helpers import ALL_TYPES, block_len
 
 
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=type_name)

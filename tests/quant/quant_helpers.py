@@ -1,3 +1,5 @@
+"""Helpers shared by the weight-format tests (imported by name: tests/conftest.py puts this folder on sys.path)."""
+
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES
