@@ -145,6 +145,17 @@ def expert_weights(L: WeightLoader, i: int):
     return ExpertWeights(*(L.q(n, cpu) for n in names))
 
 
+def gqa_weights(L: WeightLoader, p: str) -> dict:
+    """Layer weights of grouped-query attention under prefix `p` (`blk.N.`): projections, optional Q/K/V biases
+    (Qwen2) and optional per-head Q/K norms (Qwen3)."""
+    w = {n: L.q(p + n + ".weight") for n in ("attn_q", "attn_k", "attn_v", "attn_output")}
+    for n in ("attn_q", "attn_k", "attn_v"):
+        w[n + ".bias"] = L.f(p + n + ".bias", required=False)
+    w["attn_q_norm"] = L.f(p + "attn_q_norm.weight", required=False)
+    w["attn_k_norm"] = L.f(p + "attn_k_norm.weight", required=False)
+    return w
+
+
 def build_ffn(L: WeightLoader, args, i: int, routing, experts_out: dict):
     """Dense SwiGLU or MoE for layer i, by the standard GGUF names."""
     from strata.layers.ffn import SwiGLU

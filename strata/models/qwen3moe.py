@@ -11,9 +11,7 @@ from strata.layers.attention import GQAttention
 from strata.layers.moe import Routing
 from strata.layers.rotary import Rotary
 from strata.models.args import read_args
-from strata.models.base import Block, CacheSpec, WeightLoader, build_ffn, finish_model
-
-ATTN = ("attn_q", "attn_k", "attn_v", "attn_output")
+from strata.models.base import Block, CacheSpec, WeightLoader, build_ffn, finish_model, gqa_weights
 
 
 def load_args(g: GGUFModel):
@@ -29,11 +27,7 @@ def build(g: GGUFModel, cfg, make_experts, max_ctx: int, args=None):
     blocks, experts = [], {}
     for i in range(args.n_layers):
         p = f"blk.{i}."
-        w = {n: L.q(p + n + ".weight") for n in ATTN}
-        for n in ("attn_q", "attn_k", "attn_v"):
-            w[n + ".bias"] = L.f(p + n + ".bias", required=False)
-        w["attn_q_norm"] = L.f(p + "attn_q_norm.weight", required=False)
-        w["attn_k_norm"] = L.f(p + "attn_k_norm.weight", required=False)
+        w = gqa_weights(L, p)
         attn = GQAttention(i, args, w, rotary)
         ffn = build_ffn(L, args, i, routing, experts)
         blocks.append(Block(L.f(p + "attn_norm.weight"), attn, L.f(p + "ffn_norm.weight"), ffn, args.norm_eps))
