@@ -54,6 +54,7 @@ class EngineConfig:
     n_slots: int = 1
     prefill_chunk: int = 0  # 0 = sized from memory
     seed: int | None = None
+    cuda_graphs: bool = False  # replay single-sequence decode steps as CUDA graphs (resident experts only)
     experts: ExpertConfig = field(default_factory=ExpertConfig)
 
     def validate(self) -> None:

@@ -72,6 +72,11 @@ class Engine:
         self.free_slots = list(range(self.n_slots))
         self.running: list[Sequence] = []
         self.slot_tokens: dict[int, list[int]] = {s: [] for s in range(self.n_slots)}  # what each slot's KV holds
+        self.graphs = None
+        if lm.cfg.cuda_graphs and self.n_slots == 1 and not callable(setup):  # resident experts only
+            from strata.engine.graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self.model, self.kv, slot=0)
 
     def _default_chunk(self) -> int:
         # Largest transient per chunk is the attention score block [H, chunk, ctx] in float32; give it a budget
@@ -147,9 +152,12 @@ class Engine:
                 toks.append(s.output[-1])
                 poss.append(s.pos)
                 owners.append(s)
-        t = torch.tensor(toks, device=self.device)
-        p = torch.tensor(poss, device=self.device)
-        logits = self.model.forward(t, p, segs, self.kv)  # [len(segs), V]
+        if self.graphs is not None and prefill is None and len(segs) == 1:
+            logits = self.graphs.step(toks[0], poss[0])  # [1, V] from a replayed graph
+        else:
+            t = torch.tensor(toks, device=self.device)
+            p = torch.tensor(poss, device=self.device)
+            logits = self.model.forward(t, p, segs, self.kv)  # [len(segs), V]
         picks = []
         for i, (s, seg) in enumerate(zip(owners, segs)):
             s.pos += seg.n

@@ -18,6 +18,10 @@ class Segment:
     slot: int
     start: int  # position of the first token
     n: int
+    # Static-shape decode (CUDA graphs): the position lives on the device and attention spans a fixed window of
+    # the cache, masked beyond the position, so one captured graph serves every position up to `window`.
+    pos_t: "torch.Tensor | None" = None  # [1] int64 on the cache's device
+    window: int = 0
 
     @property
     def end(self) -> int:
@@ -59,6 +63,12 @@ class KVCache:
         self.k[layer][seg.slot, seg.start : seg.end] = k.to(self.dtype)
         if v is not None and self.v is not None:
             self.v[layer][seg.slot, seg.start : seg.end] = v.to(self.dtype)
+
+    def write_at(self, layer: int, slot: int, pos_t: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
+        """Write one token's K/V at a device-side position (no host value involved)."""
+        self.k[layer][slot].index_copy_(0, pos_t, k.to(self.dtype))
+        if v is not None and self.v is not None:
+            self.v[layer][slot].index_copy_(0, pos_t, v.to(self.dtype))
 
     def read(self, layer: int, seg: Segment) -> tuple[torch.Tensor, torch.Tensor | None]:
         k = self.k[layer][seg.slot, : seg.end]

@@ -26,6 +26,20 @@ def _causal_mask(seg: Segment, device) -> torch.Tensor | None:
     return k <= q  # [n, L]
 
 
+def _cache_step(kv: KVCache, layer: int, seg: Segment, k: torch.Tensor, v: torch.Tensor | None):
+    """Write a segment's K/V and return (keys, values, mask) to attend over: the slot's prefix, or for a
+    static-shape decode segment the fixed window masked beyond the device-side position."""
+    if seg.window:
+        kv.write_at(layer, seg.slot, seg.pos_t, k, v)
+        ks = kv.k[layer][seg.slot, : seg.window]
+        vs = kv.v[layer][seg.slot, : seg.window] if kv.v is not None else None
+        mask = (torch.arange(seg.window, device=k.device) <= seg.pos_t).unsqueeze(0)  # [1, window]
+        return ks, vs, mask
+    kv.write(layer, seg, k, v)
+    ks, vs = kv.read(layer, seg)
+    return ks, vs, _causal_mask(seg, k.device)
+
+
 def _linear(x: torch.Tensor, w: QTensor, b: torch.Tensor | None) -> torch.Tensor:
     y = qmatmul(x, w)
     return y + b.to(y.dtype) if b is not None else y
@@ -59,12 +73,11 @@ class GQAttention:
         out = torch.empty(n, self.n_heads, self.vd, dtype=x.dtype, device=x.device)
         i = 0
         for seg in segments:
-            kv.write(self.layer, seg, k[i : i + seg.n], v[i : i + seg.n])
-            ks, vs = kv.read(self.layer, seg)  # [L, Hkv, D]
+            ks, vs, mask = _cache_step(kv, self.layer, seg, k[i : i + seg.n], v[i : i + seg.n])  # [L, Hkv, D]
             qs = q[i : i + seg.n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             ks = ks.to(x.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]: GQA inside SDPA, no repeat
             vs = vs.to(x.dtype).transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=_causal_mask(seg, x.device), scale=self.scale,
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.scale,
                                                enable_gqa=self.n_heads != self.n_kv)
             out[i : i + seg.n] = o[0].transpose(0, 1)
             i += seg.n
@@ -131,12 +144,11 @@ class MLAttention:
         out = torch.empty(n, self.h, self.lora, dtype=x.dtype, device=x.device)
         i = 0
         for seg in segments:
-            kv.write(self.layer, seg, latent[i : i + seg.n], None)
-            ks, _ = kv.read(self.layer, seg)  # [L, 1, lora + rope]
+            ks, _, mask = _cache_step(kv, self.layer, seg, latent[i : i + seg.n], None)  # [L, 1, lora + rope]
             ks = ks.to(x.dtype).transpose(0, 1).unsqueeze(0)  # [1, 1, L, lora + rope]: one latent "head"
             qs = q_full[i : i + seg.n].transpose(0, 1).unsqueeze(0)  # [1, H, n, lora + rope]
             o = F.scaled_dot_product_attention(
-                qs, ks, ks[..., : self.lora], attn_mask=_causal_mask(seg, x.device), scale=self.scale,
+                qs, ks, ks[..., : self.lora], attn_mask=mask, scale=self.scale,
                 enable_gqa=True,
             )
             out[i : i + seg.n] = o[0].transpose(0, 1)

@@ -113,7 +113,7 @@ class CausalLM:
         for blk in self.blocks:
             x = blk(x, pos, segments, kv, prof)
         t = prof._mark() if prof else None
-        if not all_logits:
+        if not all_logits and any(seg.n != 1 for seg in segments):  # (all-decode: already one row each)
             last = torch.tensor(_last_indices(segments), device=x.device)
             x = x.index_select(0, last)
         x = rms_norm(x, self.out_norm, self.args.norm_eps)
