@@ -24,7 +24,9 @@ COMMAND_MODULES = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="strata", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="strata", description="Run Mixture-of-Experts models larger than your GPU, and serve them over the "
+        "OpenAI and Anthropic APIs.")
     parser.add_argument("--version", action="version", version=f"strata {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
