@@ -1,5 +1,5 @@
-"""Fused expert FFN over a slot pool in Triton: Q4_K / Q8_0 blocks read straight from the slots, no dequantized
-copy, two launches per MoE layer.
+"""Fused expert FFN over a slot pool in Triton: Q4_K / Q6_K / Q8_0 blocks read straight from the slots, no
+dequantized copy, two launches per MoE layer.
 
 For each (pair p, block of output rows) a program reads the slot `slots[p]` (negative = a miss: the pair's
 output is zero and no weight is read), walks the reduction dimension block by block, decodes the GGML blocks in registers and
@@ -11,7 +11,9 @@ accumulates in float32:
 Reference twin: `strata.ops.expert_gather.gather_expert_ffn` (tests run these kernels in Triton's
 interpreter on the CPU; see tests/experts/test_expert_triton.py). Q4_K block (144 bytes / 256 weights): f16 d,
 f16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles (byte c of the 128: low nibble = weight
-64*(c//32) + c%32, high nibble = that + 32). Q8_0 block (34 bytes / 32 weights): f16 d, 32 int8.
+64*(c//32) + c%32, high nibble = that + 32). Q6_K block (210 bytes / 256 weights): 128 bytes ql of low
+nibbles, 64 bytes qh of 2-bit high parts, 16 int8 scales (one per 16 weights), f16 d;
+weight = d * scale * (q - 32). Q8_0 block (34 bytes / 32 weights): f16 d, 32 int8.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ try:  # Triton is optional: without it (or without a GPU) the torch grouped path
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
-SUPPORTED = frozenset({Q.Q4_K, Q.Q8_0})
+SUPPORTED = frozenset({Q.Q4_K, Q.Q6_K, Q.Q8_0})
 BLOCK_N = 16  # output rows per program
 
 
@@ -83,6 +85,37 @@ if triton is not None:
         return acc
 
     @triton.jit
+    def _q6k_dot(row, xp, K, BN: tl.constexpr):
+        """row: [BN] byte pointers to rows of Q6_K blocks; xp: pointer to x (float) of length K -> [BN] float32.
+
+        Byte c of ql (c = 64h + 32j + l; llama.cpp's dequantize_row_q6_K): low nibble = weight
+        128h + 32j + l, high nibble = that + 64; their 2 high bits sit in qh byte 32h + l at bits 2j and 2j + 4.
+        """
+        c = tl.arange(0, 128)
+        h = c // 64  # half of the block
+        j = (c // 32) % 2
+        l = c % 32
+        w_lo = 128 * h + 32 * j + l  # [128] weight index of the low nibble; the high nibble's is w_lo + 64
+        sh = 2 * j  # [128] shift of the low nibble's 2 high bits in qh
+        acc = tl.zeros([BN], dtype=tl.float32)
+        for sb in range(0, K // 256):
+            blk = row[:, None] + sb * 210  # [BN, 1]
+            d = _f16_at(row + sb * 210, 208)  # [BN]
+            ql = tl.load(blk + c[None, :]).to(tl.int32)  # [BN, 128]
+            qh = tl.load(blk + 128 + (32 * h + l)[None, :]).to(tl.int32)  # [BN, 128], each qh byte twice
+            q_lo = ((ql & 15) | (((qh >> sh[None, :]) & 3) << 4)) - 32  # [BN, 128] in -32..31
+            q_hi = ((ql >> 4) | (((qh >> (sh + 4)[None, :]) & 3) << 4)) - 32
+            # one int8 scale per 16 weights
+            sc_lo = tl.load(blk + 192 + (w_lo // 16)[None, :]).to(tl.int8, bitcast=True).to(tl.int32)
+            sc_hi = tl.load(blk + 192 + (w_lo // 16 + 4)[None, :]).to(tl.int8, bitcast=True).to(tl.int32)
+            xl = tl.load(xp + sb * 256 + w_lo).to(tl.float32)  # [128]
+            xh = tl.load(xp + sb * 256 + w_lo + 64).to(tl.float32)
+            # scale * q is an exact integer (|.| <= 128 * 32), so float32 loses nothing before d
+            s = (sc_lo * q_lo).to(tl.float32) * xl[None, :] + (sc_hi * q_hi).to(tl.float32) * xh[None, :]
+            acc += d * tl.sum(s, axis=1)
+        return acc
+
+    @triton.jit
     def _q8_0_dot(row, xp, K, BN: tl.constexpr):
         c = tl.arange(0, 32)
         acc = tl.zeros([BN], dtype=tl.float32)
@@ -98,6 +131,8 @@ if triton is not None:
     def _dot(row, xp, K, QT: tl.constexpr, BN: tl.constexpr):
         if QT == 12:  # Q4_K
             return _q4k_dot(row, xp, K, BN)
+        elif QT == 14:  # Q6_K
+            return _q6k_dot(row, xp, K, BN)
         else:  # Q8_0
             return _q8_0_dot(row, xp, K, BN)
 
@@ -131,12 +166,17 @@ if triton is not None:
             tl.store(out + p * N + n, tl.zeros([BN], dtype=tl.float32), mask=nm)
 
 
+def block_len(qtype) -> int:
+    """Weights per block of a supported format (Q4_K and Q6_K: 256, Q8_0: 32)."""
+    return 256 if qtype in (Q.Q4_K, Q.Q6_K) else 32
+
+
 def supports(gate, up, down) -> bool:
     """Triton is importable and the pool's formats have kernels (K a whole number of blocks)."""
     if triton is None:
         return False
     for t in (gate, up, down):
-        if t.qtype not in SUPPORTED or t.shape[-1] % (256 if t.qtype == Q.Q4_K else 32):
+        if t.qtype not in SUPPORTED or t.shape[-1] % block_len(t.qtype):
             return False
     return True
 

@@ -18,7 +18,8 @@ SCRIPT = textwrap.dedent("""
     from strata.ops.expert_triton import supports, triton_expert_ffn
     from strata.quant import random_qtensor
     rng = np.random.default_rng(0)
-    for qg, qd, d, ff in ((Q.Q4_K, Q.Q4_K, 256, 256), (Q.Q4_K, Q.Q8_0, 256, 96)):
+    for qg, qd, d, ff in ((Q.Q4_K, Q.Q4_K, 256, 256), (Q.Q4_K, Q.Q8_0, 256, 96),
+                          (Q.Q6_K, Q.Q6_K, 256, 256), (Q.Q8_0, Q.Q6_K, 64, 256)):
         g, u = (random_qtensor(qg, (2, ff, d), rng) for _ in range(2))
         dn = random_qtensor(qd, (2, d, ff), rng)
         assert supports(g, u, dn)
