@@ -73,7 +73,7 @@ class Engine:
         self.running: list[Sequence] = []
         self.slot_tokens: dict[int, list[int]] = {s: [] for s in range(self.n_slots)}  # what each slot's KV holds
         self.graphs = None
-        if lm.cfg.cuda_graphs and self.n_slots == 1 and not callable(setup):  # resident experts only
+        if lm.cfg.cuda_graphs and self.n_slots == 1:
             from strata.engine.graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self.model, self.kv, slot=0)

@@ -1,22 +1,75 @@
-"""Decode steps replayed as CUDA graphs: one captured graph per attention window, for one slot.
+"""Decode steps replayed as CUDA graphs: captured per attention window, for one slot, in pieces.
 
 A Python decode step launches thousands of small kernels (measured: ~6,250 per token on Qwen3-30B-A3B shapes,
-124 ms of host time against 27 ms of GPU time). Replaying a captured graph launches them all at once. Capture
-needs static shapes and no host reads: the token and position live in device buffers, attention spans a fixed
-window of the KV cache masked beyond the position (`Segment.window`), and the experts must be resident (the
-tiered backend reads routing on the host). Windows are powers of two, so a sequence re-captures at most
-log2(context) times.
+124 ms of host time against 27 ms of GPU time); replaying captured graphs launches them at once (resident
+experts, B1: 13 -> 40 tok/s). Capture needs static shapes and no host reads: the token and position live in
+device buffers, attention spans a fixed window of the KV cache masked beyond the position (`Segment.window`).
+Windows are powers of two, so a sequence re-captures at most log2(context) times.
 
-Without CUDA the same static-shape step runs eagerly: that is what the CPU tests compare with the dynamic step.
+Tiered experts must hand each MoE layer's routing to the host (the CPU lane computes misses where they lie,
+the host picks and copies what crosses PCIe). The backend marks those points with `recorder.cut(fn)`: while
+capturing, a cut ends the current graph and starts the next one, and `fn` is remembered; a replay runs
+graph 0, fn 0, graph 1, fn 1, ... A hand-off `fn` may return a `post` callable, run right after the next
+graph is launched (bookkeeping that should not delay the GPU). All pieces of one window share a private
+memory pool and are replayed in capture order, so tensors passed from one piece to the next stay valid.
+Outside capture (warm-up, CPU, and `cut` calls during an eager static step) a cut runs `fn` and its `post`
+at once: the same code path, which is what the CPU tests exercise.
+
+`--profile` with graphs: every piece and hand-off is timed on the host with a device sync after it, and the
+time goes to the bucket the cut names (so the breakdown adds up to the step).
 """
 
 from __future__ import annotations
+
+import time
+from typing import Callable
 
 import torch
 
 from strata.kv.cache import KVCache, Segment
 
 MIN_WINDOW = 256
+
+Handoff = Callable[[], "Callable[[], None] | None"]
+
+
+class PieceRecorder:
+    """Collects the pieces of one capture; outside capture, runs hand-offs inline."""
+
+    def __init__(self):
+        self.active = False  # inside a static decode step (backends take their graph-safe path)
+        self.capturing = False
+        self.warmup = False  # a warm-up forward before capture: backends may skip counting it
+        self.pieces: list[tuple[torch.cuda.CUDAGraph, Handoff | None, str]] = []
+        self._g: torch.cuda.CUDAGraph | None = None
+        self._pool = None
+        self.profile: Callable[[str, float], None] | None = None  # (bucket, ms) sink when profiling
+
+    def cut(self, fn: Handoff | None = None, label: str = "dense_other") -> None:
+        """End the current piece here (its work counts as `label`); `fn` runs on the host after it."""
+        if not self.capturing:
+            if fn is not None:
+                post = fn()
+                if post is not None:
+                    post()
+            return
+        self._g.capture_end()
+        self.pieces.append((self._g, fn, label))
+        self._begin()
+
+    def _begin(self) -> None:
+        self._g = torch.cuda.CUDAGraph()
+        self._g.capture_begin(pool=self._pool)
+
+    def start(self, pool) -> None:
+        self.pieces, self._pool, self.capturing = [], pool, True
+        self._begin()
+
+    def finish(self, label: str = "dense_other") -> list:
+        self._g.capture_end()
+        self.pieces.append((self._g, None, label))
+        self._g, self.capturing = None, False
+        return self.pieces
 
 
 class DecodeGraphs:
@@ -26,7 +79,14 @@ class DecodeGraphs:
         self.tok = torch.zeros(1, dtype=torch.long, device=dev)  # static inputs
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
         self.cuda = dev.type == "cuda"
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.rec = PieceRecorder()
+        self.experts = getattr(model, "experts", None)
+        if self.experts is not None and hasattr(self.experts, "recorder"):
+            self.experts.recorder = self.rec
+        self.graphs: dict[int, tuple[list, torch.Tensor]] = {}
+        self.profiling = bool(getattr(self.experts, "profiling", False))
+        if self.profiling and hasattr(self.experts, "profile"):
+            self.rec.profile = self.experts.profile.add
 
     def window_for(self, pos: int) -> int:
         w = MIN_WINDOW
@@ -37,19 +97,35 @@ class DecodeGraphs:
     def _segments(self, window: int) -> list[Segment]:
         return [Segment(self.slot, 0, 1, pos_t=self.pos, window=window)]
 
+    def _forward(self, segs):
+        self.rec.active = True
+        try:
+            return self.model.forward(self.tok, self.pos, segs, self.kv)
+        finally:
+            self.rec.active = False
+
     def _capture(self, window: int):
         segs = self._segments(window)
         side = torch.cuda.Stream(self.model.device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up: Triton compiles, allocator settles (rewrites the same K/V)
-            for _ in range(2):
-                self.model.forward(self.tok, self.pos, segs, self.kv)
+            self.rec.warmup = True
+            try:
+                for _ in range(2):
+                    self._forward(segs)
+            finally:
+                self.rec.warmup = False
+            side.synchronize()
+            self.rec.start(torch.cuda.graph_pool_handle())
+            try:
+                out = self._forward(segs)
+            except BaseException:
+                self.rec.capturing = False
+                raise
+            pieces = self.rec.finish()
         torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            out = self.model.forward(self.tok, self.pos, segs, self.kv)
-        self.graphs[window] = (g, out)
-        return g, out
+        self.graphs[window] = (pieces, out)
+        return pieces, out
 
     @torch.inference_mode()
     def step(self, token: int, pos: int) -> torch.Tensor:
@@ -58,7 +134,39 @@ class DecodeGraphs:
         self.pos.fill_(pos)
         window = self.window_for(pos)
         if not self.cuda:
-            return self.model.forward(self.tok, self.pos, self._segments(window), self.kv)
-        g, out = self.graphs.get(window) or self._capture(window)
-        g.replay()
+            return self._forward(self._segments(window))
+        pieces, out = self.graphs.get(window) or self._capture(window)
+        if self.profiling:
+            self._replay_timed(pieces)
+            return out
+        post = None
+        for g, fn, _ in pieces:
+            g.replay()
+            if post is not None:
+                post()
+                post = None
+            if fn is not None:
+                post = fn()
         return out
+
+    def _replay_timed(self, pieces) -> None:
+        """Replay with a sync after every piece and hand-off, charging each one's wall time to its bucket."""
+        add = self.rec.profile
+        dev = self.model.device
+        torch.cuda.synchronize(dev)
+        post = None
+        for g, fn, label in pieces:
+            t = time.perf_counter()
+            g.replay()
+            torch.cuda.synchronize(dev)
+            add(label, (time.perf_counter() - t) * 1e3)
+            if post is not None:
+                t = time.perf_counter()
+                post()
+                add("policy", (time.perf_counter() - t) * 1e3)
+                post = None
+            if fn is not None:
+                t = time.perf_counter()
+                post = fn()
+                torch.cuda.synchronize(dev)
+                add(getattr(fn, "bucket", "cpu_wait"), (time.perf_counter() - t) * 1e3)

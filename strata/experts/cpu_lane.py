@@ -241,6 +241,11 @@ class CpuLane:
         ew = self.layers[layer]
         return expert_ffn(x, ew.gate[e], ew.up[e], ew.down[e]).float()
 
+    def run_experts(self, layer: int, x: torch.Tensor, experts: list[int]) -> torch.Tensor:
+        """One token x [1, d] (host) through each of `experts` -> [len(experts), d] float32."""
+        xin = x.to(torch.bfloat16) if self.kernel[layer] == "int4" else x
+        return torch.cat([self.expert(layer, e, xin) for e in experts])
+
     def run(self, layer: int, x: torch.Tensor, jobs: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
         """jobs: (expert, token indices [n_e]) -> outputs [sum n_e, d] float32 in job order. x [N, d] on the host."""
         total = sum(int(t.numel()) for _, t in jobs)

@@ -132,6 +132,7 @@ class ExpertStats:
 # Buckets every decode step reports, in display order for ties; others may be added freely.
 BUCKETS: dict[str, str] = {
     "pcie_wait": "PCIe wait",
+    "pcie_staged": "PCIe wait + staged experts",
     "attention": "attention",
     "linear_attention": "linear attention",
     "mla": "MLA",
@@ -140,6 +141,7 @@ BUCKETS: dict[str, str] = {
     "cpu_wait": "CPU wait",
     "dense_other": "dense/other",
     "sampling": "sampling",
+    "policy": "policy (host)",
 }
 
 _BAR = " ▏▎▍▌▋▊▉█"  # eighths of a cell

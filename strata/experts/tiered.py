@@ -43,6 +43,7 @@ from strata.experts.profile import RoutingProfile, warm_policy
 from strata.experts.resident import ExpertWeights, combine, expert_ffn
 from strata.experts.stats import ExpertStats, StepProfile
 from strata.experts.store import ExpertStore
+from strata.experts.tiered_decode import GraphedDecode
 from strata.ops.expert_gather import gather_expert_ffn
 
 log = logging.getLogger("strata")
@@ -93,6 +94,8 @@ class TieredExperts:
         self._loaded_profile: RoutingProfile | None = None
         self._pin_bufs: dict[str, torch.Tensor] = {}
         self._saved = False
+        self.recorder = None  # set by DecodeGraphs: one-token steps then take the graph-piece path
+        self.graphed = GraphedDecode(self)
 
     # --- set-up -----------------------------------------------------------------------------------------------
     def setup(self, k: int) -> None:
@@ -164,28 +167,38 @@ class TieredExperts:
         done, self.request = self.request, ExpertStats()
         return done
 
-    def _begin_step(self, n_tokens: int) -> None:
+    def _begin_step(self, n_tokens: int, graphed: bool = False) -> None:
         self.policy.tick()
         self.stats.add(tokens=n_tokens)
         self.request.add(tokens=n_tokens)
-        if self.profiling:
+        # with decode graphs the profile is of graphed decode steps (timed per piece), not of prefill chunks
+        if self.profiling and (graphed or self.recorder is None):
             self._resolve_events()
             self.profile.add_tokens(n_tokens)
 
-    def _poll(self, li: int) -> None:
-        """Mark experts whose copy finished as ready (event.query(): no sync)."""
+    def _poll(self, li: int, upload: bool = True) -> bool:
+        """Mark experts whose copy finished as ready (event.query(): no sync); returns whether any was."""
         pend = self._pending[li]
         if not pend:
-            return
+            return False
         done = [e for e, ev in pend.items() if ev is None or ev.query()]
         for e in done:
             del pend[e]
             self.policy.mark_ready(li, e)
-        if done:
+        if done and upload:
             self.cache.upload_map(li, self.policy.expert_map()[li])
+        return bool(done)
 
     # --- profiling ----------------------------------------------------------------------------------------------
+    def _graph_mode(self) -> bool:
+        return self.recorder is not None and self.recorder.active
+
     def _mark(self):
+        if self._graph_mode():  # a graphed step is timed per piece: a span boundary is a cut
+            self.recorder.cut(label="dense_other")
+            return None
+        if self.recorder is not None:
+            return None  # eager steps (prefill) are not profiled when decode is graphed
         if self.cuda:
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
@@ -193,6 +206,11 @@ class TieredExperts:
         return time.perf_counter()
 
     def _span(self, bucket: str, start, end=None) -> None:
+        if self._graph_mode():
+            self.recorder.cut(label=bucket)
+            return
+        if self.recorder is not None:
+            return
         end = self._mark() if end is None else end
         if self.cuda:
             self._events.append((bucket, start, end))
@@ -237,6 +255,8 @@ class TieredExperts:
         N, k = ids.shape
         if self.cache is None:
             self.setup(k)
+        if N == 1 and self._graph_mode():
+            return self.graphed.forward(self.recorder, layer, x, ids, w)
         li = self.index[layer]
         if li == 0:
             self._begin_step(N)

@@ -1,0 +1,176 @@
+"""One-token decode through the tiered experts, shaped for CUDA-graph pieces (`strata.engine.graphs`).
+
+Per MoE layer the step is cut into three pieces around two host hand-offs:
+
+    piece A (GPU)   ... router -> ids; ids and x copied into this layer's pinned host buffers
+    cut: ready      host records an event (the routing is on the host once it fires)
+    piece H (GPU)   hits: every choice from the slot pool through the device expert_map (misses give 0)
+    cut: handoff    host waits for `ready` (not for H), reads the ids, splits the misses by the plan:
+                      PCIe share: copied into staging slots (side stream), slots written to a pinned table
+                      CPU share: computed now by the CPU lane while H runs, outputs written to a pinned buffer
+                    the main stream waits for the copies; returns `post` (the policy's bookkeeping and the
+                    cache admissions), run after piece B is launched
+    piece B (GPU)   staging table and CPU outputs copied up (captured H2D copies from the pinned buffers);
+                    staged experts computed from the pool; y = hits + staged + cpu; combined in routing order
+                    ... the next layer's attention, router ...
+
+The GPU never waits for the host except for the CPU share and the PCIe copies of this layer, and the host
+never waits for the GPU's hits. Each choice's output comes from exactly one of the three tensors (the other two
+hold zeros), so the sum equals the resident backend's per-choice outputs and `combine` gives the same result.
+
+Without CUDA the same code runs eagerly (cuts run their hand-offs inline): that is what CI tests against the
+all-resident oracle.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from strata.experts.resident import combine
+from strata.ops.expert_gather import gather_expert_ffn
+
+
+class _Buffers:
+    """One MoE layer's static buffers: host ones pinned on CUDA (captured copies read/write them)."""
+
+    def __init__(self, k: int, d: int, dtype: torch.dtype, device: torch.device, cuda: bool):
+        pin = dict(pin_memory=True) if cuda else {}
+        self.ids_h = torch.zeros(k, dtype=torch.int64, **pin)
+        self.x_h = torch.zeros(1, d, dtype=dtype, **pin)
+        self.stage_h = torch.full((k,), -1, dtype=torch.int64, **pin)
+        self.ycpu_h = torch.zeros(k, d, dtype=torch.float32, **pin)
+        self.stage_d = torch.full((k,), -1, dtype=torch.int64, device=device)
+        self.ycpu_d = torch.zeros(k, d, dtype=torch.float32, device=device)
+        self.map_h = torch.zeros(0, dtype=torch.int64, **pin)  # the expert_map row upload buffer
+        self.ready = torch.cuda.Event() if cuda else None
+        self.cpu_rows: list[int] = []  # rows of ycpu_h written last time (zeroed before the next use)
+
+
+class GraphedDecode:
+    """The graph-piece decode path of a TieredExperts backend (`tiered`)."""
+
+    def __init__(self, tiered):
+        self.t = tiered
+        self.bufs: dict[int, _Buffers] = {}
+
+    def _bufs(self, li: int, k: int, x: torch.Tensor) -> _Buffers:
+        b = self.bufs.get(li)
+        if b is None:
+            b = self.bufs[li] = _Buffers(k, x.shape[-1], x.dtype, x.device, self.t.cuda)
+        return b
+
+    def forward(self, rec, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        t = self.t
+        k = ids.shape[1]
+        li = t.index[layer]
+        b = self._bufs(li, k, x)
+        pool = t.cache.pool_of[layer]
+        # piece A ends: the routing and the activations start for the host
+        b.ids_h.copy_(ids.view(-1), non_blocking=True)
+        if t.lane is not None:
+            b.x_h.copy_(x, non_blocking=True)
+        rec.cut(self._ready(b), label="router_shared")
+        # piece H: hits from the device map (no host involvement)
+        xs = x.expand(k, -1).contiguous()  # [k, d]
+        y_hit = gather_expert_ffn(xs, pool.gate, pool.up, pool.down, t.cache.map[li].index_select(0, ids.view(-1)))
+        rec.cut(self._handoff(li, layer, b, rec), label="gpu_experts")
+        # piece B: what the host decided comes up, staged experts run, all three parts summed
+        b.stage_d.copy_(b.stage_h, non_blocking=True)
+        b.ycpu_d.copy_(b.ycpu_h, non_blocking=True)
+        y_stage = gather_expert_ffn(xs, pool.gate, pool.up, pool.down, b.stage_d)
+        y = y_hit + y_stage + b.ycpu_d  # [k, d] float32: one of the three is each choice's output
+        out = combine(y.view(1, k, -1), w, x.dtype)
+        if t.profiling:
+            rec.cut(None, label="pcie_staged")  # waiting for this layer's copies, staged compute, combine
+        return out
+
+    def _ready(self, b: _Buffers):
+        def fn():
+            if b.ready is not None:
+                b.ready.record()
+            return None
+
+        fn.bucket = "router_shared"
+        return fn
+
+    def _handoff(self, li: int, layer: int, b: _Buffers, rec):
+        t = self.t
+
+        def fn():
+            if b.ready is not None:
+                b.ready.synchronize()  # the routing is on the host; piece H may still be running
+            counting = not rec.warmup
+            if li == 0 and counting:
+                t._begin_step(1, graphed=True)
+            pol, cache = t.policy, t.cache
+            row = pol.expert_map()[li]  # the host mirror, as the device map was when piece H was queued
+            ids = b.ids_h.numpy()
+            ids_l = ids.tolist()
+            hit = row[ids] >= 0
+            misses = [e for e, h in zip(ids_l, hit.tolist()) if not h]
+            cpu: list[int] = []
+            pcie: list[int] = []
+            if misses:
+                cpu, pcie = t.plan.choose(misses, pol.scores(li))
+            stage = b.stage_h.numpy()
+            stage.fill(-1)
+            if pcie:
+                # Staging slots were last read by an earlier layer's piece B, which finished before piece A
+                # of this layer (we waited for it), so the copies need not wait for the main stream.
+                slots = cache.stage_slots(layer, len(pcie))
+                evs = [cache.copy(layer, e, s) for e, s in zip(pcie, slots)]
+                where = {e: s for e, s in zip(pcie, slots)}
+                for j, e in enumerate(ids_l):
+                    s = where.get(e)
+                    if s is not None:
+                        stage[j] = s
+                for ev in evs:
+                    cache.wait(ev)  # the main stream (piece B) waits for them; the host does not
+            ycpu = b.ycpu_h
+            for j in b.cpu_rows:
+                ycpu[j].zero_()
+            b.cpu_rows = []
+            if cpu:
+                out = t.lane.run_experts(layer, b.x_h, cpu)  # [n, d] float32, on the host, while H runs
+                pos = {e: j for j, e in enumerate(ids_l)}
+                rows = [pos[e] for e in cpu]
+                ycpu[rows] = out
+                b.cpu_rows = rows
+            if counting:
+                n_hit = int(hit.sum())
+                counts = dict(hits=n_hit, cpu=len(cpu), pcie=len(pcie), layers=1)
+                t.stats.add(**counts)
+                t.request.add(**counts)
+
+            def post():  # after piece B is launched: learn from this routing, admit, refresh the map
+                pol.observe(li, ids_l)
+                swaps = pol.plan_swaps(li)
+                pol.commit(li, swaps)
+                if swaps:
+                    cache.begin_copies()  # victims may still be read by queued pieces
+                    for sw in swaps:
+                        t._pending[li][sw.admit] = cache.copy(layer, sw.admit, cache.slot(layer, sw.slot))
+                    if counting:
+                        t.stats.add(swaps=len(swaps))
+                        t.request.add(swaps=len(swaps))
+                if t._poll(li, upload=False) or swaps:  # copies done (always, on the host): ready from now
+                    self._upload(li, b)
+
+            return post
+
+        fn.bucket = "cpu_wait"
+        return fn
+
+    def _upload(self, li: int, b: _Buffers) -> None:
+        """expert_map[li] from the policy's row, through this layer's pinned buffer (on the main stream: the
+        next step's piece H of this layer reads it; this step's copy ran before we synced on this layer)."""
+        t = self.t
+        row = t.policy.expert_map()[li]
+        layer = t.layer_ids[li]
+        base = t.cache.pool_of[layer].base[layer]
+        if b.map_h.numel() != row.shape[0]:
+            b.map_h = torch.empty(row.shape[0], dtype=torch.int64, pin_memory=t.cuda)
+        m = b.map_h.numpy()
+        np.copyto(m, np.where(row >= 0, row.astype(np.int64) + base, -1))
+        t.cache.map[li].copy_(b.map_h, non_blocking=True)
