@@ -44,6 +44,8 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--prefill-only", type=int, default=0, help="also time a prefill of this many tokens")
     ap.add_argument("--label", default="")
+    ap.add_argument("--sweep-plans", default="", help="comma-separated --cpu-plan values measured in turn (one load)")
+    ap.add_argument("--sweep-threads", default="", help="comma-separated CPU lane thread counts measured in turn")
     a = ap.parse_args()
     cfg = engine_config(a)
     t0 = time.perf_counter()
@@ -52,7 +54,23 @@ def main() -> int:
     eng = Engine(lm, n_slots=1)
     dev = lm.model.device
     experts = lm.model.experts
-    res = {"label": a.label, "load_s": round(load_s, 1), "device": str(dev)}
+    plans = [p for p in a.sweep_plans.split(",") if p] or [None]
+    threads = [int(t) for t in a.sweep_threads.split(",") if t] or [None]
+    for plan in plans:
+        for th in threads:
+            label = a.label + (f" plan={plan}" if plan else "") + (f" threads={th}" if th else "")
+            if plan and plan != "default":
+                from strata.experts.plan import CpuPlan
+
+                experts.plan = CpuPlan.parse(plan, lm.args.n_experts_used)
+            if th:
+                torch.set_num_threads(th)
+            measure(a, lm, eng, experts, dev, label, load_s)
+    return 0
+
+
+def measure(a, lm, eng, experts, dev, label, load_s) -> None:
+    res = {"label": label, "load_s": round(load_s, 1), "device": str(dev)}
     decode, prefill = [], []
     stats_before = None
     for r in range(a.runs + 1):
@@ -92,7 +110,6 @@ def main() -> int:
     if a.profile and callable(rep):
         ms = 1e3 / res["decode_tok_s"]["median"]
         print(rep(ms), file=sys.stderr)
-    return 0
 
 
 if __name__ == "__main__":
