@@ -54,7 +54,7 @@ class EngineConfig:
     n_slots: int = 1
     prefill_chunk: int = 0  # 0 = sized from memory
     seed: int | None = None
-    cuda_graphs: bool = False  # replay single-sequence decode steps as CUDA graphs (resident experts only)
+    cuda_graphs: bool | None = None  # replay single-sequence decode steps as CUDA graphs (None: on with CUDA)
     experts: ExpertConfig = field(default_factory=ExpertConfig)
 
     def validate(self) -> None:

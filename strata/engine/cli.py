@@ -21,8 +21,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", default="auto", help="KV cache dtype: auto (= compute dtype), bf16, f16, f32")
     p.add_argument("-c", "--ctx-size", type=int, default=0, help="context length (default: min(model, 8192))")
     p.add_argument("--prefill-chunk", type=int, default=0, help="prompt tokens per forward (default: sized from memory)")
-    p.add_argument("--cuda-graphs", action="store_true",
-                   help="replay single-sequence decode steps as CUDA graphs (resident experts; experimental)")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="replay single-sequence decode steps as CUDA graphs (default: on with a CUDA device)")
     g = p.add_argument_group("experts (tiered execution)")
     g.add_argument("--experts", dest="experts_mode", default=e.mode, choices=["auto", "resident", "tiered"])
     g.add_argument("--vram-gb", type=float, default=None, help="the whole process's VRAM budget (GiB)")
@@ -52,7 +52,7 @@ def engine_config(args) -> "EngineConfig":
     cfg = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype,
                        ctx_size=args.ctx_size, prefill_chunk=args.prefill_chunk,
                        n_slots=getattr(args, "parallel", 1) or 1, seed=getattr(args, "seed", None), experts=ex,
-                       cuda_graphs=getattr(args, "cuda_graphs", False))
+                       cuda_graphs=getattr(args, "cuda_graphs", None))
     cfg.validate()
     return cfg
 

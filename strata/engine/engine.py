@@ -73,7 +73,8 @@ class Engine:
         self.running: list[Sequence] = []
         self.slot_tokens: dict[int, list[int]] = {s: [] for s in range(self.n_slots)}  # what each slot's KV holds
         self.graphs = None
-        if lm.cfg.cuda_graphs and self.n_slots == 1:
+        graphs = lm.cfg.cuda_graphs if lm.cfg.cuda_graphs is not None else self.device.type == "cuda"
+        if graphs and self.n_slots == 1:  # one sequence: its decode steps replay captured graphs
             from strata.engine.graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self.model, self.kv, slot=0)

@@ -11,11 +11,32 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from strata.kv.cache import KVCache, Segment
 from strata.layers.norm import rms_norm
 from strata.layers.rotary import Rotary
 from strata.quant import QTensor, qmatmul
+
+# One query token: SDPA backends that do not re-plan for every KV length (cuDNN's does: ~1 ms of host time a call)
+_ONE_QUERY_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+_ARANGES: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    # a tensor made inside a CUDA-graph capture holds nothing until the graph replays: cache only eager ones
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _arange(n: int, device: torch.device) -> torch.Tensor:
+    """0..n-1 on `device`, built once (a constant: the windowed mask is then one comparison kernel a layer)."""
+    key = (n, device)
+    t = _ARANGES.get(key)
+    if t is None:
+        t = torch.arange(n, device=device)
+        if not _capturing(t):
+            _ARANGES[key] = t
+    return t
 
 
 def _causal_mask(seg: Segment, device) -> torch.Tensor | None:
@@ -33,7 +54,7 @@ def _cache_step(kv: KVCache, layer: int, seg: Segment, k: torch.Tensor, v: torch
         kv.write_at(layer, seg.slot, seg.pos_t, k, v)
         ks = kv.k[layer][seg.slot, : seg.window]
         vs = kv.v[layer][seg.slot, : seg.window] if kv.v is not None else None
-        mask = (torch.arange(seg.window, device=k.device) <= seg.pos_t).unsqueeze(0)  # [1, window]
+        mask = (_arange(seg.window, k.device) <= seg.pos_t).unsqueeze(0)  # [1, window]
         return ks, vs, mask
     kv.write(layer, seg, k, v)
     ks, vs = kv.read(layer, seg)
@@ -43,6 +64,28 @@ def _cache_step(kv: KVCache, layer: int, seg: Segment, k: torch.Tensor, v: torch
 def _linear(x: torch.Tensor, w: QTensor, b: torch.Tensor | None) -> torch.Tensor:
     y = qmatmul(x, w)
     return y + b.to(y.dtype) if b is not None else y
+
+
+def _gqa(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """One segment: q [n, H, D] against ks [L, Hkv, D], vs [L, Hkv, Dv] -> [n, H, Dv] (a view where possible)."""
+    n, H, D = q.shape
+    hkv = ks.shape[1]
+    kt = ks.transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]: strided views of the cache, no copy
+    vt = vs.transpose(0, 1).unsqueeze(0)
+    if n == 1:
+        # One token: the H/Hkv query heads sharing a KV head become that head's queries ([1, Hkv, G, D]), which
+        # is GQA exactly, without enable_gqa (which rules out the memory-efficient kernel and, with a mask,
+        # flash). Query head h reads KV head h // G, as enable_gqa's repeat_interleave does.
+        qs = q.reshape(hkv, H // hkv, D).unsqueeze(0)
+        if q.is_cuda:
+            with sdpa_kernel(_ONE_QUERY_BACKENDS):
+                o = F.scaled_dot_product_attention(qs, kt, vt, attn_mask=mask, scale=scale)
+        else:
+            o = F.scaled_dot_product_attention(qs, kt, vt, attn_mask=mask, scale=scale)
+        return o.reshape(1, H, o.shape[-1])  # [1, Hkv, G, Dv] -> [1, H, Dv]
+    qs = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+    o = F.scaled_dot_product_attention(qs, kt, vt, attn_mask=mask, scale=scale, enable_gqa=H != hkv)
+    return o[0].transpose(0, 1)  # [n, H, Dv]
 
 
 class GQAttention:
@@ -56,31 +99,36 @@ class GQAttention:
         self.bq, self.bk, self.bv = w.get("attn_q.bias"), w.get("attn_k.bias"), w.get("attn_v.bias")
         self.q_norm, self.k_norm = w.get("attn_q_norm"), w.get("attn_k_norm")
         self.scale = 1.0 / math.sqrt(self.hd)
+        self._cast_biases: dict[torch.dtype, tuple] = {}
 
     @staticmethod
     def cache_shapes(args) -> tuple[tuple[int, ...], tuple[int, ...]]:
         return (args.n_kv_heads, args.head_dim), (args.n_kv_heads, args.v_head_dim)
 
+    def _biases(self, dtype: torch.dtype) -> tuple:
+        # cast once per activation dtype, not in every step (a cast is a kernel)
+        got = self._cast_biases.get(dtype)
+        if got is None:
+            got = tuple(b.to(dtype) if b is not None else None for b in (self.bq, self.bk, self.bv))
+            if not any(b is not None and _capturing(b) for b in got):
+                self._cast_biases[dtype] = got
+        return got
+
     def __call__(self, x: torch.Tensor, pos: torch.Tensor, segments: list[Segment], kv: KVCache) -> torch.Tensor:
         n = x.shape[0]
-        q = _linear(x, self.wq, self.bq).view(n, self.n_heads, self.hd)
-        k = _linear(x, self.wk, self.bk).view(n, self.n_kv, self.hd)
-        v = _linear(x, self.wv, self.bv).view(n, self.n_kv, self.vd)
-        if self.q_norm is not None:
-            q = rms_norm(q, self.q_norm, self.eps)
-            k = rms_norm(k, self.k_norm, self.eps)
-        q, k = self.rotary(q, pos), self.rotary(k, pos)
-        out = torch.empty(n, self.n_heads, self.vd, dtype=x.dtype, device=x.device)
-        i = 0
+        bq, bk, bv = self._biases(x.dtype)
+        q = _linear(x, self.wq, bq).view(n, self.n_heads, self.hd)
+        k = _linear(x, self.wk, bk).view(n, self.n_kv, self.hd)
+        v = _linear(x, self.wv, bv).view(n, self.n_kv, self.vd)
+        q, k = self.rotary.qk(q, k, pos, self.q_norm, self.k_norm, self.eps)  # one launch on CUDA
+        outs, i = [], 0
         for seg in segments:
             ks, vs, mask = _cache_step(kv, self.layer, seg, k[i : i + seg.n], v[i : i + seg.n])  # [L, Hkv, D]
-            qs = q[i : i + seg.n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-            ks = ks.to(x.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]: GQA inside SDPA, no repeat
-            vs = vs.to(x.dtype).transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.scale,
-                                               enable_gqa=self.n_heads != self.n_kv)
-            out[i : i + seg.n] = o[0].transpose(0, 1)
+            if ks.dtype != x.dtype:  # (a cache in another dtype than the activations)
+                ks, vs = ks.to(x.dtype), vs.to(x.dtype)
+            outs.append(_gqa(q[i : i + seg.n], ks, vs, mask, self.scale))  # [n, H, Dv]
             i += seg.n
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)  # [n, H, Dv]
         return qmatmul(out.reshape(n, self.n_heads * self.vd), self.wo)
 
 
@@ -136,7 +184,7 @@ class MLAttention:
         kv_a = qmatmul(x, self.wkv_a)  # [n, lora + rope]
         c_kv = rms_norm(kv_a[:, : self.lora], self.kv_a_norm, self.eps)
         k_pe = kv_a[:, self.lora :].unsqueeze(1)  # [n, 1, rope]
-        q_pe, k_pe = self.rotary(q_pe.contiguous(), pos), self.rotary(k_pe.contiguous(), pos)
+        q_pe, k_pe = self.rotary.qk(q_pe, k_pe, pos)  # one launch on CUDA (strided views are read in place)
         kb, vb = self._kv_b(x.dtype)
         q_lat = torch.einsum("nhd,hdc->nhc", q_nope, kb)  # [n, H, lora]
         q_full = torch.cat([q_lat, q_pe], dim=-1)  # [n, H, lora + rope]

@@ -11,7 +11,9 @@ import math
 
 import torch
 
+from strata.layers.norm import rms_norm_ref
 from strata.models.args import RopeScaling
+from strata.ops import fused
 
 
 def _yarn_inv_freq(dim: int, theta: float, s: RopeScaling) -> tuple[torch.Tensor, float]:
@@ -66,7 +68,25 @@ class Rotary:
         return got
 
     def __call__(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """x [N, H, D] (rotates the first `dim` of D), pos [N] absolute positions."""
+        """x [N, H, D] (rotates the first `dim` of D), pos [N] absolute positions. On CUDA one Triton launch."""
+        if fused.use_for(x) and x.dim() == 3:
+            cos_t, sin_t = self._tables(x.device)
+            return fused.qk_norm_rope(x, None, pos, cos_t, sin_t, self.dim, self.style == "neox")[0]
+        return self.rotate(x, pos)
+
+    def qk(self, q: torch.Tensor, k: torch.Tensor, pos: torch.Tensor, q_norm: torch.Tensor | None = None,
+           k_norm: torch.Tensor | None = None, eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [N, Hq, D], k [N, Hk, D]: per-head RMSNorm (when q_norm/k_norm [D] are given), then rotary.
+        On CUDA one Triton launch for both (instead of ~38 torch kernels)."""
+        if fused.use_for(q) and q.dim() == 3:
+            cos_t, sin_t = self._tables(q.device)
+            return fused.qk_norm_rope(q, k, pos, cos_t, sin_t, self.dim, self.style == "neox", q_norm, k_norm, eps)
+        if q_norm is not None:
+            q, k = rms_norm_ref(q, q_norm, eps), rms_norm_ref(k, k_norm, eps)
+        return self.rotate(q, pos), self.rotate(k, pos)
+
+    def rotate(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """The torch twin of the fused rotary (CPU path and test oracle)."""
         cos_t, sin_t = self._tables(x.device)
         cos = cos_t[pos].unsqueeze(1)  # [N, 1, dim/2]
         sin = sin_t[pos].unsqueeze(1)

@@ -2,9 +2,10 @@
 
 A decode step multiplies a handful of rows by each dense weight; dequantizing the whole weight per call
 (the fallback) moves ~5 bytes per weight where the blocks hold ~1 (Q8_0), ~0.82 (Q6_K: the usual LM head) or
-~0.56 (Q4_K). With few rows the GEMV reads each block once per row, so it is used up to `MAX_ROWS` rows; larger
-batches (prefill) are compute-bound and keep the dequantize-then-GEMM path. Reference twin:
-`strata.quant.matmul.reference_qmatmul`.
+~0.56 (Q4_K). With few rows the GEMV reads each block once per row (rows of x run back to back, so the
+repeats come from L2), so it is used up to `MAX_ROWS` rows; larger batches (prefill) are compute-bound and keep
+the dequantize-then-GEMM path. The output is stored in x's dtype (float32 accumulation, one rounding at the
+store), so qmatmul's `.to(x.dtype)` is free. Reference twin: `strata.quant.matmul.reference_qmatmul`.
 """
 
 from __future__ import annotations
@@ -19,18 +20,21 @@ from strata.quant.qtensor import QTensor
 MAX_ROWS = 8
 
 
-def _gemv(x2d: torch.Tensor, w: QTensor) -> torch.Tensor:
+def _gemv(x2d: torch.Tensor, w: QTensor, block_n: int | None = None, block_k: int | None = None) -> torch.Tensor:
+    """x2d [T, K] @ W.T -> [T, N] in x2d's dtype (float32 for integer x). block_n / block_k: see expert_triton.plan."""
     T, K = x2d.shape
-    block = expert_triton.block_len(w.qtype)
-    if T > MAX_ROWS or K % block or not x2d.is_contiguous():
+    raw = w.raw
+    if T > MAX_ROWS or K % expert_triton.block_len(w.qtype) or not x2d.is_contiguous() \
+            or not expert_triton.aligned(raw):
         return _cuda_dequant_matmul(x2d, w)
     N = w.shape[0]
-    raw = w.raw
-    out = torch.empty(T, N, dtype=torch.float32, device=x2d.device)
-    slots = torch.zeros(T, dtype=torch.int32, device=x2d.device)  # one "slot": the whole weight
-    bn = expert_triton.BLOCK_N
-    expert_triton._gemv_kernel[(T, expert_triton.triton.cdiv(N, bn))](
-        x2d, raw, slots, out, N, K, raw.numel(), raw.shape[-1], QT=int(w.qtype), BN=bn)
+    out = torch.empty(T, N, dtype=x2d.dtype if x2d.dtype.is_floating_point else torch.float32, device=x2d.device)
+    if T == 0:
+        return out
+    bn, kw = expert_triton.plan((w.qtype,), N, K, T, x2d.device, block_n, block_k)
+    expert_triton._gemv_kernel[(T * expert_triton.triton.cdiv(N, bn),)](
+        x2d, raw, out, out, T, N, K, raw.numel(), raw.shape[-1], QT=int(w.qtype), BN=bn, KW=kw, GATHER=False,
+        num_warps=expert_triton.NUM_WARPS)  # `slots` is unused without GATHER: out stands in
     return out
 
 
