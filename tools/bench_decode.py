@@ -72,28 +72,31 @@ def main() -> int:
 def measure(a, lm, eng, experts, dev, label, load_s) -> None:
     res = {"label": label, "load_s": round(load_s, 1), "device": str(dev)}
     decode, prefill = [], []
-    stats_before = None
+    stats = None  # expert statistics of the measured runs' decode steps (prefill chunks excluded)
     for r in range(a.runs + 1):
         ids = make_prompt(lm.tokenizer, a.prompt_tokens, salt=r * 7919 + 13)
         seq = Sequence(ids, SamplingParams(temperature=0), a.gen, set())
         eng.add(seq, reuse_prefix=False)
-        if r == 1 and hasattr(experts, "stats"):
-            stats_before = experts.stats.snapshot()
-            if getattr(experts, "profile", None) is not None:
-                experts.profile.reset()
+        if r == 1 and getattr(experts, "profile", None) is not None:
+            experts.profile.reset()
+        while not seq.output:  # prefill (one or more chunks) up to the first token
+            eng.step()
+        before = experts.stats.snapshot() if hasattr(experts, "stats") else None
         while not seq.finished:
             eng.step()
         sync(dev)
         if r == 0:
             continue
+        if before is not None:
+            d = experts.stats - before
+            stats = d if stats is None else stats + d
         prefill.append(seq.prompt_n / (seq.prompt_ms / 1e3))
         decode.append((len(seq.output) - 1) / (seq.predicted_ms / 1e3))
     res["decode_tok_s"] = {"median": round(statistics.median(decode), 2), "min": round(min(decode), 2),
                            "max": round(max(decode), 2)}
     res["prefill_tok_s"] = {"median": round(statistics.median(prefill), 1)}
-    if stats_before is not None:
-        d = experts.stats - stats_before
-        res["experts"] = d.as_dict()
+    if stats is not None:
+        res["experts_decode"] = stats.as_dict()
     if a.prefill_only:
         ids = make_prompt(lm.tokenizer, a.prefill_only, salt=99991)
         if len(ids) >= a.prefill_only:
