@@ -46,6 +46,7 @@ def main() -> int:
     ap.add_argument("--label", default="")
     ap.add_argument("--sweep-plans", default="", help="comma-separated --cpu-plan values measured in turn (one load)")
     ap.add_argument("--sweep-threads", default="", help="comma-separated CPU lane thread counts measured in turn")
+    ap.add_argument("--sweep", default="", help="comma-separated PLAN@THREADS settings measured in turn")
     a = ap.parse_args()
     cfg = engine_config(a)
     t0 = time.perf_counter()
@@ -54,18 +55,20 @@ def main() -> int:
     eng = Engine(lm, n_slots=1)
     dev = lm.model.device
     experts = lm.model.experts
-    plans = [p for p in a.sweep_plans.split(",") if p] or [None]
-    threads = [int(t) for t in a.sweep_threads.split(",") if t] or [None]
-    for plan in plans:
-        for th in threads:
-            label = a.label + (f" plan={plan}" if plan else "") + (f" threads={th}" if th else "")
-            if plan and plan != "default":
-                from strata.experts.plan import CpuPlan
+    combos = [(p or None, None) for p in a.sweep_plans.split(",") if p] or [(None, None)]
+    if a.sweep_threads:
+        combos = [(p, int(t)) for p, _ in combos for t in a.sweep_threads.split(",") if t]
+    if a.sweep:
+        combos = [(c.split("@")[0], int(c.split("@")[1]) if "@" in c else None) for c in a.sweep.split(",") if c]
+    for plan, th in combos:
+        label = a.label + (f" plan={plan}" if plan else "") + (f" threads={th}" if th else "")
+        if plan and plan != "default":
+            from strata.experts.plan import CpuPlan
 
-                experts.plan = CpuPlan.parse(plan, lm.args.n_experts_used)
-            if th:
-                torch.set_num_threads(th)
-            measure(a, lm, eng, experts, dev, label, load_s)
+            experts.plan = CpuPlan.parse(plan, lm.args.n_experts_used)
+        if th:
+            torch.set_num_threads(th)
+        measure(a, lm, eng, experts, dev, label, load_s)
     return 0
 
 
