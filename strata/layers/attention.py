@@ -70,20 +70,23 @@ def _gqa(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, mask: torch.Tensor
     """One segment: q [n, H, D] against ks [L, Hkv, D], vs [L, Hkv, Dv] -> [n, H, Dv] (a view where possible)."""
     n, H, D = q.shape
     hkv = ks.shape[1]
-    kt = ks.transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]: strided views of the cache, no copy
-    vt = vs.transpose(0, 1).unsqueeze(0)
     if n == 1:
-        # One token: the H/Hkv query heads sharing a KV head become that head's queries ([1, Hkv, G, D]), which
-        # is GQA exactly, without enable_gqa (which rules out the memory-efficient kernel and, with a mask,
-        # flash). Query head h reads KV head h // G, as enable_gqa's repeat_interleave does.
-        qs = q.reshape(hkv, H // hkv, D).unsqueeze(0)
+        # One token: each KV head is a batch entry of one head whose queries are the G = H/Hkv query heads
+        # sharing it ([Hkv, 1, G, D]). That is GQA exactly (query head h reads KV head h // G, as enable_gqa's
+        # repeat_interleave does) without enable_gqa, which rules out the memory-efficient kernel and, with a
+        # mask, flash; and the output [Hkv, 1, G, Dv] is laid out head by head as wo wants it (no copy).
+        qs = q.reshape(hkv, 1, H // hkv, D)
+        kt = ks.transpose(0, 1).unsqueeze(1)  # [Hkv, 1, L, D]: strided views of the cache, no copy
+        vt = vs.transpose(0, 1).unsqueeze(1)
         if q.is_cuda:
             with sdpa_kernel(_ONE_QUERY_BACKENDS):
                 o = F.scaled_dot_product_attention(qs, kt, vt, attn_mask=mask, scale=scale)
         else:
             o = F.scaled_dot_product_attention(qs, kt, vt, attn_mask=mask, scale=scale)
-        return o.reshape(1, H, o.shape[-1])  # [1, Hkv, G, Dv] -> [1, H, Dv]
+        return o.reshape(1, H, o.shape[-1])  # [Hkv, 1, G, Dv] -> [1, H, Dv]
     qs = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+    kt = ks.transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+    vt = vs.transpose(0, 1).unsqueeze(0)
     o = F.scaled_dot_product_attention(qs, kt, vt, attn_mask=mask, scale=scale, enable_gqa=H != hkv)
     return o[0].transpose(0, 1)  # [n, H, Dv]
 

@@ -1,0 +1,172 @@
+"""Fused elementwise kernels of the attention half of a decode step, in Triton: one launch where torch needs many.
+
+A decode step replayed as a CUDA graph costs the number of kernels it launches (a few microseconds each, however
+small); torch spends ~8 kernels on one RMSNorm (casts, pow, mean, add, rsqrt, two muls) and ~11 on one rotary.
+
+- `rms_norm`: y = x * rsqrt(mean(x^2) + eps) * w over the last dim, float32 math, output in x's dtype.
+  Reference twin: `strata.layers.norm.rms_norm_ref`.
+- `qk_norm_rope`: per-head RMSNorm (optional, Qwen3's q_norm / k_norm) then rotary (neox or norm pair order,
+  partial `rot < head_dim`) of q and of k in one launch, the position read from the device `pos` tensor (no host
+  value: CUDA-graph capture works). Reference twin: `rms_norm_ref` + `strata.layers.rotary.Rotary.rotate`.
+  Like the twin, the normalized row is rounded to the activation dtype before it is rotated.
+
+Tests run the kernels in Triton's interpreter on the CPU against the twins (tests/ops/test_fused_interpret.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Triton is optional: without it (or without a GPU) the torch twins run
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+MAX_ONE_PASS = 8192  # rows up to this length are held in registers; longer ones are walked in two passes
+LOOP_BLOCK = 4096
+TILE = 2048  # elements of q/k (heads x head dim) one program of qk_norm_rope rotates
+
+
+def available() -> bool:
+    return triton is not None
+
+
+def use_for(x: torch.Tensor) -> bool:
+    """Whether the fused kernels should replace the torch twins for x (CUDA, Triton, no autograd needed)."""
+    return x.is_cuda and triton is not None and not (x.requires_grad and torch.is_grad_enabled())
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_norm_kernel(X, W, Y, D, stride_x, stride_y, eps, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        xr = X + row * stride_x
+        yr = Y + row * stride_y
+        if ONE_PASS:
+            offs = tl.arange(0, BLOCK)
+            m = offs < D
+            x = tl.load(xr + offs, mask=m, other=0.0).to(tl.float32)
+            r = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+            w = tl.load(W + offs, mask=m, other=0.0).to(tl.float32)
+            tl.store(yr + offs, (x * r * w).to(Y.dtype.element_ty), mask=m)
+        else:
+            acc = tl.zeros([BLOCK], dtype=tl.float32)
+            for s in range(0, D, BLOCK):
+                offs = s + tl.arange(0, BLOCK)
+                x = tl.load(xr + offs, mask=offs < D, other=0.0).to(tl.float32)
+                acc += x * x
+            r = tl.rsqrt(tl.sum(acc, axis=0) / D + eps)
+            for s in range(0, D, BLOCK):
+                offs = s + tl.arange(0, BLOCK)
+                m = offs < D
+                x = tl.load(xr + offs, mask=m, other=0.0).to(tl.float32)
+                w = tl.load(W + offs, mask=m, other=0.0).to(tl.float32)
+                tl.store(yr + offs, (x * r * w).to(Y.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _norm_rope_tile(src, dst, W, cos_row, sin_row, h0, H, sh, D, eps, ROT: tl.constexpr,
+                        HAS_NORM: tl.constexpr, NEOX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Heads h0 .. h0+BLOCK_H of one token: src points at its head 0 (head stride sh), dst at its contiguous
+        output row; cos_row/sin_row at the position's table rows."""
+        offs = tl.arange(0, BLOCK_D)
+        heads = h0 + tl.arange(0, BLOCK_H)
+        rot = offs < ROT
+        HALF = ROT // 2
+        if NEOX:  # element j pairs with j +- ROT/2; frequency j mod ROT/2; the first half takes -partner*sin
+            first = offs < HALF
+            partner = tl.where(first, offs + HALF, offs - HALF)
+            f = tl.where(first, offs, offs - HALF)
+        else:  # adjacent pairs (2i, 2i+1) share frequency i; the even element takes -partner*sin
+            first = (offs % 2) == 0
+            partner = tl.where(first, offs + 1, offs - 1)
+            f = offs // 2
+        hm = (heads < H)[:, None]
+        m = hm & (offs < D)[None, :]  # [BLOCK_H, BLOCK_D]
+        mr = hm & rot[None, :]
+        row = src + heads[:, None] * sh
+        x = tl.load(row + offs[None, :], mask=m, other=0.0).to(tl.float32)  # [BLOCK_H, BLOCK_D]
+        xp = tl.load(row + partner[None, :], mask=mr, other=0.0).to(tl.float32)
+        if HAS_NORM:
+            r = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]  # [BLOCK_H, 1]
+            w = tl.load(W + offs, mask=offs < D, other=0.0).to(tl.float32)[None, :]
+            wp = tl.load(W + partner, mask=rot, other=0.0).to(tl.float32)[None, :]
+            # rounded to the activation dtype as the twin's rms_norm output is, before rotation
+            x = (x * r * w).to(dst.dtype.element_ty).to(tl.float32)
+            xp = (xp * r * wp).to(dst.dtype.element_ty).to(tl.float32)
+        c = tl.load(cos_row + f, mask=rot, other=1.0)[None, :]
+        s = tl.load(sin_row + f, mask=rot, other=0.0)[None, :]
+        sign = tl.where(first, -1.0, 1.0)[None, :]
+        y = tl.where(rot[None, :], x * c + sign * (xp * s), x)
+        tl.store(dst + heads[:, None] * D + offs[None, :], y.to(dst.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _qk_norm_rope_kernel(Q, K, QO, KO, QW, KW, POS, COS, SIN, HQ, HK, D, sqn, sqh, skn, skh, eps,
+                             ROT: tl.constexpr, HAS_NORM: tl.constexpr, NEOX: tl.constexpr,
+                             BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+        # grid (N, head blocks of q then of k): program (t, b) does BLOCK_H heads of token t
+        t = tl.program_id(0).to(tl.int64)
+        b = tl.program_id(1)
+        nq = tl.cdiv(HQ, BLOCK_H)
+        p = tl.load(POS + t).to(tl.int64)
+        cos_row = COS + p * (ROT // 2)
+        sin_row = SIN + p * (ROT // 2)
+        if b < nq:
+            _norm_rope_tile(Q + t * sqn, QO + t * HQ * D, QW, cos_row, sin_row, b * BLOCK_H, HQ, sqh, D, eps,
+                            ROT, HAS_NORM, NEOX, BLOCK_H, BLOCK_D)
+        else:
+            _norm_rope_tile(K + t * skn, KO + t * HK * D, KW, cos_row, sin_row, (b - nq) * BLOCK_H, HK, skh, D,
+                            eps, ROT, HAS_NORM, NEOX, BLOCK_H, BLOCK_D)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim of x [..., D] in one launch; output [..., D] in x's dtype."""
+    D = x.shape[-1]
+    x2 = x.reshape(-1, D)  # [R, D]: a view for contiguous input and for 2-D row slices
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    if x2.shape[0] == 0 or D == 0:
+        return y.view(x.shape)
+    one_pass = D <= MAX_ONE_PASS
+    block = triton.next_power_of_2(D) if one_pass else LOOP_BLOCK
+    _rms_norm_kernel[(x2.shape[0],)](x2, weight.contiguous(), y, D, x2.stride(0), y.stride(0), float(eps),
+                                     BLOCK=block, ONE_PASS=one_pass, num_warps=min(max(block // 256, 1), 8))
+    return y.view(x.shape)
+
+
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor | None, pos: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, rot: int, neox: bool, q_norm: torch.Tensor | None = None,
+                 k_norm: torch.Tensor | None = None, eps: float = 0.0):
+    """q [N, Hq, D], k [N, Hk, D] or None, pos [N] (device), cos/sin [S, rot/2] float32 tables
+    -> (q', k') contiguous in their own dtypes: per-head RMSNorm with q_norm/k_norm [D] when given, then
+    rotary of the first `rot` dims at each token's position. One launch for both."""
+    N, HQ, D = q.shape
+    if rot % 2 or rot > D:
+        raise ValueError(f"rotary dims {rot} must be even and at most the head dim {D}")
+    has_norm = q_norm is not None
+    if has_norm and k is not None and k_norm is None:
+        raise ValueError("qk_norm_rope: q_norm given without k_norm")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    kk = q if k is None else (k if k.stride(-1) == 1 else k.contiguous())
+    HK = 0 if k is None else k.shape[1]
+    if k is not None and (k.shape[0] != N or k.shape[2] != D):
+        raise ValueError(f"qk_norm_rope: q {tuple(q.shape)} and k {tuple(k.shape)} disagree")
+    qo = torch.empty(N, HQ, D, dtype=q.dtype, device=q.device)
+    ko = torch.empty(N, HK, D, dtype=kk.dtype, device=q.device) if k is not None else None
+    if N == 0:
+        return qo, ko
+    pos = pos.to(q.device)
+    qw = q_norm.contiguous() if has_norm else q
+    kw = (k_norm.contiguous() if k_norm is not None else qw) if has_norm else q
+    block = triton.next_power_of_2(D)
+    bh = min(triton.next_power_of_2(max(HQ, HK)), max(TILE // block, 1))  # heads per program
+    grid = (N, triton.cdiv(HQ, bh) + triton.cdiv(HK, bh))
+    _qk_norm_rope_kernel[grid](
+        q, kk, qo, ko if ko is not None else qo, qw, kw, pos, cos, sin, HQ, HK, D,
+        q.stride(0), q.stride(1), kk.stride(0), kk.stride(1), float(eps),
+        ROT=rot, HAS_NORM=has_norm, NEOX=neox, BLOCK_H=bh, BLOCK_D=block, num_warps=4 if bh * block >= 2048 else 2,
+    )
+    return qo, ko
