@@ -47,12 +47,14 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
 SUPPORTED = frozenset({Q.Q4_K, Q.Q6_K, Q.Q8_0})
-QUANT_BYTES = {Q.Q4_K: 128, Q.Q6_K: 192, Q.Q8_0: 32}  # quant bytes per block (the bulk of each block)
-KW_MAX = 2048  # weights of a row per loop iteration
-TILE_BYTES = 4096  # quant bytes per program per iteration (all weights it reads): ~32 bytes per thread
+KW_MAX = 2048  # weights of a row per loop iteration (a Qwen3 row of 2048 in one go)
 ROWS_MAX = 16  # rows per program
-PROGRAMS_PER_SM = 4  # fewer rows per program until a launch has this many programs per SM
-NUM_WARPS = 4
+WARPS_PER_SM = 8  # fewer rows per program until a launch has this many warps per SM (2 per scheduler)
+# Per format: weights one program decodes per iteration (all weights it reads), and per thread. Chosen from
+# the sm_90 code Triton emits: more weights per thread amortize the per-tile work (addresses, scales, x),
+# up to ~128 registers (no spills, >= 16 warps per SM). Q4_K at (16384, 128): ~8.4 instructions per weight,
+# Q8_0 at (8192, 128): ~9.3, Q6_K at (4096, 64): ~12.4 (the kernels this replaced: 20-50).
+TILE = {Q.Q4_K: (16384, 128), Q.Q8_0: (8192, 128), Q.Q6_K: (4096, 64)}
 
 
 def available() -> bool:
@@ -77,29 +79,49 @@ if triton is not None:
         return (v | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + off)
 
     @triton.jit
-    def _q8_0_tile(row, xp, b0, nblk, BN: tl.constexpr, NB: tl.constexpr):
+    def _q8_0_tile(row, xp, b0, nblk, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
         """Blocks b0 .. b0+NB (those < nblk) of BN rows of Q8_0 blocks (row: [BN] byte pointers) against x
-        (xp: pointer to K floats) -> [BN] float32."""
-        c = tl.arange(0, 32)
-        j = b0 + tl.arange(0, NB)  # [NB] block index
-        jm = j < nblk
-        blk = row[:, None] + (j * 34)[None, :]  # [BN, NB] byte pointers to the blocks
+        (xp: pointer to K floats) -> [BN] float32.
+
+        The 32 quants of a block are read as 16 byte pairs [.., 16, 2]: a thread holds a pair (its 2-byte load),
+        sums it, scales the pair by d and accumulates over blocks in registers; lanes are reduced once at the end.
+        """
+        k = tl.arange(0, 2).to(tl.int64)
+        c = (2 * tl.arange(0, 16).to(tl.int64))[:, None] + k[None, :]  # [16, 2] quant index in the block
+        j = (b0 + tl.arange(0, NB)).to(tl.int64)  # [NB] block index (int64: addresses fold into immediates)
+        if EVEN:
+            jm = tl.full([NB], 1, tl.int1)
+        else:
+            jm = j < nblk
+        blk = row[:, None] + j[None, :] * 34  # [BN, NB] byte pointers to the blocks
         d = _f16(blk, jm[None, :])  # [BN, NB]
-        q = tl.load(blk[:, :, None] + 2 + c[None, None, :], mask=jm[None, :, None], other=0,
-                    eviction_policy="evict_first")  # [BN, NB, 32] the int8 as bytes
-        xv = tl.load(xp + (j * 32)[:, None] + c[None, :], mask=jm[:, None], other=0.0).to(tl.float32)  # [NB, 32]
-        qs = _int_f32(q.to(tl.int32) ^ 128, 128.0)  # (q ^ 128) = int8 value + 128
-        return tl.sum(d * tl.sum(qs * xv[None, :, :], axis=2), axis=1)
+        q = tl.load(blk[:, :, None, None] + 2 + c[None, None], mask=jm[None, :, None, None], other=0,
+                    eviction_policy="evict_first")  # [BN, NB, 16, 2] the int8 as bytes
+        xv = tl.load(xp + j[:, None, None] * 32 + c[None], mask=jm[:, None, None], other=0.0).to(tl.float32)
+        # the sign-extended int8 plus the bits of 1.5 * 2^23 is the float 1.5 * 2^23 + q (exact)
+        qs = (q.to(tl.int8, bitcast=True).to(tl.int32) + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+        t = tl.sum(qs * xv[None], axis=3) * d[:, :, None]  # [BN, NB, 16]
+        return tl.sum(tl.sum(t, axis=1), axis=1)
 
     @triton.jit
-    def _q4k_tile(row, xp, b0, nsb, BN: tl.constexpr, NB: tl.constexpr):
-        """Superblocks b0 .. b0+NB (those < nsb) of BN rows of Q4_K blocks against x -> [BN] float32."""
-        g = tl.arange(0, 4)  # 32-byte group of the 128 quant bytes: low nibbles = sub-block 2g, high = 2g+1
-        l = tl.arange(0, 32)
-        sb = b0 + tl.arange(0, NB)  # [NB] superblock index
-        sm = sb < nsb
+    def _q4k_tile(row, xp, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
+        """Superblocks b0 .. b0+NB (those < nsb) of BN rows of Q4_K blocks against x -> [BN] float32.
+
+        The 128 quant bytes are read as u32 words [.., 4 groups, 8 words] (16-byte loads). Byte k of a word holds
+        lane 4w + k of its group: low nibble = sub-block 2g, high nibble = 2g + 1. A nibble is turned into a float
+        where it lies: (W & 0xF << 8k) | 0x4B000000 is the float 2^23 + q * 256^k (bytes 2 and 3 are first moved
+        down two bytes, one shift per word), so one logic op and one add per weight; the power of two goes into x.
+        """
+        g = tl.arange(0, 4)
+        g64 = g.to(tl.int64)
+        wd = tl.arange(0, 8).to(tl.int64)
+        sb = (b0 + tl.arange(0, NB)).to(tl.int64)  # [NB] superblock index
+        if EVEN:
+            sm = tl.full([NB], 1, tl.int1)
+        else:
+            sm = sb < nsb
         m2 = sm[None, :]
-        blk = row[:, None] + (sb * 144)[None, :]  # [BN, NB]
+        blk = row[:, None] + sb[None, :] * 144  # [BN, NB]
         d = _f16(blk, m2)[:, :, None]  # [BN, NB, 1]
         dmin = _f16(blk + 2, m2)[:, :, None]
         s0 = _u32(blk + 4, m2)  # [BN, NB] scale bytes 0-3
@@ -116,75 +138,93 @@ if triton is not None:
         scw = tl.where(first, sc_a[:, :, None], sc_b[:, :, None])  # [BN, NB, 4]
         mnw = tl.where(first, mn_a[:, :, None], mn_b[:, :, None])
         a_lo = d * ((scw >> sh) & 63).to(tl.float32)  # [BN, NB, 4] d * scale of sub-block 2g
-        a_hi = d * ((scw >> (sh + 8)) & 63).to(tl.float32) * 0.0625  # of 2g+1; /16: its nibble is read as 16*q
+        a_hi = d * ((scw >> (sh + 8)) & 63).to(tl.float32)  # of sub-block 2g+1
         b_lo = dmin * ((mnw >> sh) & 63).to(tl.float32)
         b_hi = dmin * ((mnw >> (sh + 8)) & 63).to(tl.float32)
-        byte = (32 * g)[:, None] + l[None, :]  # [4, 32]
-        q = tl.load(blk[:, :, None, None] + 16 + byte[None, None, :, :], mask=m2[:, :, None, None], other=0,
-                    eviction_policy="evict_first").to(tl.int32)  # [BN, NB, 4, 32]
-        xo = (sb * 256)[:, None, None] + (64 * g)[None, :, None] + l[None, None, :]  # [NB, 4, 32] low nibble's x
+        qp = (blk + 16).to(tl.pointer_type(tl.uint32))  # [BN, NB] word pointers to the quants
+        W = tl.load(qp[:, :, None, None] + (8 * g64)[None, None, :, None] + wd[None, None, None, :],
+                    mask=m2[:, :, None, None], other=0, eviction_policy="evict_first")  # [BN, NB, 4, 8]
+        xo = sb[:, None, None] * 256 + (64 * g64)[None, :, None] + 4 * wd[None, None, :]  # [NB, 4, 8] lane 4w
         xm = sm[:, None, None]
-        xl = tl.load(xp + xo, mask=xm, other=0.0).to(tl.float32)  # [NB, 4, 32]
-        xh = tl.load(xp + xo + 32, mask=xm, other=0.0).to(tl.float32)
-        dl = tl.sum(_int_f32(q & 15, 0.0) * xl[None], axis=3)  # [BN, NB, 4] sum q*x of sub-block 2g
-        dh = tl.sum(_int_f32(q & 240, 0.0) * xh[None], axis=3)  # 16 * sum q*x of sub-block 2g+1
-        sl = tl.sum(xl, axis=2)[None]  # [1, NB, 4] sum x of sub-block 2g
-        shs = tl.sum(xh, axis=2)[None]
-        part = a_lo * dl + a_hi * dh - (b_lo * sl + b_hi * shs)  # [BN, NB, 4]
+        dl = tl.zeros([BN, NB, 4, 8], dtype=tl.float32)  # sum over the word's 4 lanes of q * x, sub-block 2g
+        dh = tl.zeros([BN, NB, 4, 8], dtype=tl.float32)  # the same for sub-block 2g+1
+        sl = tl.zeros([NB, 4, 8], dtype=tl.float32)  # sum of x, shared by the rows
+        shs = tl.zeros([NB, 4, 8], dtype=tl.float32)
+        for kq in tl.static_range(4):
+            Wk = (W >> (16 * (kq // 2))) | 0x4B000000  # bytes 2, 3 moved to 0, 1: a high nibble must stay below bit 23
+            sft = 8 * (kq % 2)  # bit position of the byte in Wk
+            xl = tl.load(xp + xo + kq, mask=xm, other=0.0).to(tl.float32)  # [NB, 4, 8]
+            xh = tl.load(xp + xo + (kq + 32), mask=xm, other=0.0).to(tl.float32)
+            sl += xl
+            shs += xh
+            lo = (Wk & ((15 << sft) | 0x4B000000)).to(tl.float32, bitcast=True) - 8388608.0  # q * 2^sft
+            hi = (Wk & ((240 << sft) | 0x4B000000)).to(tl.float32, bitcast=True) - 8388608.0  # q * 2^(sft+4)
+            dl += lo * (xl * (1.0 / (1 << sft)))[None]
+            dh += hi * (xh * (1.0 / (16 << sft)))[None]
+        sl3 = tl.sum(sl, axis=2)[None]  # [1, NB, 4]
+        sh3 = tl.sum(shs, axis=2)[None]
+        part = a_lo * tl.sum(dl, axis=3) + a_hi * tl.sum(dh, axis=3) - (b_lo * sl3 + b_hi * sh3)  # [BN, NB, 4]
         return tl.sum(tl.sum(part, axis=2), axis=1)
 
     @triton.jit
-    def _q6k_tile(row, xp, b0, nsb, BN: tl.constexpr, NB: tl.constexpr):
+    def _q6k_tile(row, xp, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
         """Superblocks b0 .. b0+NB (those < nsb) of BN rows of Q6_K blocks against x -> [BN] float32.
 
         ql byte c = 64h + 32j + l (llama.cpp's dequantize_row_q6_K): low nibble = weight 128h + 32j + l, high
-        nibble = that + 64; their 2 high bits sit in qh byte 32h + l at bits 2j and 2j + 4. Here c = 16g + m:
-        h = g // 4, j = (g // 2) % 2, l = 16 (g % 2) + m, and the low nibble's scale (one per 16 weights) is
-        g + 4h, the high nibble's g + 4h + 4.
+        nibble = that + 64; their 2 high bits sit in qh byte 32h + l at bits 2j and 2j + 4. Here c = 16G + 2w + k
+        (G = 4h + 2j + half, l = 16 half + 2w + k): a thread holds the byte pair k. The low nibble's scale (one per
+        16 weights) is G + 4h, the high nibble's G + 4h + 4. T = qh << (4 - 2j) puts the low nibble's 2 bits at
+        bits 4-5 and the high nibble's at bits 8-9, next to (ql & 0xF) and (ql & 0xF0): two logic ops make each
+        6-bit value in place (the high one times 16).
         """
-        g = tl.arange(0, 8)
-        mm = tl.arange(0, 16)
-        h = g // 4
-        jj = (g // 2) % 2
-        lane = (16 * (g % 2))[:, None] + mm[None, :]  # [8, 16] l
-        sb = b0 + tl.arange(0, NB)
-        sm = sb < nsb
+        G = tl.arange(0, 8)
+        h = G // 4
+        jj = (G // 2) % 2
+        half = G % 2
+        wk = (2 * tl.arange(0, 8))[:, None] + tl.arange(0, 2)[None, :]  # [8, 2] byte within the 16 of G
+        sb = (b0 + tl.arange(0, NB)).to(tl.int64)
+        if EVEN:
+            sm = tl.full([NB], 1, tl.int1)
+        else:
+            sm = sb < nsb
         m2 = sm[None, :]
-        blk = row[:, None] + (sb * 210)[None, :]  # [BN, NB]
-        d = _f16(blk + 208, m2)  # [BN, NB]
-        sidx = (g + 4 * h)[None, None, :]  # [1, 1, 8]
+        blk = row[:, None] + sb[None, :] * 210  # [BN, NB]
+        d = _f16(blk + 208, m2)[:, :, None]  # [BN, NB, 1]
+        sidx = (G + 4 * h).to(tl.int64)[None, None, :]  # [1, 1, 8] scale of the low nibbles of G
         m3 = m2[:, :, None]
-        sc_lo = tl.load(blk[:, :, None] + 192 + sidx, mask=m3, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-        sc_hi = tl.load(blk[:, :, None] + 196 + sidx, mask=m3, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-        m4 = m2[:, :, None, None]
-        b4 = blk[:, :, None, None]
-        ql = tl.load(b4 + ((16 * g)[:, None] + mm[None, :])[None, None], mask=m4, other=0,
-                     eviction_policy="evict_first").to(tl.int32)  # [BN, NB, 8, 16]
-        qh = tl.load(b4 + 128 + ((32 * h)[:, None] + lane)[None, None], mask=m4, other=0,
-                     eviction_policy="evict_first").to(tl.int32)  # [BN, NB, 8, 16]; each qh byte twice
-        sh = (2 * jj)[None, None, :, None]  # [1, 1, 8, 1]
-        q_lo = _int_f32((ql & 15) | (((qh >> sh) & 3) << 4), 32.0)  # [BN, NB, 8, 16] in -32..31
-        q_hi = _int_f32((ql >> 4) | (((qh >> (sh + 4)) & 3) << 4), 32.0)
-        xo = (sb * 256)[:, None, None] + ((128 * h + 32 * jj)[:, None] + lane)[None]  # [NB, 8, 16]
-        xm = sm[:, None, None]
-        xl = tl.load(xp + xo, mask=xm, other=0.0).to(tl.float32)
-        xh = tl.load(xp + xo + 64, mask=xm, other=0.0).to(tl.float32)
-        part = sc_lo * tl.sum(q_lo * xl[None], axis=3) + sc_hi * tl.sum(q_hi * xh[None], axis=3)  # [BN, NB, 8]
-        return tl.sum(d * tl.sum(part, axis=2), axis=1)
+        sc_lo = d * tl.load(blk[:, :, None] + 192 + sidx, mask=m3, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+        sc_hi = d * tl.load(blk[:, :, None] + 196 + sidx, mask=m3, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+        qlo = ((16 * G)[:, None, None] + wk[None]).to(tl.int64)  # [8, 8, 2] ql byte
+        qho = (128 + (32 * h + 16 * half)[:, None, None] + wk[None]).to(tl.int64)  # its qh byte
+        m5 = m2[:, :, None, None, None]
+        b5 = blk[:, :, None, None, None]
+        ql = tl.load(b5 + qlo[None, None], mask=m5, other=0, eviction_policy="evict_first").to(tl.int32)
+        qh = tl.load(b5 + qho[None, None], mask=m5, other=0, eviction_policy="evict_first").to(tl.int32)
+        T = qh << (4 - 2 * jj)[None, None, :, None, None]  # [BN, NB, 8, 8, 2]
+        lo = ((ql & 15) | (T & 0x30) | 0x4B000000).to(tl.float32, bitcast=True) - 8388640.0  # q - 32
+        hi = ((ql & 0xF0) | (T & 0x300) | 0x4B000000).to(tl.float32, bitcast=True) - 8389120.0  # 16 (q - 32)
+        xo = sb[:, None, None, None] * 256 + ((128 * h + 32 * jj + 16 * half)[:, None, None] + wk[None]).to(tl.int64)[None]
+        xm = sm[:, None, None, None]
+        xl = tl.load(xp + xo, mask=xm, other=0.0).to(tl.float32)  # [NB, 8, 8, 2]
+        xh = tl.load(xp + xo + 64, mask=xm, other=0.0).to(tl.float32) * 0.0625
+        # scale * q and its product with d are exact in float32 (|.| <= 128 * 32 * d)
+        part = tl.sum(lo * xl[None], axis=4) * sc_lo[:, :, :, None] + tl.sum(hi * xh[None], axis=4) * sc_hi[:, :, :, None]
+        return tl.sum(tl.sum(tl.sum(part, axis=1), axis=1), axis=1)
 
     @triton.jit
-    def _tile_dot(row, xp, it, K, QT: tl.constexpr, BN: tl.constexpr, KW: tl.constexpr):
-        """Iteration `it` (weights it*KW .. it*KW+KW of K) of BN rows (byte pointers) against x -> [BN]."""
+    def _tile_dot(row, xp, it, K, QT: tl.constexpr, BN: tl.constexpr, KW: tl.constexpr, EVEN: tl.constexpr):
+        """Iteration `it` (weights it*KW .. it*KW+KW of K) of BN rows (byte pointers) against x -> [BN].
+        EVEN: KW divides K (no tile has blocks past the row's end)."""
         if QT == 12:  # Q4_K
-            return _q4k_tile(row, xp, it * (KW // 256), K // 256, BN, KW // 256)
+            return _q4k_tile(row, xp, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
         elif QT == 14:  # Q6_K
-            return _q6k_tile(row, xp, it * (KW // 256), K // 256, BN, KW // 256)
+            return _q6k_tile(row, xp, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
         else:  # Q8_0
-            return _q8_0_tile(row, xp, it * (KW // 32), K // 32, BN, KW // 32)
+            return _q8_0_tile(row, xp, it * (KW // 32), K // 32, BN, KW // 32, EVEN)
 
     @triton.jit
     def _glu_kernel(x, gate, up, slots, out, P, N, K, g_slot_bytes, u_slot_bytes, g_row_bytes, u_row_bytes,
-                    QG: tl.constexpr, QU: tl.constexpr, BN: tl.constexpr, KW: tl.constexpr):
+                    QG: tl.constexpr, QU: tl.constexpr, BN: tl.constexpr, KW: tl.constexpr, EVEN: tl.constexpr):
         pid = tl.program_id(0)
         p = pid % P  # pairs vary fastest: pairs sharing a slot read its rows back to back (L2)
         n = (pid // P) * BN + tl.arange(0, BN)
@@ -198,15 +238,15 @@ if triton is not None:
             g = tl.zeros([BN], dtype=tl.float32)
             u = tl.zeros([BN], dtype=tl.float32)
             for it in range(0, tl.cdiv(K, KW)):  # both tiles of an iteration in flight together
-                g += _tile_dot(grow, xp, it, K, QG, BN, KW)
-                u += _tile_dot(urow, xp, it, K, QU, BN, KW)
+                g += _tile_dot(grow, xp, it, K, QG, BN, KW, EVEN)
+                u += _tile_dot(urow, xp, it, K, QU, BN, KW, EVEN)
             tl.store(out + p * N + n, g / (1.0 + tl.exp(-g)) * u, mask=nm)
         else:  # a miss: no weight is read
             tl.store(out + p * N + n, tl.zeros([BN], dtype=tl.float32), mask=nm)
 
     @triton.jit
     def _gemv_kernel(x, w, slots, out, P, N, K, slot_bytes, row_bytes, QT: tl.constexpr, BN: tl.constexpr,
-                     KW: tl.constexpr, GATHER: tl.constexpr):
+                     KW: tl.constexpr, EVEN: tl.constexpr, GATHER: tl.constexpr):
         """out[p] = x[p] @ W.T for W = slot slots[p] of w (GATHER) or w itself; out in its own dtype."""
         pid = tl.program_id(0)
         p = pid % P  # rows of x vary fastest: they read the same weight rows back to back (L2)
@@ -221,7 +261,7 @@ if triton is not None:
             row = w + s * slot_bytes + n * row_bytes  # [BN]
             acc = tl.zeros([BN], dtype=tl.float32)
             for it in range(0, tl.cdiv(K, KW)):
-                acc += _tile_dot(row, x + p * K, it, K, QT, BN, KW)
+                acc += _tile_dot(row, x + p * K, it, K, QT, BN, KW, EVEN)
             tl.store(out + p * N + n, acc.to(out.dtype.element_ty), mask=nm)
         else:
             tl.store(out + p * N + n, tl.zeros([BN], dtype=out.dtype.element_ty), mask=nm)
@@ -253,23 +293,42 @@ def _sm_count(index: int) -> int:
 
 
 def plan(qtypes, N: int, K: int, batch: int, device: torch.device, block_n: int | None = None,
-         block_k: int | None = None) -> tuple[int, int]:
-    """(BN rows per program, KW weights per iteration) for a launch over `batch` x N rows of the weights
-    `qtypes` (one, or gate and up read together). KW covers K up to KW_MAX; BN fills TILE_BYTES, then halves
-    until the launch has PROGRAMS_PER_SM programs per SM (the interpreter on the CPU counts as one SM).
-    block_n / block_k override (powers of two; block_k >= 256)."""
-    kw = block_k or max(256, min(KW_MAX, triton.next_power_of_2(K)))
+         block_k: int | None = None) -> tuple[int, int, bool, int]:
+    """(BN rows per program, KW weights per iteration, EVEN: KW divides K, num_warps) for a launch over
+    `batch` x N rows of the weights `qtypes` (one, or gate and up read together).
+
+    KW: the largest power of two dividing K, up to KW_MAX (no masks); if that is small (K = 96: 32), the next
+    power of two >= K, with the blocks past K masked. BN fills TILE, then halves until the launch has
+    PROGRAMS_PER_SM programs per SM (the interpreter on the CPU counts as one SM). block_n / block_k override
+    (powers of two; block_k a multiple of the block length).
+    """
+    qb = max(block_len(qt) for qt in qtypes)
+    kw = min(KW_MAX, K & -K)
+    if kw < min(K, 256):
+        kw = min(KW_MAX, triton.next_power_of_2(K))
+    kw = max(kw, qb)
+    if block_k:
+        kw = block_k
+    tile, per_thread = min(TILE[qt] for qt in qtypes)
+    weights = kw * len(qtypes)  # per row and iteration
+
+    def warps(bn: int) -> int:  # ~per_thread weights per thread, 1 to 4 warps
+        n = 1
+        while n < 4 and 2 * n * 32 * per_thread <= bn * weights:
+            n *= 2
+        return n
+
     if block_n:
-        return block_n, kw
-    row = sum(QUANT_BYTES[qt] * kw // block_len(qt) for qt in qtypes)  # quant bytes of one row per iteration
-    bn = 1
-    while bn < ROWS_MAX and 2 * bn * row <= TILE_BYTES:
-        bn *= 2
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
-        if device.type == "cuda" else 1
-    while bn > 1 and batch * triton.cdiv(N, bn) < PROGRAMS_PER_SM * sms:
-        bn //= 2
-    return bn, kw
+        bn = block_n
+    else:
+        bn = 1
+        while bn < ROWS_MAX and 2 * bn * weights <= tile:
+            bn *= 2
+        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+            if device.type == "cuda" else 1
+        while bn > 1 and batch * triton.cdiv(N, bn) * warps(bn) < WARPS_PER_SM * sms:
+            bn //= 2
+    return bn, kw, K % kw == 0, warps(bn)
 
 
 def triton_expert_ffn(x: torch.Tensor, gate, up, down, slots: torch.Tensor, block_n: int | None = None,
@@ -285,12 +344,12 @@ def triton_expert_ffn(x: torch.Tensor, gate, up, down, slots: torch.Tensor, bloc
     if P == 0:
         return y
     g, u, dn = gate.raw, up.raw, down.raw
-    bn, kw = plan((gate.qtype, up.qtype), ff, d, P, x.device, block_n, block_k)
+    bn, kw, even, warps = plan((gate.qtype, up.qtype), ff, d, P, x.device, block_n, block_k)
     _glu_kernel[(P * triton.cdiv(ff, bn),)](
         x, g, u, slots, a, P, ff, d, g[0].numel(), u[0].numel(), g.shape[-1], u.shape[-1],
-        QG=int(gate.qtype), QU=int(up.qtype), BN=bn, KW=kw, num_warps=NUM_WARPS)
-    bn, kw = plan((down.qtype,), d, ff, P, x.device, block_n, block_k)
+        QG=int(gate.qtype), QU=int(up.qtype), BN=bn, KW=kw, EVEN=even, num_warps=warps)
+    bn, kw, even, warps = plan((down.qtype,), d, ff, P, x.device, block_n, block_k)
     _gemv_kernel[(P * triton.cdiv(d, bn),)](
-        a, dn, slots, y, P, d, ff, dn[0].numel(), dn.shape[-1], QT=int(down.qtype), BN=bn, KW=kw, GATHER=True,
-        num_warps=NUM_WARPS)
+        a, dn, slots, y, P, d, ff, dn[0].numel(), dn.shape[-1], QT=int(down.qtype), BN=bn, KW=kw, EVEN=even,
+        GATHER=True, num_warps=warps)
     return y

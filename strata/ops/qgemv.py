@@ -31,10 +31,10 @@ def _gemv(x2d: torch.Tensor, w: QTensor, block_n: int | None = None, block_k: in
     out = torch.empty(T, N, dtype=x2d.dtype if x2d.dtype.is_floating_point else torch.float32, device=x2d.device)
     if T == 0:
         return out
-    bn, kw = expert_triton.plan((w.qtype,), N, K, T, x2d.device, block_n, block_k)
+    bn, kw, even, warps = expert_triton.plan((w.qtype,), N, K, T, x2d.device, block_n, block_k)
     expert_triton._gemv_kernel[(T * expert_triton.triton.cdiv(N, bn),)](
-        x2d, raw, out, out, T, N, K, raw.numel(), raw.shape[-1], QT=int(w.qtype), BN=bn, KW=kw, GATHER=False,
-        num_warps=expert_triton.NUM_WARPS)  # `slots` is unused without GATHER: out stands in
+        x2d, raw, out, out, T, N, K, raw.numel(), raw.shape[-1], QT=int(w.qtype), BN=bn, KW=kw, EVEN=even,
+        GATHER=False, num_warps=warps)  # `slots` is unused without GATHER: out stands in
     return out
 
 

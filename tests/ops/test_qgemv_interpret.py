@@ -1,5 +1,9 @@
 """The decode GEMV (`qgemv._gemv`, the kernel qmatmul takes on CUDA) run in Triton's interpreter on the CPU
-against gguf-py's dequantizer: x @ dequantize(W).T in float64."""
+against gguf-py's dequantizer: x @ dequantize(W).T in float64.
+
+Shapes cover the tiles' edges: N not a multiple of the rows per program (masked store of the last tile), K in
+several iterations with KW dividing K (no masks), and K whose block count the per-iteration block count does
+not divide (masked blocks past the row's end), with the planner's choices and forced ones."""
 
 from __future__ import annotations
 
@@ -18,22 +22,42 @@ SCRIPT = textwrap.dedent("""
     from gguf.quants import dequantize
     from strata.ops import expert_triton, qgemv
     from strata.quant import random_qtensor
-    assert Q.Q6_K in expert_triton.SUPPORTED
-    # N not a multiple of BLOCK_N (masked tail rows); K of 1 and 2 blocks for the 256-weight formats
-    for qt, N, K in ((Q.Q6_K, 40, 512), (Q.Q6_K, 17, 256), (Q.Q4_K, 24, 256), (Q.Q8_0, 20, 96)):
+    cpu = torch.device("cpu")
+    cases = (  # qtype, N, K, block_n, block_k -> the plan asserted below
+        (Q.Q6_K, 40, 512, None, None),   # one iteration, N = 5 tiles of 8
+        (Q.Q6_K, 17, 768, None, 512),    # 2 iterations, the second half masked; N tail of 1
+        (Q.Q6_K, 5, 768, 2, None),       # 3 even iterations of 256
+        (Q.Q4_K, 24, 256, None, None),
+        (Q.Q4_K, 7, 768, None, 512),
+        (Q.Q4_K, 9, 768, 4, None),
+        (Q.Q8_0, 20, 96, None, None),    # 3 blocks in a tile of 4
+        (Q.Q8_0, 9, 800, None, 256),     # 25 blocks in tiles of 8: 4 iterations, the last 1/8
+        (Q.Q8_0, 9, 256, 2, None),
+    )
+    plans = [expert_triton.plan((qt,), N, K, 3, cpu, bn, bk) for qt, N, K, bn, bk in cases]
+    assert plans[1][1:3] == (512, False) and plans[2][:3] == (2, 256, True), plans
+    assert plans[6][1:3] == (128, False) and plans[7][1:3] == (256, False), plans
+    assert any(N % p[0] for (_, N, *_), p in zip(cases, plans)), "some N must end in a partial tile"
+    for (qt, N, K, bn, bk), plan in zip(cases, plans):
         w = random_qtensor(qt, (N, K), rng=int(qt) * 1000 + K, scale=0.05)
         ref_w = torch.from_numpy(dequantize(w.raw.numpy(), qt).astype(np.float64)).reshape(N, K)  # [N, K]
         x = torch.randn(3, K, generator=torch.Generator().manual_seed(K))                       # [T, K]
         ref = x.double() @ ref_w.T                                                               # [T, N]
-        y = qgemv._gemv(x, w)
+        scale = x.double().abs() @ ref_w.abs().T                                                 # [T, N]
+        y = qgemv._gemv(x, w, block_n=bn, block_k=bk)
         assert y.shape == (3, N) and y.dtype == torch.float32
-        err = ((y.double() - ref).abs() / (x.double().abs() @ ref_w.abs().T)).max().item()
-        assert err < 1e-6, (qt.name, N, K, err)
-        # bf16 activations are read as is (converted in registers)
+        err = ((y.double() - ref).abs() / scale).max().item()
+        assert err < 1e-6, (qt.name, N, K, plan, err)
+        if bn or bk:
+            continue
+        # bf16 activations are read as is and the result is stored in bf16 (float32 sums, one rounding: to
+        # nearest on the GPU, truncated by the interpreter, hence 2^-7)
         xb = x.bfloat16()
-        yb = qgemv._gemv(xb, w)
+        yb = qgemv._gemv(xb, w, block_n=bn, block_k=bk)
+        assert yb.dtype == torch.bfloat16
         refb = xb.double() @ ref_w.T
-        assert ((yb.double() - refb).abs() / (xb.double().abs() @ ref_w.abs().T)).max().item() < 1e-6, qt.name
+        errb = ((yb.double() - refb).abs() - 2.0 ** -7 * refb.abs()).max().item()
+        assert errb <= 1e-6 * scale.max().item(), (qt.name, N, K, plan, errb)
     print("ok")
 """)
 
