@@ -55,18 +55,29 @@ class ResidentExperts:
 
             y = gather_expert_ffn(x.repeat_interleave(k, 0), ew.gate, ew.up, ew.down, ids.reshape(-1))
             return combine(y.view(n, k, -1), w, x.dtype)
-        y = torch.zeros(n, k, x.shape[-1], dtype=torch.float32, device=x.device)
-        flat = ids.reshape(-1)
-        # Tokens grouped by expert: one matmul chain per used expert.
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=ew.n_experts).tolist()
-        start = 0
-        for e, c in enumerate(counts):
-            if c == 0:
-                continue
-            sel = order[start : start + c]
-            start += c
-            tok = sel // k
-            out = expert_ffn(x[tok], ew.gate[e], ew.up[e], ew.down[e])
-            y.view(n * k, -1)[sel] = out.float()
-        return combine(y, w, x.dtype)
+        # A chunk: pairs sorted by expert, experts in batches of batched matmuls (a constant number of launches
+        # per batch); `expert_loop` is its per-expert reference.
+        from strata.ops.moe_prefill import grouped_expert_ffn
+
+        return combine(grouped_expert_ffn(x, ew.gate, ew.up, ew.down, ids), w, x.dtype)
+
+
+def expert_loop(ew: ExpertWeights, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """x [N, d], ids [N, k] -> [N, k, d] float32: `expert_ffn` once per used expert on its tokens (the
+    reference for the grouped prefill path; one host read of the counts, then a Python loop)."""
+    n, k = ids.shape
+    y = torch.zeros(n, k, x.shape[-1], dtype=torch.float32, device=x.device)
+    flat = ids.reshape(-1)
+    # Tokens grouped by expert: one matmul chain per used expert.
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=ew.n_experts).tolist()
+    start = 0
+    for e, c in enumerate(counts):
+        if c == 0:
+            continue
+        sel = order[start : start + c]
+        start += c
+        tok = sel // k
+        out = expert_ffn(x[tok], ew.gate[e], ew.up[e], ew.down[e])
+        y.view(n * k, -1)[sel] = out.float()
+    return y

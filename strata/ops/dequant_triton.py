@@ -1,0 +1,211 @@
+"""One-launch GGML dequantization in Triton: Q4_0, Q4_K, Q5_K, Q6_K and Q8_0 blocks (uint8) -> float32,
+bfloat16 or float16, bit-identical in float32 to the torch reference in `strata.quant.dequant`.
+
+The reference builds each chunk with ~15-20 elementwise torch ops (shifts, masks, casts, products), each a
+kernel launch and a pass over memory; here one program decodes BB whole blocks in registers and writes them
+once. `strata.quant.dequant.dequantize_flat` takes this path on CUDA for these formats.
+
+Bit-exactness: the float math is the reference's, step for step -- f16 scales widened to float32, products
+with the small quant integers (exact in float32) taken in the same order, e.g. Q4_K's (d * sc) * q - dmin * m
+-- and launches disable FMA contraction (`enable_fp_fusion=False`), which would otherwise fuse a*b - c into
+one rounding where torch rounds twice. Narrower outputs are the float32 values rounded to nearest even, as
+torch's copy_ does. f16 fields are assembled from two byte loads, so any byte alignment of the input works.
+Tests run these kernels in Triton's interpreter on the CPU (tests/ops/test_dequant_triton_interpret.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from gguf import GGMLQuantizationType
+
+Q = GGMLQuantizationType
+
+try:  # Triton is optional: without it (or without a GPU) the torch reference runs
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+NUM_WARPS = 4
+
+
+def available() -> bool:
+    return triton is not None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _u8(p, m):
+        """The bytes at p as int32 (0 where m is false)."""
+        return tl.load(p, mask=m, other=0).to(tl.int32)
+
+    @triton.jit
+    def _f16(p, m):
+        """The little-endian f16 at byte pointers p (any alignment) as float32, exactly."""
+        bits = _u8(p, m) | (_u8(p + 1, m) << 8)
+        return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _store(p, y, m):
+        """y (float32) into p in p's dtype, rounded to nearest even. bfloat16 is rounded by hand on the bits
+        (what torch does; Triton's interpreter rounds bf16 differently from the GPU, this agrees on both)."""
+        if p.dtype.element_ty == tl.bfloat16:
+            bits = y.to(tl.uint32, bitcast=True)
+            r = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+            r = tl.where(y != y, 0x7FC0, r)  # NaN stays NaN (rounding could carry it into inf)
+            tl.store(p.to(tl.pointer_type(tl.uint16)), r.to(tl.uint16), mask=m)
+        else:
+            tl.store(p, y.to(p.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _k_scales(b, m, sub):
+        """Q4_K/Q5_K 6-bit scale and min of sub-blocks `sub` [8] for block pointers b [BB, 1] -> [BB, 8] int32.
+        Bytes 4..7 hold scales 0..3 (+ top bits of 4..7), 8..11 mins 0..3 (+ top bits), 12..15 the low
+        nibbles of scales 4..7 and, high, of mins 4..7."""
+        j = (sub % 4)[None, :]
+        lo = (sub < 4)[None, :]
+        sd = _u8(b + 4 + j, m)
+        sm = _u8(b + 8 + j, m)
+        smd = _u8(b + 12 + j, m)
+        sc = tl.where(lo, sd & 0x3F, (smd & 0x0F) | ((sd >> 2) & 0x30))
+        mn = tl.where(lo, sm & 0x3F, (smd >> 4) | ((sm >> 2) & 0x30))
+        return sc, mn
+
+    @triton.jit
+    def _q8_0_kernel(src, dst, n_blocks, BB: tl.constexpr):
+        # block (34 bytes / 32 weights): f16 d, 32 int8; w = q * d
+        pid = tl.program_id(0).to(tl.int64)  # 64-bit program bases, 32-bit offsets within a program
+        blk = tl.arange(0, BB)  # [BB]
+        m = (pid * BB + blk < n_blocks)[:, None]  # [BB, 1]
+        b = (src + pid * (BB * 34) + blk * 34)[:, None]
+        c = tl.arange(0, 32)[None, :]  # [1, 32]
+        d = _f16(b, m)  # [BB, 1]
+        q = tl.load(b + 2 + c, mask=m, other=0).to(tl.int8, bitcast=True).to(tl.float32)  # [BB, 32]
+        y = q * d
+        _store(dst + pid * (BB * 32) + blk[:, None] * 32 + c, y, m)
+
+    @triton.jit
+    def _q4_0_kernel(src, dst, n_blocks, BB: tl.constexpr):
+        # block (18 bytes / 32 weights): f16 d, 16 bytes; weight j is nibble j // 16 of byte j % 16
+        pid = tl.program_id(0).to(tl.int64)
+        blk = tl.arange(0, BB)
+        m = (pid * BB + blk < n_blocks)[:, None]
+        b = (src + pid * (BB * 18) + blk * 18)[:, None]
+        j = tl.arange(0, 32)[None, :]
+        d = _f16(b, m)
+        q = (_u8(b + 2 + j % 16, m) >> (4 * (j // 16))) & 0x0F
+        y = d * (q.to(tl.float32) - 8.0)
+        _store(dst + pid * (BB * 32) + blk[:, None] * 32 + j, y, m)
+
+    @triton.jit
+    def _q4_k_kernel(src, dst, n_blocks, BB: tl.constexpr):
+        # block (144 bytes / 256 weights): f16 d, f16 dmin, 12 bytes of scales/mins, 128 bytes of nibbles;
+        # sub-block g (32 weights) is nibble g % 2 of bytes 16 + 32 * (g // 2) + c; w = (d*sc) * q - dmin*mn
+        pid = tl.program_id(0).to(tl.int64)
+        blk = tl.arange(0, BB)
+        m2 = (pid * BB + blk < n_blocks)[:, None]  # [BB, 1]
+        b2 = (src + pid * (BB * 144) + blk * 144)[:, None]
+        g = tl.arange(0, 8)
+        c = tl.arange(0, 32)
+        d = _f16(b2, m2)
+        dmin = _f16(b2 + 2, m2)
+        sc, mn = _k_scales(b2, m2, g)  # [BB, 8]
+        dl = (d * sc.to(tl.float32))[:, :, None]  # [BB, 8, 1]
+        ml = (dmin * mn.to(tl.float32))[:, :, None]
+        m3 = m2[:, :, None]
+        b3 = b2[:, :, None]
+        off = (16 + 32 * (g // 2))[:, None] + c[None, :]  # [8, 32]
+        q = (_u8(b3 + off[None], m3) >> (4 * (g % 2))[None, :, None]) & 0x0F  # [BB, 8, 32]
+        y = dl * q.to(tl.float32) - ml
+        o = (g * 32)[:, None] + c[None, :]
+        _store(dst + pid * (BB * 256) + blk[:, None, None] * 256 + o[None], y, m3)
+
+    @triton.jit
+    def _q5_k_kernel(src, dst, n_blocks, BB: tl.constexpr):
+        # block (176 bytes / 256 weights): as Q4_K, plus 32 bytes qh (bit g of byte c: the 5th bit of weight
+        # 32*g + c) before the 128 bytes of nibbles
+        pid = tl.program_id(0).to(tl.int64)
+        blk = tl.arange(0, BB)
+        m2 = (pid * BB + blk < n_blocks)[:, None]
+        b2 = (src + pid * (BB * 176) + blk * 176)[:, None]
+        g = tl.arange(0, 8)
+        c = tl.arange(0, 32)
+        d = _f16(b2, m2)
+        dmin = _f16(b2 + 2, m2)
+        sc, mn = _k_scales(b2, m2, g)
+        dl = (d * sc.to(tl.float32))[:, :, None]
+        ml = (dmin * mn.to(tl.float32))[:, :, None]
+        m3 = m2[:, :, None]
+        b3 = b2[:, :, None]
+        off = (48 + 32 * (g // 2))[:, None] + c[None, :]  # [8, 32]
+        ql = (_u8(b3 + off[None], m3) >> (4 * (g % 2))[None, :, None]) & 0x0F
+        qh = (_u8(b3 + 16 + c[None, None, :], m3) >> g[None, :, None]) & 1
+        y = dl * (ql | (qh << 4)).to(tl.float32) - ml
+        o = (g * 32)[:, None] + c[None, :]
+        _store(dst + pid * (BB * 256) + blk[:, None, None] * 256 + o[None], y, m3)
+
+    @triton.jit
+    def _q6_k_kernel(src, dst, n_blocks, BB: tl.constexpr):
+        # block (210 bytes / 256 weights): 128 bytes ql, 64 bytes qh, 16 int8 scales, f16 d. Weight
+        # j = 128*h + 32*s + c (h half, s 0..3, c 0..31): low 4 bits = nibble s // 2 of ql[64*h + 32*(s%2) + c],
+        # high 2 bits = bits 2s of qh[32*h + c]; scale j // 16; w = (d * scale) * (q - 32)
+        pid = tl.program_id(0).to(tl.int64)
+        blk = tl.arange(0, BB)
+        m2 = (pid * BB + blk < n_blocks)[:, None]
+        b2 = (src + pid * (BB * 210) + blk * 210)[:, None]
+        t = tl.arange(0, 16)  # group of 16 weights: one scale each
+        u = tl.arange(0, 16)
+        d = _f16(b2 + 208, m2)
+        sc = tl.load(b2 + 192 + t[None, :], mask=m2, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+        dl = (d * sc)[:, :, None]  # [BB, 16, 1]
+        j = (t * 16)[:, None] + u[None, :]  # [16, 16] weight index in the block
+        h = j // 128
+        s = (j % 128) // 32
+        c = j % 32
+        m3 = m2[:, :, None]
+        b3 = b2[:, :, None]
+        lo = (_u8(b3 + (64 * h + 32 * (s % 2) + c)[None], m3) >> (4 * (s // 2))[None]) & 0x0F
+        hi = (_u8(b3 + (128 + 32 * h + c)[None], m3) >> (2 * s)[None]) & 0x03
+        y = dl * ((lo | (hi << 4)).to(tl.float32) - 32.0)
+        _store(dst + pid * (BB * 256) + blk[:, None, None] * 256 + j[None], y, m3)
+
+    # qtype -> (kernel, bytes per block, weights per block, blocks per program): ~4K weights per program
+    KERNELS = {
+        Q.Q8_0: (_q8_0_kernel, 34, 32, 128),
+        Q.Q4_0: (_q4_0_kernel, 18, 32, 128),
+        Q.Q4_K: (_q4_k_kernel, 144, 256, 16),
+        Q.Q5_K: (_q5_k_kernel, 176, 256, 16),
+        Q.Q6_K: (_q6_k_kernel, 210, 256, 16),
+    }
+else:  # pragma: no cover
+    KERNELS = {}
+
+SUPPORTED = frozenset(KERNELS)
+
+
+def supports(qtype, dtype: torch.dtype) -> bool:
+    return qtype in KERNELS and dtype in OUT_DTYPES
+
+
+def dequantize_blocks(blocks: torch.Tensor, qtype, out: torch.Tensor | None = None,
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Raw blocks (uint8, any shape holding whole blocks, read in memory order) -> 1-D tensor of their weights
+    in out's dtype (or a new `dtype` tensor), in one launch."""
+    kernel, size, block, bb = KERNELS[qtype]
+    flat = blocks.reshape(-1)
+    if flat.dtype != torch.uint8 or flat.numel() % size:
+        raise ValueError(f"{qtype.name} blocks must be uint8 and a multiple of {size} bytes")
+    n_blocks = flat.numel() // size
+    if out is None:
+        out = torch.empty(n_blocks * block, dtype=dtype, device=flat.device)
+    if out.numel() != n_blocks * block or out.dtype not in OUT_DTYPES:
+        raise ValueError(f"out must be {n_blocks * block} float32/bfloat16/float16 elements")
+    dst = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
+    if n_blocks:
+        kernel[(triton.cdiv(n_blocks, bb),)](flat, dst, n_blocks, BB=bb, num_warps=NUM_WARPS,
+                                             enable_fp_fusion=False)
+    if dst is not out:
+        out.copy_(dst)
+    return out
