@@ -16,19 +16,24 @@ f16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles (byte c of the
 nibbles, 64 bytes qh of 2-bit high parts, 16 int8 scales (one per 16 weights), f16 d;
 weight = d * scale * (q - 32). Q8_0 block (34 bytes / 32 weights): f16 d, 32 int8.
 
-Why the tiles look as they do (a decode GEMV moves each weight byte once, so it is bound by memory latency
-unless many bytes are in flight):
-- One loop iteration loads a whole [BN rows, KW weights] tile (KW up to 2048: a Qwen3 row of 2048 in one
-  go), i.e. [BN, NB, 32] Q8_0 or [BN, NB, 128] K-quant bytes, ~TILE_BYTES per program, not one block per row.
-- `_plan` picks BN so that a launch still has >= PROGRAMS_PER_SM programs per SM (a 512-row weight gets 1-row
-  programs, a 150K-row head 2-row ones); the grid is flat (pid = row block * P + p) so no axis limit binds.
-- f16 scales and the Q4_K scale words are single aligned loads (the byte pointer cast to f16 / u32).
+Why the kernels look as they do. A decode GEMV reads each weight byte once, so it needs many bytes in flight
+(latency) and few instructions per weight (on an H200, ~33 T thread-instructions/s against 8.5 T Q4_K
+weights/s at 4.8 TB/s):
+- One loop iteration of a program decodes a whole [BN rows, KW weights] tile (KW up to 2048: a Qwen3 row in
+  one go; KW divides K when it can, so tiles need no masks), not one block per row: 2-8 KB of quants per
+  program in flight at once, ~64-128 weights per thread.
+- `plan` picks BN and the warps per program per format (TILE), then halves BN until a launch has
+  WARPS_PER_SM warps per SM (a 512-row weight gets 1-row programs, a 150K-row head 2-4-row ones); the grid
+  is flat (pid = row block * P + p), so no grid axis limit binds.
+- f16 scales and the Q4_K scale words are single aligned loads (the byte pointer cast to f16 / u32); the Q4_K
+  quants are 16-byte loads of u32 words; offsets are int64 so the compiler folds them into immediates.
 - The Q4_K 6-bit scales and mins are decoded from three u32 words with 4-byte-wide bit operations
-  (llama.cpp's get_scale_min_k4) on a [BN, NB, 4] tensor, then broadcast; the weight math is factored per
-  sub-block: d*sc * sum(q*x) - dmin*m * sum(x), the sums of x shared by all rows of the program.
-- Integers become floats through the exponent trick (bits 0x4B000000 | v are the float 2^23 + v), never an
-  I2F instruction, which issues at 1/8 of the FMA rate on sm_90 and would cap Q4_K well below the roofline.
-All products of quant integers with f16 scales are exact in float32; sums are float32.
+  (llama.cpp's get_scale_min_k4) on a [BN, NB, 4] tensor, then broadcast; its weight math is factored per
+  sub-block, d*sc * sum(q*x) - dmin*m * sum(x), the sums of x shared by the program's rows.
+- Integers become floats through the exponent bits (the bits 0x4B000000 | v are the float 2^23 + v, exact),
+  never an I2F instruction, which sm_90 issues at 16 per clock per SM against 128 FMAs.
+All products of quant integers with f16 scales are exact in float32; sums are float32 (the grouping of the
+sums differs from the dequantize-then-matmul reference only by float32 rounding).
 """
 
 from __future__ import annotations
@@ -51,10 +56,11 @@ KW_MAX = 2048  # weights of a row per loop iteration (a Qwen3 row of 2048 in one
 ROWS_MAX = 16  # rows per program
 WARPS_PER_SM = 8  # fewer rows per program until a launch has this many warps per SM (2 per scheduler)
 # Per format: weights one program decodes per iteration (all weights it reads), and per thread. Chosen from
-# the sm_90 code Triton emits: more weights per thread amortize the per-tile work (addresses, scales, x),
-# up to ~128 registers (no spills, >= 16 warps per SM). Q4_K at (16384, 128): ~8.4 instructions per weight,
-# Q8_0 at (8192, 128): ~9.3, Q6_K at (4096, 64): ~12.4 (the kernels this replaced: 20-50).
-TILE = {Q.Q4_K: (16384, 128), Q.Q8_0: (8192, 128), Q.Q6_K: (4096, 64)}
+# the sm_90 code Triton 3.6 / 3.9 emit (compiled offline, cuobjdump): more weights per thread amortize the
+# per-tile work (addresses, scales, x) up to ~128-160 registers, no spills. At these points a tile costs
+# ~8-10 (Q4_K), ~8.5-10 (Q8_0), ~11-13 (Q6_K) instructions per weight; the kernels this replaced took
+# ~20 (Q8_0), ~35 (Q6_K), ~50 (Q4_K) in loops of one block per row.
+TILE = {Q.Q4_K: (16384, 128), Q.Q8_0: (8192, 128), Q.Q6_K: (8192, 128)}
 
 
 def available() -> bool:
@@ -72,11 +78,6 @@ if triton is not None:
     def _u32(p, m):
         """The little-endian u32 at 4-byte aligned byte pointers p (0 where m is false)."""
         return tl.load(p.to(tl.pointer_type(tl.uint32)), mask=m, other=0)
-
-    @triton.jit
-    def _int_f32(v, off: tl.constexpr):
-        """float32(v) - off for int32 v in [0, 2^23): the bits 0x4B000000 | v are the float 2^23 + v (exact)."""
-        return (v | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + off)
 
     @triton.jit
     def _q8_0_tile(row, xp, b0, nblk, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
@@ -151,12 +152,14 @@ if triton is not None:
         sl = tl.zeros([NB, 4, 8], dtype=tl.float32)  # sum of x, shared by the rows
         shs = tl.zeros([NB, 4, 8], dtype=tl.float32)
         for kq in tl.static_range(4):
-            Wk = (W >> (16 * (kq // 2))) | 0x4B000000  # bytes 2, 3 moved to 0, 1: a high nibble must stay below bit 23
+            # bytes 2, 3 moved to 0, 1 (a high nibble must stay below bit 23), OR-ed with the exponent bits once
+            Wk = (W >> (16 * (kq // 2))) | 0x4B000000
             sft = 8 * (kq % 2)  # bit position of the byte in Wk
             xl = tl.load(xp + xo + kq, mask=xm, other=0.0).to(tl.float32)  # [NB, 4, 8]
             xh = tl.load(xp + xo + (kq + 32), mask=xm, other=0.0).to(tl.float32)
             sl += xl
             shs += xh
+            # one AND with a single immediate per weight (no second constant held in a register)
             lo = (Wk & ((15 << sft) | 0x4B000000)).to(tl.float32, bitcast=True) - 8388608.0  # q * 2^sft
             hi = (Wk & ((240 << sft) | 0x4B000000)).to(tl.float32, bitcast=True) - 8388608.0  # q * 2^(sft+4)
             dl += lo * (xl * (1.0 / (1 << sft)))[None]
@@ -203,12 +206,14 @@ if triton is not None:
         T = qh << (4 - 2 * jj)[None, None, :, None, None]  # [BN, NB, 8, 8, 2]
         lo = ((ql & 15) | (T & 0x30) | 0x4B000000).to(tl.float32, bitcast=True) - 8388640.0  # q - 32
         hi = ((ql & 0xF0) | (T & 0x300) | 0x4B000000).to(tl.float32, bitcast=True) - 8389120.0  # 16 (q - 32)
-        xo = sb[:, None, None, None] * 256 + ((128 * h + 32 * jj + 16 * half)[:, None, None] + wk[None]).to(tl.int64)[None]
+        wlo = ((128 * h + 32 * jj + 16 * half)[:, None, None] + wk[None]).to(tl.int64)  # [8, 8, 2] low nibble's x
+        xo = sb[:, None, None, None] * 256 + wlo[None]
         xm = sm[:, None, None, None]
         xl = tl.load(xp + xo, mask=xm, other=0.0).to(tl.float32)  # [NB, 8, 8, 2]
         xh = tl.load(xp + xo + 64, mask=xm, other=0.0).to(tl.float32) * 0.0625
         # scale * q and its product with d are exact in float32 (|.| <= 128 * 32 * d)
-        part = tl.sum(lo * xl[None], axis=4) * sc_lo[:, :, :, None] + tl.sum(hi * xh[None], axis=4) * sc_hi[:, :, :, None]
+        part = tl.sum(lo * xl[None], axis=4) * sc_lo[:, :, :, None] \
+            + tl.sum(hi * xh[None], axis=4) * sc_hi[:, :, :, None]  # [BN, NB, 8, 8]
         return tl.sum(tl.sum(tl.sum(part, axis=1), axis=1), axis=1)
 
     @triton.jit
@@ -298,9 +303,10 @@ def plan(qtypes, N: int, K: int, batch: int, device: torch.device, block_n: int 
     `batch` x N rows of the weights `qtypes` (one, or gate and up read together).
 
     KW: the largest power of two dividing K, up to KW_MAX (no masks); if that is small (K = 96: 32), the next
-    power of two >= K, with the blocks past K masked. BN fills TILE, then halves until the launch has
-    PROGRAMS_PER_SM programs per SM (the interpreter on the CPU counts as one SM). block_n / block_k override
-    (powers of two; block_k a multiple of the block length).
+    power of two >= K, with the blocks past K masked. BN fills TILE (at most ROWS_MAX), then halves until the
+    launch has WARPS_PER_SM warps per SM (the interpreter on the CPU counts as one SM); num_warps gives each
+    thread ~TILE's per-thread weights. block_n / block_k override (powers of two; block_k a multiple of the
+    block length).
     """
     qb = max(block_len(qt) for qt in qtypes)
     kw = min(KW_MAX, K & -K)

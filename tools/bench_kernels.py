@@ -1,0 +1,130 @@
+"""GPU micro-benchmark of the decode kernels that read quantized weights in place (CUDA only, < 60 s).
+
+    python tools/bench_kernels.py [--reps 50] [--peak-tbs 4.8]
+
+Times `strata.ops.qgemv._gemv` (the CUDA qmatmul for Q8_0 / Q4_K / Q6_K) at T = 1 for the Qwen3-30B-A3B decode
+shapes, and `strata.ops.expert_triton.triton_expert_ffn` for P = 8 Q4_K experts (768 x 2048) gathered from a
+pool of 64 slots. Each figure is the median over `--reps` replays of a CUDA graph of back-to-back calls
+(CUDA events around each replay, divided by the calls in it), after a warm-up. The calls of a graph cycle
+through copies of the weight totalling > 2x the L2 cache (and the expert calls through different slots), so
+weights come from HBM as in a real decode step, and graph replay keeps Python launch time out of the figure.
+Prints us per call, GB/s of bytes moved (weights + activations), % of the peak, the launch plan, and checks
+every result against the dequantize-then-matmul reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, ".")
+
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+
+from strata.ops import expert_triton, qgemv  # noqa: E402
+from strata.ops.expert_gather import _torch_gather_ffn  # noqa: E402
+from strata.quant import random_qtensor  # noqa: E402
+from strata.quant.matmul import reference_qmatmul  # noqa: E402
+from strata.quant.qtensor import QTensor  # noqa: E402
+
+GEMV_SHAPES = [(4096, 2048), (512, 2048), (2048, 4096), (128, 2048), (151936, 2048)]  # (N, K)
+COLD_BYTES = 128 << 20  # weight copies cycled per graph: > 2x the 50-60 MB L2 of an H100/H200
+MIN_CALLS = 8  # calls per graph replay, so a replay's own overhead is small next to the kernels
+
+
+def time_graph(calls, reps: int) -> float:
+    """Median seconds per call of `calls` (a list of no-argument callables), replayed as one CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up (compiles, allocator) outside the capture
+        for f in calls:
+            f()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in calls:
+            f()
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / len(calls))
+    return statistics.median(times)
+
+
+def report(name: str, seconds: float, nbytes: int, plan, err: float, tol: float, peak: float) -> bool:
+    gbs = nbytes / seconds / 1e9
+    ok = err < tol
+    print(f"{name:<34} {seconds * 1e6:9.1f} us {gbs:8.0f} GB/s {100 * gbs / (peak * 1e3):5.1f}%  "
+          f"plan(BN, KW, even, warps)={plan}  rel.err {err:.1e} {'ok' if ok else 'FAIL'}", flush=True)
+    return ok
+
+
+def bench_gemv(qt, N: int, K: int, reps: int, peak: float) -> bool:
+    dev = torch.device("cuda")
+    w = random_qtensor(qt, (N, K), rng=int(qt) * 7 + N, scale=0.02, device=dev)
+    wbytes = w.raw.numel()
+    copies = [w] + [QTensor(w.raw.clone(), qt, w.shape) for _ in range(min(1023, COLD_BYTES // wbytes))]
+    x = torch.randn(1, K, device=dev).bfloat16()  # [T, K] decode activations
+    y = qgemv._gemv(x, w)
+    ref = reference_qmatmul(x.float(), w)  # [T, N] float32
+    err = ((y.float() - ref).norm() / ref.norm()).item()
+    calls = [(lambda c=c: qgemv._gemv(x, c)) for c in copies]
+    calls = calls * -(-MIN_CALLS // len(calls))
+    t = time_graph(calls, reps)
+    plan = expert_triton.plan((qt,), N, K, 1, dev)
+    del copies
+    # bf16 output: one rounding of a float32 sum (2^-9 relative rms)
+    return report(f"gemv {qt.name:<5} N={N:<6} K={K}", t, wbytes + 2 * K + 2 * N, plan, err, 1e-2, peak)
+
+
+def bench_experts(reps: int, peak: float) -> bool:
+    dev = torch.device("cuda")
+    S, P, d, ff = 64, 8, 2048, 768
+    gate, up = (random_qtensor(Q.Q4_K, (S, ff, d), rng=s, device=dev) for s in (1, 2))
+    down = random_qtensor(Q.Q4_K, (S, d, ff), rng=3, device=dev)
+    x = torch.randn(P, d, device=dev).bfloat16()  # [P, d]
+    gen = torch.Generator().manual_seed(0)
+    slot_sets = [torch.randperm(S, generator=gen)[:P].to(dev) for _ in range(MIN_CALLS)]  # different experts
+    y = expert_triton.triton_expert_ffn(x, gate, up, down, slot_sets[0])
+    ref = _torch_gather_ffn(x.float(), gate, up, down, slot_sets[0])
+    err = ((y - ref).norm() / ref.norm()).item()
+    t = time_graph([(lambda s=s: expert_triton.triton_expert_ffn(x, gate, up, down, s)) for s in slot_sets], reps)
+    per_expert = sum(q.raw[0].numel() for q in (gate, up, down))
+    nbytes = P * per_expert + x.numel() * 2 + P * ff * 4 * 2 + P * d * 4  # weights, x, a (written, read), y
+    plan = (expert_triton.plan((Q.Q4_K, Q.Q4_K), ff, d, P, dev), expert_triton.plan((Q.Q4_K,), d, ff, P, dev))
+    return report(f"expert ffn Q4_K P={P} {ff}x{d} /{S}", t, nbytes, plan, err, 1e-5, peak)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--peak-tbs", type=float, default=4.8, help="HBM peak the percentages refer to (TB/s)")
+    a = ap.parse_args()
+    if not torch.cuda.is_available() or not expert_triton.available():
+        print("bench_kernels: needs a CUDA GPU and Triton", file=sys.stderr)
+        return 1
+    t0 = time.perf_counter()
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {expert_triton.triton.__version__}")
+    ok = True
+    for qt in (Q.Q8_0, Q.Q4_K, Q.Q6_K):
+        for N, K in GEMV_SHAPES:
+            ok &= bench_gemv(qt, N, K, a.reps, a.peak_tbs)
+            torch.cuda.empty_cache()
+    ok &= bench_experts(a.reps, a.peak_tbs)
+    print(f"total {time.perf_counter() - t0:.1f} s")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
