@@ -21,6 +21,7 @@ from strata.quant import QTensor, qmatmul
 # One query token: SDPA backends that do not re-plan for every KV length (cuDNN's does: ~1 ms of host time a call)
 _ONE_QUERY_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 _ARANGES: dict[tuple[int, torch.device], torch.Tensor] = {}
+_SCALARS: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _capturing(t: torch.Tensor) -> bool:
@@ -39,6 +40,14 @@ def _arange(n: int, device: torch.device) -> torch.Tensor:
     return t
 
 
+def _window_mask(window: int, pos_t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[1, window] additive mask in the query's dtype: 0 up to the device-side position, -inf beyond. (Given a
+    boolean mask, SDPA would spend three more kernels a call turning it into this.)"""
+    zero, neg_inf = _SCALARS.get(dtype) or _SCALARS.setdefault(
+        dtype, (torch.tensor(0.0, dtype=dtype), torch.tensor(float("-inf"), dtype=dtype)))  # CPU 0-dim: no kernel
+    return torch.where(_arange(window, pos_t.device) <= pos_t, zero, neg_inf).unsqueeze(0)
+
+
 def _causal_mask(seg: Segment, device) -> torch.Tensor | None:
     if seg.n == 1:
         return None  # one query sees the whole prefix
@@ -54,8 +63,7 @@ def _cache_step(kv: KVCache, layer: int, seg: Segment, k: torch.Tensor, v: torch
         kv.write_at(layer, seg.slot, seg.pos_t, k, v)
         ks = kv.k[layer][seg.slot, : seg.window]
         vs = kv.v[layer][seg.slot, : seg.window] if kv.v is not None else None
-        mask = (_arange(seg.window, k.device) <= seg.pos_t).unsqueeze(0)  # [1, window]
-        return ks, vs, mask
+        return ks, vs, _window_mask(seg.window, seg.pos_t, k.dtype)
     kv.write(layer, seg, k, v)
     ks, vs = kv.read(layer, seg)
     return ks, vs, _causal_mask(seg, k.device)

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from strata.layers.attention import _gqa
+from strata.layers.attention import _gqa, _window_mask
 
 
 def _reference(q, ks, vs, mask, scale):
@@ -30,9 +30,10 @@ def _case(n, H, hkv, L, D, Dv, dev, dtype, seed):
 @pytest.mark.parametrize("masked", [False, True])
 def test_one_token_regrouped_equals_sdpa_gqa(H, hkv, masked):
     q, ks, vs = _case(1, H, hkv, 37, 16, 12, "cpu", torch.float32, H * 10 + hkv)
-    mask = (torch.arange(37) <= 20).unsqueeze(0) if masked else None  # [1, L]: keys past 20 are stale
+    # the static decode step's mask [1, L]: keys past position 20 are stale
+    mask = _window_mask(37, torch.tensor([20]), torch.float32) if masked else None
     out = _gqa(q, ks, vs, mask, 0.25)
-    ref = _reference(q, ks, vs, mask, 0.25)
+    ref = _reference(q, ks, vs, (torch.arange(37) <= 20).unsqueeze(0) if masked else None, 0.25)
     assert out.shape == (1, H, 12)
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-6)
     if masked:  # the stale keys really are ignored
@@ -53,8 +54,9 @@ def test_several_tokens_keep_the_causal_path():
 def test_one_token_on_cuda_bf16(masked):
     """Qwen3-30B-A3B shapes: 32 query heads over 4 KV heads of 128, a 1,000-key prefix."""
     q, ks, vs = _case(1, 32, 4, 1000, 128, 128, "cuda", torch.bfloat16, 7)
-    mask = (torch.arange(1000, device="cuda") <= 700).unsqueeze(0) if masked else None
-    out = _gqa(q, ks, vs, mask, 128 ** -0.5)
-    ref = _reference(q, ks, vs, mask, 128 ** -0.5)
+    pos = torch.tensor([700], device="cuda")
+    out = _gqa(q, ks, vs, _window_mask(1000, pos, torch.bfloat16) if masked else None, 128 ** -0.5)
+    ref = _reference(q, ks, vs, (torch.arange(1000, device="cuda") <= pos).unsqueeze(0) if masked else None,
+                     128 ** -0.5)
     assert out.dtype == torch.bfloat16
     assert ((out.double() - ref).abs().max() / ref.abs().max()).item() < 2 ** -7
