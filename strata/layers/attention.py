@@ -81,8 +81,9 @@ def _gqa(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, mask: torch.Tensor
     if n == 1:
         # One token: each KV head is a batch entry of one head whose queries are the G = H/Hkv query heads
         # sharing it ([Hkv, 1, G, D]). That is GQA exactly (query head h reads KV head h // G, as enable_gqa's
-        # repeat_interleave does) without enable_gqa, which rules out the memory-efficient kernel and, with a
-        # mask, flash; and the output [Hkv, 1, G, Dv] is laid out head by head as wo wants it (no copy).
+        # repeat_interleave does) without enable_gqa, which rules out the memory-efficient kernel (the one that
+        # takes the static step's mask: flash takes none); and the output [Hkv, 1, G, Dv] is laid out head by
+        # head as wo wants it (no copy).
         qs = q.reshape(hkv, 1, H // hkv, D)
         kt = ks.transpose(0, 1).unsqueeze(1)  # [Hkv, 1, L, D]: strided views of the cache, no copy
         vt = vs.transpose(0, 1).unsqueeze(1)
