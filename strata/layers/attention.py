@@ -21,7 +21,6 @@ from strata.quant import QTensor, qmatmul
 # One query token: SDPA backends that do not re-plan for every KV length (cuDNN's does: ~1 ms of host time a call)
 _ONE_QUERY_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 _ARANGES: dict[tuple[int, torch.device], torch.Tensor] = {}
-_SCALARS: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _capturing(t: torch.Tensor) -> bool:
@@ -42,10 +41,10 @@ def _arange(n: int, device: torch.device) -> torch.Tensor:
 
 def _window_mask(window: int, pos_t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[1, window] additive mask in the query's dtype: 0 up to the device-side position, -inf beyond. (Given a
-    boolean mask, SDPA would spend three more kernels a call turning it into this.)"""
-    zero, neg_inf = _SCALARS.get(dtype) or _SCALARS.setdefault(
-        dtype, (torch.tensor(0.0, dtype=dtype), torch.tensor(float("-inf"), dtype=dtype)))  # CPU 0-dim: no kernel
-    return torch.where(_arange(window, pos_t.device) <= pos_t, zero, neg_inf).unsqueeze(0)
+    boolean mask, SDPA would spend three more kernels a call turning it into this.) Built from device tensors
+    and Python scalars only: a CPU tensor operand would be a host copy, which CUDA-graph capture forbids."""
+    m = torch.zeros(window, dtype=dtype, device=pos_t.device)
+    return m.masked_fill_(_arange(window, pos_t.device) > pos_t, float("-inf")).unsqueeze(0)
 
 
 def _causal_mask(seg: Segment, device) -> torch.Tensor | None:
