@@ -55,8 +55,11 @@ class ResidentExperts:
 
             y = gather_expert_ffn(x.repeat_interleave(k, 0), ew.gate, ew.up, ew.down, ids.reshape(-1))
             return combine(y.view(n, k, -1), w, x.dtype)
-        # A chunk: pairs sorted by expert, experts in batches of batched matmuls (a constant number of launches
-        # per batch); `expert_loop` is its per-expert reference.
+        # A chunk on the GPU: pairs sorted by expert, experts in batches of batched matmuls (a constant number
+        # of launches per batch). On the CPU the per-expert loop through qmatmul stays: it is the reference
+        # (and qmatmul's kernel registry is where tests swap in llama.cpp's activation rounding).
+        if not x.is_cuda:
+            return combine(expert_loop(ew, x, ids), w, x.dtype)
         from strata.ops.moe_prefill import grouped_expert_ffn
 
         return combine(grouped_expert_ffn(x, ew.gate, ew.up, ew.down, ids), w, x.dtype)
