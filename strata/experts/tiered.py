@@ -355,6 +355,17 @@ class TieredExperts:
             st = self._to_dev(np.stack([slots, tok, pairs]))
             y[st[2]] = gather_expert_ffn(x.index_select(0, st[1]), pool.gate, pool.up, pool.down, st[0])
             return
+        if self.cuda:  # chunk-sized on the GPU: every pair of these slots in one grouped call (batched matmuls)
+            from strata.ops.moe_prefill import grouped_expert_ffn
+
+            N = x.shape[0]
+            k = y.shape[0] // N
+            sid = np.full(N * k, -1, dtype=np.int64)  # [N*k] slot of each pair computed here, -1 elsewhere
+            for s, _, pairs in groups:
+                sid[pairs] = s
+            out = grouped_expert_ffn(x, pool.gate, pool.up, pool.down, self._to_dev(sid).view(N, k))
+            y += out.view(N * k, -1)  # the pairs of other calls hold 0 in `out`, these hold 0 in `y`
+            return
         for s, tok, pairs in groups:  # chunk-sized: a matmul per expert over its tokens
             ti = self._to_dev(tok)
             y[self._to_dev(pairs)] = expert_ffn(x.index_select(0, ti), *pool.expert(s)).float()

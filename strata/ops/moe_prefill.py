@@ -58,23 +58,25 @@ def _batches(counts: list[int], per_expert: int, itemsize: int, width: int, budg
 def grouped_expert_ffn(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor,
                        ids: torch.Tensor) -> torch.Tensor:
     """x [N, d], expert stacks gate/up [E, ff, d] and down [E, d, ff], ids [N, k] int64 -> y [N, k, d] float32:
-    y[n, j] = down[e] @ (silu(gate[e] @ x[n]) * (up[e] @ x[n])) for e = ids[n, j], computed in x's dtype."""
+    y[n, j] = down[e] @ (silu(gate[e] @ x[n]) * (up[e] @ x[n])) for e = ids[n, j] (0 where e < 0), computed in
+    x's dtype."""
     N, d = x.shape
     k = ids.shape[1]
     E, ff = gate.shape[0], gate.shape[1]
     dtype = x.dtype if x.dtype.is_floating_point else torch.float32
     dev = x.device
-    flat = ids.reshape(-1)  # [P] expert of each pair, pair p = n * k + j
+    flat = ids.reshape(-1)  # [P] expert of each pair, pair p = n * k + j; negative: no expert (output 0)
     P = flat.numel()
+    flat = torch.where(flat < 0, E, flat)  # no expert (tiered: pairs not on the GPU): sorted last, never computed
     order = torch.argsort(flat, stable=True)  # [P] pairs grouped by expert
-    counts = torch.bincount(flat, minlength=E).tolist()  # the one host read
+    counts = torch.bincount(flat, minlength=E + 1).tolist()[:E]  # the one host read
     starts = [0] * E  # where each expert's pairs begin in `order`
     for e in range(1, E):
         starts[e] = starts[e - 1] + counts[e - 1]
 
     # one zero row past the tokens (padding reads it) and one dummy row past the pairs (padding writes it)
     xp = torch.cat([x.to(dtype), x.new_zeros(1, d, dtype=dtype)])  # [N + 1, d]
-    y = torch.empty(P + 1, d, dtype=torch.float32, device=dev)  # [P + 1, d]
+    y = torch.zeros(P + 1, d, dtype=torch.float32, device=dev)  # [P + 1, d]: pairs without an expert stay 0
     order_p = torch.cat([order, order.new_full((1,), P)])  # [P + 1]: index P -> the dummy pair
     itemsize = torch.finfo(dtype).bits // 8
     budget = WEIGHT_BYTES if dev.type == "cuda" else CPU_WEIGHT_BYTES

@@ -261,3 +261,21 @@ def test_bf16_with_the_int4_cpu_lane_stays_close_to_resident(tmp_path):
     out = _run(lm, prompt=PROMPT[:4], decode=DECODE[:2]).float()
     assert lm.model.experts.stats.cpu > 0
     assert ((out - ref).norm() / ref.norm()).item() < 3e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("plan,slots", [("012", 3), ("000", 0), ("auto", 3)])
+def test_cuda_chunk_path_matches_resident(model_path, plan, slots):
+    """A prompt whose pairs exceed the decode size takes the grouped chunk path (hits, staged batches, CPU)."""
+    def cuda(mode, **ex):
+        cfg = EngineConfig(model=str(model_path), device="cuda", dtype="float32",
+                           experts=ExpertConfig(mode=mode, **ex))
+        return load_model(str(model_path), cfg, with_tokenizer=False)
+
+    prompt = [(7 * i + 3) % 96 for i in range(90)]  # 90 tokens x k=2 = 180 pairs > PAIRS_MAX
+    ref = _run_cuda(cuda("resident"), prompt=prompt, decode=DECODE[:2])
+    lm = cuda("tiered", slots=slots, cpu_plan=plan)
+    out = _run_cuda(lm, prompt=prompt, decode=DECODE[:2])
+    assert ((out - ref).abs().max() / ref.abs().max()).item() <= 1e-5
+    s = lm.model.experts.stats
+    assert s.hits + s.cpu + s.pcie == s.lookups

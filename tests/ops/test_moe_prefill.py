@@ -87,3 +87,19 @@ def test_resident_chunk_path_on_the_cpu_is_the_loop():
     assert torch.equal(out, combine(expert_loop(ew, x, ids), w, x.dtype))
     grouped = combine(grouped_expert_ffn(x, ew.gate, ew.up, ew.down, ids), w, x.dtype)
     assert ((out - grouped).norm() / out.norm()).item() < 1e-5
+
+
+def test_negative_ids_give_zero_and_leave_the_rest_equal():
+    E, d, ff = 6, 64, 64
+    ew = _experts(Q.Q8_0, Q.Q8_0, E, d, ff, 3)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(30, d, generator=gen)
+    ids = _ids(30, 2, E, gen)
+    masked = ids.clone()
+    masked[::3, 0] = -1
+    masked[5] = -1
+    full = grouped_expert_ffn(x, ew.gate, ew.up, ew.down, ids)
+    out = grouped_expert_ffn(x, ew.gate, ew.up, ew.down, masked)
+    keep = masked >= 0
+    assert (out[~keep] == 0).all()
+    assert torch.allclose(out[keep], full[keep], rtol=1e-5, atol=1e-6)
