@@ -49,6 +49,8 @@ from strata.ops.expert_gather import gather_expert_ffn
 log = logging.getLogger("strata")
 
 PAIRS_MAX = 64  # (token, choice) pairs up to which CUDA computes all pairs from the map before the host sync
+# The CPU computes chunks per expert through qmatmul (the reference); tests turn the GPU's grouped path on there.
+GROUPED_CHUNKS_ON_CPU = False
 
 
 def _all_cpu_zero(text: str) -> bool:
@@ -355,7 +357,7 @@ class TieredExperts:
             st = self._to_dev(np.stack([slots, tok, pairs]))
             y[st[2]] = gather_expert_ffn(x.index_select(0, st[1]), pool.gate, pool.up, pool.down, st[0])
             return
-        if self.cuda:  # chunk-sized on the GPU: every pair of these slots in one grouped call (batched matmuls)
+        if self.cuda or GROUPED_CHUNKS_ON_CPU:  # chunk-sized: these slots' pairs in one grouped call (batched matmuls)
             from strata.ops.moe_prefill import grouped_expert_ffn
 
             N = x.shape[0]

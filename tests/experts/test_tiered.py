@@ -279,3 +279,15 @@ def test_cuda_chunk_path_matches_resident(model_path, plan, slots):
     assert ((out - ref).abs().max() / ref.abs().max()).item() <= 1e-5
     s = lm.model.experts.stats
     assert s.hits + s.cpu + s.pcie == s.lookups
+
+
+@pytest.mark.parametrize("plan,slots", [("012", 3), ("000", 0), ("001", 8)])
+def test_grouped_chunk_path_matches_resident(model_path, reference, monkeypatch, plan, slots):
+    """The GPU's chunk path (hits and staged batches through the grouped FFN, masked pairs 0), run on the CPU."""
+    import strata.experts.tiered as tiered
+
+    monkeypatch.setattr(tiered, "GROUPED_CHUNKS_ON_CPU", True)
+    lm = _load(model_path, slots=slots, cpu_plan=plan)
+    out = _run(lm)
+    assert (out - reference).abs().max().item() <= 1e-5
+    _check_stats(lm.model.experts, len(PROMPT) + len(DECODE))
