@@ -10,6 +10,7 @@ segment; every other op is row-wise).
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -22,6 +23,7 @@ from strata.engine.sampler import SamplingParams, sample
 from strata.kv.cache import Segment
 
 _ids = itertools.count(1)
+log = logging.getLogger("strata")
 
 
 @dataclass
@@ -153,9 +155,20 @@ class Engine:
                 toks.append(s.output[-1])
                 poss.append(s.pos)
                 owners.append(s)
+        logits = None
         if self.graphs is not None and prefill is None and len(segs) == 1:
-            logits = self.graphs.step(toks[0], poss[0])  # [1, V] from a replayed graph
-        else:
+            try:
+                logits = self.graphs.step(toks[0], poss[0])  # [1, V] from a replayed graph
+            except Exception as e:  # a model whose step cannot be captured still runs, eagerly
+                if self.graphs.cuda and not self.graphs.graphs.get(self.graphs.window_for(poss[0])):
+                    log.warning("strata: CUDA graph capture failed (%s: %s); decoding without graphs",
+                                type(e).__name__, e)
+                    self.graphs = None
+                    if hasattr(self.model.experts, "recorder"):
+                        self.model.experts.recorder = None
+                else:
+                    raise
+        if logits is None:
             t = torch.tensor(toks, device=self.device)
             p = torch.tensor(poss, device=self.device)
             logits = self.model.forward(t, p, segs, self.kv)  # [len(segs), V]

@@ -65,6 +65,15 @@ class PieceRecorder:
         self.pieces, self._pool, self.capturing = [], pool, True
         self._begin()
 
+    def abort(self) -> None:
+        """End a failed capture (the stream must leave capture mode) and drop its pieces."""
+        if self._g is not None:
+            try:
+                self._g.capture_end()
+            except Exception:  # the capture was already invalidated: nothing to end
+                pass
+        self._g, self.capturing, self.pieces = None, False, []
+
     def finish(self, label: str = "dense_other") -> list:
         self._g.capture_end()
         self.pieces.append((self._g, None, label))
@@ -120,7 +129,7 @@ class DecodeGraphs:
             try:
                 out = self._forward(segs)
             except BaseException:
-                self.rec.capturing = False
+                self.rec.abort()
                 raise
             pieces = self.rec.finish()
         torch.cuda.current_stream().wait_stream(side)
