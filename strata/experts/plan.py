@@ -125,11 +125,14 @@ def decode_lanes_ms(
     gpu_ms_per_expert: float,
     cpu_overhead_ms: float = 0.0,
 ) -> tuple[float, float]:
-    """(CPU lane, GPU lane) in ms: the GPU copies misses-cpu experts and computes k-cpu in all."""
+    """(CPU lane, GPU lane) in ms. The GPU computes the k - misses hits while the link copies the misses - cpu
+    streamed experts (copy engine and SMs overlap: the hits are queued before the host reads the routing), then
+    computes the streamed ones."""
     if not 0 <= cpu <= misses <= k:
         raise ValueError(f"need 0 <= cpu <= misses <= k, got cpu={cpu} misses={misses} k={k}")
     cpu_lane = cpu_overhead_ms + cpu * cpu_ms_per_expert if cpu else 0.0
-    gpu_lane = (misses - cpu) * pcie_ms_per_expert + (k - cpu) * gpu_ms_per_expert
+    streamed = misses - cpu
+    gpu_lane = max((k - misses) * gpu_ms_per_expert, streamed * pcie_ms_per_expert) + streamed * gpu_ms_per_expert
     return cpu_lane, gpu_lane
 
 

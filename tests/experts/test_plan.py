@@ -49,9 +49,11 @@ def brute_best(k, m, **costs):
 
 
 def test_decode_lanes():
-    # 8 routed, 3 missed, 2 of them on the CPU: the GPU copies 1 and computes 6
+    # 8 routed, 3 missed, 2 of them on the CPU: the GPU computes 5 hits while 1 expert is copied, then that one
     cpu, gpu = decode_lanes_ms(8, 3, 2, 0.1, 0.3, 0.02, cpu_overhead_ms=0.05)
-    assert cpu == pytest.approx(0.05 + 0.2) and gpu == pytest.approx(0.3 + 6 * 0.02)
+    assert cpu == pytest.approx(0.05 + 0.2) and gpu == pytest.approx(max(5 * 0.02, 0.3) + 0.02)
+    # hits longer than the copies: they set the pace
+    assert decode_lanes_ms(8, 1, 0, 0.1, 0.05, 0.02)[1] == pytest.approx(7 * 0.02 + 0.02)
     assert decode_lanes_ms(8, 3, 0, 0.1, 0.3, 0.02, cpu_overhead_ms=0.05)[0] == 0.0
     with pytest.raises(ValueError):
         decode_lanes_ms(8, 3, 4, 0.1, 0.3, 0.02)
