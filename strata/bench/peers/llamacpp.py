@@ -150,10 +150,12 @@ def run_llama_bench(binary: Path, model: str, *, budget_gib: float | None, lengt
         fit = {"n_cpu_moe": n_cpu_moe, "estimated_vram_bytes": est, "overhead_gib": overhead_gib}
     records, calls = [], []
     with VramPeak() as peak:
-        for argv in (llama_bench_argv(binary, model, n_cpu_moe=n_cpu_moe, threads=threads, prompts=lengths, reps=reps,
-                                      ubatch=ubatch),
-                     llama_bench_argv(binary, model, n_cpu_moe=n_cpu_moe, threads=threads, gen=gen, depths=lengths,
-                                      reps=reps, ubatch=ubatch)):
+        argvs = [llama_bench_argv(binary, model, n_cpu_moe=n_cpu_moe, threads=threads, prompts=lengths, reps=reps,
+                                  ubatch=ubatch)]
+        if gen > 0:  # --gen 0: prefill only
+            argvs.append(llama_bench_argv(binary, model, n_cpu_moe=n_cpu_moe, threads=threads, gen=gen, depths=lengths,
+                                          reps=reps, ubatch=ubatch))
+        for argv in argvs:
             log("llama-bench: " + " ".join(argv))
             cp = subprocess.run(argv, capture_output=True, text=True)
             if cp.returncode != 0:
