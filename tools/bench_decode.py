@@ -46,6 +46,9 @@ def main() -> int:
     ap.add_argument("--label", default="")
     ap.add_argument("--sweep-plans", default="", help="comma-separated --cpu-plan values measured in turn (one load)")
     ap.add_argument("--sweep-threads", default="", help="comma-separated CPU lane thread counts measured in turn")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sample the continuation (seeded per run) instead of greedy: a synthetic model's greedy "
+                         "text repeats, which flatters an expert cache")
     ap.add_argument("--sweep", default="", help="comma-separated PLAN@THREADS settings measured in turn")
     a = ap.parse_args()
     cfg = engine_config(a)
@@ -78,7 +81,8 @@ def measure(a, lm, eng, experts, dev, label, load_s) -> None:
     stats = None  # expert statistics of the measured runs' decode steps (prefill chunks excluded)
     for r in range(a.runs + 1):
         ids = make_prompt(lm.tokenizer, a.prompt_tokens, salt=r * 7919 + 13)
-        seq = Sequence(ids, SamplingParams(temperature=0), a.gen, set())
+        sp = SamplingParams(temperature=a.temperature, seed=1000 + r) if a.temperature else SamplingParams(temperature=0)
+        seq = Sequence(ids, sp, a.gen, set())
         eng.add(seq, reuse_prefix=False)
         if r == 1 and getattr(experts, "profile", None) is not None:
             experts.profile.reset()

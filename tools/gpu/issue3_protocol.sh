@@ -8,6 +8,7 @@ timeout 200 $B --vram-gb 8 --prefill-only 4096 \
   --sweep default,000000000,001122334,011223344,012345678@4,012345678@8,012345678@14,012345678@16 \
   --label t8 > $OUT/t8.log 2> $OUT/t8.err; cut -c1-500 $OUT/t8.log
 # ---- split here on a cold machine ----
+timeout 100 $B --vram-gb 8 --temperature 1.0 --label t8_sampled > $OUT/t8s.log 2>/dev/null; cut -c1-500 $OUT/t8s.log
 timeout 100 $B --vram-gb 8 --profile --label t8_prof > $OUT/t8p.log 2> $OUT/t8p.err; grep -A14 "ms/tok" $OUT/t8p.err
 for gb in 4 16; do timeout 90 $B --vram-gb $gb --prefill-only 4096 --label t$gb > $OUT/t$gb.log 2>/dev/null; cut -c1-400 $OUT/t$gb.log; done
 timeout 90 $B --experts resident --prefill-only 32768 -c 34000 --label resident > $OUT/res.log 2>/dev/null; cut -c1-300 $OUT/res.log
