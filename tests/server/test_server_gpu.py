@@ -1,0 +1,43 @@
+"""The server on a CUDA device, where single-sequence decode replays CUDA graphs (on by default): a real server
+on loopback, the official client, answers equal to the same server decoding eagerly."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+import torch
+
+from .conftest import CTX, serve
+
+MSG = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _lm(path, graphs: bool, **ex):
+    from strata.config import EngineConfig, ExpertConfig
+    from strata.engine.loader import load_model
+
+    cfg = EngineConfig(model=str(path), device="cuda", dtype="float32", ctx_size=CTX, cuda_graphs=graphs,
+                       experts=ExpertConfig(**ex))
+    return load_model(str(path), cfg)
+
+
+def _answers(lm) -> list[str]:
+    with serve(lm, parallel=1) as r:
+        oai = openai.OpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0)
+        out = []
+        for n in (5, 40):  # 40 tokens cross no window; several requests reuse the captured graphs
+            c = oai.chat.completions.create(model="tiny", messages=MSG, max_tokens=n, temperature=0, seed=1)
+            out.append(c.choices[0].message.content)
+        stream = oai.chat.completions.create(model="tiny", messages=MSG, max_tokens=12, temperature=0, stream=True)
+        out.append("".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices))
+        return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("experts", [dict(mode="resident"), dict(mode="tiered", slots=2, cpu_plan="auto")])
+def test_graphed_server_answers_like_eager(tiny_gguf, experts):
+    assert torch.cuda.is_available()
+    eager = _answers(_lm(tiny_gguf, False, **experts))
+    graphed_lm = _lm(tiny_gguf, True, **experts)
+    graphed = _answers(graphed_lm)
+    assert graphed == eager and all(graphed)
