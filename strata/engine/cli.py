@@ -22,7 +22,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--ctx-size", type=int, default=0, help="context length (default: min(model, 8192))")
     p.add_argument("--prefill-chunk", type=int, default=0, help="prompt tokens per forward (default: sized from memory)")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
-                   help="replay single-sequence decode steps as CUDA graphs (default: on with a CUDA device)")
+                   help="replay decode steps as CUDA graphs (default: on with a CUDA device and one slot; "
+                        "--cuda-graphs with --parallel N also batches decoding sequences, resident experts)")
     g = p.add_argument_group("experts (tiered execution)")
     g.add_argument("--experts", dest="experts_mode", default=e.mode, choices=["auto", "resident", "tiered"])
     g.add_argument("--vram-gb", type=float, default=None, help="the whole process's VRAM budget (GiB)")

@@ -75,11 +75,20 @@ class Engine:
         self.running: list[Sequence] = []
         self.slot_tokens: dict[int, list[int]] = {s: [] for s in range(self.n_slots)}  # what each slot's KV holds
         self.graphs = None
-        graphs = lm.cfg.cuda_graphs if lm.cfg.cuda_graphs is not None else self.device.type == "cuda"
-        if graphs and self.n_slots == 1:  # one sequence: its decode steps replay captured graphs
+        # Decode steps replay captured graphs: by default with CUDA for one slot (measured); with several slots
+        # (batches of decoding sequences, resident experts only, up to the grouped kernel's pair count) when
+        # --cuda-graphs asks for it.
+        graphs = lm.cfg.cuda_graphs if lm.cfg.cuda_graphs is not None else (
+            self.device.type == "cuda" and self.n_slots == 1)
+        self.graph_batch = 1
+        if graphs and self.n_slots > 1 and not callable(setup):
+            from strata.experts.resident import DECODE_PAIRS
+
+            self.graph_batch = max(1, min(self.n_slots, DECODE_PAIRS // max(1, lm.args.n_experts_used or 1)))
+        if graphs:
             from strata.engine.graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(self.model, self.kv, slot=0)
+            self.graphs = DecodeGraphs(self.model, self.kv, slot=0, max_batch=self.graph_batch)
 
     def _default_chunk(self) -> int:
         # Largest transient per chunk is the attention score block [H, chunk, ctx] in float32; give it a budget
@@ -156,11 +165,12 @@ class Engine:
                 poss.append(s.pos)
                 owners.append(s)
         logits = None
-        if self.graphs is not None and prefill is None and len(segs) == 1:
+        if self.graphs is not None and prefill is None and len(segs) <= self.graph_batch:
+            slots = [seg.slot for seg in segs]
             try:
-                logits = self.graphs.step(toks[0], poss[0])  # [1, V] from a replayed graph
+                logits = self.graphs.step_batch(toks, poss, slots)  # [B, V] from replayed graphs
             except Exception as e:  # a model whose step cannot be captured still runs, eagerly
-                if self.graphs.cuda and not self.graphs.graphs.get(self.graphs.window_for(poss[0])):
+                if self.graphs.cuda and not self.graphs.captured(poss, slots):
                     log.warning("strata: CUDA graph capture failed (%s: %s); decoding without graphs",
                                 type(e).__name__, e)
                     self.graphs = None

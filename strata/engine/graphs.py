@@ -1,10 +1,12 @@
-"""Decode steps replayed as CUDA graphs: captured per attention window, for one slot, in pieces.
+"""Decode steps replayed as CUDA graphs: captured per (KV slots, attention window), in pieces.
 
 A Python decode step launches thousands of small kernels (measured: ~6,250 per token on Qwen3-30B-A3B shapes,
 124 ms of host time against 27 ms of GPU time); replaying captured graphs launches them at once (resident
 experts, B1: 13 -> 40 tok/s). Capture needs static shapes and no host reads: the token and position live in
 device buffers, attention spans a fixed window of the KV cache masked beyond the position (`Segment.window`).
-Windows are powers of two, so a sequence re-captures at most log2(context) times.
+Windows are powers of two, so a sequence re-captures at most log2(context) times. Several decoding sequences
+(resident experts, `--parallel` with `--cuda-graphs`) share one step: each has its own device position and is
+masked within the window of the furthest one; a set of slots is captured once per window.
 
 Tiered experts must hand each MoE layer's routing to the host (the CPU lane computes misses where they lie,
 the host picks and copies what crosses PCIe). The backend marks those points with `recorder.cut(fn)`: while
@@ -82,17 +84,20 @@ class PieceRecorder:
 
 
 class DecodeGraphs:
-    def __init__(self, model, kv: KVCache, slot: int = 0):
-        self.model, self.kv, self.slot = model, kv, slot
+    """Captured decode steps of `max_batch` sequences at most (one token each), keyed by their KV slots and the
+    attention window. slot: the default slot of `step` (one sequence)."""
+
+    def __init__(self, model, kv: KVCache, slot: int = 0, max_batch: int = 1):
+        self.model, self.kv, self.slot, self.max_batch = model, kv, slot, max_batch
         dev = model.device
-        self.tok = torch.zeros(1, dtype=torch.long, device=dev)  # static inputs
-        self.pos = torch.zeros(1, dtype=torch.long, device=dev)
+        self.tok = torch.zeros(max_batch, dtype=torch.long, device=dev)  # static inputs
+        self.pos = torch.zeros(max_batch, dtype=torch.long, device=dev)
         self.cuda = dev.type == "cuda"
         self.rec = PieceRecorder()
         self.experts = getattr(model, "experts", None)
         if self.experts is not None and hasattr(self.experts, "recorder"):
             self.experts.recorder = self.rec
-        self.graphs: dict[int, tuple[list, torch.Tensor]] = {}
+        self.graphs: dict[tuple, tuple[list, torch.Tensor]] = {}  # (slots, window) -> (pieces, logits)
         self.profiling = bool(getattr(self.experts, "profiling", False))
         if self.profiling and hasattr(self.experts, "profile"):
             self.rec.profile = self.experts.profile.add
@@ -103,18 +108,20 @@ class DecodeGraphs:
             w *= 2
         return min(w, self.kv.max_ctx)
 
-    def _segments(self, window: int) -> list[Segment]:
-        return [Segment(self.slot, 0, 1, pos_t=self.pos, window=window)]
+    def _segments(self, window: int, slots: tuple[int, ...]) -> list[Segment]:
+        return [Segment(s, 0, 1, pos_t=self.pos[i:i + 1], window=window) for i, s in enumerate(slots)]
 
     def _forward(self, segs):
         self.rec.active = True
+        b = len(segs)
         try:
-            return self.model.forward(self.tok, self.pos, segs, self.kv)
+            return self.model.forward(self.tok[:b], self.pos[:b], segs, self.kv)
         finally:
             self.rec.active = False
 
-    def _capture(self, window: int):
-        segs = self._segments(window)
+    def _capture(self, key: tuple):
+        slots, window = key
+        segs = self._segments(window, slots)
         side = torch.cuda.Stream(self.model.device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up: Triton compiles, allocator settles (rewrites the same K/V)
@@ -133,18 +140,34 @@ class DecodeGraphs:
                 raise
             pieces = self.rec.finish()
         torch.cuda.current_stream().wait_stream(side)
-        self.graphs[window] = (pieces, out)
+        self.graphs[key] = (pieces, out)
         return pieces, out
 
     @torch.inference_mode()
     def step(self, token: int, pos: int) -> torch.Tensor:
         """Logits [1, V] for `token` at `pos` of this slot (its K/V written into the cache)."""
-        self.tok.fill_(token)
-        self.pos.fill_(pos)
-        window = self.window_for(pos)
+        return self.step_batch([token], [pos], [self.slot])
+
+    def captured(self, positions: list[int], slots: list[int]) -> bool:
+        return (tuple(slots), self.window_for(max(positions))) in self.graphs
+
+    @torch.inference_mode()
+    def step_batch(self, tokens: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
+        """Logits [B, V] for one token of each of B sequences (token, position, KV slot); one captured graph
+        set per (slots, window), the window covering the furthest position (the others are masked)."""
+        b = len(tokens)
+        if not 0 < b <= self.max_batch or len(positions) != b or len(slots) != b:
+            raise ValueError(f"a graphed decode step takes 1..{self.max_batch} sequences, got {b}")
+        if b == 1:
+            self.tok[:1].fill_(tokens[0])
+            self.pos[:1].fill_(positions[0])
+        else:
+            self.tok[:b].copy_(torch.tensor(tokens))
+            self.pos[:b].copy_(torch.tensor(positions))
+        key = (tuple(slots), self.window_for(max(positions)))
         if not self.cuda:
-            return self._forward(self._segments(window))
-        pieces, out = self.graphs.get(window) or self._capture(window)
+            return self._forward(self._segments(key[1], key[0]))
+        pieces, out = self.graphs.get(key) or self._capture(key)
         if self.profiling:
             self._replay_timed(pieces)
             return out
