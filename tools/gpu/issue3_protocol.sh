@@ -2,6 +2,9 @@
 # decode with a 1K prompt and 256 generated tokens, median of 3 after a warm-up, at 8 GiB for each plan and CPU
 # thread count, 4/16 GiB and unlimited, the --profile breakdown, and 4K prefill at 8 GiB (grouped chunk path).
 source tools/gpu/setup.sh
+# GPU checks of what landed unmeasured: batched graphs, the server on CUDA, the tiered grouped chunk path
+timeout 120 python3 -m pytest -x -q -m gpu -p no:cacheprovider tests/engine/test_graphs.py tests/server/test_server_gpu.py \
+  tests/experts/test_tiered.py tests/experts/test_tiered_graphed.py 2>&1 | tail -3
 [ -f scratch/q30.gguf ] || timeout 120 python3 -m strata synth qwen3-30b-a3b scratch/q30.gguf --no-report -q > $OUT/synth.log 2>&1
 B="python3 tools/bench_decode.py -m scratch/q30.gguf --prompt-tokens 1024 --gen 256 --runs 3"
 timeout 200 $B --vram-gb 8 --prefill-only 4096 \
