@@ -1,6 +1,9 @@
 # The issue-3 protocol on B1 in one call (~9 min on a warm machine; split at the marked line on a cold one):
 # decode with a 1K prompt and 256 generated tokens, median of 3 after a warm-up, at 8 GiB for each plan and CPU
 # thread count, 4/16 GiB and unlimited, the --profile breakdown, and 4K prefill at 8 GiB (grouped chunk path).
+# Carry .whl with gguf and, for the server test, fastapi/starlette/uvicorn/pydantic*/annotated_types/
+# typing_inspection/openai/jiter/distro (../shared/device/wheels.sh); with those the tree is over the 64 MiB a call
+# carries unless strata/data/strata-tiny.gguf is moved out of the working tree for the call.
 source tools/gpu/setup.sh
 # GPU checks of what landed unmeasured: batched graphs, the server on CUDA, the tiered grouped chunk path
 timeout 120 python3 -m pytest -x -q -m gpu -p no:cacheprovider tests/engine/test_graphs.py tests/server/test_server_gpu.py \
