@@ -76,15 +76,16 @@ class Engine:
         self.slot_tokens: dict[int, list[int]] = {s: [] for s in range(self.n_slots)}  # what each slot's KV holds
         self.graphs = None
         # Decode steps replay captured graphs: by default with CUDA for one slot (measured); with several slots
-        # (batches of decoding sequences, resident experts only, up to the grouped kernel's pair count) when
-        # --cuda-graphs asks for it.
+        # (batches of decoding sequences, up to the grouped kernel's pair count) when --cuda-graphs asks for it.
         graphs = lm.cfg.cuda_graphs if lm.cfg.cuda_graphs is not None else (
             self.device.type == "cuda" and self.n_slots == 1)
         self.graph_batch = 1
-        if graphs and self.n_slots > 1 and not callable(setup):
+        if graphs and self.n_slots > 1:
             from strata.experts.resident import DECODE_PAIRS
 
-            self.graph_batch = max(1, min(self.n_slots, DECODE_PAIRS // max(1, lm.args.n_experts_used or 1)))
+            k = max(1, lm.args.n_experts_used or 1)
+            limit = self.model.experts.max_graph_batch(k) if callable(setup) else DECODE_PAIRS // k
+            self.graph_batch = max(1, min(self.n_slots, limit))
         if graphs:
             from strata.engine.graphs import DecodeGraphs
 

@@ -132,6 +132,14 @@ class TieredExperts:
         if self.ex.expert_profile_save:
             atexit.register(self.close)
 
+    def max_graph_batch(self, k: int) -> int:
+        """Decoding sequences one graphed step may take: within the grouped kernel's pair count, and without a
+        CPU lane within the staging ring (every miss must then cross PCIe)."""
+        n = max(1, PAIRS_MAX // max(k, 1))
+        if self.lane is None:
+            n = min(n, max(1, (self._staging or max(2 * k, 8)) // max(k, 1)))
+        return n
+
     def load_profile(self, path) -> None:
         """Fill the cache from a routing profile: each layer's top-ranked experts copied in before serving."""
         prof = RoutingProfile.load(path, len(self.layer_ids), self.n_experts)
@@ -257,7 +265,7 @@ class TieredExperts:
         N, k = ids.shape
         if self.cache is None:
             self.setup(k)
-        if N == 1 and self._graph_mode():
+        if self._graph_mode() and N * k <= PAIRS_MAX:
             return self.graphed.forward(self.recorder, layer, x, ids, w)
         li = self.index[layer]
         if li == 0:

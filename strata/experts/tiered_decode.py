@@ -27,21 +27,24 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from strata import StrataError
 from strata.experts.resident import combine
 from strata.ops.expert_gather import gather_expert_ffn
 
 
 class _Buffers:
-    """One MoE layer's static buffers: host ones pinned on CUDA (captured copies read/write them)."""
+    """One MoE layer's static buffers for n tokens of k choices (P = n*k pairs): host ones pinned on CUDA
+    (captured copies read/write them)."""
 
-    def __init__(self, k: int, d: int, dtype: torch.dtype, device: torch.device, cuda: bool):
+    def __init__(self, n: int, k: int, d: int, dtype: torch.dtype, device: torch.device, cuda: bool):
         pin = dict(pin_memory=True) if cuda else {}
-        self.ids_h = torch.zeros(k, dtype=torch.int64, **pin)
-        self.x_h = torch.zeros(1, d, dtype=dtype, **pin)
-        self.stage_h = torch.full((k,), -1, dtype=torch.int64, **pin)
-        self.ycpu_h = torch.zeros(k, d, dtype=torch.float32, **pin)
-        self.stage_d = torch.full((k,), -1, dtype=torch.int64, device=device)
-        self.ycpu_d = torch.zeros(k, d, dtype=torch.float32, device=device)
+        P = n * k
+        self.ids_h = torch.zeros(P, dtype=torch.int64, **pin)
+        self.x_h = torch.zeros(n, d, dtype=dtype, **pin)
+        self.stage_h = torch.full((P,), -1, dtype=torch.int64, **pin)
+        self.ycpu_h = torch.zeros(P, d, dtype=torch.float32, **pin)
+        self.stage_d = torch.full((P,), -1, dtype=torch.int64, device=device)
+        self.ycpu_d = torch.zeros(P, d, dtype=torch.float32, device=device)
         self.map_h = torch.zeros(0, dtype=torch.int64, **pin)  # the expert_map row upload buffer
         self.ready = torch.cuda.Event() if cuda else None
         self.cpu_rows: list[int] = []  # rows of ycpu_h written last time (zeroed before the next use)
@@ -52,19 +55,20 @@ class GraphedDecode:
 
     def __init__(self, tiered):
         self.t = tiered
-        self.bufs: dict[int, _Buffers] = {}
+        self.bufs: dict[tuple[int, int], _Buffers] = {}  # (layer index, tokens) -> buffers
 
-    def _bufs(self, li: int, k: int, x: torch.Tensor) -> _Buffers:
-        b = self.bufs.get(li)
+    def _bufs(self, li: int, n: int, k: int, x: torch.Tensor) -> _Buffers:
+        b = self.bufs.get((li, n))
         if b is None:
-            b = self.bufs[li] = _Buffers(k, x.shape[-1], x.dtype, x.device, self.t.cuda)
+            b = self.bufs[(li, n)] = _Buffers(n, k, x.shape[-1], x.dtype, x.device, self.t.cuda)
         return b
 
     def forward(self, rec, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x [N, d], ids/w [N, k]: N decoding sequences' tokens (N*k pairs within the grouped kernel's size)."""
         t = self.t
-        k = ids.shape[1]
+        N, k = ids.shape
         li = t.index[layer]
-        b = self._bufs(li, k, x)
+        b = self._bufs(li, N, k, x)
         pool = t.cache.pool_of[layer]
         # piece A ends: the routing and the activations start for the host
         b.ids_h.copy_(ids.view(-1), non_blocking=True)
@@ -72,15 +76,15 @@ class GraphedDecode:
             b.x_h.copy_(x, non_blocking=True)
         rec.cut(self._ready(b), label="router_shared")
         # piece H: hits from the device map (no host involvement)
-        xs = x.expand(k, -1).contiguous()  # [k, d]
+        xs = x.repeat_interleave(k, dim=0) if N > 1 else x.expand(k, -1).contiguous()  # [N*k, d]
         y_hit = gather_expert_ffn(xs, pool.gate, pool.up, pool.down, t.cache.map[li].index_select(0, ids.view(-1)))
-        rec.cut(self._handoff(li, layer, b, rec), label="gpu_experts")
+        rec.cut(self._handoff(li, layer, N, k, b, rec), label="gpu_experts")
         # piece B: what the host decided comes up, staged experts run, all three parts summed
         b.stage_d.copy_(b.stage_h, non_blocking=True)
         b.ycpu_d.copy_(b.ycpu_h, non_blocking=True)
         y_stage = gather_expert_ffn(xs, pool.gate, pool.up, pool.down, b.stage_d)
-        y = y_hit + y_stage + b.ycpu_d  # [k, d] float32: one of the three is each choice's output
-        out = combine(y.view(1, k, -1), w, x.dtype)
+        y = y_hit + y_stage + b.ycpu_d  # [N*k, d] float32: one of the three is each choice's output
+        out = combine(y.view(N, k, -1), w, x.dtype)
         if t.profiling:
             rec.cut(None, label="pcie_staged")  # waiting for this layer's copies, staged compute, combine
         return out
@@ -94,7 +98,7 @@ class GraphedDecode:
         fn.bucket = "router_shared"
         return fn
 
-    def _handoff(self, li: int, layer: int, b: _Buffers, rec):
+    def _handoff(self, li: int, layer: int, N: int, k: int, b: _Buffers, rec):
         t = self.t
 
         def fn():
@@ -102,44 +106,73 @@ class GraphedDecode:
                 b.ready.synchronize()  # the routing is on the host; piece H may still be running
             counting = not rec.warmup
             if li == 0 and counting:
-                t._begin_step(1, graphed=True)
+                t._begin_step(N, graphed=True)
             pol, cache = t.policy, t.cache
             row = pol.expert_map()[li]  # the host mirror, as the device map was when piece H was queued
-            ids = b.ids_h.numpy()
+            ids = b.ids_h.numpy()  # [N*k], pair p = token p // k, choice p % k
             ids_l = ids.tolist()
-            hit = row[ids] >= 0
-            misses = [e for e, h in zip(ids_l, hit.tolist()) if not h]
-            cpu: list[int] = []
-            pcie: list[int] = []
-            if misses:
-                cpu, pcie = t.plan.choose(misses, pol.scores(li))
+            hit = (row[ids] >= 0).tolist()
+            # each token's misses split by the plan; an expert streamed for one token serves all its pairs
+            cpu_pairs: list[int] = []
+            streamed: dict[int, int] = {}  # expert -> staging slot (filled below)
+            scores = None
+            for tok in range(N):
+                pairs = [p for p in range(tok * k, tok * k + k) if not hit[p]]
+                if not pairs:
+                    continue
+                if scores is None:
+                    scores = pol.scores(li)
+                _, pcie = t.plan.choose([ids_l[p] for p in pairs], scores)
+                for e in pcie:
+                    streamed.setdefault(e, -1)
+            ring = cache.staging_for(layer)
+            if len(streamed) > ring:  # more distinct experts than staging slots: the rest go to the CPU
+                streamed = dict(list(streamed.items())[:ring])
+            if t.lane is None and any(not hit[p] and ids_l[p] not in streamed for p in range(N * k)):
+                raise StrataError(f"{N} sequences missed more experts than the {ring} staging slots hold and the "
+                                  "plan leaves the CPU lane off; decode fewer sequences per step")
             stage = b.stage_h.numpy()
             stage.fill(-1)
-            if pcie:
+            n_pcie = 0
+            if streamed:
                 # Staging slots were last read by an earlier layer's piece B, which finished before piece A
                 # of this layer (we waited for it), so the copies need not wait for the main stream.
-                slots = cache.stage_slots(layer, len(pcie))
-                evs = [cache.copy(layer, e, s) for e, s in zip(pcie, slots)]
-                where = {e: s for e, s in zip(pcie, slots)}
-                for j, e in enumerate(ids_l):
-                    s = where.get(e)
-                    if s is not None:
-                        stage[j] = s
+                slots = cache.stage_slots(layer, len(streamed))
+                evs = []
+                for (e, _), s in zip(list(streamed.items()), slots):
+                    streamed[e] = s
+                    evs.append(cache.copy(layer, e, s))
                 for ev in evs:
                     cache.wait(ev)  # the main stream (piece B) waits for them; the host does not
+            for p, e in enumerate(ids_l):
+                if hit[p]:
+                    continue
+                s = streamed.get(e)
+                if s is not None:
+                    stage[p] = s
+                    n_pcie += 1
+                else:
+                    cpu_pairs.append(p)
             ycpu = b.ycpu_h
             for j in b.cpu_rows:
                 ycpu[j].zero_()
             b.cpu_rows = []
-            if cpu:
-                out = t.lane.run_experts(layer, b.x_h, cpu)  # [n, d] float32, on the host, while H runs
-                pos = {e: j for j, e in enumerate(ids_l)}
-                rows = [pos[e] for e in cpu]
+            if cpu_pairs:  # computed now, on the host, while piece H runs on the GPU
+                if N == 1:
+                    out = t.lane.run_experts(layer, b.x_h, [ids_l[p] for p in cpu_pairs])  # [n, d] float32
+                    rows = cpu_pairs
+                else:
+                    by_expert: dict[int, list[int]] = {}
+                    for p in cpu_pairs:
+                        by_expert.setdefault(ids_l[p], []).append(p)
+                    jobs = [(e, torch.tensor([p // k for p in ps])) for e, ps in by_expert.items()]
+                    out = t.lane.run(layer, b.x_h, jobs)  # [n, d] float32 in job order
+                    rows = [p for ps in by_expert.values() for p in ps]
                 ycpu[rows] = out
                 b.cpu_rows = rows
             if counting:
-                n_hit = int(hit.sum())
-                counts = dict(hits=n_hit, cpu=len(cpu), pcie=len(pcie), layers=1)
+                n_hit = sum(hit)
+                counts = dict(hits=n_hit, cpu=len(cpu_pairs), pcie=n_pcie, layers=N)
                 t.stats.add(**counts)
                 t.request.add(**counts)
 
