@@ -154,8 +154,8 @@ class GraphedDecode:
                 else:
                     cpu_pairs.append(p)
             ycpu = b.ycpu_h
-            for j in b.cpu_rows:
-                ycpu[j].zero_()
+            if b.cpu_rows:  # last step's CPU rows back to 0 (one indexed write)
+                ycpu[b.cpu_rows] = 0.0
             b.cpu_rows = []
             if cpu_pairs:  # computed now, on the host, while piece H runs on the GPU
                 if N == 1:
