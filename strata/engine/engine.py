@@ -166,7 +166,7 @@ class Engine:
                 poss.append(s.pos)
                 owners.append(s)
         logits = None
-        if self.graphs is not None and prefill is None and len(segs) <= self.graph_batch:
+        if self.graphs is not None and prefill is None and 0 < len(segs) <= self.graph_batch:
             slots = [seg.slot for seg in segs]
             try:
                 logits = self.graphs.step_batch(toks, poss, slots)  # [B, V] from replayed graphs
