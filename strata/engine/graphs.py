@@ -24,6 +24,7 @@ time goes to the bucket the cut names (so the breakdown adds up to the step).
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from typing import Callable
 
 import torch
@@ -31,6 +32,7 @@ import torch
 from strata.kv.cache import KVCache, Segment
 
 MIN_WINDOW = 256
+MAX_CAPTURES = 32  # captured sets kept (least recently used dropped): slot combinations x windows can be many
 
 Handoff = Callable[[], "Callable[[], None] | None"]
 
@@ -97,7 +99,8 @@ class DecodeGraphs:
         self.experts = getattr(model, "experts", None)
         if self.experts is not None and hasattr(self.experts, "recorder"):
             self.experts.recorder = self.rec
-        self.graphs: dict[tuple, tuple[list, torch.Tensor]] = {}  # (slots, window) -> (pieces, logits)
+        # (slots, window) -> (pieces, logits), least recently used first
+        self.graphs: OrderedDict[tuple, tuple[list, torch.Tensor]] = OrderedDict()
         self.profiling = bool(getattr(self.experts, "profiling", False))
         if self.profiling and hasattr(self.experts, "profile"):
             self.rec.profile = self.experts.profile.add
@@ -140,8 +143,16 @@ class DecodeGraphs:
                 raise
             pieces = self.rec.finish()
         torch.cuda.current_stream().wait_stream(side)
-        self.graphs[key] = (pieces, out)
+        self.remember(key, (pieces, out))
         return pieces, out
+
+    def remember(self, key: tuple, entry) -> None:
+        """Keep a captured set, dropping the least recently used beyond MAX_CAPTURES (its memory pool is freed
+        with it)."""
+        self.graphs[key] = entry
+        self.graphs.move_to_end(key)
+        while len(self.graphs) > MAX_CAPTURES:
+            self.graphs.popitem(last=False)
 
     @torch.inference_mode()
     def step(self, token: int, pos: int) -> torch.Tensor:
@@ -167,7 +178,10 @@ class DecodeGraphs:
         key = (tuple(slots), self.window_for(max(positions)))
         if not self.cuda:
             return self._forward(self._segments(key[1], key[0]))
-        pieces, out = self.graphs.get(key) or self._capture(key)
+        got = self.graphs.get(key)
+        if got is not None:
+            self.graphs.move_to_end(key)
+        pieces, out = got or self._capture(key)
         if self.profiling:
             self._replay_timed(pieces)
             return out

@@ -80,3 +80,17 @@ def test_cuda_batched_graphs_equal_eager(hf_and_gguf):
     eng, got = _concurrent(path, "cuda", True, prompts)
     assert len(eng.graphs.graphs) >= 2  # batch sizes 3 (and 2, 1 as sequences finish) captured
     assert got == _concurrent(path, "cuda", False, prompts)[1]
+
+
+def test_captured_sets_are_bounded_least_recently_used_first(hf_and_gguf, monkeypatch):
+    import strata.engine.graphs as graphs
+
+    _, path = hf_and_gguf("qwen3moe")
+    lm = load_model(str(path), EngineConfig(device="cpu", dtype="float32"))
+    g = graphs.DecodeGraphs(lm.model, Engine(lm, n_slots=1).kv)
+    monkeypatch.setattr(graphs, "MAX_CAPTURES", 3)
+    for i in range(3):
+        g.remember(((i,), 256), ([], None))
+    g.graphs.move_to_end(((0,), 256))  # used again: the oldest is now (1,)
+    g.remember(((9,), 256), ([], None))
+    assert list(g.graphs) == [((2,), 256), ((0,), 256), ((9,), 256)]
