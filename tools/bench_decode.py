@@ -43,6 +43,9 @@ def main() -> int:
     ap.add_argument("--gen", type=int, default=256)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--prefill-only", type=int, default=0, help="also time a prefill of this many tokens")
+    ap.add_argument("--prefill-runs", type=int, default=1, help="long prefills timed (median)")
+    ap.add_argument("--trace-prefill", action="store_true",
+                    help="one more long prefill under torch.profiler: the top ops by GPU and by host time (stderr)")
     ap.add_argument("--label", default="")
     ap.add_argument("--sweep-plans", default="", help="comma-separated --cpu-plan values measured in turn (one load)")
     ap.add_argument("--sweep-threads", default="", help="comma-separated CPU lane thread counts measured in turn")
@@ -99,26 +102,52 @@ def measure(a, lm, eng, experts, dev, label, load_s) -> None:
             stats = d if stats is None else stats + d
         prefill.append(seq.prompt_n / (seq.prompt_ms / 1e3))
         decode.append((len(seq.output) - 1) / (seq.predicted_ms / 1e3))
-    res["decode_tok_s"] = {"median": round(statistics.median(decode), 2), "min": round(min(decode), 2),
-                           "max": round(max(decode), 2)}
-    res["prefill_tok_s"] = {"median": round(statistics.median(prefill), 1)}
+    if decode:  # --runs 0: the warm-up only (a prefill-only measurement)
+        res["decode_tok_s"] = {"median": round(statistics.median(decode), 2), "min": round(min(decode), 2),
+                               "max": round(max(decode), 2)}
+        res["prefill_tok_s"] = {"median": round(statistics.median(prefill), 1)}
     if stats is not None:
         res["experts_decode"] = stats.as_dict()
     if a.prefill_only:
         ids = make_prompt(lm.tokenizer, a.prefill_only, salt=99991)
         if len(ids) >= a.prefill_only:
-            seq = Sequence(ids, SamplingParams(temperature=0), 1, set())
-            eng.add(seq, reuse_prefix=False)
-            while not seq.finished:
-                eng.step()
-            sync(dev)
-            res["prefill_long"] = {"tokens": len(ids), "tok_s": round(seq.prompt_n / (seq.prompt_ms / 1e3), 1)}
+            cache = getattr(experts, "cache", None)
+            pre0 = (cache.copied_bytes, cache.prefetched, cache.prefetch_used) if cache is not None else None
+
+            def long_prefill():
+                seq = Sequence(ids, SamplingParams(temperature=0), 1, set())
+                eng.add(seq, reuse_prefix=False)
+                while not seq.finished:
+                    eng.step()
+                sync(dev)
+                return seq.prompt_n / (seq.prompt_ms / 1e3)
+
+            runs = [long_prefill() for _ in range(max(1, a.prefill_runs))]
+            res["prefill_long"] = {"tokens": len(ids), "tok_s": round(statistics.median(runs), 1),
+                                   "runs": [round(r, 1) for r in runs]}
+            if pre0 is not None:
+                n = len(runs)
+                res["prefill_long"].update(
+                    copied_gb_per_prefill=round((cache.copied_bytes - pre0[0]) / n / 1e9, 2),
+                    prefetched=(cache.prefetched - pre0[1]) // n, prefetch_used=(cache.prefetch_used - pre0[2]) // n)
+            if a.trace_prefill:
+                from torch.profiler import ProfilerActivity, profile
+
+                acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+                with profile(activities=acts) as prof:
+                    long_prefill()
+                ka = prof.key_averages()
+                if dev.type == "cuda":
+                    print(ka.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60),
+                          file=sys.stderr)
+                print(ka.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60),
+                      file=sys.stderr)
     if dev.type == "cuda":
         res["max_vram_gib"] = round(torch.cuda.max_memory_allocated(dev) / 2**30, 2)
     print(json.dumps(res), flush=True)
     rep = getattr(experts, "profile_report", None)
     if a.profile and callable(rep):
-        ms = 1e3 / res["decode_tok_s"]["median"]
+        ms = 1e3 / res["decode_tok_s"]["median"] if decode else None
         print(rep(ms), file=sys.stderr)
 
 

@@ -29,10 +29,60 @@ from strata.quant import QTensor
 log = logging.getLogger("strata")
 
 GiB, MiB = 1 << 30, 1 << 20
+# Two buffers of this many bytes (per weight signature) that a prefill chunk's streamed experts land in, a
+# batch at a time (the copy of the next batch overlaps this one's compute). Part of the VRAM budget.
+CHUNK_STAGE_MIB = 96
 
 
 def _sig(ew: ExpertWeights) -> tuple:
     return tuple((t.qtype, t.shape[1:]) for t in (ew.gate, ew.up, ew.down))
+
+
+@dataclass
+class Prefetch:
+    """Experts of `layer` copied into chunk buffer `buf` (expert -> slot) ahead of its forward."""
+
+    layer: int
+    index: dict[int, int]
+    buf: int
+    event: object
+
+
+@dataclass
+class ChunkStage:
+    """Two buffers of `experts` slots each (gate, up, down stacks) for a chunk's streamed experts, and per
+    buffer the event after the last compute that read it (None: free)."""
+
+    experts: int
+    bufs: list[tuple[QTensor, QTensor, QTensor]]
+    done: list[object] = field(default_factory=lambda: [None, None])
+    last: int = 1  # the buffer used last (a prefetch goes into the other)
+    pending: Prefetch | None = None
+
+    def prefetch(self, layer: int, experts: list[int], buf: int, event) -> None:
+        self.pending = Prefetch(layer, {e: i for i, e in enumerate(experts)}, buf, event)
+        self.last = buf
+
+    def prefetched_for(self, layer: int) -> Prefetch | None:
+        """The prefetch made for `layer` (once: taken by the call), None if there is none."""
+        p, self.pending = self.pending, None
+        return p if p is not None and p.layer == layer else None
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for b in self.bufs for t in b)
+
+
+def chunk_stage_experts(store: ExpertStore, layers=None) -> int:
+    """Experts one chunk buffer holds: CHUNK_STAGE_MIB (env STRATA_CHUNK_STAGE_MIB) over the expert size."""
+    from strata.config import env
+
+    mib = float(env("STRATA_CHUNK_STAGE_MIB") or CHUNK_STAGE_MIB)
+    per = max(store.expert_nbytes(i) for i in (layers or store.layer_ids))
+    return int(max(1, min(store.n_experts, (mib * MiB) // per)))
+
+
+def _n_sigs(store: ExpertStore) -> int:
+    return len({_sig(store[i]) for i in store.layer_ids})
 
 
 @dataclass
@@ -70,6 +120,8 @@ def budget_slots(cfg: ExpertConfig, store: ExpertStore, device: torch.device, st
         return min(cfg.slots, E)
     per_slot = sum(store.expert_nbytes(i) for i in store.layer_ids)  # one slot in every layer
     stage_bytes = staging * store.expert_nbytes()
+    if device.type == "cuda":  # the prefill chunk buffers
+        stage_bytes += 2 * chunk_stage_experts(store) * store.expert_nbytes() * _n_sigs(store)
     reserve = cfg.vram_reserve_mib * MiB
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
@@ -98,6 +150,7 @@ class ExpertCache:
         for i in self.layer_ids:
             groups.setdefault(_sig(store[i]), []).append(i)
         self.pools: list[SlotPool] = []
+        self._chunk_stage: dict[tuple, ChunkStage] = {}  # weight signature -> prefill chunk buffers
         self.pool_of: dict[int, SlotPool] = {}
         try:
             for sig, layers in groups.items():
@@ -110,6 +163,8 @@ class ExpertCache:
                     pool.base[i] = j * slots
                     self.pool_of[i] = pool
                 self.pools.append(pool)
+                if self.cuda:  # allocated with the cache, so the budget holds them from the start
+                    self._chunk_stage[sig] = self._alloc_stage(layers[0])
         except torch.OutOfMemoryError:
             need = sum(len(ls) * slots + staging for ls in groups.values()) * store.expert_nbytes()
             raise StrataError(f"the expert cache ({need / GiB:.1f} GiB) does not fit in VRAM; lower --vram-gb or "
@@ -118,9 +173,11 @@ class ExpertCache:
         self.map = torch.full((L, E), -1, dtype=torch.int64, device=device)  # [L, E] slot in the layer's pool
         self.copies = 0
         self.copied_bytes = 0
+        self.prefetched = 0  # experts copied ahead into a chunk buffer ...
+        self.prefetch_used = 0  # ... and of those, computed from there
 
     def nbytes(self) -> int:
-        return sum(p.nbytes() for p in self.pools)
+        return sum(p.nbytes() for p in self.pools) + sum(st.nbytes() for st in self._chunk_stage.values())
 
     # --- the map ----------------------------------------------------------------------------------------------
     def upload_map(self, li: int, row: np.ndarray) -> None:
@@ -166,6 +223,52 @@ class ExpertCache:
         """Make the main stream wait for a copy (no host sync)."""
         if ev is not None:
             torch.cuda.current_stream(self.device).wait_event(ev)
+
+    def copy_many(self, layer: int, experts: list[int], dst: tuple[QTensor, QTensor, QTensor], after=None):
+        """Copy `experts` of `layer` into slots 0.. of the stacks `dst` (a chunk buffer), after the event
+        `after` (the buffer's last reader); returns the event of the last copy (CUDA) or None."""
+        src = self.store[layer]
+        self.copies += len(experts)
+        self.copied_bytes += len(experts) * src.expert_nbytes()
+        if not self.cuda:
+            for j, e in enumerate(experts):
+                for d, s in zip(dst, (src.gate, src.up, src.down)):
+                    d.raw[j].copy_(s.raw[e])
+            return None
+        with torch.cuda.stream(self.side):
+            if after is not None:
+                self.side.wait_event(after)
+            for j, e in enumerate(experts):
+                for d, s in zip(dst, (src.gate, src.up, src.down)):
+                    d.raw[j].copy_(s.raw[e], non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self.side)
+        return ev
+
+    def record(self):
+        """An event after the main stream's work issued so far (CUDA), else None."""
+        if not self.cuda:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def chunk_stage(self, layer: int) -> ChunkStage:
+        """The chunk buffers for the layer's weight signature (allocated at first use on the CPU; on CUDA
+        with the cache, inside the budget)."""
+        sig = self.pool_of[layer].sig
+        st = self._chunk_stage.get(sig)
+        if st is None:
+            st = self._chunk_stage[sig] = self._alloc_stage(layer)
+        return st
+
+    def _alloc_stage(self, layer: int) -> ChunkStage:
+        ew = self.store[layer]
+        layers = [i for i in self.layer_ids if self.pool_of[i].sig == self.pool_of[layer].sig]
+        n = chunk_stage_experts(self.store, layers)
+        bufs = [tuple(QTensor(torch.zeros((n, *t.raw.shape[1:]), dtype=torch.uint8, device=self.device), t.qtype,
+                              (n, *t.shape[1:])) for t in (ew.gate, ew.up, ew.down)) for _ in range(2)]
+        return ChunkStage(n, bufs)
 
     # --- the staging ring ---------------------------------------------------------------------------------------
     def stage_slots(self, layer: int, n: int) -> list[int]:

@@ -232,6 +232,25 @@ class CpuPlan:
         pcie = [e for i, e in enumerate(misses) if i not in to_cpu]
         return cpu, pcie
 
+    def split_rows(self, ids, miss, scores) -> tuple[set[int], set[int]]:
+        """`choose` for every row of a batch at once: ids [N, k] routed experts, miss [N, k] which of them
+        missed, scores [E] (coldest to the CPU). Returns the experts (computed on the CPU, streamed over PCIe):
+        an expert streamed for one row serves every row, so it is on the CPU only if no row streams it."""
+        import numpy as np
+
+        ids, miss = np.asarray(ids), np.asarray(miss, dtype=bool)
+        N, k = ids.shape
+        if k != self.k:
+            raise ValueError(f"plan covers {self.k} routed experts, the rows have {k}")
+        share = np.asarray(self.shares)[miss.sum(1)]  # [N] CPU count of each row
+        key = np.where(miss, np.asarray(scores, dtype=np.float64)[ids], np.inf)
+        order = np.argsort(key, axis=1, kind="stable")  # coldest misses first, ties in routing order
+        rank = np.empty_like(order)
+        np.put_along_axis(rank, order, np.broadcast_to(np.arange(k), (N, k)), axis=1)
+        to_cpu = miss & (rank < share[:, None])
+        stream = set(np.unique(ids[miss & ~to_cpu]).tolist())
+        return set(np.unique(ids[miss]).tolist()) - stream, stream
+
     def __str__(self) -> str:
         if all(s < 10 for s in self.shares):
             return "".join(map(str, self.shares))

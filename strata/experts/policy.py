@@ -33,6 +33,7 @@ POLICIES = ("lfu-decay", "lru")
 # the decay scale is renormalised before float64 could overflow (1e300); at decay=0.95 that is
 # every ~4600 steps and costs one pass over [L, E]
 _RENORM_AT = 1e150
+MANY = 256  # ids per observe() from which counting them with numpy beats the per-id loop
 
 
 class Swap(NamedTuple):
@@ -182,8 +183,22 @@ class _SlotPolicy:
 
     def observe(self, layer: int, expert_ids: Sequence[int]) -> None:
         """Record the experts routed in `layer` this step; one listed twice (a batch) counts twice."""
-        ids = [int(e) for e in expert_ids]
         n = self.n_experts
+        if isinstance(expert_ids, np.ndarray) and expert_ids.size > MANY:
+            # a prefill chunk (thousands of pairs): count per expert once, then touch each used expert once
+            a = expert_ids.reshape(-1).astype(np.int64, copy=False)
+            bad = a[(a < 0) | (a >= n)]
+            if bad.size:
+                raise ValueError(f"expert id {int(bad[0])} out of range 0..{n - 1}")
+            counts = np.bincount(a, minlength=n)
+            used = np.flatnonzero(counts).tolist()
+            usage = self._usage[layer]
+            for e, c in zip(used, counts[used].tolist()):
+                usage[e] += c
+            self._observe_many(layer, a, used, counts)
+            self._touched[layer].update(used)
+            return
+        ids = [int(e) for e in expert_ids]
         usage = self._usage[layer]
         for e in ids:
             if not 0 <= e < n:
@@ -325,6 +340,10 @@ class _SlotPolicy:
     def _observe_keys(self, layer: int, ids: list[int]) -> None:
         raise NotImplementedError
 
+    def _observe_many(self, layer: int, ids: np.ndarray, used: list[int], counts: np.ndarray) -> None:
+        """_observe_keys for a long array of ids, with their per-expert counts at hand."""
+        self._observe_keys(layer, ids.tolist())
+
     def _on_tick(self) -> None:
         pass
 
@@ -387,6 +406,11 @@ class DecayedCountPolicy(_SlotPolicy):
         for e in ids:
             keys[e] += scale
 
+    def _observe_many(self, layer: int, ids: np.ndarray, used: list[int], counts: np.ndarray) -> None:
+        keys, scale = self._keys[layer], self._scale
+        for e, c in zip(used, counts[used].tolist()):
+            keys[e] += scale * c
+
     def scores(self, layer: int) -> np.ndarray:
         return np.array(self._keys[layer]) / self._scale
 
@@ -443,6 +467,14 @@ class LRUPolicy(_SlotPolicy):
             stamp += 1.0
             keys[e] = stamp
         self._stamp = stamp
+
+    def _observe_many(self, layer: int, ids: np.ndarray, used: list[int], counts: np.ndarray) -> None:
+        # as the loop: each expert's key is the stamp of its last occurrence
+        keys, n = self._keys[layer], ids.size
+        first_rev = np.unique(ids[::-1], return_index=True)[1]  # [used] first index in the reversed ids
+        for e, r in zip(used, first_rev.tolist()):
+            keys[e] = self._stamp + float(n - r)
+        self._stamp += float(n)
 
     def scores(self, layer: int) -> np.ndarray:
         return np.array(self._keys[layer])

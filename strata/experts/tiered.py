@@ -28,7 +28,6 @@ from __future__ import annotations
 import atexit
 import logging
 import time
-from collections import Counter
 
 import numpy as np
 import torch
@@ -48,6 +47,8 @@ from strata.ops.expert_gather import gather_expert_ffn
 
 log = logging.getLogger("strata")
 
+# A chunk whose pairs number this many per expert (nearly every expert routed) prefetches the next layer's experts
+PREFETCH_PAIRS_PER_EXPERT = 2
 PAIRS_MAX = 64  # (token, choice) pairs up to which CUDA computes all pairs from the map before the host sync
 # The CPU computes chunks per expert through qmatmul (the reference); tests turn the GPU's grouped path on there.
 GROUPED_CHUNKS_ON_CPU = False
@@ -96,6 +97,7 @@ class TieredExperts:
         self._loaded_profile: RoutingProfile | None = None
         self._pin_bufs: dict[str, torch.Tensor] = {}
         self._saved = False
+        self._chunk = False  # this layer call is a chunk (grouped calls, chunk buffers)
         self.recorder = None  # set by DecodeGraphs: one-token steps then take the graph-piece path
         self.graphed = GraphedDecode(self)
 
@@ -292,8 +294,11 @@ class TieredExperts:
             x_h = x
             ids_np = ids.numpy().copy()
         hit = row[ids_np] >= 0  # [N, k]
+        # a chunk: y gets a spare row past the pairs (grouped calls write their padding there), and the streamed
+        # experts go through the chunk buffers
+        self._chunk = y is None and self._grouped_chunks()
         if y is None:
-            y = torch.zeros(N * k, d, dtype=torch.float32, device=x.device)
+            y = torch.zeros(N * k + 1, d, dtype=torch.float32, device=x.device)
             groups = self._groups(ids_np, hit, lambda e: cache.slot(layer, int(row[e])))
             self._compute(pool, x, groups, y)
         if self.profiling:
@@ -302,7 +307,7 @@ class TieredExperts:
         # misses: CPU share and PCIe share
         cpu_experts, stream = self._split(li, ids_np, hit)
         pol = self.policy
-        pol.observe(li, ids_np.reshape(-1).tolist())
+        pol.observe(li, ids_np.reshape(-1))
         swaps = pol.plan_swaps(li)
         pol.commit(li, swaps)
         cache.begin_copies()
@@ -314,6 +319,8 @@ class TieredExperts:
         t_pcie = self._mark() if self.profiling else None
         if stream:
             self._stream(layer, pool, x, ids_np, hit, stream, admitted, y, t_pcie)
+        if self._chunk and N * k >= PREFETCH_PAIRS_PER_EXPERT * self.n_experts and li + 1 < len(self.layer_ids):
+            self._prefetch(li + 1)  # the next layer's copies run during this layer's rest and its attention
         if not self.cuda:
             self._poll(li)  # host copies are done: admitted experts are hits from the next step on
         elif swaps:
@@ -334,7 +341,7 @@ class TieredExperts:
         counts = dict(hits=n_hit, cpu=n_cpu, pcie=N * k - n_hit - n_cpu, swaps=len(swaps), layers=N)
         self.stats.add(**counts)
         self.request.add(**counts)
-        return combine(y.view(N, k, d), w, x.dtype)
+        return combine(y[:N * k].view(N, k, d), w, x.dtype)
 
     # --- helpers --------------------------------------------------------------------------------------------
     @staticmethod
@@ -365,20 +372,30 @@ class TieredExperts:
             st = self._to_dev(np.stack([slots, tok, pairs]))
             y[st[2]] = gather_expert_ffn(x.index_select(0, st[1]), pool.gate, pool.up, pool.down, st[0])
             return
-        if self.cuda or GROUPED_CHUNKS_ON_CPU:  # chunk-sized: these slots' pairs in one grouped call (batched matmuls)
-            from strata.ops.moe_prefill import grouped_expert_ffn
-
-            N = x.shape[0]
-            k = y.shape[0] // N
-            sid = np.full(N * k, -1, dtype=np.int64)  # [N*k] slot of each pair computed here, -1 elsewhere
-            for s, _, pairs in groups:
-                sid[pairs] = s
-            out = grouped_expert_ffn(x, pool.gate, pool.up, pool.down, self._to_dev(sid).view(N, k))
-            y += out.view(N * k, -1)  # the pairs of other calls hold 0 in `out`, these hold 0 in `y`
+        if self._grouped_chunks():  # chunk-sized: these slots' pairs in one grouped call (batched matmuls)
+            self._grouped(pool.gate, pool.up, pool.down, x, groups, y)
             return
         for s, tok, pairs in groups:  # chunk-sized: a matmul per expert over its tokens
             ti = self._to_dev(tok)
             y[self._to_dev(pairs)] = expert_ffn(x.index_select(0, ti), *pool.expert(s)).float()
+
+    def _grouped_chunks(self) -> bool:
+        return self.cuda or GROUPED_CHUNKS_ON_CPU
+
+    def _grouped(self, gate, up, down, x: torch.Tensor, groups, y: torch.Tensor) -> None:
+        """groups [(slot of the stacks, token idx, pair idx)] computed in one grouped call, written into their
+        rows of y ([N*k + 1, d]: the last row takes the padding). The pair counts per slot are known here, so
+        nothing waits for the GPU: copies and compute of successive calls stay queued."""
+        from strata.ops.moe_prefill import grouped_expert_ffn
+
+        N = x.shape[0]
+        k = (y.shape[0] - 1) // N
+        sid = np.full(N * k, -1, dtype=np.int64)  # [N*k] slot of each pair computed here, -1 elsewhere
+        counts = [0] * gate.shape[0]
+        for s, _, pairs in groups:
+            sid[pairs] = s
+            counts[s] += len(pairs)
+        grouped_expert_ffn(x, gate, up, down, self._to_dev(sid).view(N, k), counts=counts, out=y)
 
     def _split(self, li: int, ids_np: np.ndarray, hit: np.ndarray) -> tuple[set[int], set[int]]:
         """Missed experts -> (computed on the CPU, streamed over PCIe)."""
@@ -388,10 +405,14 @@ class TieredExperts:
         N = ids_np.shape[0]
         missed = ids_np[miss]
         if self.ex.cpu_plan.strip() == "auto" and N > 1:
-            tpe = Counter(ids_np.reshape(-1).tolist())
-            split = self.costs.prefill_split(tpe, resident=set(ids_np[hit].tolist()))
+            counts = np.bincount(ids_np.reshape(-1), minlength=self.n_experts)
+            used = np.flatnonzero(counts)
+            tpe = dict(zip(used.tolist(), counts[used].tolist()))
+            split = self.costs.prefill_split(tpe, resident=np.unique(ids_np[hit]).tolist())
             return set(split.cpu), set(split.stream)
         scores = self.policy.scores(li)
+        if N > 1:
+            return self.plan.split_rows(ids_np, miss, scores)
         stream: set[int] = set()
         for t in range(N):
             _, pcie = self.plan.choose(ids_np[t][miss[t]].tolist(), scores)
@@ -404,14 +425,20 @@ class TieredExperts:
         in batches that overlap the next batch's copy with this one's compute) and compute them on the device."""
         cache = self.cache
         groups = self._groups(ids_np, ~hit, lambda e: e, only=stream)
-        in_slot = [(e, t, p) for e, t, p in groups if e in admitted]
-        staged = [(e, t, p) for e, t, p in groups if e not in admitted]
+        pre = cache.chunk_stage(layer).prefetched_for(layer) if self._chunk else None
+        pre_idx = pre.index if pre is not None else {}
+        # an expert already copied ahead for this chunk is computed from the chunk buffer, admitted or not
+        in_slot = [(e, t, p) for e, t, p in groups if e in admitted and e not in pre_idx]
+        staged = [(e, t, p) for e, t, p in groups if e not in admitted or e in pre_idx]
         waited = False
         if in_slot:
             for e, _, _ in in_slot:
                 cache.wait(admitted[e][1])
             waited = True
             self._compute(pool, x, [(admitted[e][0], t, p) for e, t, p in in_slot], y)
+        if self._chunk and (pre is not None or len(staged) > cache.staging_for(layer)):
+            self._stream_chunk(layer, x, staged, y, t_pcie, waited, pre)
+            return
         ring = cache.staging_for(layer)
         batch = ring if len(staged) <= ring else max(1, ring // 2)
         batches = [staged[i:i + batch] for i in range(0, len(staged), batch)]
@@ -438,3 +465,56 @@ class TieredExperts:
                 cache.begin_copies()  # the next copy into this half waits for this compute
         if self.profiling and not waited:
             self._span("pcie_wait", t_pcie)
+
+    def _stream_chunk(self, layer: int, x, staged, y, t_pcie, waited: bool, pre) -> None:
+        """A chunk's streamed experts through the two chunk buffers: first those prefetched (copied during the
+        previous layer), then the rest, as many per batch as a buffer holds, alternating buffers so the copy of
+        batch i + 1 runs while batch i computes (one grouped call per batch, no host waits)."""
+        cache = self.cache
+        stage = cache.chunk_stage(layer)
+        n = stage.experts
+        j = 0
+        if pre is not None:
+            mine = [(pre.index[e], t, p) for e, t, p in staged if e in pre.index]
+            staged = [g for g in staged if g[0] not in pre.index]
+            j = pre.buf
+            cache.wait(pre.event)
+            if self.profiling and not waited:
+                self._span("pcie_wait", t_pcie)
+                waited = True
+            if mine:
+                cache.prefetch_used += len(mine)
+                self._grouped(*stage.bufs[j], x, mine, y)
+            stage.done[j] = cache.record()
+            stage.last, j = j, 1 - j
+        for i in range(0, len(staged), n):
+            batch = staged[i:i + n]
+            buf = stage.bufs[j]
+            # the copy waits only for the last compute that read this buffer
+            ev = cache.copy_many(layer, [e for e, _, _ in batch], buf, after=stage.done[j])
+            cache.wait(ev)
+            if self.profiling and not waited:
+                self._span("pcie_wait", t_pcie)
+                waited = True
+            self._grouped(*buf, x, [(s, t, p) for s, (_, t, p) in enumerate(batch)], y)
+            stage.done[j] = cache.record()
+            stage.last, j = j, 1 - j
+        if self.profiling and not waited:
+            self._span("pcie_wait", t_pcie)
+
+    def _prefetch(self, li: int) -> None:
+        """Copy MoE layer li's uncached experts, hottest first, into the chunk buffer its layer is not using:
+        a large chunk routes to nearly every expert, so they will be needed (those that are not cost link time
+        only). The layer's forward computes them from there."""
+        layer = self.layer_ids[li]
+        stage = self.cache.chunk_stage(layer)
+        row, pending = self.policy.expert_map()[li], self._pending[li]
+        scores = self.policy.scores(li)
+        cand = [e for e in np.argsort(-scores, kind="stable").tolist() if row[e] < 0 and e not in pending]
+        cand = cand[:stage.experts]
+        if not cand:
+            return
+        j = 1 - stage.last
+        ev = self.cache.copy_many(layer, cand, stage.bufs[j], after=stage.done[j])
+        stage.prefetch(layer, cand, j, ev)
+        self.cache.prefetched += len(cand)

@@ -18,6 +18,8 @@ GPU, float32 on the CPU), as `qmatmul` does per expert.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
@@ -55,11 +57,16 @@ def _batches(counts: list[int], per_expert: int, itemsize: int, width: int, budg
     return batches
 
 
-def grouped_expert_ffn(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor,
-                       ids: torch.Tensor) -> torch.Tensor:
+def grouped_expert_ffn(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, ids: torch.Tensor, *,
+                       counts: list[int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [N, d], expert stacks gate/up [E, ff, d] and down [E, d, ff], ids [N, k] int64 -> y [N, k, d] float32:
     y[n, j] = down[e] @ (silu(gate[e] @ x[n]) * (up[e] @ x[n])) for e = ids[n, j] (0 where e < 0), computed in
-    x's dtype."""
+    x's dtype.
+
+    counts: pairs per expert [E] when the caller knows them on the host (then nothing here waits for the GPU).
+    out: a float32 [N * k + 1, d] buffer to write into instead of a new zeroed one: only the pairs with an
+    expert are written (the last row takes the padding), so several calls over disjoint pairs fill one buffer.
+    """
     N, d = x.shape
     k = ids.shape[1]
     E, ff = gate.shape[0], gate.shape[1]
@@ -69,14 +76,20 @@ def grouped_expert_ffn(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTenso
     P = flat.numel()
     flat = torch.where(flat < 0, E, flat)  # no expert (tiered: pairs not on the GPU): sorted last, never computed
     order = torch.argsort(flat, stable=True)  # [P] pairs grouped by expert
-    counts = torch.bincount(flat, minlength=E + 1).tolist()[:E]  # the one host read
-    starts = [0] * E  # where each expert's pairs begin in `order`
-    for e in range(1, E):
-        starts[e] = starts[e - 1] + counts[e - 1]
+    if counts is None:
+        counts = torch.bincount(flat, minlength=E + 1).tolist()[:E]  # the one host read
+    elif len(counts) != E:
+        raise ValueError(f"counts has {len(counts)} entries for {E} experts")
+    starts = [0, *itertools.accumulate(counts[:-1])]  # where each expert's pairs begin in `order`
 
     # one zero row past the tokens (padding reads it) and one dummy row past the pairs (padding writes it)
     xp = torch.cat([x.to(dtype), x.new_zeros(1, d, dtype=dtype)])  # [N + 1, d]
-    y = torch.zeros(P + 1, d, dtype=torch.float32, device=dev)  # [P + 1, d]: pairs without an expert stay 0
+    if out is None:
+        y = torch.zeros(P + 1, d, dtype=torch.float32, device=dev)  # [P + 1, d]: pairs without an expert stay 0
+    elif out.shape != (P + 1, d) or out.dtype != torch.float32:
+        raise ValueError(f"out must be float32 [{P + 1}, {d}], got {out.dtype} {list(out.shape)}")
+    else:
+        y = out
     order_p = torch.cat([order, order.new_full((1,), P)])  # [P + 1]: index P -> the dummy pair
     itemsize = torch.finfo(dtype).bits // 8
     budget = WEIGHT_BYTES if dev.type == "cuda" else CPU_WEIGHT_BYTES

@@ -201,3 +201,22 @@ def test_cost_model_validation(tmp_path):
     )
     with pytest.raises(StrataError, match="malformed.*cpu_ms_per_expert"):
         CostModel.load(bad)
+
+
+@pytest.mark.parametrize("plan", ["011223344", "000000000", "012345678", "001122334"])
+def test_split_rows_equals_choose_per_row(plan):
+    """The batched split gives what choose() row by row gives (coldest misses to the CPU, a streamed expert
+    serves all rows), ties broken in routing order."""
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    p = CpuPlan.parse(plan)
+    E, N, k = 32, 50, 8
+    ids = np.stack([rng.permutation(E)[:k] for _ in range(N)])
+    miss = rng.random((N, k)) < 0.6
+    scores = rng.integers(0, 4, size=E).astype(float)  # many ties
+    stream = set()
+    for t in range(N):
+        stream.update(p.choose(ids[t][miss[t]].tolist(), scores)[1])
+    cpu = set(ids[miss].tolist()) - stream
+    assert p.split_rows(ids, miss, scores) == (cpu, stream)

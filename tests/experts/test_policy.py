@@ -340,3 +340,30 @@ def test_simulation_decayed_count_beats_lru_and_uniform():
     # little under it while the cache fills)
     flat_hit, _ = simulate(DecayedCountPolicy(L, E, SLOTS), zipf_trace(100, s=0.0, seed=1))
     assert SLOTS / E - 0.05 < flat_hit < SLOTS / E + 0.02, flat_hit
+
+
+@pytest.mark.parametrize("name", ["lfu-decay", "lru"])
+def test_observe_of_a_chunk_equals_the_per_id_loop(name):
+    """A prefill chunk's thousands of ids are counted with numpy; the policy must end up as the per-id loop."""
+    from strata.experts.policy import make_policy
+
+    rng = np.random.default_rng(0)
+    a, b = make_policy(name, 2, 64, 8), make_policy(name, 2, 64, 8)
+    for _ in range(5):
+        a.tick()
+        b.tick()
+        for layer in range(2):
+            ids = rng.integers(0, 64, size=1000)
+            a.observe(layer, ids)
+            b.observe(layer, ids.tolist())
+            sa, sb = a.plan_swaps(layer), b.plan_swaps(layer)
+            assert sa == sb
+            a.commit(layer, sa)
+            b.commit(layer, sb)
+            for sw in sa:
+                a.mark_ready(layer, sw.admit)
+                b.mark_ready(layer, sw.admit)
+            assert np.allclose(a.scores(layer), b.scores(layer), rtol=1e-12)
+    assert (a.usage() == b.usage()).all()
+    with pytest.raises(ValueError, match="out of range"):
+        a.observe(0, np.full(1000, 64))
