@@ -31,6 +31,7 @@ from strata.quant import QTensor
 
 log = logging.getLogger("strata")
 
+DECODE_GAP_MS = 0.2  # the lane's idle time between a decode step's calls (a layer's GPU work)
 SAMPLE_EXPERTS = 32  # experts cycled through per measurement (more bytes than a last-level cache)
 
 
@@ -82,8 +83,11 @@ def _time_passes(fn, passes: int, device: torch.device = torch.device("cpu")) ->
 
 def measure_cpu_expert_ms(weights: ExpertWeights, threads: int = 0, *, dtype: torch.dtype = torch.bfloat16,
                           kernel: str = "auto", tokens: int = 1, lane: CpuLane | None = None, layer: int = 0,
-                          passes: int = 3, n_experts: int | None = None) -> float:
-    """ms for `tokens` tokens through one expert on the CPU lane (its kernel for `dtype`), weights from RAM."""
+                          passes: int = 3, n_experts: int | None = None, gap_ms: float = 0.0) -> float:
+    """ms for `tokens` tokens through one expert on the CPU lane (its kernel for `dtype`), weights from RAM.
+
+    gap_ms > 0: as in decode, each call comes after the lane idled that long (the GPU's share of a layer), so
+    the cost includes waking the thread pool; the median call is returned."""
     before = torch.get_num_threads()
     if lane is None:
         lane, layer = CpuLane({0: weights}, threads, kernel, dtype), 0
@@ -92,6 +96,19 @@ def measure_cpu_expert_ms(weights: ExpertWeights, threads: int = 0, *, dtype: to
     try:
         experts = _sample(weights, n_experts)
         x = torch.randn(tokens, weights.gate.shape[-1]).to(dtype)
+
+        if gap_ms > 0:
+            lane.expert(layer, experts[0], x)
+            times = []
+            for _ in range(passes):
+                for e in experts:
+                    until = time.perf_counter() + gap_ms * 1e-3
+                    while time.perf_counter() < until:  # idle lane, busy host thread: as in a decode step
+                        pass
+                    t0 = time.perf_counter()
+                    lane.expert(layer, e, x)
+                    times.append(time.perf_counter() - t0)
+            return statistics.median(times) * 1e3
 
         def run():
             for e in experts:
@@ -174,7 +191,9 @@ def _handoff_ms(device: torch.device) -> float:
 
 def measure_cost_model(weights: ExpertWeights, device: torch.device, dtype: torch.dtype, threads: int = 0,
                        lane: CpuLane | None = None, layer: int = 0) -> CostModel:
-    cpu1 = measure_cpu_expert_ms(weights, threads, dtype=dtype, lane=lane, layer=layer)
+    # one token's expert as decode calls it: after the lane idled for the rest of the layer
+    cpu1 = measure_cpu_expert_ms(weights, threads, dtype=dtype, lane=lane, layer=layer, gap_ms=DECODE_GAP_MS)
+    cpu1_hot = measure_cpu_expert_ms(weights, threads, dtype=dtype, lane=lane, layer=layer, passes=1)
     cpu8 = measure_cpu_expert_ms(weights, threads, dtype=dtype, lane=lane, layer=layer, tokens=8, passes=1)
     gpu1 = measure_gpu_expert_ms(weights, device, dtype=dtype)
     gpu8 = measure_gpu_expert_ms(weights, device, dtype=dtype, tokens=8, passes=1)
@@ -182,7 +201,7 @@ def measure_cost_model(weights: ExpertWeights, device: torch.device, dtype: torc
         cpu_ms_per_expert=cpu1,
         pcie_ms_per_expert=measure_pcie_expert_ms(weights, device),
         gpu_ms_per_expert=gpu1,
-        cpu_ms_per_token_expert=max((cpu8 - cpu1) / 7, 0.0),
+        cpu_ms_per_token_expert=max((cpu8 - cpu1_hot) / 7, 0.0),
         gpu_ms_per_token_expert=max((gpu8 - gpu1) / 7, 0.0),
         cpu_overhead_ms=_handoff_ms(device),
     )

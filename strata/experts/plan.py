@@ -23,7 +23,7 @@ from strata import StrataError
 from strata.experts.profile import atomic_write_text
 
 COST_FORMAT = "strata-cost-model"
-COST_VERSION = 1
+COST_VERSION = 2  # 2: the one-token CPU cost is measured as decode calls it (after idling)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,21 +125,24 @@ def decode_lanes_ms(
     gpu_ms_per_expert: float,
     cpu_overhead_ms: float = 0.0,
 ) -> tuple[float, float]:
-    """(CPU lane, GPU lane) in ms. The GPU computes the k - misses hits while the link copies the misses - cpu
-    streamed experts (copy engine and SMs overlap: the hits are queued before the host reads the routing), then
-    computes the streamed ones."""
+    """(CPU lane, GPU lane) in ms; the GPU lane ends the token-layer. The GPU computes the k - misses hits while
+    the link copies the misses - cpu streamed experts and the host computes the CPU's share (all three start when
+    the host has read the routing: the hits are queued before it); the streamed experts are computed after the
+    copies and after the host's hand-off, which the CPU share holds up (the host issues the next GPU work when it
+    is done)."""
     if not 0 <= cpu <= misses <= k:
         raise ValueError(f"need 0 <= cpu <= misses <= k, got cpu={cpu} misses={misses} k={k}")
     cpu_lane = cpu_overhead_ms + cpu * cpu_ms_per_expert if cpu else 0.0
     streamed = misses - cpu
-    gpu_lane = max((k - misses) * gpu_ms_per_expert, streamed * pcie_ms_per_expert) + streamed * gpu_ms_per_expert
+    gpu_lane = max((k - misses) * gpu_ms_per_expert, streamed * pcie_ms_per_expert, cpu_lane) \
+        + streamed * gpu_ms_per_expert
     return cpu_lane, gpu_lane
 
 
 class CpuPlan:
     """How many of a token-layer's misses the CPU computes, for each miss count 0..k."""
 
-    def __init__(self, shares: Sequence[int]):
+    def __init__(self, shares: Sequence[int], *, monotone: bool = True):
         shares = tuple(int(s) for s in shares)
         text = ",".join(map(str, shares))
         if not shares:
@@ -147,7 +150,7 @@ class CpuPlan:
         for m, c in enumerate(shares):
             if not 0 <= c <= m:
                 raise StrataError(f"cpu plan {text}: with {m} misses the CPU can take 0..{m}, not {c}")
-            if m and c < shares[m - 1]:
+            if monotone and m and c < shares[m - 1]:
                 raise StrataError(
                     f"cpu plan {text}: shares must not decrease ({shares[m - 1]} with {m - 1} misses, {c} with {m})"
                 )
@@ -196,9 +199,9 @@ class CpuPlan:
                 t = max(lanes)
                 if best is None or t <= best + 1e-12:
                     best, best_c = t, c
-            # the optimum moves right as m grows; the running max only guards against float ties
-            shares.append(max(best_c, shares[-1] if shares else 0))
-        return cls(shares)
+            # (the CPU lane holding up the staged experts can make the optimum step back as m grows)
+            shares.append(best_c)
+        return cls(shares, monotone=False)
 
     @classmethod
     def all_cpu(cls, k: int) -> CpuPlan:

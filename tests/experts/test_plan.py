@@ -7,7 +7,7 @@ import math
 import pytest
 
 from strata import StrataError
-from strata.experts.plan import CostModel, CpuPlan, decode_lanes_ms, prefill_split
+from strata.experts.plan import COST_VERSION, CostModel, CpuPlan, decode_lanes_ms, prefill_split
 
 # published: RTX 4090 + Ryzen 9950X (the GPU time per expert is ours, a plausible slot matmul)
 CPU_MS, PCIE_MS, GPU_MS = 0.084, 0.285, 0.02
@@ -185,14 +185,14 @@ def test_cost_model_validation(tmp_path):
     bad.write_text(json.dumps({"format": "other"}))
     with pytest.raises(StrataError, match="not a strata cost model"):
         CostModel.load(bad)
-    bad.write_text(json.dumps({"format": "strata-cost-model", "version": 1, "cpu_ms_per_expert": 0.1}))
+    bad.write_text(json.dumps({"format": "strata-cost-model", "version": COST_VERSION, "cpu_ms_per_expert": 0.1}))
     with pytest.raises(StrataError, match="malformed"):
         CostModel.load(bad)
     bad.write_text(
         json.dumps(
             {
                 "format": "strata-cost-model",
-                "version": 1,
+                "version": COST_VERSION,
                 "cpu_ms_per_expert": "fast",
                 "pcie_ms_per_expert": 1,
                 "gpu_ms_per_expert": 1,
