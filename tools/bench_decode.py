@@ -80,6 +80,9 @@ def main() -> int:
 
 def measure(a, lm, eng, experts, dev, label, load_s) -> None:
     res = {"label": label, "load_s": round(load_s, 1), "device": str(dev)}
+    if getattr(experts, "cache", None) is not None:
+        res.update(plan=str(experts.plan), slots_per_layer=experts.cache.slots,
+                   cache_gib=round(experts.cache.nbytes() / 2**30, 2))
     decode, prefill = [], []
     stats = None  # expert statistics of the measured runs' decode steps (prefill chunks excluded)
     for r in range(a.runs + 1):
