@@ -31,7 +31,7 @@ log = logging.getLogger("strata")
 GiB, MiB = 1 << 30, 1 << 20
 # Two buffers of this many bytes (per weight signature) that a prefill chunk's streamed experts land in, a
 # batch at a time (the copy of the next batch overlaps this one's compute). Part of the VRAM budget.
-CHUNK_STAGE_MIB = 96
+CHUNK_STAGE_MIB = 256
 
 
 def _sig(ew: ExpertWeights) -> tuple:
@@ -79,6 +79,17 @@ def chunk_stage_experts(store: ExpertStore, layers=None) -> int:
     mib = float(env("STRATA_CHUNK_STAGE_MIB") or CHUNK_STAGE_MIB)
     per = max(store.expert_nbytes(i) for i in (layers or store.layer_ids))
     return int(max(1, min(store.n_experts, (mib * MiB) // per)))
+
+
+def _runs(experts: list[int]) -> list[tuple[int, int, int]]:
+    """[(first slot, first expert, length)] of the runs of consecutive ids in `experts` (slot j gets experts[j])."""
+    runs: list[list[int]] = []
+    for j, e in enumerate(experts):
+        if runs and e == runs[-1][1] + runs[-1][2]:
+            runs[-1][2] += 1
+        else:
+            runs.append([j, e, 1])
+    return [tuple(r) for r in runs]
 
 
 def _n_sigs(store: ExpertStore) -> int:
@@ -235,12 +246,13 @@ class ExpertCache:
                 for d, s in zip(dst, (src.gate, src.up, src.down)):
                     d.raw[j].copy_(s.raw[e])
             return None
+        runs = _runs(experts)
         with torch.cuda.stream(self.side):
             if after is not None:
                 self.side.wait_event(after)
-            for j, e in enumerate(experts):
+            for j, e, n in runs:  # consecutive experts into consecutive slots: one copy per projection
                 for d, s in zip(dst, (src.gate, src.up, src.down)):
-                    d.raw[j].copy_(s.raw[e], non_blocking=True)
+                    d.raw[j:j + n].copy_(s.raw[e:e + n], non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(self.side)
         return ev

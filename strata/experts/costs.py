@@ -174,6 +174,21 @@ def measure_gpu_expert_ms(weights: ExpertWeights, device: torch.device | str | N
     return _time_passes(run, passes, device) / n * 1e3
 
 
+def measure_gpu_pair_ms(weights: ExpertWeights, device: torch.device | str, *, dtype: torch.dtype = torch.bfloat16,
+                        tokens: int = 512, n: int = 8, passes: int = 3) -> float:
+    """ms per (token, expert) pair of a prefill chunk on the GPU: the grouped FFN (the chunk path's call) over
+    n experts in device slots with `tokens` tokens each."""
+    from strata.ops.moe_prefill import grouped_expert_ffn
+
+    device = torch.device(device)
+    n = min(weights.n_experts, n)
+    pool = [QTensor(t.raw[:n].to(device), t.qtype, (n, *t.shape[1:])) for t in (weights.gate, weights.up, weights.down)]
+    x = torch.randn(tokens, weights.gate.shape[-1], device=device).to(dtype)
+    ids = torch.arange(n, device=device).expand(tokens, n).contiguous()  # every token through all n experts
+    counts = [tokens] * n
+    return _time_passes(lambda: grouped_expert_ffn(x, *pool, ids, counts=counts), passes, device) / (tokens * n) * 1e3
+
+
 def _handoff_ms(device: torch.device) -> float:
     """One GPU -> CPU -> GPU round trip of a token's activations (the CPU lane's per-layer hand-off)."""
     if device.type != "cuda":
@@ -196,13 +211,16 @@ def measure_cost_model(weights: ExpertWeights, device: torch.device, dtype: torc
     cpu1_hot = measure_cpu_expert_ms(weights, threads, dtype=dtype, lane=lane, layer=layer, passes=1)
     cpu8 = measure_cpu_expert_ms(weights, threads, dtype=dtype, lane=lane, layer=layer, tokens=8, passes=1)
     gpu1 = measure_gpu_expert_ms(weights, device, dtype=dtype)
-    gpu8 = measure_gpu_expert_ms(weights, device, dtype=dtype, tokens=8, passes=1)
+    if device.type == "cuda":  # a chunk's further tokens cost what the grouped call spends per pair
+        gpu_pair = measure_gpu_pair_ms(weights, device, dtype=dtype)
+    else:  # the CPU-only "GPU" computes chunks per expert
+        gpu_pair = (measure_gpu_expert_ms(weights, device, dtype=dtype, tokens=8, passes=1) - gpu1) / 7
     return CostModel(
         cpu_ms_per_expert=cpu1,
         pcie_ms_per_expert=measure_pcie_expert_ms(weights, device),
         gpu_ms_per_expert=gpu1,
         cpu_ms_per_token_expert=max((cpu8 - cpu1_hot) / 7, 0.0),
-        gpu_ms_per_token_expert=max((gpu8 - gpu1) / 7, 0.0),
+        gpu_ms_per_token_expert=max(gpu_pair, 0.0),
         cpu_overhead_ms=_handoff_ms(device),
     )
 

@@ -511,7 +511,7 @@ class TieredExperts:
         row, pending = self.policy.expert_map()[li], self._pending[li]
         scores = self.policy.scores(li)
         cand = [e for e in np.argsort(-scores, kind="stable").tolist() if row[e] < 0 and e not in pending]
-        cand = cand[:stage.experts]
+        cand = sorted(cand[:stage.experts])  # in id order: runs of consecutive experts copy as one
         if not cand:
             return
         j = 1 - stage.last

@@ -33,6 +33,7 @@ WEIGHT_BYTES = 256 << 20
 CPU_WEIGHT_BYTES = 4 << 20
 # Bytes of padded activations per batch ([G, Tmax, max(d, ff)] in x's dtype, a few of them alive at a time).
 ACT_BYTES = 256 << 20
+PAD_SHAPES: bool | None = None  # round batch shapes up (None: on CUDA only)
 
 
 def _dequant(w: QTensor, experts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -55,6 +56,18 @@ def _batches(counts: list[int], per_expert: int, itemsize: int, width: int, budg
         else:
             batches.append([e])
     return batches
+
+
+def _round_g(g: int) -> int:
+    return -(-g // 8) * 8
+
+
+def _round_t(t: int) -> int:
+    """Rows per expert rounded up to one of a few dozen sizes (padding <= 1/8 of the rows past 64)."""
+    if t <= 64:
+        return max(8, 1 << (t - 1).bit_length())
+    step = 1 << max((t - 1).bit_length() - 4, 4)  # 1/16 .. 1/8 of t
+    return -(-t // step) * step
 
 
 def grouped_expert_ffn(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, ids: torch.Tensor, *,
@@ -94,13 +107,18 @@ def grouped_expert_ffn(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTenso
     itemsize = torch.finfo(dtype).bits // 8
     budget = WEIGHT_BYTES if dev.type == "cuda" else CPU_WEIGHT_BYTES
     batches = _batches(counts, ff * d, itemsize, max(d, ff), budget)
-    used = [e for b in batches for e in b]
+    # On CUDA the batch shapes are rounded up (padding experts with no tokens, padding rows): cuBLAS picks a
+    # kernel per new shape at a host cost of ~0.3 ms, which a chunk's varying counts would pay on every call.
+    pad = dev.type == "cuda" if PAD_SHAPES is None else PAD_SHAPES
+    shapes = [(_round_g(len(b)) if pad else len(b), _round_t(counts[b[0]]) if pad else counts[b[0]]) for b in batches]
+    cols: list[tuple[int, int, int]] = []
+    for b, (G, _) in zip(batches, shapes):
+        cols += [(starts[e], counts[e], e) for e in b] + [(0, 0, b[0])] * (G - len(b))  # padding: no tokens
     # every batch's (start, count, expert) in one host->device copy (pinned: no wait for the stream)
-    host = torch.tensor([[starts[e] for e in used], [counts[e] for e in used], used], dtype=torch.int64)
-    meta = host.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else host  # [3, used]
+    host = torch.tensor(list(zip(*cols)), dtype=torch.int64)
+    meta = host.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else host  # [3, columns]
     a = 0
-    for batch in batches:
-        G, T = len(batch), counts[batch[0]]
+    for G, T in shapes:
         start, count, experts = meta[:, a:a + G]  # [G] each
         a += G
         t = torch.arange(T, device=dev)  # [T]

@@ -111,6 +111,9 @@ def test_cost_measurements_are_positive(q4k):
     assert torch.get_num_threads() >= 1
     assert costs.measure_pcie_expert_ms(q4k, "cpu", passes=1) > 0
     assert costs.measure_gpu_expert_ms(q4k, "cpu", passes=1) > 0
+    assert 0 < costs.measure_gpu_pair_ms(q4k, "cpu", dtype=torch.float32, tokens=16, n=2, passes=1) < 1e3
+    gap = costs.measure_cpu_expert_ms(q4k, threads=1, dtype=torch.bfloat16, passes=1, gap_ms=0.05)
+    assert gap > 0 and math.isfinite(gap)
     ms, gbps, kind = costs.cpu_bandwidth(q4k, 1, passes=1)
     assert kind == "int4" and gbps > 0
     cm = costs.measure_cost_model(q4k, torch.device("cpu"), torch.bfloat16, threads=1)

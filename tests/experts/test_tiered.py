@@ -310,3 +310,10 @@ def test_chunk_buffers_match_resident(model_path, reference, monkeypatch, stage_
     assert stage.experts < ex.n_experts
     assert 0 < ex.cache.prefetch_used <= ex.cache.prefetched  # the prompt chunk copied layers ahead
     _check_stats(ex, len(PROMPT) + len(DECODE))
+
+
+def test_runs_of_consecutive_experts():
+    from strata.experts.cache import _runs
+
+    assert _runs([3, 4, 5, 9, 10, 2]) == [(0, 3, 3), (3, 9, 2), (5, 2, 1)]
+    assert _runs([]) == []

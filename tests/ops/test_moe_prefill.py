@@ -103,3 +103,29 @@ def test_negative_ids_give_zero_and_leave_the_rest_equal():
     keep = masked >= 0
     assert (out[~keep] == 0).all()
     assert torch.allclose(out[keep], full[keep], rtol=1e-5, atol=1e-6)
+
+
+def test_padded_shapes_counts_and_out_buffer(monkeypatch):
+    """The CUDA shape padding (experts without tokens, zero rows) changes nothing; host counts and a shared
+    output buffer give what the plain call gives (each call writes only its own pairs)."""
+    import strata.ops.moe_prefill as mp
+
+    E, d, ff = 8, 64, 64
+    ew = _experts(Q.Q8_0, Q.Q8_0, E, d, ff, 4)
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(37, d, generator=gen)
+    ids = _ids(37, 2, E, gen)
+    plain = grouped_expert_ffn(x, ew.gate, ew.up, ew.down, ids)
+    monkeypatch.setattr(mp, "PAD_SHAPES", True)
+    padded = grouped_expert_ffn(x, ew.gate, ew.up, ew.down, ids)
+    assert torch.allclose(padded, plain, rtol=1e-5, atol=1e-6)
+    low = torch.where(ids < 4, ids, -1)
+    high = torch.where(ids >= 4, ids, -1)
+    out = torch.full((ids.numel() + 1, d), float("nan"))
+    out[:-1] = 0
+    for part in (low, high):
+        counts = torch.bincount(part[part >= 0], minlength=E).tolist()
+        grouped_expert_ffn(x, ew.gate, ew.up, ew.down, part, counts=counts, out=out)
+    assert torch.allclose(out[:-1].view(37, 2, d), plain, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="out must be"):
+        grouped_expert_ffn(x, ew.gate, ew.up, ew.down, ids, out=torch.zeros(3, d))
