@@ -237,7 +237,7 @@ def test_cuda_bf16_tiered_runs(model_path):
 @torch.inference_mode()
 def _run_cuda(lm, prompt=PROMPT, decode=DECODE):
     m, dev = lm.model, lm.model.device
-    kv = m.new_kv_cache(1, 64)
+    kv = m.new_kv_cache(1, max(64, len(prompt) + len(decode)))
     out = [m.forward(torch.tensor(prompt, device=dev), torch.arange(len(prompt), device=dev),
                      [Segment(0, 0, len(prompt))], kv, all_logits=True)]
     for i, t in enumerate(decode):
