@@ -23,15 +23,13 @@ import torch
 from strata import StrataError
 from strata.config import ExpertConfig
 from strata.experts.resident import ExpertWeights
+from strata.experts.sizing import chunk_stage_experts
 from strata.experts.store import ExpertStore
 from strata.quant import QTensor
 
 log = logging.getLogger("strata")
 
 GiB, MiB = 1 << 30, 1 << 20
-# Two buffers of this many bytes (per weight signature) that a prefill chunk's streamed experts land in, a
-# batch at a time (the copy of the next batch overlaps this one's compute). Part of the VRAM budget.
-CHUNK_STAGE_MIB = 256
 
 
 def _sig(ew: ExpertWeights) -> tuple:
@@ -63,6 +61,11 @@ class ChunkStage:
         self.pending = Prefetch(layer, {e: i for i, e in enumerate(experts)}, buf, event)
         self.last = buf
 
+    def peek(self, layer: int) -> dict[int, int]:
+        """The experts prefetched for `layer` (expert -> slot), without taking them."""
+        p = self.pending
+        return p.index if p is not None and p.layer == layer else {}
+
     def prefetched_for(self, layer: int) -> Prefetch | None:
         """The prefetch made for `layer` (once: taken by the call), None if there is none."""
         p, self.pending = self.pending, None
@@ -70,15 +73,6 @@ class ChunkStage:
 
     def nbytes(self) -> int:
         return sum(t.nbytes for b in self.bufs for t in b)
-
-
-def chunk_stage_experts(store: ExpertStore, layers=None) -> int:
-    """Experts one chunk buffer holds: CHUNK_STAGE_MIB (env STRATA_CHUNK_STAGE_MIB) over the expert size."""
-    from strata.config import env
-
-    mib = float(env("STRATA_CHUNK_STAGE_MIB") or CHUNK_STAGE_MIB)
-    per = max(store.expert_nbytes(i) for i in (layers or store.layer_ids))
-    return int(max(1, min(store.n_experts, (mib * MiB) // per)))
 
 
 def _runs(experts: list[int]) -> list[tuple[int, int, int]]:
@@ -116,8 +110,9 @@ class SlotPool:
         return self.gate.nbytes + self.up.nbytes + self.down.nbytes
 
 
-def budget_slots(cfg: ExpertConfig, store: ExpertStore, device: torch.device, staging: int) -> int:
-    """Cache slots per layer (uniform) from --expert-slots, --vram-gb / --vram-reserve-mib, or the free VRAM.
+def budget_slots(cfg: ExpertConfig, store: ExpertStore, device: torch.device, staging: int) -> tuple[int, int]:
+    """(cache slots per layer (uniform), experts per chunk buffer) from --expert-slots, --vram-gb /
+    --vram-reserve-mib, or the free VRAM.
 
     GPU: the budget is the whole process's (`--vram-gb`), less what torch holds now (dense weights, KV and
     buffers allocated before the cache), the reserve (CUDA context, activations) and the staging ring; without
@@ -128,31 +123,35 @@ def budget_slots(cfg: ExpertConfig, store: ExpertStore, device: torch.device, st
     if cfg.slots is not None:
         if cfg.slots < 0:
             raise StrataError("--expert-slots must be >= 0")
-        return min(cfg.slots, E)
+        return min(cfg.slots, E), chunk_stage_experts(store.nbytes(), store.expert_nbytes(), E)
     per_slot = sum(store.expert_nbytes(i) for i in store.layer_ids)  # one slot in every layer
     stage_bytes = staging * store.expert_nbytes()
-    if device.type == "cuda":  # the prefill chunk buffers
-        stage_bytes += 2 * chunk_stage_experts(store) * store.expert_nbytes() * _n_sigs(store)
     reserve = cfg.vram_reserve_mib * MiB
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         left = free - reserve - stage_bytes
         if cfg.vram_gb is not None:
             left = min(left, int(cfg.vram_gb * GiB) - torch.cuda.memory_reserved(device) - reserve - stage_bytes)
+        chunk = chunk_stage_experts(left, store.expert_nbytes(), E)
+        left -= 2 * chunk * store.expert_nbytes() * _n_sigs(store)  # the prefill chunk buffers
     elif cfg.vram_gb is not None:
         left = int(cfg.vram_gb * GiB) - reserve - stage_bytes
+        chunk = chunk_stage_experts(left, store.expert_nbytes(), E)  # buffers in RAM: not taken from the cache
     else:
-        return E
-    return int(max(0, min(E, left // per_slot)))
+        return E, chunk_stage_experts(store.nbytes(), store.expert_nbytes(), E)
+    return int(max(0, min(E, left // per_slot))), chunk
 
 
 class ExpertCache:
     """The slot pools, the device expert_map and the copy machinery for `store`'s layers."""
 
-    def __init__(self, store: ExpertStore, slots: int, staging: int, device: torch.device):
+    def __init__(self, store: ExpertStore, slots: int, staging: int, device: torch.device, chunk_experts: int = 0):
         if slots < 0 or staging < 1:
             raise StrataError(f"expert cache needs slots >= 0 and staging >= 1 (got {slots}, {staging})")
         self.store, self.slots, self.staging, self.device = store, slots, staging, device
+        # experts per prefill chunk buffer (0: sized from the store alone)
+        self.chunk_experts = chunk_experts or chunk_stage_experts(store.nbytes(), store.expert_nbytes(),
+                                                                  store.n_experts)
         self.layer_ids = store.layer_ids
         self.index = {layer: li for li, layer in enumerate(self.layer_ids)}
         self.cuda = device.type == "cuda"
@@ -276,8 +275,7 @@ class ExpertCache:
 
     def _alloc_stage(self, layer: int) -> ChunkStage:
         ew = self.store[layer]
-        layers = [i for i in self.layer_ids if self.pool_of[i].sig == self.pool_of[layer].sig]
-        n = chunk_stage_experts(self.store, layers)
+        n = self.chunk_experts
         bufs = [tuple(QTensor(torch.zeros((n, *t.raw.shape[1:]), dtype=torch.uint8, device=self.device), t.qtype,
                               (n, *t.shape[1:])) for t in (ew.gate, ew.up, ew.down)) for _ in range(2)]
         return ChunkStage(n, bufs)

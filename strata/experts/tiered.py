@@ -109,8 +109,8 @@ class TieredExperts:
             return
         self.k = k
         staging = self._staging or max(2 * k, 8)
-        slots = budget_slots(self.ex, self.store, self.device, staging)
-        self.cache = ExpertCache(self.store, slots, staging, self.device)
+        slots, chunk = budget_slots(self.ex, self.store, self.device, staging)
+        self.cache = ExpertCache(self.store, slots, staging, self.device, chunk_experts=chunk)
         L, E = len(self.layer_ids), self.n_experts
         kw = dict(swap_budget=self.ex.swap_budget)
         if self.ex.cache_policy == "lfu-decay":
@@ -404,15 +404,19 @@ class TieredExperts:
             return set(), set()
         N = ids_np.shape[0]
         missed = ids_np[miss]
+        # experts already copied ahead for this chunk cost no PCIe: they are computed on the GPU
+        pre = set(self.cache.chunk_stage(self.layer_ids[li]).peek(self.layer_ids[li])) if self._chunk else set()
         if self.ex.cpu_plan.strip() == "auto" and N > 1:
             counts = np.bincount(ids_np.reshape(-1), minlength=self.n_experts)
             used = np.flatnonzero(counts)
             tpe = dict(zip(used.tolist(), counts[used].tolist()))
-            split = self.costs.prefill_split(tpe, resident=np.unique(ids_np[hit]).tolist())
-            return set(split.cpu), set(split.stream)
+            split = self.costs.prefill_split(tpe, resident=set(np.unique(ids_np[hit]).tolist()) | pre)
+            return set(split.cpu), set(split.stream) | (pre & set(missed.tolist()))
         scores = self.policy.scores(li)
         if N > 1:
-            return self.plan.split_rows(ids_np, miss, scores)
+            cpu, stream = self.plan.split_rows(ids_np, miss, scores)
+            moved = cpu & pre
+            return cpu - moved, stream | moved
         stream: set[int] = set()
         for t in range(N):
             _, pcie = self.plan.choose(ids_np[t][miss[t]].tolist(), scores)

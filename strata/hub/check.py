@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from strata.experts.sizing import chunk_stage_experts
 from strata.hub.machine import MachineInfo
 from strata.hub.verify import GGUFHeader, read_gguf_header
 
@@ -144,7 +145,11 @@ def fit(fp: ModelFootprint, machine: MachineInfo, ctx: int = 0, vram_budget: int
     ram_needed = fp.expert_bytes + RAM_HEADROOM
     spare = vram_budget - vram_needed
     per_slot = fp.expert_bytes // fp.n_expert if fp.n_expert else 0  # one expert in every layer
-    slots = min(spare // per_slot, fp.n_expert) if per_slot and spare > 0 else 0
+    if fp.n_expert and spare > 0:  # the two prefill chunk buffers come out of what the cache would get
+        spare_cache = spare - 2 * chunk_stage_experts(spare, fp.slot_bytes, fp.n_expert) * fp.slot_bytes
+    else:
+        spare_cache = spare
+    slots = min(spare_cache // per_slot, fp.n_expert) if per_slot and spare_cache > 0 else 0
     share = slots / fp.n_expert if fp.n_expert else 1.0
     f = Fit("gpu", ctx, True, vram_budget, vram_needed, kv, ram_needed, machine.ram_available, int(slots), share)
     if spare < 0:

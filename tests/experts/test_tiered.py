@@ -293,15 +293,15 @@ def test_grouped_chunk_path_matches_resident(model_path, reference, monkeypatch,
     _check_stats(lm.model.experts, len(PROMPT) + len(DECODE))
 
 
-@pytest.mark.parametrize("stage_mib", ["0.0001", "0.02"])
-def test_chunk_buffers_match_resident(model_path, reference, monkeypatch, stage_mib):
+@pytest.mark.parametrize("stage_mib,plan", [("0.0001", "000"), ("0.02", "000"), ("0.02", "012"), ("0.02", "auto")])
+def test_chunk_buffers_match_resident(model_path, reference, monkeypatch, stage_mib, plan):
     """More streamed experts than the staging ring: the chunk's experts go through the two chunk buffers in
     batches (one expert per buffer, then a few), each batch one grouped call writing its pairs."""
     import strata.experts.tiered as tiered
 
     monkeypatch.setattr(tiered, "GROUPED_CHUNKS_ON_CPU", True)
     monkeypatch.setenv("STRATA_CHUNK_STAGE_MIB", stage_mib)
-    lm = _load(model_path, backend_kw=dict(staging=2), slots=0, cpu_plan="000")
+    lm = _load(model_path, backend_kw=dict(staging=2), slots=0, cpu_plan=plan)
     out = _run(lm)
     assert (out - reference).abs().max().item() <= 1e-5
     ex = lm.model.experts

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from strata.cli import main
+from strata.experts.sizing import chunk_stage_experts
 from strata.hub.check import (
     DEFAULT_CTX,
     RAM_HEADROOM,
@@ -140,8 +141,11 @@ def test_fit_gpu():
     kv = 32768 * 98304
     need = int(1.5 * GiB) + kv + VRAM_RESERVE + STAGING
     assert (f.mode, f.ok, f.kv_bytes, f.vram_needed, f.vram_budget) == ("gpu", True, kv, need, 8 * GiB)
-    assert f.slots == (8 * GiB - need) // PER_SLOT == 22
-    assert f.slots_share == pytest.approx(22 / 128)
+    spare = 8 * GiB - need
+    chunk = 2 * chunk_stage_experts(spare, QWEN.slot_bytes, 128) * QWEN.slot_bytes  # the prefill chunk buffers
+    assert chunk == 2 * (spare // 16 // QWEN.slot_bytes) * QWEN.slot_bytes  # a sixteenth of the spare each
+    assert f.slots == (spare - chunk) // PER_SLOT == 19
+    assert f.slots_share == pytest.approx(19 / 128)
     assert f.ram_needed == 16 * GiB + RAM_HEADROOM
     # a budget past the whole model: every expert gets a slot, no more
     assert fit(QWEN, _machine(vram_free=8 * GiB), 4096, vram_budget=40 * GiB).slots == 128
@@ -180,7 +184,7 @@ def test_fit_cpu_only():
 
 def test_fit_few_slots_noted():
     need = QWEN.dense_bytes + 4096 * 98304 + VRAM_RESERVE + STAGING
-    f = fit(QWEN, _machine(), 4096, vram_budget=need + 5 * PER_SLOT)
+    f = fit(QWEN, _machine(), 4096, vram_budget=need + 6 * PER_SLOT)  # 3/4 of a slot go to the chunk buffers
     assert f.ok and f.slots == 5 and "fewer than the 8 experts each token uses" in f.notes[0]
 
 
