@@ -16,6 +16,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from strata.kv.cache import KVCache, Segment
 from strata.layers.norm import rms_norm
 from strata.layers.rotary import Rotary
+from strata.ops import decode_attention
 from strata.quant import QTensor, qmatmul
 
 # One query token: SDPA backends that do not re-plan for every KV length (cuDNN's does: ~1 ms of host time a call)
@@ -137,7 +138,10 @@ class GQAttention:
             ks, vs, mask = _cache_step(kv, self.layer, seg, k[i : i + seg.n], v[i : i + seg.n])  # [L, Hkv, D]
             if ks.dtype != x.dtype:  # (a cache in another dtype than the activations)
                 ks, vs = ks.to(x.dtype), vs.to(x.dtype)
-            outs.append(_gqa(q[i : i + seg.n], ks, vs, mask, self.scale))  # [n, H, Dv]
+            if seg.window and seg.n == 1 and decode_attention.use_for(q, ks):  # split over the keys (GPU)
+                outs.append(decode_attention.decode_attention(q[i : i + 1], ks, vs, seg.pos_t, self.scale))
+            else:
+                outs.append(_gqa(q[i : i + seg.n], ks, vs, mask, self.scale))  # [n, H, Dv]
             i += seg.n
         out = outs[0] if len(outs) == 1 else torch.cat(outs)  # [n, H, Dv]
         return qmatmul(out.reshape(n, self.n_heads * self.vd), self.wo)

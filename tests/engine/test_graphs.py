@@ -94,3 +94,26 @@ def test_captured_sets_are_bounded_least_recently_used_first(hf_and_gguf, monkey
     g.graphs.move_to_end(((0,), 256))  # used again: the oldest is now (1,)
     g.remember(((9,), 256), ([], None))
     assert list(g.graphs) == [((2,), 256), ((0,), 256), ((9,), 256)]
+
+
+@pytest.mark.gpu
+def test_graphed_bf16_step_with_split_attention_matches_sdpa(hf_and_gguf, monkeypatch):
+    """bf16 decode replays the split-key attention kernel; its logits match the same step through SDPA."""
+    from strata.engine.engine import Sequence
+    from strata.engine.graphs import DecodeGraphs
+    from strata.ops import decode_attention
+
+    _, path = hf_and_gguf("qwen3moe")
+    lm = load_model(str(path), EngineConfig(device="cuda", dtype="bfloat16", cuda_graphs=True))
+    eng = Engine(lm, n_slots=1)
+    ids = torch.randint(0, 1001, (300,), generator=torch.Generator().manual_seed(5)).tolist()
+    seq = Sequence(ids, SamplingParams(temperature=0), 1, set())
+    eng.add(seq, reuse_prefix=False)
+    while not seq.finished:
+        eng.step()
+    assert decode_attention.available()
+    split = DecodeGraphs(lm.model, eng.kv, slot=0).step(ids[-1], len(ids)).float().clone()
+    monkeypatch.setenv("STRATA_DECODE_ATTN", "sdpa")
+    sdpa = DecodeGraphs(lm.model, eng.kv, slot=0).step(ids[-1], len(ids)).float()
+    assert ((split - sdpa).abs().max() / sdpa.abs().max()).item() < 3e-2
+    assert split.argmax().item() == sdpa.argmax().item()
