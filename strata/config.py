@@ -26,6 +26,7 @@ class ExpertConfig:
     vram_reserve_mib: int = 700
     cpu_threads: int = 0  # 0 = physical cores
     cpu_plan: str = "auto"
+    plan_tune: bool = True  # with --cpu-plan auto: the first decode steps time candidate plans, keep the fastest
     cache_policy: str = "lfu-decay"
     promote_min: float = 0.0
     swap_budget: int = 4

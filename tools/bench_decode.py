@@ -72,6 +72,7 @@ def main() -> int:
             from strata.experts.plan import CpuPlan
 
             experts.plan = CpuPlan.parse(plan, lm.args.n_experts_used)
+            experts.tuner = None  # a plan set by hand stays
         if th:
             torch.set_num_threads(th)
         measure(a, lm, eng, experts, dev, label, load_s)
@@ -145,6 +146,8 @@ def measure(a, lm, eng, experts, dev, label, load_s) -> None:
                           file=sys.stderr)
                 print(ka.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60),
                       file=sys.stderr)
+    if getattr(experts, "tuner", None) is not None:
+        res["plan_tuner"] = experts.tuner.report()
     if dev.type == "cuda":
         res["max_vram_gib"] = round(torch.cuda.max_memory_allocated(dev) / 2**30, 2)
     print(json.dumps(res), flush=True)

@@ -31,6 +31,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--expert-slots", type=int, default=None, help="expert cache slots per layer (overrides budget)")
     g.add_argument("--cpu-threads", type=int, default=0, help="CPU lane threads (default: physical cores)")
     g.add_argument("--cpu-plan", default="auto", help="misses -> CPU share, e.g. 011223344, or auto (measured)")
+    g.add_argument("--cpu-plan-tune", action=argparse.BooleanOptionalAction, default=e.plan_tune,
+                   help="with --cpu-plan auto, time the measured plan, all-PCIe and all-CPU over the first decode "
+                        "steps and keep the fastest (default: on with a GPU)")
     g.add_argument("--cache-policy", default=e.cache_policy, choices=["lfu-decay", "lru"])
     g.add_argument("--promote-min", type=float, default=0.0, help="decayed uses needed before an expert is cached")
     g.add_argument("--swap-budget", type=int, default=e.swap_budget, help="expert copies per layer per step")
@@ -48,7 +51,7 @@ def engine_config(args) -> "EngineConfig":
         cpu_threads=args.cpu_threads, cpu_plan=args.cpu_plan, cache_policy=args.cache_policy,
         promote_min=args.promote_min, swap_budget=args.swap_budget, low_ram=args.low_ram,
         expert_profile=args.expert_profile, expert_profile_save=args.expert_profile_save, profile=args.profile,
-        slots=args.expert_slots,
+        slots=args.expert_slots, plan_tune=getattr(args, "cpu_plan_tune", True),
     )
     cfg = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype,
                        ctx_size=args.ctx_size, prefill_chunk=args.prefill_chunk,

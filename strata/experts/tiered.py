@@ -43,6 +43,7 @@ from strata.experts.resident import ExpertWeights, combine, expert_ffn
 from strata.experts.stats import ExpertStats, StepProfile
 from strata.experts.store import ExpertStore
 from strata.experts.tiered_decode import GraphedDecode
+from strata.experts.tuner import PlanTuner
 from strata.ops.expert_gather import gather_expert_ffn
 
 log = logging.getLogger("strata")
@@ -92,6 +93,7 @@ class TieredExperts:
         self.cache: ExpertCache | None = None  # set up at the first forward, once KV and buffers exist
         self.policy = None
         self.plan: CpuPlan | None = None
+        self.tuner: PlanTuner | None = None  # --cpu-plan auto on a GPU: decode steps pick among candidate plans
         self.k = 0
         self._pending: list[dict[int, object]] = [{} for _ in self.layer_ids]  # li -> expert -> copy event
         self._loaded_profile: RoutingProfile | None = None
@@ -122,6 +124,9 @@ class TieredExperts:
 
                 self.costs = cost_model_for(self)
             self.plan = self.costs.cpu_plan(k)
+            if self.ex.plan_tune and self.cuda and self.lane is not None:
+                # the model's plan, then what the first decode steps measure (strata.experts.tuner)
+                self.tuner = PlanTuner([self.plan, CpuPlan.all_pcie(k), CpuPlan.all_cpu(k)])
         else:
             self.plan = CpuPlan.parse(self.ex.cpu_plan, k)
         if self.lane is None and any(self.plan.shares):
@@ -180,6 +185,11 @@ class TieredExperts:
         return done
 
     def _begin_step(self, n_tokens: int, graphed: bool = False) -> None:
+        if self.tuner is not None and not self.tuner.done:
+            if n_tokens == 1 and (graphed or self.recorder is None):  # a decode step: time it
+                self.plan = self.tuner.step(time.perf_counter())
+            else:
+                self.tuner.interrupt()
         self.policy.tick()
         self.stats.add(tokens=n_tokens)
         self.request.add(tokens=n_tokens)

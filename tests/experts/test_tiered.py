@@ -317,3 +317,30 @@ def test_runs_of_consecutive_experts():
 
     assert _runs([3, 4, 5, 9, 10, 2]) == [(0, 3, 3), (3, 9, 2), (5, 2, 1)]
     assert _runs([]) == []
+
+
+def test_plan_tuner_switches_plans_during_decode(model_path, reference):
+    """The tuner (on by default with a GPU; attached by hand here) changes the plan between decode steps and
+    settles on one; logits stay the resident ones whichever plan ran."""
+    from strata.experts.plan import CpuPlan
+    from strata.experts.tuner import PlanTuner
+
+    lm = _load(model_path, slots=1, cpu_plan="auto")
+    ex = lm.model.experts
+    ex.setup(2)
+    plans = [CpuPlan.all_pcie(2), CpuPlan.all_cpu(2)]
+    ex.tuner = PlanTuner(plans, trial=2, rounds=1, warmup=0)
+    seen = []
+    real = ex._begin_step
+
+    def spy(n, graphed=False):
+        real(n, graphed)
+        seen.append(str(ex.plan))
+
+    ex._begin_step = spy
+    out = _run(lm, decode=DECODE * 2)  # 12 decode steps: 1 + 2 trials of 3 steps, then the choice
+    n = len(PROMPT) + len(DECODE)
+    assert (out[:n] - reference).abs().max().item() <= 1e-5
+    assert ex.tuner.done and ex.plan in plans
+    assert {"000", "012"} <= set(seen)  # both candidates ran
+    _check_stats(ex, len(PROMPT) + 2 * len(DECODE))
