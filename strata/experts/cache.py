@@ -21,9 +21,9 @@ import numpy as np
 import torch
 
 from strata import StrataError
-from strata.config import ExpertConfig
+from strata.config import ExpertConfig, env
 from strata.experts.resident import ExpertWeights
-from strata.experts.sizing import chunk_stage_experts
+from strata.experts import sizing
 from strata.experts.store import ExpertStore
 from strata.quant import QTensor
 
@@ -75,6 +75,11 @@ class ChunkStage:
         return sum(t.nbytes for b in self.bufs for t in b)
 
 
+def _chunk_experts(left: int, expert_bytes: int, n_experts: int) -> int:
+    cap = env("STRATA_CHUNK_STAGE_MIB")  # benchmarks compare buffer sizes
+    return sizing.chunk_stage_experts(left, expert_bytes, n_experts, float(cap) if cap else None)
+
+
 def _runs(experts: list[int]) -> list[tuple[int, int, int]]:
     """[(first slot, first expert, length)] of the runs of consecutive ids in `experts` (slot j gets experts[j])."""
     runs: list[list[int]] = []
@@ -123,7 +128,7 @@ def budget_slots(cfg: ExpertConfig, store: ExpertStore, device: torch.device, st
     if cfg.slots is not None:
         if cfg.slots < 0:
             raise StrataError("--expert-slots must be >= 0")
-        return min(cfg.slots, E), chunk_stage_experts(store.nbytes(), store.expert_nbytes(), E)
+        return min(cfg.slots, E), _chunk_experts(store.nbytes(), store.expert_nbytes(), E)
     per_slot = sum(store.expert_nbytes(i) for i in store.layer_ids)  # one slot in every layer
     stage_bytes = staging * store.expert_nbytes()
     reserve = cfg.vram_reserve_mib * MiB
@@ -132,13 +137,13 @@ def budget_slots(cfg: ExpertConfig, store: ExpertStore, device: torch.device, st
         left = free - reserve - stage_bytes
         if cfg.vram_gb is not None:
             left = min(left, int(cfg.vram_gb * GiB) - torch.cuda.memory_reserved(device) - reserve - stage_bytes)
-        chunk = chunk_stage_experts(left, store.expert_nbytes(), E)
+        chunk = _chunk_experts(left, store.expert_nbytes(), E)
         left -= 2 * chunk * store.expert_nbytes() * _n_sigs(store)  # the prefill chunk buffers
     elif cfg.vram_gb is not None:
         left = int(cfg.vram_gb * GiB) - reserve - stage_bytes
-        chunk = chunk_stage_experts(left, store.expert_nbytes(), E)  # buffers in RAM: not taken from the cache
+        chunk = _chunk_experts(left, store.expert_nbytes(), E)  # buffers in RAM: not taken from the cache
     else:
-        return E, chunk_stage_experts(store.nbytes(), store.expert_nbytes(), E)
+        return E, _chunk_experts(store.nbytes(), store.expert_nbytes(), E)
     return int(max(0, min(E, left // per_slot))), chunk
 
 
@@ -150,7 +155,7 @@ class ExpertCache:
             raise StrataError(f"expert cache needs slots >= 0 and staging >= 1 (got {slots}, {staging})")
         self.store, self.slots, self.staging, self.device = store, slots, staging, device
         # experts per prefill chunk buffer (0: sized from the store alone)
-        self.chunk_experts = chunk_experts or chunk_stage_experts(store.nbytes(), store.expert_nbytes(),
+        self.chunk_experts = chunk_experts or _chunk_experts(store.nbytes(), store.expert_nbytes(),
                                                                   store.n_experts)
         self.layer_ids = store.layer_ids
         self.index = {layer: li for li, layer in enumerate(self.layer_ids)}

@@ -8,15 +8,13 @@ out of the VRAM budget, so on a small budget they are kept to a sixteenth of wha
 
 from __future__ import annotations
 
-import os
-
 MiB = 1 << 20
-CHUNK_STAGE_MIB = 256  # per buffer, at most (env STRATA_CHUNK_STAGE_MIB overrides)
+CHUNK_STAGE_MIB = 256  # per buffer, at most (the engine passes STRATA_CHUNK_STAGE_MIB when set)
 CHUNK_STAGE_SHARE = 16  # at most 1/16 of the bytes left for the expert cache, per buffer
 
 
-def chunk_stage_experts(left_bytes: int, expert_bytes: int, n_experts: int) -> int:
+def chunk_stage_experts(left_bytes: int, expert_bytes: int, n_experts: int, cap_mib: float | None = None) -> int:
     """Experts one chunk buffer holds, given the VRAM left for the expert cache (before the buffers)."""
-    cap = float(os.environ.get("STRATA_CHUNK_STAGE_MIB") or CHUNK_STAGE_MIB) * MiB
+    cap = float(cap_mib or CHUNK_STAGE_MIB) * MiB
     per = min(cap, max(left_bytes, 0) / CHUNK_STAGE_SHARE)
     return int(max(1, min(n_experts, per // max(expert_bytes, 1))))

@@ -16,9 +16,9 @@ Reference twin: `torch.nn.functional.scaled_dot_product_attention` with the wind
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from strata.config import env
 
 try:
     import triton
@@ -31,7 +31,7 @@ TARGET_PROGRAMS = 256  # Hkv x splits: enough programs to spread one query's key
 
 
 def available() -> bool:
-    return triton is not None and os.environ.get("STRATA_DECODE_ATTN", "triton") != "sdpa"
+    return triton is not None and env("STRATA_DECODE_ATTN", "triton") != "sdpa"  # sdpa: the A/B baseline
 
 
 def use_for(q: torch.Tensor, ks: torch.Tensor) -> bool:
