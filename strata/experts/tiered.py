@@ -42,6 +42,7 @@ from strata.experts.profile import RoutingProfile, warm_policy
 from strata.experts.resident import ExpertWeights, combine, expert_ffn
 from strata.experts.stats import ExpertStats, StepProfile
 from strata.experts.store import ExpertStore
+from strata.experts.tiered_chunk import prefetch, stream_chunk
 from strata.experts.tiered_decode import GraphedDecode
 from strata.experts.tuner import PlanTuner
 from strata.ops.expert_gather import gather_expert_ffn
@@ -330,7 +331,7 @@ class TieredExperts:
         if stream:
             self._stream(layer, pool, x, ids_np, hit, stream, admitted, y, t_pcie)
         if self._chunk and N * k >= PREFETCH_PAIRS_PER_EXPERT * self.n_experts and li + 1 < len(self.layer_ids):
-            self._prefetch(li + 1)  # the next layer's copies run during this layer's rest and its attention
+            prefetch(self, li + 1)  # the next layer's copies run during this layer's rest and its attention
         if not self.cuda:
             self._poll(li)  # host copies are done: admitted experts are hits from the next step on
         elif swaps:
@@ -451,7 +452,7 @@ class TieredExperts:
             waited = True
             self._compute(pool, x, [(admitted[e][0], t, p) for e, t, p in in_slot], y)
         if self._chunk and (pre is not None or len(staged) > cache.staging_for(layer)):
-            self._stream_chunk(layer, x, staged, y, t_pcie, waited, pre)
+            stream_chunk(self, layer, x, staged, y, t_pcie, waited, pre)
             return
         ring = cache.staging_for(layer)
         batch = ring if len(staged) <= ring else max(1, ring // 2)
@@ -479,56 +480,3 @@ class TieredExperts:
                 cache.begin_copies()  # the next copy into this half waits for this compute
         if self.profiling and not waited:
             self._span("pcie_wait", t_pcie)
-
-    def _stream_chunk(self, layer: int, x, staged, y, t_pcie, waited: bool, pre) -> None:
-        """A chunk's streamed experts through the two chunk buffers: first those prefetched (copied during the
-        previous layer), then the rest, as many per batch as a buffer holds, alternating buffers so the copy of
-        batch i + 1 runs while batch i computes (one grouped call per batch, no host waits)."""
-        cache = self.cache
-        stage = cache.chunk_stage(layer)
-        n = stage.experts
-        j = 0
-        if pre is not None:
-            mine = [(pre.index[e], t, p) for e, t, p in staged if e in pre.index]
-            staged = [g for g in staged if g[0] not in pre.index]
-            j = pre.buf
-            cache.wait(pre.event)
-            if self.profiling and not waited:
-                self._span("pcie_wait", t_pcie)
-                waited = True
-            if mine:
-                cache.prefetch_used += len(mine)
-                self._grouped(*stage.bufs[j], x, mine, y)
-            stage.done[j] = cache.record()
-            stage.last, j = j, 1 - j
-        for i in range(0, len(staged), n):
-            batch = staged[i:i + n]
-            buf = stage.bufs[j]
-            # the copy waits only for the last compute that read this buffer
-            ev = cache.copy_many(layer, [e for e, _, _ in batch], buf, after=stage.done[j])
-            cache.wait(ev)
-            if self.profiling and not waited:
-                self._span("pcie_wait", t_pcie)
-                waited = True
-            self._grouped(*buf, x, [(s, t, p) for s, (_, t, p) in enumerate(batch)], y)
-            stage.done[j] = cache.record()
-            stage.last, j = j, 1 - j
-        if self.profiling and not waited:
-            self._span("pcie_wait", t_pcie)
-
-    def _prefetch(self, li: int) -> None:
-        """Copy MoE layer li's uncached experts, hottest first, into the chunk buffer its layer is not using:
-        a large chunk routes to nearly every expert, so they will be needed (those that are not cost link time
-        only). The layer's forward computes them from there."""
-        layer = self.layer_ids[li]
-        stage = self.cache.chunk_stage(layer)
-        row, pending = self.policy.expert_map()[li], self._pending[li]
-        scores = self.policy.scores(li)
-        cand = [e for e in np.argsort(-scores, kind="stable").tolist() if row[e] < 0 and e not in pending]
-        cand = sorted(cand[:stage.experts])  # in id order: runs of consecutive experts copy as one
-        if not cand:
-            return
-        j = 1 - stage.last
-        ev = self.cache.copy_many(layer, cand, stage.bufs[j], after=stage.done[j])
-        stage.prefetch(layer, cand, j, ev)
-        self.cache.prefetched += len(cand)
