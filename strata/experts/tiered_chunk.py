@@ -13,9 +13,9 @@ import numpy as np
 
 
 def stream_chunk(be, layer: int, x, staged, y, t_pcie, waited: bool, pre) -> None:
-    """(be: the TieredExperts backend) A chunk's streamed experts through the two chunk buffers: first those prefetched (copied during the
-    previous layer), then the rest, as many per batch as a buffer holds, alternating buffers so the copy of
-    batch i + 1 runs while batch i computes (one grouped call per batch, no host waits)."""
+    """A chunk's streamed experts (be: the TieredExperts backend) through the two chunk buffers: first those
+    prefetched (copied during the previous layer), then the rest, as many per batch as a buffer holds, alternating
+    buffers so the copy of batch i + 1 runs while batch i computes (one grouped call per batch, no host waits)."""
     cache = be.cache
     stage = cache.chunk_stage(layer)
     n = stage.experts
