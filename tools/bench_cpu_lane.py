@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from strata.experts import costs
+from strata.experts import costs, cpu_native
 from strata.experts.resident import ExpertWeights
 from strata.quant import random_qtensor
 from gguf import GGMLQuantizationType as Q
@@ -58,6 +58,23 @@ def bf16_gemv_gbps(ew: ExpertWeights, threads: int, n: int) -> float:
     return sum(a.numel() + b.numel() for a, b in ws[:1]) * 2 / dt / 1e9
 
 
+def native_batched(ew: ExpertWeights, threads: int, n: int, per_call: int) -> tuple[float, float]:
+    """(ms per expert, GB/s) of the native kernel taking `per_call` experts of one token per call (a decode
+    token-layer's CPU share)."""
+    k = cpu_native.Q4KExperts(ew.gate.raw, ew.up.raw, ew.down.raw, threads=threads)
+    x = torch.randn(1, ew.gate.shape[-1])
+    rows = np.zeros(per_call, dtype=np.int64)
+    calls = [list(range(i, i + per_call)) for i in range(0, n - per_call + 1, per_call)]
+    for c in calls:
+        k(c, x, rows)
+    t0 = time.perf_counter()
+    for _ in range(3):
+        for c in calls:
+            k(c, x, rows)
+    dt = (time.perf_counter() - t0) / (3 * len(calls) * per_call)
+    return dt * 1e3, ew.expert_nbytes() / dt / 1e9
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--experts", type=int, default=32)
@@ -77,9 +94,17 @@ def main() -> None:
         rows.append((th, "bf16 GEMV, dequantized copy", "bf16", 0.0, bf16_gemv_gbps(sets[Q.Q4_K], th, min(a.experts, 8))))
         for qt, ew in sets.items():
             for dtype in (torch.bfloat16, torch.float32):
-                n = a.experts if (qt in (Q.Q4_K, Q.Q4_0) and dtype == torch.bfloat16) else a.ref_experts
-                ms, gbps, kind = costs.cpu_bandwidth(ew, th, dtype=dtype, passes=2, n_experts=n)
-                rows.append((th, f"{qt.name} {str(dtype)[6:]} activations", kind, ms, gbps))
+                fast = dtype == torch.bfloat16
+                kernels = (["native", "int4"] if qt == Q.Q4_K else ["int4"]) if fast else ["ref"]
+                for kernel in kernels:
+                    if kernel == "native" and cpu_native.load() is None:
+                        continue
+                    n = a.experts if fast and kernel != "ref" else a.ref_experts
+                    ms, gbps, kind = costs.cpu_bandwidth(ew, th, dtype=dtype, kernel=kernel, passes=2, n_experts=n)
+                    rows.append((th, f"{qt.name} {str(dtype)[6:]} activations", kind, ms, gbps))
+                if qt == Q.Q4_K and fast and cpu_native.load() is not None:
+                    ms, gbps = native_batched(ew, th, a.experts, 4)
+                    rows.append((th, "Q4_K, 4 experts per call", "native", ms, gbps))
     print(f"{'thr':>3}  {'what':<32} {'kernel':<6} {'ms/expert':>10} {'GB/s':>7}")
     for th, what, kind, ms, gbps in rows:
         print(f"{th:>3}  {what:<32} {kind:<6} {ms:>10.3f} {gbps:>7.2f}")

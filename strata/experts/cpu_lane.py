@@ -1,6 +1,6 @@
 """The CPU lane: missed experts computed on the host, from the host copy, while the GPU computes the hits.
 
-Two kernels per expert FFN (`silu(x @ gate.T) * (x @ up.T) @ down.T`):
+Kernels per expert FFN (`silu(x @ gate.T) * (x @ up.T) @ down.T`):
 
 - `ref`: `strata.experts.resident.expert_ffn` on the stored blocks: the exact reference math (float32), the
   same as the all-resident backend on the CPU, so offloaded CPU runs match it. Slow: it dequantizes the expert's
@@ -14,8 +14,12 @@ Two kernels per expert FFN (`silu(x @ gate.T) * (x @ up.T) @ down.T`):
   weight so an expert is two calls. Q8_0 (per-32-block scales, which the per-row `_weight_int8pack_mm`
   cannot take) goes as two int4 halves along a doubled k: exact up to the bf16 scales, 10 bits per weight.
 
-`auto` takes `int4` for bf16/f16 activations and a repackable format (Q4_K, Q4_0, Q8_0), else `ref`. Other
-formats (Q5_K, Q6_K, ...) use `ref` until a kernel for them lands.
+- `native`: Q4_K experts read in place by a compiled kernel (`strata.experts.cpu_native`: int8 activations,
+  AVX2 integer dot products, every expert of a token-layer in one call); needs a C compiler at first use.
+
+`auto` takes `native` for bf16/f16 activations and Q4_K experts when the kernel builds, else `int4` for a
+repackable format (Q4_K, Q4_0, Q8_0), else `ref`. Other formats (Q5_K, Q6_K, ...) use `ref` until a kernel for
+them lands.
 
 Threads: torch's intra-op pool is process-wide; `CpuLane(threads=n)` sets it (0 leaves torch's default, one
 per physical core). The lane runs on the calling thread: the backend launches the GPU's work first, then
@@ -38,7 +42,7 @@ from strata.quant import QTensor
 log = logging.getLogger("strata")
 
 Q = GGMLQuantizationType
-KERNELS = ("auto", "ref", "int4")
+KERNELS = ("auto", "ref", "int4", "native")
 INT4_TYPES = frozenset({Q.Q4_K, Q.Q4_0, Q.Q8_0})
 GROUP = 32  # int4pack group size: the sub-block of Q4_K, the block of Q4_0
 
@@ -138,6 +142,18 @@ def int4_supported(ew: ExpertWeights) -> bool:
     return all(t.shape[-1] % GROUP == 0 and t.shape[-2] % 64 == 0 for t in (ew.gate, ew.down))
 
 
+def native_supported(ew: ExpertWeights) -> bool:
+    """The native kernel takes this layer's experts: Q4_K throughout, both dimensions whole super-blocks."""
+    return (all(t.qtype == Q.Q4_K for t in (ew.gate, ew.up, ew.down)) and ew.gate.shape[-1] % 256 == 0
+            and ew.down.shape[-1] % 256 == 0 and all(t.raw.is_contiguous() for t in (ew.gate, ew.up, ew.down)))
+
+
+def _native_lib():
+    from strata.experts import cpu_native
+
+    return cpu_native.load()
+
+
 class _Int4Expert:
     __slots__ = ("gate_up", "down", "ff")
 
@@ -170,16 +186,31 @@ class CpuLane:
         self.layers, self.dtype = layers, dtype
         self.kernel: dict[int, str] = {}
         self._int4: dict[int, dict[int, _Int4Expert]] = {}
+        self._native: dict[int, object] = {}
         for i, ew in layers.items():
             want = kernel
-            if kernel == "auto":
-                want = "int4" if dtype in (torch.bfloat16, torch.float16) and int4_supported(ew) and repack else "ref"
+            if kernel == "auto":  # float32 activations keep the exact reference (offloaded runs equal resident)
+                low = dtype in (torch.bfloat16, torch.float16)
+                if low and native_supported(ew) and _native_lib() is not None:
+                    want = "native"  # reads the stored blocks in place: no repacked copy, one call per token-layer
+                elif low and int4_supported(ew) and repack:
+                    want = "int4"
+                else:
+                    want = "ref"
             elif kernel == "int4" and not int4_supported(ew):
                 raise StrataError(f"layer {i}: the int4 CPU kernel does not take {ew.gate.qtype.name}/"
                                   f"{ew.down.qtype.name} experts of shape {ew.gate.shape[1:]}")
+            elif kernel == "native" and not (native_supported(ew) and _native_lib() is not None):
+                raise StrataError(f"layer {i}: the native CPU kernel takes Q4_K experts with dimensions that are "
+                                  f"multiples of 256 and needs a C compiler (got {ew.gate.qtype.name}/"
+                                  f"{ew.down.qtype.name}, {ew.gate.shape[1:]})")
             self.kernel[i] = want
             if want == "int4":
                 self._int4[i] = {}  # filled lazily per expert, or all at once by prepare()
+            elif want == "native":
+                from strata.experts.cpu_native import Q4KExperts
+
+                self._native[i] = Q4KExperts(ew.gate.raw, ew.up.raw, ew.down.raw)
 
     def prepare(self, progress: bool = False) -> None:
         """Repack every expert the int4 kernel will read now (load time), not on first use."""
@@ -233,6 +264,8 @@ class CpuLane:
 
     def expert(self, layer: int, e: int, x: torch.Tensor) -> torch.Tensor:
         """One expert over tokens x [T, d] (host) -> [T, d] float32."""
+        if self.kernel[layer] == "native":
+            return self._native[layer](np.full(x.shape[0], e), x)
         if self.kernel[layer] == "int4":
             packed = self._int4[layer].get(e)
             if packed is None:
@@ -243,12 +276,17 @@ class CpuLane:
 
     def run_experts(self, layer: int, x: torch.Tensor, experts: list[int]) -> torch.Tensor:
         """One token x [1, d] (host) through each of `experts` -> [len(experts), d] float32."""
+        if self.kernel[layer] == "native":  # all of them in one call (one thread-pool region)
+            return self._native[layer](experts, x.reshape(1, -1), rows=np.zeros(len(experts), dtype=np.int64))
         xin = x.to(torch.bfloat16) if self.kernel[layer] == "int4" else x
         return torch.cat([self.expert(layer, e, xin) for e in experts])
 
     def run(self, layer: int, x: torch.Tensor, jobs: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
         """jobs: (expert, token indices [n_e]) -> outputs [sum n_e, d] float32 in job order. x [N, d] on the host."""
         total = sum(int(t.numel()) for _, t in jobs)
+        if self.kernel[layer] == "native" and total:  # every (expert, token) row in one call
+            rows = torch.cat([t.reshape(-1) for _, t in jobs]).numpy()
+            return self._native[layer](np.repeat([e for e, _ in jobs], [int(t.numel()) for _, t in jobs]), x, rows)
         out = torch.empty(total, x.shape[-1], dtype=torch.float32)
         xin = x.to(torch.bfloat16) if self.kernel[layer] == "int4" else x  # convert once per layer
         r = 0

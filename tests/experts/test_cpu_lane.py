@@ -115,6 +115,59 @@ def test_cost_measurements_are_positive(q4k):
     gap = costs.measure_cpu_expert_ms(q4k, threads=1, dtype=torch.bfloat16, passes=1, gap_ms=0.05)
     assert gap > 0 and math.isfinite(gap)
     ms, gbps, kind = costs.cpu_bandwidth(q4k, 1, passes=1)
-    assert kind == "int4" and gbps > 0
+    assert kind in ("int4", "native") and gbps > 0
     cm = costs.measure_cost_model(q4k, torch.device("cpu"), torch.bfloat16, threads=1)
     assert cm.cpu_ms_per_expert > 0 and cm.cpu_overhead_ms == 0.0
+
+
+def _native_or_skip():
+    from strata.experts import cpu_native
+
+    if cpu_native.load() is None:
+        pytest.skip("no C compiler: the native CPU kernel is unavailable here")
+
+
+def test_native_kernel_matches_reference(q4k):
+    """The compiled Q4_K kernel (int8 activations, the weights exactly) against the float32 reference: every
+    expert, one token and several, one call for many experts, the lane's three entry points."""
+    _native_or_skip()
+    ew = _experts(Q.Q4_K, E=5, d=512, ff=256, seed=2)
+    lane = CpuLane({3: ew}, kernel="auto", dtype=torch.bfloat16)
+    assert lane.kernel[3] == "native" and lane.nbytes() == 0  # no repacked copy
+    x = torch.randn(4, 512, generator=torch.Generator().manual_seed(1))
+    ref = {e: expert_ffn(x, ew.gate[e], ew.up[e], ew.down[e]).float() for e in range(5)}
+    for e in range(5):
+        got = lane.expert(3, e, x)
+        assert got.dtype == torch.float32 and got.shape == (4, 512)
+        assert ((got - ref[e]).norm() / ref[e].norm()).item() < 3e-2
+    many = lane.run_experts(3, x[1:2].bfloat16(), [4, 0, 2])
+    for i, e in enumerate([4, 0, 2]):
+        assert ((many[i] - ref[e][1]).norm() / ref[e][1].norm()).item() < 3e-2
+    jobs = [(2, torch.tensor([0, 3])), (1, torch.tensor([2]))]
+    out = lane.run(3, x, jobs)
+    want = torch.stack([ref[2][0], ref[2][3], ref[1][2]])
+    assert ((out - want).norm() / want.norm()).item() < 3e-2
+    # float32 activations keep the exact reference under auto
+    assert CpuLane({3: ew}, kernel="auto", dtype=torch.float32).kernel[3] == "ref"
+
+
+def test_native_kernel_is_deterministic_and_thread_count_free(q4k):
+    _native_or_skip()
+    from strata.experts.cpu_native import Q4KExperts
+
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(5))
+    a = Q4KExperts(q4k.gate.raw, q4k.up.raw, q4k.down.raw, threads=1)([1, 3], x)
+    b = Q4KExperts(q4k.gate.raw, q4k.up.raw, q4k.down.raw, threads=2)([1, 3], x)
+    assert torch.equal(a, b)  # rows are split across threads, each row summed in one order
+    with pytest.raises(ValueError, match="out of range"):
+        Q4KExperts(q4k.gate.raw, q4k.up.raw, q4k.down.raw)([9], x[:1])
+
+
+def test_native_kernel_unavailable_falls_back(q4k, monkeypatch):
+    import strata.experts.cpu_native as native
+
+    monkeypatch.setattr(native, "_tried", True)
+    monkeypatch.setattr(native, "_lib", None)
+    assert CpuLane({0: q4k}, kernel="auto", dtype=torch.bfloat16).kernel[0] == "int4"
+    with pytest.raises(StrataError, match="native CPU kernel"):
+        CpuLane({0: q4k}, kernel="native", dtype=torch.bfloat16)

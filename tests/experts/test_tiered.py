@@ -247,7 +247,13 @@ def _run_cuda(lm, prompt=PROMPT, decode=DECODE):
     return torch.cat(out).float().cpu()
 
 
-def test_bf16_with_the_int4_cpu_lane_stays_close_to_resident(tmp_path):
+@pytest.mark.parametrize("kernel", ["int4", "native"])
+def test_bf16_with_a_fast_cpu_lane_stays_close_to_resident(tmp_path, kernel):
+    if kernel == "native":
+        from strata.experts import cpu_native
+
+        if cpu_native.load() is None:
+            pytest.skip("no C compiler: the native CPU kernel is unavailable here")
     path = write_moe_gguf(tmp_path / "q4k.gguf", d=256, ff=256, n_layers=2, n_experts=4, k=2, heads=4, kv_heads=2,
                           head_dim=64, expert_type=Q.Q4_K)
 
@@ -256,8 +262,15 @@ def test_bf16_with_the_int4_cpu_lane_stays_close_to_resident(tmp_path):
         return load_model(str(path), cfg, with_tokenizer=False)
 
     ref = _run(load(mode="resident"), prompt=PROMPT[:4], decode=DECODE[:2]).float()
-    lm = load(mode="tiered", slots=1, cpu_plan="012")
-    assert set(lm.model.experts.lane.kernel.values()) == {"int4"}
+    import strata.engine.loader as loader
+
+    real = loader.make_experts_factory
+    loader.make_experts_factory = lambda c: (lambda layers: TieredExperts(layers, c, progress=False, cpu_kernel=kernel))
+    try:
+        lm = load(mode="tiered", slots=1, cpu_plan="012")
+    finally:
+        loader.make_experts_factory = real
+    assert set(lm.model.experts.lane.kernel.values()) == {kernel}
     out = _run(lm, prompt=PROMPT[:4], decode=DECODE[:2]).float()
     assert lm.model.experts.stats.cpu > 0
     assert ((out - ref).norm() / ref.norm()).item() < 3e-2
