@@ -86,7 +86,7 @@ def test_auto_kernel_choice_and_ref_is_exact(q4k):
 
 
 def test_prepare_repacks_every_expert_once(q4k):
-    lane = CpuLane({0: q4k}, dtype=torch.bfloat16)
+    lane = CpuLane({0: q4k}, kernel="int4", dtype=torch.bfloat16)
     assert lane.nbytes() == 0
     lane.prepare()
     n = lane.nbytes()
