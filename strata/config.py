@@ -25,6 +25,7 @@ class ExpertConfig:
     vram_gb: float | None = None  # the whole process's VRAM budget
     vram_reserve_mib: int = 700
     cpu_threads: int = 0  # 0 = physical cores
+    cpu_kernel: str = "auto"  # the CPU lane's kernel: auto | native | int4 | ref
     cpu_plan: str = "auto"
     plan_tune: bool = True  # with --cpu-plan auto: the first decode steps time candidate plans, keep the fastest
     cache_policy: str = "lfu-decay"
@@ -39,6 +40,8 @@ class ExpertConfig:
     def validate(self) -> None:
         if self.mode not in ("auto", "resident", "tiered"):
             raise StrataError(f"--experts must be auto, resident or tiered (got {self.mode!r})")
+        if self.cpu_kernel not in ("auto", "native", "int4", "ref"):
+            raise StrataError(f"--cpu-kernel must be auto, native, int4 or ref (got {self.cpu_kernel!r})")
         if self.cache_policy not in ("lfu-decay", "lru"):
             raise StrataError(f"--cache-policy must be lfu-decay or lru (got {self.cache_policy!r})")
         if self.vram_gb is not None and self.vram_gb <= 0:

@@ -30,6 +30,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--vram-reserve-mib", type=int, default=e.vram_reserve_mib, help="VRAM headroom left free")
     g.add_argument("--expert-slots", type=int, default=None, help="expert cache slots per layer (overrides budget)")
     g.add_argument("--cpu-threads", type=int, default=0, help="CPU lane threads (default: physical cores)")
+    g.add_argument("--cpu-kernel", default=e.cpu_kernel, choices=["auto", "native", "int4", "ref"],
+                   help="CPU lane kernel: native (Q4_K read in place, compiled once), int4 (torch, repacked copy), "
+                        "ref (exact float32); auto: native, else int4, for bf16/f16, ref for float32")
     g.add_argument("--cpu-plan", default="auto", help="misses -> CPU share, e.g. 011223344, or auto (measured)")
     g.add_argument("--cpu-plan-tune", action=argparse.BooleanOptionalAction, default=e.plan_tune,
                    help="with --cpu-plan auto, time the measured plan, all-PCIe and all-CPU over the first decode "
@@ -48,7 +51,7 @@ def engine_config(args) -> "EngineConfig":
 
     ex = ExpertConfig(
         mode=args.experts_mode, vram_gb=args.vram_gb, vram_reserve_mib=args.vram_reserve_mib,
-        cpu_threads=args.cpu_threads, cpu_plan=args.cpu_plan, cache_policy=args.cache_policy,
+        cpu_threads=args.cpu_threads, cpu_kernel=getattr(args, "cpu_kernel", "auto"), cpu_plan=args.cpu_plan, cache_policy=args.cache_policy,
         promote_min=args.promote_min, swap_budget=args.swap_budget, low_ram=args.low_ram,
         expert_profile=args.expert_profile, expert_profile_save=args.expert_profile_save, profile=args.profile,
         slots=args.expert_slots, plan_tune=getattr(args, "cpu_plan_tune", True),

@@ -64,12 +64,12 @@ def _all_cpu_zero(text: str) -> bool:
 class TieredExperts:
     """The tiered experts backend. layers: model layer -> ExpertWeights on the host (mapped file views).
 
-    cpu_kernel: the CPU lane's kernel (auto | ref | int4); cost_model: use these costs for `--cpu-plan auto`
+    cpu_kernel: the CPU lane's kernel (auto | native | int4 | ref; default --cpu-kernel); cost_model: use these costs for `--cpu-plan auto`
     instead of measuring (or loading the machine's cached measurement); staging: slots of the ring that
     streamed experts land in (default max(2k, 8)).
     """
 
-    def __init__(self, layers: dict[int, ExpertWeights], cfg: EngineConfig, *, cpu_kernel: str = "auto",
+    def __init__(self, layers: dict[int, ExpertWeights], cfg: EngineConfig, *, cpu_kernel: str | None = None,
                  cost_model: CostModel | None = None, staging: int | None = None, progress: bool = True):
         self.cfg, self.ex = cfg, cfg.experts
         self.device, self.dtype = cfg.torch_device, cfg.torch_dtype
@@ -82,7 +82,7 @@ class TieredExperts:
         self.n_experts = self.store.n_experts
         self.lane: CpuLane | None = None
         if not _all_cpu_zero(self.ex.cpu_plan):  # a plan that never uses the CPU needs no lane (nor repacking)
-            self.lane = CpuLane(self.store.layers, self.ex.cpu_threads, cpu_kernel, self.dtype)
+            self.lane = CpuLane(self.store.layers, self.ex.cpu_threads, cpu_kernel or self.ex.cpu_kernel, self.dtype)
             if not self.ex.low_ram:
                 self.lane.prepare(progress=progress)
         self.costs = cost_model
