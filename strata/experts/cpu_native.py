@@ -77,24 +77,30 @@ static void quantize_row(const float *x, int K, int8_t *xq, float *xd, int32_t *
     }
 }
 
+/* the 8 six-bit scales and 8 six-bit mins of a Q4_K super-block (12 bytes), four at a time in 32-bit words:
+   sc[j] = s[j] & 63, mn[j] = s[j+4] & 63 (j < 4); sc[j+4] = (s[j+8] & 15) | (s[j] >> 6) << 4,
+   mn[j+4] = (s[j+8] >> 4) | (s[j+4] >> 6) << 4 */
+static inline void q4k_scales(const uint8_t *s, uint8_t *sc, uint8_t *mn) {
+    uint32_t w0, w1, w2, o[4];
+    __builtin_memcpy(&w0, s, 4); __builtin_memcpy(&w1, s + 4, 4); __builtin_memcpy(&w2, s + 8, 4);
+    o[0] = w0 & 0x3F3F3F3Fu;
+    o[1] = (w2 & 0x0F0F0F0Fu) | (((w0 >> 6) & 0x03030303u) << 4);
+    o[2] = w1 & 0x3F3F3F3Fu;
+    o[3] = ((w2 >> 4) & 0x0F0F0F0Fu) | (((w1 >> 6) & 0x03030303u) << 4);
+    __builtin_memcpy(sc, o, 8); __builtin_memcpy(mn, o + 2, 8);
+}
+
 /* one Q4_K row (nb super-blocks of 144 bytes) . the quantized activations */
 static float dot_q4k(const uint8_t *row, int nb, const int8_t *xq, const float *xd, const int32_t *xs) {
-    float sum = 0.f;
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    __m256 fsum = _mm256_setzero_ps(), fmin = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
         const uint8_t *blk = row + b * 144;
-        const float d = f16(blk), dmin = f16(blk + 2);
-        const uint8_t *s = blk + 4;
         uint8_t sc[8], mn[8];
-        for (int j = 0; j < 4; j++) {
-            sc[j] = s[j] & 63; mn[j] = s[j + 4] & 63;
-            sc[j + 4] = (s[j + 8] & 0xF) | ((s[j] >> 6) << 4);
-            mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
-        }
+        q4k_scales(blk + 4, sc, mn);
         const uint8_t *qs = blk + 16;
         const int8_t *q8 = xq + b * 256;
-        int32_t isum = 0, msum = 0;
-#if defined(__AVX2__)
-        const __m256i m4 = _mm256_set1_epi8(0x0F);
         __m256i acc = _mm256_setzero_si256();
         for (int j = 0; j < 4; j++) {
             __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
@@ -104,11 +110,27 @@ static float dot_q4k(const uint8_t *row, int nb, const int8_t *xq, const float *
             acc = _mm256_add_epi32(acc, _mm256_madd_epi16(plo, _mm256_set1_epi16(sc[2 * j])));
             acc = _mm256_add_epi32(acc, _mm256_madd_epi16(phi, _mm256_set1_epi16(sc[2 * j + 1])));
         }
-        __m128i a = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
-        a = _mm_add_epi32(a, _mm_shuffle_epi32(a, 0x4E));
-        a = _mm_add_epi32(a, _mm_shuffle_epi32(a, 0xB1));
-        isum = _mm_cvtsi128_si32(a);
+        /* mins . sums of the activations per 32, eight lanes at once */
+        __m256i mprod = _mm256_mullo_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)mn)),
+                                           _mm256_loadu_si256((const __m256i *)(xs + b * 8)));
+        const float dx = f16(blk) * xd[b], mx = f16(blk + 2) * xd[b];
+        fsum = _mm256_fmadd_ps(_mm256_set1_ps(dx), _mm256_cvtepi32_ps(acc), fsum);
+        fmin = _mm256_fmadd_ps(_mm256_set1_ps(mx), _mm256_cvtepi32_ps(mprod), fmin);
+    }
+    __m256 t = _mm256_sub_ps(fsum, fmin);
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
 #else
+    float sum = 0.f;
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = row + b * 144;
+        uint8_t sc[8], mn[8];
+        q4k_scales(blk + 4, sc, mn);
+        const uint8_t *qs = blk + 16;
+        const int8_t *q8 = xq + b * 256;
+        int32_t isum = 0, msum = 0;
         for (int j = 0; j < 4; j++) {
             int32_t dlo = 0, dhi = 0;
             for (int i = 0; i < 32; i++) {
@@ -117,11 +139,11 @@ static float dot_q4k(const uint8_t *row, int nb, const int8_t *xq, const float *
             }
             isum += sc[2 * j] * dlo + sc[2 * j + 1] * dhi;
         }
-#endif
         for (int j = 0; j < 8; j++) msum += mn[j] * xs[b * 8 + j];
-        sum += xd[b] * (d * (float)isum - dmin * (float)msum);
+        sum += xd[b] * (f16(blk) * (float)isum - f16(blk + 2) * (float)msum);
     }
     return sum;
+#endif
 }
 
 /* n experts, each over its own activations x[e] (d floats): out[e] (d floats) =
