@@ -61,7 +61,7 @@ def bf16_gemv_gbps(ew: ExpertWeights, threads: int, n: int) -> float:
 def native_batched(ew: ExpertWeights, threads: int, n: int, per_call: int) -> tuple[float, float]:
     """(ms per expert, GB/s) of the native kernel taking `per_call` experts of one token per call (a decode
     token-layer's CPU share)."""
-    k = cpu_native.Q4KExperts(ew.gate.raw, ew.up.raw, ew.down.raw, threads=threads)
+    k = cpu_native.NativeExperts(ew.gate.raw, ew.up.raw, ew.down.raw, threads=threads)
     x = torch.randn(1, ew.gate.shape[-1])
     rows = np.zeros(per_call, dtype=np.int64)
     calls = [list(range(i, i + per_call)) for i in range(0, n - per_call + 1, per_call)]

@@ -1,4 +1,4 @@
-"""A native CPU kernel for the CPU lane: Q4_K experts read in place, int8 dot products (AVX2 where present).
+"""A native CPU kernel for the CPU lane: Q4_K / Q6_K experts read in place, int8 dot products (AVX2 for Q4_K).
 
 torch's fused `_weight_int4pack_mm_for_cpu` reads its repacked copy at about a third of what the cores can read
 (one token's GEMV: fork/join and wake-up per call dominate; measured 31 of 98 GB/s on the GPU machine's 16 cores,
@@ -6,7 +6,8 @@ torch's fused `_weight_int4pack_mm_for_cpu` reads its repacked copy at about a t
 reads the GGUF blocks where they lie (the store's pinned or mapped bytes: no copy), the way llama.cpp's CPU path
 does: the token's activations are quantized to int8 per 256 (one float scale per block, sums per 32), each Q4_K
 row is a sum over its super-blocks of d·Σ sc_j·(q_j·x8_j) − dmin·Σ m_j·(Σ x8_j), with the 4-bit × 8-bit products
-done by `maddubs`/`madd` on 32 bytes at a time. All the experts a token-layer sends to the CPU go in one call
+done by `maddubs`/`madd` on 32 bytes at a time; Q6_K (the down projections of Q4_K_M files) likewise per 16
+weights, as plain loops the compiler vectorizes. All the experts a token-layer sends to the CPU go in one call
 with one OpenMP region: gate and up rows of every expert in parallel, SiLU·up, the intermediate quantized, then
 the down rows — two barriers, no per-expert fork/join.
 
@@ -57,23 +58,24 @@ static inline float f16(const uint8_t *p) {
 #endif
 }
 
-/* x[K] -> int8 per 256 (scale xd[K/256]) and sums per 32 (xs[K/32]) */
-static void quantize_row(const float *x, int K, int8_t *xq, float *xd, int32_t *xs) {
+/* x[K] -> int8 per 256 (scale xd[K/256]), sums per 32 (xs[K/32]) and per 16 (x16[K/16]) */
+static void quantize_row(const float *x, int K, int8_t *xq, float *xd, int32_t *xs, int32_t *x16) {
     for (int b = 0; b < K / 256; b++) {
         float amax = 0.f;
         for (int i = 0; i < 256; i++) { float a = fabsf(x[b * 256 + i]); if (a > amax) amax = a; }
         float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
         xd[b] = d;
-        for (int j = 0; j < 8; j++) {
+        for (int j = 0; j < 16; j++) {
             int32_t s = 0;
-            for (int i = 0; i < 32; i++) {
-                int v = (int)lrintf(x[b * 256 + j * 32 + i] * id);
+            for (int i = 0; i < 16; i++) {
+                int v = (int)lrintf(x[b * 256 + j * 16 + i] * id);
                 v = v > 127 ? 127 : (v < -127 ? -127 : v);
-                xq[b * 256 + j * 32 + i] = (int8_t)v;
+                xq[b * 256 + j * 16 + i] = (int8_t)v;
                 s += v;
             }
-            xs[b * 8 + j] = s;
+            x16[b * 16 + j] = s;
         }
+        for (int j = 0; j < 8; j++) xs[b * 8 + j] = x16[b * 16 + 2 * j] + x16[b * 16 + 2 * j + 1];
     }
 }
 
@@ -146,36 +148,85 @@ static float dot_q4k(const uint8_t *row, int nb, const int8_t *xq, const float *
 #endif
 }
 
+/* one Q6_K row (nb super-blocks of 210 bytes: ql[128], qh[64], int8 scales[16], d f16):
+   w = d * sc[g] * (q - 32) with q = 4 low bits from ql | 2 high bits from qh; per half of 128 weights, byte l of
+   ql/qh feeds weights l, l+32, l+64, l+96 (low nibble / bits 0-1, ...), and group g covers weights 16g..16g+15 */
+static float dot_q6k(const uint8_t *row, int nb, const int8_t *xq, const float *xd, const int32_t *x16) {
+    float sum = 0.f;
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = row + b * 210;
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        const float d = f16(blk + 208);
+        int32_t isum = 0;
+        for (int n = 0; n < 2; n++) {
+            const uint8_t *ql = blk + 64 * n, *qh = blk + 128 + 32 * n;
+            const int8_t *x = xq + b * 256 + 128 * n;
+            int32_t a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            for (int h = 0; h < 2; h++) {  /* l in 16h..16h+15: group index h + 2k for the k-th quarter */
+                int32_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+                for (int l = 16 * h; l < 16 * h + 16; l++) {
+                    s0 += ((ql[l] & 0xF) | ((qh[l] & 3) << 4)) * x[l];
+                    s1 += ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) * x[l + 32];
+                    s2 += ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) * x[l + 64];
+                    s3 += ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) * x[l + 96];
+                }
+                a[h] = s0; a[h + 2] = s1; a[h + 4] = s2; a[h + 6] = s3;
+            }
+            for (int g = 0; g < 8; g++) isum += sc[8 * n + g] * (a[g] - 32 * x16[b * 16 + 8 * n + g]);
+        }
+        sum += xd[b] * d * (float)isum;
+    }
+    return sum;
+}
+
+enum { FMT_Q4K = 0, FMT_Q6K = 1 };
+
+static inline int row_bytes(int fmt, int K) { return K / 256 * (fmt == FMT_Q6K ? 210 : 144); }
+
+static inline float dot_row(int fmt, const uint8_t *row, int K, const int8_t *q, const float *qd,
+                            const int32_t *qs, const int32_t *q16) {
+    return fmt == FMT_Q6K ? dot_q6k(row, K / 256, q, qd, q16) : dot_q4k(row, K / 256, q, qd, qs);
+}
+
+/* scratch per expert row set: activations d and intermediate ff, each as int8 + scales + sums per 32 and 16 */
+static inline long scratch_per(int K) { return K + 4L * (K / 256 + K / 32 + K / 16); }
+
 /* n experts, each over its own activations x[e] (d floats): out[e] (d floats) =
-   down[e] . (silu(gate[e] . x) * (up[e] . x)); gate/up [ff, d/256*144], down [d, ff/256*144] bytes.
-   Work space: xq n*d, xd n*d/256, xs n*d/32, h n*ff floats, hq n*ff, hd n*ff/256, hs n*ff/32. */
-void strata_q4k_experts(int n, const uint8_t *const *gate, const uint8_t *const *up, const uint8_t *const *down,
-                        const float *const *x, float *out, int d, int ff, int threads,
-                        int8_t *xq, float *xd, int32_t *xs, float *h, int8_t *hq, float *hd, int32_t *hs) {
-    const int rg = d / 256 * 144, rd = ff / 256 * 144;
+   down[e] . (silu(gate[e] . x) * (up[e] . x)); gate/up [ff, d] and down [d, ff] in format fgu / fdn.
+   ws: scratch of n * (scratch_per(d) + scratch_per(ff)) bytes plus n * ff floats (64-byte aligned). */
+long strata_native_scratch(int n, int d, int ff) { return (long)n * (scratch_per(d) + scratch_per(ff) + 4L * ff); }
+
+void strata_native_experts(int n, const uint8_t *const *gate, const uint8_t *const *up, const uint8_t *const *down,
+                           const float *const *x, float *out, int d, int ff, int fgu, int fdn, int threads,
+                           uint8_t *ws) {
+    const int rg = row_bytes(fgu, d), rd = row_bytes(fdn, ff);
+    float *h = (float *)ws;                                   /* n * ff floats */
+    uint8_t *sx = ws + 4L * n * ff, *sh = sx + (long)n * scratch_per(d);
+    #define XQ(e) ((int8_t *)(sx + (long)(e) * scratch_per(d)))
+    #define XD(e) ((float *)(sx + (long)(e) * scratch_per(d) + d))
+    #define XS(e) ((int32_t *)(XD(e) + d / 256))
+    #define X16(e) (XS(e) + d / 32)
+    #define HQ(e) ((int8_t *)(sh + (long)(e) * scratch_per(ff)))
+    #define HD(e) ((float *)(sh + (long)(e) * scratch_per(ff) + ff))
+    #define HS(e) ((int32_t *)(HD(e) + ff / 256))
+    #define H16(e) (HS(e) + ff / 32)
     #pragma omp parallel num_threads(threads)
     {
         #pragma omp for schedule(static)
-        for (int e = 0; e < n; e++)
-            quantize_row(x[e], d, xq + (long)e * d, xd + (long)e * (d / 256), xs + (long)e * (d / 32));
+        for (int e = 0; e < n; e++) quantize_row(x[e], d, XQ(e), XD(e), XS(e), X16(e));
         #pragma omp for schedule(static)
         for (long r = 0; r < (long)n * ff; r++) {
             int e = (int)(r / ff), i = (int)(r % ff);
-            const int8_t *q = xq + (long)e * d;
-            const float *qd = xd + (long)e * (d / 256);
-            const int32_t *qsum = xs + (long)e * (d / 32);
-            float g = dot_q4k(gate[e] + (long)i * rg, d / 256, q, qd, qsum);
-            float u = dot_q4k(up[e] + (long)i * rg, d / 256, q, qd, qsum);
+            float g = dot_row(fgu, gate[e] + (long)i * rg, d, XQ(e), XD(e), XS(e), X16(e));
+            float u = dot_row(fgu, up[e] + (long)i * rg, d, XQ(e), XD(e), XS(e), X16(e));
             h[r] = g / (1.f + expf(-g)) * u;
         }
         #pragma omp for schedule(static)
-        for (int e = 0; e < n; e++)
-            quantize_row(h + (long)e * ff, ff, hq + (long)e * ff, hd + (long)e * (ff / 256), hs + (long)e * (ff / 32));
+        for (int e = 0; e < n; e++) quantize_row(h + (long)e * ff, ff, HQ(e), HD(e), HS(e), H16(e));
         #pragma omp for schedule(static)
         for (long r = 0; r < (long)n * d; r++) {
             int e = (int)(r / d), i = (int)(r % d);
-            out[r] = dot_q4k(down[e] + (long)i * rd, ff / 256, hq + (long)e * ff, hd + (long)e * (ff / 256),
-                             hs + (long)e * (ff / 32));
+            out[r] = dot_row(fdn, down[e] + (long)i * rd, ff, HQ(e), HD(e), HS(e), H16(e));
         }
     }
 }
@@ -205,14 +256,14 @@ def load() -> ctypes.CDLL | None:
             log.info("strata: no C compiler found; the CPU lane uses torch's kernels")
             return None
         tag = hashlib.sha256((SOURCE + " ".join(FLAGS) + cc).encode()).hexdigest()[:16]
-        path = _cache_dir() / f"q4k-{tag}.so"
+        path = _cache_dir() / f"experts-{tag}.so"
         try:
             if not path.exists():
                 path.parent.mkdir(parents=True, exist_ok=True)
                 with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-                    src = pathlib.Path(tmp) / "q4k.c"
+                    src = pathlib.Path(tmp) / "experts.c"
                     src.write_text(SOURCE)
-                    so = pathlib.Path(tmp) / "q4k.so"
+                    so = pathlib.Path(tmp) / "experts.so"
                     r = subprocess.run([cc, *FLAGS, str(src), "-o", str(so), "-lm"], capture_output=True, text=True,
                                        timeout=120)
                     if r.returncode != 0:
@@ -224,44 +275,49 @@ def load() -> ctypes.CDLL | None:
         except (OSError, subprocess.SubprocessError) as e:
             log.warning("strata: the native CPU kernel is unavailable (%s); the CPU lane uses torch's kernels", e)
             return None
-        f = lib.strata_q4k_experts
-        P = ctypes.c_void_p
-        f.argtypes = [ctypes.c_int, P, P, P, P, P, ctypes.c_int, ctypes.c_int, ctypes.c_int, P, P, P, P, P, P, P]
+        f = lib.strata_native_experts
+        P, I = ctypes.c_void_p, ctypes.c_int
+        f.argtypes = [I, P, P, P, P, P, I, I, I, I, I, P]
         f.restype = None
+        lib.strata_native_scratch.argtypes = [I, I, I]
+        lib.strata_native_scratch.restype = ctypes.c_long
         _lib = lib
         return lib
 
 
-class Q4KExperts:
-    """Calls of the native kernel for one layer's Q4_K experts (gate/up [E, ff, d/256*144], down [E, d, ...])."""
+FORMATS = {"Q4_K": 0, "Q6_K": 1}  # the kernel's format codes (FMT_Q4K, FMT_Q6K)
 
-    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, threads: int | None = None):
+
+class NativeExperts:
+    """Calls of the native kernel for one layer's experts: gate/up raw blocks [E, ff, ...] and down [E, d, ...],
+    each projection Q4_K or Q6_K (`fmt_gate_up`, `fmt_down`: names of FORMATS)."""
+
+    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, threads: int | None = None, *,
+                 fmt_gate_up: str = "Q4_K", fmt_down: str = "Q4_K"):
         lib = load()
         if lib is None:
             raise RuntimeError("the native CPU kernel is unavailable")
         for t in (gate, up, down):
             if t.dtype != torch.uint8 or t.device.type != "cpu" or not t.is_contiguous():
                 raise ValueError("the native kernel reads contiguous uint8 host blocks")
-        self._f = lib.strata_q4k_experts
+        self._f, self._scratch = lib.strata_native_experts, lib.strata_native_scratch
         self.gate, self.up, self.down = gate, up, down  # kept alive: the kernel reads their memory
         self.E, self.ff = gate.shape[0], gate.shape[1]
         self.d = down.shape[1]
+        self.fgu, self.fdn = FORMATS[fmt_gate_up], FORMATS[fmt_down]
+        if self.d % 256 or self.ff % 256:
+            raise ValueError(f"the native kernel needs dimensions that are multiples of 256, got {self.d}, {self.ff}")
         self.threads = threads  # None: torch's intra-op thread count at each call (--cpu-threads sets it)
-        self._ws: dict[int, tuple[list[torch.Tensor], list[int]]] = {}
+        self._ws: dict[int, torch.Tensor] = {}
         E = np.arange(self.E, dtype=np.int64)
         self._addr = np.stack([t.data_ptr() + E * t.stride(0) for t in (gate, up, down)])  # [3, E] expert addresses
 
-    def _work(self, n: int) -> list[int]:
-        """Addresses of the kernel's scratch buffers for n rows (kept per n: decode reuses a few sizes)."""
+    def _work(self, n: int) -> int:
+        """Address of the kernel's scratch for n rows (kept per n: decode reuses a few sizes)."""
         ws = self._ws.get(n)
         if ws is None:
-            d, ff = self.d, self.ff
-            bufs = [torch.empty(n * d, dtype=torch.int8), torch.empty(n * d // 256),
-                    torch.empty(n * d // 32, dtype=torch.int32), torch.empty(n * ff),
-                    torch.empty(n * ff, dtype=torch.int8), torch.empty(n * ff // 256),
-                    torch.empty(n * ff // 32, dtype=torch.int32)]
-            ws = self._ws[n] = (bufs, [b.data_ptr() for b in bufs])
-        return ws[1]
+            ws = self._ws[n] = torch.empty(int(self._scratch(n, self.d, self.ff)) + 64, dtype=torch.uint8)
+        return ws.data_ptr()
 
     def __call__(self, experts, x: torch.Tensor, rows=None) -> torch.Tensor:
         """experts [n]; x [m, d]; rows [n] (default 0..n-1): output row i is x[rows[i]] through experts[i] ->
@@ -283,6 +339,6 @@ class Q4KExperts:
         tab = np.concatenate([self._addr[:, ex].reshape(-1), x.data_ptr() + r * (self.d * 4)])
         base, step = tab.ctypes.data, n * 8
         threads = max(1, self.threads or torch.get_num_threads())
-        self._f(n, base, base + step, base + 2 * step, base + 3 * step, out.data_ptr(), self.d, self.ff, threads,
-                *self._work(n))
+        self._f(n, base, base + step, base + 2 * step, base + 3 * step, out.data_ptr(), self.d, self.ff,
+                self.fgu, self.fdn, threads, self._work(n))
         return out

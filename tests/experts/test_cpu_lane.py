@@ -72,7 +72,8 @@ def test_auto_kernel_choice_and_ref_is_exact(q4k):
     from strata.experts import cpu_native
 
     q4k_kernel = "native" if cpu_native.load() is not None else "int4"  # native where a C compiler builds it
-    assert lane.kernel == {0: q4k_kernel, 1: "int4", 2: "ref"}
+    q6k_kernel = "native" if cpu_native.load() is not None else "ref"
+    assert lane.kernel == {0: q4k_kernel, 1: "int4", 2: q6k_kernel}
     assert CpuLane({0: q4k}, dtype=torch.float32).kernel == {0: "ref"}  # float32: the exact path
     assert not int4_supported(q6)
     with pytest.raises(StrataError, match="int4"):
@@ -154,16 +155,33 @@ def test_native_kernel_matches_reference(q4k):
     assert CpuLane({3: ew}, kernel="auto", dtype=torch.float32).kernel[3] == "ref"
 
 
+@pytest.mark.parametrize("gu,dn", [(Q.Q6_K, Q.Q6_K), (Q.Q4_K, Q.Q6_K)])
+def test_native_kernel_takes_q6_k(gu, dn):
+    """Q6_K projections (the down projections of Q4_K_M files; all of a Q6_K file) against the reference."""
+    _native_or_skip()
+    rng = np.random.default_rng(7)
+    E, d, ff = 3, 512, 256
+    ew = ExpertWeights(random_qtensor(gu, (E, ff, d), rng), random_qtensor(gu, (E, ff, d), rng),
+                       random_qtensor(dn, (E, d, ff), rng))
+    lane = CpuLane({0: ew}, kernel="auto", dtype=torch.bfloat16)
+    assert lane.kernel[0] == "native"
+    x = torch.randn(2, d, generator=torch.Generator().manual_seed(3))
+    for e in range(E):
+        ref = expert_ffn(x, ew.gate[e], ew.up[e], ew.down[e]).float()
+        got = lane.expert(0, e, x)
+        assert ((got - ref).norm() / ref.norm()).item() < 3e-2
+
+
 def test_native_kernel_is_deterministic_and_thread_count_free(q4k):
     _native_or_skip()
-    from strata.experts.cpu_native import Q4KExperts
+    from strata.experts.cpu_native import NativeExperts
 
     x = torch.randn(2, 256, generator=torch.Generator().manual_seed(5))
-    a = Q4KExperts(q4k.gate.raw, q4k.up.raw, q4k.down.raw, threads=1)([1, 3], x)
-    b = Q4KExperts(q4k.gate.raw, q4k.up.raw, q4k.down.raw, threads=2)([1, 3], x)
+    a = NativeExperts(q4k.gate.raw, q4k.up.raw, q4k.down.raw, threads=1)([1, 3], x)
+    b = NativeExperts(q4k.gate.raw, q4k.up.raw, q4k.down.raw, threads=2)([1, 3], x)
     assert torch.equal(a, b)  # rows are split across threads, each row summed in one order
     with pytest.raises(ValueError, match="out of range"):
-        Q4KExperts(q4k.gate.raw, q4k.up.raw, q4k.down.raw)([9], x[:1])
+        NativeExperts(q4k.gate.raw, q4k.up.raw, q4k.down.raw)([9], x[:1])
 
 
 def test_native_kernel_unavailable_falls_back(q4k, monkeypatch):
