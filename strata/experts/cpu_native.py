@@ -152,6 +152,48 @@ static float dot_q4k(const uint8_t *row, int nb, const int8_t *xq, const float *
    w = d * sc[g] * (q - 32) with q = 4 low bits from ql | 2 high bits from qh; per half of 128 weights, byte l of
    ql/qh feeds weights l, l+32, l+64, l+96 (low nibble / bits 0-1, ...), and group g covers weights 16g..16g+15 */
 static float dot_q6k(const uint8_t *row, int nb, const int8_t *xq, const float *xd, const int32_t *x16) {
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03);
+    __m256 fsum = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = row + b * 210;
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        __m256i acc = _mm256_setzero_si256();
+        for (int n = 0; n < 2; n++) {
+            const uint8_t *ql = blk + 64 * n, *qhp = blk + 128 + 32 * n;
+            const int8_t *x = xq + b * 256 + 128 * n;
+            const int8_t *s8 = sc + 8 * n;
+            __m256i l0 = _mm256_loadu_si256((const __m256i *)ql), l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
+            __m256i qh = _mm256_loadu_si256((const __m256i *)qhp);
+            /* the four quarters' 6-bit values (weights l, l+32, l+64, l+96 of this half, l = 0..31) */
+            __m256i q[4];
+            q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4));
+            q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m2), 4));
+            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m2), 4));
+            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m2), 4));
+            for (int k = 0; k < 4; k++) {
+                __m256i p = _mm256_maddubs_epi16(q[k], _mm256_loadu_si256((const __m256i *)(x + 32 * k)));
+                /* int16 lanes 0-7 hold weights 0..15 of the quarter (group 2k), lanes 8-15 the rest (2k+1) */
+                __m256i scv = _mm256_set_m128i(_mm_set1_epi16(s8[2 * k + 1]), _mm_set1_epi16(s8[2 * k]));
+                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, scv));
+            }
+        }
+        /* the -32 offset: 32 * sum_g sc[g] * (sum of the group's activations) */
+        __m256i off0 = _mm256_mullo_epi32(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sc)),
+                                          _mm256_loadu_si256((const __m256i *)(x16 + b * 16)));
+        __m256i off1 = _mm256_mullo_epi32(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 8))),
+                                          _mm256_loadu_si256((const __m256i *)(x16 + b * 16 + 8)));
+        acc = _mm256_sub_epi32(acc, _mm256_slli_epi32(_mm256_add_epi32(off0, off1), 5));
+        fsum = _mm256_fmadd_ps(_mm256_set1_ps(f16(blk + 208) * xd[b]), _mm256_cvtepi32_ps(acc), fsum);
+    }
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(fsum), _mm256_extractf128_ps(fsum, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+#else
     float sum = 0.f;
     for (int b = 0; b < nb; b++) {
         const uint8_t *blk = row + b * 210;
@@ -177,6 +219,7 @@ static float dot_q6k(const uint8_t *row, int nb, const int8_t *xq, const float *
         sum += xd[b] * d * (float)isum;
     }
     return sum;
+#endif
 }
 
 enum { FMT_Q4K = 0, FMT_Q6K = 1 };
