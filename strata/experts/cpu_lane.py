@@ -14,10 +14,10 @@ Kernels per expert FFN (`silu(x @ gate.T) * (x @ up.T) @ down.T`):
   weight so an expert is two calls. Q8_0 (per-32-block scales, which the per-row `_weight_int8pack_mm`
   cannot take) goes as two int4 halves along a doubled k: exact up to the bf16 scales, 10 bits per weight.
 
-- `native`: Q4_K / Q6_K experts read in place by a compiled kernel (`strata.experts.cpu_native`: int8 activations,
+- `native`: Q4_K / Q6_K / Q8_0 experts read in place by a compiled kernel (`strata.experts.cpu_native`: int8 activations,
   AVX2 integer dot products, every expert of a token-layer in one call); needs a C compiler at first use.
 
-`auto` takes `native` for bf16/f16 activations and Q4_K/Q6_K experts when the kernel builds, else `int4` for a
+`auto` takes `native` for bf16/f16 activations and Q4_K/Q6_K/Q8_0 experts when the kernel builds, else `int4` for a
 repackable format (Q4_K, Q4_0, Q8_0), else `ref`. Other formats (Q5_K, Q6_K, ...) use `ref` until a kernel for
 them lands.
 
@@ -142,12 +142,12 @@ def int4_supported(ew: ExpertWeights) -> bool:
     return all(t.shape[-1] % GROUP == 0 and t.shape[-2] % 64 == 0 for t in (ew.gate, ew.down))
 
 
-NATIVE_TYPES = frozenset({Q.Q4_K, Q.Q6_K})
+NATIVE_TYPES = frozenset({Q.Q4_K, Q.Q6_K, Q.Q8_0})
 
 
 def native_supported(ew: ExpertWeights) -> bool:
-    """The native kernel takes this layer's experts: gate and up of one format, each projection Q4_K or Q6_K,
-    both dimensions whole super-blocks."""
+    """The native kernel takes this layer's experts: gate and up of one format, each projection Q4_K, Q6_K or
+    Q8_0, both dimensions multiples of 256 (the activations are quantized per 256)."""
     return (all(t.qtype in NATIVE_TYPES for t in (ew.gate, ew.up, ew.down)) and ew.gate.qtype == ew.up.qtype
             and ew.gate.shape[-1] % 256 == 0 and ew.down.shape[-1] % 256 == 0
             and all(t.raw.is_contiguous() for t in (ew.gate, ew.up, ew.down)))
@@ -206,7 +206,7 @@ class CpuLane:
                 raise StrataError(f"layer {i}: the int4 CPU kernel does not take {ew.gate.qtype.name}/"
                                   f"{ew.down.qtype.name} experts of shape {ew.gate.shape[1:]}")
             elif kernel == "native" and not (native_supported(ew) and _native_lib() is not None):
-                raise StrataError(f"layer {i}: the native CPU kernel takes Q4_K/Q6_K experts with dimensions that are "
+                raise StrataError(f"layer {i}: the native CPU kernel takes Q4_K/Q6_K/Q8_0 experts with dimensions that are "
                                   f"multiples of 256 and needs a C compiler (got {ew.gate.qtype.name}/"
                                   f"{ew.down.qtype.name}, {ew.gate.shape[1:]})")
             self.kernel[i] = want
