@@ -29,6 +29,7 @@ class ExpertConfig:
     cpu_plan: str = "auto"
     plan_tune: bool = True  # with --cpu-plan auto: the first decode steps time candidate plans, keep the fastest
     cache_policy: str = "lfu-decay"
+    cache_layout: str = "uniform"  # slots per layer: uniform | profile (from --expert-profile's routing)
     promote_min: float = 0.0
     swap_budget: int = 4
     low_ram: bool = False
@@ -42,6 +43,8 @@ class ExpertConfig:
             raise StrataError(f"--experts must be auto, resident or tiered (got {self.mode!r})")
         if self.cpu_kernel not in ("auto", "native", "int4", "ref"):
             raise StrataError(f"--cpu-kernel must be auto, native, int4 or ref (got {self.cpu_kernel!r})")
+        if self.cache_layout not in ("uniform", "profile"):
+            raise StrataError(f"--cache-layout must be uniform or profile (got {self.cache_layout!r})")
         if self.cache_policy not in ("lfu-decay", "lru"):
             raise StrataError(f"--cache-policy must be lfu-decay or lru (got {self.cache_policy!r})")
         if self.vram_gb is not None and self.vram_gb <= 0:

@@ -38,6 +38,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="with --cpu-plan auto, time the measured plan, all-PCIe and all-CPU over the first decode "
                         "steps and keep the fastest (default: on with a GPU)")
     g.add_argument("--cache-policy", default=e.cache_policy, choices=["lfu-decay", "lru"])
+    g.add_argument("--cache-layout", default=e.cache_layout, choices=["uniform", "profile"],
+                   help="cache slots per layer: uniform, or spread as --expert-profile's routing predicts most hits")
     g.add_argument("--promote-min", type=float, default=0.0, help="decayed uses needed before an expert is cached")
     g.add_argument("--swap-budget", type=int, default=e.swap_budget, help="expert copies per layer per step")
     g.add_argument("--low-ram", action="store_true", help="read experts from the memory-mapped file (no pinned copy)")
@@ -52,6 +54,7 @@ def engine_config(args) -> "EngineConfig":
     ex = ExpertConfig(
         mode=args.experts_mode, vram_gb=args.vram_gb, vram_reserve_mib=args.vram_reserve_mib,
         cpu_threads=args.cpu_threads, cpu_kernel=getattr(args, "cpu_kernel", "auto"), cpu_plan=args.cpu_plan, cache_policy=args.cache_policy,
+        cache_layout=getattr(args, "cache_layout", "uniform"),
         promote_min=args.promote_min, swap_budget=args.swap_budget, low_ram=args.low_ram,
         expert_profile=args.expert_profile, expert_profile_save=args.expert_profile_save, profile=args.profile,
         slots=args.expert_slots, plan_tune=getattr(args, "cpu_plan_tune", True),

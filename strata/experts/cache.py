@@ -150,10 +150,16 @@ def budget_slots(cfg: ExpertConfig, store: ExpertStore, device: torch.device, st
 class ExpertCache:
     """The slot pools, the device expert_map and the copy machinery for `store`'s layers."""
 
-    def __init__(self, store: ExpertStore, slots: int, staging: int, device: torch.device, chunk_experts: int = 0):
-        if slots < 0 or staging < 1:
-            raise StrataError(f"expert cache needs slots >= 0 and staging >= 1 (got {slots}, {staging})")
-        self.store, self.slots, self.staging, self.device = store, slots, staging, device
+    def __init__(self, store: ExpertStore, slots: int | list[int], staging: int, device: torch.device,
+                 chunk_experts: int = 0):
+        """slots: per layer, one count for all (uniform) or a list in `store.layer_ids` order."""
+        per = [int(slots)] * len(store.layer_ids) if isinstance(slots, (int, np.integer)) else [int(v) for v in slots]
+        if len(per) != len(store.layer_ids) or min(per, default=0) < 0 or staging < 1:
+            raise StrataError(f"expert cache needs slots >= 0 for each of {len(store.layer_ids)} layers and staging "
+                              f">= 1 (got {slots}, {staging})")
+        self.store, self.staging, self.device = store, staging, device
+        self.layer_slots = dict(zip(store.layer_ids, per))  # layer -> its slots
+        self.slots = per[0] if len(set(per)) == 1 else per  # an int when uniform
         # experts per prefill chunk buffer (0: sized from the store alone)
         self.chunk_experts = chunk_experts or _chunk_experts(store.nbytes(), store.expert_nbytes(),
                                                                   store.n_experts)
@@ -169,19 +175,22 @@ class ExpertCache:
         self.pool_of: dict[int, SlotPool] = {}
         try:
             for sig, layers in groups.items():
-                n = len(layers) * slots + staging
+                cached = sum(self.layer_slots[i] for i in layers)
+                n = cached + staging
                 ew = store[layers[0]]
                 ts = [QTensor(torch.zeros((n, *t.raw.shape[1:]), dtype=torch.uint8, device=device), t.qtype,
                               (n, *t.shape[1:])) for t in (ew.gate, ew.up, ew.down)]
-                pool = SlotPool(sig, *ts, stage_base=len(layers) * slots, staging=staging)
-                for j, i in enumerate(layers):
-                    pool.base[i] = j * slots
+                pool = SlotPool(sig, *ts, stage_base=cached, staging=staging)
+                base = 0
+                for i in layers:
+                    pool.base[i] = base
+                    base += self.layer_slots[i]
                     self.pool_of[i] = pool
                 self.pools.append(pool)
                 if self.cuda:  # allocated with the cache, so the budget holds them from the start
                     self._chunk_stage[sig] = self._alloc_stage(layers[0])
         except torch.OutOfMemoryError:
-            need = sum(len(ls) * slots + staging for ls in groups.values()) * store.expert_nbytes()
+            need = (sum(per) + staging * len(groups)) * store.expert_nbytes()
             raise StrataError(f"the expert cache ({need / GiB:.1f} GiB) does not fit in VRAM; lower --vram-gb or "
                               "--expert-slots, or raise --vram-reserve-mib") from None
         L, E = len(self.layer_ids), store.n_experts

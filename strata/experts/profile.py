@@ -205,3 +205,28 @@ def warm_policy(policy, profile: RoutingProfile) -> None:
     profile._check_shape(policy.n_layers, policy.n_experts, what="the cache policy")
     policy.initial_fill(profile.rankings(), profile.frequencies() if profile.tokens else None)
 
+
+
+def layer_slots(counts: np.ndarray, budget_bytes: int, slot_bytes: Sequence[int]) -> list[int]:
+    """Cache slots per layer (`--cache-layout profile`) that cover the most routed experts a profile predicts.
+
+    counts [L, E]: a routing profile's use counts; slot_bytes [L]: one expert's bytes in each layer (Q4_K_M files
+    mix Q4_K and Q6_K layers). Each layer's experts are taken hottest first; across layers, the next slot goes to
+    the expert with the highest share of its layer's routing per byte, until `budget_bytes` is spent. Taking the
+    globally best ratios keeps every layer's choice a prefix of its ranking, so this maximises the expected hits
+    (for a static cache filled from the profile) among layouts of that many bytes.
+    """
+    c = np.asarray(counts, dtype=np.float64)
+    if c.ndim != 2:
+        raise ValueError(f"counts must be [layers, experts], got shape {c.shape}")
+    L, E = c.shape
+    sb = np.asarray(slot_bytes, dtype=np.float64)
+    if sb.shape != (L,) or np.any(sb <= 0):
+        raise ValueError("slot_bytes needs one positive size per layer")
+    tot = c.sum(1, keepdims=True)
+    share = np.where(tot > 0, c / np.where(tot > 0, tot, 1), 1.0 / E)  # an unseen layer: uniform
+    vals = -np.sort(-share, axis=1) / sb[:, None]  # [L, E] per layer, hottest first, per byte
+    order = np.argsort(-vals.reshape(-1), kind="stable")
+    cost = np.repeat(sb, E)[order]
+    n = int(np.searchsorted(np.cumsum(cost), budget_bytes, side="right"))
+    return np.bincount(order[:n] // E, minlength=L).astype(int).tolist()

@@ -38,7 +38,7 @@ from strata.experts.cache import ExpertCache, budget_slots
 from strata.experts.cpu_lane import CpuLane
 from strata.experts.plan import CostModel, CpuPlan
 from strata.experts.policy import make_policy
-from strata.experts.profile import RoutingProfile, warm_policy
+from strata.experts.profile import RoutingProfile, layer_slots, warm_policy
 from strata.experts.resident import ExpertWeights, combine, expert_ffn
 from strata.experts.stats import ExpertStats, StepProfile
 from strata.experts.store import ExpertStore
@@ -113,8 +113,14 @@ class TieredExperts:
         self.k = k
         staging = self._staging or max(2 * k, 8)
         slots, chunk = budget_slots(self.ex, self.store, self.device, staging)
-        self.cache = ExpertCache(self.store, slots, staging, self.device, chunk_experts=chunk)
         L, E = len(self.layer_ids), self.n_experts
+        if self.ex.cache_layout == "profile":  # the same bytes, spread over the layers as the profile routes
+            if not self.ex.expert_profile:
+                raise StrataError("--cache-layout profile needs a routing profile (--expert-profile FILE)")
+            prof = RoutingProfile.load(self.ex.expert_profile, L, E)
+            sizes = [self.store.expert_nbytes(i) for i in self.layer_ids]
+            slots = layer_slots(prof.counts, sum(slots * b for b in sizes), sizes)
+        self.cache = ExpertCache(self.store, slots, staging, self.device, chunk_experts=chunk)
         kw = dict(swap_budget=self.ex.swap_budget)
         if self.ex.cache_policy == "lfu-decay":
             kw["promote_min"] = self.ex.promote_min
@@ -132,7 +138,7 @@ class TieredExperts:
             self.plan = CpuPlan.parse(self.ex.cpu_plan, k)
         if self.lane is None and any(self.plan.shares):
             raise StrataError("internal: the CPU lane is off but the plan uses the CPU")
-        log.info("strata: expert cache %d slots/layer (%.2f GiB), plan %s, CPU kernel %s", slots,
+        log.info("strata: expert cache %s slots/layer (%.2f GiB), plan %s, CPU kernel %s", slots,
                  self.cache.nbytes() / 2**30, self.plan,
                  ",".join(sorted(set(self.lane.kernel.values()))) if self.lane else "-")
         if self.ex.expert_profile:

@@ -160,3 +160,33 @@ def test_warm_policy_from_profile(tmp_path):
     assert policy.scores(0)[6] == pytest.approx(1.0 / (1 - policy.decay))
     with pytest.raises(StrataError, match="the cache policy has 2 x 16"):
         warm_policy(DecayedCountPolicy(2, 16, 3), prof)
+
+
+def test_layer_slots_follow_the_profile_within_the_budget():
+    from itertools import product
+
+    from strata.experts.profile import layer_slots
+
+    # layer 0 routes to 2 experts, layer 1 spreads over 4, layer 2 was never seen (uniform)
+    counts = np.array([[90, 10, 0, 0], [25, 25, 25, 25], [0, 0, 0, 0]], dtype=float)
+    # shares 0.9 > 0.25 (layers 1 and 2, ties in layer order) > 0.1: the second expert of layer 0 comes last
+    assert layer_slots(counts, 6 * 100, [100, 100, 100]) == [1, 4, 1]
+    assert layer_slots(counts, 9 * 100, [100, 100, 100]) == [1, 4, 4]
+    assert layer_slots(counts, 10 * 100, [100, 100, 100]) == [2, 4, 4]
+    assert sum(layer_slots(counts, 5 * 100, [100, 100, 100])) == 5
+    assert layer_slots(counts, 10**9, [100, 100, 100]) == [4, 4, 4]  # never past the experts
+    assert layer_slots(counts, 0, [100, 100, 100]) == [0, 0, 0]
+    # bytes differ per layer: a cheap layer's experts come first at equal shares
+    assert layer_slots(np.ones((2, 3)), 300, [100, 200]) == [3, 0]
+
+    # optimal: no other layout of at most the budget covers more routing (brute force, equal sizes)
+    rng = np.random.default_rng(0)
+    c = rng.integers(0, 20, size=(3, 4)).astype(float)
+    share = c / c.sum(1, keepdims=True)
+    best = max(sum(np.sort(share[i])[::-1][:k].sum() for i, k in enumerate(ks))
+               for ks in product(range(5), repeat=3) if sum(ks) <= 6)
+    got = layer_slots(c, 600, [100, 100, 100])
+    assert sum(got) <= 6
+    assert sum(np.sort(share[i])[::-1][:k].sum() for i, k in enumerate(got)) == pytest.approx(best)
+    with pytest.raises(ValueError):
+        layer_slots(c, 100, [100, 100])

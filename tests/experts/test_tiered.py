@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
+from strata import StrataError
 from strata.config import EngineConfig, ExpertConfig
 from strata.engine.loader import load_model
 from strata.experts.plan import CostModel
@@ -357,3 +359,25 @@ def test_plan_tuner_switches_plans_during_decode(model_path, reference):
     assert ex.tuner.done and ex.plan in plans
     assert {"000", "012"} <= set(seen)  # both candidates ran
     _check_stats(ex, len(PROMPT) + 2 * len(DECODE))
+
+
+def test_profile_cache_layout_spreads_slots_and_matches_resident(model_path, reference, tmp_path):
+    """--cache-layout profile: the uniform budget's bytes spread over the layers as a routing profile predicts
+    most hits (a layer routing to few experts gets few slots); logits stay the resident ones."""
+    counts = np.zeros((3, 8))
+    counts[0, :2] = [50, 50]  # layer 0 routes to two experts
+    counts[1] = 10  # layer 1 spreads over all eight
+    counts[2, :4] = 25  # layer 2 over four
+    path = tmp_path / "prof.json"
+    RoutingProfile(3, 8, counts, tokens=100).save(path)
+    lm = _load(model_path, slots=3, cpu_plan="012", expert_profile=str(path), cache_layout="profile")
+    ex = lm.model.experts
+    ex.setup(2)
+    per = [ex.cache.layer_slots[i] for i in ex.layer_ids]
+    assert sum(per) == 9 and per[0] == 2 and per[2] == 4 and per[1] == 3  # shares 0.5 > 0.25 > 0.125
+    assert [ex.policy.capacity(li) for li in range(3)] == per
+    out = _run(lm)
+    assert (out - reference).abs().max().item() <= 1e-5
+    _check_stats(ex, len(PROMPT) + len(DECODE))
+    with pytest.raises(StrataError, match="needs a routing profile"):
+        _load(model_path, slots=3, cpu_plan="012", cache_layout="profile").model.experts.setup(2)
