@@ -243,6 +243,26 @@ class ExpertCache:
             ev.record(self.side)
         return ev
 
+    def copy_slots(self, layer: int, experts: list[int], slots: list[int]):
+        """Copy experts[i] into pool slot slots[i] (one stream switch, one event for all: the decode hand-off's
+        streamed experts); returns the event (CUDA) or None."""
+        pool, src = self.pool_of[layer], self.store[layer]
+        self.copies += len(experts)
+        self.copied_bytes += len(experts) * src.expert_nbytes()
+        pairs = [(pool.gate.raw, src.gate.raw), (pool.up.raw, src.up.raw), (pool.down.raw, src.down.raw)]
+        if not self.cuda:
+            for e, sl in zip(experts, slots):
+                for d, s in pairs:
+                    d[sl].copy_(s[e])
+            return None
+        with torch.cuda.stream(self.side):
+            for e, sl in zip(experts, slots):
+                for d, s in pairs:
+                    d[sl].copy_(s[e], non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self.side)
+        return ev
+
     def wait(self, ev) -> None:
         """Make the main stream wait for a copy (no host sync)."""
         if ev is not None:

@@ -337,6 +337,15 @@ class _SlotPolicy:
     def scores(self, layer: int) -> np.ndarray:  # [E] float64, larger is hotter
         raise NotImplementedError
 
+    def rank_keys(self, layer: int) -> list[float]:
+        """The layer's hotness keys, ordered as `scores` (larger is hotter) but not scaled: the live list, for
+        ranking a few experts on the decode hand-off without building an array. Do not modify."""
+        return self._keys[layer]
+
+    def hit_row(self, layer: int) -> list[int]:
+        """The layer's ready slot of each expert, -1 if none (what `expert_map()[layer]` mirrors): the live list."""
+        return self._hit[layer]
+
     def _observe_keys(self, layer: int, ids: list[int]) -> None:
         raise NotImplementedError
 

@@ -48,6 +48,8 @@ class _Buffers:
         self.map_h = torch.zeros(0, dtype=torch.int64, **pin)  # the expert_map row upload buffer
         self.ready = torch.cuda.Event() if cuda else None
         self.cpu_rows: list[int] = []  # rows of ycpu_h written last time (zeroed before the next use)
+        self.ids_np = self.ids_h.numpy()  # numpy views of the host buffers, made once (the hand-off is hot)
+        self.stage_np = self.stage_h.numpy()
 
 
 class GraphedDecode:
@@ -108,21 +110,19 @@ class GraphedDecode:
             if li == 0 and counting:
                 t._begin_step(N, graphed=True)
             pol, cache = t.policy, t.cache
-            row = pol.expert_map()[li]  # the host mirror, as the device map was when piece H was queued
-            ids = b.ids_h.numpy()  # [N*k], pair p = token p // k, choice p % k
-            ids_l = ids.tolist()
-            hit = (row[ids] >= 0).tolist()
+            # plain Python on a few ids: numpy's per-call costs would dominate (this runs for every layer)
+            row = pol.hit_row(li)  # the host mirror, as the device map was when piece H was queued
+            ids_l = b.ids_np.tolist()  # [N*k], pair p = token p // k, choice p % k
+            hit = [row[e] >= 0 for e in ids_l]
             # each token's misses split by the plan; an expert streamed for one token serves all its pairs
             cpu_pairs: list[int] = []
             streamed: dict[int, int] = {}  # expert -> staging slot (filled below)
-            scores = None
+            keys = pol.rank_keys(li)  # ranks as the scores do (the coldest misses go to the CPU)
             for tok in range(N):
                 pairs = [p for p in range(tok * k, tok * k + k) if not hit[p]]
                 if not pairs:
                     continue
-                if scores is None:
-                    scores = pol.scores(li)
-                _, pcie = t.plan.choose([ids_l[p] for p in pairs], scores)
+                _, pcie = t.plan.choose([ids_l[p] for p in pairs], keys)
                 for e in pcie:
                     streamed.setdefault(e, -1)
             ring = cache.staging_for(layer)
@@ -131,19 +131,16 @@ class GraphedDecode:
             if t.lane is None and any(not hit[p] and ids_l[p] not in streamed for p in range(N * k)):
                 raise StrataError(f"{N} sequences missed more experts than the {ring} staging slots hold and the "
                                   "plan leaves the CPU lane off; decode fewer sequences per step")
-            stage = b.stage_h.numpy()
+            stage = b.stage_np
             stage.fill(-1)
             n_pcie = 0
             if streamed:
                 # Staging slots were last read by an earlier layer's piece B, which finished before piece A
                 # of this layer (we waited for it), so the copies need not wait for the main stream.
                 slots = cache.stage_slots(layer, len(streamed))
-                evs = []
-                for (e, _), s in zip(list(streamed.items()), slots):
-                    streamed[e] = s
-                    evs.append(cache.copy(layer, e, s))
-                for ev in evs:
-                    cache.wait(ev)  # the main stream (piece B) waits for them; the host does not
+                experts = list(streamed)
+                streamed = dict(zip(experts, slots))
+                cache.wait(cache.copy_slots(layer, experts, slots))  # piece B waits for them; the host does not
             for p, e in enumerate(ids_l):
                 if hit[p]:
                     continue
