@@ -218,6 +218,13 @@ class CpuLane:
                 self._native[i] = NativeExperts(ew.gate.raw, ew.up.raw, ew.down.raw, fmt_gate_up=ew.gate.qtype.name,
                                                 fmt_down=ew.down.qtype.name)
 
+    def set_threads(self, threads: int) -> None:
+        """The lane's thread count from now on (torch's intra-op pool, which the native kernel follows too)."""
+        if threads < 1:
+            raise StrataError("the CPU lane needs at least one thread")
+        torch.set_num_threads(threads)
+        self.threads = threads
+
     def prepare(self, progress: bool = False) -> None:
         """Repack every expert the int4 kernel will read now (load time), not on first use."""
         todo = [(i, e) for i in self._int4 for e in range(self.layers[i].n_experts) if e not in self._int4[i]]

@@ -44,7 +44,7 @@ from strata.experts.stats import ExpertStats, StepProfile
 from strata.experts.store import ExpertStore
 from strata.experts.tiered_chunk import prefetch, stream_chunk
 from strata.experts.tiered_decode import GraphedDecode
-from strata.experts.tuner import PlanTuner
+from strata.experts.tuner import LaneSetting, PlanTuner, lane_candidates
 from strata.ops.expert_gather import gather_expert_ffn
 
 log = logging.getLogger("strata")
@@ -133,7 +133,7 @@ class TieredExperts:
             self.plan = self.costs.cpu_plan(k)
             if self.ex.plan_tune and self.cuda and self.lane is not None:
                 # the model's plan, then what the first decode steps measure (strata.experts.tuner)
-                self.tuner = PlanTuner([self.plan, CpuPlan.all_pcie(k), CpuPlan.all_cpu(k)])
+                self.tuner = PlanTuner(lane_candidates(self.plan, k, self.lane.threads), trial=20, rounds=2)
         else:
             self.plan = CpuPlan.parse(self.ex.cpu_plan, k)
         if self.lane is None and any(self.plan.shares):
@@ -194,7 +194,7 @@ class TieredExperts:
     def _begin_step(self, n_tokens: int, graphed: bool = False) -> None:
         if self.tuner is not None and not self.tuner.done:
             if n_tokens == 1 and (graphed or self.recorder is None):  # a decode step: time it
-                self.plan = self.tuner.step(time.perf_counter())
+                self._apply(self.tuner.step(time.perf_counter()))
             else:
                 self.tuner.interrupt()
         self.policy.tick()
@@ -204,6 +204,14 @@ class TieredExperts:
         if self.profiling and (graphed or self.recorder is None):
             self._resolve_events()
             self.profile.add_tokens(n_tokens)
+
+    def _apply(self, setting) -> None:
+        """A tuner candidate: a CpuPlan, or a LaneSetting (plan and the CPU lane's threads)."""
+        if isinstance(setting, LaneSetting):
+            if setting.threads and self.lane is not None and setting.threads != self.lane.threads:
+                self.lane.set_threads(setting.threads)
+            setting = setting.plan
+        self.plan = setting
 
     def _poll(self, li: int, upload: bool = True) -> bool:
         """Mark experts whose copy finished as ready (event.query(): no sync); returns whether any was."""

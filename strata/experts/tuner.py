@@ -11,12 +11,15 @@ first version — two rounds in one order after 8 steps — the last candidate o
 it was, while the cache warmed up.) Steps are timed host-side between the starts of consecutive decode steps; intervals that include anything
 else (a prefill chunk, an idle server) are dropped.
 
-Pure Python, no tensors: the backend calls `step(now)` at the start of every decode step and `interrupt()` when
-something else ran, and reads `plan`.
+The candidates are any values (the backend gives `LaneSetting`s: a plan and the CPU lane's thread count, since a
+decode miss is a small GEMV whose best thread count is the machine's). Pure Python, no tensors: the backend calls
+`step(now)` at the start of every decode step and `interrupt()` when something else ran, and reads `plan` (the
+current candidate).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import statistics
 from typing import Sequence
@@ -26,8 +29,28 @@ from strata.experts.plan import CpuPlan
 log = logging.getLogger("strata")
 
 
+@dataclasses.dataclass(frozen=True)
+class LaneSetting:
+    """A candidate of the tuner: the CPU plan and the CPU lane's thread count (0: leave it)."""
+
+    plan: CpuPlan
+    threads: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.plan}@{self.threads}" if self.threads else str(self.plan)
+
+
+def lane_candidates(model_plan: CpuPlan, k: int, threads: int) -> list[LaneSetting]:
+    """The measured plan and all-PCIe at the lane's threads; all-CPU at the lane's threads, half and a quarter of
+    them (a decode miss is a small GEMV: fewer threads often win, measured 4 > 8 > 14 > 16 on the H200 machine)."""
+    out = [LaneSetting(model_plan, threads), LaneSetting(CpuPlan.all_pcie(k), threads)]
+    for t in sorted({threads, max(1, threads // 2), max(1, threads // 4)}, reverse=True):
+        out.append(LaneSetting(CpuPlan.all_cpu(k), t))
+    return out
+
+
 class PlanTuner:
-    def __init__(self, candidates: Sequence[CpuPlan], trial: int = 16, rounds: int = 4, warmup: int = 32,
+    def __init__(self, candidates: Sequence, trial: int = 16, rounds: int = 4, warmup: int = 32,
                  max_step_s: float = 1.0):
         uniq: list[CpuPlan] = []
         for c in candidates:
@@ -45,7 +68,7 @@ class PlanTuner:
         self._slot = 0  # trial index: candidate = slot % len, round = slot // len
         self._in_slot = 0  # timed steps in the current trial
         self.done = len(uniq) == 1
-        self.chosen: CpuPlan | None = uniq[0] if self.done else None
+        self.chosen = uniq[0] if self.done else None
 
     def _current(self) -> int:
         """The candidate of the current trial: rounds alternate their order (A B C, C B A, ...), so a steady
@@ -55,7 +78,7 @@ class PlanTuner:
         return i if r % 2 == 0 else n - 1 - i
 
     @property
-    def plan(self) -> CpuPlan:
+    def plan(self):
         if self.chosen is not None:
             return self.chosen
         return self.candidates[self._current()]
@@ -64,7 +87,7 @@ class PlanTuner:
         """Something other than a decode step ran since the last one: do not time that interval."""
         self._last = None
 
-    def step(self, now: float) -> CpuPlan:
+    def step(self, now: float):
         """A decode step starts at `now` (seconds): the previous step's time is recorded under the plan it ran
         with. Returns the plan for this step."""
         if self.done:

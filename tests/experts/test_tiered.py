@@ -381,3 +381,28 @@ def test_profile_cache_layout_spreads_slots_and_matches_resident(model_path, ref
     _check_stats(ex, len(PROMPT) + len(DECODE))
     with pytest.raises(StrataError, match="needs a routing profile"):
         _load(model_path, slots=3, cpu_plan="012", cache_layout="profile").model.experts.setup(2)
+
+
+def test_tuner_sets_the_lane_threads(model_path, reference):
+    from strata.experts.tuner import PlanTuner, lane_candidates
+
+    before = torch.get_num_threads()
+    try:
+        lm = _load(model_path, slots=1, cpu_plan="auto", cpu_threads=2)
+        ex = lm.model.experts
+        ex.setup(2)
+        ex.tuner = PlanTuner(lane_candidates(ex.plan, 2, 2), trial=2, rounds=1, warmup=0)
+        seen = set()
+        real = ex._begin_step
+
+        def spy(n, graphed=False):
+            real(n, graphed)
+            seen.add((str(ex.plan), ex.lane.threads, torch.get_num_threads()))
+
+        ex._begin_step = spy
+        out = _run(lm, decode=DECODE * 3)
+        assert (out[:len(PROMPT) + len(DECODE)] - reference).abs().max().item() <= 1e-5
+        assert ("012", 1, 1) in seen and ("012", 2, 2) in seen  # all-CPU at 2 and at 1 thread
+        assert ex.tuner.done
+    finally:
+        torch.set_num_threads(before)

@@ -66,3 +66,12 @@ def test_alternating_rounds_cancel_a_warming_drift():
         n += 1
     med = tuner.medians()
     assert max(med) - min(med) < 1e-4  # one order per round: 1e-3 (the last candidate looks fastest)
+
+
+def test_lane_candidates_and_their_names():
+    from strata.experts.tuner import LaneSetting, lane_candidates
+
+    c = lane_candidates(CpuPlan.parse("0112"), 3, 16)
+    assert [str(x) for x in c] == ["0112@16", "0000@16", "0123@16", "0123@8", "0123@4"]
+    assert [str(x) for x in lane_candidates(A, 3, 1)] == ["0111@1", "0000@1", "0123@1"]  # no duplicate threads
+    assert str(LaneSetting(B)) == "0000"
