@@ -9,4 +9,3 @@ B="python3 tools/bench_decode.py -m scratch/q30.gguf --prompt-tokens 1024 --gen 
 timeout 60 python3 tools/bench_cpu_lane.py --threads 4,8,14,16 --experts 64 2>&1 | grep -v "float32" | tail -24
 timeout 90 $B --label t8_auto 2>/dev/null | cut -c1-1200
 timeout 200 $B --sweep 000000000,012345678@4,012345678@8,012345678@14,012345678@16,011223344@8 --label t8 2>/dev/null | cut -c1-500
-timeout 120 $B --cpu-kernel int4 --sweep 012345678@4,012345678@8,012345678@16 --label t8_int4 2>/dev/null | cut -c1-500
