@@ -58,6 +58,15 @@ static inline float f16(const uint8_t *p) {
 #endif
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+static inline float hsum8(__m256 v) {  /* the sum of 8 floats */
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+}
+#endif
+
 /* x[K] -> int8 per 256 (scale xd[K/256]), sums per 32 (xs[K/32]) and per 16 (x16[K/16]) */
 static void quantize_row(const float *x, int K, int8_t *xq, float *xd, int32_t *xs, int32_t *x16) {
     for (int b = 0; b < K / 256; b++) {
@@ -119,11 +128,7 @@ static float dot_q4k(const uint8_t *row, int nb, const int8_t *xq, const float *
         fsum = _mm256_fmadd_ps(_mm256_set1_ps(dx), _mm256_cvtepi32_ps(acc), fsum);
         fmin = _mm256_fmadd_ps(_mm256_set1_ps(mx), _mm256_cvtepi32_ps(mprod), fmin);
     }
-    __m256 t = _mm256_sub_ps(fsum, fmin);
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    return _mm_cvtss_f32(h);
+    return hsum8(_mm256_sub_ps(fsum, fmin));
 #else
     float sum = 0.f;
     for (int b = 0; b < nb; b++) {
@@ -189,10 +194,7 @@ static float dot_q6k(const uint8_t *row, int nb, const int8_t *xq, const float *
         acc = _mm256_sub_epi32(acc, _mm256_slli_epi32(_mm256_add_epi32(off0, off1), 5));
         fsum = _mm256_fmadd_ps(_mm256_set1_ps(f16(blk + 208) * xd[b]), _mm256_cvtepi32_ps(acc), fsum);
     }
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(fsum), _mm256_extractf128_ps(fsum, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    return _mm_cvtss_f32(h);
+    return hsum8(fsum);
 #else
     float sum = 0.f;
     for (int b = 0; b < nb; b++) {
@@ -235,10 +237,7 @@ static float dot_q8_0(const uint8_t *row, int K, const int8_t *xq, const float *
         __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), ones);
         fsum = _mm256_fmadd_ps(_mm256_set1_ps(f16(blk) * xd[i / 8]), _mm256_cvtepi32_ps(p), fsum);
     }
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(fsum), _mm256_extractf128_ps(fsum, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    return _mm_cvtss_f32(h);
+    return hsum8(fsum);
 #else
     float sum = 0.f;
     for (int i = 0; i < K / 32; i++) {
