@@ -319,45 +319,52 @@ def _cache_dir() -> pathlib.Path:
     return cache_dir() / "native"
 
 
+def build(flags: list[str] | None = None) -> ctypes.CDLL | None:
+    """Compile the kernel with `flags` (default FLAGS) into the cache, or reuse the cached build; None (and a
+    warning) when there is no compiler or the build fails."""
+    flags = FLAGS if flags is None else flags
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        log.info("strata: no C compiler found; the CPU lane uses torch's kernels")
+        return None
+    tag = hashlib.sha256((SOURCE + " ".join(flags) + cc).encode()).hexdigest()[:16]
+    path = _cache_dir() / f"experts-{tag}.so"
+    try:
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+                src = pathlib.Path(tmp) / "experts.c"
+                src.write_text(SOURCE)
+                so = pathlib.Path(tmp) / "experts.so"
+                r = subprocess.run([cc, *flags, str(src), "-o", str(so), "-lm"], capture_output=True, text=True,
+                                   timeout=120)
+                if r.returncode != 0:
+                    log.warning("strata: building the native CPU kernel failed (%s); the CPU lane uses torch's "
+                                "kernels", r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode)
+                    return None
+                os.replace(so, path)  # atomic: a concurrent build leaves one complete file
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as e:
+        log.warning("strata: the native CPU kernel is unavailable (%s); the CPU lane uses torch's kernels", e)
+        return None
+    f = lib.strata_native_experts
+    P, I = ctypes.c_void_p, ctypes.c_int
+    f.argtypes = [I, P, P, P, P, P, I, I, I, I, I, P]
+    f.restype = None
+    lib.strata_native_scratch.argtypes = [I, I, I]
+    lib.strata_native_scratch.restype = ctypes.c_long
+    return lib
+
+
 def load() -> ctypes.CDLL | None:
-    """The compiled kernel library (built on first use, cached per source and flags), None without a compiler."""
+    """The kernel library for this machine (built on first use, cached per source and flags), None without a
+    compiler."""
     global _lib, _tried
     with _lock:
-        if _tried:
-            return _lib
-        _tried = True
-        cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-        if cc is None:
-            log.info("strata: no C compiler found; the CPU lane uses torch's kernels")
-            return None
-        tag = hashlib.sha256((SOURCE + " ".join(FLAGS) + cc).encode()).hexdigest()[:16]
-        path = _cache_dir() / f"experts-{tag}.so"
-        try:
-            if not path.exists():
-                path.parent.mkdir(parents=True, exist_ok=True)
-                with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-                    src = pathlib.Path(tmp) / "experts.c"
-                    src.write_text(SOURCE)
-                    so = pathlib.Path(tmp) / "experts.so"
-                    r = subprocess.run([cc, *FLAGS, str(src), "-o", str(so), "-lm"], capture_output=True, text=True,
-                                       timeout=120)
-                    if r.returncode != 0:
-                        log.warning("strata: building the native CPU kernel failed (%s); the CPU lane uses torch's "
-                                    "kernels", r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode)
-                        return None
-                    os.replace(so, path)  # atomic: a concurrent build leaves one complete file
-            lib = ctypes.CDLL(str(path))
-        except (OSError, subprocess.SubprocessError) as e:
-            log.warning("strata: the native CPU kernel is unavailable (%s); the CPU lane uses torch's kernels", e)
-            return None
-        f = lib.strata_native_experts
-        P, I = ctypes.c_void_p, ctypes.c_int
-        f.argtypes = [I, P, P, P, P, P, I, I, I, I, I, P]
-        f.restype = None
-        lib.strata_native_scratch.argtypes = [I, I, I]
-        lib.strata_native_scratch.restype = ctypes.c_long
-        _lib = lib
-        return lib
+        if not _tried:
+            _tried = True
+            _lib = build()
+        return _lib
 
 
 FORMATS = {"Q4_K": 0, "Q6_K": 1, "Q8_0": 2}  # the kernel's format codes (FMT_Q4K, FMT_Q6K, FMT_Q80)
@@ -368,8 +375,8 @@ class NativeExperts:
     each projection Q4_K or Q6_K (`fmt_gate_up`, `fmt_down`: names of FORMATS)."""
 
     def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, threads: int | None = None, *,
-                 fmt_gate_up: str = "Q4_K", fmt_down: str = "Q4_K"):
-        lib = load()
+                 fmt_gate_up: str = "Q4_K", fmt_down: str = "Q4_K", lib: ctypes.CDLL | None = None):
+        lib = lib or load()
         if lib is None:
             raise RuntimeError("the native CPU kernel is unavailable")
         for t in (gate, up, down):

@@ -193,3 +193,29 @@ def test_native_kernel_unavailable_falls_back(q4k, monkeypatch):
     assert CpuLane({0: q4k}, kernel="auto", dtype=torch.bfloat16).kernel[0] == "int4"
     with pytest.raises(StrataError, match="native CPU kernel"):
         CpuLane({0: q4k}, kernel="native", dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("gu,dn", [(Q.Q4_K, Q.Q4_K), (Q.Q4_K, Q.Q6_K), (Q.Q8_0, Q.Q8_0)])
+def test_native_kernel_portable_path(gu, dn):
+    """The kernel built without -march=native (no AVX2: the plain C loops other CPUs run) against the reference
+    and against the machine's build."""
+    _native_or_skip()
+    from strata.experts import cpu_native
+
+    if not any(f.startswith("-march") for f in cpu_native.FLAGS):
+        pytest.skip("the default build is already portable")
+    plain = cpu_native.build([f for f in cpu_native.FLAGS if not f.startswith("-march")] + ["-mno-avx2", "-mno-fma"])
+    if plain is None:
+        pytest.skip("the portable build failed here")
+    rng = np.random.default_rng(11)
+    E, d, ff = 2, 512, 256
+    ew = ExpertWeights(random_qtensor(gu, (E, ff, d), rng), random_qtensor(gu, (E, ff, d), rng),
+                       random_qtensor(dn, (E, d, ff), rng))
+    kw = dict(fmt_gate_up=gu.name, fmt_down=dn.name, threads=1)
+    x = torch.randn(2, d, generator=torch.Generator().manual_seed(4))
+    a = cpu_native.NativeExperts(ew.gate.raw, ew.up.raw, ew.down.raw, lib=plain, **kw)([0, 1], x)
+    b = cpu_native.NativeExperts(ew.gate.raw, ew.up.raw, ew.down.raw, **kw)([0, 1], x)
+    for i, e in enumerate([0, 1]):
+        ref = expert_ffn(x[i:i + 1], ew.gate[e], ew.up[e], ew.down[e]).float()[0]
+        assert ((a[i] - ref).norm() / ref.norm()).item() < 3e-2
+    assert ((a - b).norm() / b.norm()).item() < 1e-4  # the same integer sums, float order aside
