@@ -10,11 +10,13 @@ statistics of the measured runs, and the --profile breakdown when asked.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
 import time
 
+import numpy as np
 import torch
 
 sys.path.insert(0, ".")
@@ -47,6 +49,8 @@ def main() -> int:
     ap.add_argument("--trace-prefill", action="store_true",
                     help="one more long prefill under torch.profiler: the top ops by GPU and by host time (stderr)")
     ap.add_argument("--label", default="")
+    ap.add_argument("--salt", type=int, default=0,
+                    help="vary the prompts (a routing profile recorded on one salt, measured on another)")
     ap.add_argument("--sweep-plans", default="", help="comma-separated --cpu-plan values measured in turn (one load)")
     ap.add_argument("--sweep-threads", default="", help="comma-separated CPU lane thread counts measured in turn")
     ap.add_argument("--temperature", type=float, default=0.0,
@@ -76,7 +80,46 @@ def main() -> int:
         if th:
             torch.set_num_threads(th)
         measure(a, lm, eng, experts, dev, label, load_s)
+    if callable(getattr(experts, "close", None)):
+        experts.close()  # writes --expert-profile-save
     return 0
+
+
+class GcClock:
+    """Python's garbage collections while it is on: count and milliseconds per generation (a collection of the
+    old generation stops a decode step for milliseconds when the heap holds many objects)."""
+
+    def __init__(self):
+        self.on, self.t0 = False, 0.0
+        self.n, self.ms = [0, 0, 0], [0.0, 0.0, 0.0]
+        gc.callbacks.append(self._cb)
+
+    def _cb(self, phase, info):
+        if not self.on:
+            return
+        if phase == "start":
+            self.t0 = time.perf_counter()
+        else:
+            g = info["generation"]
+            self.n[g] += 1
+            self.ms[g] += (time.perf_counter() - self.t0) * 1e3
+
+    def report(self) -> dict:
+        return {f"gen{g}": [self.n[g], round(self.ms[g], 2)] for g in range(3)}
+
+
+def routing_skew(routed: np.ndarray, layer_slots: dict) -> dict:
+    """How concentrated the measured steps' routing was: the share of uses that the most-used experts of each
+    layer took — for as many experts as the cache has slots (the hit rate of the best static cache, knowing the
+    future) and for a quarter of the experts — and the experts used at all per layer."""
+    srt = -np.sort(-routed.astype(np.float64), axis=1)  # [L, E] each layer's counts, descending
+    tot = srt.sum(axis=1)
+    slots = list(layer_slots.values())
+    top_s = np.array([srt[i, :s].sum() for i, s in enumerate(slots)])
+    q = max(1, routed.shape[1] // 4)
+    return {"static_best_hit": round(float(top_s.sum() / tot.sum()), 4),
+            "top_quarter_share": round(float(srt[:, :q].sum() / tot.sum()), 4),
+            "experts_used_per_layer": round(float((routed > 0).sum(axis=1).mean()), 1)}
 
 
 def measure(a, lm, eng, experts, dev, label, load_s) -> None:
@@ -85,9 +128,14 @@ def measure(a, lm, eng, experts, dev, label, load_s) -> None:
         res.update(plan=str(experts.plan), slots_per_layer=experts.cache.slots,
                    cache_gib=round(experts.cache.nbytes() / 2**30, 2))
     decode, prefill = [], []
+    steps_ms: list[float] = []  # every measured decode step's wall time (the distribution shows stalls)
+    gcc = GcClock()
+    step_misses: list[int] = []  # each measured step's expert misses (CPU + PCIe), beside its time
+    pol = getattr(experts, "policy", None)
+    routed = None  # [L, E] expert uses of the measured decode steps (the routing skew on these prompts)
     stats = None  # expert statistics of the measured runs' decode steps (prefill chunks excluded)
     for r in range(a.runs + 1):
-        ids = make_prompt(lm.tokenizer, a.prompt_tokens, salt=r * 7919 + 13)
+        ids = make_prompt(lm.tokenizer, a.prompt_tokens, salt=r * 7919 + 13 + a.salt)
         sp = SamplingParams(temperature=a.temperature, seed=1000 + r) if a.temperature else SamplingParams(temperature=0)
         seq = Sequence(ids, sp, a.gen, set())
         eng.add(seq, reuse_prefix=False)
@@ -96,11 +144,28 @@ def measure(a, lm, eng, experts, dev, label, load_s) -> None:
         while not seq.output:  # prefill (one or more chunks) up to the first token
             eng.step()
         before = experts.stats.snapshot() if hasattr(experts, "stats") else None
+        t_prev = time.perf_counter()
+        run_steps = []
+        gcc.on = r > 0
+        st = getattr(experts, "stats", None)
+        run_misses = []
+        u0 = pol.usage().copy() if pol is not None and r > 0 else None
         while not seq.finished:
+            m0 = st.cpu + st.pcie if st is not None else 0
             eng.step()
+            t_now = time.perf_counter()
+            run_steps.append((t_now - t_prev) * 1e3)
+            run_misses.append((st.cpu + st.pcie - m0) if st is not None else 0)
+            t_prev = t_now
+        gcc.on = False
         sync(dev)
         if r == 0:
             continue
+        steps_ms += run_steps
+        step_misses += run_misses
+        if u0 is not None:
+            du = pol.usage() - u0
+            routed = du if routed is None else routed + du
         if before is not None:
             d = experts.stats - before
             stats = d if stats is None else stats + d
@@ -110,8 +175,22 @@ def measure(a, lm, eng, experts, dev, label, load_s) -> None:
         res["decode_tok_s"] = {"median": round(statistics.median(decode), 2), "min": round(min(decode), 2),
                                "max": round(max(decode), 2)}
         res["prefill_tok_s"] = {"median": round(statistics.median(prefill), 1)}
+        q = statistics.quantiles(steps_ms, n=100, method="inclusive") if len(steps_ms) >= 2 else steps_ms * 99
+        res["step_ms"] = {"mean": round(statistics.fmean(steps_ms), 3), "p10": round(q[9], 3),
+                          "p50": round(q[49], 3), "p90": round(q[89], 3), "p99": round(q[98], 3),
+                          "max": round(max(steps_ms), 3), "gc_count_ms": gcc.report()}
+        if any(step_misses) and len(set(step_misses)) > 1:
+            # step time against its misses: the intercept is a step without misses, the slope one miss's cost
+            slope, icpt = np.polyfit(np.asarray(step_misses, float), np.asarray(steps_ms), 1)
+            r = float(np.corrcoef(step_misses, steps_ms)[0, 1])
+            res["step_ms"]["vs_misses"] = {"ms_at_0": round(float(icpt), 3), "ms_per_miss": round(float(slope), 4),
+                                           "r": round(r, 3), "misses_p50_p90": [
+                                               float(np.percentile(step_misses, 50)),
+                                               float(np.percentile(step_misses, 90))]}
     if stats is not None:
         res["experts_decode"] = stats.as_dict()
+    if routed is not None and routed.sum() > 0:
+        res["routing"] = routing_skew(routed, experts.cache.layer_slots)
     if a.prefill_only:
         ids = make_prompt(lm.tokenizer, a.prefill_only, salt=99991)
         if len(ids) >= a.prefill_only:

@@ -167,6 +167,9 @@ class ExpertCache:
         self.index = {layer: li for li, layer in enumerate(self.layer_ids)}
         self.cuda = device.type == "cuda"
         self.side = torch.cuda.Stream(device) if self.cuda else None
+        # the decode hand-off's staged experts get a stream of their own: on `side` they would queue behind the
+        # cache's admissions (which wait for the main stream's queued work) while the GPU waits for them
+        self.urgent = torch.cuda.Stream(device, priority=-1) if self.cuda else None
         groups: dict[tuple, list[int]] = {}
         for i in self.layer_ids:
             groups.setdefault(_sig(store[i]), []).append(i)
@@ -245,7 +248,9 @@ class ExpertCache:
 
     def copy_slots(self, layer: int, experts: list[int], slots: list[int]):
         """Copy experts[i] into pool slot slots[i] (one stream switch, one event for all: the decode hand-off's
-        streamed experts); returns the event (CUDA) or None."""
+        streamed experts) on the urgent stream, unordered with the main stream: the slots' last readers must
+        have finished (the hand-off's staging ring: read by an earlier piece the host has waited past); returns
+        the event (CUDA) or None."""
         pool, src = self.pool_of[layer], self.store[layer]
         self.copies += len(experts)
         self.copied_bytes += len(experts) * src.expert_nbytes()
@@ -255,12 +260,12 @@ class ExpertCache:
                 for d, s in pairs:
                     d[sl].copy_(s[e])
             return None
-        with torch.cuda.stream(self.side):
+        with torch.cuda.stream(self.urgent):
             for e, sl in zip(experts, slots):
                 for d, s in pairs:
                     d[sl].copy_(s[e], non_blocking=True)
             ev = torch.cuda.Event()
-            ev.record(self.side)
+            ev.record(self.urgent)
         return ev
 
     def wait(self, ev) -> None:

@@ -95,6 +95,7 @@ class TieredExperts:
         self.policy = None
         self.plan: CpuPlan | None = None
         self.tuner: PlanTuner | None = None  # --cpu-plan auto on a GPU: decode steps pick among candidate plans
+        self._tuner_misses = 0  # CPU + PCIe misses counted when the tuner last timed a step
         self.k = 0
         self._pending: list[dict[int, object]] = [{} for _ in self.layer_ids]  # li -> expert -> copy event
         self._loaded_profile: RoutingProfile | None = None
@@ -194,7 +195,9 @@ class TieredExperts:
     def _begin_step(self, n_tokens: int, graphed: bool = False) -> None:
         if self.tuner is not None and not self.tuner.done:
             if n_tokens == 1 and (graphed or self.recorder is None):  # a decode step: time it
-                self._apply(self.tuner.step(time.perf_counter()))
+                misses = self.stats.cpu + self.stats.pcie  # the previous step's are all counted by now
+                self._apply(self.tuner.step(time.perf_counter(), misses - self._tuner_misses))
+                self._tuner_misses = misses
             else:
                 self.tuner.interrupt()
         self.policy.tick()

@@ -6,9 +6,15 @@ step's real cost of a miss also holds the host hand-off, the CPU lane's thread w
 isolation), and those depend on the machine. So `auto` starts from the model's plan and then times decode steps
 under each candidate — the model's plan, all misses over PCIe, all on the CPU — in interleaved trials (a round
 visits every candidate for `trial` steps, in alternating order; `rounds` rounds, after `warmup` steps in which
-the cache fills), and keeps the candidate with the lowest median step time. (Measured on the H200 with the
-first version — two rounds in one order after 8 steps — the last candidate of each round looked 25% faster than
-it was, while the cache warmed up.) Steps are timed host-side between the starts of consecutive decode steps; intervals that include anything
+the cache fills), and keeps the candidate whose misses cost least. Misses come in bursts (measured on the H200
+with greedy text: the median step had no miss, one step in ten had over a hundred), so a trial's time says more
+about which steps it drew than about its plan: a median ignored the misses altogether (every candidate's was
+8.33 ms), and a mean favoured whoever drew the quiet steps. Given each step's miss count, the tuner fits
+step time = base + cost_per_miss[candidate] · misses over all timed steps (one base shared by all) and keeps the
+cheapest cost per miss; without counts, or when a candidate saw too few misses to tell, the lowest mean step
+time. (With the first version — two
+rounds in one order after 8 steps — the last candidate of each round looked 25% faster than it was, while the
+cache warmed up.) Steps are timed host-side between the starts of consecutive decode steps; intervals that include anything
 else (a prefill chunk, an idle server) are dropped.
 
 The candidates are any values (the backend gives `LaneSetting`s: a plan and the CPU lane's thread count, since a
@@ -22,6 +28,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import statistics
+
+import numpy as np
 from typing import Sequence
 
 from strata.experts.plan import CpuPlan
@@ -63,6 +71,8 @@ class PlanTuner:
         self.candidates = uniq
         self.trial, self.rounds, self.warmup, self.max_step_s = trial, rounds, warmup, max_step_s
         self.times: list[list[float]] = [[] for _ in uniq]  # step seconds measured under each candidate
+        self.misses: list[list[int]] = [[] for _ in uniq]  # each timed step's expert misses (None: not given)
+        self._fit: tuple[float, list[float]] | None = None
         self._last: float | None = None
         self._seen = 0  # decode steps started (warm-up included)
         self._slot = 0  # trial index: candidate = slot % len, round = slot // len
@@ -87,9 +97,9 @@ class PlanTuner:
         """Something other than a decode step ran since the last one: do not time that interval."""
         self._last = None
 
-    def step(self, now: float):
-        """A decode step starts at `now` (seconds): the previous step's time is recorded under the plan it ran
-        with. Returns the plan for this step."""
+    def step(self, now: float, misses: int | None = None):
+        """A decode step starts at `now` (seconds): the previous step's time — and its expert misses, when
+        given — are recorded under the plan it ran with. Returns the plan for this step."""
         if self.done:
             return self.plan
         last, self._last = self._last, now
@@ -101,6 +111,7 @@ class PlanTuner:
             return self.plan
         if self._in_slot > 0:  # the first step of a trial still carries the previous plan's copies
             self.times[self._current()].append(dt)
+            self.misses[self._current()].append(-1 if misses is None else int(misses))
         self._in_slot += 1
         if self._in_slot > self.trial:
             self._slot += 1
@@ -109,11 +120,38 @@ class PlanTuner:
                 self._finish()
         return self.plan
 
-    def medians(self) -> list[float]:
-        return [statistics.median(t) if t else float("inf") for t in self.times]
+    def means(self) -> list[float]:
+        """Each candidate's mean step time (seconds; inf before it was timed)."""
+        return [statistics.fmean(t) if t else float("inf") for t in self.times]
+
+    def per_miss(self) -> tuple[float, list[float]] | None:
+        """The joint fit (base seconds, [seconds per miss of each candidate]); None without miss counts for
+        every step, or when a candidate averaged under one miss per step (its cost per miss is not measured)."""
+        rows = [(c, t, m) for c in range(len(self.candidates)) for t, m in zip(self.times[c], self.misses[c])]
+        if not rows or any(m < 0 for _, _, m in rows):
+            return None
+        if any(not ms or sum(ms) < len(ms) for ms in self.misses):
+            return None
+        X = np.zeros((len(rows), 1 + len(self.candidates)))
+        X[:, 0] = 1.0
+        for i, (c, _, m) in enumerate(rows):
+            X[i, 1 + c] = m
+        coef, *_ = np.linalg.lstsq(X, np.array([t for _, t, _ in rows]), rcond=None)
+        return float(coef[0]), [float(b) for b in coef[1:]]
+
+    def scores(self) -> list[float]:
+        """What the choice minimises, as seconds per step: with the per-miss fit, base + cost per miss × the mean
+        misses per step over all trials (so candidates compare at the same misses); else the mean step time."""
+        fit = self.per_miss()
+        if fit is None:
+            return self.means()
+        base, per = fit
+        m_all = [m for ms in self.misses for m in ms]
+        mbar = statistics.fmean(m_all)
+        return [base + b * mbar for b in per]
 
     def _finish(self) -> None:
-        med = self.medians()
+        med = self.scores()
         best = min(range(len(med)), key=lambda i: med[i])
         self.chosen, self.done = self.candidates[best], True
         log.info("strata: cpu plan tuned to %s (%s ms/token)", self.chosen,
@@ -121,4 +159,4 @@ class PlanTuner:
 
     def report(self) -> dict:
         return {"chosen": str(self.chosen) if self.chosen is not None else None,
-                "ms_per_token": {str(c): round(m * 1e3, 3) for c, m in zip(self.candidates, self.medians())}}
+                "ms_per_token": {str(c): round(m * 1e3, 3) for c, m in zip(self.candidates, self.scores())}}

@@ -30,7 +30,7 @@ def test_keeps_the_fastest_after_interleaved_trials():
     used = _drive(tuner, cost, 3 + 2 * 3 * 5 + 10, gaps=(7, 20))
     assert tuner.done and tuner.chosen == B and tuner.plan == B
     assert used[-1] == B and {str(p) for p in used[:-10]} == {str(A), str(B), str(C)}
-    med = tuner.medians()
+    med = tuner.scores()
     assert med[1] == pytest.approx(0.010) and med[0] == pytest.approx(0.012) and med[2] == pytest.approx(0.015)
     assert tuner.report()["chosen"] == str(B)
 
@@ -48,6 +48,17 @@ def test_outliers_and_gaps_do_not_count():
     assert all(x < 0.5 for ts in tuner.times for x in ts)
 
 
+def test_a_minority_of_slow_steps_counts():
+    """B's typical step is faster but every fourth one stalls: its throughput is worse, and the mean says so."""
+    tuner = PlanTuner([A, B], trial=8, rounds=2, warmup=0)
+    t, n = 0.0, 0
+    while not tuner.done:
+        plan = tuner.step(t)
+        t += 0.010 if plan == A else (0.030 if n % 4 == 0 else 0.009)
+        n += 1
+    assert tuner.chosen == A
+
+
 def test_single_candidate_is_done_at_once():
     tuner = PlanTuner([B, B])
     assert tuner.done and tuner.plan == B and tuner.step(0.0) == B
@@ -57,14 +68,14 @@ def test_single_candidate_is_done_at_once():
 
 def test_alternating_rounds_cancel_a_warming_drift():
     """Steps get faster over time (the cache warms up); all candidates cost the same. Visiting them in one order
-    per round would favour the last one; alternating rounds leave the medians level."""
+    per round would favour the last one; alternating rounds leave the means level."""
     tuner = PlanTuner([A, B, C], trial=4, rounds=4, warmup=0)
     t, n = 0.0, 0
     while not tuner.done:
         tuner.step(t)
         t += 0.02 - 0.0001 * n  # a linear drift, the same for every plan
         n += 1
-    med = tuner.medians()
+    med = tuner.scores()
     assert max(med) - min(med) < 1e-4  # one order per round: 1e-3 (the last candidate looks fastest)
 
 
@@ -75,3 +86,33 @@ def test_lane_candidates_and_their_names():
     assert [str(x) for x in c] == ["0112@16", "0000@16", "0123@16", "0123@8", "0123@4"]
     assert [str(x) for x in lane_candidates(A, 3, 1)] == ["0111@1", "0000@1", "0123@1"]  # no duplicate threads
     assert str(LaneSetting(B)) == "0000"
+
+
+def test_bursty_misses_are_judged_per_miss():
+    """Misses come in bursts: most steps have none, a few have many. B's misses cost twice A's, but B's trials
+    happen to draw the quiet steps: its mean step time looks better; the per-miss fit is not fooled."""
+    tuner = PlanTuner([A, B], trial=10, rounds=2, warmup=0)
+    t, n, m_prev = 0.0, 0, None
+    base, per = {str(A): 0.001, str(B): 0.002}, 0.008
+    while not tuner.done:
+        plan = tuner.step(t, m_prev)
+        m = 100 if (n % 7 == 0 and plan == A) or (n % 29 == 0) else 0  # A draws most of the bursts
+        t += per + base[str(plan)] * m
+        m_prev, n = m, n + 1
+    assert tuner.means()[1] < tuner.means()[0]  # the mean would pick B
+    fit = tuner.per_miss()
+    assert fit is not None and fit[1][0] == pytest.approx(0.001) and fit[1][1] == pytest.approx(0.002)
+    assert fit[0] == pytest.approx(0.008)
+    assert tuner.chosen == A
+
+
+def test_per_miss_needs_misses_for_every_candidate():
+    """Without misses (or without counts) a cost per miss is not measured: the mean step time decides."""
+    for counts in (lambda i: 0, lambda i: None):
+        tuner = PlanTuner([A, B], trial=4, rounds=1, warmup=0)
+        t, i = 0.0, 0
+        while not tuner.done:
+            plan = tuner.step(t, counts(i))
+            t += 0.01 if plan == A else 0.02
+            i += 1
+        assert tuner.per_miss() is None and tuner.scores() == tuner.means() and tuner.chosen == A
