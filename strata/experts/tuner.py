@@ -49,12 +49,14 @@ class LaneSetting:
 
 
 def lane_candidates(model_plan: CpuPlan, k: int, threads: int) -> list[LaneSetting]:
-    """The measured plan and all-PCIe at the lane's threads; all-CPU at the lane's threads, half and a quarter of
-    them (a decode miss is a small GEMV: fewer threads often win, measured 4 > 8 > 14 > 16 on the H200 machine)."""
-    out = [LaneSetting(model_plan, threads), LaneSetting(CpuPlan.all_pcie(k), threads)]
+    """The measured plan, all-PCIe and half-and-half at the lane's threads; all-CPU at the lane's threads, half and a
+    quarter of them (a decode miss is a small GEMV whose best thread count is the machine's: on the H200 machine 14 > 16 > 8 > 4
+    with the native kernel, 4 > 8 > 14 > 16 with torch's int4 one)."""
+    half = CpuPlan([(m + 1) // 2 for m in range(k + 1)])  # both lanes at once: the CPU takes half of the misses
+    out = [LaneSetting(model_plan, threads), LaneSetting(CpuPlan.all_pcie(k), threads), LaneSetting(half, threads)]
     for t in sorted({threads, max(1, threads // 2), max(1, threads // 4)}, reverse=True):
         out.append(LaneSetting(CpuPlan.all_cpu(k), t))
-    return out
+    return list(dict.fromkeys(out))  # the measured plan may be one of the others
 
 
 class PlanTuner:
@@ -116,7 +118,11 @@ class PlanTuner:
         if self._in_slot > self.trial:
             self._slot += 1
             self._in_slot = 0
-            if self._slot >= self.rounds * len(self.candidates):
+            n = len(self.candidates)
+            if self._slot >= self.rounds * n and self._slot % n == 0:
+                # misses counted but some candidate drew too few of them to price: more rounds, up to 3x
+                if self._counted() and self.per_miss() is None and self._slot < 3 * self.rounds * n:
+                    return self.plan
                 self._finish()
         return self.plan
 
@@ -124,11 +130,14 @@ class PlanTuner:
         """Each candidate's mean step time (seconds; inf before it was timed)."""
         return [statistics.fmean(t) if t else float("inf") for t in self.times]
 
+    def _counted(self) -> bool:
+        return all(m >= 0 for ms in self.misses for m in ms)
+
     def per_miss(self) -> tuple[float, list[float]] | None:
         """The joint fit (base seconds, [seconds per miss of each candidate]); None without miss counts for
         every step, or when a candidate averaged under one miss per step (its cost per miss is not measured)."""
         rows = [(c, t, m) for c in range(len(self.candidates)) for t, m in zip(self.times[c], self.misses[c])]
-        if not rows or any(m < 0 for _, _, m in rows):
+        if not rows or not self._counted():
             return None
         if any(not ms or sum(ms) < len(ms) for ms in self.misses):
             return None

@@ -84,7 +84,7 @@ def test_lane_candidates_and_their_names():
 
     c = lane_candidates(CpuPlan.parse("0112"), 3, 16)
     assert [str(x) for x in c] == ["0112@16", "0000@16", "0123@16", "0123@8", "0123@4"]
-    assert [str(x) for x in lane_candidates(A, 3, 1)] == ["0111@1", "0000@1", "0123@1"]  # no duplicate threads
+    assert [str(x) for x in lane_candidates(A, 3, 1)] == ["0111@1", "0000@1", "0112@1", "0123@1"]  # no duplicates
     assert str(LaneSetting(B)) == "0000"
 
 
@@ -116,3 +116,16 @@ def test_per_miss_needs_misses_for_every_candidate():
             t += 0.01 if plan == A else 0.02
             i += 1
         assert tuner.per_miss() is None and tuner.scores() == tuner.means() and tuner.chosen == A
+
+
+def test_more_rounds_until_every_candidate_saw_misses():
+    """B draws no misses in the planned rounds (the text repeated): the tuner keeps going until it does."""
+    tuner = PlanTuner([A, B], trial=4, rounds=1, warmup=0)
+    t, n, m_prev = 0.0, 0, None
+    while not tuner.done:
+        plan = tuner.step(t, m_prev)
+        m = 10 if plan == A or n > 14 else 0
+        t += 0.01 + (0.001 if plan == A else 0.0005) * m
+        m_prev, n = m, n + 1
+    assert n > 2 * 5  # past the one planned round
+    assert tuner.per_miss() is not None and tuner.chosen == B
