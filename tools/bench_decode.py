@@ -225,6 +225,8 @@ def measure(a, lm, eng, experts, dev, label, load_s) -> None:
                           file=sys.stderr)
                 print(ka.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60),
                       file=sys.stderr)
+    if getattr(experts, "cache", None) is not None:
+        res["admitted_from_staging"] = experts.cache.promoted  # cumulative: swaps that needed no PCIe copy
     if getattr(experts, "tuner", None) is not None:
         res["plan_tuner"] = experts.tuner.report()
     if dev.type == "cuda":

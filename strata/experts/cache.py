@@ -200,6 +200,7 @@ class ExpertCache:
         self.map = torch.full((L, E), -1, dtype=torch.int64, device=device)  # [L, E] slot in the layer's pool
         self.copies = 0
         self.copied_bytes = 0
+        self.promoted = 0  # admissions copied on the device from a staging slot (no second PCIe copy)
         self.prefetched = 0  # experts copied ahead into a chunk buffer ...
         self.prefetch_used = 0  # ... and of those, computed from there
 
@@ -244,6 +245,20 @@ class ExpertCache:
                 d.copy_(s, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(self.side)
+        return ev
+
+    def promote(self, layer: int, src_slot: int, dst_slot: int):
+        """Copy a pool slot into another on the device, on the main stream (after every queued reader of
+        either): a streamed expert admitted to the cache from its staging slot instead of over PCIe again;
+        returns its event (CUDA) or None."""
+        pool = self.pool_of[layer]
+        for q in (pool.gate, pool.up, pool.down):
+            q.raw[dst_slot].copy_(q.raw[src_slot], non_blocking=True)
+        self.promoted += 1
+        if not self.cuda:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
         return ev
 
     def copy_slots(self, layer: int, experts: list[int], slots: list[int]):

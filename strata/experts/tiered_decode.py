@@ -180,7 +180,12 @@ class GraphedDecode:
                 if swaps:
                     cache.begin_copies()  # victims may still be read by queued pieces
                     for sw in swaps:
-                        t._pending[li][sw.admit] = cache.copy(layer, sw.admit, cache.slot(layer, sw.slot))
+                        dst = cache.slot(layer, sw.slot)
+                        src = streamed.get(sw.admit)
+                        if src is not None:  # it came up this step: copied on the device, not over PCIe again
+                            t._pending[li][sw.admit] = cache.promote(layer, src, dst)
+                        else:
+                            t._pending[li][sw.admit] = cache.copy(layer, sw.admit, dst)
                     if counting:
                         t.stats.add(swaps=len(swaps))
                         t.request.add(swaps=len(swaps))
