@@ -231,6 +231,8 @@ def measure(a, lm, eng, experts, dev, label, load_s) -> None:
         res["plan_tuner"] = experts.tuner.report()
     if dev.type == "cuda":
         res["max_vram_gib"] = round(torch.cuda.max_memory_allocated(dev) / 2**30, 2)
+        free, total = torch.cuda.mem_get_info(dev)  # what --vram-gb bounds: the allocator's pool and the context
+        res["device_used_gib"] = round((total - free) / 2**30, 2)
     print(json.dumps(res), flush=True)
     rep = getattr(experts, "profile_report", None)
     if a.profile and callable(rep):

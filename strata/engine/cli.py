@@ -5,8 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from strata import StrataError
+
+if TYPE_CHECKING:
+    from strata.config import EngineConfig
+    from strata.engine.engine import Sequence
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -20,14 +25,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="compute dtype: auto (f32 on CPU, bf16 on GPU), f32, bf16, f16")
     p.add_argument("--kv-dtype", default="auto", help="KV cache dtype: auto (= compute dtype), bf16, f16, f32")
     p.add_argument("-c", "--ctx-size", type=int, default=0, help="context length (default: min(model, 8192))")
-    p.add_argument("--prefill-chunk", type=int, default=0, help="prompt tokens per forward (default: sized from memory)")
+    p.add_argument("--prefill-chunk", type=int, default=0,
+                   help="prompt tokens per forward (default: 4096 on a GPU with tiered experts, whose activations "
+                        "the expert cache leaves room for; else sized from memory)")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="replay decode steps as CUDA graphs (default: on with a CUDA device and one slot; "
                         "--cuda-graphs with --parallel N also batches decoding sequences, resident experts)")
     g = p.add_argument_group("experts (tiered execution)")
     g.add_argument("--experts", dest="experts_mode", default=e.mode, choices=["auto", "resident", "tiered"])
     g.add_argument("--vram-gb", type=float, default=None, help="the whole process's VRAM budget (GiB)")
-    g.add_argument("--vram-reserve-mib", type=int, default=e.vram_reserve_mib, help="VRAM headroom left free")
+    g.add_argument("--vram-reserve-mib", type=int, default=e.vram_reserve_mib,
+                   help="VRAM headroom left free for decode activations, graphs and allocator slack (the CUDA "
+                        "context and a prefill chunk are counted besides)")
     g.add_argument("--expert-slots", type=int, default=None, help="expert cache slots per layer (overrides budget)")
     g.add_argument("--cpu-threads", type=int, default=0, help="CPU lane threads (default: physical cores)")
     g.add_argument("--cpu-kernel", default=e.cpu_kernel, choices=["auto", "native", "int4", "ref"],
@@ -135,7 +144,6 @@ def _stream(engine, tok, ids, params, n, out=sys.stdout) -> "Sequence":
     from strata.gguf.tokenizer import StreamDecoder
 
     dec = StreamDecoder(tok)
-    seq = None
     for t in engine.generate(ids, params, n, stop_ids=tok.eot_ids):
         if t in tok.eot_ids:
             break

@@ -20,6 +20,7 @@ import torch
 from strata import StrataError
 from strata.engine.loader import LoadedModel
 from strata.engine.sampler import SamplingParams, sample
+from strata.experts.sizing import PREFILL_TARGET, prefill_bytes_per_token
 from strata.kv.cache import Segment
 
 _ids = itertools.count(1)
@@ -68,9 +69,14 @@ class Engine:
         self.device = self.model.device  # before _default_chunk, which reads it
         self.kv = self.model.new_kv_cache(self.n_slots, self.max_ctx, lm.cfg.torch_kv_dtype)
         setup = getattr(self.model.experts, "setup", None)
-        if callable(setup):  # size the expert cache from what is left after the KV cache, before chunk sizing
-            setup(lm.args.n_experts_used)
-        self.prefill_chunk = prefill_chunk or lm.cfg.prefill_chunk or self._default_chunk()
+        chunk = prefill_chunk or lm.cfg.prefill_chunk
+        if callable(setup):  # size the expert cache from what is left after the KV cache and a prefill chunk
+            act = 0
+            if self.device.type == "cuda":  # room for a large chunk: each chunk streams the uncached experts once
+                chunk = chunk or PREFILL_TARGET
+                act = chunk * prefill_bytes_per_token(lm.args.d_model, lm.args.n_experts_used)
+            setup(lm.args.n_experts_used, act)
+        self.prefill_chunk = chunk or self._default_chunk()
         self.free_slots = list(range(self.n_slots))
         self.running: list[Sequence] = []
         self.slot_tokens: dict[int, list[int]] = {s: [] for s in range(self.n_slots)}  # what each slot's KV holds

@@ -115,14 +115,17 @@ class SlotPool:
         return self.gate.nbytes + self.up.nbytes + self.down.nbytes
 
 
-def budget_slots(cfg: ExpertConfig, store: ExpertStore, device: torch.device, staging: int) -> tuple[int, int]:
+def budget_slots(cfg: ExpertConfig, store: ExpertStore, device: torch.device, staging: int,
+                 act_bytes: int = 0) -> tuple[int, int]:
     """(cache slots per layer (uniform), experts per chunk buffer) from --expert-slots, --vram-gb /
     --vram-reserve-mib, or the free VRAM.
 
-    GPU: the budget is the whole process's (`--vram-gb`), less what torch holds now (dense weights, KV and
-    buffers allocated before the cache), the reserve (CUDA context, activations) and the staging ring; without
-    --vram-gb, all free VRAM less the reserve. CPU: the pool lives in RAM; --vram-gb less the reserve sizes it
-    as it would on a GPU, and without a budget every expert gets a slot.
+    GPU: the budget is the whole process's (`--vram-gb`), less everything the device holds now (the CUDA
+    context, which torch's allocator does not see — ~0.5 GiB on the H200 machine —, dense weights, KV and buffers
+    allocated before the cache), the reserve (decode activations, graphs, allocator slack), `act_bytes` (one
+    prefill chunk's activations) and the staging ring; without --vram-gb, all free VRAM less the same. CPU: the
+    pool lives in RAM; --vram-gb less the reserve sizes it as it would on a GPU, and without a budget every
+    expert gets a slot.
     """
     E = store.n_experts
     if cfg.slots is not None:
@@ -133,10 +136,10 @@ def budget_slots(cfg: ExpertConfig, store: ExpertStore, device: torch.device, st
     stage_bytes = staging * store.expert_nbytes()
     reserve = cfg.vram_reserve_mib * MiB
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        left = free - reserve - stage_bytes
-        if cfg.vram_gb is not None:
-            left = min(left, int(cfg.vram_gb * GiB) - torch.cuda.memory_reserved(device) - reserve - stage_bytes)
+        free, total = torch.cuda.mem_get_info(device)
+        left = free - reserve - stage_bytes - act_bytes
+        if cfg.vram_gb is not None:  # in use now: this process's context and tensors (and any other process's)
+            left = min(left, int(cfg.vram_gb * GiB) - (total - free) - reserve - stage_bytes - act_bytes)
         chunk = _chunk_experts(left, store.expert_nbytes(), E)
         left -= 2 * chunk * store.expert_nbytes() * _n_sigs(store)  # the prefill chunk buffers
     elif cfg.vram_gb is not None:

@@ -106,14 +106,14 @@ class TieredExperts:
         self.graphed = GraphedDecode(self)
 
     # --- set-up -----------------------------------------------------------------------------------------------
-    def setup(self, k: int) -> None:
+    def setup(self, k: int, act_bytes: int = 0) -> None:
         """Size and fill the cache, pick the plan. Called by the first forward (or by the engine after it
-        allocated the KV cache, so the VRAM budget sees it)."""
+        allocated the KV cache, so the VRAM budget sees it, with the VRAM its prefill chunk needs)."""
         if self.cache is not None:
             return
         self.k = k
         staging = self._staging or max(2 * k, 8)
-        slots, chunk = budget_slots(self.ex, self.store, self.device, staging)
+        slots, chunk = budget_slots(self.ex, self.store, self.device, staging, act_bytes)
         L, E = len(self.layer_ids), self.n_experts
         if self.ex.cache_layout == "profile":  # the same bytes, spread over the layers as the profile routes
             if not self.ex.expert_profile:

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from strata.experts.sizing import chunk_stage_experts
+from strata.experts.sizing import PREFILL_TARGET, chunk_stage_experts, prefill_bytes_per_token
 from strata.hub.machine import MachineInfo
 from strata.hub.verify import GGUFHeader, read_gguf_header
 
@@ -21,7 +21,8 @@ GiB = 1 << 30
 MiB = 1 << 20
 # These mirror the engine's sizing (strata.experts.cache.budget_slots; tests hold them equal): without
 # importing torch, `strata check` answers in a moment.
-VRAM_RESERVE = 700 * MiB  # ExpertConfig.vram_reserve_mib: CUDA context, allocator slack, activations
+VRAM_RESERVE = 700 * MiB  # ExpertConfig.vram_reserve_mib: decode activations, graphs, allocator slack
+# (the engine also leaves out what the device holds when it sizes the cache: its own CUDA context, ~0.5 GiB)
 DEFAULT_CTX = 8192  # EngineConfig.ctx_size 0 = min(the model's context, 8192)
 
 
@@ -48,6 +49,7 @@ class ModelFootprint:
     slot_bytes: int  # bytes of one expert of one layer (the largest layer's, if they differ)
     kv_bytes_per_token: int  # all layers, K and V
     context_length: int | None  # the model's trained context
+    d_model: int = 0  # hidden size (sizes a prefill chunk's activations)
 
     @property
     def n_expert_total(self) -> int:
@@ -107,6 +109,7 @@ def model_footprint(paths: list[Path]) -> ModelFootprint:
         slot_bytes=slot,
         kv_bytes_per_token=kv_bytes_per_token(first),
         context_length=first.arch_value("context_length"),
+        d_model=int(first.arch_value("embedding_length", 0) or 0),
     )
 
 
@@ -141,7 +144,9 @@ def fit(fp: ModelFootprint, machine: MachineInfo, ctx: int = 0, vram_budget: int
     if vram_budget is None:
         return _fit_cpu(fp, machine, ctx, kv)
     staging = staging_slots(fp.n_expert_used) * fp.slot_bytes if fp.n_expert else 0
-    vram_needed = fp.dense_bytes + kv + VRAM_RESERVE + staging
+    # a MoE model's cache leaves room for one PREFILL_TARGET-token chunk, as the engine does on a GPU
+    prefill = PREFILL_TARGET * prefill_bytes_per_token(fp.d_model, fp.n_expert_used) if fp.n_expert else 0
+    vram_needed = fp.dense_bytes + kv + VRAM_RESERVE + staging + prefill
     ram_needed = fp.expert_bytes + RAM_HEADROOM
     spare = vram_budget - vram_needed
     per_slot = fp.expert_bytes // fp.n_expert if fp.n_expert else 0  # one expert in every layer
@@ -156,7 +161,8 @@ def fit(fp: ModelFootprint, machine: MachineInfo, ctx: int = 0, vram_budget: int
         f.ok = False
         f.reasons.append(
             f"VRAM: needs {_g(vram_needed)} (dense weights {_g(fp.dense_bytes)} + KV for {ctx} tokens {_g(kv)} "
-            f"+ reserve {_g(VRAM_RESERVE)} + staging {_g(staging)}), budget is {_g(vram_budget)}"
+            f"+ reserve {_g(VRAM_RESERVE)} + staging {_g(staging)} + a {PREFILL_TARGET}-token prefill chunk "
+            f"{_g(prefill)}), budget is {_g(vram_budget)}"
         )
         f.fixes.append(f"{_g(-spare)} more free VRAM (--vram-gb sets the budget)")
         room = vram_budget - (vram_needed - kv)
