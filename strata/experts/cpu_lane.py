@@ -290,7 +290,7 @@ class CpuLane:
     def run_experts(self, layer: int, x: torch.Tensor, experts: list[int]) -> torch.Tensor:
         """One token x [1, d] (host) through each of `experts` -> [len(experts), d] float32."""
         if self.kernel[layer] == "native":  # all of them in one call (one thread-pool region)
-            return self._native[layer](experts, x.reshape(1, -1), rows=np.zeros(len(experts), dtype=np.int64))
+            return self._native[layer](experts, x.reshape(1, -1), rows=[0] * len(experts))
         xin = x.to(torch.bfloat16) if self.kernel[layer] == "int4" else x
         return torch.cat([self.expert(layer, e, xin) for e in experts])
 
