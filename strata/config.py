@@ -37,6 +37,7 @@ class ExpertConfig:
     expert_profile_save: str | None = None
     profile: bool = False
     slots: int | None = None  # explicit slot count per layer (overrides the budget; tests and sweeps)
+    prefetch_next: bool = False  # decode: start copying the next MoE layer's predicted misses during this layer
 
     def validate(self) -> None:
         if self.mode not in ("auto", "resident", "tiered"):

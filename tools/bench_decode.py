@@ -227,6 +227,8 @@ def measure(a, lm, eng, experts, dev, label, load_s) -> None:
                       file=sys.stderr)
     if getattr(experts, "cache", None) is not None:
         res["admitted_from_staging"] = experts.cache.promoted  # cumulative: swaps that needed no PCIe copy
+        if experts.ex.prefetch_next:  # cumulative: next-layer experts copied ahead, and routed to when they came
+            res["prefetch_next"] = {"issued": experts.prefetch_issued, "used": experts.prefetch_used}
     if getattr(experts, "tuner", None) is not None:
         res["plan_tuner"] = experts.tuner.report()
     if dev.type == "cuda":

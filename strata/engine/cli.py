@@ -43,6 +43,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="CPU lane kernel: native (Q4_K read in place, compiled once), int4 (torch, repacked copy), "
                         "ref (exact float32); auto: native, else int4, for bf16/f16, ref for float32")
     g.add_argument("--cpu-plan", default="auto", help="misses -> CPU share, e.g. 011223344, or auto (measured)")
+    g.add_argument("--expert-prefetch", action=argparse.BooleanOptionalAction, default=e.prefetch_next,
+                   help="decode: predict the next MoE layer's experts with its router on this layer's input and "
+                        "start copying the uncached ones during this layer (off by default: not yet measured)")
     g.add_argument("--cpu-plan-tune", action=argparse.BooleanOptionalAction, default=e.plan_tune,
                    help="with --cpu-plan auto, time the measured plan, all-PCIe and all-CPU over the first decode "
                         "steps and keep the fastest (default: on with a GPU)")
@@ -67,6 +70,7 @@ def engine_config(args) -> "EngineConfig":
         promote_min=args.promote_min, swap_budget=args.swap_budget, low_ram=args.low_ram,
         expert_profile=args.expert_profile, expert_profile_save=args.expert_profile_save, profile=args.profile,
         slots=args.expert_slots, plan_tune=getattr(args, "cpu_plan_tune", True),
+        prefetch_next=getattr(args, "expert_prefetch", False),
     )
     cfg = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype,
                        ctx_size=args.ctx_size, prefill_chunk=args.prefill_chunk,

@@ -228,9 +228,12 @@ class ExpertCache:
 
     # --- copies -----------------------------------------------------------------------------------------------
     def begin_copies(self) -> None:
-        """Order the next copies after the main stream's work issued so far (readers of victim/staging slots)."""
+        """Order the next copies after the main stream's work issued so far (readers of victim/staging slots) and
+        after the urgent stream's copies (a decode prefetch nobody waited for may still be writing a staging
+        slot)."""
         if self.cuda:
             self.side.wait_stream(torch.cuda.current_stream(self.device))
+            self.side.wait_stream(self.urgent)
 
     def copy(self, layer: int, expert: int, slot: int):
         """Copy one expert from the host store into `slot` of its layer's pool; returns its event (CUDA) or None."""

@@ -104,6 +104,14 @@ class TieredExperts:
         self._chunk = False  # this layer call is a chunk (grouped calls, chunk buffers)
         self.recorder = None  # set by DecodeGraphs: one-token steps then take the graph-piece path
         self.graphed = GraphedDecode(self)
+        self.next_moe: dict[int, object] = {}  # MoE layer -> the next MoE layer's block (its router predicts)
+        self.prefetch_issued = self.prefetch_used = 0  # decode: next-layer experts copied ahead / then routed to
+
+    def set_routers(self, moes: dict) -> None:
+        """The model's MoE blocks by layer: with --expert-prefetch, each layer's input also goes through the next
+        MoE layer's router (`route_ids`) to start that layer's likely misses early."""
+        layers = sorted(moes)
+        self.next_moe = {a: moes[b] for a, b in zip(layers, layers[1:])}
 
     # --- set-up -----------------------------------------------------------------------------------------------
     def setup(self, k: int, act_bytes: int = 0) -> None:
@@ -113,6 +121,8 @@ class TieredExperts:
             return
         self.k = k
         staging = self._staging or max(2 * k, 8)
+        if self.ex.prefetch_next:  # a layer's own stream, the next layer's prefetch and its own: 3k in flight
+            staging = max(staging, 4 * k)
         slots, chunk = budget_slots(self.ex, self.store, self.device, staging, act_bytes)
         L, E = len(self.layer_ids), self.n_experts
         if self.ex.cache_layout == "profile":  # the same bytes, spread over the layers as the profile routes

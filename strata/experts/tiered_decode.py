@@ -48,8 +48,10 @@ class _Buffers:
         self.map_h = torch.zeros(0, dtype=torch.int64, **pin)  # the expert_map row upload buffer
         self.ready = torch.cuda.Event() if cuda else None
         self.cpu_rows: list[int] = []  # rows of ycpu_h written last time (zeroed before the next use)
+        self.pred_h = torch.zeros(P, dtype=torch.int64, **pin)  # the next MoE layer's predicted ids
         self.ids_np = self.ids_h.numpy()  # numpy views of the host buffers, made once (the hand-off is hot)
         self.stage_np = self.stage_h.numpy()
+        self.pred_np = self.pred_h.numpy()
 
 
 class GraphedDecode:
@@ -58,6 +60,10 @@ class GraphedDecode:
     def __init__(self, tiered):
         self.t = tiered
         self.bufs: dict[tuple[int, int], _Buffers] = {}  # (layer index, tokens) -> buffers
+        # --expert-prefetch: layer index -> (expert -> staging slot, copy event) started during the previous
+        # layer's hand-off of the same step (`_step` tells steps apart: a prefill between steps reuses the ring)
+        self.prefetched: dict[int, tuple[int, dict[int, int], object]] = {}
+        self._step = 0
 
     def _bufs(self, li: int, n: int, k: int, x: torch.Tensor) -> _Buffers:
         b = self.bufs.get((li, n))
@@ -76,6 +82,9 @@ class GraphedDecode:
         b.ids_h.copy_(ids.view(-1), non_blocking=True)
         if t.lane is not None:
             b.x_h.copy_(x, non_blocking=True)
+        nxt = t.next_moe.get(layer) if t.ex.prefetch_next and N == 1 else None
+        if nxt is not None:  # the next MoE layer's router on this layer's input: its likely experts
+            b.pred_h.copy_(nxt.route_ids(x).view(-1), non_blocking=True)
         rec.cut(self._ready(b), label="router_shared")
         # piece H: hits from the device map (no host involvement)
         xs = x.repeat_interleave(k, dim=0) if N > 1 else x.expand(k, -1).contiguous()  # [N*k, d]
@@ -107,19 +116,24 @@ class GraphedDecode:
             if b.ready is not None:
                 b.ready.synchronize()  # the routing is on the host; piece H may still be running
             counting = not rec.warmup
-            if li == 0 and counting:
-                t._begin_step(N, graphed=True)
+            if li == 0:
+                self._step += 1
+                if counting:
+                    t._begin_step(N, graphed=True)
             pol, cache = t.policy, t.cache
             # plain Python on a few ids: numpy's per-call costs would dominate (this runs for every layer)
             row = pol.hit_row(li)  # the host mirror, as the device map was when piece H was queued
             ids_l = b.ids_np.tolist()  # [N*k], pair p = token p // k, choice p % k
             hit = [row[e] >= 0 for e in ids_l]
+            got = self.prefetched.pop(li, None)
+            pre, pre_ev = (got[1], got[2]) if got is not None and got[0] == self._step else ({}, None)
+            avail = [h or e in pre for h, e in zip(hit, ids_l)]  # prefetched misses cost the plan nothing
             # each token's misses split by the plan; an expert streamed for one token serves all its pairs
             cpu_pairs: list[int] = []
             streamed: dict[int, int] = {}  # expert -> staging slot (filled below)
             keys = pol.rank_keys(li)  # ranks as the scores do (the coldest misses go to the CPU)
             for tok in range(N):
-                pairs = [p for p in range(tok * k, tok * k + k) if not hit[p]]
+                pairs = [p for p in range(tok * k, tok * k + k) if not avail[p]]
                 if not pairs:
                     continue
                 _, pcie = t.plan.choose([ids_l[p] for p in pairs], keys)
@@ -128,7 +142,7 @@ class GraphedDecode:
             ring = cache.staging_for(layer)
             if len(streamed) > ring:  # more distinct experts than staging slots: the rest go to the CPU
                 streamed = dict(list(streamed.items())[:ring])
-            if t.lane is None and any(not hit[p] and ids_l[p] not in streamed for p in range(N * k)):
+            if t.lane is None and any(not avail[p] and ids_l[p] not in streamed for p in range(N * k)):
                 raise StrataError(f"{N} sequences missed more experts than the {ring} staging slots hold and the "
                                   "plan leaves the CPU lane off; decode fewer sequences per step")
             stage = b.stage_np
@@ -141,6 +155,9 @@ class GraphedDecode:
                 experts = list(streamed)
                 streamed = dict(zip(experts, slots))
                 cache.wait(cache.copy_slots(layer, experts, slots))  # piece B waits for them; the host does not
+            used = 0
+            for e in {e for h, e in zip(hit, ids_l) if not h and e in pre}:  # prefetched during the previous layer
+                streamed.setdefault(e, pre[e])
             for p, e in enumerate(ids_l):
                 if hit[p]:
                     continue
@@ -148,8 +165,14 @@ class GraphedDecode:
                 if s is not None:
                     stage[p] = s
                     n_pcie += 1
+                    used += e in pre
                 else:
                     cpu_pairs.append(p)
+            if used:
+                cache.wait(pre_ev)
+                t.prefetch_used += used
+            if N == 1 and li + 1 < len(t.layer_ids) and t.next_moe.get(layer) is not None and t.ex.prefetch_next:
+                self._prefetch_next(li + 1, b)
             ycpu = b.ycpu_h
             if b.cpu_rows:  # last step's CPU rows back to 0 (one indexed write)
                 ycpu[b.cpu_rows] = 0.0
@@ -196,6 +219,22 @@ class GraphedDecode:
 
         fn.bucket = "cpu_wait"
         return fn
+
+    def _prefetch_next(self, nl: int, b: _Buffers) -> None:
+        """Start copying the next MoE layer's predicted experts that its cache lacks into its staging ring (the
+        urgent stream, as the layer's own misses). The ring holds 4k slots; between this allocation and the next
+        layer's piece B at most 2k more are taken (its own misses, the prefetch after it), so none is reused
+        early. The staging slots' last readers finished before this layer's piece A, as for a layer's own."""
+        t, cache = self.t, self.t.cache
+        nrow = t.policy.hit_row(nl)
+        want = [e for e in dict.fromkeys(b.pred_np.tolist()) if nrow[e] < 0]
+        if not want:
+            return
+        nlayer = t.layer_ids[nl]
+        slots = cache.stage_slots(nlayer, len(want))
+        ev = cache.copy_slots(nlayer, want, slots)
+        self.prefetched[nl] = (self._step, dict(zip(want, slots)), ev)
+        t.prefetch_issued += len(want)
 
     def _upload(self, li: int, b: _Buffers) -> None:
         """expert_map[li] from the policy's row, through this layer's pinned buffer (on the main stream: the

@@ -52,6 +52,11 @@ class MoE:
         self.layer, self.routing, self.router, self.bias = layer, routing, router, bias
         self.experts, self.shared, self.shared_gate = experts, shared, shared_gate
 
+    def route_ids(self, x: torch.Tensor) -> torch.Tensor:
+        """The experts this layer's router picks for x [N, d] -> ids [N, k] (a backend predicting this layer's
+        routing from an earlier layer's input)."""
+        return route(qmatmul(x.float(), self.router), self.routing, self.bias)[0]
+
     def __call__(self, x: torch.Tensor, prof=None) -> torch.Tensor:
         t = prof._mark() if prof else None
         logits = qmatmul(x.float(), self.router)  # [N, E]

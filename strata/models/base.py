@@ -183,5 +183,7 @@ def finish_model(L: WeightLoader, args, blocks, experts: dict, cache_spec: Cache
     for b in blocks:
         if hasattr(b.ffn, "experts"):
             b.ffn.experts = backend
+    if callable(getattr(backend, "set_routers", None)):  # a backend that predicts the next layer's routing
+        backend.set_routers({b.ffn.layer: b.ffn for b in blocks if hasattr(b.ffn, "experts")})
     L.finish()
     return CausalLM(args, embed, blocks, out_norm, head, cache_spec, L.device, dtype, experts=backend)

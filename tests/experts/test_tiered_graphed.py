@@ -80,6 +80,24 @@ def test_graphed_decode_matches_resident(model_path, reference, plan, slots):
         assert ex.cache.promoted > 0
 
 
+@pytest.mark.parametrize("plan", ["000", "011"])
+@pytest.mark.parametrize("slots", [0, 3])
+def test_prefetch_of_the_next_layer_keeps_logits(model_path, reference, plan, slots):
+    """--expert-prefetch: the next MoE layer's router on this layer's input picks experts that are copied into
+    the staging ring ahead; the ones the next layer routes to are taken from there (counted as PCIe), the
+    logits stay those of the all-resident model."""
+    eng = _engine(model_path, True, slots=slots, cpu_plan=plan, prefetch_next=True)
+    ex = eng.model.experts
+    out = _logits(eng)
+    assert (out - reference).abs().max().item() <= 1e-5
+    assert ex.next_moe and ex.cache.staging_for(ex.layer_ids[0]) >= 4 * 2  # 4k staging slots
+    assert ex.prefetch_issued > 0 and 0 < ex.prefetch_used <= ex.prefetch_issued
+    s = ex.stats
+    assert s.hits + s.cpu + s.pcie == s.lookups
+    if plan == "011":  # a prefetched miss is not the CPU's: with one miss the plan would have sent it there
+        assert s.pcie >= ex.prefetch_used
+
+
 def test_graphed_generation_equals_eager_tiered(model_path):
     ids = list(range(3, 40))
     gen = [list(_engine(model_path, g, slots=3, cpu_plan="011").generate(ids, SamplingParams(temperature=0), 24))
@@ -126,10 +144,11 @@ def test_cuda_graphed_batch_matches_resident(model_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("plan,slots", [("012", 0), ("000", 0), ("011", 3), ("001", 8)])
-def test_cuda_graphed_tiered_matches_resident(model_path, plan, slots):
+@pytest.mark.parametrize("plan,slots,prefetch", [("012", 0, False), ("000", 0, False), ("011", 3, False),
+                                                 ("001", 8, False), ("000", 0, True), ("011", 3, True)])
+def test_cuda_graphed_tiered_matches_resident(model_path, plan, slots, prefetch):
     ref = _logits(_cuda_engine(model_path, False, mode="resident"), 40).float().cpu()
-    eng = _cuda_engine(model_path, True, slots=slots, cpu_plan=plan)
+    eng = _cuda_engine(model_path, True, slots=slots, cpu_plan=plan, prefetch_next=prefetch)
     out = _logits(eng, 40).float().cpu()  # 12 + 40 tokens: the first window's pieces replayed 39 times
     assert ((out - ref).abs().max() / ref.abs().max()).item() <= 1e-5
     assert eng.graphs.graphs, "no graph was captured"
@@ -139,6 +158,8 @@ def test_cuda_graphed_tiered_matches_resident(model_path, plan, slots):
     assert s.hits + s.cpu + s.pcie == s.lookups
     if slots == 8:
         assert s.hits > 0
+    if prefetch:  # the predicted experts were copied ahead on the urgent stream and some were used
+        assert 0 < eng.model.experts.prefetch_used <= eng.model.experts.prefetch_issued
 
 
 def _concurrent(path, graphs: bool, prompts, n=10, **ex):
