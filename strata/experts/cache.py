@@ -121,7 +121,7 @@ def budget_slots(cfg: ExpertConfig, store: ExpertStore, device: torch.device, st
     --vram-reserve-mib, or the free VRAM.
 
     GPU: the budget is the whole process's (`--vram-gb`), less everything the device holds now (the CUDA
-    context, which torch's allocator does not see — ~0.5 GiB on the H200 machine —, dense weights, KV and buffers
+    context, which torch's allocator does not see (a few hundred MiB), dense weights, KV and buffers
     allocated before the cache), the reserve (decode activations, graphs, allocator slack), `act_bytes` (one
     prefill chunk's activations) and the staging ring; without --vram-gb, all free VRAM less the same. CPU: the
     pool lives in RAM; --vram-gb less the reserve sizes it as it would on a GPU, and without a budget every

@@ -22,7 +22,9 @@ MiB = 1 << 20
 # These mirror the engine's sizing (strata.experts.cache.budget_slots; tests hold them equal): without
 # importing torch, `strata check` answers in a moment.
 VRAM_RESERVE = 700 * MiB  # ExpertConfig.vram_reserve_mib: decode activations, graphs, allocator slack
-# (the engine also leaves out what the device holds when it sizes the cache: its own CUDA context, ~0.5 GiB)
+# The engine also leaves out what the device holds when it sizes the cache, its own CUDA context included, which
+# it measures at start-up; check, before any context exists, counts this estimate for it.
+CUDA_CONTEXT_ESTIMATE = 512 * MiB
 DEFAULT_CTX = 8192  # EngineConfig.ctx_size 0 = min(the model's context, 8192)
 
 
@@ -146,7 +148,7 @@ def fit(fp: ModelFootprint, machine: MachineInfo, ctx: int = 0, vram_budget: int
     staging = staging_slots(fp.n_expert_used) * fp.slot_bytes if fp.n_expert else 0
     # a MoE model's cache leaves room for one PREFILL_TARGET-token chunk, as the engine does on a GPU
     prefill = PREFILL_TARGET * prefill_bytes_per_token(fp.d_model, fp.n_expert_used) if fp.n_expert else 0
-    vram_needed = fp.dense_bytes + kv + VRAM_RESERVE + staging + prefill
+    vram_needed = fp.dense_bytes + kv + VRAM_RESERVE + staging + prefill + CUDA_CONTEXT_ESTIMATE
     ram_needed = fp.expert_bytes + RAM_HEADROOM
     spare = vram_budget - vram_needed
     per_slot = fp.expert_bytes // fp.n_expert if fp.n_expert else 0  # one expert in every layer
@@ -162,7 +164,7 @@ def fit(fp: ModelFootprint, machine: MachineInfo, ctx: int = 0, vram_budget: int
         f.reasons.append(
             f"VRAM: needs {_g(vram_needed)} (dense weights {_g(fp.dense_bytes)} + KV for {ctx} tokens {_g(kv)} "
             f"+ reserve {_g(VRAM_RESERVE)} + staging {_g(staging)} + a {PREFILL_TARGET}-token prefill chunk "
-            f"{_g(prefill)}), budget is {_g(vram_budget)}"
+            f"{_g(prefill)} + the CUDA context, about {_g(CUDA_CONTEXT_ESTIMATE)}), budget is {_g(vram_budget)}"
         )
         f.fixes.append(f"{_g(-spare)} more free VRAM (--vram-gb sets the budget)")
         room = vram_budget - (vram_needed - kv)

@@ -12,6 +12,7 @@ from strata.experts.sizing import chunk_stage_experts
 from strata.hub.check import (
     DEFAULT_CTX,
     RAM_HEADROOM,
+    CUDA_CONTEXT_ESTIMATE,
     VRAM_RESERVE,
     GiB,
     MiB,
@@ -139,13 +140,13 @@ PER_SLOT = 16 * GiB // 128  # one slot per layer holds one expert of each of the
 def test_fit_gpu():
     f = fit(QWEN, _machine(vram_free=8 * GiB), ctx=32768)
     kv = 32768 * 98304
-    need = int(1.5 * GiB) + kv + VRAM_RESERVE + STAGING
+    need = int(1.5 * GiB) + kv + VRAM_RESERVE + STAGING + CUDA_CONTEXT_ESTIMATE
     assert (f.mode, f.ok, f.kv_bytes, f.vram_needed, f.vram_budget) == ("gpu", True, kv, need, 8 * GiB)
     spare = 8 * GiB - need
     chunk = 2 * chunk_stage_experts(spare, QWEN.slot_bytes, 128) * QWEN.slot_bytes  # the prefill chunk buffers
     assert chunk == 2 * (spare // 16 // QWEN.slot_bytes) * QWEN.slot_bytes  # a sixteenth of the spare each
-    assert f.slots == (spare - chunk) // PER_SLOT == 19
-    assert f.slots_share == pytest.approx(19 / 128)
+    assert f.slots == (spare - chunk) // PER_SLOT == 15
+    assert f.slots_share == pytest.approx(15 / 128)
     assert f.ram_needed == 16 * GiB + RAM_HEADROOM
     # a budget past the whole model: every expert gets a slot, no more
     assert fit(QWEN, _machine(vram_free=8 * GiB), 4096, vram_budget=40 * GiB).slots == 128
@@ -171,7 +172,7 @@ def test_fit_gpu_leaves_room_for_a_prefill_chunk():
 def test_fit_vram_short_says_what_fits():
     f = fit(QWEN, _machine(vram_free=8 * GiB), ctx=65536, vram_budget=6 * GiB)
     assert not f.ok and f.slots == 0 and "VRAM: needs" in f.reasons[0]
-    max_ctx = (6 * GiB - int(1.5 * GiB) - VRAM_RESERVE - STAGING) // 98304
+    max_ctx = (6 * GiB - int(1.5 * GiB) - VRAM_RESERVE - STAGING - CUDA_CONTEXT_ESTIMATE) // 98304
     assert f"-c {max_ctx // 256 * 256} fits" in " ".join(f.fixes)
     assert fit(QWEN, _machine(), max_ctx // 256 * 256, vram_budget=6 * GiB).ok
     assert not fit(QWEN, _machine(), max_ctx + 1, vram_budget=6 * GiB).ok
@@ -199,7 +200,7 @@ def test_fit_cpu_only():
 
 
 def test_fit_few_slots_noted():
-    need = QWEN.dense_bytes + 4096 * 98304 + VRAM_RESERVE + STAGING
+    need = QWEN.dense_bytes + 4096 * 98304 + VRAM_RESERVE + STAGING + CUDA_CONTEXT_ESTIMATE
     f = fit(QWEN, _machine(), 4096, vram_budget=need + 6 * PER_SLOT)  # 3/4 of a slot go to the chunk buffers
     assert f.ok and f.slots == 5 and "fewer than the 8 experts each token uses" in f.notes[0]
 
