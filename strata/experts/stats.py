@@ -69,6 +69,15 @@ class ExpertStats:
         self.tokens += tokens
         self.layers += layers
 
+    def add_layer(self, hits: int, cpu: int, pcie: int, layers: int) -> None:
+        """`add` for the decode hand-off (every layer of every step): lookups = hits + cpu + pcie by
+        construction, no keyword parsing or checks."""
+        self.lookups += hits + cpu + pcie
+        self.hits += hits
+        self.cpu += cpu
+        self.pcie += pcie
+        self.layers += layers
+
     def merge(self, other: ExpertStats) -> None:
         """Add another's counts into this one (e.g. a finished request into the total)."""
         for name in _COUNTERS:

@@ -52,6 +52,7 @@ class _Buffers:
         self.ids_np = self.ids_h.numpy()  # numpy views of the host buffers, made once (the hand-off is hot)
         self.stage_np = self.stage_h.numpy()
         self.pred_np = self.pred_h.numpy()
+        self.stage_dirty = False  # stage_h holds slots from its last use (reset to -1 before the next)
 
 
 class GraphedDecode:
@@ -125,76 +126,24 @@ class GraphedDecode:
             row = pol.hit_row(li)  # the host mirror, as the device map was when piece H was queued
             ids_l = b.ids_np.tolist()  # [N*k], pair p = token p // k, choice p % k
             hit = [row[e] >= 0 for e in ids_l]
-            got = self.prefetched.pop(li, None)
-            pre, pre_ev = (got[1], got[2]) if got is not None and got[0] == self._step else ({}, None)
-            avail = [h or e in pre for h, e in zip(hit, ids_l)]  # prefetched misses cost the plan nothing
-            # each token's misses split by the plan; an expert streamed for one token serves all its pairs
-            cpu_pairs: list[int] = []
-            streamed: dict[int, int] = {}  # expert -> staging slot (filled below)
-            keys = pol.rank_keys(li)  # ranks as the scores do (the coldest misses go to the CPU)
-            for tok in range(N):
-                pairs = [p for p in range(tok * k, tok * k + k) if not avail[p]]
-                if not pairs:
-                    continue
-                _, pcie = t.plan.choose([ids_l[p] for p in pairs], keys)
-                for e in pcie:
-                    streamed.setdefault(e, -1)
-            ring = cache.staging_for(layer)
-            if len(streamed) > ring:  # more distinct experts than staging slots: the rest go to the CPU
-                streamed = dict(list(streamed.items())[:ring])
-            if t.lane is None and any(not avail[p] and ids_l[p] not in streamed for p in range(N * k)):
-                raise StrataError(f"{N} sequences missed more experts than the {ring} staging slots hold and the "
-                                  "plan leaves the CPU lane off; decode fewer sequences per step")
-            stage = b.stage_np
-            stage.fill(-1)
-            n_pcie = 0
-            if streamed:
-                # Staging slots were last read by an earlier layer's piece B, which finished before piece A
-                # of this layer (we waited for it), so the copies need not wait for the main stream.
-                slots = cache.stage_slots(layer, len(streamed))
-                experts = list(streamed)
-                streamed = dict(zip(experts, slots))
-                cache.wait(cache.copy_slots(layer, experts, slots))  # piece B waits for them; the host does not
-            used = 0
-            for e in {e for h, e in zip(hit, ids_l) if not h and e in pre}:  # prefetched during the previous layer
-                streamed.setdefault(e, pre[e])
-            for p, e in enumerate(ids_l):
-                if hit[p]:
-                    continue
-                s = streamed.get(e)
-                if s is not None:
-                    stage[p] = s
-                    n_pcie += 1
-                    used += e in pre
-                else:
-                    cpu_pairs.append(p)
-            if used:
-                cache.wait(pre_ev)
-                t.prefetch_used += used
-            if N == 1 and li + 1 < len(t.layer_ids) and t.next_moe.get(layer) is not None and t.ex.prefetch_next:
+            got = self.prefetched.pop(li, None) if self.prefetched else None
+            if all(hit):  # the common step: nothing to stream or compute here, only the bookkeeping
+                streamed, n_cpu, n_pcie = {}, 0, 0
+                if b.stage_dirty:
+                    b.stage_np.fill(-1)
+                    b.stage_dirty = False
+                if b.cpu_rows:  # last step's CPU rows back to 0
+                    b.ycpu_h[b.cpu_rows] = 0.0
+                    b.cpu_rows = []
+            else:
+                pre, pre_ev = (got[1], got[2]) if got is not None and got[0] == self._step else ({}, None)
+                streamed, n_cpu, n_pcie = self._serve_misses(li, layer, N, k, b, ids_l, hit, pre, pre_ev)
+            if N == 1 and t.ex.prefetch_next and li + 1 < len(t.layer_ids) and t.next_moe.get(layer) is not None:
                 self._prefetch_next(li + 1, b)
-            ycpu = b.ycpu_h
-            if b.cpu_rows:  # last step's CPU rows back to 0 (one indexed write)
-                ycpu[b.cpu_rows] = 0.0
-            b.cpu_rows = []
-            if cpu_pairs:  # computed now, on the host, while piece H runs on the GPU
-                if N == 1:
-                    out = t.lane.run_experts(layer, b.x_h, [ids_l[p] for p in cpu_pairs])  # [n, d] float32
-                    rows = cpu_pairs
-                else:
-                    by_expert: dict[int, list[int]] = {}
-                    for p in cpu_pairs:
-                        by_expert.setdefault(ids_l[p], []).append(p)
-                    jobs = [(e, torch.tensor([p // k for p in ps])) for e, ps in by_expert.items()]
-                    out = t.lane.run(layer, b.x_h, jobs)  # [n, d] float32 in job order
-                    rows = [p for ps in by_expert.values() for p in ps]
-                ycpu[rows] = out
-                b.cpu_rows = rows
             if counting:
-                n_hit = sum(hit)
-                counts = dict(hits=n_hit, cpu=len(cpu_pairs), pcie=n_pcie, layers=N)
-                t.stats.add(**counts)
-                t.request.add(**counts)
+                n = N * k
+                t.stats.add_layer(n - n_cpu - n_pcie, n_cpu, n_pcie, N)
+                t.request.add_layer(n - n_cpu - n_pcie, n_cpu, n_pcie, N)
 
             def post():  # after piece B is launched: learn from this routing, admit, refresh the map
                 pol.observe(li, ids_l)
@@ -210,8 +159,8 @@ class GraphedDecode:
                         else:
                             t._pending[li][sw.admit] = cache.copy(layer, sw.admit, dst)
                     if counting:
-                        t.stats.add(swaps=len(swaps))
-                        t.request.add(swaps=len(swaps))
+                        t.stats.swaps += len(swaps)
+                        t.request.swaps += len(swaps)
                 if t._poll(li, upload=False) or swaps:  # copies done (always, on the host): ready from now
                     self._upload(li, b)
 
@@ -219,6 +168,78 @@ class GraphedDecode:
 
         fn.bucket = "cpu_wait"
         return fn
+
+    def _serve_misses(self, li: int, layer: int, N: int, k: int, b: _Buffers, ids_l: list, hit: list, pre: dict,
+                      pre_ev) -> tuple[dict[int, int], int, int]:
+        """A hand-off with misses: split each token's misses by the plan, start the PCIe share into staging slots
+        (or take them from the previous layer's prefetch), compute the CPU share now while piece H runs, write
+        the staging table and the CPU outputs for piece B. Returns (expert -> staging slot, CPU pairs, PCIe
+        pairs)."""
+        t = self.t
+        pol, cache = t.policy, t.cache
+        avail = [h or e in pre for h, e in zip(hit, ids_l)]  # prefetched misses cost the plan nothing
+        # each token's misses split by the plan; an expert streamed for one token serves all its pairs
+        cpu_pairs: list[int] = []
+        streamed: dict[int, int] = {}  # expert -> staging slot (filled below)
+        keys = pol.rank_keys(li)  # ranks as the scores do (the coldest misses go to the CPU)
+        for tok in range(N):
+            pairs = [p for p in range(tok * k, tok * k + k) if not avail[p]]
+            if not pairs:
+                continue
+            _, pcie = t.plan.choose([ids_l[p] for p in pairs], keys)
+            for e in pcie:
+                streamed.setdefault(e, -1)
+        ring = cache.staging_for(layer)
+        if len(streamed) > ring:  # more distinct experts than staging slots: the rest go to the CPU
+            streamed = dict(list(streamed.items())[:ring])
+        if t.lane is None and any(not avail[p] and ids_l[p] not in streamed for p in range(N * k)):
+            raise StrataError(f"{N} sequences missed more experts than the {ring} staging slots hold and the "
+                              "plan leaves the CPU lane off; decode fewer sequences per step")
+        stage = b.stage_np
+        stage.fill(-1)
+        n_pcie = 0
+        if streamed:
+            # Staging slots were last read by an earlier layer's piece B, which finished before piece A
+            # of this layer (we waited for it), so the copies need not wait for the main stream.
+            slots = cache.stage_slots(layer, len(streamed))
+            experts = list(streamed)
+            streamed = dict(zip(experts, slots))
+            cache.wait(cache.copy_slots(layer, experts, slots))  # piece B waits for them; the host does not
+        used = 0
+        for e in {e for h, e in zip(hit, ids_l) if not h and e in pre}:  # prefetched during the previous layer
+            streamed.setdefault(e, pre[e])
+        for p, e in enumerate(ids_l):
+            if hit[p]:
+                continue
+            s = streamed.get(e)
+            if s is not None:
+                stage[p] = s
+                n_pcie += 1
+                used += e in pre
+            else:
+                cpu_pairs.append(p)
+        b.stage_dirty = n_pcie > 0
+        if used:
+            cache.wait(pre_ev)
+            t.prefetch_used += used
+        ycpu = b.ycpu_h
+        if b.cpu_rows:  # last step's CPU rows back to 0 (one indexed write)
+            ycpu[b.cpu_rows] = 0.0
+        b.cpu_rows = []
+        if cpu_pairs:  # computed now, on the host, while piece H runs on the GPU
+            if N == 1:
+                out = t.lane.run_experts(layer, b.x_h, [ids_l[p] for p in cpu_pairs])  # [n, d] float32
+                rows = cpu_pairs
+            else:
+                by_expert: dict[int, list[int]] = {}
+                for p in cpu_pairs:
+                    by_expert.setdefault(ids_l[p], []).append(p)
+                jobs = [(e, torch.tensor([p // k for p in ps])) for e, ps in by_expert.items()]
+                out = t.lane.run(layer, b.x_h, jobs)  # [n, d] float32 in job order
+                rows = [p for ps in by_expert.values() for p in ps]
+            ycpu[rows] = out
+            b.cpu_rows = rows
+        return streamed, len(cpu_pairs), n_pcie
 
     def _prefetch_next(self, nl: int, b: _Buffers) -> None:
         """Start copying the next MoE layer's predicted experts that its cache lacks into its staging ring (the
