@@ -217,8 +217,10 @@ class _SlotPolicy:
         eligible = self._eligible
         cands = [e for e in touched if where[e] < 0 and eligible(keys[e])]
         touched.clear()
+        if not cands:  # every routed expert is cached (the common decode step)
+            return []
         budget = self.budget_left(layer)
-        if not cands or budget == 0:
+        if budget == 0:
             return []
         cands.sort(key=lambda e: (-keys[e], e))  # hottest first
         del cands[budget:]

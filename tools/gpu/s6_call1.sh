@@ -11,7 +11,3 @@ timeout 60 $B --vram-gb 8 --cpu-plan 000000000 --label t8_pcie 2>/dev/null | cut
 timeout 90 $B --vram-gb 8 --temperature 1 --label t8_sampled_auto 2>/dev/null | cut -c1-1800
 timeout 60 $B --vram-gb 16 --cpu-plan 000000000 --prefill-only 4096 --label t16 2>/dev/null | cut -c1-1500
 timeout 70 $B --vram-gb 4 --cpu-plan 000000000 --label t4 2>/dev/null | cut -c1-1500
-# --expert-prefetch (the next layer's predicted misses copied during this layer; off by default), A/B in one load each
-timeout 150 $B --vram-gb 8 --temperature 1 --sweep 000000000 --label t8_sampled_noprefetch 2>/dev/null | cut -c1-1500
-timeout 150 $B --vram-gb 8 --temperature 1 --cpu-plan 000000000 --expert-prefetch --label t8_sampled_prefetch 2>/dev/null | cut -c1-1700
-timeout 100 $B --vram-gb 8 --cpu-plan 000000000 --expert-prefetch --label t8_prefetch 2>/dev/null | cut -c1-1700
