@@ -406,3 +406,54 @@ def test_tuner_sets_the_lane_threads(model_path, reference):
         assert ex.tuner.done
     finally:
         torch.set_num_threads(before)
+
+
+_BUDGET_CHILD = r"""
+import subprocess, sys
+import torch
+from strata.config import EngineConfig, ExpertConfig
+from strata.engine.engine import Engine
+from strata.engine.loader import load_model
+from strata.engine.sampler import SamplingParams
+
+def used_mib():  # the whole device as the driver reports it, without a CUDA context of our own
+    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+                         capture_output=True, text=True, check=True).stdout
+    return float(out.split()[0])
+
+path, allowance = sys.argv[1], float(sys.argv[2])
+base = used_mib()  # before this process touches CUDA: its context is to come out of the budget
+cfg = EngineConfig(model=path, device="cuda", dtype="bfloat16",
+                   experts=ExpertConfig(mode="tiered", vram_gb=base / 1024 + allowance, cpu_plan="00000"))
+eng = Engine(load_model(path, cfg, with_tokenizer=False), n_slots=1)
+out = list(eng.generate([(5 * i + 1) % 256 for i in range(200)], SamplingParams(temperature=0), 24))
+torch.cuda.synchronize()
+print(eng.model.experts.cache.slots, len(out), (used_mib() - base) / 1024)
+"""
+
+
+@pytest.mark.gpu
+def test_cuda_budget_holds_the_whole_process(tmp_path):
+    """--vram-gb is the whole process's budget: a fresh process (its own CUDA context, which torch's allocator
+    does not count) loads a model whose experts exceed what is left, prefills and decodes, and the device then
+    holds no more than the budget allowed it — context, dense weights, KV, cache, a prefill chunk's activations
+    and the reserve all inside. Measured with nvidia-smi, outside any CUDA context."""
+    import shutil
+    import subprocess
+    import sys
+
+    import gguf as _gguf
+
+    from tests.experts.tiered_model import write_moe_gguf
+
+    if shutil.which("nvidia-smi") is None:
+        pytest.skip("needs nvidia-smi to read the device's memory from outside the process")
+    path = write_moe_gguf(tmp_path / "big.gguf", n_layers=4, d=1024, ff=1024, n_experts=128, k=4, vocab=256,
+                          heads=8, kv_heads=4, head_dim=128, expert_type=_gguf.GGMLQuantizationType.Q4_K)
+    allowance = 2.0  # GiB for the child: its context, ~50 MB dense, reserve, prefill chunk, part of 906 MB experts
+    r = subprocess.run([sys.executable, "-c", _BUDGET_CHILD, str(path), str(allowance)], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    slots, n_out, used_gib = r.stdout.split()[-3:]
+    assert 0 < int(slots) < 128 and int(n_out) == 24  # the budget, not the model, limited the cache
+    assert float(used_gib) <= allowance, f"the process used {float(used_gib):.2f} GiB of its {allowance} GiB budget"
