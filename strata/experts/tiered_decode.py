@@ -2,14 +2,19 @@
 
 Per MoE layer the step is cut into three pieces around two host hand-offs:
 
-    piece A (GPU)   ... router -> ids; ids and x copied into this layer's pinned host buffers
+    piece A (GPU)   ... router -> ids; ids and x copied into this layer's pinned host buffers (with
+                    --expert-prefetch also the next MoE layer's router on x: its likely experts)
     cut: ready      host records an event (the routing is on the host once it fires)
     piece H (GPU)   hits: every choice from the slot pool through the device expert_map (misses give 0)
-    cut: handoff    host waits for `ready` (not for H), reads the ids, splits the misses by the plan:
-                      PCIe share: copied into staging slots (side stream), slots written to a pinned table
+    cut: handoff    host waits for `ready` (not for H), reads the ids; when every one is a hit (the common
+                    step) only the bookkeeping follows; else it splits the misses by the plan:
+                      PCIe share: copied into staging slots (urgent stream; or already there, prefetched
+                        during the previous layer), slots written to a pinned table
                       CPU share: computed now by the CPU lane while H runs, outputs written to a pinned buffer
-                    the main stream waits for the copies; returns `post` (the policy's bookkeeping and the
-                    cache admissions), run after piece B is launched
+                    the main stream waits for the copies; with --expert-prefetch the next layer's predicted
+                    misses start their copies; returns `post` (the policy's bookkeeping and the cache
+                    admissions — from a staging slot on the device when the expert just came up), run after
+                    piece B is launched
     piece B (GPU)   staging table and CPU outputs copied up (captured H2D copies from the pinned buffers);
                     staged experts computed from the pool; y = hits + staged + cpu; combined in routing order
                     ... the next layer's attention, router ...
