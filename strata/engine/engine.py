@@ -20,7 +20,7 @@ import torch
 from strata import StrataError
 from strata.engine.loader import LoadedModel
 from strata.engine.sampler import SamplingParams, sample
-from strata.experts.sizing import PREFILL_TARGET, prefill_bytes_per_token
+from strata.experts.sizing import prefill_bytes_per_token, prefill_chunk_for
 from strata.kv.cache import Segment
 
 _ids = itertools.count(1)
@@ -73,8 +73,9 @@ class Engine:
         if callable(setup):  # size the expert cache from what is left after the KV cache and a prefill chunk
             act = 0
             if self.device.type == "cuda":  # room for a large chunk: each chunk streams the uncached experts once
-                chunk = chunk or PREFILL_TARGET
-                act = chunk * prefill_bytes_per_token(lm.args.d_model, lm.args.n_experts_used)
+                bpt = prefill_bytes_per_token(lm.args.d_model, lm.args.n_experts_used)
+                chunk = chunk or prefill_chunk_for(self._vram_left(), bpt)
+                act = chunk * bpt
             setup(lm.args.n_experts_used, act)
         self.prefill_chunk = chunk or self._default_chunk()
         self.free_slots = list(range(self.n_slots))
@@ -96,6 +97,14 @@ class Engine:
             from strata.engine.graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self.model, self.kv, slot=0, max_batch=self.graph_batch)
+
+    def _vram_left(self) -> int:
+        """Bytes of VRAM the prefill chunk and the expert cache share: free VRAM (or --vram-gb less what the device
+        holds now), less the reserve."""
+        ex = self.lm.cfg.experts
+        free, total = torch.cuda.mem_get_info(self.device)
+        left = free if ex.vram_gb is None else min(free, int(ex.vram_gb * (1 << 30)) - (total - free))
+        return left - ex.vram_reserve_mib * (1 << 20)
 
     def _default_chunk(self) -> int:
         # Largest transient per chunk is the attention score block [H, chunk, ctx] in float32; give it a budget
@@ -188,7 +197,11 @@ class Engine:
         if logits is None:
             t = torch.tensor(toks, device=self.device)
             p = torch.tensor(poss, device=self.device)
-            logits = self.model.forward(t, p, segs, self.kv)  # [len(segs), V]
+            try:
+                logits = self.model.forward(t, p, segs, self.kv)  # [len(segs), V]
+            except torch.OutOfMemoryError:
+                self._out_of_memory(prefill)
+                return self.step()  # the same work again in smaller chunks (KV rows are simply rewritten)
         picks = []
         for i, (s, seg) in enumerate(zip(owners, segs)):
             s.pos += seg.n
@@ -219,6 +232,21 @@ class Engine:
             if s.finished:
                 self.release(s)
         return out
+
+    def _out_of_memory(self, prefill) -> None:
+        """The device ran out within its budget. A prefill chunk's activations are the one large, elastic part:
+        halve the chunk (down to 256 tokens) and go on; anything else is one clear error."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        budget = getattr(getattr(self.lm.cfg, "experts", None), "vram_gb", None)
+        where = f"within --vram-gb {budget:g}" if budget is not None else "on the GPU"
+        if prefill is not None and self.prefill_chunk > 256:
+            self.prefill_chunk //= 2
+            log.warning("strata: out of memory %s during a prefill chunk: chunks of %d tokens from now on "
+                        "(--prefill-chunk sets it)", where, self.prefill_chunk)
+            return
+        raise StrataError(f"out of memory {where}: lower --ctx-size, --parallel or --prefill-chunk, or raise the "
+                          "budget (--vram-gb / --vram-reserve-mib)")
 
     # -- convenience -------------------------------------------------------------------------------------------
     def generate(self, prompt: list[int], params: SamplingParams | None = None, max_tokens: int = 256,

@@ -42,6 +42,25 @@ def make_experts_factory(cfg: EngineConfig):
     return make
 
 
+def expandable_segments() -> None:
+    """Let torch's CUDA allocator grow segments in place (unless PYTORCH_CUDA_ALLOC_CONF says otherwise). With
+    fixed segments a 4K prefill chunk's temporaries left ~1.5 GiB of reserved-but-unused blocks behind on the
+    H200 machine (an 8 GiB budget ended at 9.6 GiB used), which a card of that size does not have. Called before
+    the first weights are allocated (the setting applies to segments made afterwards)."""
+    from strata.config import env
+
+    if env("PYTORCH_CUDA_ALLOC_CONF") or env("PYTORCH_ALLOC_CONF") or env("STRATA_FIXED_SEGMENTS"):
+        return
+    try:
+        setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+        if setter is not None:
+            setter("expandable_segments:True")
+        else:  # older torch
+            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    except (RuntimeError, AttributeError) as e:  # a build without the option: fixed segments, as before
+        log.info("strata: expandable CUDA segments unavailable (%s)", e)
+
+
 def load_model(path: str, cfg: EngineConfig | None = None, with_tokenizer: bool = True) -> LoadedModel:
     cfg = cfg or EngineConfig(model=str(path))
     cfg.validate()
@@ -54,6 +73,7 @@ def load_model(path: str, cfg: EngineConfig | None = None, with_tokenizer: bool 
     if cfg.torch_device.type == "cuda":
         from strata.ops import qgemv
 
+        expandable_segments()
         qgemv.install()
     model = fam.build(g, cfg, make_experts_factory(cfg), max_ctx, args=args)
     lm = LoadedModel(model, g, args, cfg, max_ctx)

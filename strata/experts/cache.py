@@ -150,6 +150,29 @@ def budget_slots(cfg: ExpertConfig, store: ExpertStore, device: torch.device, st
     return int(max(0, min(E, left // per_slot))), chunk
 
 
+OUTSIDE_GROWTH_MIB = 256  # what the driver may still add outside torch after set-up: modules loaded on first use,
+                          # graph executables, cuBLASLt handles
+
+
+def cap_to_budget(device: torch.device, vram_gb: float) -> float:
+    """Hold torch's allocator to the rest of a --vram-gb budget: the budget less what the device holds outside
+    torch (the CUDA context, its modules) and room for that to grow. At the cap torch first frees its cached
+    blocks and retries, so freed prefill temporaries go back instead of the process growing past the budget;
+    only a working set truly larger than the budget fails (out of memory, reported by the engine). Returns the
+    cap in GiB (0: no GPU)."""
+    if device.type != "cuda":
+        return 0.0
+    free, total = torch.cuda.mem_get_info(device)
+    outside = (total - free) - torch.cuda.memory_reserved(device)
+    cap = int(vram_gb * GiB) - outside - OUTSIDE_GROWTH_MIB * MiB
+    if cap <= torch.cuda.memory_reserved(device):
+        raise StrataError(f"--vram-gb {vram_gb:g} leaves nothing for the model: the CUDA context and what is already "
+                          f"loaded take {(total - free) / GiB:.2f} GiB")
+    index = device.index if device.index is not None else torch.cuda.current_device()  # "cuda" names no index
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), index)
+    return cap / GiB
+
+
 class ExpertCache:
     """The slot pools, the device expert_map and the copy machinery for `store`'s layers."""
 

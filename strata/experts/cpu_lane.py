@@ -188,6 +188,10 @@ class CpuLane:
         if threads:
             torch.set_num_threads(threads)
         self.threads = torch.get_num_threads()
+        # a prefill chunk's CPU share is many rows per expert: it runs at the start-up count (what the cost model
+        # measured), not at the fewer threads the decode tuner may pick for one-token GEMVs (on the H200 machine
+        # a 4K prefill at 8 GiB fell from ~6,000 to 2,063 tok/s when its CPU share ran on the tuner's 4 threads)
+        self.full_threads = self.threads
         self.layers, self.dtype = layers, dtype
         self.kernel: dict[int, str] = {}
         self._int4: dict[int, dict[int, _Int4Expert]] = {}
@@ -293,6 +297,17 @@ class CpuLane:
             return self._native[layer](experts, x.reshape(1, -1), rows=[0] * len(experts))
         xin = x.to(torch.bfloat16) if self.kernel[layer] == "int4" else x
         return torch.cat([self.expert(layer, e, xin) for e in experts])
+
+    def run_chunk(self, layer: int, x: torch.Tensor, jobs: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+        """`run` for a prefill chunk's CPU share, at the lane's start-up thread count."""
+        now = self.threads
+        if now == self.full_threads:
+            return self.run(layer, x, jobs)
+        torch.set_num_threads(self.full_threads)
+        try:
+            return self.run(layer, x, jobs)
+        finally:
+            torch.set_num_threads(now)
 
     def run(self, layer: int, x: torch.Tensor, jobs: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
         """jobs: (expert, token indices [n_e]) -> outputs [sum n_e, d] float32 in job order. x [N, d] on the host."""

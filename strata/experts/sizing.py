@@ -19,11 +19,20 @@ PREFILL_TARGET = 4096  # tokens: the prefill chunk a GPU's expert cache leaves r
 
 
 def prefill_bytes_per_token(d_model: int, k: int) -> int:
-    """VRAM one token of a prefill chunk takes on a GPU while a MoE layer runs: its k expert pairs' inputs (bf16)
-    and float32 outputs over the hidden size, and ~32 bytes per hidden unit of the layer's other temporaries
-    (attention is fused: no score block). B1 (hidden 2048, top-8): 164 KB; measured on the H200 machine, a 4K
-    chunk peaked 0.40 GiB above a 1K one (~140 KB a token)."""
-    return int(d_model) * (6 * max(1, int(k)) + 32)
+    """VRAM one token of a prefill chunk takes on a GPU while a layer runs: its k expert pairs' inputs (bf16),
+    float32 outputs and FFN intermediates, the attention and norm temporaries, the dequantized weight chunks'
+    share. Measured on the H200 machine (B1: hidden 2048, top-8): a 4K chunk peaked 1.3 GiB above the weights,
+    KV and expert cache (~330 KB a token); d·(12k + 64) gives 328 KB."""
+    return int(d_model) * (12 * max(1, int(k)) + 64)
+
+
+def prefill_chunk_for(left_bytes: int, bytes_per_token: int) -> int:
+    """The default prefill chunk on a GPU: PREFILL_TARGET tokens, or fewer (multiples of 256, at least 256) when
+    its activations would take more than a third of the VRAM left for the chunk and the expert cache together
+    (`left_bytes`: the budget less the context, dense weights, KV and reserve) — on a small budget the cache
+    matters more than streaming each expert once per 4K tokens."""
+    fit = (max(int(left_bytes), 0) // 3) // max(int(bytes_per_token), 1)
+    return int(max(256, min(PREFILL_TARGET, fit // 256 * 256)))
 
 
 def chunk_stage_experts(left_bytes: int, expert_bytes: int, n_experts: int, cap_mib: float | None = None) -> int:

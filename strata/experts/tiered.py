@@ -34,7 +34,7 @@ import torch
 
 from strata import StrataError
 from strata.config import EngineConfig
-from strata.experts.cache import ExpertCache, budget_slots
+from strata.experts.cache import ExpertCache, budget_slots, cap_to_budget
 from strata.experts.cpu_lane import CpuLane
 from strata.experts.plan import CostModel, CpuPlan
 from strata.experts.policy import make_policy
@@ -132,6 +132,9 @@ class TieredExperts:
             sizes = [self.store.expert_nbytes(i) for i in self.layer_ids]
             slots = layer_slots(prof.counts, sum(slots * b for b in sizes), sizes)
         self.cache = ExpertCache(self.store, slots, staging, self.device, chunk_experts=chunk)
+        if self.cuda and self.ex.vram_gb is not None:
+            cap = cap_to_budget(self.device, self.ex.vram_gb)
+            log.info("strata: torch's allocator held to %.2f GiB of the %g GiB budget", cap, self.ex.vram_gb)
         kw = dict(swap_budget=self.ex.swap_budget)
         if self.ex.cache_policy == "lfu-decay":
             kw["promote_min"] = self.ex.promote_min
@@ -369,7 +372,8 @@ class TieredExperts:
             t_cpu = self._mark() if self.profiling else None
             groups = self._groups(ids_np, ~hit, lambda e: e, only=cpu_experts)
             jobs = [(e, torch.from_numpy(tok)) for e, tok, _ in groups]
-            out = self.lane.run(layer, x_h, jobs)  # [P, d] float32 on the host
+            run = self.lane.run_chunk if N > 1 else self.lane.run  # a chunk at the lane's full thread count
+            out = run(layer, x_h, jobs)  # [P, d] float32 on the host
             idx = np.concatenate([p for _, _, p in groups])
             n_cpu = len(idx)
             if self.profiling:

@@ -11,8 +11,8 @@ with greedy text: the median step had no miss, one step in ten had over a hundre
 about which steps it drew than about its plan: a median ignored the misses altogether (every candidate's was
 8.33 ms), and a mean favoured whoever drew the quiet steps. Given each step's miss count, the tuner fits
 step time = base + cost_per_miss[candidate] · misses over all timed steps (one base shared by all) and keeps the
-cheapest cost per miss; without counts, or when a candidate saw too few misses to tell, the lowest mean step
-time. (With the first version — two
+cheapest cost per miss among the candidates that drew enough misses to be priced (trialling on, up to 3x the
+rounds, while some drew too few); without counts, or with fewer than two priced, the lowest mean step time. (With the first version — two
 rounds in one order after 8 steps — the last candidate of each round looked 25% faster than it was, while the
 cache warmed up.) Steps are timed host-side between the starts of consecutive decode steps; intervals that include anything
 else (a prefill chunk, an idle server) are dropped.
@@ -121,7 +121,7 @@ class PlanTuner:
             n = len(self.candidates)
             if self._slot >= self.rounds * n and self._slot % n == 0:
                 # misses counted but some candidate drew too few of them to price: more rounds, up to 3x
-                if self._counted() and self.per_miss() is None and self._slot < 3 * self.rounds * n:
+                if self._counted() and not all(self.priced()) and self._slot < 3 * self.rounds * n:
                     return self.plan
                 self._finish()
         return self.plan
@@ -133,29 +133,39 @@ class PlanTuner:
     def _counted(self) -> bool:
         return all(m >= 0 for ms in self.misses for m in ms)
 
+    def priced(self) -> list[bool]:
+        """Which candidates drew enough misses (one a step on average) for a cost per miss to be measured."""
+        return [bool(ms) and sum(ms) >= len(ms) for ms in self.misses]
+
     def per_miss(self) -> tuple[float, list[float]] | None:
-        """The joint fit (base seconds, [seconds per miss of each candidate]); None without miss counts for
-        every step, or when a candidate averaged under one miss per step (its cost per miss is not measured)."""
-        rows = [(c, t, m) for c in range(len(self.candidates)) for t, m in zip(self.times[c], self.misses[c])]
-        if not rows or not self._counted():
+        """The joint fit (base seconds, [seconds per miss of each candidate; inf for one that drew too few misses
+        to be priced]) over the priced candidates' steps; None without miss counts for every step, or with fewer
+        than two priced candidates."""
+        if not self._counted():
             return None
-        if any(not ms or sum(ms) < len(ms) for ms in self.misses):
+        ok = self.priced()
+        rows = [(c, t, m) for c in range(len(self.candidates)) if ok[c] for t, m in zip(self.times[c], self.misses[c])]
+        if sum(ok) < 2:
             return None
         X = np.zeros((len(rows), 1 + len(self.candidates)))
         X[:, 0] = 1.0
         for i, (c, _, m) in enumerate(rows):
             X[i, 1 + c] = m
         coef, *_ = np.linalg.lstsq(X, np.array([t for _, t, _ in rows]), rcond=None)
-        return float(coef[0]), [float(b) for b in coef[1:]]
+        return float(coef[0]), [float(b) if ok[i] else float("inf") for i, b in enumerate(coef[1:])]
 
     def scores(self) -> list[float]:
         """What the choice minimises, as seconds per step: with the per-miss fit, base + cost per miss × the mean
-        misses per step over all trials (so candidates compare at the same misses); else the mean step time."""
+        misses per step over the priced candidates' trials (so they compare at the same misses; an unpriced
+        candidate cannot be chosen: on repeating text the candidates tried late drew next to no misses, and their
+        quiet steps said nothing about their lanes — measured on the H200 machine, the tuner then chose the CPU
+        lane at 4 threads, 0.143 ms a miss, over PCIe's 0.077); else the mean step time."""
         fit = self.per_miss()
         if fit is None:
             return self.means()
         base, per = fit
-        m_all = [m for ms in self.misses for m in ms]
+        ok = self.priced()
+        m_all = [m for c, ms in enumerate(self.misses) if ok[c] for m in ms]
         mbar = statistics.fmean(m_all)
         return [base + b * mbar for b in per]
 
@@ -167,5 +177,16 @@ class PlanTuner:
                  ", ".join(f"{c}: {m * 1e3:.2f}" for c, m in zip(self.candidates, med)))
 
     def report(self) -> dict:
-        return {"chosen": str(self.chosen) if self.chosen is not None else None,
-                "ms_per_token": {str(c): round(m * 1e3, 3) for c, m in zip(self.candidates, self.scores())}}
+        """The choice, each candidate's score, and what it rests on: timed steps, their misses and mean time,
+        the fitted cost per miss (ms) and the shared base."""
+        fit = self.per_miss()
+        out = {"chosen": str(self.chosen) if self.chosen is not None else None,
+               "ms_per_token": {str(c): round(m * 1e3, 3) if m < float("inf") else None
+                                for c, m in zip(self.candidates, self.scores())},
+               "evidence": {str(c): {"steps": len(t), "misses": int(sum(max(m, 0) for m in ms)),
+                                     "mean_ms": round(statistics.fmean(t) * 1e3, 3) if t else None,
+                                     "ms_per_miss": round(fit[1][i] * 1e3, 4) if fit and fit[1][i] < float("inf") else None}
+                            for i, (c, t, ms) in enumerate(zip(self.candidates, self.times, self.misses))}}
+        if fit:
+            out["base_ms"] = round(fit[0] * 1e3, 3)
+        return out

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from strata.experts.sizing import PREFILL_TARGET, chunk_stage_experts, prefill_bytes_per_token
+from strata.experts.sizing import chunk_stage_experts, prefill_bytes_per_token, prefill_chunk_for
 from strata.hub.machine import MachineInfo
 from strata.hub.verify import GGUFHeader, read_gguf_header
 
@@ -23,8 +23,10 @@ MiB = 1 << 20
 # importing torch, `strata check` answers in a moment.
 VRAM_RESERVE = 700 * MiB  # ExpertConfig.vram_reserve_mib: decode activations, graphs, allocator slack
 # The engine also leaves out what the device holds when it sizes the cache, its own CUDA context included, which
-# it measures at start-up; check, before any context exists, counts this estimate for it.
-CUDA_CONTEXT_ESTIMATE = 512 * MiB
+# it measures at start-up; check, before any context exists, counts this estimate for it (measured on the H200
+# machine: 0.61 GiB for the context, 0.70 once cuBLAS is up), and the room the engine keeps for it to grow
+# (strata.experts.cache.OUTSIDE_GROWTH_MIB).
+CUDA_CONTEXT_ESTIMATE = (704 + 256) * MiB
 DEFAULT_CTX = 8192  # EngineConfig.ctx_size 0 = min(the model's context, 8192)
 
 
@@ -146,9 +148,15 @@ def fit(fp: ModelFootprint, machine: MachineInfo, ctx: int = 0, vram_budget: int
     if vram_budget is None:
         return _fit_cpu(fp, machine, ctx, kv)
     staging = staging_slots(fp.n_expert_used) * fp.slot_bytes if fp.n_expert else 0
-    # a MoE model's cache leaves room for one PREFILL_TARGET-token chunk, as the engine does on a GPU
-    prefill = PREFILL_TARGET * prefill_bytes_per_token(fp.d_model, fp.n_expert_used) if fp.n_expert else 0
-    vram_needed = fp.dense_bytes + kv + VRAM_RESERVE + staging + prefill + CUDA_CONTEXT_ESTIMATE
+    # a MoE model's cache leaves room for one prefill chunk (4096 tokens, fewer on a small budget), as the engine
+    # does on a GPU
+    fixed = fp.dense_bytes + kv + VRAM_RESERVE + staging + CUDA_CONTEXT_ESTIMATE
+    chunk, prefill = 0, 0
+    if fp.n_expert:
+        bpt = prefill_bytes_per_token(fp.d_model, fp.n_expert_used)
+        chunk = prefill_chunk_for(vram_budget - fixed, bpt)
+        prefill = chunk * bpt
+    vram_needed = fixed + prefill
     ram_needed = fp.expert_bytes + RAM_HEADROOM
     spare = vram_budget - vram_needed
     per_slot = fp.expert_bytes // fp.n_expert if fp.n_expert else 0  # one expert in every layer
@@ -163,7 +171,7 @@ def fit(fp: ModelFootprint, machine: MachineInfo, ctx: int = 0, vram_budget: int
         f.ok = False
         f.reasons.append(
             f"VRAM: needs {_g(vram_needed)} (dense weights {_g(fp.dense_bytes)} + KV for {ctx} tokens {_g(kv)} "
-            f"+ reserve {_g(VRAM_RESERVE)} + staging {_g(staging)} + a {PREFILL_TARGET}-token prefill chunk "
+            f"+ reserve {_g(VRAM_RESERVE)} + staging {_g(staging)} + a {chunk}-token prefill chunk "
             f"{_g(prefill)} + the CUDA context, about {_g(CUDA_CONTEXT_ESTIMATE)}), budget is {_g(vram_budget)}"
         )
         f.fixes.append(f"{_g(-spare)} more free VRAM (--vram-gb sets the budget)")

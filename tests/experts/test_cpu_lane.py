@@ -219,3 +219,21 @@ def test_native_kernel_portable_path(gu, dn):
         ref = expert_ffn(x[i:i + 1], ew.gate[e], ew.up[e], ew.down[e]).float()[0]
         assert ((a[i] - ref).norm() / ref.norm()).item() < 3e-2
     assert ((a - b).norm() / b.norm()).item() < 1e-4  # the same integer sums, float order aside
+
+
+def test_a_chunk_runs_at_the_start_up_thread_count(q4k):
+    """The decode tuner may set the lane to fewer threads (best for one-token GEMVs); a prefill chunk's CPU share
+    still runs at the count the cost model measured, and decode's count is restored after it."""
+    before = torch.get_num_threads()
+    try:
+        lane = CpuLane({0: q4k}, threads=2, dtype=torch.float32)
+        lane.set_threads(1)
+        seen = []
+        inner = lane.run
+        lane.run = lambda *a: (seen.append(torch.get_num_threads()), inner(*a))[1]
+        x = torch.randn(3, q4k.gate.shape[-1])
+        out = lane.run_chunk(0, x, [(1, torch.tensor([0, 2])), (3, torch.tensor([1]))])
+        assert seen == [2] and torch.get_num_threads() == 1 and lane.threads == 1
+        assert torch.allclose(out[2], lane.expert(0, 3, x[1:2])[0])
+    finally:
+        torch.set_num_threads(before)

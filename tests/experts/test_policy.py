@@ -367,3 +367,25 @@ def test_observe_of_a_chunk_equals_the_per_id_loop(name):
     assert (a.usage() == b.usage()).all()
     with pytest.raises(ValueError, match="out of range"):
         a.observe(0, np.full(1000, 64))
+
+
+def test_the_allocator_cap_is_the_budget_less_what_lies_outside_torch(monkeypatch):
+    """`--vram-gb` holds torch's allocator to the budget less the CUDA context (outside torch) and room for it to
+    grow; the device may be named without an index. (The driver's numbers are stood in for: no GPU here.)"""
+    import torch
+
+    from strata.experts import cache as C
+
+    GiB, MiB = 1 << 30, 1 << 20
+    total, used, reserved = 80 * GiB, 3 * GiB, 2 * GiB  # 1 GiB outside torch
+    calls = []
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (total - used, total))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev=None: reserved)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, i: calls.append((f, i)))
+    cap = C.cap_to_budget(torch.device("cuda"), 8)
+    assert cap * GiB == 8 * GiB - 1 * GiB - C.OUTSIDE_GROWTH_MIB * MiB
+    assert calls == [((8 * GiB - GiB - C.OUTSIDE_GROWTH_MIB * MiB) / total, 0)]
+    assert C.cap_to_budget(torch.device("cpu"), 8) == 0.0
+    with pytest.raises(StrataError, match="leaves nothing"):
+        C.cap_to_budget(torch.device("cuda:0"), 2)

@@ -129,3 +129,21 @@ def test_more_rounds_until_every_candidate_saw_misses():
         m_prev, n = m, n + 1
     assert n > 2 * 5  # past the one planned round
     assert tuner.per_miss() is not None and tuner.chosen == B
+
+
+def test_a_candidate_without_misses_is_not_chosen():
+    """Repeating text: C, tried when the text had settled, drew no misses, so its quiet steps look fastest; it is
+    not priced and cannot win — the cheaper of the priced ones (B) does."""
+    tuner = PlanTuner([A, B, C], trial=6, rounds=1, warmup=0)
+    t, n, m_prev = 0.0, 0, None
+    while not tuner.done:
+        plan = tuner.step(t, m_prev)
+        m = 0 if plan == C else 10 + 5 * (n % 5)
+        t += 0.008 + (0.001 if plan == A else 0.0005) * m
+        m_prev, n = m, n + 1
+    assert tuner.priced() == [True, True, False]
+    fit = tuner.per_miss()
+    assert fit[0] == pytest.approx(0.008) and fit[1][0] == pytest.approx(0.001) and fit[1][1] == pytest.approx(0.0005) and fit[1][2] == float("inf")
+    assert tuner.means()[2] < min(tuner.means()[:2]) and tuner.chosen == B
+    rep = tuner.report()
+    assert rep["ms_per_token"][str(C)] is None and rep["evidence"][str(C)]["misses"] == 0

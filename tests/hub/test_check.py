@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from strata.cli import main
-from strata.experts.sizing import chunk_stage_experts
+from strata.experts.sizing import chunk_stage_experts, prefill_bytes_per_token
 from strata.hub.check import (
     DEFAULT_CTX,
     RAM_HEADROOM,
@@ -145,8 +145,8 @@ def test_fit_gpu():
     spare = 8 * GiB - need
     chunk = 2 * chunk_stage_experts(spare, QWEN.slot_bytes, 128) * QWEN.slot_bytes  # the prefill chunk buffers
     assert chunk == 2 * (spare // 16 // QWEN.slot_bytes) * QWEN.slot_bytes  # a sixteenth of the spare each
-    assert f.slots == (spare - chunk) // PER_SLOT == 15
-    assert f.slots_share == pytest.approx(15 / 128)
+    assert f.slots == (spare - chunk) // PER_SLOT == 12
+    assert f.slots_share == pytest.approx(12 / 128)
     assert f.ram_needed == 16 * GiB + RAM_HEADROOM
     # a budget past the whole model: every expert gets a slot, no more
     assert fit(QWEN, _machine(vram_free=8 * GiB), 4096, vram_budget=40 * GiB).slots == 128
@@ -155,18 +155,18 @@ def test_fit_gpu():
 
 def test_fit_gpu_leaves_room_for_a_prefill_chunk():
     """As the engine on a GPU: a 4096-token prefill chunk's activations come out of the budget (hidden 2048,
-    top-8: 164 KB a token, 0.63 GiB), so a 4K prompt streams each uncached expert once."""
+    top-8: 328 KB a token, 1.25 GiB), so a 4K prompt streams each uncached expert once."""
     import dataclasses
 
     from strata.experts.sizing import PREFILL_TARGET, prefill_bytes_per_token
 
     q = dataclasses.replace(QWEN, d_model=2048)
-    assert prefill_bytes_per_token(2048, 8) == 2048 * 80 and PREFILL_TARGET == 4096
+    assert prefill_bytes_per_token(2048, 8) == 2048 * 160 and PREFILL_TARGET == 4096
     f0, f = fit(QWEN, _machine(vram_free=8 * GiB), ctx=8192), fit(q, _machine(vram_free=8 * GiB), ctx=8192)
-    assert f.vram_needed - f0.vram_needed == 4096 * 2048 * 80
+    assert f.vram_needed - f0.vram_needed == 4096 * 2048 * 160
     assert f.slots < f0.slots
     short = fit(q, _machine(), 8192, vram_budget=2 * GiB)
-    assert not short.ok and "4096-token prefill chunk" in short.reasons[0]
+    assert not short.ok and "256-token prefill chunk" in short.reasons[0]
 
 
 def test_fit_vram_short_says_what_fits():
@@ -236,3 +236,14 @@ def test_probe_gpu():
     assert 0 < g.vram_free <= g.vram_total
     if g.pcie_width_max is not None:  # NVML reports PCIe on discrete cards (not on SXM/NVLink-only boards)
         assert 1 <= (g.pcie_width or 0) <= g.pcie_width_max
+
+
+def test_the_default_prefill_chunk_shrinks_on_a_small_budget():
+    """4096 tokens while their activations take at most a third of what the chunk and the cache share; fewer, in
+    multiples of 256 and never under 256, below that (the engine and `strata check` size it alike)."""
+    from strata.experts.sizing import prefill_chunk_for
+
+    bpt = prefill_bytes_per_token(2048, 8)
+    assert prefill_chunk_for(3 * 4096 * bpt, bpt) == 4096 and prefill_chunk_for(10 * GiB, bpt) == 4096
+    assert prefill_chunk_for(3 * 1000 * bpt, bpt) == 768
+    assert prefill_chunk_for(0, bpt) == prefill_chunk_for(-GiB, bpt) == 256
