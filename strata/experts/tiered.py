@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from strata import StrataError
-from strata.config import EngineConfig
+from strata.config import EngineConfig, env
 from strata.experts.cache import ExpertCache, budget_slots, cap_to_budget
 from strata.experts.cpu_lane import CpuLane
 from strata.experts.plan import CostModel, CpuPlan
@@ -132,7 +132,7 @@ class TieredExperts:
             sizes = [self.store.expert_nbytes(i) for i in self.layer_ids]
             slots = layer_slots(prof.counts, sum(slots * b for b in sizes), sizes)
         self.cache = ExpertCache(self.store, slots, staging, self.device, chunk_experts=chunk)
-        if self.cuda and self.ex.vram_gb is not None:
+        if self.cuda and self.ex.vram_gb is not None and env("STRATA_ALLOC_CAP", "1") != "0":
             cap = cap_to_budget(self.device, self.ex.vram_gb)
             log.info("strata: torch's allocator held to %.2f GiB of the %g GiB budget", cap, self.ex.vram_gb)
         kw = dict(swap_budget=self.ex.swap_budget)
