@@ -21,9 +21,11 @@ PREFILL_TARGET = 4096  # tokens: the prefill chunk a GPU's expert cache leaves r
 def prefill_bytes_per_token(d_model: int, k: int) -> int:
     """VRAM one token of a prefill chunk takes on a GPU while a layer runs: its k expert pairs' inputs (bf16),
     float32 outputs and FFN intermediates, the attention and norm temporaries, the dequantized weight chunks'
-    share. Measured on the H200 machine (B1: hidden 2048, top-8): a 4K chunk peaked 1.3 GiB above the weights,
-    KV and expert cache (~330 KB a token); d·(12k + 64) gives 328 KB."""
-    return int(d_model) * (12 * max(1, int(k)) + 64)
+    share, and the allocator's rounding of all that. Measured on the H200 machine (B1: hidden 2048, top-8): a 4K
+    chunk took torch's reserved memory 1.54 GiB above the weights, KV and expert cache (allocated: 1.2 GiB);
+    d·(12k + 96) gives 393 KB a token, 1.54 GiB. Less room made the 4K prefill slower under the budget's cap
+    (5,167 tok/s; 6,746 with ~0.3 GiB more), as torch then returns and re-maps memory inside the chunk."""
+    return int(d_model) * (12 * max(1, int(k)) + 96)
 
 
 def prefill_chunk_for(left_bytes: int, bytes_per_token: int) -> int:
