@@ -1,6 +1,7 @@
 """The CPU / PCIe split of missed experts, the prefill split and the cost model file."""
 
 import itertools
+import dataclasses
 import json
 import math
 
@@ -130,6 +131,9 @@ def test_prefill_split_few_tokens_go_to_the_cpu():
     assert prefill_split(tokens, 5.0, 0.01, 0.001).cpu == []
     with pytest.raises(ValueError):
         prefill_split({0: -1}, 0.05, 0.285)
+    # past the token count the CPU's cost was measured at, an expert streams however cheap the line makes the CPU
+    assert prefill_split(tokens, 0.001, 50.0, 0.001, cpu_max_tokens=8).cpu == [0, 2, 5]
+    assert prefill_split(tokens, 0.001, 50.0, 0.001, cpu_max_tokens=2).cpu == [0, 2]
 
 
 def test_prefill_split_matches_brute_force():
@@ -167,6 +171,8 @@ def test_cost_model_round_trip_and_plans(tmp_path):
     # the first token on the CPU pays for reading the weights, later ones for arithmetic only
     split = cost.prefill_split({0: 1, 1: 100})
     assert split.cpu == [0] and split.stream == [1]
+    many = cost.prefill_split({0: 9, 1: 9})  # more tokens than the CPU was measured at: streamed, a slow link or not
+    assert dataclasses.replace(cost, pcie_ms_per_expert=50.0).prefill_split({0: 9, 1: 9}).cpu == [] and many.cpu == []
     assert split.cpu_ms == pytest.approx(CPU_MS)
     assert [p.name for p in tmp_path.joinpath("sub").iterdir()] == ["costs.json"]  # no temp left
 
