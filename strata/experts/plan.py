@@ -246,14 +246,17 @@ class CpuPlan:
         N, k = ids.shape
         if k != self.k:
             raise ValueError(f"plan covers {self.k} routed experts, the rows have {k}")
+        missed = _present(ids[miss])
+        if not any(self.shares):  # all over PCIe (the common plan on a fast link): no per-row ranking
+            return set(), missed
         share = np.asarray(self.shares)[miss.sum(1)]  # [N] CPU count of each row
         key = np.where(miss, np.asarray(scores, dtype=np.float64)[ids], np.inf)
         order = np.argsort(key, axis=1, kind="stable")  # coldest misses first, ties in routing order
         rank = np.empty_like(order)
         np.put_along_axis(rank, order, np.broadcast_to(np.arange(k), (N, k)), axis=1)
         to_cpu = miss & (rank < share[:, None])
-        stream = set(np.unique(ids[miss & ~to_cpu]).tolist())
-        return set(np.unique(ids[miss]).tolist()) - stream, stream
+        stream = _present(ids[miss & ~to_cpu])
+        return missed - stream, stream
 
     def __str__(self) -> str:
         if all(s < 10 for s in self.shares):
@@ -268,6 +271,15 @@ class CpuPlan:
 
     def __hash__(self) -> int:
         return hash(self.shares)
+
+
+def _present(ids) -> set[int]:
+    """The distinct values of a flat id array (a count per id: linear, where np.unique sorts)."""
+    import numpy as np
+
+    if ids.size == 0:
+        return set()
+    return set(np.flatnonzero(np.bincount(ids.reshape(-1))).tolist())
 
 
 CPU_MEASURED_TOKENS = 8  # the cost model times the CPU lane at 1 and 8 tokens (strata.experts.costs)

@@ -457,3 +457,21 @@ def test_cuda_budget_holds_the_whole_process(tmp_path):
     slots, n_out, used_gib = r.stdout.split()[-3:]
     assert 0 < int(slots) < 128 and int(n_out) == 24  # the budget, not the model, limited the cache
     assert float(used_gib) <= allowance, f"the process used {float(used_gib):.2f} GiB of its {allowance} GiB budget"
+
+
+def test_pairs_grouped_by_expert_in_order():
+    """by_expert: every selected pair once, grouped by expert in expert order, pairs in their order within an
+    expert — as a stable sort by expert id gives (ids past 16 bits too)."""
+    from strata.experts.tiered import by_expert
+
+    rng = np.random.default_rng(5)
+    for E in (128, 70000):
+        flat = rng.integers(0, E, size=4096 * 8)
+        for pairs in (None, np.flatnonzero(rng.random(flat.size) < 0.3), np.array([], dtype=np.int64)):
+            sel = np.arange(flat.size) if pairs is None else pairs
+            want = {}
+            for q in sel[np.argsort(flat[sel], kind="stable")].tolist():
+                want.setdefault(int(flat[q]), []).append(q)
+            got = by_expert(flat, pairs)
+            assert [e for e, _ in got] == sorted(want)
+            assert all(p.tolist() == want[e] for e, p in got)
