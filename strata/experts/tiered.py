@@ -355,13 +355,22 @@ class TieredExperts:
         # a chunk: y gets a spare row past the pairs (grouped calls write their padding there), and the streamed
         # experts go through the chunk buffers
         self._chunk = y is None and self._grouped_chunks()
-        # every routed pair grouped by expert once; a layer's hit/miss is per expert, so the hits, the CPU share
-        # and the streamed share are selections of these groups (a 4K chunk: ~32K pairs, sorted once)
-        grouped = [(e, p // k, p) for e, p in by_expert(ids_np.reshape(-1))]
+        grouped = None
         if y is None:
             y = torch.zeros(N * k + 1, d, dtype=torch.float32, device=x.device)
-            groups = self._select(grouped, lambda e: row[e] >= 0, lambda e: cache.slot(layer, int(row[e])))
-            self._compute(pool, x, groups, y)
+            if self._grouped_chunks() and (not self.cuda or int(hit.sum()) > PAIRS_MAX):
+                # the GPU idles from the routing's host sync to this launch: each pair's slot straight from the
+                # map row, no grouping on the way
+                sid = np.where(row >= 0, cache.slot(layer, 0) + row, -1)[ids_np].reshape(-1)
+                self._grouped_sid(pool.gate, pool.up, pool.down, x, sid, y)
+            else:
+                grouped = [(e, p // k, p) for e, p in by_expert(ids_np.reshape(-1))]
+                groups = self._select(grouped, lambda e: row[e] >= 0, lambda e: cache.slot(layer, int(row[e])))
+                self._compute(pool, x, groups, y)
+        if grouped is None:
+            # every routed pair grouped by expert once; a layer's hit/miss is per expert, so the CPU share and the
+            # streamed share are selections of these groups (a 4K chunk: ~32K pairs, sorted once)
+            grouped = [(e, p // k, p) for e, p in by_expert(ids_np.reshape(-1))]
         if self.profiling:
             self._span("gpu_experts", t_hits)
 
@@ -448,6 +457,15 @@ class TieredExperts:
             sid[pairs] = s
             counts[s] += len(pairs)
         grouped_expert_ffn(x, gate, up, down, self._to_dev(sid).view(N, k), counts=counts, out=y)
+
+    def _grouped_sid(self, gate, up, down, x: torch.Tensor, sid: np.ndarray, y: torch.Tensor) -> None:
+        """`_grouped` from each pair's slot (sid [N*k], -1: not computed here); the counts from a bincount."""
+        from strata.ops.moe_prefill import grouped_expert_ffn
+
+        N = x.shape[0]
+        on = sid[sid >= 0]
+        counts = np.bincount(on, minlength=gate.shape[0]).tolist() if on.size else [0] * gate.shape[0]
+        grouped_expert_ffn(x, gate, up, down, self._to_dev(sid).view(N, -1), counts=counts, out=y)
 
     def _split(self, li: int, ids_np: np.ndarray, hit: np.ndarray) -> tuple[set[int], set[int]]:
         """Missed experts -> (computed on the CPU, streamed over PCIe)."""
