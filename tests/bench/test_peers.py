@@ -142,3 +142,42 @@ def test_transformers_peer_command_line(tmp_path):
     argv = hf_argv("m.gguf", tmp_path / "o.json", budget_gib=8.0, lengths=[1024, 4096], gen=32, runs=3)
     s = " ".join(argv)
     assert str(SCRIPT) in s and "--budget-gib 8.0" in s and "--lengths 1024,4096" in s and "--runs 3" in s
+
+
+def test_a_fitted_peer_over_its_budget_runs_again_with_one_more_layer_on_the_cpu(b1, monkeypatch):
+    """The fit's overhead is an estimate; when llama-bench's measured peak passes the budget, the peer is run again
+    with one more expert layer in host memory until it fits, and the tries are reported. (llama-bench and the
+    VRAM poll are stood in for: neither runs without the GPU build.)"""
+    import subprocess
+
+    runs: list[list[str]] = []
+
+    def fake_run(argv, capture_output, text):
+        runs.append(argv)
+        n_gen = int(argv[argv.index("-n") + 1])
+        rec = {"n_prompt": 0 if n_gen else 4096, "n_gen": n_gen, "n_depth": 1024 if n_gen else 0,
+               "avg_ts": 100.0, "samples_ts": [100.0]}
+        return subprocess.CompletedProcess(argv, 0, json.dumps([rec]), "")
+
+    class Peak:  # 0.2 GiB less per layer moved to the CPU; over 8 GiB until -ncmoe reaches fitted + 2
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            n = int(runs[-1][runs[-1].index("-ncmoe") + 1])
+            self.peak = int((8.3 - 0.2 * (n - first)) * GiB)
+
+    sizes = llamacpp.layer_sizes(b1)
+    first = llamacpp.fit_n_cpu_moe(sizes, 8 * GiB, 4096 + 256)[0]
+    monkeypatch.setattr(llamacpp.subprocess, "run", fake_run)
+    monkeypatch.setattr(llamacpp, "VramPeak", Peak)
+    res = llamacpp.run_llama_bench(Path("llama-bench"), str(b1), budget_gib=8, lengths=[4096], gen=256, threads=4,
+                                   log=lambda m: None)
+    assert res["n_cpu_moe"] == first + 2 and not res["over_budget"]
+    assert [t["n_cpu_moe"] for t in res["fit"]["tried"]] == [first, first + 1]
+    assert len(runs) == 6  # prefill and decode, three times
+    # a given N is run as given, over the budget or not
+    runs.clear()
+    res = llamacpp.run_llama_bench(Path("llama-bench"), str(b1), budget_gib=8, lengths=[4096], gen=256, threads=4,
+                                   n_cpu_moe=first, log=lambda m: None)
+    assert res["n_cpu_moe"] == first and res["over_budget"] and len(runs) == 2

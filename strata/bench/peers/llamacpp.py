@@ -142,31 +142,42 @@ def parse_llama_bench(records: list[dict], lengths: list[int], gen: int) -> dict
 def run_llama_bench(binary: Path, model: str, *, budget_gib: float | None, lengths: list[int], gen: int,
                     threads: int, reps: int = 3, ubatch: int = 512, n_cpu_moe: int | None = None,
                     overhead_gib: float = DEFAULT_OVERHEAD_GIB, log=print) -> dict:
-    """Prefill at every length and decode after every length, fitted to the budget; peak VRAM measured."""
+    """Prefill at every length and decode after every length, fitted to the budget; peak VRAM measured. When
+    N was fitted (not given) and the measured peak went past the budget — the fit's overhead is an estimate, and
+    a large -ub takes more compute buffer (`-ub 4096`, B1: 8.42 GiB at a fitted 8) — the runs are repeated with
+    one more expert layer in host memory until the peak fits, so the peer is held to the budget strata is."""
     fit = None
     if n_cpu_moe is None and budget_gib is not None:
         sizes = layer_sizes(model)
         n_cpu_moe, est = fit_n_cpu_moe(sizes, int(budget_gib * GiB), max(lengths) + gen, int(overhead_gib * GiB))
-        fit = {"n_cpu_moe": n_cpu_moe, "estimated_vram_bytes": est, "overhead_gib": overhead_gib}
-    records, calls = [], []
-    with VramPeak() as peak:
-        argvs = [llama_bench_argv(binary, model, n_cpu_moe=n_cpu_moe, threads=threads, prompts=lengths, reps=reps,
-                                  ubatch=ubatch)]
-        if gen > 0:  # --gen 0: prefill only
-            argvs.append(llama_bench_argv(binary, model, n_cpu_moe=n_cpu_moe, threads=threads, gen=gen, depths=lengths,
-                                          reps=reps, ubatch=ubatch))
-        for argv in argvs:
-            log("llama-bench: " + " ".join(argv))
-            cp = subprocess.run(argv, capture_output=True, text=True)
-            if cp.returncode != 0:
-                raise StrataError(f"llama-bench failed (exit {cp.returncode}): {cp.stderr.strip()[-600:]}")
-            records += json.loads(cp.stdout)
-            calls.append(argv)
+        fit = {"n_cpu_moe": n_cpu_moe, "estimated_vram_bytes": est, "overhead_gib": overhead_gib, "tried": []}
+    while True:
+        records, calls = [], []
+        with VramPeak() as peak:
+            argvs = [llama_bench_argv(binary, model, n_cpu_moe=n_cpu_moe, threads=threads, prompts=lengths, reps=reps,
+                                      ubatch=ubatch)]
+            if gen > 0:  # --gen 0: prefill only
+                argvs.append(llama_bench_argv(binary, model, n_cpu_moe=n_cpu_moe, threads=threads, gen=gen,
+                                              depths=lengths, reps=reps, ubatch=ubatch))
+            for argv in argvs:
+                log("llama-bench: " + " ".join(argv))
+                cp = subprocess.run(argv, capture_output=True, text=True)
+                if cp.returncode != 0:
+                    raise StrataError(f"llama-bench failed (exit {cp.returncode}): {cp.stderr.strip()[-600:]}")
+                records += json.loads(cp.stdout)
+                calls.append(argv)
+        over = bool(budget_gib and peak.peak and peak.peak > budget_gib * GiB)
+        if fit is None or not over or n_cpu_moe >= sizes.n_layers:
+            break
+        fit["tried"].append({"n_cpu_moe": n_cpu_moe, "vram_peak_bytes": peak.peak})
+        log(f"llama-bench peaked at {peak.peak / GiB:.2f} GiB with -ncmoe {n_cpu_moe}, over the {budget_gib:g} GiB "
+            f"budget: again with -ncmoe {n_cpu_moe + 1}")
+        n_cpu_moe += 1
     suite = parse_llama_bench(records, lengths, gen)
     return {"how": f"llama-bench (`-ngl 99 -fa 1 -lm none -ncmoe {n_cpu_moe}`, {threads} threads, -r {reps}); "
                    f"prefill = pp L, decode = tg{gen} @ depth L",
             "n_cpu_moe": n_cpu_moe, "fit": fit, "budget_gib": budget_gib, "vram_peak_bytes": peak.peak,
-            "over_budget": bool(budget_gib and peak.peak and peak.peak > budget_gib * GiB),
+            "over_budget": over,
             "commands": calls, "records": records, "suites": {"sweep": suite}}
 
 
