@@ -26,14 +26,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", default="auto", help="KV cache dtype: auto (= compute dtype), bf16, f16, f32")
     p.add_argument("-c", "--ctx-size", type=int, default=0, help="context length (default: min(model, 8192))")
     p.add_argument("--prefill-chunk", type=int, default=0,
-                   help="prompt tokens per forward (default: 4096 on a GPU with tiered experts, whose activations "
-                        "the expert cache leaves room for; else sized from memory)")
+                   help="prompt tokens per forward (default on a GPU with tiered experts: 4096, fewer on a small "
+                        "budget, whose activations the expert cache leaves room for; else sized from memory; "
+                        "halved on its own if the device runs out during a prompt)")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="replay decode steps as CUDA graphs (default: on with a CUDA device and one slot; "
                         "--cuda-graphs with --parallel N also batches decoding sequences, resident experts)")
     g = p.add_argument_group("experts (tiered execution)")
     g.add_argument("--experts", dest="experts_mode", default=e.mode, choices=["auto", "resident", "tiered"])
-    g.add_argument("--vram-gb", type=float, default=None, help="the whole process's VRAM budget (GiB)")
+    g.add_argument("--vram-gb", type=float, default=None, help="the whole process's VRAM budget (GiB): the CUDA context, weights, KV, a prefill chunk "
+                        "and the expert cache fit in it, and torch's allocator is held to it")
     g.add_argument("--vram-reserve-mib", type=int, default=e.vram_reserve_mib,
                    help="VRAM headroom left free for decode activations, graphs and allocator slack (the CUDA "
                         "context and a prefill chunk are counted besides)")

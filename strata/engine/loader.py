@@ -74,7 +74,10 @@ def load_model(path: str, cfg: EngineConfig | None = None, with_tokenizer: bool 
     if cfg.torch_device.type == "cuda":
         from strata.ops import qgemv
 
+        from strata.experts.cache import release_caps
+
         expandable_segments()
+        release_caps()
         qgemv.install()
     model = fam.build(g, cfg, make_experts_factory(cfg), max_ctx, args=args)
     lm = LoadedModel(model, g, args, cfg, max_ctx)

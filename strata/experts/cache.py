@@ -170,7 +170,17 @@ def cap_to_budget(device: torch.device, vram_gb: float) -> float:
                           f"loaded take {(total - free) / GiB:.2f} GiB")
     index = device.index if device.index is not None else torch.cuda.current_device()  # "cuda" names no index
     torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), index)
+    _CAPPED.add(index)
     return cap / GiB
+
+
+_CAPPED: set[int] = set()  # devices whose allocator a budget capped in this process
+
+
+def release_caps() -> None:
+    """Lift the caps an earlier model's budget set (a new model in the same process sizes itself afresh)."""
+    while _CAPPED:
+        torch.cuda.set_per_process_memory_fraction(1.0, _CAPPED.pop())
 
 
 class ExpertCache:

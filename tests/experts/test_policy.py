@@ -387,5 +387,7 @@ def test_the_allocator_cap_is_the_budget_less_what_lies_outside_torch(monkeypatc
     assert cap * GiB == 8 * GiB - 1 * GiB - C.OUTSIDE_GROWTH_MIB * MiB
     assert calls == [((8 * GiB - GiB - C.OUTSIDE_GROWTH_MIB * MiB) / total, 0)]
     assert C.cap_to_budget(torch.device("cpu"), 8) == 0.0
+    C.release_caps()  # the next model in this process starts uncapped
+    assert calls[-1] == (1.0, 0) and not C._CAPPED
     with pytest.raises(StrataError, match="leaves nothing"):
         C.cap_to_budget(torch.device("cuda:0"), 2)
