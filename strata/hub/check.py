@@ -132,6 +132,8 @@ class Fit:
     reasons: list[str] = field(default_factory=list)  # why it cannot run
     fixes: list[str] = field(default_factory=list)  # what would make it fit
     notes: list[str] = field(default_factory=list)
+    prefill_chunk: int = 0  # prompt tokens per forward the budget leaves room for (GPU, MoE)
+    prefill_bytes: int = 0  # that chunk's activations, inside vram_needed
 
 
 def fit(fp: ModelFootprint, machine: MachineInfo, ctx: int = 0, vram_budget: int | None = None) -> Fit:
@@ -166,7 +168,8 @@ def fit(fp: ModelFootprint, machine: MachineInfo, ctx: int = 0, vram_budget: int
         spare_cache = spare
     slots = min(spare_cache // per_slot, fp.n_expert) if per_slot and spare_cache > 0 else 0
     share = slots / fp.n_expert if fp.n_expert else 1.0
-    f = Fit("gpu", ctx, True, vram_budget, vram_needed, kv, ram_needed, machine.ram_available, int(slots), share)
+    f = Fit("gpu", ctx, True, vram_budget, vram_needed, kv, ram_needed, machine.ram_available, int(slots), share,
+            prefill_chunk=chunk, prefill_bytes=prefill)
     if spare < 0:
         f.ok = False
         f.reasons.append(

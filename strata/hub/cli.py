@@ -222,6 +222,9 @@ def _print_report(machine, fp, verdict) -> None:
     con.print("[bold]Fit[/bold]")
     if verdict.mode == "gpu":
         con.print(f"  VRAM: needs {_g(verdict.vram_needed)} + expert slots, budget {_g(verdict.vram_budget)}")
+        if verdict.prefill_chunk:
+            con.print(f"  prefill: {verdict.prefill_chunk}-token chunks, {_g(verdict.prefill_bytes)} of activations "
+                      "(a chunk streams each uncached expert once)")
         if fp.n_expert:
             con.print(
                 f"  expert cache: {verdict.slots} slots per layer = {verdict.slots_share:.1%} of the {fp.n_expert} "

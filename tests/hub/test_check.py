@@ -167,6 +167,7 @@ def test_fit_gpu_leaves_room_for_a_prefill_chunk():
 
     chunk = prefill_chunk_for(8 * GiB - f0.vram_needed, 2048 * 192)  # a third of what is left: 3584 tokens
     assert chunk == 3584 and f.vram_needed - f0.vram_needed == chunk * 2048 * 192
+    assert (f.prefill_chunk, f.prefill_bytes) == (chunk, chunk * 2048 * 192)
     assert f.slots < f0.slots
     short = fit(q, _machine(), 8192, vram_budget=2 * GiB)
     assert not short.ok and "256-token prefill chunk" in short.reasons[0]
