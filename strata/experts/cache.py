@@ -203,6 +203,10 @@ class ExpertCache:
         self.index = {layer: li for li, layer in enumerate(self.layer_ids)}
         self.cuda = device.type == "cuda"
         self.side = torch.cuda.Stream(device) if self.cuda else None
+        # a prefill chunk's buffer copies get a stream of their own: on `side` they queued behind begin_copies()'
+        # wait for the main stream (the layer's hit compute, issued just before), and the next layer's prefetch
+        # behind them; their only hazard is the buffer's last reader, which `after` orders them after
+        self.chunk_copies = torch.cuda.Stream(device) if self.cuda else None
         # the decode hand-off's staged experts get a stream of their own: on `side` they would queue behind the
         # cache's admissions (which wait for the main stream's queued work) while the GPU waits for them
         self.urgent = torch.cuda.Stream(device, priority=-1) if self.cuda else None
@@ -339,14 +343,15 @@ class ExpertCache:
                     d.raw[j].copy_(s.raw[e])
             return None
         runs = _runs(experts)
-        with torch.cuda.stream(self.side):
+        st = self.chunk_copies
+        with torch.cuda.stream(st):
             if after is not None:
-                self.side.wait_event(after)
+                st.wait_event(after)
             for j, e, n in runs:  # consecutive experts into consecutive slots: one copy per projection
                 for d, s in zip(dst, (src.gate, src.up, src.down)):
                     d.raw[j:j + n].copy_(s.raw[e:e + n], non_blocking=True)
             ev = torch.cuda.Event()
-            ev.record(self.side)
+            ev.record(st)
         return ev
 
     def record(self):
