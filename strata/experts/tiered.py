@@ -361,7 +361,7 @@ class TieredExperts:
             if self._grouped_chunks() and (not self.cuda or int(hit.sum()) > PAIRS_MAX):
                 # the GPU idles from the routing's host sync to this launch: each pair's slot straight from the
                 # map row, no grouping on the way
-                sid = np.where(row >= 0, cache.slot(layer, 0) + row, -1)[ids_np].reshape(-1)
+                sid = np.where(row >= 0, cache.slot(layer, 0) + row.astype(np.int64), -1)[ids_np].reshape(-1)
                 self._grouped_sid(pool.gate, pool.up, pool.down, x, sid, y)
             else:
                 grouped = [(e, p // k, p) for e, p in by_expert(ids_np.reshape(-1))]
