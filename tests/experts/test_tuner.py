@@ -142,6 +142,7 @@ def test_a_candidate_without_misses_is_not_chosen():
         t += 0.008 + (0.001 if plan == A else 0.0005) * m
         m_prev, n = m, n + 1
     assert tuner.priced() == [True, True, False]
+    assert sum(len(ts) for ts in tuner.times) == 3 * 6  # two priced after the planned round: no more rounds for C
     fit = tuner.per_miss()
     assert fit[0] == pytest.approx(0.008) and fit[1][0] == pytest.approx(0.001) and fit[1][1] == pytest.approx(0.0005) and fit[1][2] == float("inf")
     assert tuner.means()[2] < min(tuner.means()[:2]) and tuner.chosen == B
