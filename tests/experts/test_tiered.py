@@ -475,3 +475,27 @@ def test_pairs_grouped_by_expert_in_order():
             got = by_expert(flat, pairs)
             assert [e for e, _ in got] == sorted(want)
             assert all(p.tolist() == want[e] for e, p in got)
+
+
+def test_a_long_chunk_gives_the_cpu_only_experts_within_its_measured_tokens(model_path, reference):
+    """CPU cheap, PCIe dear: the split would hand a chunk's experts to the CPU lane, but only those routed at most
+    CPU_MEASURED_TOKENS of the chunk's tokens may go there (its per-token cost was measured up to that many);
+    the rest stream. The logits stay those of the all-resident run."""
+    from strata.experts.plan import CPU_MEASURED_TOKENS
+
+    lm = _load(model_path, {"cost_model": CHEAP_CPU}, slots=0, cpu_plan="auto")
+    ex = lm.model.experts
+    seen = []
+    inner = ex.lane.run_chunk
+    ex.lane.run_chunk = lambda layer, x, jobs: (seen.extend(int(t.numel()) for _, t in jobs), inner(layer, x, jobs))[1]
+    long_prompt = (PROMPT * 6)[:64]  # 64 tokens x top-2 over 8 experts: most experts get far more than 8
+    m = lm.model
+    with torch.inference_mode():
+        kv = m.new_kv_cache(1, 128)
+        got = m.forward(torch.tensor(long_prompt), torch.arange(64), [Segment(0, 0, 64)], kv, all_logits=True)
+        ref_lm = _load(model_path, mode="resident")
+        want = ref_lm.model.forward(torch.tensor(long_prompt), torch.arange(64), [Segment(0, 0, 64)],
+                                    ref_lm.model.new_kv_cache(1, 128), all_logits=True)
+    assert (got - want).abs().max().item() <= 1e-5
+    assert all(n <= CPU_MEASURED_TOKENS for n in seen)
+    assert ex.stats.pcie > 0  # the busy experts streamed
