@@ -279,9 +279,10 @@ def test_bf16_with_a_fast_cpu_lane_stays_close_to_resident(tmp_path, kernel):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("plan,slots", [("012", 3), ("000", 0), ("auto", 3)])
+@pytest.mark.parametrize("plan,slots", [("012", 3), ("000", 0), ("auto", 3), ("000", 6)])
 def test_cuda_chunk_path_matches_resident(model_path, plan, slots):
-    """A prompt whose pairs exceed the decode size takes the grouped chunk path (hits, staged batches, CPU)."""
+    """A prompt whose pairs exceed the decode size takes the grouped chunk path (hits, staged batches, CPU; with 6
+    of 8 experts cached the hits alone pass the decode size: they launch from the map row)."""
     def cuda(mode, **ex):
         cfg = EngineConfig(model=str(model_path), device="cuda", dtype="float32",
                            experts=ExpertConfig(mode=mode, **ex))
