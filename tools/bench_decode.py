@@ -48,6 +48,9 @@ def main() -> int:
     ap.add_argument("--prefill-runs", type=int, default=1, help="long prefills timed (median)")
     ap.add_argument("--trace-prefill", action="store_true",
                     help="one more long prefill under torch.profiler: the top ops by GPU and by host time (stderr)")
+    ap.add_argument("--trace-out", default="",
+                    help="with --trace-prefill: also write the timeline as a Chrome trace (.json.gz) for "
+                         "tools/trace_timeline.py")
     ap.add_argument("--label", default="")
     ap.add_argument("--salt", type=int, default=0,
                     help="vary the prompts (a routing profile recorded on one salt, measured on another)")
@@ -219,6 +222,8 @@ def measure(a, lm, eng, experts, dev, label, load_s) -> None:
                 acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
                 with profile(activities=acts) as prof:
                     long_prefill()
+                if a.trace_out:
+                    prof.export_chrome_trace(a.trace_out)
                 ka = prof.key_averages()
                 if dev.type == "cuda":
                     print(ka.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60),
