@@ -78,17 +78,21 @@ class CostModel:
             cpu_overhead_ms=self.cpu_overhead_ms,
         )
 
-    def prefill_split(self, tokens_per_expert: Mapping[int, int], resident: Sequence[int] = ()) -> PrefillSplit:
+    def prefill_split(self, tokens_per_expert: Mapping[int, int], resident: Sequence[int] = (),
+                      cpu_scale: float = 1.0) -> PrefillSplit:
+        """`cpu_scale`: measured over estimated CPU lane time of earlier chunks (the backend's correction: the
+        one-token costs are measured as decode calls the lane, a chunk calls it with many tokens at once)."""
         # the first token pays for reading the weights, the rest only for the arithmetic
+        c = max(float(cpu_scale), 0.0)
         return prefill_split(
             tokens_per_expert,
-            cpu_ms_per_token_expert=self.cpu_token_ms,
+            cpu_ms_per_token_expert=c * self.cpu_token_ms,
             pcie_ms_per_expert=self.pcie_ms_per_expert,
             gpu_ms_per_token_expert=self.gpu_token_ms,
-            cpu_ms_per_expert=max(self.cpu_ms_per_expert - self.cpu_token_ms, 0.0),
+            cpu_ms_per_expert=c * max(self.cpu_ms_per_expert - self.cpu_token_ms, 0.0),
             gpu_ms_per_expert=max(self.gpu_ms_per_expert - self.gpu_token_ms, 0.0),
             resident=resident,
-            cpu_overhead_ms=self.cpu_overhead_ms,
+            cpu_overhead_ms=c * self.cpu_overhead_ms,
             cpu_max_tokens=CPU_MEASURED_TOKENS,
         )
 

@@ -4,10 +4,10 @@ On a GPU the expert cache leaves room for one prefill chunk of PREFILL_TARGET to
 chunk streams each uncached expert once, so a 4K prompt in one chunk crosses PCIe once where 217-token chunks
 (what the free VRAM of an 8 GB card left after the cache would allow) crossed it 19 times.
 
-A prefill chunk's streamed experts land in two chunk buffers (the copy of the next batch overlaps this one's
-compute; with a buffer as large as a layer's misses the next layer's copies run during this layer). They come
-out of the VRAM budget, so on a small budget they are kept to a sixteenth of what the expert cache would get
-(a few slots per layer), and never above CHUNK_STAGE_MIB each.
+A prefill chunk's streamed experts land in chunk buffers: the bytes of two buffers (sized here) split into a
+ring of up to CHUNK_RING (the copy of one buffer overlaps the compute of the others, across layer boundaries).
+They come out of the VRAM budget, so on a small budget each of the two is kept to a sixteenth of what the expert
+cache would get (a few slots per layer), and never above CHUNK_STAGE_MIB.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 MiB = 1 << 20
 CHUNK_STAGE_MIB = 256  # per buffer, at most (the engine passes STRATA_CHUNK_STAGE_MIB when set)
 CHUNK_STAGE_SHARE = 16  # at most 1/16 of the bytes left for the expert cache, per buffer
+CHUNK_RING = 8  # chunk buffers in the ring (fewer when the two buffers' bytes hold fewer experts)
 PREFILL_TARGET = 4096  # tokens: the prefill chunk a GPU's expert cache leaves room for by default
 
 
@@ -42,3 +43,10 @@ def chunk_stage_experts(left_bytes: int, expert_bytes: int, n_experts: int, cap_
     cap = float(cap_mib or CHUNK_STAGE_MIB) * MiB
     per = min(cap, max(left_bytes, 0) / CHUNK_STAGE_SHARE)
     return int(max(1, min(n_experts, per // max(expert_bytes, 1))))
+
+
+def chunk_ring(per_buffer: int) -> tuple[int, int]:
+    """(buffers, experts each) of the chunk ring holding the experts of two buffers of `per_buffer`."""
+    total = 2 * max(1, int(per_buffer))
+    ring = min(CHUNK_RING, total)
+    return ring, total // ring

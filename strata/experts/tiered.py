@@ -119,6 +119,9 @@ class TieredExperts:
         self._pin_bufs: dict[str, torch.Tensor] = {}
         self._saved = False
         self._chunk = False  # this layer call is a chunk (grouped calls, chunk buffers)
+        # measured / estimated time of the CPU lane on chunks (--cpu-plan auto): the split prices the CPU with it
+        self.chunk_cpu_scale = 1.0
+        self._cpu_estimate_ms = 0.0  # the last chunk split's CPU lane, unscaled
         self.recorder = None  # set by DecodeGraphs: one-token steps then take the graph-piece path
         self.graphed = GraphedDecode(self)
         self.next_moe: dict[int, object] = {}  # MoE layer -> the next MoE layer's block (its router predicts)
@@ -402,7 +405,10 @@ class TieredExperts:
             groups = self._select(grouped, cpu_experts, int)
             jobs = [(e, torch.from_numpy(tok)) for e, tok, _ in groups]
             run = self.lane.run_chunk if N > 1 else self.lane.run  # a chunk at the lane's full thread count
+            t0 = time.perf_counter()
             out = run(layer, x_h, jobs)  # [P, d] float32 on the host
+            if N > 1 and self._cpu_estimate_ms > 0:
+                self._learn_chunk_cpu((time.perf_counter() - t0) * 1e3)
             idx = np.concatenate([p for _, _, p in groups])
             n_cpu = len(idx)
             if self.profiling:
@@ -415,6 +421,16 @@ class TieredExperts:
         return combine(y[:N * k].view(N, k, d), w, x.dtype)
 
     # --- helpers --------------------------------------------------------------------------------------------
+    def _learn_chunk_cpu(self, measured_ms: float) -> None:
+        """Fold a chunk's measured CPU lane time into the split's price of the CPU (a running geometric mean of
+        measured / estimated). The one-token costs come from decode-sized calls; on the H200 machine a 4K
+        prompt's CPU share then took ~40 ms a layer where it was priced at a few, and the GPU idled meanwhile
+        (2,104 tok/s against 6,333 streaming everything). Once the CPU is priced out it gets no more chunk work,
+        so the price stays: chunks stream."""
+        ratio = min(max(measured_ms / self._cpu_estimate_ms, 0.05), 1e4)
+        self.chunk_cpu_scale = float(self.chunk_cpu_scale ** 0.25 * ratio ** 0.75)  # mostly the latest
+        self._cpu_estimate_ms = 0.0
+
     @staticmethod
     def _select(grouped, experts, key) -> list[tuple[int, np.ndarray, np.ndarray]]:
         """The groups of `experts` (a set, or a predicate on the expert id) from a layer's `grouped` pairs."""
@@ -480,7 +496,9 @@ class TieredExperts:
             counts = np.bincount(ids_np.reshape(-1), minlength=self.n_experts)
             used = np.flatnonzero(counts)
             tpe = dict(zip(used.tolist(), counts[used].tolist()))
-            split = self.costs.prefill_split(tpe, resident=set(np.unique(ids_np[hit]).tolist()) | pre)
+            split = self.costs.prefill_split(tpe, resident=set(np.unique(ids_np[hit]).tolist()) | pre,
+                                             cpu_scale=self.chunk_cpu_scale)
+            self._cpu_estimate_ms = split.cpu_ms / max(self.chunk_cpu_scale, 1e-9)  # unscaled: for the update
             return set(split.cpu), set(split.stream) | (pre & set(missed.tolist()))
         scores = self.policy.scores(li)
         if N > 1:

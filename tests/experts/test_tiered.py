@@ -297,6 +297,33 @@ def test_cuda_chunk_path_matches_resident(model_path, plan, slots):
     assert s.hits + s.cpu + s.pcie == s.lookups
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("stage_mib,plan,slots", [("0.0001", "000", 0), ("0.0001", "auto", 2), ("0.0001", "012", 3)])
+def test_cuda_chunk_ring_matches_resident(model_path, monkeypatch, stage_mib, plan, slots):
+    """The chunk ring on CUDA, where its copies run on their own stream: buffers smaller than a layer's misses
+    (the ring wraps within a layer, and the next layer's prefetch waits for this layer's readers), prefetched
+    layers ahead; two prompts in a row (the second starts on a ring the first left mid-way)."""
+    monkeypatch.setenv("STRATA_CHUNK_STAGE_MIB", stage_mib)
+
+    def cuda(mode, **ex):
+        cfg = EngineConfig(model=str(model_path), device="cuda", dtype="float32",
+                           experts=ExpertConfig(mode=mode, **ex))
+        return load_model(str(model_path), cfg, with_tokenizer=False)
+
+    prompt = [(7 * i + 3) % 96 for i in range(90)]  # 90 tokens x k=2 = 180 pairs > PAIRS_MAX
+    ref = _run_cuda(cuda("resident"), prompt=prompt, decode=DECODE[:2])
+    lm = cuda("tiered", slots=slots, cpu_plan=plan)
+    for _ in range(2):
+        out = _run_cuda(lm, prompt=prompt, decode=DECODE[:2])
+        assert ((out - ref).abs().max() / ref.abs().max()).item() <= 1e-5
+    ex = lm.model.experts
+    stage = next(iter(ex.cache._chunk_stage.values()))
+    assert len(stage.bufs) >= 2 and stage.capacity < ex.n_experts
+    assert 0 < ex.cache.prefetch_used <= ex.cache.prefetched
+    s = ex.stats
+    assert s.hits + s.cpu + s.pcie == s.lookups
+
+
 @pytest.mark.parametrize("plan,slots", [("012", 3), ("000", 0), ("001", 8)])
 def test_grouped_chunk_path_matches_resident(model_path, reference, monkeypatch, plan, slots):
     """The GPU's chunk path (hits and staged batches through the grouped FFN, masked pairs 0), run on the CPU."""
@@ -500,3 +527,30 @@ def test_a_long_chunk_gives_the_cpu_only_experts_within_its_measured_tokens(mode
     assert (got - want).abs().max().item() <= 1e-5
     assert all(n <= CPU_MEASURED_TOKENS for n in seen)
     assert ex.stats.pcie > 0  # the busy experts streamed
+
+
+def test_chunk_cpu_share_priced_by_measurement(model_path, reference, monkeypatch):
+    """--cpu-plan auto on chunks: a CPU lane far slower on a chunk than its one-token costs say gets priced out
+    (measured / estimated folds into the split), and the chunks stream; logits stay the resident ones."""
+    import time as _time
+
+    import strata.experts.tiered as tiered
+
+    monkeypatch.setattr(tiered, "GROUPED_CHUNKS_ON_CPU", True)
+    lm = _load(model_path, {"cost_model": CHEAP_CPU}, slots=0, cpu_plan="auto")
+    ex = lm.model.experts
+    real = ex.lane.run_chunk
+
+    def slow(*a, **kw):
+        _time.sleep(0.05)  # 50 ms a call: far above CHEAP_CPU's price of a chunk's few experts
+        return real(*a, **kw)
+
+    monkeypatch.setattr(ex.lane, "run_chunk", slow)
+    out = _run(lm, decode=[])
+    assert (out - reference[:len(PROMPT)]).abs().max().item() <= 1e-5
+    first = ex.stats.cpu
+    assert first > 0 and ex.chunk_cpu_scale > 10  # priced as measured at one token first, then corrected
+    out = _run(lm, decode=[])
+    assert (out - reference[:len(PROMPT)]).abs().max().item() <= 1e-5
+    assert ex.stats.cpu - first < first / 2  # the second prompt's chunk gave the slow lane far less
+    _check_stats(ex, 2 * len(PROMPT))
