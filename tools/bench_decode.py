@@ -199,6 +199,7 @@ def measure(a, lm, eng, experts, dev, label, load_s) -> None:
         if len(ids) >= a.prefill_only:
             cache = getattr(experts, "cache", None)
             pre0 = (cache.copied_bytes, cache.prefetched, cache.prefetch_used) if cache is not None else None
+            st0 = experts.stats.cpu if hasattr(experts, "stats") else 0
 
             def long_prefill():
                 seq = Sequence(ids, SamplingParams(temperature=0), 1, set())
@@ -215,7 +216,8 @@ def measure(a, lm, eng, experts, dev, label, load_s) -> None:
                 n = len(runs)
                 res["prefill_long"].update(
                     copied_gb_per_prefill=round((cache.copied_bytes - pre0[0]) / n / 1e9, 2),
-                    prefetched=(cache.prefetched - pre0[1]) // n, prefetch_used=(cache.prefetch_used - pre0[2]) // n)
+                    prefetched=(cache.prefetched - pre0[1]) // n, prefetch_used=(cache.prefetch_used - pre0[2]) // n,
+                    cpu_pairs=(experts.stats.cpu - st0) // n, chunk_cpu_scale=round(experts.chunk_cpu_scale, 2))
             if a.trace_prefill:
                 from torch.profiler import ProfilerActivity, profile
 

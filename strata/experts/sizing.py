@@ -45,8 +45,9 @@ def chunk_stage_experts(left_bytes: int, expert_bytes: int, n_experts: int, cap_
     return int(max(1, min(n_experts, per // max(expert_bytes, 1))))
 
 
-def chunk_ring(per_buffer: int) -> tuple[int, int]:
-    """(buffers, experts each) of the chunk ring holding the experts of two buffers of `per_buffer`."""
+def chunk_ring(per_buffer: int, ring: int | None = None) -> tuple[int, int]:
+    """(buffers, experts each) of the chunk ring holding the experts of two buffers of `per_buffer` (`ring`:
+    buffers wanted, CHUNK_RING by default)."""
     total = 2 * max(1, int(per_buffer))
-    ring = min(CHUNK_RING, total)
+    ring = max(2, min(int(ring or CHUNK_RING), total))
     return ring, total // ring
