@@ -79,7 +79,7 @@ class CostModel:
         )
 
     def prefill_split(self, tokens_per_expert: Mapping[int, int], resident: Sequence[int] = (),
-                      cpu_scale: float = 1.0) -> PrefillSplit:
+                      cpu_scale: float = 1.0, serial: bool = False) -> PrefillSplit:
         """`cpu_scale`: measured over estimated CPU lane time of earlier chunks (the backend's correction: the
         one-token costs are measured as decode calls the lane, a chunk calls it with many tokens at once)."""
         # the first token pays for reading the weights, the rest only for the arithmetic
@@ -94,6 +94,7 @@ class CostModel:
             resident=resident,
             cpu_overhead_ms=c * self.cpu_overhead_ms,
             cpu_max_tokens=CPU_MEASURED_TOKENS,
+            serial=serial,
         )
 
     def save(self, path: str | os.PathLike) -> None:
@@ -307,6 +308,7 @@ def prefill_split(
     resident: Sequence[int] = (),
     cpu_overhead_ms: float = 0.0,
     cpu_max_tokens: int | None = None,
+    serial: bool = False,
 ) -> PrefillSplit:
     """Split a prefill chunk's non-resident experts between streaming to the GPU and the CPU.
 
@@ -318,6 +320,10 @@ def prefill_split(
     GPU `pcie_ms_per_expert + gpu_ms_per_expert + n * gpu_ms_per_token_expert`; the CPU's relative
     cost grows with n, so the CPU takes the experts with the fewest tokens. Every cut point is
     tried and the one with the smallest max(CPU lane, GPU lane) wins (ties: fewer on the CPU).
+
+    `serial`: the lanes do not overlap — the smallest CPU lane + GPU lane wins. So it is when the thread that
+    computes the CPU share is the one that issues the GPU's work and the GPU's queue is short (a CUDA chunk,
+    bound by the host's launches: on the H200 machine 20 CPU pairs a 4K prompt, priced as parallel, cost it 8%).
     """
     res = set(resident)
     gpu_base = 0.0
@@ -335,13 +341,14 @@ def prefill_split(
     gpu_cost = [pcie_ms_per_expert + gpu_ms_per_expert + n * gpu_ms_per_token_expert for n, _ in missed]
     gpu_lane = gpu_base + sum(gpu_cost)
     cpu_lane = 0.0
+    cost = (lambda c, g: c + g) if serial else max
     best_t, best_cpu, best_gpu = 0, cpu_lane, gpu_lane
     for t, (n, _) in enumerate(missed, start=1):
         if cpu_max_tokens is not None and n > cpu_max_tokens:
             break  # sorted by tokens: none further is eligible either
         cpu_lane += cpu_ms_per_expert + n * cpu_ms_per_token_expert + (cpu_overhead_ms if t == 1 else 0.0)
         gpu_lane -= gpu_cost[t - 1]
-        if max(cpu_lane, gpu_lane) < max(best_cpu, best_gpu) - 1e-12:
+        if cost(cpu_lane, gpu_lane) < cost(best_cpu, best_gpu) - 1e-12:
             best_t, best_cpu, best_gpu = t, cpu_lane, gpu_lane
     cpu = sorted(e for _, e in missed[:best_t])
     stream = sorted(e for _, e in missed[best_t:])

@@ -342,7 +342,8 @@ class TieredExperts:
         if self.cuda:
             # hits from the device map, queued before the host looks at the routing (no sync yet)
             ids_h = self._pinned("ids", ids)
-            x_h = self._pinned("x", x) if self.lane is not None else None
+            # a chunk copies x to the host only if its split gives the CPU a share (rare: priced serially below)
+            x_h = self._pinned("x", x) if self.lane is not None and N * k <= PAIRS_MAX else None
             ready = torch.cuda.Event()
             ready.record()
             if N * k <= PAIRS_MAX:
@@ -406,6 +407,8 @@ class TieredExperts:
             jobs = [(e, torch.from_numpy(tok)) for e, tok, _ in groups]
             run = self.lane.run_chunk if N > 1 else self.lane.run  # a chunk at the lane's full thread count
             t0 = time.perf_counter()
+            if x_h is None:
+                x_h = x.to("cpu")
             out = run(layer, x_h, jobs)  # [P, d] float32 on the host
             if N > 1 and self._cpu_estimate_ms > 0:
                 self._learn_chunk_cpu((time.perf_counter() - t0) * 1e3)
@@ -497,7 +500,7 @@ class TieredExperts:
             used = np.flatnonzero(counts)
             tpe = dict(zip(used.tolist(), counts[used].tolist()))
             split = self.costs.prefill_split(tpe, resident=set(np.unique(ids_np[hit]).tolist()) | pre,
-                                             cpu_scale=self.chunk_cpu_scale)
+                                             cpu_scale=self.chunk_cpu_scale, serial=self.cuda)
             self._cpu_estimate_ms = split.cpu_ms / max(self.chunk_cpu_scale, 1e-9)  # unscaled: for the update
             return set(split.cpu), set(split.stream) | (pre & set(missed.tolist()))
         scores = self.policy.scores(li)

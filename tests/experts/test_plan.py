@@ -151,6 +151,28 @@ def test_prefill_split_matches_brute_force():
         assert sorted(split.cpu + split.stream) == sorted(e for e, n in tokens.items() if n and e not in resident)
 
 
+def test_prefill_split_serial_lanes():
+    """Lanes that do not overlap (a CUDA chunk: the host that computes the CPU share issues the GPU's work):
+    the CPU takes an expert only where it is cheaper than its copy and compute, fixed costs included."""
+    tokens = {0: 1, 1: 60, 2: 2, 3: 120, 5: 3, 6: 80}
+    # parallel lanes: the CPU takes the few-token experts even where each costs more there than on the GPU
+    par = prefill_split(tokens, cpu_ms_per_token_expert=0.05, pcie_ms_per_expert=0.04, gpu_ms_per_token_expert=0.001)
+    assert par.cpu == [0, 2, 5]
+    ser = prefill_split(tokens, 0.05, 0.04, 0.001, serial=True)
+    assert ser.cpu == [] and ser.cpu_ms == 0.0
+    # cheaper on the CPU one by one, but not past the lane's fixed cost
+    assert prefill_split(tokens, 0.01, 0.04, 0.001, serial=True).cpu == [0, 2, 5]
+    assert prefill_split(tokens, 0.01, 0.04, 0.001, cpu_overhead_ms=1.0, serial=True).cpu == []
+    for serial in (False, True):
+        for cpu_tok, pcie in ((0.05, 0.04), (0.01, 0.3), (0.2, 0.01)):
+            split = prefill_split(tokens, cpu_tok, pcie, 0.001, serial=serial)
+            missed = sorted((n, e) for e, n in tokens.items())
+            f = (lambda c, g: c + g) if serial else max
+            want = min(f(sum(n * cpu_tok for n, _ in missed[:t]), sum(pcie + n * 0.001 for n, _ in missed[t:]))
+                       for t in range(len(missed) + 1))
+            assert f(split.cpu_ms, split.gpu_ms) == pytest.approx(want)
+
+
 def test_cost_model_round_trip_and_plans(tmp_path):
     cost = CostModel(
         CPU_MS,
