@@ -54,9 +54,9 @@ class ChunkStage:
     """A ring of chunk buffers of `experts` slots each (gate, up, down stacks) for a chunk's streamed experts,
     and per buffer the event after the last compute that read it (None: none yet).
 
-    A ring rather than two layer-sized buffers: the copy of buffer i waits only for the last reader of buffer i,
-    so the next layer's first batches copy while this layer's last ones compute and the link never waits for a
-    whole layer (with two buffers it did: a 4K prefill at 8 GiB hid 48 of its 259 ms of copies)."""
+    The copy into buffer i waits only for buffer i's last reader, so copies run ahead of the compute by up to the
+    ring's other buffers, across layer boundaries. Fewer, larger buffers measured faster (sizing.CHUNK_RING):
+    each buffer is one grouped FFN call, and the chunk path is bound by the host's launches."""
 
     experts: int
     bufs: list[tuple[QTensor, QTensor, QTensor]]
