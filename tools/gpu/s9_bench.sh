@@ -3,6 +3,7 @@
 # decode and the 4K prefill), in one call.
 source tools/gpu/setup.sh
 [ -x peers/llama.cpp/build/bin/llama-bench ] || { echo "no llama-bench: the machine was not warm"; exit 1; }
+timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/experts -k "chunk or budget" > $OUT/gpu_tests.log 2>&1; tail -1 $OUT/gpu_tests.log
 [ -f scratch/q30.gguf ] || python3 -m strata synth qwen3-30b-a3b scratch/q30.gguf --no-report -q > $OUT/synth.log 2>&1
 L="bash bench/peers/llamacpp.sh bench scratch/q30.gguf"
 timeout 150 $L 8 --lengths 4096 --gen 0 --reps 3 --ubatch 4096 > $OUT/ll8p.log 2>&1; tail -4 $OUT/ll8p.log
