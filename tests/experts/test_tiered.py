@@ -203,13 +203,8 @@ def test_bad_plan_is_a_clear_error(model_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("plan,slots", [("012", 0), ("000", 0), ("011", 3), ("000", 8)])
 def test_cuda_tiered_matches_resident(model_path, plan, slots):
-    def cuda(mode, **ex):
-        cfg = EngineConfig(model=str(model_path), device="cuda", dtype="float32",
-                           experts=ExpertConfig(mode=mode, **ex))
-        return load_model(str(model_path), cfg, with_tokenizer=False)
-
-    ref = _run_cuda(cuda("resident"))
-    lm = cuda("tiered", slots=slots, cpu_plan=plan)
+    ref = _run_cuda(_load_cuda(model_path, "resident"))
+    lm = _load_cuda(model_path, "tiered", slots=slots, cpu_plan=plan)
     out = _run_cuda(lm)
     assert ((out - ref).abs().max() / ref.abs().max()).item() <= 1e-5
     ex = lm.model.experts
@@ -237,6 +232,11 @@ def test_cuda_bf16_tiered_runs(model_path):
 
 
 @torch.inference_mode()
+def _load_cuda(path, mode, **ex):
+    cfg = EngineConfig(model=str(path), device="cuda", dtype="float32", experts=ExpertConfig(mode=mode, **ex))
+    return load_model(str(path), cfg, with_tokenizer=False)
+
+
 def _run_cuda(lm, prompt=PROMPT, decode=DECODE):
     m, dev = lm.model, lm.model.device
     kv = m.new_kv_cache(1, max(64, len(prompt) + len(decode)))
@@ -283,14 +283,9 @@ def test_bf16_with_a_fast_cpu_lane_stays_close_to_resident(tmp_path, kernel):
 def test_cuda_chunk_path_matches_resident(model_path, plan, slots):
     """A prompt whose pairs exceed the decode size takes the grouped chunk path (hits, staged batches, CPU; with 6
     of 8 experts cached the hits alone pass the decode size: they launch from the map row)."""
-    def cuda(mode, **ex):
-        cfg = EngineConfig(model=str(model_path), device="cuda", dtype="float32",
-                           experts=ExpertConfig(mode=mode, **ex))
-        return load_model(str(model_path), cfg, with_tokenizer=False)
-
     prompt = [(7 * i + 3) % 96 for i in range(90)]  # 90 tokens x k=2 = 180 pairs > PAIRS_MAX
-    ref = _run_cuda(cuda("resident"), prompt=prompt, decode=DECODE[:2])
-    lm = cuda("tiered", slots=slots, cpu_plan=plan)
+    ref = _run_cuda(_load_cuda(model_path, "resident"), prompt=prompt, decode=DECODE[:2])
+    lm = _load_cuda(model_path, "tiered", slots=slots, cpu_plan=plan)
     out = _run_cuda(lm, prompt=prompt, decode=DECODE[:2])
     assert ((out - ref).abs().max() / ref.abs().max()).item() <= 1e-5
     s = lm.model.experts.stats
@@ -305,14 +300,9 @@ def test_cuda_chunk_ring_matches_resident(model_path, monkeypatch, stage_mib, pl
     layers ahead; two prompts in a row (the second starts on a ring the first left mid-way)."""
     monkeypatch.setenv("STRATA_CHUNK_STAGE_MIB", stage_mib)
 
-    def cuda(mode, **ex):
-        cfg = EngineConfig(model=str(model_path), device="cuda", dtype="float32",
-                           experts=ExpertConfig(mode=mode, **ex))
-        return load_model(str(model_path), cfg, with_tokenizer=False)
-
     prompt = [(7 * i + 3) % 96 for i in range(90)]  # 90 tokens x k=2 = 180 pairs > PAIRS_MAX
-    ref = _run_cuda(cuda("resident"), prompt=prompt, decode=DECODE[:2])
-    lm = cuda("tiered", slots=slots, cpu_plan=plan)
+    ref = _run_cuda(_load_cuda(model_path, "resident"), prompt=prompt, decode=DECODE[:2])
+    lm = _load_cuda(model_path, "tiered", slots=slots, cpu_plan=plan)
     for _ in range(2):
         out = _run_cuda(lm, prompt=prompt, decode=DECODE[:2])
         assert ((out - ref).abs().max() / ref.abs().max()).item() <= 1e-5
