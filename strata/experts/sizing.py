@@ -13,7 +13,7 @@ cache would get (a few slots per layer), and never above CHUNK_STAGE_MIB.
 from __future__ import annotations
 
 MiB = 1 << 20
-CHUNK_STAGE_MIB = 256  # per buffer, at most (the engine passes STRATA_CHUNK_STAGE_MIB when set)
+CHUNK_STAGE_MIB = 256  # per buffer, at most (STRATA_CHUNK_STAGE_MIB sets a size by hand for benchmarks)
 CHUNK_STAGE_SHARE = 16  # at most 1/16 of the bytes left for the expert cache, per buffer
 # chunk buffers in the ring. Measured on the H200 machine (B1, 8 GiB, PCIe only, 4K prefill): 2 buffers 8,536
 # tok/s, 4 7,321, 8 5,794 — the chunk path is bound by the host's launches, and each buffer is one grouped call
@@ -40,10 +40,14 @@ def prefill_chunk_for(left_bytes: int, bytes_per_token: int) -> int:
     return int(max(256, min(PREFILL_TARGET, fit // 256 * 256)))
 
 
-def chunk_stage_experts(left_bytes: int, expert_bytes: int, n_experts: int, cap_mib: float | None = None) -> int:
-    """Experts one chunk buffer holds, given the VRAM left for the expert cache (before the buffers)."""
-    cap = float(cap_mib or CHUNK_STAGE_MIB) * MiB
-    per = min(cap, max(left_bytes, 0) / CHUNK_STAGE_SHARE)
+def chunk_stage_experts(left_bytes: int, expert_bytes: int, n_experts: int, size_mib: float | None = None) -> int:
+    """Experts one chunk buffer holds, given the VRAM left for the expert cache (before the buffers).
+    `size_mib` (STRATA_CHUNK_STAGE_MIB, for benchmarks): the buffer's size set by hand, past the share rule —
+    the cache gets what is left after it."""
+    if size_mib is not None:
+        per = float(size_mib) * MiB
+    else:
+        per = min(CHUNK_STAGE_MIB * MiB, max(left_bytes, 0) / CHUNK_STAGE_SHARE)
     return int(max(1, min(n_experts, per // max(expert_bytes, 1))))
 
 

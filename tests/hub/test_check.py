@@ -251,3 +251,17 @@ def test_the_default_prefill_chunk_shrinks_on_a_small_budget():
     assert prefill_chunk_for(3 * 4096 * bpt, bpt) == 4096 and prefill_chunk_for(10 * GiB, bpt) == 4096
     assert prefill_chunk_for(3 * 1000 * bpt, bpt) == 768
     assert prefill_chunk_for(0, bpt) == prefill_chunk_for(-GiB, bpt) == 256
+
+
+def test_chunk_stage_sizing():
+    """A chunk buffer: a sixteenth of what the cache would get, at most 256 MiB, at least one expert; a size set
+    by hand (STRATA_CHUNK_STAGE_MIB) is taken as it is, past the share rule; the ring splits two buffers' worth."""
+    from strata.experts.sizing import chunk_ring
+
+    e = 2_650_000  # a B1 expert
+    assert chunk_stage_experts(int(3.4 * GiB), e, 128) == int(3.4 * GiB / 16 // e)  # ~86
+    assert chunk_stage_experts(100 * GiB, e, 128) == 256 * MiB // e  # the cap
+    assert chunk_stage_experts(0, e, 128) == 1
+    assert chunk_stage_experts(int(3.4 * GiB), e, 128, size_mib=280) == 280 * MiB // e  # past a sixteenth
+    assert chunk_stage_experts(int(3.4 * GiB), e, 128, size_mib=10_000) == 128  # never more than the experts
+    assert chunk_ring(79) == (2, 79) and chunk_ring(79, 8) == (8, 19) and chunk_ring(1, 8) == (2, 1)
