@@ -16,10 +16,10 @@ import statistics
 import sys
 import time
 
-import numpy as np
-import torch
-
 sys.path.insert(0, ".")
+import strata  # noqa: F401,E402  (before torch: it sets the OpenMP runtime's environment)
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
 from strata.engine.cli import add_engine_args, engine_config  # noqa: E402
 from strata.engine.engine import Engine, Sequence  # noqa: E402

@@ -237,3 +237,23 @@ def test_a_chunk_runs_at_the_start_up_thread_count(q4k):
         assert torch.allclose(out[2], lane.expert(0, 3, x[1:2])[0])
     finally:
         torch.set_num_threads(before)
+
+
+def test_openmp_threads_spin_between_calls_where_a_gpu_is():
+    """With a GPU the CPU lane's OpenMP threads keep spinning between a decode's per-layer calls (GOMP_SPINCOUNT,
+    set when strata is imported, before torch); without one, or with a count or wait policy the user set, the
+    environment is left alone."""
+    import strata
+
+    env = {}
+    strata.omp_spin_default(env, gpu=True)
+    assert int(env["GOMP_SPINCOUNT"]) == strata.OMP_SPINCOUNT
+    env = {}
+    strata.omp_spin_default(env, gpu=False)
+    assert env == {}
+    env = {"GOMP_SPINCOUNT": "1000"}
+    strata.omp_spin_default(env, gpu=True)
+    assert env == {"GOMP_SPINCOUNT": "1000"}
+    env = {"OMP_WAIT_POLICY": "passive"}
+    strata.omp_spin_default(env, gpu=True)
+    assert env == {"OMP_WAIT_POLICY": "passive"}
