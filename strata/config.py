@@ -63,6 +63,11 @@ class EngineConfig:
     prefill_chunk: int = 0  # 0 = sized from memory
     seed: int | None = None
     cuda_graphs: bool | None = None  # replay single-sequence decode steps as CUDA graphs (None: on with CUDA)
+    # speculative decoding with n-gram drafts (strata.engine.spec): at most draft_max guessed tokens verified per
+    # step (0: off), found by matching the context's last draft_ngram_max .. draft_ngram_min tokens earlier in it
+    draft_max: int = 0
+    draft_ngram_min: int = 2
+    draft_ngram_max: int = 4
     experts: ExpertConfig = field(default_factory=ExpertConfig)
 
     def validate(self) -> None:
@@ -74,6 +79,9 @@ class EngineConfig:
                 raise StrataError(f"--{name.replace('_', '-')} must be one of auto, {', '.join(DTYPES)} (got {v!r})")
         if self.ctx_size < 0 or self.prefill_chunk < 0 or self.n_slots < 1:
             raise StrataError("context size and prefill chunk must be >= 0 and slots >= 1")
+        if self.draft_max < 0 or not 1 <= self.draft_ngram_min <= self.draft_ngram_max:
+            raise StrataError("--draft-max must be >= 0 and 1 <= --draft-ngram-min <= --draft-ngram-max "
+                              f"(got {self.draft_max}, {self.draft_ngram_min}, {self.draft_ngram_max})")
         self.experts.validate()
 
     @property

@@ -32,6 +32,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="replay decode steps as CUDA graphs (default: on with a CUDA device and one slot; "
                         "--cuda-graphs with --parallel N also batches decoding sequences, resident experts)")
+    p.add_argument("--draft-max", type=int, default=d.draft_max,
+                   help="speculative decoding with n-gram drafts: at most N tokens guessed from earlier in the "
+                        "context and verified in one forward per step (default 0: off; exact for any sampler; "
+                        "pays where text repeats its context, as code edits do)")
+    p.add_argument("--draft-ngram-min", type=int, default=d.draft_ngram_min,
+                   help=f"shortest n-gram a draft is looked up by (default {d.draft_ngram_min})")
+    p.add_argument("--draft-ngram-max", type=int, default=d.draft_ngram_max,
+                   help=f"longest n-gram a draft is looked up by, tried first (default {d.draft_ngram_max})")
     g = p.add_argument_group("experts (tiered execution)")
     g.add_argument("--experts", dest="experts_mode", default=e.mode, choices=["auto", "resident", "tiered"])
     g.add_argument("--vram-gb", type=float, default=None, help="the whole process's VRAM budget (GiB): the CUDA context, weights, KV, a prefill chunk "
@@ -77,7 +85,9 @@ def engine_config(args) -> "EngineConfig":
     cfg = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype,
                        ctx_size=args.ctx_size, prefill_chunk=args.prefill_chunk,
                        n_slots=getattr(args, "parallel", 1) or 1, seed=getattr(args, "seed", None), experts=ex,
-                       cuda_graphs=getattr(args, "cuda_graphs", None))
+                       cuda_graphs=getattr(args, "cuda_graphs", None), draft_max=getattr(args, "draft_max", 0),
+                       draft_ngram_min=getattr(args, "draft_ngram_min", 2),
+                       draft_ngram_max=getattr(args, "draft_ngram_max", 4))
     cfg.validate()
     return cfg
 

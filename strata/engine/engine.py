@@ -20,6 +20,7 @@ import torch
 from strata import StrataError
 from strata.engine.loader import LoadedModel
 from strata.engine.sampler import SamplingParams, sample
+from strata.engine.spec import NgramDrafter, accept
 from strata.experts.sizing import prefill_bytes_per_token, prefill_chunk_for
 from strata.kv.cache import Segment
 
@@ -41,6 +42,11 @@ class Sequence:
     finished: bool = False
     finish_reason: str | None = None  # stop | length | abort
     generator: torch.Generator | None = None
+    # speculative decoding (strata.engine.spec): the context's n-gram index, draft tokens proposed and accepted
+    drafter: NgramDrafter | None = None
+    draft_steps: int = 0
+    draft_n: int = 0
+    draft_accepted: int = 0
     # Applied to the sequence's logits row [V] before sampling: OpenAI's logit_bias, grammar masks. None = off.
     logits_processor: Callable[[torch.Tensor], torch.Tensor] | None = None
     # timings (engine clock, ms)
@@ -78,6 +84,9 @@ class Engine:
                 act = chunk * bpt
             setup(lm.args.n_experts_used, act)
         self.prefill_chunk = chunk or self._default_chunk()
+        cfg = lm.cfg
+        self.draft_max = getattr(cfg, "draft_max", 0)
+        self.draft_ngram = (getattr(cfg, "draft_ngram_min", 2), getattr(cfg, "draft_ngram_max", 4))
         self.free_slots = list(range(self.n_slots))
         self.running: list[Sequence] = []
         self.slot_tokens: dict[int, list[int]] = {s: [] for s in range(self.n_slots)}  # what each slot's KV holds
@@ -174,14 +183,24 @@ class Engine:
             toks += chunk
             poss += range(prefill.pos, prefill.pos + n)
             owners.append(prefill)
+        drafts: dict[int, list[int]] = {}  # sequence id -> its draft tokens this step
         for s in self.running:
             if s.prompt_done and not s.finished:
-                segs.append(Segment(s.slot, s.pos, 1))
-                toks.append(s.output[-1])
-                poss.append(s.pos)
+                d = self._draft(s) if self.draft_max else []
+                if d:
+                    drafts[s.id] = d
+                segs.append(Segment(s.slot, s.pos, 1 + len(d)))
+                toks += [s.output[-1], *d]
+                poss += range(s.pos, s.pos + 1 + len(d))
                 owners.append(s)
+        rows = None  # with drafts: every position of a verify segment, the last of any other
+        if drafts:
+            rows, at = [], 0
+            for s, seg in zip(owners, segs):
+                rows += range(at, at + seg.n) if s.id in drafts else [at + seg.n - 1]
+                at += seg.n
         logits = None
-        if self.graphs is not None and prefill is None and 0 < len(segs) <= self.graph_batch:
+        if self.graphs is not None and prefill is None and not drafts and 0 < len(segs) <= self.graph_batch:
             slots = [seg.slot for seg in segs]
             try:
                 logits = self.graphs.step_batch(toks, poss, slots)  # [B, V] from replayed graphs
@@ -198,40 +217,73 @@ class Engine:
             t = torch.tensor(toks, device=self.device)
             p = torch.tensor(poss, device=self.device)
             try:
-                logits = self.model.forward(t, p, segs, self.kv)  # [len(segs), V]
+                logits = self.model.forward(t, p, segs, self.kv, rows=rows)  # [len(segs) or len(rows), V]
             except torch.OutOfMemoryError:
                 self._out_of_memory(prefill)
                 return self.step()  # the same work again in smaller chunks (KV rows are simply rewritten)
-        picks = []
-        for i, (s, seg) in enumerate(zip(owners, segs)):
-            s.pos += seg.n
-            self.slot_tokens[s.slot] += toks[sum(x.n for x in segs[:i]) : sum(x.n for x in segs[: i + 1])]
+        picks = []  # (sequence, its drafts, the tokens drawn at its rows)
+        r, at = 0, 0
+        for s, seg in zip(owners, segs):
+            seg_toks, at = toks[at:at + seg.n], at + seg.n
+            d = drafts.get(s.id, [])
+            n_rows = 1 + len(d)
+            r, mine = r + n_rows, range(r, r + n_rows)
+            if not d:
+                s.pos += seg.n
+                self.slot_tokens[s.slot] += seg_toks
             if not s.prompt_done:
                 continue  # a middle prefill chunk: no token yet
-            window = s.context()[-s.params.penalty_last_n :] if s.params.penalty_last_n else []
-            recent = torch.tensor(window, device=self.device, dtype=torch.long)
-            row = logits[i] if s.logits_processor is None else s.logits_processor(logits[i])
-            picks.append((s, sample(row, s.params, recent, s.generator)))
+            ctx = s.context() if s.params.penalty_last_n else []
+            drawn = []
+            for j, i in enumerate(mine):  # row j predicts the token after the segment's first j + 1 tokens
+                window = (ctx + d[:j])[-s.params.penalty_last_n:] if s.params.penalty_last_n else []
+                recent = torch.tensor(window, device=self.device, dtype=torch.long)
+                row = logits[i] if s.logits_processor is None else s.logits_processor(logits[i])
+                drawn.append(sample(row, s.params, recent, s.generator))
+            picks.append((s, d, seg_toks, drawn))
         if not picks:
             return []
-        values = torch.stack([x for _, x in picks]).tolist()  # the one host read per step
+        values = torch.stack([x for *_, drawn in picks for x in drawn]).tolist()  # the one host read per step
         now = time.perf_counter()
         out = []
-        for (s, _), tok in zip(picks, values):
-            if not s.output:
-                s.prompt_ms = (now - s.t_start) * 1e3
-                s.t_first = now
-            else:
-                s.predicted_ms = (now - s.t_first) * 1e3
-            s.output.append(tok)
-            out.append((s, tok))
-            if tok in s.stop_ids:
-                s.finished, s.finish_reason = True, "stop"
-            elif len(s.output) >= s.max_tokens or s.pos + 1 >= self.max_ctx:
-                s.finished, s.finish_reason = True, "length"
-            if s.finished:
-                self.release(s)
+        v = 0
+        for s, d, seg_toks, drawn in picks:
+            got, v = values[v:v + len(drawn)], v + len(drawn)
+            if d:  # a verify segment: the drafts that equal the drawn tokens stand, then the first drawn one
+                a = accept(d, got)
+                s.draft_steps += 1
+                s.draft_n += len(d)
+                s.draft_accepted += a
+                s.pos += a + 1  # the KV rows of rejected drafts are stale: later steps overwrite them
+                self.slot_tokens[s.slot] += seg_toks[:a + 1]
+                got = got[:a + 1]
+            for tok in got:
+                if not s.output:
+                    s.prompt_ms = (now - s.t_start) * 1e3
+                    s.t_first = now
+                else:
+                    s.predicted_ms = (now - s.t_first) * 1e3
+                s.output.append(tok)
+                out.append((s, tok))
+                if tok in s.stop_ids:
+                    s.finished, s.finish_reason = True, "stop"
+                elif len(s.output) >= s.max_tokens or s.pos + 1 >= self.max_ctx:
+                    s.finished, s.finish_reason = True, "length"
+                if s.finished:
+                    self.release(s)
+                    break
         return out
+
+    def _draft(self, s: Sequence) -> list[int]:
+        """Draft tokens for a decoding sequence: up to --draft-max, within its max_tokens and the context; none
+        for a sequence whose logits pass through a processor (a grammar's state follows each accepted token)."""
+        room = min(self.draft_max, s.max_tokens - len(s.output) - 1, self.max_ctx - 1 - s.pos)
+        if room <= 0 or s.logits_processor is not None:
+            return []
+        if s.drafter is None:
+            s.drafter = NgramDrafter(*self.draft_ngram)
+        s.drafter.sync(s.prompt, s.output)
+        return s.drafter.draft(room)
 
     def _out_of_memory(self, prefill) -> None:
         """The device ran out within its budget. A prefill chunk's activations are the one large, elastic part:

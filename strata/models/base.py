@@ -103,8 +103,9 @@ class CausalLM:
         return x.to(device=self.device, dtype=self.dtype)
 
     def forward(self, tokens: torch.Tensor, pos: torch.Tensor, segments: list[Segment], kv: KVCache,
-                all_logits: bool = False) -> torch.Tensor:
-        """tokens, pos [N] -> logits [N, V] (all_logits) or [len(segments), V] (each segment's last token)."""
+                all_logits: bool = False, rows: list[int] | None = None) -> torch.Tensor:
+        """tokens, pos [N] -> logits [N, V] (all_logits), [len(rows), V] (rows: indices into the N tokens, e.g.
+        every position of a speculative verify segment) or [len(segments), V] (each segment's last token)."""
         prof = self.experts if getattr(self.experts, "profiling", False) else None
         t = prof._mark() if prof else None
         x = self.embed_tokens(tokens)
@@ -113,7 +114,9 @@ class CausalLM:
         for blk in self.blocks:
             x = blk(x, pos, segments, kv, prof)
         t = prof._mark() if prof else None
-        if not all_logits and any(seg.n != 1 for seg in segments):  # (all-decode: already one row each)
+        if rows is not None:
+            x = x.index_select(0, torch.tensor(rows, device=x.device))
+        elif not all_logits and any(seg.n != 1 for seg in segments):  # (all-decode: already one row each)
             last = torch.tensor(_last_indices(segments), device=x.device)
             x = x.index_select(0, last)
         x = rms_norm(x, self.out_norm, self.args.norm_eps)

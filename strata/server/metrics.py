@@ -115,6 +115,10 @@ class Metrics:
         if seq is not None:
             self.prompt_tokens.inc(n_prompt)
         self.generation_tokens.inc(req.n_out)
+        if seq is not None and seq.draft_n:
+            self.spec_drafts.inc(seq.draft_steps)
+            self.spec_draft_tokens.inc(seq.draft_n)
+            self.spec_accepted.inc(seq.draft_accepted)
         with self._lock:
             t = self.totals
             t["requests"] += 1

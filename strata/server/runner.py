@@ -284,7 +284,8 @@ class Server:
             # predicted_ms runs from the first token (sampled off the prompt) to the last: n - 1 decode steps
             "predicted_per_token_ms": g_ms / (n_out - 1) if n_out > 1 else 0.0,
             "predicted_per_second": (n_out - 1) / (g_ms / 1e3) if g_ms and n_out > 1 else 0.0,
-            "cache_n": seq.cached if seq else 0, "draft_n": 0, "draft_n_accepted": 0,
+            "cache_n": seq.cached if seq else 0, "draft_n": seq.draft_n if seq else 0,
+            "draft_n_accepted": seq.draft_accepted if seq else 0,
         }
         return Result(reason if reason != "stop" or not stop_word else "stop", len(req.prompt), n_out,
                       seq.cached if seq else 0, timings, stop_word)

@@ -148,7 +148,8 @@ class EngineWorker:
             now = time.perf_counter()
             self.last_step_ms = (now - t0) * 1e3
             self.steps += 1
-            for seq, tok in out:
+            last = {seq.id: i for i, (seq, _) in enumerate(out)}  # a verify step gives a sequence several tokens
+            for i, (seq, tok) in enumerate(out):
                 req = self.active.get(seq.id)
                 if req is None:
                     continue
@@ -162,7 +163,7 @@ class EngineWorker:
                 req.n_out += 1
                 self.tokens_out += 1
                 req._emit(("token", tok))
-                if seq.finished:
+                if seq.finished and last[seq.id] == i:
                     self.active.pop(seq.id, None)
                     self._finish(req, seq.finish_reason or "stop")
 

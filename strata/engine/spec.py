@@ -1,0 +1,69 @@
+"""Speculative decoding with n-gram drafts (prompt lookup): guess the next tokens by finding the context's last
+few tokens earlier in the context and proposing what followed them there; verify all guesses in one forward.
+
+Why it pays for a MoE on a budget: a step's cost is dominated by reading its experts (from VRAM, over PCIe or by
+the CPU), and a verify step of 1 + m tokens reads each expert once for all of them. Coding agents and chat
+about documents repeat long spans of their context (code being edited, quoted text), where drafts are accepted
+for many tokens in a row; where nothing matches no draft is made and the step is a plain decode step.
+
+Verification is exact for any sampler: the target's token is drawn at every drafted position from that
+position's distribution (the same processing as without drafts), and drafts are accepted while they equal the
+drawn tokens; the first difference ends the step with the drawn token. Each emitted token is thus a draw from
+the model's distribution given the tokens before it — with greedy sampling, the same text as without drafts.
+"""
+
+from __future__ import annotations
+
+
+class NgramDrafter:
+    """An index of a sequence's context (prompt + output) by its n-grams, n_min <= n <= n_max: for each n-gram,
+    where it last occurred with at least one token after it. `draft` looks the context's last n tokens up,
+    longest n first, and proposes up to `k` of the tokens that followed. Extending the context costs O(n_max) per
+    token, a draft O(n_max + k), whatever the context's length."""
+
+    def __init__(self, n_min: int = 2, n_max: int = 4):
+        if not 1 <= n_min <= n_max:
+            raise ValueError(f"need 1 <= n_min <= n_max, got {n_min}, {n_max}")
+        self.n_min, self.n_max = n_min, n_max
+        self.tokens: list[int] = []
+        self._last: dict[tuple[int, ...], int] = {}  # n-gram -> the position right after its latest occurrence
+
+    def extend(self, tokens) -> None:
+        toks = self.tokens
+        for t in tokens:
+            # the n-grams ending at the current end now have a following token: index them
+            end = len(toks)
+            for n in range(self.n_min, min(self.n_max, end) + 1):
+                self._last[tuple(toks[end - n:end])] = end
+            toks.append(int(t))
+
+    def sync(self, prompt: list[int], output: list[int]) -> None:
+        """Catch up with a sequence whose context (prompt, then output) only grows: index what was added."""
+        n, p = len(self.tokens), len(prompt)
+        if n > p + len(output):  # not this context's prefix any more (a reused drafter): start over
+            self.tokens, self._last, n = [], {}, 0
+        if n < p:
+            self.extend(prompt[n:])
+            n = p
+        self.extend(output[n - p:])
+
+    def draft(self, k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the context's longest matching suffix."""
+        toks = self.tokens
+        end = len(toks)
+        if k <= 0:
+            return []
+        for n in range(min(self.n_max, end), self.n_min - 1, -1):
+            at = self._last.get(tuple(toks[end - n:end]))
+            if at is not None:
+                return toks[at:at + k]
+        return []
+
+
+def accept(drafts: list[int], drawn: list[int]) -> int:
+    """How many drafts are accepted: drafts[i] stands while it equals drawn[i], the token the model drew at the
+    position before it (drawn has len(drafts) + 1 entries: the last is the bonus token when all stand)."""
+    a = 0
+    while a < len(drafts) and drafts[a] == drawn[a]:
+        a += 1
+    return a
