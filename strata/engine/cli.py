@@ -176,6 +176,9 @@ def _report(seq, engine) -> None:
     dt = n / (seq.predicted_ms / 1e3) if seq.predicted_ms else 0.0
     print(f"\nstrata: prompt {seq.prompt_n} tokens in {seq.prompt_ms:.0f} ms ({pt:.1f} tok/s), "
           f"generated {len(seq.output)} tokens, decode {dt:.1f} tok/s", file=sys.stderr)
+    if seq.draft_n:
+        print(f"strata: drafts accepted {seq.draft_accepted} of {seq.draft_n} "
+              f"({seq.draft_accepted / seq.draft_n:.0%}) in {seq.draft_steps} verify steps", file=sys.stderr)
     stats = getattr(engine.model.experts, "stats", None)
     if stats is not None and hasattr(stats, "summary"):
         print(f"strata: experts {stats.summary()}", file=sys.stderr)

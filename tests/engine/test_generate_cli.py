@@ -40,3 +40,16 @@ def test_chat_flag_uses_template(hf_and_gguf):
     _, path = hf_and_gguf("qwen3moe")
     r = gen(path, "-p", "hi", "-n", "4", "--chat", "--temperature", "0")
     assert r.returncode == 0, r.stderr
+
+
+def test_generate_with_drafts_prints_the_same_text(hf_and_gguf):
+    """`--draft-max` through the CLI: the same greedy text on stdout, the drafts' count on stderr."""
+    _, path = hf_and_gguf("qwen3moe")
+    prompt = "x = 1\ny = 2\nz = 3\n" * 8
+    plain = gen(path, "-p", prompt, "-n", "24", "--temperature", "0")
+    drafted = gen(path, "-p", prompt, "-n", "24", "--temperature", "0", "--draft-max", "6")
+    assert plain.returncode == 0 and drafted.returncode == 0, drafted.stderr
+    assert drafted.stdout == plain.stdout
+    assert "drafts accepted" in drafted.stderr and "drafts accepted" not in plain.stderr
+    bad = gen(path, "-p", "x", "--draft-max", "4", "--draft-ngram-min", "3", "--draft-ngram-max", "2")
+    assert bad.returncode != 0 and "--draft-ngram-min" in bad.stderr and "Traceback" not in bad.stderr
