@@ -1,6 +1,7 @@
 """Speculative decoding with n-gram drafts against plain decoding, on real code (the embedded model by default).
 
-    python tools/bench_spec.py [-m MODEL] [--device cpu] [--drafts 0,4,8,16] [--gen 200] [--runs 3]
+    python tools/bench_spec.py [engine flags: -m MODEL --device cuda --vram-gb 8 ...] [--drafts 0,4,8,16]
+                               [--gen 200] [--runs 3]
 
 Two prompts from Python's standard library (text nobody here wrote): `edit` — a module's source, then the same
 source again up to its middle (an agent re-emitting a file it edits: the continuation repeats the context), and
@@ -22,7 +23,7 @@ sys.path.insert(0, ".")
 import strata  # noqa: F401,E402  (before torch: it sets the OpenMP runtime's environment)
 import textwrap  # noqa: E402
 
-from strata.config import EngineConfig  # noqa: E402
+from strata.engine.cli import add_engine_args, engine_config  # noqa: E402
 from strata.engine.engine import Engine  # noqa: E402
 from strata.engine.loader import load_model  # noqa: E402
 from strata.engine.sampler import SamplingParams  # noqa: E402
@@ -37,8 +38,7 @@ def prompts(tok) -> dict[str, list[int]]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("-m", "--model", default=None)
-    ap.add_argument("--device", default="cpu")
+    add_engine_args(ap)
     ap.add_argument("--drafts", default="0,4,8,16")
     ap.add_argument("--gen", type=int, default=200)
     ap.add_argument("--runs", type=int, default=3)
@@ -47,7 +47,7 @@ def main() -> int:
         from strata.models.default import default_model_path
 
         a.model = str(default_model_path())
-    base = EngineConfig(model=a.model, device=a.device)
+    base = engine_config(a)
     lm = load_model(a.model, base)
     ref: dict[str, list[int]] = {}
     for name, ids in prompts(lm.tokenizer).items():

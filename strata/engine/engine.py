@@ -44,6 +44,7 @@ class Sequence:
     generator: torch.Generator | None = None
     # speculative decoding (strata.engine.spec): the context's n-gram index, draft tokens proposed and accepted
     drafter: NgramDrafter | None = None
+    draft_len: int = 0  # this sequence's next draft length (adapted to how many drafts stood lately; 0: not set)
     draft_steps: int = 0
     draft_n: int = 0
     draft_accepted: int = 0
@@ -252,6 +253,10 @@ class Engine:
             if d:  # a verify segment: the drafts that equal the drawn tokens stand, then the first drawn one
                 a = accept(d, got)
                 s.draft_steps += 1
+                # the next draft's length follows the runs that stand: doubled while every draft stands, else
+                # one past this run (a verify token costs compute and, on a budget, its experts' reads)
+                cur = s.draft_len or self.draft_max
+                s.draft_len = min(self.draft_max, max(cur, 2 * len(d))) if a == len(d) else a + 1
                 s.draft_n += len(d)
                 s.draft_accepted += a
                 s.pos += a + 1  # the KV rows of rejected drafts are stale: later steps overwrite them
@@ -277,7 +282,7 @@ class Engine:
     def _draft(self, s: Sequence) -> list[int]:
         """Draft tokens for a decoding sequence: up to --draft-max, within its max_tokens and the context; none
         for a sequence whose logits pass through a processor (a grammar's state follows each accepted token)."""
-        room = min(self.draft_max, s.max_tokens - len(s.output) - 1, self.max_ctx - 1 - s.pos)
+        room = min(s.draft_len or self.draft_max, s.max_tokens - len(s.output) - 1, self.max_ctx - 1 - s.pos)
         if room <= 0 or s.logits_processor is not None:
             return []
         if s.drafter is None:

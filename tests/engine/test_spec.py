@@ -193,3 +193,27 @@ def test_draft_settings_are_validated():
     for bad in (dict(draft_max=-1), dict(draft_ngram_min=0), dict(draft_ngram_min=3, draft_ngram_max=2)):
         with pytest.raises(StrataError, match="draft"):
             dataclasses.replace(EngineConfig(device="cpu"), **bad).validate()
+
+
+def test_draft_length_follows_the_runs_that_stand(hf_and_gguf, monkeypatch):
+    """After a rejection the next draft is one past the run that stood; while every draft stands it doubles (up
+    to --draft-max). Drafts may come out shorter (the match runs out, max_tokens), never longer."""
+    import strata.engine.engine as E
+
+    seen = []
+
+    def spy(d, drawn):
+        a = accept(d, drawn)
+        seen.append((len(d), a))
+        return a
+
+    monkeypatch.setattr(E, "accept", spy)
+    _, path = hf_and_gguf("deepseek_v3")
+    out, seq = _gen(_engine(path, 8), _prompt(1000, seed=1), 60)
+    assert len(seen) == seq.draft_steps > 3
+    cap = 8
+    for (n, a), (n_next, _) in zip(seen, seen[1:]):
+        cap = min(8, max(cap, 2 * n)) if a == n else a + 1
+        assert n_next <= cap, seen
+    assert any(a < n for n, a in seen) and any(n_next == a + 1 for (n, a), (n_next, _) in zip(seen, seen[1:])
+                                               if a < n), seen
