@@ -196,3 +196,40 @@ def test_graphed_batch_of_sequences_matches_resident(model_path, batch_reference
     assert any(n == 3 for _, n in ex.graphed.bufs), "no step decoded three sequences through the graphed path"
     s = ex.stats
     assert s.hits + s.cpu + s.pcie == s.lookups == s.tokens * 3 * 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("plan,slots", [("011", 3), ("000", 0)])
+def test_cuda_drafts_between_graphed_steps_keep_the_text(model_path, plan, slots):
+    """Speculative verify steps (eager, several tokens) between replayed single-token steps of the graphed tiered
+    path on CUDA: the greedy text equals the all-resident one, and both kinds of step ran."""
+    prompt = PROMPT * 3  # repeats itself: drafts are found
+    ref = list(_cuda_engine(model_path, False, mode="resident").generate(prompt, SamplingParams(temperature=0), 40))
+    cfg = EngineConfig(model=str(model_path), device="cuda", dtype="float32", cuda_graphs=True, draft_max=4,
+                       experts=ExpertConfig(mode="tiered", slots=slots, cpu_plan=plan))
+    eng = Engine(load_model(str(model_path), cfg, with_tokenizer=False), n_slots=1)
+    out = list(eng.generate(prompt, SamplingParams(temperature=0), 40))
+    assert out == ref
+    assert eng.last.draft_steps > 0 and eng.graphs is not None and eng.graphs.graphs
+    s = eng.model.experts.stats
+    assert s.hits + s.cpu + s.pcie == s.lookups
+
+
+def test_drafts_between_graph_path_steps_keep_the_text(model_path):
+    """The same on the CPU (the graph-piece path runs eagerly): verify steps through the eager tiered path
+    between single-token steps through the graph-piece path."""
+    prompt = PROMPT * 3
+    ref = list(_engine(model_path, False, mode="resident").generate(prompt, SamplingParams(temperature=0), 40))
+    eng = _engine(model_path, True, slots=3, cpu_plan="011")
+    eng.draft_max = 4
+    calls = {"graphed": 0}
+    step = eng.graphs.step_batch
+
+    def counted(*a, **k):
+        calls["graphed"] += 1
+        return step(*a, **k)
+
+    eng.graphs.step_batch = counted
+    out = list(eng.generate(prompt, SamplingParams(temperature=0), 40))
+    assert out == ref
+    assert eng.last.draft_steps > 0 and calls["graphed"] > 0, (eng.last.draft_steps, calls)
