@@ -174,6 +174,11 @@ def measure(a, lm, eng, experts, dev, label, load_s) -> None:
             stats = d if stats is None else stats + d
         prefill.append(seq.prompt_n / (seq.prompt_ms / 1e3))
         decode.append((len(seq.output) - 1) / (seq.predicted_ms / 1e3))
+        if seq.draft_n:  # --draft-max: the measured runs' drafts
+            dr = res.setdefault("drafts", {"steps": 0, "proposed": 0, "accepted": 0})
+            dr["steps"] += seq.draft_steps
+            dr["proposed"] += seq.draft_n
+            dr["accepted"] += seq.draft_accepted
     if decode:  # --runs 0: the warm-up only (a prefill-only measurement)
         res["decode_tok_s"] = {"median": round(statistics.median(decode), 2), "min": round(min(decode), 2),
                                "max": round(max(decode), 2)}
