@@ -44,6 +44,7 @@ class Sequence:
     generator: torch.Generator | None = None
     # speculative decoding (strata.engine.spec): the context's n-gram index, draft tokens proposed and accepted
     drafter: NgramDrafter | None = None
+    draft_max: int | None = None  # most draft tokens per step for this sequence (None: the engine's --draft-max)
     draft_len: int = 0  # this sequence's next draft length (adapted to how many drafts stood lately; 0: not set)
     draft_steps: int = 0
     draft_n: int = 0
@@ -187,7 +188,7 @@ class Engine:
         drafts: dict[int, list[int]] = {}  # sequence id -> its draft tokens this step
         for s in self.running:
             if s.prompt_done and not s.finished:
-                d = self._draft(s) if self.draft_max else []
+                d = self._draft(s) if self.draft_max or s.draft_max else []
                 if d:
                     drafts[s.id] = d
                 segs.append(Segment(s.slot, s.pos, 1 + len(d)))
@@ -255,8 +256,9 @@ class Engine:
                 s.draft_steps += 1
                 # the next draft's length follows the runs that stand: doubled while every draft stands, else
                 # one past this run (a verify token costs compute and, on a budget, its experts' reads)
-                cur = s.draft_len or self.draft_max
-                s.draft_len = min(self.draft_max, max(cur, 2 * len(d))) if a == len(d) else a + 1
+                limit = self.draft_max if s.draft_max is None else s.draft_max
+                cur = s.draft_len or limit
+                s.draft_len = min(limit, max(cur, 2 * len(d))) if a == len(d) else a + 1
                 s.draft_n += len(d)
                 s.draft_accepted += a
                 s.pos += a + 1  # the KV rows of rejected drafts are stale: later steps overwrite them
@@ -282,7 +284,8 @@ class Engine:
     def _draft(self, s: Sequence) -> list[int]:
         """Draft tokens for a decoding sequence: up to --draft-max, within its max_tokens and the context; none
         for a sequence whose logits pass through a processor (a grammar's state follows each accepted token)."""
-        room = min(s.draft_len or self.draft_max, s.max_tokens - len(s.output) - 1, self.max_ctx - 1 - s.pos)
+        limit = self.draft_max if s.draft_max is None else s.draft_max
+        room = min(s.draft_len or limit, limit, s.max_tokens - len(s.output) - 1, self.max_ctx - 1 - s.pos)
         if room <= 0 or s.logits_processor is not None:
             return []
         if s.drafter is None:

@@ -129,7 +129,7 @@ async def prepare_chat(srv, body: ChatRequest) -> Job:
         grammar = srv.json_grammar(schema, strict)
     job = Job(ids, max_tokens, sampling(body), stop_list(body.stop), body.logit_bias, grammar, reasoning=True,
               in_reasoning=text.rstrip().endswith("<think>"), tools=use_tools, cache_prompt=body.cache_prompt,
-              ignore_eos=body.ignore_eos)
+              ignore_eos=body.ignore_eos, draft_max=body.speculative_n_max)
     return await asyncio.to_thread(srv.finish_job, job)  # a grammar may take a moment to build
 
 
@@ -229,7 +229,8 @@ async def prepare_completion(srv, body: CompletionRequest) -> tuple[Job, str]:
         ids, text = list(p), srv.tok.decode(p)
     max_tokens = srv.max_tokens(len(ids), body.max_tokens if body.max_tokens is not None else 16)
     job = Job(ids, max_tokens, sampling(body), stop_list(body.stop), body.logit_bias, None,
-              cache_prompt=body.cache_prompt, ignore_eos=body.ignore_eos, kind="completion")
+              cache_prompt=body.cache_prompt, ignore_eos=body.ignore_eos, kind="completion",
+              draft_max=body.speculative_n_max)
     return await asyncio.to_thread(srv.finish_job, job), text if body.echo else ""
 
 

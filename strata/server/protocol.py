@@ -143,6 +143,8 @@ class SamplingFields(_M):
     logprobs: bool | None = None
     cache_prompt: bool = True
     ignore_eos: bool = False  # llama.cpp's field: generate max_tokens even past end-of-turn (benchmarks)
+    # llama.cpp's field: this request's most draft tokens per step (n-gram drafts; 0: none), past --draft-max
+    speculative_n_max: int | None = Field(default=None, ge=0, le=64, alias="speculative.n_max")
     user: str | None = None
 
 

@@ -35,6 +35,7 @@ class Job:
     cache_prompt: bool = True
     ignore_eos: bool = False
     kind: str = "chat"
+    draft_max: int | None = None  # the request's speculative.n_max (None: the server's --draft-max)
     make_processor: object = None  # set by Server.finish_job: built (and the grammar checked) before any output
 
 
@@ -198,7 +199,7 @@ class Server:
         """Generate; yield events. Cancels the generation when the consumer stops early or the client leaves."""
         stop_ids = set() if job.ignore_eos else set(self.tok.eot_ids)
         req = GenRequest(job.prompt, job.params, job.max_tokens, stop_ids, job.cache_prompt,
-                         job.make_processor, kind=job.kind)
+                         job.make_processor, kind=job.kind, draft_max=job.draft_max)
         self.worker.submit(req)
         dec = self.tok.stream_decoder()
         stops = StopStrings(job.stop)
