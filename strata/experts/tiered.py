@@ -167,7 +167,8 @@ class TieredExperts:
             self.plan = self.costs.cpu_plan(k)
             if self.ex.plan_tune and self.cuda and self.lane is not None:
                 # the model's plan, then what the first decode steps measure (strata.experts.tuner)
-                self.tuner = PlanTuner(lane_candidates(self.plan, k, self.lane.threads), trial=20, rounds=2)
+                native = "native" in self.lane.kernel.values()
+                self.tuner = PlanTuner(lane_candidates(self.plan, k, self.lane.threads, native), trial=20, rounds=2)
         else:
             self.plan = CpuPlan.parse(self.ex.cpu_plan, k)
         if self.lane is None and any(self.plan.shares):

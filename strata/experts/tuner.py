@@ -48,17 +48,20 @@ class LaneSetting:
         return f"{self.plan}@{self.threads}" if self.threads else str(self.plan)
 
 
-def lane_candidates(model_plan: CpuPlan, k: int, threads: int) -> list[LaneSetting]:
+def lane_candidates(model_plan: CpuPlan, k: int, threads: int, native: bool = False) -> list[LaneSetting]:
     """The measured plan, all-PCIe, half-and-half and a third to the CPU at the lane's threads; all-CPU at the lane's
     threads, half and a quarter of them (a decode miss is a small GEMV whose best thread count is the machine's: on
     the H200 machine 14 > 16 > 8 > 4 with the native kernel, 4 > 8 > 14 > 16 with torch's int4 one). The third:
     the host's DRAM feeds both lanes, and next to PCIe copies the CPU lane read ~20% slower and the copies ~25%
-    (tools/host_lane_overlap.py), so a smaller CPU share can beat both half-and-half and PCIe alone."""
+    (tools/host_lane_overlap.py), so a smaller CPU share can beat both half-and-half and PCIe alone. With the
+    native kernel (`native`) a quarter of the threads is left out: there it was always the slowest (sampled text,
+    8 GiB: 42–53 ms a token against 23–37 for the others), and each candidate costs trial steps."""
     half = CpuPlan([(m + 1) // 2 for m in range(k + 1)])  # both lanes at once: the CPU takes half of the misses
     third = CpuPlan([m // 3 for m in range(k + 1)])
     out = [LaneSetting(model_plan, threads), LaneSetting(CpuPlan.all_pcie(k), threads), LaneSetting(half, threads),
            LaneSetting(third, threads)]
-    for t in sorted({threads, max(1, threads // 2), max(1, threads // 4)}, reverse=True):
+    fewer = {max(1, threads // 2)} if native else {max(1, threads // 2), max(1, threads // 4)}
+    for t in sorted({threads} | fewer, reverse=True):
         out.append(LaneSetting(CpuPlan.all_cpu(k), t))
     return list(dict.fromkeys(out))  # the measured plan may be one of the others
 

@@ -86,6 +86,9 @@ def test_lane_candidates_and_their_names():
     assert [str(x) for x in c] == ["0112@16", "0000@16", "0001@16", "0123@16", "0123@8", "0123@4"]
     assert [str(x) for x in lane_candidates(A, 3, 1)] == ["0111@1", "0000@1", "0112@1", "0001@1", "0123@1"]  # no duplicates
     assert str(lane_candidates(A, 8, 14)[3]) == "000111222@14"  # a third of the misses to the CPU
+    # the native kernel: no quarter-thread candidate (always the slowest there)
+    assert [str(x) for x in lane_candidates(CpuPlan.parse("0112"), 3, 16, native=True)] == [
+        "0112@16", "0000@16", "0001@16", "0123@16", "0123@8"]
     assert str(LaneSetting(B)) == "0000"
 
 
