@@ -217,3 +217,39 @@ def test_draft_length_follows_the_runs_that_stand(hf_and_gguf, monkeypatch):
         assert n_next <= cap, seen
     assert any(a < n for n, a in seen) and any(n_next == a + 1 for (n, a), (n_next, _) in zip(seen, seen[1:])
                                                if a < n), seen
+
+
+def test_drafts_fuzz_against_plain_decoding(hf_and_gguf):
+    """Random prompts, draft settings, penalties, stop tokens and lengths, two sequences at a time on one engine
+    (slots reused, prefixes shared): every text equals the same sequence decoded alone without drafts."""
+    _, path = hf_and_gguf("qwen3moe")
+    rng = random.Random(11)
+    lm_plain = load_model(str(path), EngineConfig(model=str(path), device="cpu", dtype="float32"),
+                          with_tokenizer=False)
+    plain = Engine(lm_plain, n_slots=1)
+    lm = load_model(str(path), EngineConfig(model=str(path), device="cpu", dtype="float32", draft_max=8),
+                    with_tokenizer=False)
+    eng = Engine(lm, n_slots=2)
+    drafted = accepted = 0
+    for case in range(6):
+        eng.draft_ngram = rng.choice([(1, 3), (2, 4), (2, 2)])
+        seqs, refs = [], []
+        for _ in range(2):
+            prompt = _prompt(1000, seed=rng.randrange(100))[: rng.randint(30, 130)]
+            params = SamplingParams(temperature=0, repetition_penalty=rng.choice([1.0, 1.2]),
+                                    penalty_last_n=rng.choice([0, 8, 64]))
+            n = rng.randint(1, 30)
+            ref = list(plain.generate(prompt, params, n))
+            stop = {ref[rng.randrange(len(ref))]} if rng.random() < 0.5 else set()
+            ref = list(plain.generate(prompt, params, n, stop))
+            seqs.append(Sequence(list(prompt), params, n, stop))
+            seqs[-1].draft_max = rng.choice([None, 1, 3])
+            refs.append(ref)
+        for s in seqs:
+            eng.add(s)
+        while not all(s.finished for s in seqs):
+            eng.step()
+        assert [s.output for s in seqs] == refs, case
+        drafted += sum(s.draft_n for s in seqs)
+        accepted += sum(s.draft_accepted for s in seqs)
+    assert 0 < accepted < drafted, (accepted, drafted)
