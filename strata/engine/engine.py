@@ -235,7 +235,13 @@ class Engine:
                 self.slot_tokens[s.slot] += seg_toks
             if not s.prompt_done:
                 continue  # a middle prefill chunk: no token yet
-            ctx = s.context() if s.params.penalty_last_n else []
+            pr = s.params
+            if d and pr.greedy and s.logits_processor is None and not (
+                    pr.penalty_last_n and (pr.repetition_penalty != 1.0 or pr.presence_penalty or pr.frequency_penalty)):
+                # a greedy verify segment without penalties: every row's argmax in one op (one launch on a GPU)
+                picks.append((s, d, seg_toks, list(logits[mine.start:mine.stop].float().argmax(-1).unbind(0))))
+                continue
+            ctx = s.context() if pr.penalty_last_n else []
             drawn = []
             for j, i in enumerate(mine):  # row j predicts the token after the segment's first j + 1 tokens
                 window = (ctx + d[:j])[-s.params.penalty_last_n:] if s.params.penalty_last_n else []
