@@ -188,7 +188,9 @@ def _routes(app: FastAPI) -> None:
         return {
             "default_generation_settings": {"n_ctx": srv.ctx, "id_slot": -1, "params": {
                 "temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repeat_penalty": 1.0,
-                "presence_penalty": 0.0, "frequency_penalty": 0.0, "cache_prompt": True}},
+                "presence_penalty": 0.0, "frequency_penalty": 0.0, "cache_prompt": True,
+                "speculative.n_max": srv.worker.engine.draft_max,
+                "speculative.n_min": 0}},
             "total_slots": srv.worker.engine.n_slots,
             "model_alias": srv.model_id,
             "model_path": request.app.state.model_meta.get("path"),

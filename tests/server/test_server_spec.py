@@ -37,6 +37,8 @@ def test_drafts_give_the_same_text_and_are_counted(lm):
         r = httpx.post(plain.url + "/v1/chat/completions", json={"messages": MSG, "speculative.n_max": -1})
         assert r.status_code == 400 and "speculative.n_max" in r.text
     with serve(drafting, parallel=1) as s:
+        params = httpx.get(s.url + "/props").json()["default_generation_settings"]["params"]
+        assert params["speculative.n_max"] == 6
         text, n, t = _ask(s.url, False, 40)
         assert (text, n) == ref[:2] and n == 40
         assert t["predicted_n"] == 40 and t["draft_n"] > 0 and 0 < t["draft_n_accepted"] <= t["draft_n"]
