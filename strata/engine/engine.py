@@ -46,6 +46,8 @@ class Sequence:
     drafter: NgramDrafter | None = None
     draft_max: int | None = None  # most draft tokens per step for this sequence (None: the engine's --draft-max)
     draft_len: int = 0  # this sequence's next draft length (adapted to how many drafts stood lately; 0: not set)
+    draft_pause: int = 0  # steps left without drafts (after drafts of which none stood)
+    draft_backoff: int = 0  # the next pause's length: doubles while whole drafts fail, 0 once one stands
     draft_steps: int = 0
     draft_n: int = 0
     draft_accepted: int = 0
@@ -265,6 +267,11 @@ class Engine:
                 limit = self.draft_max if s.draft_max is None else s.draft_max
                 cur = s.draft_len or limit
                 s.draft_len = min(limit, max(cur, 2 * len(d))) if a == len(d) else a + 1
+                # none stood: pause drafting for 1, 2, 4 ... 64 steps. A verify step costs more than a plain one
+                # (on a GPU it runs without CUDA graphs), and text that does not repeat its context keeps finding
+                # short n-grams whose continuations fail
+                s.draft_backoff = min(64, max(1, 2 * s.draft_backoff)) if a == 0 else 0
+                s.draft_pause = s.draft_backoff
                 s.draft_n += len(d)
                 s.draft_accepted += a
                 s.pos += a + 1  # the KV rows of rejected drafts are stale: later steps overwrite them
@@ -293,6 +300,9 @@ class Engine:
         limit = self.draft_max if s.draft_max is None else s.draft_max
         room = min(s.draft_len or limit, limit, s.max_tokens - len(s.output) - 1, self.max_ctx - 1 - s.pos)
         if room <= 0 or s.logits_processor is not None:
+            return []
+        if s.draft_pause > 0:
+            s.draft_pause -= 1
             return []
         if s.drafter is None:
             s.drafter = NgramDrafter(*self.draft_ngram)

@@ -253,3 +253,33 @@ def test_drafts_fuzz_against_plain_decoding(hf_and_gguf):
         drafted += sum(s.draft_n for s in seqs)
         accepted += sum(s.draft_accepted for s in seqs)
     assert 0 < accepted < drafted, (accepted, drafted)
+
+
+def test_drafting_pauses_after_drafts_that_all_fail(hf_and_gguf, monkeypatch):
+    """Drafts of which none stands pause drafting for 1, 2, 4 ... steps (a verify step costs more than a plain
+    one). Rejecting every draft is always correct (the drawn token is the model's), so the text stays the same."""
+    import strata.engine.engine as E
+
+    _, path = hf_and_gguf("qwen3moe")
+    prompt = _prompt(1000, seed=1)
+    ref, _ = _gen(_engine(path, 0), prompt, 60)
+    eng = _engine(path, 4)
+    steps = []
+    orig_step = eng.step
+
+    def counting_step():
+        steps.append(0)
+        return orig_step()
+
+    verify_at = []
+
+    def reject_all(d, drawn):
+        verify_at.append(len(steps))
+        return 0
+
+    monkeypatch.setattr(E, "accept", reject_all)
+    eng.step = counting_step
+    out = list(eng.generate(prompt, GREEDY, 60))
+    assert out == ref
+    gaps = [b - a for a, b in zip(verify_at, verify_at[1:])]
+    assert len(gaps) >= 4 and gaps[:4] == [2, 3, 5, 9], verify_at  # a pause of 1, 2, 4, 8 steps between
