@@ -175,39 +175,45 @@ class Engine:
     # -- one step ----------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[tuple[Sequence, int]]:
-        """Run one forward; returns (sequence, new token) for every sequence that produced a token."""
+        """Run one forward; returns (sequence, new token) for every token produced (a verify step of speculative
+        decoding gives a sequence several)."""
         if not self.running:
             return []
-        segs, toks, poss, owners = [], [], [], []
-        prefill = next((s for s in self.running if not s.prompt_done), None)
-        if prefill is not None:
-            n = min(self.prefill_chunk, len(prefill.prompt) - prefill.pos)
-            chunk = prefill.prompt[prefill.pos : prefill.pos + n]
-            segs.append(Segment(prefill.slot, prefill.pos, n))
-            toks += chunk
-            poss += range(prefill.pos, prefill.pos + n)
-            owners.append(prefill)
-        drafts: dict[int, list[int]] = {}  # sequence id -> its draft tokens this step
+        plan = self._schedule()
+        logits = self._run(plan)
+        if logits is None:
+            return self.step()  # out of memory in a prefill chunk: the same work again in smaller chunks
+        picks = self._draw(plan, logits)
+        return self._postprocess(picks) if picks else []
+
+    def _schedule(self) -> "_StepPlan":
+        """At most one prefill chunk, then one token (with its drafts, if any) of every generating sequence."""
+        plan = _StepPlan(prefill=next((s for s in self.running if not s.prompt_done), None))
+        pf = plan.prefill
+        if pf is not None:
+            n = min(self.prefill_chunk, len(pf.prompt) - pf.pos)
+            plan.add(pf, pf.pos, pf.prompt[pf.pos : pf.pos + n])
         for s in self.running:
             if s.prompt_done and not s.finished:
                 d = self._draft(s) if self.draft_max or s.draft_max else []
                 if d:
-                    drafts[s.id] = d
-                segs.append(Segment(s.slot, s.pos, 1 + len(d)))
-                toks += [s.output[-1], *d]
-                poss += range(s.pos, s.pos + 1 + len(d))
-                owners.append(s)
-        rows = None  # with drafts: every position of a verify segment, the last of any other
-        if drafts:
-            rows, at = [], 0
-            for s, seg in zip(owners, segs):
-                rows += range(at, at + seg.n) if s.id in drafts else [at + seg.n - 1]
+                    plan.drafts[s.id] = d
+                plan.add(s, s.pos, [s.output[-1], *d])
+        if plan.drafts:  # logits of every position of a verify segment, of the last of any other
+            plan.rows, at = [], 0
+            for s, seg in zip(plan.owners, plan.segs):
+                plan.rows += range(at, at + seg.n) if s.id in plan.drafts else [at + seg.n - 1]
                 at += seg.n
-        logits = None
-        if self.graphs is not None and prefill is None and not drafts and 0 < len(segs) <= self.graph_batch:
+        return plan
+
+    def _run(self, plan: "_StepPlan") -> torch.Tensor | None:
+        """The step's forward: replayed graphs for plain decode steps, else eager. None after running out of memory
+        in a prefill chunk (the chunk was halved: KV rows are simply rewritten)."""
+        segs, toks, poss = plan.segs, plan.toks, plan.poss
+        if self.graphs is not None and plan.prefill is None and not plan.drafts and 0 < len(segs) <= self.graph_batch:
             slots = [seg.slot for seg in segs]
             try:
-                logits = self.graphs.step_batch(toks, poss, slots)  # [B, V] from replayed graphs
+                return self.graphs.step_batch(toks, poss, slots)  # [B, V] from replayed graphs
             except Exception as e:  # a model whose step cannot be captured still runs, eagerly
                 if self.graphs.cuda and not self.graphs.captured(poss, slots):
                     log.warning("strata: CUDA graph capture failed (%s: %s); decoding without graphs",
@@ -217,22 +223,24 @@ class Engine:
                         self.model.experts.recorder = None
                 else:
                     raise
-        if logits is None:
-            t = torch.tensor(toks, device=self.device)
-            p = torch.tensor(poss, device=self.device)
-            try:
-                logits = self.model.forward(t, p, segs, self.kv, rows=rows)  # [len(segs) or len(rows), V]
-            except torch.OutOfMemoryError:
-                self._out_of_memory(prefill)
-                return self.step()  # the same work again in smaller chunks (KV rows are simply rewritten)
-        picks = []  # (sequence, its drafts, the tokens drawn at its rows)
+        t = torch.tensor(toks, device=self.device)
+        p = torch.tensor(poss, device=self.device)
+        try:
+            return self.model.forward(t, p, segs, self.kv, rows=plan.rows)  # [len(segs) or len(rows), V]
+        except torch.OutOfMemoryError:
+            self._out_of_memory(plan.prefill)
+            return None
+
+    def _draw(self, plan: "_StepPlan", logits: torch.Tensor) -> list:
+        """Advance what the forward consumed and draw each sequence's token(s), on the device: [(sequence, its
+        drafts, the segment's tokens, the tokens drawn at its rows)]."""
+        picks = []
         r, at = 0, 0
-        for s, seg in zip(owners, segs):
-            seg_toks, at = toks[at:at + seg.n], at + seg.n
-            d = drafts.get(s.id, [])
-            n_rows = 1 + len(d)
-            r, mine = r + n_rows, range(r, r + n_rows)
-            if not d:
+        for s, seg in zip(plan.owners, plan.segs):
+            seg_toks, at = plan.toks[at:at + seg.n], at + seg.n
+            d = plan.drafts.get(s.id, [])
+            r, mine = r + 1 + len(d), range(r, r + 1 + len(d))
+            if not d:  # (a verify segment advances by what stands, once it is known)
                 s.pos += seg.n
                 self.slot_tokens[s.slot] += seg_toks
             if not s.prompt_done:
@@ -246,37 +254,22 @@ class Engine:
             ctx = s.context() if pr.penalty_last_n else []
             drawn = []
             for j, i in enumerate(mine):  # row j predicts the token after the segment's first j + 1 tokens
-                window = (ctx + d[:j])[-s.params.penalty_last_n:] if s.params.penalty_last_n else []
+                window = (ctx + d[:j])[-pr.penalty_last_n:] if pr.penalty_last_n else []
                 recent = torch.tensor(window, device=self.device, dtype=torch.long)
                 row = logits[i] if s.logits_processor is None else s.logits_processor(logits[i])
-                drawn.append(sample(row, s.params, recent, s.generator))
+                drawn.append(sample(row, pr, recent, s.generator))
             picks.append((s, d, seg_toks, drawn))
-        if not picks:
-            return []
+        return picks
+
+    def _postprocess(self, picks: list) -> list[tuple[Sequence, int]]:
         values = torch.stack([x for *_, drawn in picks for x in drawn]).tolist()  # the one host read per step
         now = time.perf_counter()
         out = []
         v = 0
         for s, d, seg_toks, drawn in picks:
             got, v = values[v:v + len(drawn)], v + len(drawn)
-            if d:  # a verify segment: the drafts that equal the drawn tokens stand, then the first drawn one
-                a = accept(d, got)
-                s.draft_steps += 1
-                # the next draft's length follows the runs that stand: doubled while every draft stands, else
-                # one past this run (a verify token costs compute and, on a budget, its experts' reads)
-                limit = self.draft_max if s.draft_max is None else s.draft_max
-                cur = s.draft_len or limit
-                s.draft_len = min(limit, max(cur, 2 * len(d))) if a == len(d) else a + 1
-                # none stood: pause drafting for 1, 2, 4 ... 64 steps. A verify step costs more than a plain one
-                # (on a GPU it runs without CUDA graphs), and text that does not repeat its context keeps finding
-                # short n-grams whose continuations fail
-                s.draft_backoff = min(64, max(1, 2 * s.draft_backoff)) if a == 0 else 0
-                s.draft_pause = s.draft_backoff
-                s.draft_n += len(d)
-                s.draft_accepted += a
-                s.pos += a + 1  # the KV rows of rejected drafts are stale: later steps overwrite them
-                self.slot_tokens[s.slot] += seg_toks[:a + 1]
-                got = got[:a + 1]
+            if d:
+                got = self._verified(s, d, seg_toks, got)
             for tok in got:
                 if not s.output:
                     s.prompt_ms = (now - s.t_start) * 1e3
@@ -293,6 +286,27 @@ class Engine:
                     self.release(s)
                     break
         return out
+
+    def _verified(self, s: Sequence, d: list[int], seg_toks: list[int], got: list[int]) -> list[int]:
+        """A verify segment's outcome: the drafts that equal the drawn tokens stand, then the first drawn token that
+        differs (or the bonus token after them all). Advances the sequence by what stands; returns its new tokens."""
+        a = accept(d, got)
+        s.draft_steps += 1
+        s.draft_n += len(d)
+        s.draft_accepted += a
+        # the next draft's length follows the runs that stand: doubled while every draft stands, else one past
+        # this run (a verify token costs compute and, on a budget, its experts' reads)
+        limit = self.draft_max if s.draft_max is None else s.draft_max
+        cur = s.draft_len or limit
+        s.draft_len = min(limit, max(cur, 2 * len(d))) if a == len(d) else a + 1
+        # none stood: pause drafting for 1, 2, 4 ... 64 steps. A verify step costs more than a plain one (on a GPU
+        # it runs without CUDA graphs), and text that does not repeat its context keeps finding short n-grams
+        # whose continuations fail
+        s.draft_backoff = min(64, max(1, 2 * s.draft_backoff)) if a == 0 else 0
+        s.draft_pause = s.draft_backoff
+        s.pos += a + 1  # the KV rows of rejected drafts are stale: later steps overwrite them
+        self.slot_tokens[s.slot] += seg_toks[:a + 1]
+        return got[:a + 1]
 
     def _draft(self, s: Sequence) -> list[int]:
         """Draft tokens for a decoding sequence: up to --draft-max, within its max_tokens and the context; none
@@ -346,3 +360,22 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+@dataclass
+class _StepPlan:
+    """One step's flattened batch: segments with their tokens and positions, whose they are, and the drafts."""
+
+    prefill: Sequence | None = None
+    segs: list[Segment] = field(default_factory=list)
+    toks: list[int] = field(default_factory=list)
+    poss: list[int] = field(default_factory=list)
+    owners: list[Sequence] = field(default_factory=list)
+    drafts: dict[int, list[int]] = field(default_factory=dict)  # sequence id -> its draft tokens
+    rows: list[int] | None = None  # with drafts: the positions whose logits are drawn from
+
+    def add(self, s: Sequence, pos: int, toks: list[int]) -> None:
+        self.segs.append(Segment(s.slot, pos, len(toks)))
+        self.toks += toks
+        self.poss += range(pos, pos + len(toks))
+        self.owners.append(s)
