@@ -156,6 +156,13 @@ def _add_sampling(p):
     p.add_argument("--seed", type=int, default=None)
 
 
+def check_run_args(args) -> None:
+    """Reject bad generation settings before the model loads (one clear line, not a traceback minutes later)."""
+    if args.n_predict <= 0:
+        raise StrataError(f"-n/--n-predict must be a positive number of tokens, got {args.n_predict}")
+    sampling_from_args(args).validate()
+
+
 def _stream(engine, tok, ids, params, n, out=sys.stdout) -> "Sequence":
     from strata.gguf.tokenizer import StreamDecoder
 
@@ -192,6 +199,8 @@ def _report(seq, engine) -> None:
 def cmd_generate(args) -> int:
     from strata.engine.engine import Engine
 
+    check_run_args(args)
+    engine_config(args)  # bad engine flags fail here, before the model loads
     lm = load_from_args(args)
     tok = lm.tokenizer
     if tok is None:
@@ -215,18 +224,32 @@ def cmd_generate(args) -> int:
 def cmd_chat(args) -> int:
     from strata.engine.engine import Engine
 
+    check_run_args(args)
+    engine_config(args)
     lm = load_from_args(args)
     if lm.template is None or lm.tokenizer is None:
         raise StrataError("the model has no chat template or tokenizer; use strata generate")
     engine = Engine(lm, n_slots=1)
     msgs = [{"role": "system", "content": args.system}] if args.system else []
-    print("strata chat: type a message, /reset to start over, Ctrl-D to quit", file=sys.stderr)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        try:
+            import readline  # noqa: F401 - line editing and history for input()
+        except ImportError:
+            pass
+    print("strata chat: type a message, /reset to start over, Ctrl-C stops a reply, Ctrl-D quits", file=sys.stderr)
     while True:
         try:
-            line = input("> ")
+            # the prompt only on a terminal: piped output is the replies alone
+            line = input("> " if interactive else "")
         except EOFError:
             print(file=sys.stderr)
             return 0
+        except KeyboardInterrupt:
+            print(file=sys.stderr)
+            return 130
+        if not line.strip():
+            continue
         if line.strip() == "/reset":
             msgs = msgs[:1] if args.system else []
             continue
@@ -238,7 +261,11 @@ def cmd_chat(args) -> int:
             print(f"strata: {e} (use /reset)", file=sys.stderr)
             msgs.pop()
             continue
-        seq = _stream(engine, lm.tokenizer, ids, sampling_from_args(args), args.n_predict)
+        try:
+            seq = _stream(engine, lm.tokenizer, ids, sampling_from_args(args), args.n_predict)
+        except KeyboardInterrupt:  # stop this reply, keep what was said, back to the prompt
+            seq = engine.last
+            print(" [stopped]", end="", file=sys.stderr)
         print()
         reply = lm.tokenizer.decode([t for t in seq.output if t not in lm.tokenizer.eot_ids])
         msgs.append({"role": "assistant", "content": reply})

@@ -343,6 +343,9 @@ class Engine:
                  stop_ids: set[int] | None = None) -> Iterator[int]:
         """Generate for one prompt (alone in the engine), yielding token ids as they come."""
         seq = Sequence(list(prompt), params or SamplingParams(), max_tokens, set(stop_ids or ()))
+        # set before the first token: a caller that stops iterating early (at the end of a turn) closes the
+        # generator, and code after the loop would never run
+        self.last = seq
         self.add(seq)
         try:
             while not seq.finished:
@@ -351,7 +354,6 @@ class Engine:
                         yield tok
         finally:
             self.release(seq, "abort")
-        self.last = seq
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

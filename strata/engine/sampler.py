@@ -30,6 +30,12 @@ class SamplingParams:
     def validate(self) -> None:
         from strata import StrataError
 
+        import math
+
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise StrataError(f"sampling: {name} must be a finite number, got {getattr(self, name)}")
         if self.temperature < 0 or not (0.0 < self.top_p <= 1.0) or not (0.0 <= self.min_p <= 1.0) or self.top_k < 0:
             raise StrataError("sampling: need temperature >= 0, 0 < top_p <= 1, 0 <= min_p <= 1, top_k >= 0")
         if self.repetition_penalty <= 0:

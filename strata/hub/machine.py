@@ -109,12 +109,19 @@ def probe_cpu(cpuinfo_path: str = "/proc/cpuinfo") -> CPUInfo:
     )
 
 
+def _nvidia_device_present() -> bool:
+    """An NVIDIA driver's device node or proc entry: whether suggesting NVML's Python binding makes sense."""
+    return Path("/proc/driver/nvidia").exists() or any(Path("/dev").glob("nvidia[0-9]*"))
+
+
 def probe_gpus() -> tuple[list[GPUInfo], str | None]:
     """NVIDIA GPUs through NVML: (list, None), or ([], why not)."""
     try:
         import pynvml
     except ImportError:
-        return [], "NVML not available (pip install nvidia-ml-py)"
+        if not _nvidia_device_present():
+            return [], "no NVIDIA GPU found"
+        return [], "NVML not available to read the GPU (pip install nvidia-ml-py)"
     try:
         pynvml.nvmlInit()
     except Exception as e:  # NVMLError_LibraryNotFound / DriverNotLoaded / ...

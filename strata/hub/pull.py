@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
-from urllib.parse import quote, unquote, urlparse
+from urllib.parse import quote, urlsplit, unquote, urlparse
 
 import httpx
 
@@ -76,6 +76,18 @@ class Reporter:
 # --- planning --------------------------------------------------------------------------------------------
 
 
+def _first_line(e: BaseException) -> str:
+    lines = str(e).splitlines()
+    return lines[0] if lines else type(e).__name__
+
+
+def _is_transport_error(e: BaseException) -> bool:
+    """Connection, timeout and protocol errors of any httpx-like stack, by class name up the hierarchy."""
+    names = {c.__name__ for c in type(e).__mro__}
+    return bool(names & {"TransportError", "HTTPError", "ConnectError", "TimeoutException", "NetworkError",
+                         "ProtocolError", "RequestError", "ConnectionError"})
+
+
 def hf_plan(
     repo: str,
     selector: str | None,
@@ -102,7 +114,17 @@ def hf_plan(
     except RevisionNotFoundError as e:
         raise StrataError(f"{repo}: no revision {revision!r}") from e
     except (HfHubHTTPError, httpx.HTTPError, OSError) as e:
-        raise StrataError(f"{repo}: could not list files at {endpoint}: {str(e).splitlines()[0]}") from e
+        raise StrataError(f"{repo}: could not list files at {endpoint}: {_first_line(e)}") from e
+    except Exception as e:
+        # huggingface_hub's own HTTP stack (httpx, or its vendored httpx2) raises transport errors of classes
+        # this module cannot name; any other failure of the listing call is as much the network's
+        if not _is_transport_error(e):
+            raise
+        host = urlsplit(endpoint).netloc or endpoint
+        raise StrataError(
+            f"could not reach {host} to list {repo} ({type(e).__name__}: {_first_line(e)}); check the network, "
+            "or point HF_ENDPOINT (or --endpoint) at a mirror"
+        ) from e
     siblings = {s.rfilename: s for s in info.siblings or []}
     names = select_files_for(list(siblings), selector, repo)
     commit = info.sha or revision  # pin every shard to the one commit the listing came from

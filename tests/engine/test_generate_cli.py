@@ -53,3 +53,23 @@ def test_generate_with_drafts_prints_the_same_text(hf_and_gguf):
     assert "drafts accepted" in drafted.stderr and "drafts accepted" not in plain.stderr
     bad = gen(path, "-p", "x", "--draft-max", "4", "--draft-ngram-min", "3", "--draft-ngram-max", "2")
     assert bad.returncode != 0 and "--draft-ngram-min" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_bad_settings_fail_before_the_model_loads():
+    """One line naming the problem, non-zero exit, no traceback, and the model never loaded (no 'loading')."""
+    for cmd, flags, needle in [
+        ("generate", ["-n", "0"], "--n-predict"),
+        ("generate", ["-n", "-5"], "--n-predict"),
+        ("chat", ["-n", "0"], "--n-predict"),
+        ("generate", ["--temperature", "-1"], "temperature"),
+        ("generate", ["--temperature", "nan"], "temperature"),
+        ("generate", ["--top-p", "0"], "top_p"),
+        ("generate", ["--repeat-penalty", "0"], "repetition_penalty"),
+    ]:
+        prompt = ["-p", "x"] if cmd == "generate" else []
+        r = subprocess.run([sys.executable, "-m", "strata", cmd, *prompt, "--device", "cpu", *flags],
+                           capture_output=True, text=True, timeout=120, input="")
+        assert r.returncode != 0, (cmd, flags)
+        assert needle in r.stderr and "Traceback" not in r.stderr, (flags, r.stderr)
+        assert "loading" not in r.stderr, (flags, r.stderr)
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr

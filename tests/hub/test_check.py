@@ -265,3 +265,25 @@ def test_chunk_stage_sizing():
     assert chunk_stage_experts(int(3.4 * GiB), e, 128, size_mib=280) == 280 * MiB // e  # past a sixteenth
     assert chunk_stage_experts(int(3.4 * GiB), e, 128, size_mib=10_000) == 128  # never more than the experts
     assert chunk_ring(79) == (2, 79) and chunk_ring(79, 8) == (8, 19) and chunk_ring(1, 8) == (2, 1)
+
+
+def test_no_gpu_message_names_no_package_when_there_is_no_device(monkeypatch):
+    """Without an NVIDIA device, `strata check` says so instead of suggesting NVML's Python binding."""
+    import builtins
+
+    from strata.hub import machine
+
+    real_import = builtins.__import__
+
+    def no_pynvml(name, *a, **k):
+        if name == "pynvml":
+            raise ImportError(name)
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_pynvml)
+    monkeypatch.setattr(machine, "_nvidia_device_present", lambda: False)
+    gpus, why = machine.probe_gpus()
+    assert gpus == [] and why == "no NVIDIA GPU found"
+    monkeypatch.setattr(machine, "_nvidia_device_present", lambda: True)
+    gpus, why = machine.probe_gpus()
+    assert gpus == [] and "nvidia-ml-py" in why

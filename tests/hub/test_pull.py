@@ -231,3 +231,26 @@ def test_pull_cli(hub, tmp_path, capsys, model_set):
     hub.fault("status", match="Q8_0", times=None, at=403)
     assert main(["pull", f"{REPO}:Q8_0", "--models-dir", str(d), "--endpoint", hub.url, "--token", "x"]) == 1
     assert "HTTP 403" in capsys.readouterr().err
+
+
+def test_pull_without_network_is_one_line(tmp_path):
+    """No hub reachable (a closed port): one line naming the host and the variable that sets it, exit 1."""
+    import socket
+    import subprocess
+    import sys
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there now
+    env = {k: v for k, v in __import__("os").environ.items() if k != "HF_ENDPOINT"}
+    env["HF_ENDPOINT"] = f"http://127.0.0.1:{port}"
+    env["HF_HUB_DISABLE_TELEMETRY"] = "1"
+    r = subprocess.run([sys.executable, "-m", "strata", "pull", "acme/Tiny-MoE-GGUF:Q4_K_M", "--models-dir",
+                        str(tmp_path), "--quiet"], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 1
+    assert "Traceback" not in r.stderr
+    lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1, r.stderr
+    assert f"127.0.0.1:{port}" in lines[0] and "HF_ENDPOINT" in lines[0]
+    assert not any(tmp_path.rglob("*.gguf"))
