@@ -17,66 +17,102 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+EXPERT_MODES = ("auto", "resident", "tiered")
+CPU_KERNELS = ("auto", "native", "int4", "ref")
+CACHE_POLICIES = ("lfu-decay", "lru")
+CACHE_LAYOUTS = ("uniform", "profile")
+DTYPE_CHOICES = ("auto", *DTYPES)
+
+
+def opt(help: str, *, flag: str | None = None, short: str | None = None, dest: str | None = None,
+        choices: tuple | None = None, metavar: str | None = None) -> dict:
+    """A field's command-line flag, written once beside its default: `field(default=..., metadata=opt(...))`.
+    `flag` defaults to --the-field-name; `dest` to the field's name (the argparse attribute)."""
+    return {"cli": {"help": help, "flag": flag, "short": short, "dest": dest, "choices": choices,
+                    "metavar": metavar}}
+
+
 @dataclass
 class ExpertConfig:
     """Where experts live and how misses are served (the tiered backend)."""
 
-    mode: str = "auto"  # auto | resident | tiered
-    vram_gb: float | None = None  # the whole process's VRAM budget
-    vram_reserve_mib: int = 700
-    cpu_threads: int = 0  # 0 = physical cores
-    cpu_kernel: str = "auto"  # the CPU lane's kernel: auto | native | int4 | ref
-    cpu_plan: str = "auto"
-    plan_tune: bool = True  # with --cpu-plan auto: the first decode steps time candidate plans, keep the fastest
-    cache_policy: str = "lfu-decay"
-    cache_layout: str = "uniform"  # slots per layer: uniform | profile (from --expert-profile's routing)
-    promote_min: float = 0.0
-    swap_budget: int = 4
-    low_ram: bool = False
-    expert_profile: str | None = None
-    expert_profile_save: str | None = None
-    profile: bool = False
-    slots: int | None = None  # explicit slot count per layer (overrides the budget; tests and sweeps)
-    prefetch_next: bool = False  # decode: start copying the next MoE layer's predicted misses during this layer
+    mode: str = field(default="auto", metadata=opt(
+        "where experts live: resident (all in VRAM), tiered (a VRAM cache, every expert in host RAM), auto "
+        "(tiered when they do not fit the budget)", flag="--experts", dest="experts_mode", choices=EXPERT_MODES))
+    vram_gb: float | None = field(default=None, metadata=opt(
+        "the whole process's VRAM budget (GiB): the CUDA context, weights, KV, a prefill chunk and the expert "
+        "cache fit in it, and torch's allocator is held to it"))
+    vram_reserve_mib: int = field(default=700, metadata=opt(
+        "VRAM headroom left free for decode activations, graphs and allocator slack (the CUDA context and a "
+        "prefill chunk are counted besides)"))
+    cpu_threads: int = field(default=0, metadata=opt("CPU lane threads (0: the physical cores)"))
+    cpu_kernel: str = field(default="auto", metadata=opt(
+        "CPU lane kernel: native (Q4_K read in place, compiled once), int4 (torch, repacked copy), ref (exact "
+        "float32); auto: native, else int4, for bf16/f16, ref for float32", choices=CPU_KERNELS))
+    cpu_plan: str = field(default="auto", metadata=opt("misses -> CPU share, e.g. 011223344, or auto (measured)"))
+    plan_tune: bool = field(default=True, metadata=opt(
+        "with --cpu-plan auto, time the measured plan, all-PCIe and all-CPU over the first decode steps and keep "
+        "the fastest", flag="--cpu-plan-tune", dest="cpu_plan_tune"))
+    cache_policy: str = field(default="lfu-decay", metadata=opt("expert cache admission/eviction",
+                                                                choices=CACHE_POLICIES))
+    cache_layout: str = field(default="uniform", metadata=opt(
+        "cache slots per layer: uniform, or spread as --expert-profile's routing predicts most hits",
+        choices=CACHE_LAYOUTS))
+    promote_min: float = field(default=0.0, metadata=opt("decayed uses needed before an expert is cached"))
+    swap_budget: int = field(default=4, metadata=opt("expert copies per layer per step"))
+    low_ram: bool = field(default=False, metadata=opt("read experts from the memory-mapped file (no pinned copy)"))
+    expert_profile: str | None = field(default=None, metadata=opt("routing profile to fill the cache from"))
+    expert_profile_save: str | None = field(default=None, metadata=opt(
+        "write the learned routing profile here on exit"))
+    profile: bool = field(default=False, metadata=opt("print the per-token time breakdown"))
+    # explicit slot count per layer (overrides the budget; tests and sweeps)
+    slots: int | None = field(default=None, metadata=opt("expert cache slots per layer (overrides the budget)",
+                                                         flag="--expert-slots", dest="expert_slots"))
+    prefetch_next: bool = field(default=False, metadata=opt(
+        "decode: predict the next MoE layer's experts with its router on this layer's input and start copying "
+        "the uncached ones during this layer (off by default: it cost more host time than it hid)",
+        flag="--expert-prefetch", dest="expert_prefetch"))
 
     def validate(self) -> None:
-        if self.mode not in ("auto", "resident", "tiered"):
-            raise StrataError(f"--experts must be auto, resident or tiered (got {self.mode!r})")
-        if self.cpu_kernel not in ("auto", "native", "int4", "ref"):
-            raise StrataError(f"--cpu-kernel must be auto, native, int4 or ref (got {self.cpu_kernel!r})")
-        if self.cache_layout not in ("uniform", "profile"):
-            raise StrataError(f"--cache-layout must be uniform or profile (got {self.cache_layout!r})")
-        if self.cache_policy not in ("lfu-decay", "lru"):
-            raise StrataError(f"--cache-policy must be lfu-decay or lru (got {self.cache_policy!r})")
+        check_choices(self)
         if self.vram_gb is not None and self.vram_gb <= 0:
             raise StrataError("--vram-gb must be positive")
 
 
 @dataclass
 class EngineConfig:
-    model: str | None = None
-    device: str = field(default_factory=default_device)
-    dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on CUDA
-    kv_dtype: str = "auto"  # auto = the compute dtype (bf16/f16 on GPU)
-    ctx_size: int = 0  # 0 = min(model's context, 8192)
-    n_slots: int = 1
-    prefill_chunk: int = 0  # 0 = sized from memory
-    seed: int | None = None
-    cuda_graphs: bool | None = None  # replay single-sequence decode steps as CUDA graphs (None: on with CUDA)
+    model: str | None = field(default=None, metadata=opt(
+        "GGUF file (first shard of a split set) or REPO:QUANT; default: the embedded strata-tiny model",
+        short="-m"))
+    device: str = field(default_factory=default_device, metadata=opt("cpu or cuda[:N]"))
+    dtype: str = field(default="auto", metadata=opt(
+        "compute dtype: auto (f32 on CPU, bf16 on GPU), f32, bf16, f16", choices=DTYPE_CHOICES))
+    kv_dtype: str = field(default="auto", metadata=opt(
+        "KV cache dtype: auto (= the compute dtype), bf16, f16, f32", choices=DTYPE_CHOICES))
+    ctx_size: int = field(default=0, metadata=opt("context length (0: min(model, 8192))", short="-c"))
+    n_slots: int = 1  # from `strata serve --parallel`
+    prefill_chunk: int = field(default=0, metadata=opt(
+        "prompt tokens per forward (0: on a GPU with tiered experts 4096, fewer on a small budget, whose "
+        "activations the expert cache leaves room for; else sized from memory; halved on its own if the device "
+        "runs out during a prompt)"))
+    seed: int | None = None  # from the sampling flags
+    cuda_graphs: bool | None = field(default=None, metadata=opt(
+        "replay decode steps as CUDA graphs (default: on with a CUDA device and one slot; --cuda-graphs with "
+        "--parallel N also batches decoding sequences, resident experts)"))
     # speculative decoding with n-gram drafts (strata.engine.spec): at most draft_max guessed tokens verified per
     # step (0: off), found by matching the context's last draft_ngram_max .. draft_ngram_min tokens earlier in it
-    draft_max: int = 0
-    draft_ngram_min: int = 2
-    draft_ngram_max: int = 4
+    draft_max: int = field(default=0, metadata=opt(
+        "speculative decoding with n-gram drafts: at most N tokens guessed from earlier in the context and "
+        "verified in one forward per step (0: off; exact for any sampler; pays where text repeats its context, "
+        "as code edits do)"))
+    draft_ngram_min: int = field(default=2, metadata=opt("shortest n-gram a draft is looked up by"))
+    draft_ngram_max: int = field(default=4, metadata=opt("longest n-gram a draft is looked up by, tried first"))
     experts: ExpertConfig = field(default_factory=ExpertConfig)
 
     def validate(self) -> None:
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise StrataError(f"device {self.device} requested but no CUDA GPU is available")
-        for name in ("dtype", "kv_dtype"):
-            v = getattr(self, name)
-            if v != "auto" and v not in DTYPES:
-                raise StrataError(f"--{name.replace('_', '-')} must be one of auto, {', '.join(DTYPES)} (got {v!r})")
+        check_choices(self)
         if self.ctx_size < 0 or self.prefill_chunk < 0 or self.n_slots < 1:
             raise StrataError("context size and prefill chunk must be >= 0 and slots >= 1")
         if self.draft_max < 0 or not 1 <= self.draft_ngram_min <= self.draft_ngram_max:
@@ -102,3 +138,66 @@ class EngineConfig:
 def env(name: str, default: str | None = None) -> str | None:
     """The one place strata reads environment variables (STRATA_*)."""
     return os.environ.get(name, default)
+
+
+# --- command-line flags from the dataclasses' field metadata ------------------------------------------------
+
+
+def _flag_name(f) -> str:
+    return f.metadata["cli"]["flag"] or "--" + f.name.replace("_", "-")
+
+
+def check_choices(obj) -> None:
+    """Every field with declared choices holds one of them (the same tuple the flag offers)."""
+    from dataclasses import fields
+
+    for f in fields(obj):
+        cli = f.metadata.get("cli")
+        if cli and cli["choices"] and getattr(obj, f.name) not in cli["choices"]:
+            raise StrataError(f"{_flag_name(f)} must be one of {', '.join(cli['choices'])} "
+                              f"(got {getattr(obj, f.name)!r})")
+
+
+def add_flags(parser, cls) -> None:
+    """Add one argparse flag per field of `cls` that declares `opt(...)` metadata: type, default, choices and
+    help come from the field, so they are written once. Booleans get --x/--no-x; a default of None means
+    'not set' (the engine decides)."""
+    import argparse
+    import typing
+    from dataclasses import MISSING, fields
+
+    hints = typing.get_type_hints(cls)
+    for f in fields(cls):
+        cli = f.metadata.get("cli")
+        if not cli:
+            continue
+        default = f.default if f.default is not MISSING else f.default_factory()
+        base = [t for t in typing.get_args(hints[f.name]) if t is not type(None)] or [hints[f.name]]
+        kind = base[0]
+        names = [n for n in (cli["short"], _flag_name(f)) if n]
+        kw: dict = {"dest": cli["dest"] or f.name, "default": default}
+        shown = "" if default is None or kind is bool else f" (default {default})"
+        kw["help"] = cli["help"] + shown
+        if kind is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        else:
+            kw["type"] = kind
+            if cli["choices"]:
+                kw["choices"] = cli["choices"]
+            if cli["metavar"]:
+                kw["metavar"] = cli["metavar"]
+        parser.add_argument(*names, **kw)
+
+
+def from_flags(cls, args, **overrides):
+    """An instance of `cls` from parsed flags (fields without a flag, or absent from `args`, keep their
+    defaults), then `overrides`."""
+    from dataclasses import fields
+
+    kw = {}
+    for f in fields(cls):
+        cli = f.metadata.get("cli")
+        if cli and hasattr(args, cli["dest"] or f.name):
+            kw[f.name] = getattr(args, cli["dest"] or f.name)
+    kw.update(overrides)
+    return cls(**kw)

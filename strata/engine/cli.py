@@ -15,79 +15,19 @@ if TYPE_CHECKING:
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Flags shared by every command that loads a model (generate, chat, serve, bench)."""
-    from strata.config import EngineConfig, ExpertConfig
+    """Flags shared by every command that loads a model (generate, chat, serve, bench), generated from
+    EngineConfig's and ExpertConfig's fields (help, type, default and choices are written there once)."""
+    from strata.config import EngineConfig, ExpertConfig, add_flags
 
-    d, e = EngineConfig(), ExpertConfig()
-    p.add_argument("-m", "--model", default=None, help="GGUF file (first shard of a split set) or REPO:QUANT; "
-                   "default: the embedded strata-tiny model")
-    p.add_argument("--device", default=d.device, help=f"cpu or cuda[:N] (default {d.device})")
-    p.add_argument("--dtype", default="auto", help="compute dtype: auto (f32 on CPU, bf16 on GPU), f32, bf16, f16")
-    p.add_argument("--kv-dtype", default="auto", help="KV cache dtype: auto (= compute dtype), bf16, f16, f32")
-    p.add_argument("-c", "--ctx-size", type=int, default=0, help="context length (default: min(model, 8192))")
-    p.add_argument("--prefill-chunk", type=int, default=0,
-                   help="prompt tokens per forward (default on a GPU with tiered experts: 4096, fewer on a small "
-                        "budget, whose activations the expert cache leaves room for; else sized from memory; "
-                        "halved on its own if the device runs out during a prompt)")
-    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
-                   help="replay decode steps as CUDA graphs (default: on with a CUDA device and one slot; "
-                        "--cuda-graphs with --parallel N also batches decoding sequences, resident experts)")
-    p.add_argument("--draft-max", type=int, default=d.draft_max,
-                   help="speculative decoding with n-gram drafts: at most N tokens guessed from earlier in the "
-                        "context and verified in one forward per step (default 0: off; exact for any sampler; "
-                        "pays where text repeats its context, as code edits do)")
-    p.add_argument("--draft-ngram-min", type=int, default=d.draft_ngram_min,
-                   help=f"shortest n-gram a draft is looked up by (default {d.draft_ngram_min})")
-    p.add_argument("--draft-ngram-max", type=int, default=d.draft_ngram_max,
-                   help=f"longest n-gram a draft is looked up by, tried first (default {d.draft_ngram_max})")
-    g = p.add_argument_group("experts (tiered execution)")
-    g.add_argument("--experts", dest="experts_mode", default=e.mode, choices=["auto", "resident", "tiered"])
-    g.add_argument("--vram-gb", type=float, default=None, help="the whole process's VRAM budget (GiB): the CUDA context, weights, KV, a prefill chunk "
-                        "and the expert cache fit in it, and torch's allocator is held to it")
-    g.add_argument("--vram-reserve-mib", type=int, default=e.vram_reserve_mib,
-                   help="VRAM headroom left free for decode activations, graphs and allocator slack (the CUDA "
-                        "context and a prefill chunk are counted besides)")
-    g.add_argument("--expert-slots", type=int, default=None, help="expert cache slots per layer (overrides budget)")
-    g.add_argument("--cpu-threads", type=int, default=0, help="CPU lane threads (default: physical cores)")
-    g.add_argument("--cpu-kernel", default=e.cpu_kernel, choices=["auto", "native", "int4", "ref"],
-                   help="CPU lane kernel: native (Q4_K read in place, compiled once), int4 (torch, repacked copy), "
-                        "ref (exact float32); auto: native, else int4, for bf16/f16, ref for float32")
-    g.add_argument("--cpu-plan", default="auto", help="misses -> CPU share, e.g. 011223344, or auto (measured)")
-    g.add_argument("--expert-prefetch", action=argparse.BooleanOptionalAction, default=e.prefetch_next,
-                   help="decode: predict the next MoE layer's experts with its router on this layer's input and "
-                        "start copying the uncached ones during this layer (off by default: not yet measured)")
-    g.add_argument("--cpu-plan-tune", action=argparse.BooleanOptionalAction, default=e.plan_tune,
-                   help="with --cpu-plan auto, time the measured plan, all-PCIe and all-CPU over the first decode "
-                        "steps and keep the fastest (default: on with a GPU)")
-    g.add_argument("--cache-policy", default=e.cache_policy, choices=["lfu-decay", "lru"])
-    g.add_argument("--cache-layout", default=e.cache_layout, choices=["uniform", "profile"],
-                   help="cache slots per layer: uniform, or spread as --expert-profile's routing predicts most hits")
-    g.add_argument("--promote-min", type=float, default=0.0, help="decayed uses needed before an expert is cached")
-    g.add_argument("--swap-budget", type=int, default=e.swap_budget, help="expert copies per layer per step")
-    g.add_argument("--low-ram", action="store_true", help="read experts from the memory-mapped file (no pinned copy)")
-    g.add_argument("--expert-profile", default=None, help="routing profile to fill the cache from")
-    g.add_argument("--expert-profile-save", default=None, help="write the learned routing profile here on exit")
-    g.add_argument("--profile", action="store_true", help="print the per-token time breakdown")
+    add_flags(p, EngineConfig)
+    add_flags(p.add_argument_group("experts (tiered execution)"), ExpertConfig)
 
 
 def engine_config(args) -> "EngineConfig":
-    from strata.config import EngineConfig, ExpertConfig
+    from strata.config import EngineConfig, ExpertConfig, from_flags
 
-    ex = ExpertConfig(
-        mode=args.experts_mode, vram_gb=args.vram_gb, vram_reserve_mib=args.vram_reserve_mib,
-        cpu_threads=args.cpu_threads, cpu_kernel=getattr(args, "cpu_kernel", "auto"), cpu_plan=args.cpu_plan, cache_policy=args.cache_policy,
-        cache_layout=getattr(args, "cache_layout", "uniform"),
-        promote_min=args.promote_min, swap_budget=args.swap_budget, low_ram=args.low_ram,
-        expert_profile=args.expert_profile, expert_profile_save=args.expert_profile_save, profile=args.profile,
-        slots=args.expert_slots, plan_tune=getattr(args, "cpu_plan_tune", True),
-        prefetch_next=getattr(args, "expert_prefetch", False),
-    )
-    cfg = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype,
-                       ctx_size=args.ctx_size, prefill_chunk=args.prefill_chunk,
-                       n_slots=getattr(args, "parallel", 1) or 1, seed=getattr(args, "seed", None), experts=ex,
-                       cuda_graphs=getattr(args, "cuda_graphs", None), draft_max=getattr(args, "draft_max", 0),
-                       draft_ngram_min=getattr(args, "draft_ngram_min", 2),
-                       draft_ngram_max=getattr(args, "draft_ngram_max", 4))
+    cfg = from_flags(EngineConfig, args, experts=from_flags(ExpertConfig, args),
+                     n_slots=getattr(args, "parallel", 1) or 1, seed=getattr(args, "seed", None))
     cfg.validate()
     return cfg
 
@@ -145,15 +85,18 @@ def sampling_from_args(args):
 
 
 def _add_sampling(p):
+    from strata.engine.sampler import SamplingParams
+
+    d = SamplingParams()
     p.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate")
-    p.add_argument("--temperature", "--temp", type=float, default=0.8, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=40)
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--min-p", type=float, default=0.05)
-    p.add_argument("--repeat-penalty", type=float, default=1.0)
-    p.add_argument("--presence-penalty", type=float, default=0.0)
-    p.add_argument("--frequency-penalty", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--temperature", "--temp", type=float, default=d.temperature, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=d.top_k)
+    p.add_argument("--top-p", type=float, default=d.top_p)
+    p.add_argument("--min-p", type=float, default=d.min_p)
+    p.add_argument("--repeat-penalty", type=float, default=d.repetition_penalty)
+    p.add_argument("--presence-penalty", type=float, default=d.presence_penalty)
+    p.add_argument("--frequency-penalty", type=float, default=d.frequency_penalty)
+    p.add_argument("--seed", type=int, default=d.seed)
 
 
 def check_run_args(args) -> None:
