@@ -4,7 +4,7 @@
 # server stack or gguf: carry them as wheels in .whl/ (git-ignored; `../shared/device/wheels.sh` fetches them
 # here), and they are installed into /tmp/site at the start of every command. Also carry peers/src for the
 # llama.cpp peer (bench/peers/llamacpp.sh fetch, or pack for the ~5 MB pruned copy). A working tree over the
-# 64 MiB a command carries: move strata/data/strata-tiny.gguf out of the tree for the call.
+# 64 MiB a command carries: move strata/data/strata-tiny.gguf out of it first.
 #
 # Sets: PYTHONPATH (the wheels, then this tree), OUT (where results go: the device tool sets it; default
 # scratch/out), MODEL (default scratch/b1.gguf) and b1_model, which makes MODEL with `strata synth` when missing.
