@@ -8,8 +8,8 @@ __version__ = "0.1.0"
 # CPU lane's kernel shares torch's OpenMP runtime, which reads its environment once, when torch loads — so this
 # is set here, before strata imports torch. A decode step calls the lane once per MoE layer, a fraction of a
 # millisecond apart; with libgomp's default the threads slept between layers and waking them cost more than the
-# experts: on the H200 machine (B1, 8 GiB, sampled text, plan 011223344 at 14 threads) 30.4 tok/s with the
-# default, 44.9 with this count (tools/gpu/s10_call4.sh). Idle, the threads spin about a second, then sleep.
+# experts they then computed (the gain for plans with a CPU share: docs/BENCHMARKS.md). Set after torch has loaded,
+# the count changes nothing. Idle, the threads spin about a second, then sleep.
 OMP_SPINCOUNT = 20_000_000
 
 

@@ -60,9 +60,10 @@ def bench_dequant(rng) -> None:
         for dtype in (torch.float32, torch.bfloat16):
             out = torch.empty(w.numel(), dtype=dtype, device="cuda")
             gb = out.numel() * out.element_size() / 1e9
-            t_tri = timed(lambda: dequantize_flat(w.raw, qt, dtype, out=out))
+            # the lambdas bind w and out now: they are deleted after the loop
+            t_tri = timed(lambda w=w, out=out: dequantize_flat(w.raw, qt, dtype, out=out))
             with torch_dequant():
-                t_ref = timed(lambda: dequantize_flat(w.raw, qt, dtype, out=out))
+                t_ref = timed(lambda w=w, out=out: dequantize_flat(w.raw, qt, dtype, out=out))
             label = f"{name} -> {str(dtype).split('.')[-1]}"
             print(f"  {label:39s} {t_tri:8.3f} {gb / t_tri * 1e3:6.0f} | {t_ref:8.3f} {gb / t_ref * 1e3:6.0f} |"
                   f" {t_ref / t_tri:6.1f}x")

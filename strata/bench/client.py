@@ -143,6 +143,25 @@ class _Stream:
         return self.r
 
 
+# llama.cpp's default sampler chain, sent explicitly with a temperature > 0 so that two servers whose defaults
+# differ sample from the same distribution
+SAMPLED = {"top_k": 40, "top_p": 0.95, "min_p": 0.05}
+
+
+def sampling(temperature: float) -> dict:
+    """The sampling fields of a timed request: greedy at 0, else llama.cpp's default chain at `temperature`."""
+    if temperature < 0:
+        raise StrataError(f"temperature must be >= 0, got {temperature}")
+    return {"temperature": temperature, **(SAMPLED if temperature > 0 else {})}
+
+
+def sampling_text(temperature: float) -> str:
+    if not temperature:
+        return "greedy"
+    return (f"sampled at temperature {temperature:g} (top-k {SAMPLED['top_k']}, top-p {SAMPLED['top_p']}, "
+            f"min-p {SAMPLED['min_p']}, seed 0)")
+
+
 def chat_body(messages: list[dict], max_tokens: int, *, cache_prompt: bool = False, temperature: float = 0.0,
               tools: list[dict] | None = None, ignore_eos: bool = False, seed: int = 0, **extra) -> dict:
     body = {"messages": messages, "max_tokens": max_tokens, "stream": True,

@@ -15,7 +15,7 @@ from typing import Callable
 import httpx
 
 from strata import StrataError
-from strata.bench.client import BenchClient, Reply
+from strata.bench.client import BenchClient, Reply, sampling
 from strata.bench.prompts import PromptBuilder
 from strata.bench.record import expert_delta
 from strata.bench.stats import latency
@@ -31,16 +31,17 @@ class ConcurrencyConfig:
     gen: int = 64
     requests_per_worker: int = 2
     tolerance: float = 0.01
+    temperature: float = 0.0  # 0: greedy
 
 
-async def _level(client: BenchClient, prompts: list[list[str]], gen: int) -> list[Reply]:
+async def _level(client: BenchClient, prompts: list[list[str]], gen: int, temperature: float) -> list[Reply]:
     limits = httpx.Limits(max_connections=len(prompts) + 2, max_keepalive_connections=len(prompts) + 2)
     async with httpx.AsyncClient(timeout=client.timeout, limits=limits) as http:
         async def worker(texts: list[str]) -> list[Reply]:
             out = []
             for t in texts:
                 out.append(await client.achat(http, [{"role": "user", "content": t}], gen, cache_prompt=False,
-                                              ignore_eos=True))
+                                              ignore_eos=True, **sampling(temperature)))
             return out
 
         per = await asyncio.gather(*(worker(texts) for texts in prompts))
@@ -52,7 +53,8 @@ def run_concurrency(client: BenchClient, cfg: ConcurrencyConfig, say: Callable[[
     builder = PromptBuilder(client.count_tokens, tag=tag, tolerance=cfg.tolerance)
     # one uncounted request first: the first level must not pay for a cold server
     first = builder.build(cfg.prompt_tokens)
-    warm = client.chat([{"role": "user", "content": first.text}], cfg.gen, cache_prompt=False, ignore_eos=True)
+    warm = client.chat([{"role": "user", "content": first.text}], cfg.gen, cache_prompt=False, ignore_eos=True,
+                       **sampling(cfg.temperature))
     check_uncached(warm, "concurrency warm-up")
     offset = (warm.prompt_tokens - first.tokens) if warm.prompt_tokens is not None else 0
     props = client.props()
@@ -61,7 +63,7 @@ def run_concurrency(client: BenchClient, cfg: ConcurrencyConfig, say: Callable[[
         prompts = [[builder.build(cfg.prompt_tokens, offset=offset).text for _ in range(cfg.requests_per_worker)]
                    for _ in range(w)]
         before = client.metrics()
-        replies = asyncio.run(_level(client, prompts, cfg.gen))
+        replies = asyncio.run(_level(client, prompts, cfg.gen, cfg.temperature))
         after = client.metrics()
         lv = _summarise(w, replies, before, after)
         if lv["cached_requests"]:
@@ -71,7 +73,8 @@ def run_concurrency(client: BenchClient, cfg: ConcurrencyConfig, say: Callable[[
         say(f"concurrency {w}: {lv['aggregate_tok_s']:.1f} tok/s aggregate | latency p50 {lv['latency_s']['p50']:.2f} "
             f"p90 {lv['latency_s']['p90']:.2f} s | TTFT p50 {lv['ttft_s']['p50']:.3f} s | errors {lv['errors']}")
     return {"config": {"workers": list(cfg.workers), "prompt_tokens": cfg.prompt_tokens, "gen": cfg.gen,
-                       "requests_per_worker": cfg.requests_per_worker, "cache_prompt": False},
+                       "requests_per_worker": cfg.requests_per_worker, "cache_prompt": False,
+                       "temperature": cfg.temperature},
             "server_slots": props.get("total_slots"), "levels": levels}
 
 

@@ -11,6 +11,7 @@ import json
 import math
 from pathlib import Path
 
+from strata.bench.client import sampling_text
 from strata.bench.prompts import fmt_size
 from strata.bench.stats import Summary, ratio
 
@@ -100,7 +101,8 @@ def _sweep_md(s: dict) -> list[str]:
                 f"cache, {c['warmup']} warm-up + {c['runs']} measured passes; TTFT = the prefill forward.")
     else:
         head = (f"Uncached prompts (unique first line, `cache_prompt: false`), {c['warmup']} warm-up + {c['runs']} "
-                f"measured runs per length, {c['gen']} generated tokens; median (min-max). Prefill and decode from the "
+                f"measured runs per length, {c['gen']} generated tokens, {sampling_text(c.get('temperature', 0))}; "
+                "median (min-max). Prefill and decode from the "
                 "engine's timings, TTFT from the client's clock.")
     lines = [head]
     rows = []
@@ -126,7 +128,8 @@ def _sweep_md(s: dict) -> list[str]:
 def _conc_md(s: dict) -> list[str]:
     c = s["config"]
     lines = [f"{c['requests_per_worker']} requests per worker back to back, {c['prompt_tokens']}-token uncached "
-             f"prompts, {c['gen']} generated tokens; server slots: {s.get('server_slots')}."]
+             f"prompts, {c['gen']} generated tokens, {sampling_text(c.get('temperature', 0))}; server slots: "
+             f"{s.get('server_slots')}."]
     rows = [[str(lv["workers"]), str(lv["requests"]), f"{lv['aggregate_tok_s']:.1f}", _f(lv["latency_s"]["p50"]),
              _f(lv["latency_s"]["p90"]), _f(lv["ttft_s"]["p50"], "{:.3f}"), _f(lv["ttft_s"]["p90"], "{:.3f}"),
              str(lv["errors"])] for lv in s["levels"]]

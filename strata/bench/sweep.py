@@ -9,7 +9,9 @@ statistics of the measured requests. The traps this avoids:
 - a cold expert cache reads 20-30% slow: the warm-up request of each length is not counted;
 - speculative decoding makes decode speed depend on content: the filler is the same for every request of a
   length and draft acceptance is recorded;
-- client wall time is not decode time: decode speed comes from the engine's own timings.
+- client wall time is not decode time: decode speed comes from the engine's own timings;
+- greedy text can fall into loops that n-gram drafts predict: `temperature` > 0 measures sampled text, with the
+  same sampler chain sent to every server.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from strata import StrataError
-from strata.bench.client import BenchClient, Reply
+from strata.bench.client import BenchClient, Reply, sampling
 from strata.bench.prompts import Prompt, PromptBuilder, fmt_size
 from strata.bench.record import expert_delta
 from strata.bench.stats import Summary
@@ -33,6 +35,7 @@ class SweepConfig:
     warmup: int = 1
     gen: int = 128
     tolerance: float = 0.01  # prompt sizes within 1% of the target
+    temperature: float = 0.0  # 0: greedy
 
 
 def check_uncached(rep: Reply, where: str) -> None:
@@ -76,7 +79,7 @@ def run_sweep(client: BenchClient, cfg: SweepConfig, say: Callable[[str], None] 
             continue
         rows.append(_one_length(client, builder, length, cfg, say))
     return {"config": {"lengths": list(cfg.lengths), "runs": cfg.runs, "warmup": cfg.warmup, "gen": cfg.gen,
-                       "tolerance": cfg.tolerance, "cache_prompt": False},
+                       "tolerance": cfg.tolerance, "cache_prompt": False, "temperature": cfg.temperature},
             "n_ctx": ctx, "rows": rows, "skipped": skipped}
 
 
@@ -126,4 +129,5 @@ def _one_length(client: BenchClient, builder: PromptBuilder, length: int, cfg: S
 
 
 def _send(client: BenchClient, p: Prompt, cfg: SweepConfig) -> Reply:
-    return client.chat([{"role": "user", "content": p.text}], cfg.gen, cache_prompt=False, ignore_eos=True)
+    return client.chat([{"role": "user", "content": p.text}], cfg.gen, cache_prompt=False, ignore_eos=True,
+                       **sampling(cfg.temperature))

@@ -25,6 +25,7 @@ import re
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from gguf import GGMLQuantizationType, LlamaFileType
@@ -32,6 +33,9 @@ from gguf import GGMLQuantizationType, LlamaFileType
 from strata import StrataError
 from strata.gguf.writer import TensorSpec, write_streamed
 from strata.quant.formats import FLOAT_TYPES, SUPPORTED_TYPES, as_qtype, block_geometry, check_supported
+
+if TYPE_CHECKING:  # for the annotations only: the functions that use torch import it themselves
+    import torch
 
 Q = GGMLQuantizationType
 DATA = Path(__file__).resolve().parents[1] / "data"

@@ -19,15 +19,12 @@ from __future__ import annotations
 
 import codecs
 import logging
-import mmap
 import re
-import struct
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-import numpy as np
 
 from strata import StrataError
 

@@ -23,9 +23,9 @@ MiB = 1 << 20
 # importing torch, `strata check` answers in a moment.
 VRAM_RESERVE = 700 * MiB  # ExpertConfig.vram_reserve_mib: decode activations, graphs, allocator slack
 # The engine also leaves out what the device holds when it sizes the cache, its own CUDA context included, which
-# it measures at start-up; check, before any context exists, counts this estimate for it (measured on the H200
-# machine: 0.61 GiB for the context, 0.70 once cuBLAS is up), and the room the engine keeps for it to grow
-# (strata.experts.cache.OUTSIDE_GROWTH_MIB).
+# it measures at start-up; check, before any context exists, counts this estimate for it (the context with cuBLAS
+# up, rounded up from what the GPU machine's driver counted: docs/history/benchmarks-2026-11.md, "Where the memory
+# went"), and the room the engine keeps for it to grow (strata.experts.cache.OUTSIDE_GROWTH_MIB).
 CUDA_CONTEXT_ESTIMATE = (704 + 256) * MiB
 DEFAULT_CTX = 8192  # EngineConfig.ctx_size 0 = min(the model's context, 8192)
 

@@ -13,9 +13,7 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
-from strata import StrataError
 from strata.hub.http import NullTask, Task
 
 HASH_BUF = 8 << 20  # bytes per read while hashing

@@ -142,3 +142,34 @@ def test_bench_refuses_a_server_that_is_not_there(tmp_path):
 
         args = build_parser().parse_args(["bench", "--url", "http://127.0.0.1:9", "--out", str(tmp_path)])
         args.func(args)
+
+
+def test_sampled_requests_carry_one_sampler_chain_for_every_server():
+    from strata.bench.client import chat_body, sampling
+
+    greedy = chat_body([{"role": "user", "content": "x"}], 4, **sampling(0))
+    assert greedy["temperature"] == 0 and greedy["top_k"] == 1 and "min_p" not in greedy
+    hot = chat_body([{"role": "user", "content": "x"}], 4, **sampling(0.8))
+    assert (hot["temperature"], hot["top_k"], hot["top_p"], hot["min_p"], hot["seed"]) == (0.8, 40, 0.95, 0.05, 0)
+    with pytest.raises(StrataError, match="temperature"):
+        sampling(-1)
+
+
+def test_bench_sampled_text_through_the_server(server, tmp_path):
+    rc = main(["bench", "sweep", "concurrency", "--url", server, "--name", "hot", "--out", str(tmp_path),
+               "--temperature", "0.8", "--lengths", "64", "--runs", "1", "--warmup", "0", "--gen", "4",
+               "--workers", "1,2", "--conc-prompt", "64", "--conc-gen", "4", "--conc-requests", "1"])
+    assert rc == 0
+    out = next(tmp_path.iterdir())
+    res = json.loads(out.joinpath("results.json").read_text())
+    assert res["suites"]["sweep"]["config"]["temperature"] == 0.8
+    assert res["suites"]["concurrency"]["config"]["temperature"] == 0.8
+    assert [lv["errors"] for lv in res["suites"]["concurrency"]["levels"]] == [0, 0]
+    assert out.joinpath("results.md").read_text().count("sampled at temperature 0.8") == 2
+
+
+def test_bench_refuses_a_temperature_out_of_range(tmp_path, capsys):
+    # checked before any server is asked: the URL here answers nothing
+    rc = main(["bench", "sweep", "--url", "http://127.0.0.1:9", "--out", str(tmp_path), "--temperature", "-0.5"])
+    assert rc != 0
+    assert "--temperature must be within 0..2, got -0.5" in capsys.readouterr().err

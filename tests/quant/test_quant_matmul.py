@@ -2,7 +2,6 @@
 
 import warnings
 
-import numpy as np
 import pytest
 import torch
 from gguf.quants import dequantize as gguf_dequantize

@@ -1,6 +1,37 @@
-# Sourced at the start of every command on the GPU machine: wheels it lacks, PYTHONPATH to the source tree.
+# Sourced (never run) by the scripts beside it, from the repository root, on the GPU machine.
+#
+# That machine has torch, triton, numpy, tokenizers, jinja2, httpx, pytest ... but no package index and not the
+# server stack or gguf: carry them as wheels in .whl/ (git-ignored; `../shared/device/wheels.sh` fetches them
+# here), and they are installed into /tmp/site at the start of every command. Also carry peers/src for the
+# llama.cpp peer (bench/peers/llamacpp.sh fetch, or pack for the ~5 MB pruned copy). A working tree over the
+# 64 MiB a command carries: move strata/data/strata-tiny.gguf out of it first.
+#
+# Sets: PYTHONPATH (the wheels, then this tree), OUT (where results go: the device tool sets it; default
+# scratch/out), MODEL (default scratch/b1.gguf) and b1_model, which makes MODEL with `strata synth` when missing.
+# Scenario B1: Qwen3-30B-A3B shapes, experts Q4_K, attention Q8_0, head Q6_K (~17 GB; see docs/BENCHMARKS.md).
+
 export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  >/dev/null 2>&1 || echo "wheel install failed"
-export PYTHONPATH=/tmp/site:$PWD
-mkdir -p scratch
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    >/dev/null 2>&1 || echo "setup.sh: installing .whl/*.whl failed" >&2
+  export PYTHONPATH="/tmp/site:$PWD"
+else
+  export PYTHONPATH="$PWD"
+fi
+export OUT="${OUT:-$PWD/scratch/out}"
+export MODEL="${MODEL:-scratch/b1.gguf}"
+mkdir -p "$OUT" scratch
+
+b1_model() {
+  [[ -f "$MODEL" ]] && return 0
+  mkdir -p "$(dirname "$MODEL")"
+  python3 -m strata synth qwen3-30b-a3b "$MODEL" --no-report -q
+}
+
+# one line describing the machine, for the logs that come back
+machine_line() {
+  nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current,pcie.link.width.current \
+    --format=csv,noheader 2>/dev/null | head -1
+  python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available())"
+  echo "cores: $(nproc), memory: $(free -g | awk '/Mem:/ {print $2}') GiB"
+}
