@@ -135,9 +135,54 @@ class EngineConfig:
         return self.torch_dtype if self.kv_dtype == "auto" else DTYPES[self.kv_dtype]
 
 
+# --- the environment: read here only -------------------------------------------------------------------------
+# User settings: STRATA_CACHE_DIR (the cache's root: calibrations, a synthetic default model, and models unless
+# STRATA_MODELS_DIR says otherwise), STRATA_MODELS_DIR, STRATA_API_KEY, XDG_CACHE_HOME, CC (the C compiler of the
+# CPU lane's kernel). Benchmark switches (A/B comparisons on the GPU machine; not for users): STRATA_CHUNK_STAGE_MIB,
+# STRATA_CHUNK_RING, STRATA_ALLOC_CAP=0, STRATA_FIXED_SEGMENTS=1, STRATA_DECODE_ATTN=sdpa. Read at each call (cheap),
+# so a test's monkeypatch.setenv applies.
+
+
 def env(name: str, default: str | None = None) -> str | None:
-    """The one place strata reads environment variables (STRATA_*)."""
+    """The one place strata reads environment variables; prefer the named accessors below."""
     return os.environ.get(name, default)
+
+
+def env_number(name: str, kind=float):
+    """A numeric variable, None when unset; a bad value is one clear error naming the variable."""
+    v = env(name)
+    if v is None or v.strip() == "":
+        return None
+    try:
+        return kind(v)
+    except ValueError:
+        raise StrataError(f"environment variable {name}={v!r} is not a {kind.__name__}") from None
+
+
+def cache_dir():
+    """strata's cache root: $STRATA_CACHE_DIR, else $XDG_CACHE_HOME/strata, else ~/.cache/strata."""
+    from pathlib import Path
+
+    root = env("STRATA_CACHE_DIR")
+    if root:
+        return Path(root).expanduser()
+    return Path(env("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "strata"
+
+
+def models_dir():
+    """Where `strata pull` puts models: $STRATA_MODELS_DIR, else <cache_dir()>/models."""
+    from pathlib import Path
+
+    models = env("STRATA_MODELS_DIR")
+    return Path(models).expanduser() if models else cache_dir() / "models"
+
+
+def api_key_from_env() -> str | None:
+    return env("STRATA_API_KEY") or None
+
+
+def c_compiler() -> str:
+    return env("CC", "cc")
 
 
 # --- command-line flags from the dataclasses' field metadata ------------------------------------------------
@@ -201,3 +246,32 @@ def from_flags(cls, args, **overrides):
             kw[f.name] = getattr(args, cli["dest"] or f.name)
     kw.update(overrides)
     return cls(**kw)
+
+
+# --- benchmark switches (A/B comparisons on the GPU machine) ---------------------------------------------
+
+
+def chunk_stage_mib() -> float | None:
+    """STRATA_CHUNK_STAGE_MIB: a prefill chunk buffer's size set by hand, past the share rule."""
+    return env_number("STRATA_CHUNK_STAGE_MIB", float)
+
+
+def chunk_ring_size() -> int | None:
+    """STRATA_CHUNK_RING: chunk buffers in the ring (default: strata.experts.sizing.CHUNK_RING)."""
+    return env_number("STRATA_CHUNK_RING", int)
+
+
+def alloc_cap_enabled() -> bool:
+    """STRATA_ALLOC_CAP=0 lifts the cap on torch's allocator under --vram-gb (to measure what the cap costs)."""
+    return env("STRATA_ALLOC_CAP", "1") != "0"
+
+
+def fixed_segments() -> bool:
+    """Keep torch's default fixed allocator segments: the user configured the allocator, or asked by
+    STRATA_FIXED_SEGMENTS=1."""
+    return bool(env("PYTORCH_CUDA_ALLOC_CONF") or env("PYTORCH_ALLOC_CONF") or env("STRATA_FIXED_SEGMENTS"))
+
+
+def decode_attention_backend() -> str:
+    """STRATA_DECODE_ATTN=sdpa: torch's attention for decode instead of the split-key kernel (the A/B baseline)."""
+    return env("STRATA_DECODE_ATTN", "triton")

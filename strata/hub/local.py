@@ -19,14 +19,10 @@ _REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def default_models_dir() -> Path:
-    """$STRATA_MODELS_DIR, else `<user cache>/strata/models` ($XDG_CACHE_HOME or ~/.cache)."""
-    from strata.config import env  # the one place strata reads the environment
+    """$STRATA_MODELS_DIR, else <strata's cache>/models (strata.config.models_dir)."""
+    from strata.config import models_dir
 
-    models = env("STRATA_MODELS_DIR")
-    if models:
-        return Path(models).expanduser()
-    cache = env("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(cache).expanduser() / "strata" / "models"
+    return models_dir()
 
 
 def is_url(spec: str) -> bool:

@@ -20,14 +20,9 @@ NAME = "strata-tiny (SYNTHETIC: random weights, not a trained model)"
 
 
 def cache_dir() -> Path:
-    """$STRATA_CACHE, else `$XDG_CACHE_HOME/strata`, else `~/.cache/strata`."""
-    from strata.config import env
+    from strata.config import cache_dir
 
-    root = env("STRATA_CACHE")
-    if root:
-        return Path(root).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(xdg).expanduser() / "strata"
+    return cache_dir()
 
 
 def synthetic_path() -> Path:

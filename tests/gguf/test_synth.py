@@ -261,7 +261,7 @@ def test_type_fallback_for_short_rows():
 def test_default_model_cached_once(tmp_path, monkeypatch, capsys):
     from strata.models import default
 
-    monkeypatch.setenv("STRATA_CACHE", str(tmp_path / "c"))
+    monkeypatch.setenv("STRATA_CACHE_DIR", str(tmp_path / "c"))
     monkeypatch.setattr(default, "SHIPPED", tmp_path / "absent.gguf")  # as in an install without strata-tiny
     paths: list = []
     threads = [threading.Thread(target=lambda: paths.append(default.default_model_path())) for _ in range(2)]
@@ -280,7 +280,7 @@ def test_default_model_cached_once(tmp_path, monkeypatch, capsys):
 def test_default_model_locations(tmp_path, monkeypatch):
     from strata.models import default
 
-    monkeypatch.delenv("STRATA_CACHE", raising=False)
+    monkeypatch.delenv("STRATA_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
     assert default.synthetic_path().parent == tmp_path / "x" / "strata" / "models"
     shipped = tmp_path / "strata-tiny.gguf"

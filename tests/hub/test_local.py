@@ -64,11 +64,14 @@ def test_specs():
 
 
 def test_default_models_dir(monkeypatch, tmp_path):
+    monkeypatch.delenv("STRATA_CACHE_DIR", raising=False)
     monkeypatch.setenv("STRATA_MODELS_DIR", str(tmp_path / "m"))
     assert default_models_dir() == tmp_path / "m"
     monkeypatch.delenv("STRATA_MODELS_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "c"))
     assert default_models_dir() == tmp_path / "c" / "strata" / "models"
+    monkeypatch.setenv("STRATA_CACHE_DIR", str(tmp_path / "root"))  # one cache root for everything
+    assert default_models_dir() == tmp_path / "root" / "models"
 
 
 def _finished(path, data=b"x" * 10):
