@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import socket
 import sys
 import time
 
@@ -36,7 +38,7 @@ def _say(msg: str) -> None:
 def cmd_serve(args) -> int:
     import uvicorn
 
-    from strata.config import env
+    from strata.config import env, fault_after_tokens_for_tests
     from strata.engine.cli import load_from_args, resolve_model_path
     from strata.server.app import ServeConfig, create_app, model_id_for
     from strata.server.auth import is_loopback
@@ -54,7 +56,7 @@ def cmd_serve(args) -> int:
     key = args.api_key or env("STRATA_API_KEY") or None
     cfg_kw = dict(host=args.host, port=args.port, api_key=key, cors_origins=args.cors_origin, parallel=args.parallel,
                   prompt_cache_mib=args.prompt_cache_mib, aliases=args.alias, prefill_chunk=args.prefill_chunk,
-                  warmup=not args.no_warmup)
+                  warmup=not args.no_warmup, fault_after_tokens=fault_after_tokens_for_tests())
     if not key and not is_loopback(args.host):
         bar = "!" * 78
         print(f"{bar}\nstrata: WARNING: binding {args.host} with no API key: anyone who can reach this port can use "
@@ -78,17 +80,49 @@ def cmd_serve(args) -> int:
         state["error"] = e
         server.should_exit = True
 
+    sock = bind(args.host, args.port)  # before saying "listening": a busy port is one line, not a false claim
     app = create_app(cfg, load=load, narrate=_say, on_error=failed)
-    _say(f"listening on http://{_url_host(args.host)}:{args.port} (the model loads in the background; "
-         f"/health answers 503 until it is ready)")
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False,
                             timeout_graceful_shutdown=3)
     server = uvicorn.Server(config)
-    server.run()
+    _say(f"listening on http://{_url_host(args.host)}:{args.port} (the model loads in the background; "
+         f"/health answers 503 until it is ready)")
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
     if "error" in state:
         e = state["error"]
         raise e if isinstance(e, StrataError) else StrataError(f"could not start: {e}")
     return 0
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port, or StrataError naming what is in the way."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise StrataError(f"--host {host!r}: cannot resolve it ({e.strerror})") from None
+    family, type_, proto, _, addr = infos[0]
+    sock = socket.socket(family, type_, proto)
+    try:
+        # as uvicorn does: a restarted server may take the port over from connections still in TIME_WAIT
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6 and host in ("::", ""):
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise StrataError(f"port {port} on {host} is already in use (another server?): stop it or pass "
+                              "--port N") from None
+        if e.errno == errno.EACCES:
+            raise StrataError(f"no permission to listen on port {port} of {host} (ports below 1024 need root): "
+                              "pass --port N") from None
+        raise StrataError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def _url_host(host: str) -> str:

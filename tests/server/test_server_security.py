@@ -202,6 +202,23 @@ def test_strata_serve_command(tiny_gguf):
     assert "loading" in err and "ready" in err and "WARNING" not in err
 
 
+def test_serve_on_a_busy_port_fails_in_one_line(tiny_gguf):
+    """Another program holds the port: one line naming it, a non-zero exit, and no claim to be listening."""
+    import socket
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "STRATA_API_KEY": ""}
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        p = subprocess.run([sys.executable, "-m", "strata", "serve", "-m", str(tiny_gguf), "--port", str(port),
+                            "--no-warmup"], env=env, capture_output=True, text=True, timeout=120)
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert p.returncode == 1, p.stderr
+    assert len(lines) == 1 and f"port {port}" in lines[0] and "already in use" in lines[0], p.stderr
+    assert lines[0].startswith("strata: error:") and "listening" not in p.stderr and p.stdout == ""
+
+
 def test_non_loopback_without_key_warns(capsys, tmp_path):
     from strata.cli import main
 
