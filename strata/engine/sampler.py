@@ -10,6 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
+# Below this, sampling is argmax anyway, and dividing float32 logits by the temperature may overflow to inf (then
+# softmax gives NaN and the draw raises): a request asking for 5e-324 is served greedily.
+MIN_TEMPERATURE = 1e-5
+
 
 @dataclass
 class SamplingParams:
@@ -25,7 +29,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0
+        return self.temperature < MIN_TEMPERATURE
 
     def validate(self) -> None:
         from strata import StrataError
