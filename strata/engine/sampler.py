@@ -13,6 +13,8 @@ import torch
 # Below this, sampling is argmax anyway, and dividing float32 logits by the temperature may overflow to inf (then
 # softmax gives NaN and the draw raises): a request asking for 5e-324 is served greedily.
 MIN_TEMPERATURE = 1e-5
+# The same overflow through the repetition penalty (logits / penalty): smaller ones are refused.
+MIN_REPETITION_PENALTY = 1e-3
 
 
 @dataclass
@@ -36,8 +38,8 @@ class SamplingParams:
 
         if self.temperature < 0 or not (0.0 < self.top_p <= 1.0) or not (0.0 <= self.min_p <= 1.0) or self.top_k < 0:
             raise StrataError("sampling: need temperature >= 0, 0 < top_p <= 1, 0 <= min_p <= 1, top_k >= 0")
-        if self.repetition_penalty <= 0:
-            raise StrataError("sampling: repetition_penalty must be > 0")
+        if not self.repetition_penalty >= MIN_REPETITION_PENALTY:
+            raise StrataError(f"sampling: repetition_penalty must be >= {MIN_REPETITION_PENALTY}")
 
 
 def apply_penalties(logits: torch.Tensor, recent: torch.Tensor, p: SamplingParams) -> torch.Tensor:
