@@ -160,6 +160,27 @@ def _wait_idle(client: httpx.Client, timeout: float = 15) -> list[dict]:
         time.sleep(0.1)
 
 
+# bodies the campaign once answered 5xx (the engine's step failed, failing every sequence in the batch with it)
+FOUND = [
+    ("/v1/messages", {"temperature": 5e-324, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}, 200),
+    ("/v1/completions", {"prompt": "hi", "temperature": 1e-300, "max_tokens": 2}, 200),
+    ("/v1/chat/completions", {"repetition_penalty": 5e-324, "messages": [{"role": "user", "content": "hi"}],
+                              "max_tokens": 2}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\ud800"}], "max_tokens": 1}, 200),
+]
+
+
+def test_what_the_fuzz_found_stays_fixed(strata_serve):
+    url, _, log = strata_serve
+    with httpx.Client(base_url=url, timeout=60) as c:
+        for path, body, want in FOUND:
+            r = c.post(path, content=json.dumps(body).encode(), headers=JSON_CT)  # a lone surrogate as an escape
+            assert r.status_code == want, (path, body, r.text)
+            if want == 400:
+                assert "repetition_penalty" in r.json()["error"]["message"]
+    assert "Traceback" not in log.read_text()
+
+
 def test_fuzz_campaign(strata_serve, record_property):
     url, pid, log = strata_serve
     proc = psutil.Process(pid)
@@ -258,7 +279,7 @@ async def _client(ac: httpx.AsyncClient, i: int) -> tuple[str, int]:
 
 
 def test_soak_concurrent_streams_with_disconnects(strata_serve, record_property):
-    url, pid, _ = strata_serve
+    url, pid, log = strata_serve
 
     async def main():
         async with httpx.AsyncClient(base_url=url, timeout=300,
@@ -277,3 +298,4 @@ def test_soak_concurrent_streams_with_disconnects(strata_serve, record_property)
     assert figures["full"] == N_CLIENTS - N_CLIENTS // 4 and figures["disconnected"] == N_CLIENTS // 4
     assert all(s["state"] == "idle" for s in slots), slots
     assert health["slots_idle"] == SLOTS and health["requests_waiting"] == 0
+    assert "Traceback" not in log.read_text()
