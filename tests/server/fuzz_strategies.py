@@ -114,11 +114,11 @@ def plausible(ann, meta=(), depth: int = 0, mode: str = "plausible") -> st.Searc
         return st.lists(plausible(args[0] if args else Any, (), depth + 1, mode), min_size=lo, max_size=max(lo, 3))
     if origin is dict:
         v = args[1] if len(args) > 1 else Any
-        return st.dictionaries(TEXT, plausible(v, (), depth + 1, mode), max_size=3) if depth < MAX_DEPTH else st.just({})
+        if depth >= MAX_DEPTH:
+            return st.just({})
+        return st.dictionaries(TEXT, plausible(v, (), depth + 1, mode), max_size=3)
     if isinstance(ann, type) and issubclass(ann, BaseModel):
         return body(ann, mode, depth + 1) if depth < MAX_DEPTH else st.just({})
-    if isinstance(ann, typing.ForwardRef) or isinstance(ann, str):
-        return ANY_JSON
     return ANY_JSON  # an annotation this module does not know yet: still fuzzed, with anything
 
 

@@ -160,6 +160,33 @@ def _wait_idle(client: httpx.Client, timeout: float = 15) -> list[dict]:
         time.sleep(0.1)
 
 
+@pytest.mark.parametrize("model", [m for m, _ in ROUTES.values()], ids=lambda m: m.__name__)
+def test_the_strategies_reach_every_field(model):
+    """Every field of the model (aliases included) is drawn, and plausible bodies mostly validate: what the
+    campaign sends follows protocol.py without naming its fields."""
+    from pydantic import ValidationError
+
+    seen, valid, n = set(), 0, 300
+
+    @seed(0)
+    @settings(max_examples=n, deadline=None, database=None, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    @given(fz.body(model, "plausible"))
+    def draw(b):
+        nonlocal valid
+        seen.update(b)
+        try:
+            model.model_validate(b)
+            valid += 1
+        except ValidationError:
+            pass
+
+    draw()
+    fields = {f.alias or name for name, f in model.model_fields.items()}
+    assert fields <= seen, fields - seen
+    assert valid > n // 3, valid
+
+
 # bodies the campaign once answered 5xx (the engine's step failed, failing every sequence in the batch with it)
 FOUND = [
     ("/v1/messages", {"temperature": 5e-324, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}, 200),

@@ -35,7 +35,8 @@ def test_preflight_is_answered_before_the_key(keyed):
     assert "POST" in r.headers["access-control-allow-methods"]
     assert "authorization" in r.headers["access-control-allow-headers"]
     assert "Origin" in r.headers["vary"]
-    r = _http.post(keyed.url + "/v1/chat/completions", json=CHAT, headers={"Origin": APP, "Authorization": f"Bearer {KEY}"})
+    r = _http.post(keyed.url + "/v1/chat/completions", json=CHAT,
+                   headers={"Origin": APP, "Authorization": f"Bearer {KEY}"})
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == APP
     assert r.json()["choices"][0]["message"]["role"] == "assistant"
     # the page can read why it was refused: the 401 carries the CORS header too
