@@ -24,7 +24,9 @@ def register(sub) -> None:
     g.add_argument("--prompt-cache-mib", type=int, default=1024,
                    help="host RAM for the KV of past conversations (0 = only what the slots hold)")
     g.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
-                   help="allow browser requests from this origin (repeatable; default: none)")
+                   help="let web pages from this origin (http(s)://host[:port], 'null', or '*' for any) use the "
+                   "server; repeatable. Pages from the server's own address are always allowed, any other "
+                   "Origin gets 403")
     g.add_argument("--alias", action="append", default=[], help="another model name clients may use (repeatable)")
     g.add_argument("--threads", type=int, default=0, help="PyTorch CPU threads (default: PyTorch's choice)")
     g.add_argument("--no-warmup", action="store_true", help="skip the warm-up forward pass")
@@ -41,12 +43,16 @@ def cmd_serve(args) -> int:
     from strata.config import env, fault_after_tokens_for_tests
     from strata.engine.cli import load_from_args, resolve_model_path
     from strata.server.app import ServeConfig, create_app, model_id_for
-    from strata.server.auth import is_loopback
+    from strata.server.auth import is_loopback, origin_key
 
     if args.parallel < 1:
         raise StrataError("--parallel must be at least 1")
     if not 0 < args.port < 65536:
         raise StrataError(f"--port must be 1..65535 (got {args.port})")
+    for o in args.cors_origin:
+        if o not in ("*", "null") and origin_key(o) is None:
+            raise StrataError(f"--cors-origin must be an origin such as http://localhost:3000, 'null' or '*' "
+                              f"(got {o!r})")
     if args.prompt_cache_mib < 0:
         raise StrataError("--prompt-cache-mib must be >= 0")
     if args.threads:

@@ -134,3 +134,17 @@ def test_lone_surrogate_counts_as_the_replacement_character(server):
     # a proper pair is one character, untouched
     assert count(rb'{"messages":[{"role":"user","content":"\ud83d\ude00"}]}') == \
         count('{"messages":[{"role":"user","content":"\U0001f600"}]}'.encode())
+
+
+def test_any_origin_only_when_asked(lm):
+    with serve(lm, cors_origins=["*"]) as s:
+        r = _http.options(s.url + "/v1/chat/completions", headers={"Origin": "http://anything.example", **PREFLIGHT})
+        assert r.status_code == 204 and r.headers["access-control-allow-origin"] == "http://anything.example"
+
+
+def test_a_malformed_cors_origin_is_one_line(capsys):
+    from strata.cli import main
+
+    assert main(["serve", "--cors-origin", "app.example:3000"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--cors-origin" in err[0] and "app.example:3000" in err[0]
