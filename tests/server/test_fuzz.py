@@ -5,6 +5,9 @@ concurrent batches. The invariants: no 5xx, no stream that ends in an error even
 error body, no unhandled exception in the server's log, no stuck slot, /health 200, RSS growth under 50 MB.
 Soak: 32 concurrent streaming clients against 4 slots, every fourth hanging up mid-stream; the others answered in
 full; every slot idle at the end.
+
+Each run draws from a new seed (printed with the figures, and in every failure); STRATA_FUZZ_SEED=N replays one.
+Run with -s to see the figures.
 """
 
 from __future__ import annotations
