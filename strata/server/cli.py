@@ -104,22 +104,19 @@ def cmd_serve(args) -> int:
 
 
 def bind(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on host:port, or StrataError naming what is in the way."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as e:
-        raise StrataError(f"--host {host!r}: cannot resolve it ({e.strerror})") from None
-    family, type_, proto, _, addr = infos[0]
-    sock = socket.socket(family, type_, proto)
+    """A listening TCP socket on host:port, or StrataError naming what is in the way. The address family is
+    chosen as uvicorn chooses it (IPv6 only for an address with a colon), so a name binds what it did before."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         # as uvicorn does: a restarted server may take the port over from connections still in TIME_WAIT
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if family == socket.AF_INET6 and host in ("::", ""):
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-        sock.bind(addr)
+        sock.bind((host, port))
         sock.listen(2048)
     except OSError as e:
         sock.close()
+        if isinstance(e, socket.gaierror):
+            raise StrataError(f"--host {host!r}: cannot resolve it ({e.strerror})") from None
         if e.errno == errno.EADDRINUSE:
             raise StrataError(f"port {port} on {host} is already in use (another server?): stop it or pass "
                               "--port N") from None
@@ -127,7 +124,6 @@ def bind(host: str, port: int) -> socket.socket:
             raise StrataError(f"no permission to listen on port {port} of {host} (ports below 1024 need root): "
                               "pass --port N") from None
         raise StrataError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    sock.set_inheritable(True)
     return sock
 
 

@@ -101,3 +101,26 @@ def test_the_fault_hook_is_read_from_the_environment(monkeypatch):
         monkeypatch.setenv("STRATA_TEST_FAULT_AFTER_TOKENS", bad)
         with pytest.raises(StrataError, match="STRATA_TEST_FAULT_AFTER_TOKENS"):
             fault_after_tokens_for_tests()
+
+
+def test_an_unhandled_error_is_a_500_and_the_connection_lives(lm):
+    """A bug in a route (here: a route added to the real app that raises) is a 500 with an error body, and the
+    client's keep-alive connection still serves the next request (uvicorn drops it when an exception escapes)."""
+    from strata.server.app import ServeConfig, create_app
+
+    from .conftest import Running, free_port
+
+    port = free_port()
+    app = create_app(ServeConfig(port=port, model_id="tiny", warmup=False), lm=lm)
+
+    @app.get("/boom")
+    async def boom():
+        raise RuntimeError("a bug")
+
+    with Running(app, port) as s, httpx.Client(base_url=s.url, timeout=60,
+                                                limits=httpx.Limits(max_connections=1)) as c:
+        for _ in range(3):
+            r = c.get("/boom")
+            assert r.status_code == 500 and r.json()["error"] == {
+                "type": "server_error", "message": "internal error: RuntimeError", "code": None, "param": None}
+            assert c.get("/health").status_code == 200
