@@ -275,3 +275,19 @@ def fixed_segments() -> bool:
 def decode_attention_backend() -> str:
     """STRATA_DECODE_ATTN=sdpa: torch's attention for decode instead of the split-key kernel (the A/B baseline)."""
     return env("STRATA_DECODE_ATTN", "triton")
+
+
+def fault_after_tokens_for_tests() -> int | None:
+    """STRATA_TEST_FAULT_AFTER_TOKENS=K, for tests only: the engine worker fails its step (as a real engine failure
+    would: an exception out of `engine.step()`) whenever a running sequence has generated K tokens. Unset or
+    empty: no fault, the production default."""
+    raw = env("STRATA_TEST_FAULT_AFTER_TOKENS")
+    if not raw:
+        return None
+    try:
+        k = int(raw)
+    except ValueError:
+        k = 0
+    if k < 1:
+        raise StrataError(f"STRATA_TEST_FAULT_AFTER_TOKENS must be a positive integer (got {raw!r})")
+    return k

@@ -10,6 +10,12 @@ from dataclasses import dataclass
 
 import torch
 
+# Below this, sampling is argmax anyway, and dividing float32 logits by the temperature may overflow to inf (then
+# softmax gives NaN and the draw raises): a request asking for 5e-324 is served greedily.
+MIN_TEMPERATURE = 1e-5
+# The same overflow through the repetition penalty (logits / penalty): smaller ones are refused.
+MIN_REPETITION_PENALTY = 1e-3
+
 
 @dataclass
 class SamplingParams:
@@ -25,7 +31,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0
+        return self.temperature < MIN_TEMPERATURE
 
     def validate(self) -> None:
         from strata import StrataError
@@ -38,8 +44,8 @@ class SamplingParams:
                 raise StrataError(f"sampling: {name} must be a finite number, got {getattr(self, name)}")
         if self.temperature < 0 or not (0.0 < self.top_p <= 1.0) or not (0.0 <= self.min_p <= 1.0) or self.top_k < 0:
             raise StrataError("sampling: need temperature >= 0, 0 < top_p <= 1, 0 <= min_p <= 1, top_k >= 0")
-        if self.repetition_penalty <= 0:
-            raise StrataError("sampling: repetition_penalty must be > 0")
+        if not self.repetition_penalty >= MIN_REPETITION_PENALTY:
+            raise StrataError(f"sampling: repetition_penalty must be >= {MIN_REPETITION_PENALTY}")
 
 
 def apply_penalties(logits: torch.Tensor, recent: torch.Tensor, p: SamplingParams) -> torch.Tensor:

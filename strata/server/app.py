@@ -7,6 +7,7 @@ already-loaded model.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -36,6 +37,7 @@ class ServeConfig:
     aliases: list[str] = field(default_factory=list)
     prefill_chunk: int = 0
     warmup: bool = True
+    fault_after_tokens: int | None = None  # tests only: see strata.config.fault_after_tokens_for_tests
 
 
 def create_app(cfg: ServeConfig, load: Callable[[], object] | None = None, lm=None,
@@ -86,14 +88,12 @@ def create_app(cfg: ServeConfig, load: Callable[[], object] | None = None, lm=No
 
     app.include_router(openai_api.router)
     app.include_router(anthropic_api.router)
-    if cfg.cors_origins:
-        from fastapi.middleware.cors import CORSMiddleware
-
-        app.add_middleware(CORSMiddleware, allow_origins=cfg.cors_origins, allow_methods=["GET", "POST", "OPTIONS"],
-                           allow_headers=["*"])
     from strata.server.auth import AccessControl
 
-    app.add_middleware(AccessControl, api_key=cfg.api_key, bound_host=cfg.host)
+    # the last one added runs first: access control, then error containment, then the routes
+    app.add_middleware(ContainErrors)
+    app.add_middleware(AccessControl, api_key=cfg.api_key, bound_host=cfg.host, port=cfg.port,
+                       cors_origins=cfg.cors_origins)
     return app
 
 
@@ -121,7 +121,7 @@ def _start_engine(app: FastAPI, cfg: ServeConfig, lm, say) -> object:
     metrics = app.state.metrics
     cache = PromptCache(cfg.prompt_cache_mib)
     metrics.prompt_cache = cache
-    worker = EngineWorker(engine, cache, metrics)
+    worker = EngineWorker(engine, cache, metrics, fault_after_tokens=cfg.fault_after_tokens)
     metrics.worker = worker
     tool_format = detect_format(lm.gguf.get("tokenizer.chat_template"))
     grammars = Grammars(lm.tokenizer, getattr(lm.args, "vocab_size", None) or lm.tokenizer.vocab_size)
@@ -143,6 +143,37 @@ def _start_engine(app: FastAPI, cfg: ServeConfig, lm, say) -> object:
     app.state.server = srv
     say(f"ready in {time.perf_counter() - t0:.1f}s")
     return worker
+
+
+class ContainErrors:
+    """An exception no route turned into an answer becomes a 500 with OpenAI's error body, and the connection stays
+    usable: Starlette's last-resort handler answers and then re-raises, and uvicorn drops the keep-alive connection
+    (the client's next request on it fails). Once a response has started (a stream), there is nothing to answer."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def watch(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        except Exception as e:  # noqa: BLE001 - the last line of defence: logged, answered
+            log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
+            if started:
+                raise
+            body = json.dumps(APIError(500, f"internal error: {type(e).__name__}", "server_error").body()).encode()
+            await send({"type": "http.response.start", "status": 500,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
 
 
 def _error(status: int, message: str, type_: str) -> JSONResponse:

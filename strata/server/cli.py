@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import socket
 import sys
 import time
 
@@ -22,7 +24,9 @@ def register(sub) -> None:
     g.add_argument("--prompt-cache-mib", type=int, default=1024,
                    help="host RAM for the KV of past conversations (0 = only what the slots hold)")
     g.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
-                   help="allow browser requests from this origin (repeatable; default: none)")
+                   help="let web pages from this origin (http(s)://host[:port], 'null', or '*' for any) use the "
+                   "server; repeatable. Pages from the server's own address are always allowed, any other "
+                   "Origin gets 403")
     g.add_argument("--alias", action="append", default=[], help="another model name clients may use (repeatable)")
     g.add_argument("--threads", type=int, default=0, help="PyTorch CPU threads (default: PyTorch's choice)")
     g.add_argument("--no-warmup", action="store_true", help="skip the warm-up forward pass")
@@ -36,15 +40,19 @@ def _say(msg: str) -> None:
 def cmd_serve(args) -> int:
     import uvicorn
 
-    from strata.config import env
+    from strata.config import env, fault_after_tokens_for_tests
     from strata.engine.cli import load_from_args, resolve_model_path
     from strata.server.app import ServeConfig, create_app, model_id_for
-    from strata.server.auth import is_loopback
+    from strata.server.auth import is_loopback, origin_key
 
     if args.parallel < 1:
         raise StrataError("--parallel must be at least 1")
     if not 0 < args.port < 65536:
         raise StrataError(f"--port must be 1..65535 (got {args.port})")
+    for o in args.cors_origin:
+        if o not in ("*", "null") and origin_key(o) is None:
+            raise StrataError(f"--cors-origin must be an origin such as http://localhost:3000, 'null' or '*' "
+                              f"(got {o!r})")
     if args.prompt_cache_mib < 0:
         raise StrataError("--prompt-cache-mib must be >= 0")
     if args.threads:
@@ -54,7 +62,7 @@ def cmd_serve(args) -> int:
     key = args.api_key or env("STRATA_API_KEY") or None
     cfg_kw = dict(host=args.host, port=args.port, api_key=key, cors_origins=args.cors_origin, parallel=args.parallel,
                   prompt_cache_mib=args.prompt_cache_mib, aliases=args.alias, prefill_chunk=args.prefill_chunk,
-                  warmup=not args.no_warmup)
+                  warmup=not args.no_warmup, fault_after_tokens=fault_after_tokens_for_tests())
     if not key and not is_loopback(args.host):
         bar = "!" * 78
         print(f"{bar}\nstrata: WARNING: binding {args.host} with no API key: anyone who can reach this port can use "
@@ -78,17 +86,45 @@ def cmd_serve(args) -> int:
         state["error"] = e
         server.should_exit = True
 
+    sock = bind(args.host, args.port)  # before saying "listening": a busy port is one line, not a false claim
     app = create_app(cfg, load=load, narrate=_say, on_error=failed)
-    _say(f"listening on http://{_url_host(args.host)}:{args.port} (the model loads in the background; "
-         f"/health answers 503 until it is ready)")
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False,
                             timeout_graceful_shutdown=3)
     server = uvicorn.Server(config)
-    server.run()
+    _say(f"listening on http://{_url_host(args.host)}:{args.port} (the model loads in the background; "
+         f"/health answers 503 until it is ready)")
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
     if "error" in state:
         e = state["error"]
         raise e if isinstance(e, StrataError) else StrataError(f"could not start: {e}")
     return 0
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port, or StrataError naming what is in the way. The address family is
+    chosen as uvicorn chooses it (IPv6 only for an address with a colon), so a name binds what it did before."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        # as uvicorn does: a restarted server may take the port over from connections still in TIME_WAIT
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        if isinstance(e, socket.gaierror):
+            raise StrataError(f"--host {host!r}: cannot resolve it ({e.strerror})") from None
+        if e.errno == errno.EADDRINUSE:
+            raise StrataError(f"port {port} on {host} is already in use (another server?): stop it or pass "
+                              "--port N") from None
+        if e.errno == errno.EACCES:
+            raise StrataError(f"no permission to listen on port {port} of {host} (ports below 1024 need root): "
+                              "pass --port N") from None
+        raise StrataError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
 
 
 def _url_host(host: str) -> str:

@@ -10,6 +10,7 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from strata.server.body import decode_json
 from strata.server.protocol import APIError, ChatRequest, CompletionRequest, OtherPart, bad_request, parse
 from strata.server.runner import GenerationError, Job, Result, parse_arguments, sampling, stop_list
 
@@ -20,7 +21,7 @@ FINGERPRINT = "strata"
 async def read_json(request: Request):
     raw = await request.body()
     try:
-        return json.loads(raw)
+        return decode_json(raw)
     except (ValueError, RecursionError):
         raise bad_request("the request body is not valid JSON") from None
 

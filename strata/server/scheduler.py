@@ -56,8 +56,10 @@ class GenRequest:
 class EngineWorker:
     """Owns the engine on one thread. `submit` / `cancel` may be called from any thread."""
 
-    def __init__(self, engine: Engine, prompt_cache: PromptCache | None = None, metrics=None):
+    def __init__(self, engine: Engine, prompt_cache: PromptCache | None = None, metrics=None,
+                 fault_after_tokens: int | None = None):
         self.engine = engine
+        self.fault_after_tokens = fault_after_tokens  # tests only (strata.config.fault_after_tokens_for_tests)
         self.cache = prompt_cache
         self.metrics = metrics
         self.waiting: deque[GenRequest] = deque()
@@ -136,6 +138,8 @@ class EngineWorker:
             self.state = "reading" if any(not s.prompt_done for s in self.engine.running) else "generating"
             t0 = time.perf_counter()
             try:
+                if self.fault_after_tokens is not None:
+                    self._injected_fault()
                 out = self.engine.step()
             except Exception as e:  # a failing step fails its requests, never the server
                 log.exception("engine step failed")
@@ -167,6 +171,11 @@ class EngineWorker:
                 if seq.finished and last[seq.id] == i:
                     self.active.pop(seq.id, None)
                     self._finish(req, seq.finish_reason or "stop")
+
+    def _injected_fault(self) -> None:
+        k = self.fault_after_tokens
+        if any(len(s.output) == k for s in self.engine.running):
+            raise RuntimeError(f"injected fault: a sequence reached {k} tokens (STRATA_TEST_FAULT_AFTER_TOKENS)")
 
     def _drop_cancelled(self) -> None:
         for sid, req in list(self.active.items()):
