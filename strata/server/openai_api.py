@@ -90,6 +90,29 @@ def chat_messages(body: ChatRequest) -> list[dict]:
     return msgs
 
 
+def constraint(srv, body) -> tuple[str | None, str]:
+    """The grammar of response_format / json_schema / grammar (at most one of them), and how its errors name it."""
+    rf = body.response_format if body.response_format is not None and body.response_format.type != "text" else None
+    asked = [k for k, v in (("response_format", rf), ("json_schema", body.json_schema), ("grammar", body.grammar))
+             if v is not None]
+    if len(asked) > 1:
+        raise bad_request(f"{asked[0]} and {asked[1]} both constrain the output: send one of them")
+    if body.grammar is not None:
+        return srv.gbnf_grammar(body.grammar), "the grammar"
+    if body.json_schema is not None:
+        return srv.json_grammar(body.json_schema, False), "the json_schema grammar"
+    if rf is None:
+        return None, ""
+    schema, strict = None, False  # json_object: any JSON object
+    if rf.type == "json_schema":
+        spec = rf.json_schema
+        schema = (spec.schema_ if spec else None) or rf.schema_
+        if schema is None:
+            raise bad_request("response_format json_schema needs json_schema.schema")
+        strict = bool(spec and spec.strict)
+    return srv.json_grammar(schema, strict), f"the response_format {rf.type} grammar"
+
+
 async def prepare_chat(srv, body: ChatRequest) -> Job:
     if body.logprobs:
         raise bad_request("logprobs are not supported")
@@ -103,6 +126,8 @@ async def prepare_chat(srv, body: ChatRequest) -> Job:
     elif choice == "required" and not tools:
         raise bad_request("tool_choice 'required' needs tools")
     use_tools = tools if choice != "none" else None
+    if use_tools and (only is not None or choice == "required") and (body.grammar or body.json_schema):
+        raise bad_request("tool_choice forces a tool call, so grammar / json_schema cannot also constrain the output")
     thinking = None
     if body.reasoning_effort is not None:
         thinking = body.reasoning_effort != "none"
@@ -113,23 +138,16 @@ async def prepare_chat(srv, body: ChatRequest) -> Job:
     text = await asyncio.to_thread(srv.render, msgs, use_tools, thinking)
     ids = await asyncio.to_thread(srv.encode_chat, text)
     max_tokens = srv.max_tokens(len(ids), body.max_completion_tokens or body.max_tokens)
-    grammar = None
+    grammar, what = None, "the output grammar"
     if use_tools and (only is not None or choice == "required"):
         grammar = srv.tool_call_grammar(use_tools, only, body.parallel_tool_calls is not False,
                                         text.rstrip().endswith("<think>"))
-    elif body.response_format is not None and body.response_format.type != "text":
-        rf = body.response_format
-        schema, strict = None, False
-        if rf.type == "json_schema":
-            spec = rf.json_schema
-            schema = (spec.schema_ if spec else None) or rf.schema_
-            if schema is None:
-                raise bad_request("response_format json_schema needs json_schema.schema")
-            strict = bool(spec and spec.strict)
-        grammar = srv.json_grammar(schema, strict)
-    job = Job(ids, max_tokens, sampling(body), stop_list(body.stop), body.logit_bias, grammar, reasoning=True,
+    forced = grammar is not None
+    if not forced:  # (a forced call's grammar wins over response_format, which shapes a text answer)
+        grammar, what = constraint(srv, body)
+    job = Job(ids, max_tokens, sampling(body), stop_list(body.stop), body.logit_bias, grammar, what, reasoning=True,
               in_reasoning=text.rstrip().endswith("<think>"), tools=use_tools, cache_prompt=body.cache_prompt,
-              ignore_eos=body.ignore_eos, draft_max=body.speculative_n_max)
+              ignore_eos=body.ignore_eos, draft_max=body.speculative_n_max, forced=forced)
     return await asyncio.to_thread(srv.finish_job, job)  # a grammar may take a moment to build
 
 
@@ -228,7 +246,8 @@ async def prepare_completion(srv, body: CompletionRequest) -> tuple[Job, str]:
             raise bad_request(f"prompt: token ids must be in 0..{srv.vocab_size - 1}")
         ids, text = list(p), srv.tok.decode(p)
     max_tokens = srv.max_tokens(len(ids), body.max_tokens if body.max_tokens is not None else 16)
-    job = Job(ids, max_tokens, sampling(body), stop_list(body.stop), body.logit_bias, None,
+    grammar, what = constraint(srv, body)
+    job = Job(ids, max_tokens, sampling(body), stop_list(body.stop), body.logit_bias, grammar, what,
               cache_prompt=body.cache_prompt, ignore_eos=body.ignore_eos, kind="completion",
               draft_max=body.speculative_n_max)
     return await asyncio.to_thread(srv.finish_job, job), text if body.echo else ""

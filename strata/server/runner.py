@@ -28,10 +28,12 @@ class Job:
     params: SamplingParams
     stop: list[str] = field(default_factory=list)
     logit_bias: dict | None = None
-    grammar: str | None = None  # llguidance grammar (already compiled from lark / JSON schema)
+    grammar: str | None = None  # llguidance grammar (already compiled from lark / GBNF / JSON schema)
+    grammar_what: str = "the output grammar"  # how a grammar error names it
     reasoning: bool = False  # split <think> blocks
     in_reasoning: bool = False  # the prompt already opened one
     tools: list[dict] | None = None  # parse tool calls against these (None: no parsing)
+    forced: bool = False  # `grammar` forces tool calls: every character of the output is call markup
     cache_prompt: bool = True
     ignore_eos: bool = False
     kind: str = "chat"
@@ -172,6 +174,11 @@ class Server:
             src = f"start: {self.grammars.literal('</think>')} \"\\n\\n\" call_start\n" + src
         return self.grammars.lark(src)
 
+    def gbnf_grammar(self, src: str) -> str:
+        if not constrained_available():  # a grammar is a contract: unconstrained output would break it silently
+            raise bad_request("grammar needs llguidance, which this server lacks (pip install llguidance)")
+        return self.grammars.gbnf(src)
+
     def json_grammar(self, schema: dict | None, strict: bool) -> str | None:
         if not constrained_available():
             return None
@@ -188,10 +195,10 @@ class Server:
         if not job.logit_bias and not job.grammar:
             return None
         bias = bias_processor(job.logit_bias, self.vocab_size, self.worker.engine.device) if job.logit_bias else None
-        proc = self.grammars.processor(job.grammar) if job.grammar else None  # validated here: 400 on a bad one
+        proc = self.grammars.processor(job.grammar, job.grammar_what) if job.grammar else None  # 400 if bad
 
         def make(seq):
-            return chain(bias, proc.bind(seq) if proc is not None else None)
+            return chain(bias, proc().bind(seq) if proc is not None else None)
 
         return make
 
@@ -204,7 +211,7 @@ class Server:
         dec = self.tok.stream_decoder()
         stops = StopStrings(job.stop)
         rs = ReasoningSplitter(job.reasoning, job.in_reasoning)
-        tc = ToolCallStream(self.tool_format, job.tools, enabled=job.tools is not None)
+        tc = ToolCallStream(self.tool_format, job.tools, enabled=job.tools is not None, forced=job.forced)
         n_calls = 0
         done = False
 
