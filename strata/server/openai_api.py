@@ -10,6 +10,7 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from strata.server.choices import chat_logprobs, check_n, legacy_logprobs, merged, run_all, usage_of
 from strata.server.protocol import APIError, ChatRequest, CompletionRequest, OtherPart, bad_request, parse
 from strata.server.runner import GenerationError, Job, Result, parse_arguments, sampling, stop_list
 
@@ -114,8 +115,8 @@ def constraint(srv, body) -> tuple[str | None, str]:
 
 
 async def prepare_chat(srv, body: ChatRequest) -> Job:
-    if body.logprobs:
-        raise bad_request("logprobs are not supported")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true")
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     choice = body.tool_choice or "auto"
     only = None
@@ -147,7 +148,8 @@ async def prepare_chat(srv, body: ChatRequest) -> Job:
         grammar, what = constraint(srv, body)
     job = Job(ids, max_tokens, sampling(body), stop_list(body.stop), body.logit_bias, grammar, what, reasoning=True,
               in_reasoning=text.rstrip().endswith("<think>"), tools=use_tools, cache_prompt=body.cache_prompt,
-              ignore_eos=body.ignore_eos, draft_max=body.speculative_n_max, forced=forced)
+              ignore_eos=body.ignore_eos, draft_max=body.speculative_n_max, forced=forced,
+              logprobs=(body.top_logprobs or 0) if body.logprobs else None)
     return await asyncio.to_thread(srv.finish_job, job)  # a grammar may take a moment to build
 
 
@@ -160,65 +162,71 @@ async def chat_completions(request: Request):
     srv = server_of(request)
     body = parse(ChatRequest, await read_json(request))
     check_model(request, body.model)
-    job = await prepare_chat(srv, body)
+    n = check_n(srv, body.n)
+    jobs = (await prepare_chat(srv, body)).copies(n)
     cid, created = "chatcmpl-" + uuid.uuid4().hex[:24], int(time.time())
     base = {"id": cid, "created": created, "model": srv.model_id, "system_fingerprint": FINGERPRINT}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_chat_stream(srv, job, base, include_usage), media_type="text/event-stream",
+        return StreamingResponse(_chat_stream(srv, jobs, base, include_usage), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
-    content, reasoning, calls, res = [], [], [], None
     try:
-        async for ev in srv.run(job, request):
-            if ev[0] == "content":
-                content.append(ev[1])
-            elif ev[0] == "reasoning":
-                reasoning.append(ev[1])
-            elif ev[0] == "tool_call":
-                calls.append(ev[1])
-            else:
-                res = ev[1]
+        outs = await run_all(srv, jobs, request)
     except GenerationError as e:
         raise APIError(500, str(e), "server_error") from None
-    text = "".join(content)
-    msg = {"role": "assistant", "content": text if (text or not calls) else None}
-    if reasoning:
-        msg["reasoning_content"] = "".join(reasoning).rstrip("\n")
-    if calls:
-        msg["tool_calls"] = [_call_json(c, i) for i, c in enumerate(calls)]
-        for t in msg["tool_calls"]:
-            del t["index"]
-    return JSONResponse({**base, "object": "chat.completion",
-                         "choices": [{"index": 0, "message": msg, "finish_reason": res.finish_reason,
-                                      "logprobs": None}],
-                         "usage": usage(res), "timings": res.timings})
+    choices = []
+    for i, c in enumerate(outs):
+        text = "".join(c.content)
+        msg = {"role": "assistant", "content": text if (text or not c.calls) else None}
+        if c.reasoning:
+            msg["reasoning_content"] = "".join(c.reasoning).rstrip("\n")
+        if c.calls:
+            msg["tool_calls"] = [_call_json(call, j) for j, call in enumerate(c.calls)]
+            for t in msg["tool_calls"]:
+                del t["index"]
+        choices.append({"index": i, "message": msg, "finish_reason": c.result.finish_reason,
+                        "logprobs": chat_logprobs(c.logprobs if body.logprobs else None)})
+    res = [c.result for c in outs]
+    return JSONResponse({**base, "object": "chat.completion", "choices": choices, "usage": usage_of(res),
+                         "timings": res[0].timings})
 
 
-async def _chat_stream(srv, job: Job, base: dict, include_usage: bool):
-    def chunk(delta, finish=None, **extra):
+async def _chat_stream(srv, jobs: list[Job], base: dict, include_usage: bool):
+    with_lp = jobs[0].logprobs is not None
+    pending: list[list[dict]] = [[] for _ in jobs]  # log-probabilities not sent yet, per choice
+
+    def chunk(i, delta, finish=None, **extra):
+        lp = None
+        if with_lp:
+            lp, pending[i] = chat_logprobs(pending[i]), []
         return sse({**base, "object": "chat.completion.chunk",
-                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **extra})
+                    "choices": [{"index": i, "delta": delta, "finish_reason": finish, "logprobs": lp}], **extra})
 
-    yield chunk({"role": "assistant", "content": ""})
-    n_calls = 0
+    for i in range(len(jobs)):
+        yield chunk(i, {"role": "assistant", "content": ""})
+    n_calls = [0] * len(jobs)
+    results = []
     try:
-        async for ev in srv.run(job):
+        async for i, ev in merged(srv, jobs):
             kind = ev[0]
-            if kind == "content":
-                yield chunk({"content": ev[1]})
+            if kind == "logprobs":
+                pending[i].append(ev[1])  # sent with this choice's next chunk
+            elif kind == "content":
+                yield chunk(i, {"content": ev[1]})
             elif kind == "reasoning":
-                yield chunk({"reasoning_content": ev[1]})
+                yield chunk(i, {"reasoning_content": ev[1]})
             elif kind == "tool_call":
                 c = ev[1]
-                yield chunk({"tool_calls": [{"index": n_calls, "id": c.id, "type": "function",
-                                             "function": {"name": c.name, "arguments": ""}}]})
-                yield chunk({"tool_calls": [{"index": n_calls, "function": {"arguments": c.arguments}}]})
-                n_calls += 1
+                yield chunk(i, {"tool_calls": [{"index": n_calls[i], "id": c.id, "type": "function",
+                                                "function": {"name": c.name, "arguments": ""}}]})
+                yield chunk(i, {"tool_calls": [{"index": n_calls[i], "function": {"arguments": c.arguments}}]})
+                n_calls[i] += 1
             else:
                 res = ev[1]
-                yield chunk({}, res.finish_reason, timings=res.timings)
-                if include_usage:
-                    yield sse({**base, "object": "chat.completion.chunk", "choices": [], "usage": usage(res)})
+                results.append(res)
+                yield chunk(i, {}, res.finish_reason, timings=res.timings)
+        if include_usage:
+            yield sse({**base, "object": "chat.completion.chunk", "choices": [], "usage": usage_of(results)})
     except GenerationError as e:
         yield error_event(e)
     yield "data: [DONE]\n\n"
@@ -229,8 +237,8 @@ async def _chat_stream(srv, job: Job, base: dict, include_usage: bool):
 
 
 async def prepare_completion(srv, body: CompletionRequest) -> tuple[Job, str]:
-    if body.logprobs:
-        raise bad_request("logprobs are not supported")
+    if body.logprobs is not None and body.echo:
+        raise bad_request("logprobs with echo (log-probabilities of the prompt's tokens) are not supported")
     if body.suffix:
         raise bad_request("suffix (fill-in-the-middle) is not supported")
     p = body.prompt
@@ -249,7 +257,7 @@ async def prepare_completion(srv, body: CompletionRequest) -> tuple[Job, str]:
     grammar, what = constraint(srv, body)
     job = Job(ids, max_tokens, sampling(body), stop_list(body.stop), body.logit_bias, grammar, what,
               cache_prompt=body.cache_prompt, ignore_eos=body.ignore_eos, kind="completion",
-              draft_max=body.speculative_n_max)
+              draft_max=body.speculative_n_max, logprobs=body.logprobs)
     return await asyncio.to_thread(srv.finish_job, job), text if body.echo else ""
 
 
@@ -258,43 +266,55 @@ async def completions(request: Request):
     srv = server_of(request)
     body = parse(CompletionRequest, await read_json(request))
     check_model(request, body.model)
+    n = check_n(srv, body.n)
     job, echo = await prepare_completion(srv, body)
+    jobs = job.copies(n)
     base = {"id": "cmpl-" + uuid.uuid4().hex[:24], "object": "text_completion", "created": int(time.time()),
             "model": srv.model_id, "system_fingerprint": FINGERPRINT}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_completion_stream(srv, job, base, echo, include_usage),
+        return StreamingResponse(_completion_stream(srv, jobs, base, echo, include_usage),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    parts, res = [echo], None
     try:
-        async for ev in srv.run(job, request):
-            if ev[0] == "content":
-                parts.append(ev[1])
-            elif ev[0] == "done":
-                res = ev[1]
+        outs = await run_all(srv, jobs, request)
     except GenerationError as e:
         raise APIError(500, str(e), "server_error") from None
-    return JSONResponse({**base, "choices": [{"index": 0, "text": "".join(parts), "logprobs": None,
-                                              "finish_reason": res.finish_reason}],
-                         "usage": usage(res), "timings": res.timings})
+    choices = [{"index": i, "text": echo + "".join(c.content),
+                "logprobs": legacy_logprobs(c.logprobs if job.logprobs is not None else None, len(echo)),
+                "finish_reason": c.result.finish_reason} for i, c in enumerate(outs)]
+    res = [c.result for c in outs]
+    return JSONResponse({**base, "choices": choices, "usage": usage_of(res), "timings": res[0].timings})
 
 
-async def _completion_stream(srv, job: Job, base: dict, echo: str, include_usage: bool):
-    def chunk(text, finish=None, **extra):
-        return sse({**base, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+async def _completion_stream(srv, jobs: list[Job], base: dict, echo: str, include_usage: bool):
+    with_lp = jobs[0].logprobs is not None
+    pending: list[list[dict]] = [[] for _ in jobs]
+    offset = [len(echo)] * len(jobs)  # text_offset runs on across a choice's chunks
+
+    def chunk(i, text, finish=None, **extra):
+        lp = None
+        if with_lp:
+            lp, pending[i] = legacy_logprobs(pending[i], offset[i]), []
+            offset[i] += sum(len(t) for t in lp["tokens"])
+        return sse({**base, "choices": [{"index": i, "text": text, "logprobs": lp, "finish_reason": finish}],
                     **extra})
 
+    results = []
     try:
         if echo:
-            yield chunk(echo)
-        async for ev in srv.run(job):
-            if ev[0] == "content":
-                yield chunk(ev[1])
+            for i in range(len(jobs)):
+                yield sse({**base, "choices": [{"index": i, "text": echo, "logprobs": None, "finish_reason": None}]})
+        async for i, ev in merged(srv, jobs):
+            if ev[0] == "logprobs":
+                pending[i].append(ev[1])
+            elif ev[0] == "content":
+                yield chunk(i, ev[1])
             elif ev[0] == "done":
                 res = ev[1]
-                yield chunk("", res.finish_reason, timings=res.timings)
-                if include_usage:
-                    yield sse({**base, "choices": [], "usage": usage(res)})
+                results.append(res)
+                yield chunk(i, "", res.finish_reason, timings=res.timings)
+        if include_usage:
+            yield sse({**base, "choices": [], "usage": usage_of(results)})
     except GenerationError as e:
         yield error_event(e)
     yield "data: [DONE]\n\n"

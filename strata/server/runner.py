@@ -1,12 +1,15 @@
 """What both APIs share: chat messages -> prompt tokens, request -> engine request, and the output pipeline
 (tokens -> text -> stop strings -> reasoning / answer -> tool calls) as a stream of events.
 
-Events: ("reasoning", text), ("content", text), ("tool_call", ParsedCall), ("done", Result).
+Events: ("reasoning", text), ("content", text), ("tool_call", ParsedCall), ("done", Result), and with
+`Job.logprobs` set, ("logprobs", entry) for each generated token, before the text it decodes to (which may be
+held back: a stop string or a tool-call marker is decided by later tokens).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from dataclasses import dataclass, field
 
@@ -38,7 +41,19 @@ class Job:
     ignore_eos: bool = False
     kind: str = "chat"
     draft_max: int | None = None  # the request's speculative.n_max (None: the server's --draft-max)
+    logprobs: int | None = None  # report each token's log-probability and this many alternatives (None: off)
     make_processor: object = None  # set by Server.finish_job: built (and the grammar checked) before any output
+
+    def copies(self, n: int) -> list["Job"]:
+        """The request's n choices: the same job, each choice with its own seed (seed + index) when it has one, so
+        that seeded choices differ from one another and repeat from one request to the next."""
+        out = [self]
+        for i in range(1, n):
+            seed = self.params.seed
+            if seed is not None:
+                seed = (seed + i) % 2**64 if seed >= 0 else seed + i  # stays within what torch.Generator takes
+            out.append(dataclasses.replace(self, params=dataclasses.replace(self.params, seed=seed)))
+        return out
 
 
 @dataclass
@@ -206,13 +221,14 @@ class Server:
         """Generate; yield events. Cancels the generation when the consumer stops early or the client leaves."""
         stop_ids = set() if job.ignore_eos else set(self.tok.eot_ids)
         req = GenRequest(job.prompt, job.params, job.max_tokens, stop_ids, job.cache_prompt,
-                         job.make_processor, kind=job.kind, draft_max=job.draft_max)
+                         job.make_processor, kind=job.kind, draft_max=job.draft_max, logprobs=job.logprobs)
         self.worker.submit(req)
         dec = self.tok.stream_decoder()
         stops = StopStrings(job.stop)
         rs = ReasoningSplitter(job.reasoning, job.in_reasoning)
         tc = ToolCallStream(self.tool_format, job.tools, enabled=job.tools is not None, forced=job.forced)
         n_calls = 0
+        n_tok = 0  # token events seen: the index of the next one in seq.output (and seq.token_logprobs)
         done = False
 
         def pipeline(text: str, final: bool):
@@ -245,8 +261,11 @@ class Server:
                 if kind == "start":
                     continue
                 if kind == "token":
+                    k, n_tok = n_tok, n_tok + 1
                     if stops.hit or ev[1] in stop_ids:
                         continue
+                    if job.logprobs is not None and k < len(req.seq.token_logprobs):
+                        yield ("logprobs", self.logprob_entry(ev[1], *req.seq.token_logprobs[k]))
                     for e in pipeline(dec.put(ev[1]), False):
                         yield e
                     if stops.hit:
@@ -267,6 +286,15 @@ class Server:
         finally:
             if not done:
                 self.worker.cancel(req, "abort")
+
+    def _token(self, tid: int, lp: float) -> dict:
+        b = self.tok.token_bytes(tid) if 0 <= tid < self.tok.vocab_size else b""
+        # JSON has no -inf; OpenAI writes -9999.0 for a token that cannot be drawn
+        return {"token": b.decode("utf-8", errors="replace"), "logprob": max(lp, -9999.0), "bytes": list(b)}
+
+    def logprob_entry(self, tid: int, lp: float, top: list[tuple[int, float]]) -> dict:
+        """OpenAI's chat entry: {token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}."""
+        return {**self._token(tid, lp), "top_logprobs": [self._token(i, v) for i, v in top]}
 
     async def _next(self, req: GenRequest, request):
         if request is None:
