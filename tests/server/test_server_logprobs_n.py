@@ -160,3 +160,25 @@ def test_n_with_a_grammar_and_logprobs(oai, server):
                                                             "temperature": 1.0}).json()
     assert [c["index"] for c in out["choices"]] == [0, 1] and out["usage"]["completion_tokens"] == 8
     assert json.dumps(out)  # plain JSON (no NaN / Infinity)
+
+
+def test_n_streamed_client_leaving_frees_every_slot(server):
+    """A client that leaves a stream of n choices mid-way cancels all of them: both slots are idle again."""
+    import time
+
+    body = {"messages": MSG, "max_tokens": 400, "n": 2, "stream": True, "temperature": 1.0, "ignore_eos": True}
+    with httpx.Client(timeout=60) as c, c.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
+        seen = set()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                seen.update(ch["index"] for ch in json.loads(line[6:])["choices"] if ch["delta"].get("content"))
+            if len(seen) == 2:
+                break
+        assert _http.get(server.url + "/health").json()["slots_processing"] == 2  # both were generating
+    t0 = time.time()
+    while time.time() - t0 < 20:
+        h = _http.get(server.url + "/health").json()
+        if h["slots_idle"] == 2:
+            break
+        time.sleep(0.1)
+    assert h["slots_idle"] == 2 and h["slots_processing"] == 0, h
