@@ -215,6 +215,11 @@ class ToolCallStream:
         while self._buf:
             if not self._in_block:
                 i = self._buf.find(start)
+                head = self._buf if i < 0 else self._buf[:i]
+                if end is not None and end in head:  # a closing marker with no block open: markup still
+                    self.dropped += head.count(end)
+                    self._buf = head.replace(end, "") + ("" if i < 0 else self._buf[i:])
+                    continue
                 if i >= 0:
                     out.append(self._buf[:i])
                     self._buf = self._buf[i + len(start):]

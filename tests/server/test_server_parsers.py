@@ -104,6 +104,14 @@ def test_cut_anywhere_no_markup_in_text(fmt):
                 assert "Let me check.".startswith(t.replace("\ufffd", "").strip()), (i, t)
 
 
+@pytest.mark.parametrize("fmt", ["hermes", "deepseek"])
+def test_stray_end_marker_is_not_text(fmt):
+    end = "</tool_call>" if fmt == "hermes" else DS_CALLS_END
+    s = ToolCallStream(fmt, TOOLS)
+    text = s.push(f"a {end}b")[0] + s.push(f" c{end}")[0] + s.flush()[0]
+    assert text == "a b c" and s.dropped == 2
+
+
 def test_forced_stream_has_no_text():
     s = ToolCallStream("hermes", TOOLS, forced=True)
     assert s.push("\n<tool")[0] == "" and s.flush() == ("", [])
