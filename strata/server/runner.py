@@ -183,7 +183,10 @@ class Server:
                           ) -> str | None:
         if not constrained_available():
             return None
-        src = tool_grammar(self.tool_format, tools, only, self.grammars.literal, parallel)
+        try:
+            src = tool_grammar(self.tool_format, tools, only, self.grammars.literal, parallel)
+        except RecursionError:
+            raise bad_request("tools: a function's parameters schema is nested too deeply") from None
         if in_reasoning:  # the prompt opened a reasoning block: a forced call closes it first
             src = src.replace("start:", "call_start:", 1)
             src = f"start: {self.grammars.literal('</think>')} \"\\n\\n\" call_start\n" + src
@@ -199,7 +202,10 @@ class Server:
             return None
         if schema is None:
             schema = {"type": "object"}
-        return self.grammars.json_schema(closed(schema) if strict else schema)
+        try:
+            return self.grammars.json_schema(closed(schema) if strict else schema)
+        except RecursionError:
+            raise bad_request("the JSON schema is nested too deeply") from None
 
     # -- running -------------------------------------------------------------------------------------------------
     def finish_job(self, job: Job) -> Job:

@@ -68,7 +68,18 @@ def test_gbnf_character_classes(oai):
         assert re.fullmatch(r"[a-c]{3}=[0-9]{2}", r.choices[0].message.content), r.choices[0].message.content
 
 
+def _deep(n: int) -> dict:
+    d = x = {}
+    for _ in range(n):
+        x["properties"] = {"a": {}}
+        x = x["properties"]["a"]
+    return d
+
+
 @pytest.mark.parametrize("body,fragment", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": _deep(420), "strict": True}}},
+     "nested too deeply"),
+    ({"grammar": "root ::= " + "(" * 3000 + '"a"' + ")" * 3000}, "grammar"),
     ({"grammar": "root ::= foo"}, "foo"),
     ({"grammar": "garbage(("}, "grammar"),
     ({"grammar": 'root ::= "a"', "response_format": {"type": "json_object"}}, "both constrain"),
