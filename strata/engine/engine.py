@@ -19,7 +19,7 @@ import torch
 
 from strata import StrataError
 from strata.engine.loader import LoadedModel
-from strata.engine.sampler import SamplingParams, sample
+from strata.engine.sampler import SamplingParams, sample, token_logprobs
 from strata.engine.spec import NgramDrafter, accept
 from strata.experts.sizing import prefill_bytes_per_token, prefill_chunk_for
 from strata.kv.cache import Segment
@@ -53,6 +53,10 @@ class Sequence:
     draft_accepted: int = 0
     # Applied to the sequence's logits row [V] before sampling: OpenAI's logit_bias, grammar masks. None = off.
     logits_processor: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # log-probabilities of each drawn token and of the `logprobs` most likely (None: not computed): one entry per
+    # token of `output`, (logprob, [(token id, logprob), ...]); see sampler.token_logprobs
+    logprobs: int | None = None
+    token_logprobs: list = field(default_factory=list)
     # timings (engine clock, ms)
     t_start: float = 0.0
     prompt_ms: float = 0.0
@@ -184,7 +188,7 @@ class Engine:
         if logits is None:
             return self.step()  # out of memory in a prefill chunk: the same work again in smaller chunks
         picks = self._draw(plan, logits)
-        return self._postprocess(picks) if picks else []
+        return self._postprocess(picks, self._logprobs(picks, logits)) if picks else []
 
     def _schedule(self) -> "_StepPlan":
         """At most one prefill chunk, then one token (with its drafts, if any) of every generating sequence."""
@@ -233,7 +237,7 @@ class Engine:
 
     def _draw(self, plan: "_StepPlan", logits: torch.Tensor) -> list:
         """Advance what the forward consumed and draw each sequence's token(s), on the device: [(sequence, its
-        drafts, the segment's tokens, the tokens drawn at its rows)]."""
+        drafts, the segment's tokens, the tokens drawn at its rows, the logits row of a single draw)]."""
         picks = []
         r, at = 0, 0
         for s, seg in zip(plan.owners, plan.segs):
@@ -249,7 +253,7 @@ class Engine:
             if d and pr.greedy and s.logits_processor is None and not (
                     pr.penalty_last_n and (pr.repetition_penalty != 1.0 or pr.presence_penalty or pr.frequency_penalty)):
                 # a greedy verify segment without penalties: every row's argmax in one op (one launch on a GPU)
-                picks.append((s, d, seg_toks, list(logits[mine.start:mine.stop].float().argmax(-1).unbind(0))))
+                picks.append((s, d, seg_toks, list(logits[mine.start:mine.stop].float().argmax(-1).unbind(0)), None))
                 continue
             ctx = s.context() if pr.penalty_last_n else []
             drawn = []
@@ -258,15 +262,28 @@ class Engine:
                 recent = torch.tensor(window, device=self.device, dtype=torch.long)
                 row = logits[i] if s.logits_processor is None else s.logits_processor(logits[i])
                 drawn.append(sample(row, pr, recent, s.generator))
-            picks.append((s, d, seg_toks, drawn))
+            picks.append((s, d, seg_toks, drawn, i))
         return picks
 
-    def _postprocess(self, picks: list) -> list[tuple[Sequence, int]]:
-        values = torch.stack([x for *_, drawn in picks for x in drawn]).tolist()  # the one host read per step
+    def _logprobs(self, picks: list, logits: torch.Tensor) -> dict[int, list[float]] | None:
+        """For the sequences that asked (they draw one row, never drafts): {sequence id: [lp, top values, top
+        ids]}, read in one go; None when none asked (no work, no extra read)."""
+        asked = [(s, drawn[0], row) for s, d, _, drawn, row in picks if s.logprobs is not None and not d]
+        if not asked:
+            return None
+        got = token_logprobs([logits[i] for *_, i in asked], [t for _, t, _ in asked], [s.logprobs for s, *_ in asked])
+        flat = torch.cat(got).tolist()
+        out, at = {}, 0
+        for (s, *_), g in zip(asked, got):
+            out[s.id], at = flat[at:at + g.numel()], at + g.numel()
+        return out
+
+    def _postprocess(self, picks: list, lps: dict[int, list[float]] | None = None) -> list[tuple[Sequence, int]]:
+        values = torch.stack([x for p in picks for x in p[3]]).tolist()  # the one host read per step
         now = time.perf_counter()
         out = []
         v = 0
-        for s, d, seg_toks, drawn in picks:
+        for s, d, seg_toks, drawn, _ in picks:
             got, v = values[v:v + len(drawn)], v + len(drawn)
             if d:
                 got = self._verified(s, d, seg_toks, got)
@@ -277,6 +294,9 @@ class Engine:
                 else:
                     s.predicted_ms = (now - s.t_first) * 1e3
                 s.output.append(tok)
+                if lps is not None and s.id in lps:
+                    f, k = lps[s.id], s.logprobs
+                    s.token_logprobs.append((f[0], [(int(i), lp) for lp, i in zip(f[1:1 + k], f[1 + k:])]))
                 out.append((s, tok))
                 if tok in s.stop_ids:
                     s.finished, s.finish_reason = True, "stop"
@@ -310,10 +330,11 @@ class Engine:
 
     def _draft(self, s: Sequence) -> list[int]:
         """Draft tokens for a decoding sequence: up to --draft-max, within its max_tokens and the context; none
-        for a sequence whose logits pass through a processor (a grammar's state follows each accepted token)."""
+        for a sequence whose logits pass through a processor (a grammar's state follows each accepted token) or
+        that reports log-probabilities (one row per step)."""
         limit = self.draft_max if s.draft_max is None else s.draft_max
         room = min(s.draft_len or limit, limit, s.max_tokens - len(s.output) - 1, self.max_ctx - 1 - s.pos)
-        if room <= 0 or s.logits_processor is not None:
+        if room <= 0 or s.logits_processor is not None or s.logprobs is not None:
             return []
         if s.draft_pause > 0:
             s.draft_pause -= 1

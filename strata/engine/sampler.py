@@ -81,3 +81,19 @@ def sample(logits: torch.Tensor, p: SamplingParams, recent: torch.Tensor | None 
     if p.min_p > 0.0:
         probs = probs.masked_fill(probs < probs.max() * p.min_p, 0.0)
     return torch.multinomial(probs, 1, generator=generator)[0]
+
+
+def token_logprobs(rows: list[torch.Tensor], toks: list[torch.Tensor], ks: list[int]) -> list[torch.Tensor]:
+    """Log-probabilities of drawn tokens, for the sequences that asked for them: the log-softmax of the model's raw
+    logits (before penalties, logit_bias, a grammar's mask and temperature, as OpenAI reports them), the drawn
+    token's and the `k` most likely. Returns one float32 tensor per row on the device: [lp(tok), top values (k),
+    top ids (k)] (ids below 2**24 are exact in float32), so the caller reads them all back at once."""
+    out = []
+    for row, tok, k in zip(rows, toks, ks):
+        lp = torch.log_softmax(row.float(), dim=-1)
+        parts = [lp.gather(0, tok.view(1).long())]
+        if k:
+            top = torch.topk(lp, min(k, lp.shape[-1]))
+            parts += [top.values, top.indices.float()]
+        out.append(torch.cat(parts))
+    return out

@@ -132,7 +132,7 @@ async def messages(request: Request):
         raise bad_request("stop_sequences: at most 16")
     job = await asyncio.to_thread(srv.finish_job, Job(ids, max_tokens, sampling(body), stops, None, grammar,
                                                       reasoning=True, in_reasoning=text.rstrip().endswith("<think>"),
-                                                      tools=use_tools))
+                                                      tools=use_tools, forced=grammar is not None))
     mid = "msg_" + uuid.uuid4().hex[:24]
     if body.stream:
         return StreamingResponse(_stream(srv, job, mid), media_type="text/event-stream",

@@ -1,5 +1,6 @@
 """Logits processors for the engine's sampler path: OpenAI's `logit_bias` and grammar-constrained output
-(JSON schema for `response_format`, tool-call grammars for `tool_choice` required/named) through llguidance.
+(JSON schema for `response_format` / llama.cpp's `json_schema`, llama.cpp's GBNF `grammar`, tool-call grammars
+for `tool_choice` required/named) through llguidance.
 
 llguidance is optional: without it, output is not constrained (a forced tool call or a JSON response is only
 asked for, and parsed afterwards), and /props and /v1/models say so ("structured_output").
@@ -95,12 +96,26 @@ class Grammars:
     def lark(self, src: str) -> str:
         return llguidance.LLMatcher.grammar_from_lark(src)
 
-    def processor(self, grammar: str) -> "GrammarProcessor":
+    def gbnf(self, src: str) -> str:
+        """llama.cpp's `grammar` field: GBNF (`root ::= ...`), or llguidance's Lark, which it also reads."""
+        try:
+            from llguidance.gbnf_to_lark import any_to_lark
+        except ImportError:  # pragma: no cover - an llguidance too old to read GBNF
+            raise bad_request("grammar: this server's llguidance cannot read GBNF (upgrade llguidance)") from None
+        try:
+            lark = any_to_lark(src)
+        except Exception as e:  # noqa: BLE001 - the converter raises bare Exceptions that name the problem
+            raise bad_request(f"grammar: {str(e).splitlines()[0][:300] if str(e) else type(e).__name__}") from None
+        return llguidance.LLMatcher.grammar_from_lark(lark)
+
+    def processor(self, grammar: str, what: str = "the output grammar") -> "callable":
+        """Check the grammar once (a bad one is a 400); returns a maker of fresh matchers, one per sequence (the
+        choices of a request with n > 1 each follow their own tokens)."""
         ll = self._lltok()
         err = llguidance.LLMatcher.validate_grammar(grammar, ll)
         if err and not err.startswith("WARNING"):
-            raise bad_request(f"cannot build the output grammar: {err.splitlines()[0][:300]}")
-        return GrammarProcessor(llguidance.LLMatcher(ll, grammar, log_level=0), self.vocab_size)
+            raise bad_request(f"cannot build {what}: {err.splitlines()[0][:300]}")
+        return lambda: GrammarProcessor(llguidance.LLMatcher(ll, grammar, log_level=0), self.vocab_size)
 
 
 class GrammarProcessor:

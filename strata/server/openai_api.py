@@ -11,6 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from strata.server.body import decode_json
+from strata.server.choices import chat_logprobs, check_n, legacy_logprobs, merged, run_all, usage_of
 from strata.server.protocol import APIError, ChatRequest, CompletionRequest, OtherPart, bad_request, parse
 from strata.server.runner import GenerationError, Job, Result, parse_arguments, sampling, stop_list
 
@@ -91,9 +92,32 @@ def chat_messages(body: ChatRequest) -> list[dict]:
     return msgs
 
 
+def constraint(srv, body) -> tuple[str | None, str]:
+    """The grammar of response_format / json_schema / grammar (at most one of them), and how its errors name it."""
+    rf = body.response_format if body.response_format is not None and body.response_format.type != "text" else None
+    asked = [k for k, v in (("response_format", rf), ("json_schema", body.json_schema), ("grammar", body.grammar))
+             if v is not None]
+    if len(asked) > 1:
+        raise bad_request(f"{asked[0]} and {asked[1]} both constrain the output: send one of them")
+    if body.grammar is not None:
+        return srv.gbnf_grammar(body.grammar), "the grammar"
+    if body.json_schema is not None:
+        return srv.json_grammar(body.json_schema, False), "the json_schema grammar"
+    if rf is None:
+        return None, ""
+    schema, strict = None, False  # json_object: any JSON object
+    if rf.type == "json_schema":
+        spec = rf.json_schema
+        schema = (spec.schema_ if spec else None) or rf.schema_
+        if schema is None:
+            raise bad_request("response_format json_schema needs json_schema.schema")
+        strict = bool(spec and spec.strict)
+    return srv.json_grammar(schema, strict), f"the response_format {rf.type} grammar"
+
+
 async def prepare_chat(srv, body: ChatRequest) -> Job:
-    if body.logprobs:
-        raise bad_request("logprobs are not supported")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true")
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     choice = body.tool_choice or "auto"
     only = None
@@ -104,6 +128,8 @@ async def prepare_chat(srv, body: ChatRequest) -> Job:
     elif choice == "required" and not tools:
         raise bad_request("tool_choice 'required' needs tools")
     use_tools = tools if choice != "none" else None
+    if use_tools and (only is not None or choice == "required") and (body.grammar or body.json_schema):
+        raise bad_request("tool_choice forces a tool call, so grammar / json_schema cannot also constrain the output")
     thinking = None
     if body.reasoning_effort is not None:
         thinking = body.reasoning_effort != "none"
@@ -114,23 +140,17 @@ async def prepare_chat(srv, body: ChatRequest) -> Job:
     text = await asyncio.to_thread(srv.render, msgs, use_tools, thinking)
     ids = await asyncio.to_thread(srv.encode_chat, text)
     max_tokens = srv.max_tokens(len(ids), body.max_completion_tokens or body.max_tokens)
-    grammar = None
+    grammar, what = None, "the output grammar"
     if use_tools and (only is not None or choice == "required"):
         grammar = srv.tool_call_grammar(use_tools, only, body.parallel_tool_calls is not False,
                                         text.rstrip().endswith("<think>"))
-    elif body.response_format is not None and body.response_format.type != "text":
-        rf = body.response_format
-        schema, strict = None, False
-        if rf.type == "json_schema":
-            spec = rf.json_schema
-            schema = (spec.schema_ if spec else None) or rf.schema_
-            if schema is None:
-                raise bad_request("response_format json_schema needs json_schema.schema")
-            strict = bool(spec and spec.strict)
-        grammar = srv.json_grammar(schema, strict)
-    job = Job(ids, max_tokens, sampling(body), stop_list(body.stop), body.logit_bias, grammar, reasoning=True,
+    forced = grammar is not None
+    if not forced:  # (a forced call's grammar wins over response_format, which shapes a text answer)
+        grammar, what = constraint(srv, body)
+    job = Job(ids, max_tokens, sampling(body), stop_list(body.stop), body.logit_bias, grammar, what, reasoning=True,
               in_reasoning=text.rstrip().endswith("<think>"), tools=use_tools, cache_prompt=body.cache_prompt,
-              ignore_eos=body.ignore_eos, draft_max=body.speculative_n_max)
+              ignore_eos=body.ignore_eos, draft_max=body.speculative_n_max, forced=forced,
+              logprobs=(body.top_logprobs or 0) if body.logprobs else None)
     return await asyncio.to_thread(srv.finish_job, job)  # a grammar may take a moment to build
 
 
@@ -143,65 +163,71 @@ async def chat_completions(request: Request):
     srv = server_of(request)
     body = parse(ChatRequest, await read_json(request))
     check_model(request, body.model)
-    job = await prepare_chat(srv, body)
+    n = check_n(srv, body.n)
+    jobs = (await prepare_chat(srv, body)).copies(n)
     cid, created = "chatcmpl-" + uuid.uuid4().hex[:24], int(time.time())
     base = {"id": cid, "created": created, "model": srv.model_id, "system_fingerprint": FINGERPRINT}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_chat_stream(srv, job, base, include_usage), media_type="text/event-stream",
+        return StreamingResponse(_chat_stream(srv, jobs, base, include_usage), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
-    content, reasoning, calls, res = [], [], [], None
     try:
-        async for ev in srv.run(job, request):
-            if ev[0] == "content":
-                content.append(ev[1])
-            elif ev[0] == "reasoning":
-                reasoning.append(ev[1])
-            elif ev[0] == "tool_call":
-                calls.append(ev[1])
-            else:
-                res = ev[1]
+        outs = await run_all(srv, jobs, request)
     except GenerationError as e:
         raise APIError(500, str(e), "server_error") from None
-    text = "".join(content)
-    msg = {"role": "assistant", "content": text if (text or not calls) else None}
-    if reasoning:
-        msg["reasoning_content"] = "".join(reasoning).rstrip("\n")
-    if calls:
-        msg["tool_calls"] = [_call_json(c, i) for i, c in enumerate(calls)]
-        for t in msg["tool_calls"]:
-            del t["index"]
-    return JSONResponse({**base, "object": "chat.completion",
-                         "choices": [{"index": 0, "message": msg, "finish_reason": res.finish_reason,
-                                      "logprobs": None}],
-                         "usage": usage(res), "timings": res.timings})
+    choices = []
+    for i, c in enumerate(outs):
+        text = "".join(c.content)
+        msg = {"role": "assistant", "content": text if (text or not c.calls) else None}
+        if c.reasoning:
+            msg["reasoning_content"] = "".join(c.reasoning).rstrip("\n")
+        if c.calls:
+            msg["tool_calls"] = [_call_json(call, j) for j, call in enumerate(c.calls)]
+            for t in msg["tool_calls"]:
+                del t["index"]
+        choices.append({"index": i, "message": msg, "finish_reason": c.result.finish_reason,
+                        "logprobs": chat_logprobs(c.logprobs if body.logprobs else None)})
+    res = [c.result for c in outs]
+    return JSONResponse({**base, "object": "chat.completion", "choices": choices, "usage": usage_of(res),
+                         "timings": res[0].timings})
 
 
-async def _chat_stream(srv, job: Job, base: dict, include_usage: bool):
-    def chunk(delta, finish=None, **extra):
+async def _chat_stream(srv, jobs: list[Job], base: dict, include_usage: bool):
+    with_lp = jobs[0].logprobs is not None
+    pending: list[list[dict]] = [[] for _ in jobs]  # log-probabilities not sent yet, per choice
+
+    def chunk(i, delta, finish=None, **extra):
+        lp = None
+        if with_lp:
+            lp, pending[i] = chat_logprobs(pending[i]), []
         return sse({**base, "object": "chat.completion.chunk",
-                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **extra})
+                    "choices": [{"index": i, "delta": delta, "finish_reason": finish, "logprobs": lp}], **extra})
 
-    yield chunk({"role": "assistant", "content": ""})
-    n_calls = 0
+    for i in range(len(jobs)):
+        yield chunk(i, {"role": "assistant", "content": ""})
+    n_calls = [0] * len(jobs)
+    results = []
     try:
-        async for ev in srv.run(job):
+        async for i, ev in merged(srv, jobs):
             kind = ev[0]
-            if kind == "content":
-                yield chunk({"content": ev[1]})
+            if kind == "logprobs":
+                pending[i].append(ev[1])  # sent with this choice's next chunk
+            elif kind == "content":
+                yield chunk(i, {"content": ev[1]})
             elif kind == "reasoning":
-                yield chunk({"reasoning_content": ev[1]})
+                yield chunk(i, {"reasoning_content": ev[1]})
             elif kind == "tool_call":
                 c = ev[1]
-                yield chunk({"tool_calls": [{"index": n_calls, "id": c.id, "type": "function",
-                                             "function": {"name": c.name, "arguments": ""}}]})
-                yield chunk({"tool_calls": [{"index": n_calls, "function": {"arguments": c.arguments}}]})
-                n_calls += 1
+                yield chunk(i, {"tool_calls": [{"index": n_calls[i], "id": c.id, "type": "function",
+                                                "function": {"name": c.name, "arguments": ""}}]})
+                yield chunk(i, {"tool_calls": [{"index": n_calls[i], "function": {"arguments": c.arguments}}]})
+                n_calls[i] += 1
             else:
                 res = ev[1]
-                yield chunk({}, res.finish_reason, timings=res.timings)
-                if include_usage:
-                    yield sse({**base, "object": "chat.completion.chunk", "choices": [], "usage": usage(res)})
+                results.append(res)
+                yield chunk(i, {}, res.finish_reason, timings=res.timings)
+        if include_usage:
+            yield sse({**base, "object": "chat.completion.chunk", "choices": [], "usage": usage_of(results)})
     except GenerationError as e:
         yield error_event(e)
     yield "data: [DONE]\n\n"
@@ -212,8 +238,8 @@ async def _chat_stream(srv, job: Job, base: dict, include_usage: bool):
 
 
 async def prepare_completion(srv, body: CompletionRequest) -> tuple[Job, str]:
-    if body.logprobs:
-        raise bad_request("logprobs are not supported")
+    if body.logprobs is not None and body.echo:
+        raise bad_request("logprobs with echo (log-probabilities of the prompt's tokens) are not supported")
     if body.suffix:
         raise bad_request("suffix (fill-in-the-middle) is not supported")
     p = body.prompt
@@ -229,9 +255,10 @@ async def prepare_completion(srv, body: CompletionRequest) -> tuple[Job, str]:
             raise bad_request(f"prompt: token ids must be in 0..{srv.vocab_size - 1}")
         ids, text = list(p), srv.tok.decode(p)
     max_tokens = srv.max_tokens(len(ids), body.max_tokens if body.max_tokens is not None else 16)
-    job = Job(ids, max_tokens, sampling(body), stop_list(body.stop), body.logit_bias, None,
+    grammar, what = constraint(srv, body)
+    job = Job(ids, max_tokens, sampling(body), stop_list(body.stop), body.logit_bias, grammar, what,
               cache_prompt=body.cache_prompt, ignore_eos=body.ignore_eos, kind="completion",
-              draft_max=body.speculative_n_max)
+              draft_max=body.speculative_n_max, logprobs=body.logprobs)
     return await asyncio.to_thread(srv.finish_job, job), text if body.echo else ""
 
 
@@ -240,43 +267,55 @@ async def completions(request: Request):
     srv = server_of(request)
     body = parse(CompletionRequest, await read_json(request))
     check_model(request, body.model)
+    n = check_n(srv, body.n)
     job, echo = await prepare_completion(srv, body)
+    jobs = job.copies(n)
     base = {"id": "cmpl-" + uuid.uuid4().hex[:24], "object": "text_completion", "created": int(time.time()),
             "model": srv.model_id, "system_fingerprint": FINGERPRINT}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_completion_stream(srv, job, base, echo, include_usage),
+        return StreamingResponse(_completion_stream(srv, jobs, base, echo, include_usage),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    parts, res = [echo], None
     try:
-        async for ev in srv.run(job, request):
-            if ev[0] == "content":
-                parts.append(ev[1])
-            elif ev[0] == "done":
-                res = ev[1]
+        outs = await run_all(srv, jobs, request)
     except GenerationError as e:
         raise APIError(500, str(e), "server_error") from None
-    return JSONResponse({**base, "choices": [{"index": 0, "text": "".join(parts), "logprobs": None,
-                                              "finish_reason": res.finish_reason}],
-                         "usage": usage(res), "timings": res.timings})
+    choices = [{"index": i, "text": echo + "".join(c.content),
+                "logprobs": legacy_logprobs(c.logprobs if job.logprobs is not None else None, len(echo)),
+                "finish_reason": c.result.finish_reason} for i, c in enumerate(outs)]
+    res = [c.result for c in outs]
+    return JSONResponse({**base, "choices": choices, "usage": usage_of(res), "timings": res[0].timings})
 
 
-async def _completion_stream(srv, job: Job, base: dict, echo: str, include_usage: bool):
-    def chunk(text, finish=None, **extra):
-        return sse({**base, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+async def _completion_stream(srv, jobs: list[Job], base: dict, echo: str, include_usage: bool):
+    with_lp = jobs[0].logprobs is not None
+    pending: list[list[dict]] = [[] for _ in jobs]
+    offset = [len(echo)] * len(jobs)  # text_offset runs on across a choice's chunks
+
+    def chunk(i, text, finish=None, **extra):
+        lp = None
+        if with_lp:
+            lp, pending[i] = legacy_logprobs(pending[i], offset[i]), []
+            offset[i] += sum(len(t) for t in lp["tokens"])
+        return sse({**base, "choices": [{"index": i, "text": text, "logprobs": lp, "finish_reason": finish}],
                     **extra})
 
+    results = []
     try:
         if echo:
-            yield chunk(echo)
-        async for ev in srv.run(job):
-            if ev[0] == "content":
-                yield chunk(ev[1])
+            for i in range(len(jobs)):
+                yield sse({**base, "choices": [{"index": i, "text": echo, "logprobs": None, "finish_reason": None}]})
+        async for i, ev in merged(srv, jobs):
+            if ev[0] == "logprobs":
+                pending[i].append(ev[1])
+            elif ev[0] == "content":
+                yield chunk(i, ev[1])
             elif ev[0] == "done":
                 res = ev[1]
-                yield chunk("", res.finish_reason, timings=res.timings)
-                if include_usage:
-                    yield sse({**base, "choices": [], "usage": usage(res)})
+                results.append(res)
+                yield chunk(i, "", res.finish_reason, timings=res.timings)
+        if include_usage:
+            yield sse({**base, "choices": [], "usage": usage_of(results)})
     except GenerationError as e:
         yield error_event(e)
     yield "data: [DONE]\n\n"

@@ -136,11 +136,14 @@ class SamplingFields(_M):
     repetition_penalty: Float | None = Field(default=None, gt=0, le=10)
     repeat_penalty: Float | None = Field(default=None, gt=0, le=10)
     stop: Union[str, list[str], None] = None
-    n: int | None = Field(default=None, ge=1, le=1)
+    n: int | None = Field(default=None, ge=1)  # up to the server's slot count (checked against it)
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, Float] | None = None
-    logprobs: bool | None = None
+    # constrained output: OpenAI's response_format, llama.cpp's json_schema and grammar (GBNF); one at a time
+    response_format: ResponseFormat | None = None
+    json_schema: dict[str, Any] | None = None
+    grammar: str | None = Field(default=None, min_length=1, max_length=100_000)
     cache_prompt: bool = True
     ignore_eos: bool = False  # llama.cpp's field: generate max_tokens even past end-of-turn (benchmarks)
     # llama.cpp's field: this request's most draft tokens per step (n-gram drafts; 0: none), past --draft-max
@@ -154,13 +157,15 @@ class ChatRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: bool | None = None
-    response_format: ResponseFormat | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):
     prompt: Union[str, list[int], list[str]]
+    logprobs: int | None = Field(default=None, ge=0, le=20)  # the legacy field: how many alternatives per token
     echo: bool = False
     suffix: str | None = None
 

@@ -1,12 +1,15 @@
 """What both APIs share: chat messages -> prompt tokens, request -> engine request, and the output pipeline
 (tokens -> text -> stop strings -> reasoning / answer -> tool calls) as a stream of events.
 
-Events: ("reasoning", text), ("content", text), ("tool_call", ParsedCall), ("done", Result).
+Events: ("reasoning", text), ("content", text), ("tool_call", ParsedCall), ("done", Result), and with
+`Job.logprobs` set, ("logprobs", entry) for each generated token, before the text it decodes to (which may be
+held back: a stop string or a tool-call marker is decided by later tokens).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from dataclasses import dataclass, field
 
@@ -28,15 +31,29 @@ class Job:
     params: SamplingParams
     stop: list[str] = field(default_factory=list)
     logit_bias: dict | None = None
-    grammar: str | None = None  # llguidance grammar (already compiled from lark / JSON schema)
+    grammar: str | None = None  # llguidance grammar (already compiled from lark / GBNF / JSON schema)
+    grammar_what: str = "the output grammar"  # how a grammar error names it
     reasoning: bool = False  # split <think> blocks
     in_reasoning: bool = False  # the prompt already opened one
     tools: list[dict] | None = None  # parse tool calls against these (None: no parsing)
+    forced: bool = False  # `grammar` forces tool calls: every character of the output is call markup
     cache_prompt: bool = True
     ignore_eos: bool = False
     kind: str = "chat"
     draft_max: int | None = None  # the request's speculative.n_max (None: the server's --draft-max)
+    logprobs: int | None = None  # report each token's log-probability and this many alternatives (None: off)
     make_processor: object = None  # set by Server.finish_job: built (and the grammar checked) before any output
+
+    def copies(self, n: int) -> list["Job"]:
+        """The request's n choices: the same job, each choice with its own seed (seed + index) when it has one, so
+        that seeded choices differ from one another and repeat from one request to the next."""
+        out = [self]
+        for i in range(1, n):
+            seed = self.params.seed
+            if seed is not None:
+                seed = (seed + i) % 2**64 if seed >= 0 else seed + i  # stays within what torch.Generator takes
+            out.append(dataclasses.replace(self, params=dataclasses.replace(self.params, seed=seed)))
+        return out
 
 
 @dataclass
@@ -166,18 +183,29 @@ class Server:
                           ) -> str | None:
         if not constrained_available():
             return None
-        src = tool_grammar(self.tool_format, tools, only, self.grammars.literal, parallel)
+        try:
+            src = tool_grammar(self.tool_format, tools, only, self.grammars.literal, parallel)
+        except RecursionError:
+            raise bad_request("tools: a function's parameters schema is nested too deeply") from None
         if in_reasoning:  # the prompt opened a reasoning block: a forced call closes it first
             src = src.replace("start:", "call_start:", 1)
             src = f"start: {self.grammars.literal('</think>')} \"\\n\\n\" call_start\n" + src
         return self.grammars.lark(src)
+
+    def gbnf_grammar(self, src: str) -> str:
+        if not constrained_available():  # a grammar is a contract: unconstrained output would break it silently
+            raise bad_request("grammar needs llguidance, which this server lacks (pip install llguidance)")
+        return self.grammars.gbnf(src)
 
     def json_grammar(self, schema: dict | None, strict: bool) -> str | None:
         if not constrained_available():
             return None
         if schema is None:
             schema = {"type": "object"}
-        return self.grammars.json_schema(closed(schema) if strict else schema)
+        try:
+            return self.grammars.json_schema(closed(schema) if strict else schema)
+        except RecursionError:
+            raise bad_request("the JSON schema is nested too deeply") from None
 
     # -- running -------------------------------------------------------------------------------------------------
     def finish_job(self, job: Job) -> Job:
@@ -188,10 +216,10 @@ class Server:
         if not job.logit_bias and not job.grammar:
             return None
         bias = bias_processor(job.logit_bias, self.vocab_size, self.worker.engine.device) if job.logit_bias else None
-        proc = self.grammars.processor(job.grammar) if job.grammar else None  # validated here: 400 on a bad one
+        proc = self.grammars.processor(job.grammar, job.grammar_what) if job.grammar else None  # 400 if bad
 
         def make(seq):
-            return chain(bias, proc.bind(seq) if proc is not None else None)
+            return chain(bias, proc().bind(seq) if proc is not None else None)
 
         return make
 
@@ -199,13 +227,14 @@ class Server:
         """Generate; yield events. Cancels the generation when the consumer stops early or the client leaves."""
         stop_ids = set() if job.ignore_eos else set(self.tok.eot_ids)
         req = GenRequest(job.prompt, job.params, job.max_tokens, stop_ids, job.cache_prompt,
-                         job.make_processor, kind=job.kind, draft_max=job.draft_max)
+                         job.make_processor, kind=job.kind, draft_max=job.draft_max, logprobs=job.logprobs)
         self.worker.submit(req)
         dec = self.tok.stream_decoder()
         stops = StopStrings(job.stop)
         rs = ReasoningSplitter(job.reasoning, job.in_reasoning)
-        tc = ToolCallStream(self.tool_format, job.tools, enabled=job.tools is not None)
+        tc = ToolCallStream(self.tool_format, job.tools, enabled=job.tools is not None, forced=job.forced)
         n_calls = 0
+        n_tok = 0  # token events seen: the index of the next one in seq.output (and seq.token_logprobs)
         done = False
 
         def pipeline(text: str, final: bool):
@@ -238,8 +267,11 @@ class Server:
                 if kind == "start":
                     continue
                 if kind == "token":
+                    k, n_tok = n_tok, n_tok + 1
                     if stops.hit or ev[1] in stop_ids:
                         continue
+                    if job.logprobs is not None and k < len(req.seq.token_logprobs):
+                        yield ("logprobs", self.logprob_entry(ev[1], *req.seq.token_logprobs[k]))
                     for e in pipeline(dec.put(ev[1]), False):
                         yield e
                     if stops.hit:
@@ -260,6 +292,15 @@ class Server:
         finally:
             if not done:
                 self.worker.cancel(req, "abort")
+
+    def _token(self, tid: int, lp: float) -> dict:
+        b = self.tok.token_bytes(tid) if 0 <= tid < self.tok.vocab_size else b""
+        # JSON has no -inf; OpenAI writes -9999.0 for a token that cannot be drawn
+        return {"token": b.decode("utf-8", errors="replace"), "logprob": max(lp, -9999.0), "bytes": list(b)}
+
+    def logprob_entry(self, tid: int, lp: float, top: list[tuple[int, float]]) -> dict:
+        """OpenAI's chat entry: {token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}."""
+        return {**self._token(tid, lp), "top_logprobs": [self._token(i, v) for i, v in top]}
 
     async def _next(self, req: GenRequest, request):
         if request is None:

@@ -33,6 +33,7 @@ class GenRequest:
     make_processor: Callable[[Sequence], Callable | None] | None = None  # built on the engine thread at admission
     kind: str = "chat"
     draft_max: int | None = None  # speculative.n_max of the request (None: the engine's --draft-max)
+    logprobs: int | None = None  # report log-probabilities with this many alternatives (None: off)
     # filled in as it runs
     id: int = 0
     loop: asyncio.AbstractEventLoop | None = None
@@ -187,7 +188,7 @@ class EngineWorker:
     def _admit(self, req: GenRequest) -> None:
         e = self.engine
         seq = Sequence(list(req.prompt), req.params, req.max_tokens, set(req.stop_ids))
-        seq.draft_max = req.draft_max
+        seq.draft_max, seq.logprobs = req.draft_max, req.logprobs
         try:
             if req.make_processor is not None:
                 seq.logits_processor = req.make_processor(seq)

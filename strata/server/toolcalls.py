@@ -9,7 +9,9 @@ Formats (what the model writes):
   <｜tool▁call▁end｜>...<｜tool▁calls▁end｜>`` (V3; V3.1 drops ``function`` and the code fence)
 - ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}]`` or ``[TOOL_CALLS]NAME[ARGS]{...}``
 
-A block that does not parse is returned as text, so nothing the model wrote is lost.
+Markup never reaches the answer text: a block that opens but does not parse (broken, or cut off by max_tokens
+or a stop string) is left out of the text and counted in `ToolCallStream.dropped`; OpenAI's clients read
+`finish_reason` ("length") for the cut-off case, and a block that is garbage would only mislead them as prose.
 """
 
 from __future__ import annotations
@@ -184,14 +186,25 @@ def parse_block(fmt: str, body: str, tools: list[dict] | None = None) -> list[Pa
 # streaming
 
 
+def _marker_tail(text: str, marker: str) -> int:
+    """Length of the tail of `text` that may be the start of `marker`: a proper prefix of it, and the U+FFFD
+    that the decoder writes for a multi-byte character cut off by the end of the output."""
+    bare = text.rstrip("\ufffd")
+    n = partial_suffix(bare, marker)
+    return n + len(text) - len(bare) if n else 0
+
+
 class ToolCallStream:
     """Feed answer text; get (text, calls) back. Text that may start a call is held until it is decided."""
 
-    def __init__(self, fmt: str, tools: list[dict] | None = None, enabled: bool = True):
-        self.fmt, self.spec, self.tools, self.enabled = fmt, FORMATS[fmt], tools, enabled
+    def __init__(self, fmt: str, tools: list[dict] | None = None, enabled: bool = True, forced: bool = False):
+        # forced: a grammar constrains the output to calls, so all of it is markup (a start marker cut off at
+        # the very end included)
+        self.fmt, self.spec, self.tools, self.enabled, self.forced = fmt, FORMATS[fmt], tools, enabled, forced
         self._buf = ""
         self._in_block = False
         self.calls: list[ParsedCall] = []
+        self.dropped = 0  # blocks that did not parse, left out of the text
 
     def push(self, text: str) -> tuple[str, list[ParsedCall]]:
         if not self.enabled:
@@ -202,12 +215,17 @@ class ToolCallStream:
         while self._buf:
             if not self._in_block:
                 i = self._buf.find(start)
+                head = self._buf if i < 0 else self._buf[:i]
+                if end is not None and end in head:  # a closing marker with no block open: markup still
+                    self.dropped += head.count(end)
+                    self._buf = head.replace(end, "") + ("" if i < 0 else self._buf[i:])
+                    continue
                 if i >= 0:
                     out.append(self._buf[:i])
                     self._buf = self._buf[i + len(start):]
                     self._in_block = True
                     continue
-                keep = partial_suffix(self._buf, start)
+                keep = _marker_tail(self._buf, start)
                 out.append(self._buf[: len(self._buf) - keep])
                 self._buf = self._buf[len(self._buf) - keep:]
                 break
@@ -222,24 +240,27 @@ class ToolCallStream:
             if got:
                 calls += got
             else:
-                out.append(start + body + end)
+                self.dropped += 1
         self.calls += calls
         return self._text("".join(out)), calls
 
     def _text(self, text: str) -> str:
-        # whitespace between or after calls is layout, not an answer
-        return "" if self.calls and not text.strip() else text
+        # whitespace between or after calls is layout, not an answer; a forced output is all markup
+        return "" if self.forced or (self.calls and not text.strip()) else text
 
     def flush(self) -> tuple[str, list[ParsedCall]]:
         buf, self._buf = self._buf, ""
         if not self._in_block:
+            if _marker_tail(buf, self.spec.start):  # a start marker cut off by the end of the output
+                return "", []
             return self._text(buf), []
         self._in_block = False
         got = parse_block(self.fmt, buf, self.tools)
         if got:
             self.calls += got
             return "", got
-        return self.spec.start + buf, []
+        self.dropped += 1  # cut off (max_tokens, a stop string) or broken: markup, not an answer
+        return "", []
 
 
 def parse_tool_calls(fmt: str, text: str, tools: list[dict] | None = None) -> tuple[str, list[ParsedCall]]:

@@ -30,6 +30,10 @@ def _answers(lm) -> list[str]:
             out.append(c.choices[0].message.content)
         stream = oai.chat.completions.create(model="tiny", messages=MSG, max_tokens=12, temperature=0, stream=True)
         out.append("".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices))
+        # log-probabilities are drawn from the replayed graphs' logits too
+        lp = oai.chat.completions.create(model="tiny", messages=MSG, max_tokens=8, temperature=0, logprobs=True,
+                                         top_logprobs=3).choices[0].logprobs.content
+        out.append([(e.token, round(e.logprob, 3), [t.token for t in e.top_logprobs]) for e in lp])
         return out
 
 
@@ -40,4 +44,4 @@ def test_graphed_server_answers_like_eager(tiny_gguf, experts):
     eager = _answers(_lm(tiny_gguf, False, **experts))
     graphed_lm = _lm(tiny_gguf, True, **experts)
     graphed = _answers(graphed_lm)
-    assert graphed == eager and all(graphed)
+    assert graphed == eager and all(graphed) and len(graphed[-1]) == 8

@@ -70,16 +70,51 @@ def test_mistral_new_format():
 
 
 @pytest.mark.parametrize("fmt", ["hermes", "deepseek"])
-def test_broken_block_stays_text(fmt):
+def test_broken_block_is_not_text(fmt):
     src = "before <tool_call>{not json</tool_call> after" if fmt == "hermes" else \
         f"before {DS_CALLS_BEGIN}garbage{DS_CALLS_END} after"
+    s = ToolCallStream(fmt)
     text, calls = parse_tool_calls(fmt, src)
-    assert calls == [] and text == src
+    assert calls == [] and text == "before  after"
+    s.push(src), s.flush()
+    assert s.dropped == 1
 
 
-def test_unfinished_block_at_the_end_is_text():
+def test_unfinished_block_at_the_end_is_not_text():
     text, calls = parse_tool_calls("hermes", 'hi <tool_call>{"name": "get_wea')
-    assert calls == [] and text == 'hi <tool_call>{"name": "get_wea'
+    assert calls == [] and text == "hi "
+
+
+MARKUP = ("<tool", "tool_call>", "[TOOL", "｜", "<function", "<parameter", '"name"', "[ARGS]")
+
+
+@pytest.mark.parametrize("fmt", sorted(CASES))
+def test_cut_anywhere_no_markup_in_text(fmt):
+    """The output cut off at every character (max_tokens, a stop string), whole and streamed one character at a
+    time, with a cut multi-byte character (U+FFFD) at the end: the text is the prose before the calls, never
+    markup."""
+    src = CASES[fmt]
+    for i in range(len(src) + 1):
+        for cut in (src[:i], src[:i] + "\ufffd"):
+            text, _ = parse_tool_calls(fmt, cut, TOOLS)
+            s = ToolCallStream(fmt, TOOLS)
+            streamed = "".join(s.push(ch)[0] for ch in cut) + s.flush()[0]
+            for t in (text, streamed):
+                assert not any(m in t for m in MARKUP), (i, t)
+                assert "Let me check.".startswith(t.replace("\ufffd", "").strip()), (i, t)
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "deepseek"])
+def test_stray_end_marker_is_not_text(fmt):
+    end = "</tool_call>" if fmt == "hermes" else DS_CALLS_END
+    s = ToolCallStream(fmt, TOOLS)
+    text = s.push(f"a {end}b")[0] + s.push(f" c{end}")[0] + s.flush()[0]
+    assert text == "a b c" and s.dropped == 2
+
+
+def test_forced_stream_has_no_text():
+    s = ToolCallStream("hermes", TOOLS, forced=True)
+    assert s.push("\n<tool")[0] == "" and s.flush() == ("", [])
 
 
 def test_engine_text_around_a_call(lm):

@@ -75,7 +75,7 @@ def test_no_cors_unless_asked(server, lm):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, "temperature"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": CTX}, "exceeds"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi " * 600}]}, "context"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 3}, "n"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "seed": 2 ** 70}, "seed"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"x": 1}}, "logit_bias"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "not supported"),
