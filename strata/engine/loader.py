@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -62,7 +63,10 @@ def expandable_segments() -> None:
         log.info("strata: expandable CUDA segments unavailable (%s)", e)
 
 
-def load_model(path: str, cfg: EngineConfig | None = None, with_tokenizer: bool = True) -> LoadedModel:
+def load_model(path: str, cfg: EngineConfig | None = None, with_tokenizer: bool = True,
+               experts: Callable[[dict], object] | None = None) -> LoadedModel:
+    """Open a GGUF and build its model. experts: a factory {layer: ExpertWeights} -> ExpertsBackend used instead of
+    the one the config chooses (strata.experts.backend)."""
     cfg = cfg or EngineConfig(model=str(path))
     cfg.validate()
     g = open_gguf(path)
@@ -79,7 +83,7 @@ def load_model(path: str, cfg: EngineConfig | None = None, with_tokenizer: bool 
         expandable_segments()
         release_caps()
         qgemv.install()
-    model = fam.build(g, cfg, make_experts_factory(cfg), max_ctx, args=args)
+    model = fam.build(g, cfg, experts or make_experts_factory(cfg), max_ctx, args=args)
     lm = LoadedModel(model, g, args, cfg, max_ctx)
     if with_tokenizer and "tokenizer.ggml.model" in g.metadata:
         from strata.gguf.chat_template import ChatTemplate

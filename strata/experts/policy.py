@@ -44,7 +44,14 @@ class Swap(NamedTuple):
 
 @runtime_checkable
 class CachePolicy(Protocol):
-    """What the experts backend needs from a cache policy."""
+    """What the experts backend needs from a cache policy: everything any path (chunked prefill, eager decode,
+    graphed decode) calls, and nothing else.
+
+    expert_map() is [L, E] int32, the ready slot of each expert or -1 (the backend uploads its rows to the GPU);
+    hit_row(layer) is the same row as a sequence the host reads per id (the graphed decode hand-off: plain Python
+    on a few ids); scores(layer) [E] and rank_keys(layer) [E] order experts by hotness (larger is hotter; the
+    plan sends the coldest misses to the CPU), rank_keys without the scaling (it only has to rank).
+    """
 
     n_layers: int
     n_experts: int
@@ -63,6 +70,8 @@ class CachePolicy(Protocol):
     def slot_of(self, layer: int, expert: int) -> int: ...
     def expert_map(self) -> np.ndarray: ...
     def scores(self, layer: int) -> np.ndarray: ...
+    def rank_keys(self, layer: int) -> Sequence[float]: ...
+    def hit_row(self, layer: int) -> Sequence[int]: ...
     def usage(self) -> np.ndarray: ...
     def initial_fill(
         self, ranking: Mapping[int, Sequence[int]], frequency: Mapping[int, Sequence[float]] | None = None

@@ -18,9 +18,9 @@ Per MoE layer and step (one forward of the engine):
 On a CPU-only machine the same tiers run with the "GPU" being the host (pool = host tensor, synchronous
 copies), and hits are computed per expert exactly as the resident backend does, so logits match it.
 
-A new step is recognised by a call for the first MoE layer. `stats` counts every lookup (hits + cpu + pcie =
-lookups); `profile` is a StepProfile the engine may also feed (attention, dense) and `profile_report()`
-renders it (with --profile; GPU buckets come from CUDA events, resolved with one sync per step).
+The model begins each step (`begin_step(ctx)`, strata.experts.backend). `stats` counts every lookup (hits + cpu +
+pcie = lookups); `profiler` (with --profile) is the StepProfiler the model also feeds (attention, dense) and
+`profile_report()` renders it (GPU buckets come from CUDA events, resolved with one sync per step).
 """
 
 from __future__ import annotations
@@ -28,16 +28,18 @@ from __future__ import annotations
 import atexit
 import logging
 import time
+from typing import Callable
 
 import numpy as np
 import torch
 
 from strata import StrataError
 from strata.config import EngineConfig, env
+from strata.experts.backend import StepContext, StepProfiler
 from strata.experts.cache import ExpertCache, budget_slots, cap_to_budget
 from strata.experts.cpu_lane import CpuLane
 from strata.experts.plan import CostModel, CpuPlan
-from strata.experts.policy import make_policy
+from strata.experts.policy import CachePolicy, make_policy
 from strata.experts.profile import RoutingProfile, layer_slots, warm_policy
 from strata.experts.resident import ExpertWeights, combine, expert_ffn
 from strata.experts.stats import ExpertStats, StepProfile
@@ -79,20 +81,25 @@ def by_expert(flat_ids: np.ndarray, pairs: np.ndarray | None = None) -> list[tup
 
 
 class TieredExperts:
-    """The tiered experts backend. layers: model layer -> ExpertWeights on the host (mapped file views).
+    """The tiered experts backend (an `ExpertsBackend`). layers: model layer -> ExpertWeights on the host (mapped file views).
 
+    policy: a factory (n_layers, n_experts, slots) -> CachePolicy used instead of --cache-policy.
     cpu_kernel: the CPU lane's kernel (auto | native | int4 | ref; default --cpu-kernel); cost_model: use these costs for `--cpu-plan auto`
     instead of measuring (or loading the machine's cached measurement); staging: slots of the ring that
     streamed experts land in (default max(2k, 8)).
     """
 
+    sizes_cache = True
+
     def __init__(self, layers: dict[int, ExpertWeights], cfg: EngineConfig, *, cpu_kernel: str | None = None,
-                 cost_model: CostModel | None = None, staging: int | None = None, progress: bool = True):
+                 cost_model: CostModel | None = None, staging: int | None = None, progress: bool = True,
+                 policy: Callable[..., CachePolicy] | None = None):
         self.cfg, self.ex = cfg, cfg.experts
         self.device, self.dtype = cfg.torch_device, cfg.torch_dtype
         self.cuda = self.device.type == "cuda"
         self.progress = progress
         self._staging = staging
+        self._make_policy = policy
         self.store = ExpertStore(layers, pin=None if self.cuda else False, low_ram=self.ex.low_ram, progress=progress)
         self.layer_ids = self.store.layer_ids
         self.index = {layer: li for li, layer in enumerate(self.layer_ids)}
@@ -107,7 +114,8 @@ class TieredExperts:
         self.request = ExpertStats()  # since begin_request()
         self.profile = StepProfile()
         self.profiling = bool(self.ex.profile)
-        self._events: list[tuple[str, object, object]] = []  # (bucket, start, end) CUDA events to resolve
+        self.profiler = StepProfiler(self.profile, self.device) if self.profiling else None
+        self._deferred: StepContext | None = None  # a step begun before the cache was set up
         self.cache: ExpertCache | None = None  # set up at the first forward, once KV and buffers exist
         self.policy = None
         self.plan: CpuPlan | None = None
@@ -122,7 +130,6 @@ class TieredExperts:
         # measured / estimated time of the CPU lane on chunks (--cpu-plan auto): the split prices the CPU with it
         self.chunk_cpu_scale = 1.0
         self._cpu_estimate_ms = 0.0  # the last chunk split's CPU lane, unscaled
-        self.recorder = None  # set by DecodeGraphs: one-token steps then take the graph-piece path
         self.graphed = GraphedDecode(self)
         self.next_moe: dict[int, object] = {}  # MoE layer -> the next MoE layer's block (its router predicts)
         self.prefetch_issued = self.prefetch_used = 0  # decode: next-layer experts copied ahead / then routed to
@@ -158,7 +165,10 @@ class TieredExperts:
         kw = dict(swap_budget=self.ex.swap_budget)
         if self.ex.cache_policy == "lfu-decay":
             kw["promote_min"] = self.ex.promote_min
-        self.policy = make_policy(self.ex.cache_policy, L, E, slots, **kw)
+        if self._make_policy is not None:
+            self.policy = self._make_policy(L, E, slots)
+        else:
+            self.policy = make_policy(self.ex.cache_policy, L, E, slots, **kw)
         if self.ex.cpu_plan.strip() == "auto":
             if self.costs is None:
                 from strata.experts.costs import cost_model_for
@@ -226,9 +236,20 @@ class TieredExperts:
         done, self.request = self.request, ExpertStats()
         return done
 
-    def _begin_step(self, n_tokens: int, graphed: bool = False) -> None:
+    def begin_step(self, ctx: StepContext) -> None:
+        """A step starts: the policy ages, the tuner times decode steps, the counts and the profile go on."""
+        if self.cache is None:  # set up by the first MoE layer (k is known there); the step begins then
+            self._deferred = ctx
+            return
+        if ctx.graphed:
+            self.graphed.new_step()
+        if ctx.counting:
+            self._begin_step(ctx)
+
+    def _begin_step(self, ctx: StepContext) -> None:
+        n_tokens = ctx.n_tokens
         if self.tuner is not None and not self.tuner.done:
-            if n_tokens == 1 and (graphed or self.recorder is None):  # a decode step: time it
+            if n_tokens == 1 and ctx.timed:  # a decode step: time it
                 misses = self.stats.cpu + self.stats.pcie  # the previous step's are all counted by now
                 self._apply(self.tuner.step(time.perf_counter(), misses - self._tuner_misses))
                 self._tuner_misses = misses
@@ -238,8 +259,8 @@ class TieredExperts:
         self.stats.add(tokens=n_tokens)
         self.request.add(tokens=n_tokens)
         # with decode graphs the profile is of graphed decode steps (timed per piece), not of prefill chunks
-        if self.profiling and (graphed or self.recorder is None):
-            self._resolve_events()
+        if self.profiler is not None and ctx.timed:
+            self.profiler.resolve()
             self.profile.add_tokens(n_tokens)
 
     def _apply(self, setting) -> None:
@@ -263,48 +284,9 @@ class TieredExperts:
             self.cache.upload_map(li, self.policy.expert_map()[li])
         return bool(done)
 
-    # --- profiling ----------------------------------------------------------------------------------------------
-    def _graph_mode(self) -> bool:
-        return self.recorder is not None and self.recorder.active
-
-    def _mark(self):
-        if self._graph_mode():  # a graphed step is timed per piece: a span boundary is a cut
-            self.recorder.cut(label="dense_other")
-            return None
-        if self.recorder is not None:
-            return None  # eager steps (prefill) are not profiled when decode is graphed
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            return ev
-        return time.perf_counter()
-
-    def _span(self, bucket: str, start, end=None) -> None:
-        if self._graph_mode():
-            self.recorder.cut(label=bucket)
-            return
-        if self.recorder is not None:
-            return
-        end = self._mark() if end is None else end
-        if self.cuda:
-            self._events.append((bucket, start, end))
-        else:
-            self.profile.add(bucket, (end - start) * 1e3)
-
-    def _resolve_events(self) -> None:
-        if not self._events:
-            return
-        torch.cuda.synchronize(self.device)  # profiling only: one sync per step
-        for bucket, a, b in self._events:
-            self.profile.add(bucket, max(a.elapsed_time(b), 0.0))
-        self._events.clear()
-
     def profile_report(self, measured_ms: float | None = None) -> str:
         """The per-token time breakdown (with --profile), '' otherwise."""
-        if not self.profiling:
-            return ""
-        self._resolve_events()
-        return self.profile.render(measured_ms)
+        return self.profiler.report(measured_ms) if self.profiler is not None else ""
 
     # --- the MoE layer --------------------------------------------------------------------------------------------
     def _pinned(self, name: str, t: torch.Tensor) -> torch.Tensor:
@@ -325,20 +307,23 @@ class TieredExperts:
             return t
         return t.pin_memory().to(self.device, non_blocking=True)
 
-    def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+                ctx: StepContext) -> torch.Tensor:
         N, k = ids.shape
         if self.cache is None:
             self.setup(k)
-        if self._graph_mode() and N * k <= PAIRS_MAX:
-            return self.graphed.forward(self.recorder, layer, x, ids, w)
+        if self._deferred is not None:
+            begun, self._deferred = self._deferred, None
+            self.begin_step(begun)
+        if ctx.graphed and N * k <= PAIRS_MAX:
+            return self.graphed.forward(ctx, layer, x, ids, w)
         li = self.index[layer]
-        if li == 0:
-            self._begin_step(N)
         self._poll(li)
         cache, pool = self.cache, self.cache.pool_of[layer]
         d = x.shape[-1]
         row = self.policy.expert_map()[li].copy()  # [E] host mirror of the device map row: slot or -1
-        t_hits = self._mark() if self.profiling else None
+        prof = self.profiler
+        t_hits = prof.mark() if prof else None
         y = None  # [N*k, d] float32 on the device
         if self.cuda:
             # hits from the device map, queued before the host looks at the routing (no sync yet)
@@ -376,8 +361,8 @@ class TieredExperts:
             # every routed pair grouped by expert once; a layer's hit/miss is per expert, so the CPU share and the
             # streamed share are selections of these groups (a 4K chunk: ~32K pairs, sorted once)
             grouped = [(e, p // k, p) for e, p in by_expert(ids_np.reshape(-1))]
-        if self.profiling:
-            self._span("gpu_experts", t_hits)
+        if prof:
+            prof.span("gpu_experts", t_hits)
 
         # misses: CPU share and PCIe share
         cpu_experts, stream = self._split(li, ids_np, hit)
@@ -391,7 +376,7 @@ class TieredExperts:
             gs = cache.slot(layer, sw.slot)
             admitted[sw.admit] = (gs, cache.copy(layer, sw.admit, gs))
             self._pending[li][sw.admit] = admitted[sw.admit][1]
-        t_pcie = self._mark() if self.profiling else None
+        t_pcie = prof.mark() if prof else None
         if stream:
             self._stream(layer, pool, x, self._select(grouped, stream, int), admitted, y, t_pcie)
         if self._chunk and N * k >= PREFETCH_PAIRS_PER_EXPERT * self.n_experts and li + 1 < len(self.layer_ids):
@@ -403,7 +388,7 @@ class TieredExperts:
 
         n_cpu = 0
         if cpu_experts:
-            t_cpu = self._mark() if self.profiling else None
+            t_cpu = prof.mark() if prof else None
             groups = self._select(grouped, cpu_experts, int)
             jobs = [(e, torch.from_numpy(tok)) for e, tok, _ in groups]
             run = self.lane.run_chunk if N > 1 else self.lane.run  # a chunk at the lane's full thread count
@@ -415,8 +400,8 @@ class TieredExperts:
                 self._learn_chunk_cpu((time.perf_counter() - t0) * 1e3)
             idx = np.concatenate([p for _, _, p in groups])
             n_cpu = len(idx)
-            if self.profiling:
-                self._span("cpu_wait", t_cpu)
+            if prof:
+                prof.span("cpu_wait", t_cpu)
             y[self._to_dev(idx)] = self._to_dev(out)
         n_hit = int(hit.sum())
         counts = dict(hits=n_hit, cpu=n_cpu, pcie=N * k - n_hit - n_cpu, swaps=len(swaps), layers=N)
@@ -553,11 +538,11 @@ class TieredExperts:
             g, evs = issued[i]
             for ev in evs:
                 cache.wait(ev)
-            if self.profiling and not waited:
-                self._span("pcie_wait", t_pcie)
+            if self.profiler and not waited:
+                self.profiler.span("pcie_wait", t_pcie)
                 waited = True
             self._compute(pool, x, g, y)
             if i + 2 < len(batches):
                 cache.begin_copies()  # the next copy into this half waits for this compute
-        if self.profiling and not waited:
-            self._span("pcie_wait", t_pcie)
+        if self.profiler and not waited:
+            self.profiler.span("pcie_wait", t_pcie)

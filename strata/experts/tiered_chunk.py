@@ -23,8 +23,8 @@ def stream_chunk(be, layer: int, x, staged, y, t_pcie, waited: bool, pre) -> Non
     def compute(b, groups, ev):
         nonlocal waited
         cache.wait(ev)
-        if be.profiling and not waited:
-            be._span("pcie_wait", t_pcie)
+        if be.profiler and not waited:
+            be.profiler.span("pcie_wait", t_pcie)
             waited = True
         be._grouped(*stage.bufs[b], x, groups, y)
         stage.done[b] = cache.record()
@@ -43,8 +43,8 @@ def stream_chunk(be, layer: int, x, staged, y, t_pcie, waited: bool, pre) -> Non
         b = stage.take()
         ev = cache.copy_many(layer, [e for e, _, _ in batch], stage.bufs[b], after=stage.done[b])
         compute(b, [(s, tok, p) for s, (_, tok, p) in enumerate(batch)], ev)
-    if be.profiling and not waited:
-        be._span("pcie_wait", t_pcie)
+    if be.profiler and not waited:
+        be.profiler.span("pcie_wait", t_pcie)
 
 
 def prefetch(be, li: int) -> None:

@@ -71,15 +71,20 @@ class GraphedDecode:
         self.prefetched: dict[int, tuple[int, dict[int, int], object]] = {}
         self._step = 0
 
+    def new_step(self) -> None:
+        """A graphed step begins (its prefetches are told apart from the previous step's)."""
+        self._step += 1
+
     def _bufs(self, li: int, n: int, k: int, x: torch.Tensor) -> _Buffers:
         b = self.bufs.get((li, n))
         if b is None:
             b = self.bufs[(li, n)] = _Buffers(n, k, x.shape[-1], x.dtype, x.device, self.t.cuda)
         return b
 
-    def forward(self, rec, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """x [N, d], ids/w [N, k]: N decoding sequences' tokens (N*k pairs within the grouped kernel's size)."""
-        t = self.t
+    def forward(self, ctx, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x [N, d], ids/w [N, k]: N decoding sequences' tokens (N*k pairs within the grouped kernel's size), in
+        the graphed step `ctx` (its recorder takes the cuts)."""
+        t, rec = self.t, ctx.recorder
         N, k = ids.shape
         li = t.index[layer]
         b = self._bufs(li, N, k, x)
@@ -95,14 +100,14 @@ class GraphedDecode:
         # piece H: hits from the device map (no host involvement)
         xs = x.repeat_interleave(k, dim=0) if N > 1 else x.expand(k, -1).contiguous()  # [N*k, d]
         y_hit = gather_expert_ffn(xs, pool.gate, pool.up, pool.down, t.cache.map[li].index_select(0, ids.view(-1)))
-        rec.cut(self._handoff(li, layer, N, k, b, rec), label="gpu_experts")
+        rec.cut(self._handoff(li, layer, N, k, b, ctx.counting), label="gpu_experts")
         # piece B: what the host decided comes up, staged experts run, all three parts summed
         b.stage_d.copy_(b.stage_h, non_blocking=True)
         b.ycpu_d.copy_(b.ycpu_h, non_blocking=True)
         y_stage = gather_expert_ffn(xs, pool.gate, pool.up, pool.down, b.stage_d)
         y = y_hit + y_stage + b.ycpu_d  # [N*k, d] float32: one of the three is each choice's output
         out = combine(y.view(N, k, -1), w, x.dtype)
-        if t.profiling:
+        if t.profiler is not None:
             rec.cut(None, label="pcie_staged")  # waiting for this layer's copies, staged compute, combine
         return out
 
@@ -115,17 +120,12 @@ class GraphedDecode:
         fn.bucket = "router_shared"
         return fn
 
-    def _handoff(self, li: int, layer: int, N: int, k: int, b: _Buffers, rec):
+    def _handoff(self, li: int, layer: int, N: int, k: int, b: _Buffers, counting: bool):
         t = self.t
 
         def fn():
             if b.ready is not None:
                 b.ready.synchronize()  # the routing is on the host; piece H may still be running
-            counting = not rec.warmup
-            if li == 0:
-                self._step += 1
-                if counting:
-                    t._begin_step(N, graphed=True)
             pol, cache = t.policy, t.cache
             # plain Python on a few ids: numpy's per-call costs would dominate (this runs for every layer)
             row = pol.hit_row(li)  # the host mirror, as the device map was when piece H was queued

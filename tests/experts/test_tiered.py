@@ -366,8 +366,8 @@ def test_plan_tuner_switches_plans_during_decode(model_path, reference):
     seen = []
     real = ex._begin_step
 
-    def spy(n, graphed=False):
-        real(n, graphed)
+    def spy(ctx):
+        real(ctx)
         seen.append(str(ex.plan))
 
     ex._begin_step = spy
@@ -413,8 +413,8 @@ def test_tuner_sets_the_lane_threads(model_path, reference):
         seen = set()
         real = ex._begin_step
 
-        def spy(n, graphed=False):
-            real(n, graphed)
+        def spy(ctx):
+            real(ctx)
             seen.add((str(ex.plan), ex.lane.threads, torch.get_num_threads()))
 
         ex._begin_step = spy
