@@ -145,7 +145,7 @@ def test_fifo_policy_satisfies_the_protocol():
 @pytest.mark.parametrize("plan", ["000", "012", "011"])
 def test_third_party_policy_runs_every_tiered_path(model_path, reference, monkeypatch, graphs, plan):
     """Eager decode and chunked prefill (the GPU's grouped chunk path, run on the CPU), or graph-piece decode."""
-    import strata.experts.tiered as tiered
+    import strata.experts.tiered_eager as tiered
 
     monkeypatch.setattr(tiered, "GROUPED_CHUNKS_ON_CPU", True)
     made = []
