@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -38,6 +39,11 @@ class ExpertConfig:
     profile: bool = False
     slots: int | None = None  # explicit slot count per layer (overrides the budget; tests and sweeps)
     prefetch_next: bool = False  # decode: start copying the next MoE layer's predicted misses during this layer
+
+    def tiered(self) -> bool:
+        """The one rule for --experts: tiered when asked for (tiered, or an explicit slot count) or, with auto, when
+        a VRAM budget is given; otherwise every expert is resident on the compute device."""
+        return self.mode == "tiered" or self.slots is not None or (self.mode == "auto" and self.vram_gb is not None)
 
     def validate(self) -> None:
         if self.mode not in ("auto", "resident", "tiered"):
@@ -102,3 +108,10 @@ class EngineConfig:
 def env(name: str, default: str | None = None) -> str | None:
     """The one place strata reads environment variables (STRATA_*)."""
     return os.environ.get(name, default)
+
+
+def cache_dir() -> Path:
+    """strata's per-user cache (measured costs, calibrations, the native CPU kernel): $STRATA_CACHE_DIR, else
+    $XDG_CACHE_HOME/strata, else ~/.cache/strata."""
+    base = env("STRATA_CACHE_DIR") or os.path.join(env("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "strata")
+    return Path(base)

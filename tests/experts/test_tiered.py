@@ -252,7 +252,7 @@ def _run_cuda(lm, prompt=PROMPT, decode=DECODE):
 @pytest.mark.parametrize("kernel", ["int4", "native"])
 def test_bf16_with_a_fast_cpu_lane_stays_close_to_resident(tmp_path, kernel):
     if kernel == "native":
-        from strata.experts import cpu_native
+        from strata.ops import cpu_native
 
         if cpu_native.load() is None:
             pytest.skip("no C compiler: the native CPU kernel is unavailable here")
