@@ -126,7 +126,7 @@ def _apply_saved_calibration(path: str, cfg) -> None:
     if cfg.experts.mode == "resident" or (cfg.experts.vram_gb is None and cfg.experts.slots is None
                                            and cfg.experts.mode != "tiered"):
         return
-    from strata.bench.calibrate import apply_calibration, load_calibration
+    from strata.experts.calibration import apply_calibration, load_calibration
 
     calib = load_calibration(path, cfg)
     if calib:

@@ -1,9 +1,9 @@
 """Decode steps replayed as CUDA graphs: captured per (KV slots, attention window), in pieces.
 
-A Python decode step launches thousands of small kernels (measured: ~6,250 per token on Qwen3-30B-A3B shapes,
-124 ms of host time against 27 ms of GPU time); replaying captured graphs launches them at once (resident
-experts, B1: 13 -> 40 tok/s). Capture needs static shapes and no host reads: the token and position live in
-device buffers, attention spans a fixed window of the KV cache masked beyond the position (`Segment.window`).
+A Python decode step launches thousands of small kernels, and its host time far exceeds its GPU time; replaying
+captured graphs launches them at once (the measured counts and speed-ups are in docs/BENCHMARKS.md). Capture
+needs static shapes and no host reads: the token and position live in device buffers, attention spans a fixed
+window of the KV cache masked beyond the position (`Segment.window`).
 Windows are powers of two, so a sequence re-captures at most log2(context) times. Several decoding sequences
 (resident experts, `--parallel` with `--cuda-graphs`) share one step: each has its own device position and is
 masked within the window of the furthest one; a set of slots is captured once per window.
