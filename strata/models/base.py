@@ -223,9 +223,9 @@ def finish_model(L: WeightLoader, args, blocks, experts: dict, cache_spec: Cache
     out_norm = L.f("output_norm.weight")
     backend = make_experts(experts) if experts else None
     for b in blocks:
-        if hasattr(b.ffn, "experts"):
+        if isinstance(b.ffn, MoE):
             b.ffn.experts = backend
     if backend is not None:  # a backend may predict the next layer's routing with its router
-        backend.set_routers({b.ffn.layer: b.ffn for b in blocks if hasattr(b.ffn, "experts")})
+        backend.set_routers({b.ffn.layer: b.ffn for b in blocks if isinstance(b.ffn, MoE)})
     L.finish()
     return CausalLM(args, embed, blocks, out_norm, head, cache_spec, L.device, dtype, experts=backend)
