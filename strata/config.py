@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -72,6 +73,11 @@ class ExpertConfig:
         "decode: predict the next MoE layer's experts with its router on this layer's input and start copying "
         "the uncached ones during this layer (off by default: it cost more host time than it hid)",
         flag="--expert-prefetch", dest="expert_prefetch"))
+
+    def tiered(self) -> bool:
+        """The one rule for --experts: tiered when asked for (tiered, or an explicit slot count) or, with auto, when
+        a VRAM budget is given; otherwise every expert is resident on the compute device."""
+        return self.mode == "tiered" or self.slots is not None or (self.mode == "auto" and self.vram_gb is not None)
 
     def validate(self) -> None:
         check_choices(self)

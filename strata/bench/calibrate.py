@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import logging
 import os
 import statistics
@@ -29,32 +28,14 @@ from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 from strata import StrataError
+from strata.experts.calibration import (  # noqa: F401 - the saved calibration's format lives below the engine
+    FORMAT, VERSION, Setting, apply_calibration, budget_key, calibration_dir, calibration_path, load_calibration,
+    model_key, save_calibration)
 
 log = logging.getLogger("strata")
 
-FORMAT, VERSION = "strata-calibration", 1
 THRESHOLD = 0.03  # a candidate must be > 3% faster than the current setting
 KNOBS = ("threads", "plan", "pcie_share", "cache_policy", "promote_min", "swap_budget")
-
-
-@dataclass(frozen=True)
-class Setting:
-    """The knobs calibrate tunes (the engine flags of the same names)."""
-
-    threads: int  # --cpu-threads (0 = physical cores)
-    cpu_plan: str  # --cpu-plan: auto, or one CPU share per miss count
-    cache_policy: str  # --cache-policy
-    promote_min: float  # --promote-min (lfu-decay only)
-    swap_budget: int  # --swap-budget
-
-    def flags(self) -> list[str]:
-        return ["--cpu-threads", str(self.threads), "--cpu-plan", self.cpu_plan, "--cache-policy", self.cache_policy,
-                "--promote-min", f"{self.promote_min:g}", "--swap-budget", str(self.swap_budget)]
-
-    def diff(self, other: "Setting") -> dict:
-        """{knob: (self's value, other's value)} where they differ."""
-        return {f.name: (getattr(self, f.name), getattr(other, f.name)) for f in dataclasses.fields(self)
-                if getattr(self, f.name) != getattr(other, f.name)}
 
 
 @dataclass
@@ -182,83 +163,7 @@ def candidate_space(k: int, cpu_ms: dict[int, float], knobs: Sequence[str] = KNO
     return space
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# where results live, and how the engine reads them
-
-
-def calibration_dir() -> Path:
-    from strata.experts.costs import cache_dir
-
-    return cache_dir() / "calibration"
-
-
-def model_key(model_path: str | os.PathLike) -> str:
-    """The model file by name and size (a re-download of the same file keeps its calibration)."""
-    p = Path(model_path)
-    try:
-        size = p.stat().st_size
-    except OSError:
-        size = -1
-    return f"{p.name}:{size}"
-
-
-def budget_key(device: str, vram_gb: float | None, slots: int | None) -> str:
-    """What decides the cache's size (and so which knobs win): the device and the VRAM budget or slot count."""
-    return f"device={device} vram_gb={vram_gb} slots={slots}"
-
-
-def calibration_path(model_path: str | os.PathLike, cfg) -> Path:
-    """Where the calibration of `model_path` with engine config `cfg` on this machine lives."""
-    import torch
-
-    from strata.experts.costs import machine_id
-
-    key = "\n".join([machine_id(torch.device(cfg.device)), model_key(model_path),
-                     budget_key(cfg.device, cfg.experts.vram_gb, cfg.experts.slots)])
-    return calibration_dir() / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
-
-
-def load_calibration(model_path: str | os.PathLike, cfg) -> dict | None:
-    """The saved calibration for this machine, model and budget, or None (a damaged file is ignored)."""
-    path = calibration_path(model_path, cfg)
-    if not path.exists():
-        return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        if data.get("format") != FORMAT or data.get("version") != VERSION:
-            return None
-        Setting(**data["setting"])
-        return data
-    except (OSError, ValueError, TypeError, KeyError) as e:
-        log.warning("strata: ignoring calibration %s: %s", path, e)
-        return None
-
-
-def apply_calibration(cfg, calib: dict, explicit: set[str] = frozenset()) -> dict:
-    """Set cfg.experts' knobs from a calibration, except those named in `explicit` (ExpertConfig field names
-    the user set) or already moved from their defaults. Returns {field: (old, new)} of what changed."""
-    from strata.config import ExpertConfig
-
-    s = Setting(**calib["setting"])
-    defaults = ExpertConfig()
-    ex = cfg.experts
-    changed = {}
-    for field, value in (("cpu_threads", s.threads), ("cpu_plan", s.cpu_plan), ("cache_policy", s.cache_policy),
-                         ("promote_min", s.promote_min), ("swap_budget", s.swap_budget)):
-        if field in explicit or getattr(ex, field) != getattr(defaults, field):
-            continue
-        if getattr(ex, field) != value:
-            changed[field] = (getattr(ex, field), value)
-            setattr(ex, field, value)
-    ex.validate()
-    return changed
-
-
-def save_calibration(path: Path, data: dict) -> None:
-    from strata.experts.profile import atomic_write_text
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, json.dumps({"format": FORMAT, "version": VERSION, **data}, indent=1, default=str))
+# where results live, and how the engine reads them: strata.experts.calibration
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -368,7 +273,7 @@ def _reconfigure(b, s: Setting, old: Setting) -> None:
         if s.cache_policy == "lfu-decay":
             kw["promote_min"] = s.promote_min
         b.policy = make_policy(s.cache_policy, L, E, b.cache.slots, **kw)
-        b._pending = [{} for _ in b.layer_ids]
+        b.pending = [{} for _ in b.layer_ids]
         for li in range(L):
             b.cache.upload_map(li, b.policy.expert_map()[li])
 

@@ -54,21 +54,12 @@ def record_routing(model) -> Iterator[RoutingTrace]:
         raise ValueError("the model has no MoE layers")
     n_experts = _n_experts(model)
     trace = RoutingTrace(n_experts)
-    inner = backend.forward
-    own = "forward" in vars(backend)  # an instance attribute to put back, not the class's method
 
-    def forward(layer, x, ids, w):
+    def tap(layer, ids):
         trace.add(layer, ids.detach().to("cpu").numpy())  # [N, k]
-        return inner(layer, x, ids, w)
 
-    backend.forward = forward
-    try:
+    with model.tap_routing(tap):
         yield trace
-    finally:
-        if own:
-            backend.forward = inner
-        else:
-            del backend.forward  # the wrapper shadowed the class's method
 
 
 def _n_experts(model) -> int:

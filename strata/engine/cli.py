@@ -63,10 +63,9 @@ def load_from_args(args):
 def _apply_saved_calibration(path: str, cfg) -> None:
     """`strata calibrate` saves the best expert settings per machine + model + budget; use them unless the user
     set those flags (a flag moved from its default always wins)."""
-    if cfg.experts.mode == "resident" or (cfg.experts.vram_gb is None and cfg.experts.slots is None
-                                           and cfg.experts.mode != "tiered"):
+    if not cfg.experts.tiered():
         return
-    from strata.bench.calibrate import apply_calibration, load_calibration
+    from strata.experts.calibration import apply_calibration, load_calibration
 
     calib = load_calibration(path, cfg)
     if calib:
@@ -129,14 +128,12 @@ def _report(seq, engine) -> None:
     if seq.draft_n:
         print(f"strata: drafts accepted {seq.draft_accepted} of {seq.draft_n} "
               f"({seq.draft_accepted / seq.draft_n:.0%}) in {seq.draft_steps} verify steps", file=sys.stderr)
-    stats = getattr(engine.model.experts, "stats", None)
-    if stats is not None and hasattr(stats, "summary"):
-        print(f"strata: experts {stats.summary()}", file=sys.stderr)
-    prof = getattr(engine.model.experts, "profile_report", None)
-    if callable(prof):
-        r = prof()
-        if r:
-            print(r, file=sys.stderr)
+    experts = engine.model.experts  # an ExpertsBackend, None for a dense model
+    if experts is not None and experts.stats is not None:
+        print(f"strata: experts {experts.stats.summary()}", file=sys.stderr)
+    r = experts.profile_report() if experts is not None else ""
+    if r:
+        print(r, file=sys.stderr)
 
 
 def cmd_generate(args) -> int:

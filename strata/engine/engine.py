@@ -82,15 +82,16 @@ class Engine:
         self.max_ctx = lm.max_ctx
         self.device = self.model.device  # before _default_chunk, which reads it
         self.kv = self.model.new_kv_cache(self.n_slots, self.max_ctx, lm.cfg.torch_kv_dtype)
-        setup = getattr(self.model.experts, "setup", None)
+        experts = self.model.experts  # an ExpertsBackend (strata.experts.backend), None for a dense model
         chunk = prefill_chunk or lm.cfg.prefill_chunk
-        if callable(setup):  # size the expert cache from what is left after the KV cache and a prefill chunk
+        if experts is not None and experts.sizes_cache:
+            # size the expert cache from what is left after the KV cache and a prefill chunk
             act = 0
             if self.device.type == "cuda":  # room for a large chunk: each chunk streams the uncached experts once
                 bpt = prefill_bytes_per_token(lm.args.d_model, lm.args.n_experts_used)
                 chunk = chunk or prefill_chunk_for(self._vram_left(), bpt)
                 act = chunk * bpt
-            setup(lm.args.n_experts_used, act)
+            experts.setup(lm.args.n_experts_used, act)
         self.prefill_chunk = chunk or self._default_chunk()
         cfg = lm.cfg
         self.draft_max = getattr(cfg, "draft_max", 0)
@@ -108,7 +109,7 @@ class Engine:
             from strata.experts.resident import DECODE_PAIRS
 
             k = max(1, lm.args.n_experts_used or 1)
-            limit = self.model.experts.max_graph_batch(k) if callable(setup) else DECODE_PAIRS // k
+            limit = experts.max_graph_batch(k) if experts is not None else DECODE_PAIRS // k
             self.graph_batch = max(1, min(self.n_slots, limit))
         if graphs:
             from strata.engine.graphs import DecodeGraphs
@@ -223,14 +224,14 @@ class Engine:
                     log.warning("strata: CUDA graph capture failed (%s: %s); decoding without graphs",
                                 type(e).__name__, e)
                     self.graphs = None
-                    if hasattr(self.model.experts, "recorder"):
-                        self.model.experts.recorder = None
                 else:
                     raise
         t = torch.tensor(toks, device=self.device)
         p = torch.tensor(poss, device=self.device)
+        phase = "decode" if plan.prefill is None else "prefill" if len(segs) == 1 else "mixed"
+        ctx = self.model.step_context(segs, len(toks), phase=phase, graphs=self.graphs is not None)
         try:
-            return self.model.forward(t, p, segs, self.kv, rows=plan.rows)  # [len(segs) or len(rows), V]
+            return self.model.forward(t, p, segs, self.kv, rows=plan.rows, ctx=ctx)  # [len(segs) or len(rows), V]
         except torch.OutOfMemoryError:
             self._out_of_memory(plan.prefill)
             return None

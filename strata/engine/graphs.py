@@ -1,21 +1,23 @@
 """Decode steps replayed as CUDA graphs: captured per (KV slots, attention window), in pieces.
 
-A Python decode step launches thousands of small kernels (measured: ~6,250 per token on Qwen3-30B-A3B shapes,
-124 ms of host time against 27 ms of GPU time); replaying captured graphs launches them at once (resident
-experts, B1: 13 -> 40 tok/s). Capture needs static shapes and no host reads: the token and position live in
-device buffers, attention spans a fixed window of the KV cache masked beyond the position (`Segment.window`).
+A Python decode step launches thousands of small kernels, and its host time far exceeds its GPU time; replaying
+captured graphs launches them at once (the measured counts and speed-ups are in docs/BENCHMARKS.md). Capture
+needs static shapes and no host reads: the token and position live in device buffers, attention spans a fixed
+window of the KV cache masked beyond the position (`Segment.window`).
 Windows are powers of two, so a sequence re-captures at most log2(context) times. Several decoding sequences
 (resident experts, `--parallel` with `--cuda-graphs`) share one step: each has its own device position and is
 masked within the window of the furthest one; a set of slots is captured once per window.
 
 Tiered experts must hand each MoE layer's routing to the host (the CPU lane computes misses where they lie,
-the host picks and copies what crosses PCIe). The backend marks those points with `recorder.cut(fn)`: while
+the host picks and copies what crosses PCIe). The step's `StepContext` carries the recorder to the experts
+backend, which marks those points with `recorder.cut(fn)`: while
 capturing, a cut ends the current graph and starts the next one, and `fn` is remembered; a replay runs
 graph 0, fn 0, graph 1, fn 1, ... A hand-off `fn` may return a `post` callable, run right after the next
 graph is launched (bookkeeping that should not delay the GPU). All pieces of one window share a private
 memory pool and are replayed in capture order, so tensors passed from one piece to the next stay valid.
 Outside capture (warm-up, CPU, and `cut` calls during an eager static step) a cut runs `fn` and its `post`
-at once: the same code path, which is what the CPU tests exercise.
+at once: the same code path, which is what the CPU tests exercise. The capture's forward does not begin a step
+on the experts backend (its hand-offs do not run then); each replay does, before its first piece.
 
 `--profile` with graphs: every piece and hand-off is timed on the host with a device sync after it, and the
 time goes to the bucket the cut names (so the breakdown adds up to the step).
@@ -29,6 +31,7 @@ from typing import Callable
 
 import torch
 
+from strata.experts.backend import StepContext
 from strata.kv.cache import KVCache, Segment
 
 MIN_WINDOW = 256
@@ -41,9 +44,7 @@ class PieceRecorder:
     """Collects the pieces of one capture; outside capture, runs hand-offs inline."""
 
     def __init__(self):
-        self.active = False  # inside a static decode step (backends take their graph-safe path)
         self.capturing = False
-        self.warmup = False  # a warm-up forward before capture: backends may skip counting it
         self.pieces: list[tuple[torch.cuda.CUDAGraph, Handoff | None, str]] = []
         self._g: torch.cuda.CUDAGraph | None = None
         self._pool = None
@@ -96,14 +97,13 @@ class DecodeGraphs:
         self.pos = torch.zeros(max_batch, dtype=torch.long, device=dev)
         self.cuda = dev.type == "cuda"
         self.rec = PieceRecorder()
-        self.experts = getattr(model, "experts", None)
-        if self.experts is not None and hasattr(self.experts, "recorder"):
-            self.experts.recorder = self.rec
+        self.experts = model.experts  # an ExpertsBackend, or None for a dense model
         # (slots, window) -> (pieces, logits), least recently used first
         self.graphs: OrderedDict[tuple, tuple[list, torch.Tensor]] = OrderedDict()
-        self.profiling = bool(getattr(self.experts, "profiling", False))
-        if self.profiling and hasattr(self.experts, "profile"):
-            self.rec.profile = self.experts.profile.add
+        self.profiler = self.experts.profiler if self.experts is not None else None
+        self.profiling = self.profiler is not None
+        if self.profiling:
+            self.rec.profile = self.profiler.profile.add
 
     def window_for(self, pos: int) -> int:
         w = MIN_WINDOW
@@ -114,13 +114,14 @@ class DecodeGraphs:
     def _segments(self, window: int, slots: tuple[int, ...]) -> list[Segment]:
         return [Segment(s, 0, 1, pos_t=self.pos[i:i + 1], window=window) for i, s in enumerate(slots)]
 
-    def _forward(self, segs):
-        self.rec.active = True
+    def _context(self, b: int, live: bool = True, counting: bool = True) -> StepContext:
+        return StepContext(n_tokens=b, phase="decode", recorder=self.rec, graphs=True, live=live, counting=counting,
+                           profiler=self.profiler)
+
+    def _forward(self, segs, live: bool = True, counting: bool = True):
         b = len(segs)
-        try:
-            return self.model.forward(self.tok[:b], self.pos[:b], segs, self.kv)
-        finally:
-            self.rec.active = False
+        ctx = self._context(b, live, counting)
+        return self.model.forward(self.tok[:b], self.pos[:b], segs, self.kv, ctx=ctx)
 
     def _capture(self, key: tuple):
         slots, window = key
@@ -128,16 +129,12 @@ class DecodeGraphs:
         side = torch.cuda.Stream(self.model.device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up: Triton compiles, allocator settles (rewrites the same K/V)
-            self.rec.warmup = True
-            try:
-                for _ in range(2):
-                    self._forward(segs)
-            finally:
-                self.rec.warmup = False
+            for _ in range(2):
+                self._forward(segs, counting=False)  # statistics skip the warm-up
             side.synchronize()
             self.rec.start(torch.cuda.graph_pool_handle())
             try:
-                out = self._forward(segs)
+                out = self._forward(segs, live=False)  # the hand-offs run at each replay
             except BaseException:
                 self.rec.abort()
                 raise
@@ -182,6 +179,8 @@ class DecodeGraphs:
         if got is not None:
             self.graphs.move_to_end(key)
         pieces, out = got or self._capture(key)
+        if self.experts is not None:
+            self.experts.begin_step(self._context(b))
         if self.profiling:
             self._replay_timed(pieces)
             return out

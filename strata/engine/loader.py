@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -31,8 +32,7 @@ def make_experts_factory(cfg: EngineConfig):
     from strata.experts.resident import ResidentExperts
 
     def make(layers: dict):
-        mode = cfg.experts.mode
-        if mode in ("tiered",) or (mode == "auto" and cfg.experts.vram_gb is not None) or cfg.experts.slots is not None:
+        if cfg.experts.tiered():
             from strata.experts.tiered import TieredExperts  # noqa: WPS433 - optional heavy path
 
             return TieredExperts(layers, cfg)
@@ -45,8 +45,8 @@ def make_experts_factory(cfg: EngineConfig):
 def expandable_segments() -> None:
     """Let torch's CUDA allocator grow segments in place (unless PYTORCH_CUDA_ALLOC_CONF says otherwise): under
     the budget's cap (strata.experts.cache.cap_to_budget) freed memory then goes back page by page rather than
-    in whole segments. On the H200 machine the 8 GiB rows stayed within budget either way (7.77 / 7.68 GiB, 4K
-    prefill 5,167 / 5,616 tok/s: within the runs' spread). Called before the first weights are allocated (the
+    in whole segments (measured within budget and within the runs' spread either way: docs/BENCHMARKS.md). Called
+    before the first weights are allocated (the
     setting applies to segments made afterwards); STRATA_FIXED_SEGMENTS=1 keeps torch's default."""
     from strata.config import env
 
@@ -62,7 +62,10 @@ def expandable_segments() -> None:
         log.info("strata: expandable CUDA segments unavailable (%s)", e)
 
 
-def load_model(path: str, cfg: EngineConfig | None = None, with_tokenizer: bool = True) -> LoadedModel:
+def load_model(path: str, cfg: EngineConfig | None = None, with_tokenizer: bool = True,
+               experts: Callable[[dict], object] | None = None) -> LoadedModel:
+    """Open a GGUF and build its model. experts: a factory {layer: ExpertWeights} -> ExpertsBackend used instead of
+    the one the config chooses (strata.experts.backend)."""
     cfg = cfg or EngineConfig(model=str(path))
     cfg.validate()
     g = open_gguf(path)
@@ -72,14 +75,11 @@ def load_model(path: str, cfg: EngineConfig | None = None, with_tokenizer: bool 
     if cfg.ctx_size and cfg.ctx_size > args.ctx_len:
         log.warning("context %d exceeds the model's trained context %d", cfg.ctx_size, args.ctx_len)
     if cfg.torch_device.type == "cuda":
-        from strata.ops import qgemv
-
         from strata.experts.cache import release_caps
 
         expandable_segments()
         release_caps()
-        qgemv.install()
-    model = fam.build(g, cfg, make_experts_factory(cfg), max_ctx, args=args)
+    model = fam.build(g, cfg, experts or make_experts_factory(cfg), max_ctx, args=args)
     lm = LoadedModel(model, g, args, cfg, max_ctx)
     if with_tokenizer and "tokenizer.ggml.model" in g.metadata:
         from strata.gguf.chat_template import ChatTemplate

@@ -16,14 +16,13 @@ import dataclasses
 import hashlib
 import logging
 import os
-import pathlib
 import platform
 import statistics
 import time
 
 import torch
 
-from strata.config import env
+from strata.config import cache_dir, env  # noqa: F401 - cache_dir: where callers found it before
 from strata.experts.cpu_lane import CpuLane
 from strata.experts.plan import CostModel
 from strata.experts.resident import ExpertWeights, expert_ffn
@@ -33,11 +32,6 @@ log = logging.getLogger("strata")
 
 DECODE_GAP_MS = 0.2  # the lane's idle time between a decode step's calls (a layer's GPU work)
 SAMPLE_EXPERTS = 32  # experts cycled through per measurement (more bytes than a last-level cache)
-
-
-def cache_dir() -> pathlib.Path:
-    base = env("STRATA_CACHE_DIR") or os.path.join(env("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "strata")
-    return pathlib.Path(base)
 
 
 def machine_id(device: torch.device) -> str:

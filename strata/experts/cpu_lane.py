@@ -14,7 +14,7 @@ Kernels per expert FFN (`silu(x @ gate.T) * (x @ up.T) @ down.T`):
   weight so an expert is two calls. Q8_0 (per-32-block scales, which the per-row `_weight_int8pack_mm`
   cannot take) goes as two int4 halves along a doubled k: exact up to the bf16 scales, 10 bits per weight.
 
-- `native`: Q4_K / Q6_K / Q8_0 experts read in place by a compiled kernel (`strata.experts.cpu_native`: int8 activations,
+- `native`: Q4_K / Q6_K / Q8_0 experts read in place by a compiled kernel (`strata.ops.cpu_native`: int8 activations,
   AVX2 integer dot products, every expert of a token-layer in one call); needs a C compiler at first use.
 
 `auto` takes `native` for bf16/f16 activations and Q4_K/Q6_K/Q8_0 experts when the kernel builds, else `int4` for a
@@ -154,7 +154,7 @@ def native_supported(ew: ExpertWeights) -> bool:
 
 
 def _native_lib():
-    from strata.experts import cpu_native
+    from strata.ops import cpu_native
 
     return cpu_native.load()
 
@@ -189,8 +189,8 @@ class CpuLane:
             torch.set_num_threads(threads)
         self.threads = torch.get_num_threads()
         # a prefill chunk's CPU share is many rows per expert: it runs at the start-up count (what the cost model
-        # measured), not at the fewer threads the decode tuner may pick for one-token GEMVs (on the H200 machine
-        # a 4K prefill at 8 GiB fell from ~6,000 to 2,063 tok/s when its CPU share ran on the tuner's 4 threads)
+        # measured), not at the fewer threads the decode tuner may pick for one-token GEMVs (a long prompt's
+        # prefill lost most of its speed when its CPU share ran on the tuner's count: docs/BENCHMARKS.md)
         self.full_threads = self.threads
         self.layers, self.dtype = layers, dtype
         self.kernel: dict[int, str] = {}
@@ -209,7 +209,12 @@ class CpuLane:
             elif kernel == "int4" and not int4_supported(ew):
                 raise StrataError(f"layer {i}: the int4 CPU kernel does not take {ew.gate.qtype.name}/"
                                   f"{ew.down.qtype.name} experts of shape {ew.gate.shape[1:]}")
-            elif kernel == "native" and not (native_supported(ew) and _native_lib() is not None):
+            elif kernel == "native" and _native_lib() is None:
+                from strata.ops import cpu_native
+
+                why = cpu_native.unavailable() or "it did not load"
+                raise StrataError(f"--cpu-kernel native: the native CPU kernel is unavailable: {why}")
+            elif kernel == "native" and not native_supported(ew):
                 raise StrataError(f"layer {i}: the native CPU kernel takes Q4_K/Q6_K/Q8_0 experts with dimensions that are "
                                   f"multiples of 256 and needs a C compiler (got {ew.gate.qtype.name}/"
                                   f"{ew.down.qtype.name}, {ew.gate.shape[1:]})")
@@ -217,7 +222,7 @@ class CpuLane:
             if want == "int4":
                 self._int4[i] = {}  # filled lazily per expert, or all at once by prepare()
             elif want == "native":
-                from strata.experts.cpu_native import NativeExperts
+                from strata.ops.cpu_native import NativeExperts
 
                 self._native[i] = NativeExperts(ew.gate.raw, ew.up.raw, ew.down.raw, fmt_gate_up=ew.gate.qtype.name,
                                                 fmt_down=ew.down.qtype.name)

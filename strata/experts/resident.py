@@ -42,10 +42,37 @@ class ExpertWeights:
 
 
 class ResidentExperts:
+    """Every expert on the compute device (an `ExpertsBackend`): nothing to cache, plan or count."""
+
+    sizes_cache = False
+    profiler = None
+    stats = None
+
     def __init__(self, layers: dict[int, ExpertWeights]):
         self.layers = layers
 
-    def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def setup(self, k: int, act_bytes: int = 0) -> None:
+        pass
+
+    def max_graph_batch(self, k: int) -> int:
+        return max(1, DECODE_PAIRS // max(k, 1))
+
+    def set_routers(self, moes: dict) -> None:
+        pass
+
+    def begin_step(self, ctx) -> None:
+        pass
+
+    def begin_request(self) -> None:
+        return None
+
+    def profile_report(self, measured_ms: float | None = None) -> str:
+        return ""
+
+    def close(self) -> None:
+        pass
+
+    def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, ctx=None) -> torch.Tensor:
         ew = self.layers[layer]
         n, k = ids.shape
         if x.is_cuda and n * k <= DECODE_PAIRS:

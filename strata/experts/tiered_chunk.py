@@ -1,4 +1,4 @@
-"""The tiered backend's prefill-chunk streaming (`strata.experts.tiered.TieredExperts` on a chunk).
+"""The tiered backend's prefill-chunk streaming (the eager executor, `strata.experts.tiered_eager`, on a chunk).
 
 A chunk routes its tokens to most experts of a layer; the uncached ones cross PCIe once for the chunk. They land
 in the cache's ring of chunk buffers (`ExpertCache.chunk_stage`), one grouped FFN call per buffer. The copy into
@@ -13,20 +13,21 @@ from __future__ import annotations
 import numpy as np
 
 
-def stream_chunk(be, layer: int, x, staged, y, t_pcie, waited: bool, pre) -> None:
-    """A chunk's streamed experts (be: the TieredExperts backend; staged: [(expert, tokens, pairs)]) computed
+def stream_chunk(ex, layer: int, x, staged, y, t_pcie, waited: bool, pre) -> None:
+    """A chunk's streamed experts (ex: the eager executor; staged: [(expert, tokens, pairs)]) computed
     from the chunk ring: first those prefetched (copied during the previous layer), then the rest, a buffer per
     batch (one grouped call per buffer, no host waits)."""
+    be = ex.t
     cache = be.cache
     stage = cache.chunk_stage(layer)
 
     def compute(b, groups, ev):
         nonlocal waited
         cache.wait(ev)
-        if be.profiling and not waited:
-            be._span("pcie_wait", t_pcie)
+        if be.profiler and not waited:
+            be.profiler.span("pcie_wait", t_pcie)
             waited = True
-        be._grouped(*stage.bufs[b], x, groups, y)
+        ex.grouped(*stage.bufs[b], x, groups, y)
         stage.done[b] = cache.record()
 
     if pre is not None:
@@ -43,17 +44,17 @@ def stream_chunk(be, layer: int, x, staged, y, t_pcie, waited: bool, pre) -> Non
         b = stage.take()
         ev = cache.copy_many(layer, [e for e, _, _ in batch], stage.bufs[b], after=stage.done[b])
         compute(b, [(s, tok, p) for s, (_, tok, p) in enumerate(batch)], ev)
-    if be.profiling and not waited:
-        be._span("pcie_wait", t_pcie)
+    if be.profiler and not waited:
+        be.profiler.span("pcie_wait", t_pcie)
 
 
 def prefetch(be, li: int) -> None:
-    """Copy MoE layer li's uncached experts, hottest first and at most the ring's capacity (more would overwrite
+    """(be: the TieredExperts backend.) Copy MoE layer li's uncached experts, hottest first and at most the ring's capacity (more would overwrite
     its own first batches), into the ring's next buffers: a large chunk routes to nearly every expert, so they
     will be needed (those that are not cost link time only). The layer's forward computes them from there."""
     layer = be.layer_ids[li]
     stage = be.cache.chunk_stage(layer)
-    row, pending = be.policy.expert_map()[li], be._pending[li]
+    row, pending = be.policy.expert_map()[li], be.pending[li]
     scores = be.policy.scores(li)
     cand = [e for e in np.argsort(-scores, kind="stable").tolist() if row[e] < 0 and e not in pending]
     cand = sorted(cand[:stage.capacity])  # in id order: runs of consecutive experts copy as one

@@ -32,7 +32,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from strata import StrataError
+from strata.experts.pipeline import admit, plan_handoff
 from strata.experts.resident import combine
 from strata.ops.expert_gather import gather_expert_ffn
 
@@ -71,15 +71,20 @@ class GraphedDecode:
         self.prefetched: dict[int, tuple[int, dict[int, int], object]] = {}
         self._step = 0
 
+    def new_step(self) -> None:
+        """A graphed step begins (its prefetches are told apart from the previous step's)."""
+        self._step += 1
+
     def _bufs(self, li: int, n: int, k: int, x: torch.Tensor) -> _Buffers:
         b = self.bufs.get((li, n))
         if b is None:
             b = self.bufs[(li, n)] = _Buffers(n, k, x.shape[-1], x.dtype, x.device, self.t.cuda)
         return b
 
-    def forward(self, rec, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """x [N, d], ids/w [N, k]: N decoding sequences' tokens (N*k pairs within the grouped kernel's size)."""
-        t = self.t
+    def forward(self, ctx, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x [N, d], ids/w [N, k]: N decoding sequences' tokens (N*k pairs within the grouped kernel's size), in
+        the graphed step `ctx` (its recorder takes the cuts)."""
+        t, rec = self.t, ctx.recorder
         N, k = ids.shape
         li = t.index[layer]
         b = self._bufs(li, N, k, x)
@@ -95,14 +100,14 @@ class GraphedDecode:
         # piece H: hits from the device map (no host involvement)
         xs = x.repeat_interleave(k, dim=0) if N > 1 else x.expand(k, -1).contiguous()  # [N*k, d]
         y_hit = gather_expert_ffn(xs, pool.gate, pool.up, pool.down, t.cache.map[li].index_select(0, ids.view(-1)))
-        rec.cut(self._handoff(li, layer, N, k, b, rec), label="gpu_experts")
+        rec.cut(self._handoff(li, layer, N, k, b, ctx.counting), label="gpu_experts")
         # piece B: what the host decided comes up, staged experts run, all three parts summed
         b.stage_d.copy_(b.stage_h, non_blocking=True)
         b.ycpu_d.copy_(b.ycpu_h, non_blocking=True)
         y_stage = gather_expert_ffn(xs, pool.gate, pool.up, pool.down, b.stage_d)
         y = y_hit + y_stage + b.ycpu_d  # [N*k, d] float32: one of the three is each choice's output
         out = combine(y.view(N, k, -1), w, x.dtype)
-        if t.profiling:
+        if t.profiler is not None:
             rec.cut(None, label="pcie_staged")  # waiting for this layer's copies, staged compute, combine
         return out
 
@@ -115,17 +120,12 @@ class GraphedDecode:
         fn.bucket = "router_shared"
         return fn
 
-    def _handoff(self, li: int, layer: int, N: int, k: int, b: _Buffers, rec):
+    def _handoff(self, li: int, layer: int, N: int, k: int, b: _Buffers, counting: bool):
         t = self.t
 
         def fn():
             if b.ready is not None:
                 b.ready.synchronize()  # the routing is on the host; piece H may still be running
-            counting = not rec.warmup
-            if li == 0:
-                self._step += 1
-                if counting:
-                    t._begin_step(N, graphed=True)
             pol, cache = t.policy, t.cache
             # plain Python on a few ids: numpy's per-call costs would dominate (this runs for every layer)
             row = pol.hit_row(li)  # the host mirror, as the device map was when piece H was queued
@@ -146,27 +146,22 @@ class GraphedDecode:
             if N == 1 and t.ex.prefetch_next and li + 1 < len(t.layer_ids) and t.next_moe.get(layer) is not None:
                 self._prefetch_next(li + 1, b)
             if counting:
-                n = N * k
-                t.stats.add_layer(n - n_cpu - n_pcie, n_cpu, n_pcie, N)
-                t.request.add_layer(n - n_cpu - n_pcie, n_cpu, n_pcie, N)
+                t.count(N * k - n_cpu - n_pcie, n_cpu, n_pcie, N)
 
             def post():  # after piece B is launched: learn from this routing, admit, refresh the map
-                pol.observe(li, ids_l)
-                swaps = pol.plan_swaps(li)
-                pol.commit(li, swaps)
+                swaps = admit(pol, li, ids_l)
                 if swaps:
                     cache.begin_copies()  # victims may still be read by queued pieces
                     for sw in swaps:
                         dst = cache.slot(layer, sw.slot)
                         src = streamed.get(sw.admit)
                         if src is not None:  # it came up this step: copied on the device, not over PCIe again
-                            t._pending[li][sw.admit] = cache.promote(layer, src, dst)
+                            t.pending[li][sw.admit] = cache.promote(layer, src, dst)
                         else:
-                            t._pending[li][sw.admit] = cache.copy(layer, sw.admit, dst)
+                            t.pending[li][sw.admit] = cache.copy(layer, sw.admit, dst)
                     if counting:
-                        t.stats.swaps += len(swaps)
-                        t.request.swaps += len(swaps)
-                if t._poll(li, upload=False) or swaps:  # copies done (always, on the host): ready from now
+                        t.count(0, 0, 0, 0, swaps=len(swaps))
+                if t.poll(li, upload=False) or swaps:  # copies done (always, on the host): ready from now
                     self._upload(li, b)
 
             return post
@@ -176,57 +171,37 @@ class GraphedDecode:
 
     def _serve_misses(self, li: int, layer: int, N: int, k: int, b: _Buffers, ids_l: list, hit: list, pre: dict,
                       pre_ev) -> tuple[dict[int, int], int, int]:
-        """A hand-off with misses: split each token's misses by the plan, start the PCIe share into staging slots
-        (or take them from the previous layer's prefetch), compute the CPU share now while piece H runs, write
-        the staging table and the CPU outputs for piece B. Returns (expert -> staging slot, CPU pairs, PCIe
-        pairs)."""
+        """A hand-off with misses: the plan's decision (strata.experts.pipeline.plan_handoff) carried out -- the
+        PCIe share started into staging slots (or taken from the previous layer's prefetch), the CPU share
+        computed now while piece H runs, the staging table and the CPU outputs written for piece B. Returns
+        (expert -> staging slot, CPU pairs, PCIe pairs)."""
         t = self.t
         pol, cache = t.policy, t.cache
-        avail = [h or e in pre for h, e in zip(hit, ids_l)]  # prefetched misses cost the plan nothing
-        # each token's misses split by the plan; an expert streamed for one token serves all its pairs
-        cpu_pairs: list[int] = []
-        streamed: dict[int, int] = {}  # expert -> staging slot (filled below)
-        keys = pol.rank_keys(li)  # ranks as the scores do (the coldest misses go to the CPU)
-        for tok in range(N):
-            pairs = [p for p in range(tok * k, tok * k + k) if not avail[p]]
-            if not pairs:
-                continue
-            _, pcie = t.plan.choose([ids_l[p] for p in pairs], keys)
-            for e in pcie:
-                streamed.setdefault(e, -1)
         ring = cache.staging_for(layer)
-        if len(streamed) > ring:  # more distinct experts than staging slots: the rest go to the CPU
-            streamed = dict(list(streamed.items())[:ring])
-        if t.lane is None and any(not avail[p] and ids_l[p] not in streamed for p in range(N * k)):
-            raise StrataError(f"{N} sequences missed more experts than the {ring} staging slots hold and the "
-                              "plan leaves the CPU lane off; decode fewer sequences per step")
+        # ranks as the scores do (the coldest misses go to the CPU)
+        dec = plan_handoff(ids_l, hit, N, k, pol.rank_keys(li), t.plan, prefetched=pre, ring=ring,
+                           lane=t.lane is not None)
         stage = b.stage_np
         stage.fill(-1)
-        n_pcie = 0
-        if streamed:
+        streamed: dict[int, int] = {}  # expert -> staging slot
+        if dec.stream:
             # Staging slots were last read by an earlier layer's piece B, which finished before piece A
             # of this layer (we waited for it), so the copies need not wait for the main stream.
-            slots = cache.stage_slots(layer, len(streamed))
-            experts = list(streamed)
-            streamed = dict(zip(experts, slots))
-            cache.wait(cache.copy_slots(layer, experts, slots))  # piece B waits for them; the host does not
-        used = 0
+            slots = cache.stage_slots(layer, len(dec.stream))
+            streamed = dict(zip(dec.stream, slots))
+            cache.wait(cache.copy_slots(layer, dec.stream, slots))  # piece B waits for them; the host does not
         for e in {e for h, e in zip(hit, ids_l) if not h and e in pre}:  # prefetched during the previous layer
             streamed.setdefault(e, pre[e])
+        cpu_pairs = dec.cpu_pairs
         for p, e in enumerate(ids_l):
-            if hit[p]:
-                continue
-            s = streamed.get(e)
-            if s is not None:
-                stage[p] = s
-                n_pcie += 1
-                used += e in pre
-            else:
-                cpu_pairs.append(p)
-        b.stage_dirty = n_pcie > 0
-        if used:
+            if not hit[p]:
+                s = streamed.get(e)
+                if s is not None:
+                    stage[p] = s
+        b.stage_dirty = dec.pcie_pairs > 0
+        if dec.prefetched_pairs:
             cache.wait(pre_ev)
-            t.prefetch_used += used
+            t.prefetch_used += dec.prefetched_pairs
         ycpu = b.ycpu_h
         if b.cpu_rows:  # last step's CPU rows back to 0 (one indexed write)
             ycpu[b.cpu_rows] = 0.0
@@ -244,7 +219,7 @@ class GraphedDecode:
                 rows = [p for ps in by_expert.values() for p in ps]
             ycpu[rows] = out
             b.cpu_rows = rows
-        return streamed, len(cpu_pairs), n_pcie
+        return streamed, len(cpu_pairs), dec.pcie_pairs
 
     def _prefetch_next(self, nl: int, b: _Buffers) -> None:
         """Start copying the next MoE layer's predicted experts that its cache lacks into its staging ring (the

@@ -437,20 +437,14 @@ def capture_routing(lm, tokens: list[int]) -> dict[int, "torch.Tensor"]:
     if m.experts is None:
         raise StrataError("the model has no MoE layers")
     got: dict[int, torch.Tensor] = {}
-    inner = m.experts.forward
 
-    def record(layer, x, ids, w):
+    def tap(layer, ids):
         got[layer] = ids.detach().to("cpu")
-        return inner(layer, x, ids, w)
 
-    m.experts.forward = record
-    try:
-        with torch.inference_mode():
-            kv = m.new_kv_cache(1, len(tokens))
-            t = torch.tensor(tokens, device=m.device)
-            m.forward(t, torch.arange(len(tokens), device=m.device), [Segment(0, 0, len(tokens))], kv)
-    finally:
-        del m.experts.forward  # the instance attribute shadowed the class's method
+    with torch.inference_mode(), m.tap_routing(tap):
+        kv = m.new_kv_cache(1, len(tokens))
+        t = torch.tensor(tokens, device=m.device)
+        m.forward(t, torch.arange(len(tokens), device=m.device), [Segment(0, 0, len(tokens))], kv)
     return got
 
 

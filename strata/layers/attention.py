@@ -16,13 +16,14 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from strata.kv.cache import KVCache, Segment
 from strata.layers.norm import rms_norm
 from strata.layers.rotary import Rotary
-from strata.ops import decode_attention
+from strata.ops import registry
+from strata.ops.reference import gqa_attention as _gqa  # the one-segment attention (tests/layers)
 from strata.quant import QTensor, qmatmul
 
-# One query token: SDPA backends that do not re-plan for every KV length (cuDNN's does: ~1 ms of host time a call)
-_ONE_QUERY_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 _ARANGES: dict[tuple[int, torch.device], torch.Tensor] = {}
 
+
+_ONE_QUERY = registry.op("one_query_attention")
 
 def _capturing(t: torch.Tensor) -> bool:
     # a tensor made inside a CUDA-graph capture holds nothing until the graph replays: cache only eager ones
@@ -74,32 +75,6 @@ def _linear(x: torch.Tensor, w: QTensor, b: torch.Tensor | None) -> torch.Tensor
     return y + b.to(y.dtype) if b is not None else y
 
 
-def _gqa(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """One segment: q [n, H, D] against ks [L, Hkv, D], vs [L, Hkv, Dv] -> [n, H, Dv] (a view where possible)."""
-    n, H, D = q.shape
-    hkv = ks.shape[1]
-    if n == 1:
-        # One token: each KV head is a batch entry of one head whose queries are the G = H/Hkv query heads
-        # sharing it ([Hkv, 1, G, D]). That is GQA exactly (query head h reads KV head h // G, as enable_gqa's
-        # repeat_interleave does) without enable_gqa, which rules out the memory-efficient kernel (the one that
-        # takes the static step's mask: flash takes none); and the output [Hkv, 1, G, Dv] is laid out head by
-        # head as wo wants it (no copy).
-        qs = q.reshape(hkv, 1, H // hkv, D)
-        kt = ks.transpose(0, 1).unsqueeze(1)  # [Hkv, 1, L, D]: strided views of the cache, no copy
-        vt = vs.transpose(0, 1).unsqueeze(1)
-        if q.is_cuda:
-            with sdpa_kernel(_ONE_QUERY_BACKENDS):
-                o = F.scaled_dot_product_attention(qs, kt, vt, attn_mask=mask, scale=scale)
-        else:
-            o = F.scaled_dot_product_attention(qs, kt, vt, attn_mask=mask, scale=scale)
-        return o.reshape(1, H, o.shape[-1])  # [Hkv, 1, G, Dv] -> [1, H, Dv]
-    qs = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-    kt = ks.transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
-    vt = vs.transpose(0, 1).unsqueeze(0)
-    o = F.scaled_dot_product_attention(qs, kt, vt, attn_mask=mask, scale=scale, enable_gqa=H != hkv)
-    return o[0].transpose(0, 1)  # [n, H, Dv]
-
-
 class GQAttention:
     """Grouped-query attention with optional per-head Q/K RMSNorm (Qwen3) and optional biases (Qwen2)."""
 
@@ -138,8 +113,8 @@ class GQAttention:
             ks, vs, mask = _cache_step(kv, self.layer, seg, k[i : i + seg.n], v[i : i + seg.n])  # [L, Hkv, D]
             if ks.dtype != x.dtype:  # (a cache in another dtype than the activations)
                 ks, vs = ks.to(x.dtype), vs.to(x.dtype)
-            if seg.window and seg.n == 1 and decode_attention.use_for(q, ks):  # split over the keys (GPU)
-                outs.append(decode_attention.decode_attention(q[i : i + 1], ks, vs, seg.pos_t, self.scale))
+            if seg.window and seg.n == 1:  # a static decode step's query: split over the keys on a GPU
+                outs.append(_ONE_QUERY(q[i : i + 1], ks, vs, mask, seg.pos_t, self.scale))
             else:
                 outs.append(_gqa(q[i : i + seg.n], ks, vs, mask, self.scale))  # [n, H, Dv]
             i += seg.n

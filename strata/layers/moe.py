@@ -1,8 +1,8 @@
 """The MoE block: router -> top-k (family-specific scoring as data) -> the experts backend -> + shared experts.
 
 Routing is computed in float32 on the device that holds the router. The block knows nothing about where
-experts live: `experts.forward(layer, x, ids, weights)` is the only call, and the backend (all resident, or
-tiered across VRAM / CPU / PCIe) decides.
+experts live: `experts.forward(layer, x, ids, weights, ctx)` is the only call (an `ExpertsBackend`, with the
+step's `StepContext`), and the backend (all resident, or tiered across VRAM / CPU / PCIe) decides.
 """
 
 from __future__ import annotations
@@ -57,19 +57,23 @@ class MoE:
         routing from an earlier layer's input)."""
         return route(qmatmul(x.float(), self.router), self.routing, self.bias)[0]
 
-    def __call__(self, x: torch.Tensor, prof=None) -> torch.Tensor:
-        t = prof._mark() if prof else None
+    def __call__(self, x: torch.Tensor, ctx) -> torch.Tensor:
+        """x [N, d] -> [N, d] within the step `ctx` (strata.experts.backend.StepContext)."""
+        prof = ctx.profiler
+        t = prof.mark() if prof else None
         logits = qmatmul(x.float(), self.router)  # [N, E]
         ids, w = route(logits, self.routing, self.bias)
         if prof:
-            prof._span("router_shared", t)
-        out = self.experts.forward(self.layer, x, ids, w)
+            prof.span("router_shared", t)
+        if ctx.on_route is not None:
+            ctx.on_route(self.layer, ids)
+        out = self.experts.forward(self.layer, x, ids, w, ctx)
         if self.shared is not None:
-            t = prof._mark() if prof else None
+            t = prof.mark() if prof else None
             s = self.shared(x)
             if self.shared_gate is not None:
                 s = s * torch.sigmoid(qmatmul(x, self.shared_gate))
             out = out + s
             if prof:
-                prof._span("router_shared", t)
+                prof.span("router_shared", t)
         return out

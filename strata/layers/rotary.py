@@ -8,12 +8,25 @@ weights llama.cpp's converter permutes so that pairs line up).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
-from strata.layers.norm import rms_norm_ref
-from strata.models.args import RopeScaling
-from strata.ops import fused
+from strata.ops import registry
+from strata.ops.reference import rope
+
+_QK_NORM_ROPE = registry.op("qk_norm_rope")
+
+
+@dataclass
+class RopeScaling:
+    kind: str = "none"  # none | linear | yarn
+    factor: float = 1.0
+    original_ctx: int = 0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0  # yarn: attention temperature multiplier (`rope.scaling.yarn_log_multiplier` related)
+    mscale_all_dim: float = 0.0
 
 
 def _yarn_inv_freq(dim: int, theta: float, s: RopeScaling) -> tuple[torch.Tensor, float]:
@@ -69,33 +82,17 @@ class Rotary:
 
     def __call__(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """x [N, H, D] (rotates the first `dim` of D), pos [N] absolute positions. On CUDA one Triton launch."""
-        if fused.use_for(x) and x.dim() == 3:
-            cos_t, sin_t = self._tables(x.device)
-            return fused.qk_norm_rope(x, None, pos, cos_t, sin_t, self.dim, self.style == "neox")[0]
-        return self.rotate(x, pos)
+        cos_t, sin_t = self._tables(x.device)
+        return _QK_NORM_ROPE(x, None, pos, cos_t, sin_t, self.dim, self.style == "neox")[0]
 
     def qk(self, q: torch.Tensor, k: torch.Tensor, pos: torch.Tensor, q_norm: torch.Tensor | None = None,
            k_norm: torch.Tensor | None = None, eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
         """q [N, Hq, D], k [N, Hk, D]: per-head RMSNorm (when q_norm/k_norm [D] are given), then rotary.
         On CUDA one Triton launch for both (instead of ~38 torch kernels)."""
-        if fused.use_for(q) and q.dim() == 3:
-            cos_t, sin_t = self._tables(q.device)
-            return fused.qk_norm_rope(q, k, pos, cos_t, sin_t, self.dim, self.style == "neox", q_norm, k_norm, eps)
-        if q_norm is not None:
-            q, k = rms_norm_ref(q, q_norm, eps), rms_norm_ref(k, k_norm, eps)
-        return self.rotate(q, pos), self.rotate(k, pos)
+        cos_t, sin_t = self._tables(q.device)
+        return _QK_NORM_ROPE(q, k, pos, cos_t, sin_t, self.dim, self.style == "neox", q_norm, k_norm, eps)
 
     def rotate(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """The torch twin of the fused rotary (CPU path and test oracle)."""
         cos_t, sin_t = self._tables(x.device)
-        cos = cos_t[pos].unsqueeze(1)  # [N, 1, dim/2]
-        sin = sin_t[pos].unsqueeze(1)
-        xr, xp = x[..., : self.dim].float(), x[..., self.dim :]
-        if self.style == "neox":
-            x1, x2 = xr.chunk(2, dim=-1)
-            out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-        else:
-            x1, x2 = xr[..., 0::2], xr[..., 1::2]
-            out = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
-        out = out.to(x.dtype)
-        return torch.cat([out, xp], dim=-1) if xp.shape[-1] else out
+        return rope(x, pos, cos_t, sin_t, self.dim, self.style == "neox")

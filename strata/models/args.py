@@ -10,17 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from strata import StrataError
-
-
-@dataclass
-class RopeScaling:
-    kind: str = "none"  # none | linear | yarn
-    factor: float = 1.0
-    original_ctx: int = 0
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float = 1.0  # yarn: attention temperature multiplier (`rope.scaling.yarn_log_multiplier` related)
-    mscale_all_dim: float = 0.0
+from strata.layers.rotary import RopeScaling  # noqa: F401 - part of ModelArgs, defined where it is used
 
 
 @dataclass

@@ -6,14 +6,17 @@ and FFN modules; nothing here branches on the family.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
 from strata import StrataError
+from strata.experts.backend import StepContext
 from strata.gguf.reader import GGUFModel
 from strata.kv.cache import KVCache, Segment
+from strata.layers.moe import MoE
 from strata.layers.norm import rms_norm
 from strata.quant import QTensor, dequantize, qmatmul
 
@@ -59,20 +62,23 @@ class WeightLoader:
 class Block:
     def __init__(self, attn_norm: torch.Tensor, attn: Callable, ffn_norm: torch.Tensor, ffn: Callable, eps: float):
         self.attn_norm, self.attn, self.ffn_norm, self.ffn, self.eps = attn_norm, attn, ffn_norm, ffn, eps
+        self.moe = isinstance(ffn, MoE)  # an MoE block takes the step context (its experts backend needs it)
 
-    def __call__(self, x, pos, segments, kv, prof=None):
+    def __call__(self, x, pos, segments, kv, ctx: StepContext):
+        prof = ctx.profiler
         if prof is None:
             h = x + self.attn(rms_norm(x, self.attn_norm, self.eps), pos, segments, kv)
-            return h + self.ffn(rms_norm(h, self.ffn_norm, self.eps))
-        # --profile: spans on the GPU stream (events), resolved once per step by the experts backend
-        t = prof._mark()
+            n = rms_norm(h, self.ffn_norm, self.eps)
+            return h + (self.ffn(n, ctx) if self.moe else self.ffn(n))
+        # --profile: spans on the GPU stream (events), resolved once per step
+        t = prof.mark()
         h = x + self.attn(rms_norm(x, self.attn_norm, self.eps), pos, segments, kv)
-        prof._span("mla" if type(self.attn).__name__ == "MLAttention" else "attention", t)
-        if hasattr(self.ffn, "experts"):
-            return h + self.ffn(rms_norm(h, self.ffn_norm, self.eps), prof)
-        t = prof._mark()
+        prof.span("mla" if type(self.attn).__name__ == "MLAttention" else "attention", t)
+        if self.moe:
+            return h + self.ffn(rms_norm(h, self.ffn_norm, self.eps), ctx)
+        t = prof.mark()
         out = h + self.ffn(rms_norm(h, self.ffn_norm, self.eps))
-        prof._span("dense_other", t)
+        prof.span("dense_other", t)
         return out
 
 
@@ -87,6 +93,21 @@ class CausalLM:
                  cache_spec: CacheSpec, device: torch.device, dtype: torch.dtype, experts=None):
         self.args, self.embed, self.blocks, self.out_norm, self.head = args, embed, blocks, out_norm, head
         self.cache_spec, self.device, self.dtype, self.experts = cache_spec, device, dtype, experts
+        self._route_taps: list[Callable[[int, torch.Tensor], None]] = []
+
+    @contextlib.contextmanager
+    def tap_routing(self, fn: Callable[[int, torch.Tensor], None]) -> Iterator[None]:
+        """Within the block, every forward calls fn(layer, ids [N, k]) after each MoE router (routing traces)."""
+        self._route_taps.append(fn)
+        try:
+            yield
+        finally:
+            self._route_taps.remove(fn)
+
+    def step_context(self, segments: list[Segment], n_tokens: int, **kw) -> StepContext:
+        """The context of a forward over `segments` (the engine passes what it knows: graphs, phase)."""
+        kw.setdefault("profiler", self.experts.profiler if self.experts is not None else None)
+        return StepContext.for_segments(segments, n_tokens, **kw)
 
     def new_kv_cache(self, n_slots: int, max_ctx: int, dtype: torch.dtype | None = None) -> KVCache:
         return KVCache(len(self.blocks), n_slots, max_ctx, self.cache_spec.k_shape, self.cache_spec.v_shape,
@@ -103,17 +124,35 @@ class CausalLM:
         return x.to(device=self.device, dtype=self.dtype)
 
     def forward(self, tokens: torch.Tensor, pos: torch.Tensor, segments: list[Segment], kv: KVCache,
-                all_logits: bool = False, rows: list[int] | None = None) -> torch.Tensor:
+                all_logits: bool = False, rows: list[int] | None = None,
+                ctx: StepContext | None = None) -> torch.Tensor:
         """tokens, pos [N] -> logits [N, V] (all_logits), [len(rows), V] (rows: indices into the N tokens, e.g.
-        every position of a speculative verify segment) or [len(segments), V] (each segment's last token)."""
-        prof = self.experts if getattr(self.experts, "profiling", False) else None
-        t = prof._mark() if prof else None
+        every position of a speculative verify segment) or [len(segments), V] (each segment's last token).
+        ctx: the step as its runner sees it (default: read from the segments)."""
+        if ctx is None:
+            ctx = self.step_context(segments, int(tokens.shape[0]))
+        if self._route_taps:
+            taps, inner = list(self._route_taps), ctx.on_route
+
+            def on_route(layer, ids):
+                for fn in taps:
+                    fn(layer, ids)
+                if inner is not None:
+                    inner(layer, ids)
+
+            ctx.on_route = on_route
+        prof = ctx.profiler
+        if prof is not None:
+            prof.begin(ctx)
+        if self.experts is not None and ctx.live:
+            self.experts.begin_step(ctx)
+        t = prof.mark() if prof else None
         x = self.embed_tokens(tokens)
         if prof:
-            prof._span("dense_other", t)
+            prof.span("dense_other", t)
         for blk in self.blocks:
-            x = blk(x, pos, segments, kv, prof)
-        t = prof._mark() if prof else None
+            x = blk(x, pos, segments, kv, ctx)
+        t = prof.mark() if prof else None
         if rows is not None:
             x = x.index_select(0, torch.tensor(rows, device=x.device))
         elif not all_logits and any(seg.n != 1 for seg in segments):  # (all-decode: already one row each)
@@ -122,7 +161,7 @@ class CausalLM:
         x = rms_norm(x, self.out_norm, self.args.norm_eps)
         logits = qmatmul(x, self.head).float()
         if prof:
-            prof._span("dense_other", t)
+            prof.span("dense_other", t)
         return logits
 
 
@@ -184,9 +223,9 @@ def finish_model(L: WeightLoader, args, blocks, experts: dict, cache_spec: Cache
     out_norm = L.f("output_norm.weight")
     backend = make_experts(experts) if experts else None
     for b in blocks:
-        if hasattr(b.ffn, "experts"):
+        if isinstance(b.ffn, MoE):
             b.ffn.experts = backend
-    if callable(getattr(backend, "set_routers", None)):  # a backend that predicts the next layer's routing
-        backend.set_routers({b.ffn.layer: b.ffn for b in blocks if hasattr(b.ffn, "experts")})
+    if backend is not None:  # a backend may predict the next layer's routing with its router
+        backend.set_routers({b.ffn.layer: b.ffn for b in blocks if isinstance(b.ffn, MoE)})
     L.finish()
     return CausalLM(args, embed, blocks, out_norm, head, cache_spec, L.device, dtype, experts=backend)

@@ -1,0 +1,1 @@
+"""Kernels: each op is chosen in `strata.ops.registry` against its reference twin in `strata.ops.reference`."""

@@ -2,8 +2,8 @@
 
 A decode step's attention is one query per sequence against up to the whole context. SDPA's kernels parallelise
 over (batch, heads, query blocks): for one query and 4 KV heads that is a handful of thread blocks walking 2,048+
-keys each, while the rest of the GPU idles (measured on B1: attention went from 3.9 to 7.0 ms per token when the
-window grew from 512 to 2,048 keys). Here the window is cut into S splits per KV head, each program computes a
+keys each, while the rest of the GPU idles (attention time grows steeply with the window: docs/BENCHMARKS.md).
+Here the window is cut into S splits per KV head, each program computes a
 partial softmax (max, sum, weighted values) of the G = H / Hkv query heads sharing that KV head over its split,
 and a second kernel merges the S partials exactly (log-sum-exp rescaling).
 
@@ -11,7 +11,7 @@ Keys past the device-side position `pos` (the static window of a captured step) 
 depends on the window only, so shapes are static and the step can be captured. Math in float32 (the products on
 tensor cores in TF32); bf16/f16 activations only (float32 runs keep SDPA, exact).
 Reference twin: `torch.nn.functional.scaled_dot_product_attention` with the window mask
-(`strata.layers.attention._gqa`). Tests run the kernels in Triton's interpreter on the CPU against it.
+(`strata.ops.reference.gqa_attention`). Tests run the kernels in Triton's interpreter on the CPU against it.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from strata.config import env
+from strata.ops import registry
 
 try:
     import triton
@@ -130,3 +131,10 @@ def decode_attention(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, pos_t:
     _merge_kernel[(hkv, G)](m, lsum, acc, out, S, out.stride(0), out.stride(1),
                             GP=GP, DV=DV, SP=max(2, triton.next_power_of_2(S)), num_warps=4)
     return out.view(1, H, DV)
+
+
+def _one_query(q, ks, vs, mask, pos_t, scale):  # the op's signature: the kernel reads pos_t, not the mask
+    return decode_attention(q, ks, vs, pos_t, scale)
+
+
+registry.op("one_query_attention").register("triton", _one_query, lambda q, ks, *args: use_for(q, ks))

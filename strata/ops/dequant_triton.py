@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 from gguf import GGMLQuantizationType
 
+from strata.ops import registry
+
 Q = GGMLQuantizationType
 
 try:  # Triton is optional: without it (or without a GPU) the torch reference runs
@@ -209,3 +211,7 @@ def dequantize_blocks(blocks: torch.Tensor, qtype, out: torch.Tensor | None = No
     if dst is not out:
         out.copy_(dst)
     return out
+
+
+registry.op("dequantize_blocks").register(
+    "triton", dequantize_blocks, lambda flat, qt, out: flat.is_cuda and available() and supports(qt, out.dtype))

@@ -4,10 +4,10 @@ A decode step replayed as a CUDA graph costs the number of kernels it launches (
 small); torch spends ~8 kernels on one RMSNorm (casts, pow, mean, add, rsqrt, two muls) and ~11 on one rotary.
 
 - `rms_norm`: y = x * rsqrt(mean(x^2) + eps) * w over the last dim, float32 math, output in x's dtype.
-  Reference twin: `strata.layers.norm.rms_norm_ref`.
+  Reference twin: `strata.ops.reference.rms_norm`.
 - `qk_norm_rope`: per-head RMSNorm (optional, Qwen3's q_norm / k_norm) then rotary (neox or norm pair order,
   partial `rot < head_dim`) of q and of k in one launch, the position read from the device `pos` tensor (no host
-  value: CUDA-graph capture works). Reference twin: `rms_norm_ref` + `strata.layers.rotary.Rotary.rotate`.
+  value: CUDA-graph capture works). Reference twin: `strata.ops.reference.qk_norm_rope`.
   Like the twin, the normalized row is rounded to the activation dtype before it is rotated.
 
 Tests run the kernels in Triton's interpreter on the CPU against the twins (tests/ops/test_fused_interpret.py).
@@ -16,6 +16,8 @@ Tests run the kernels in Triton's interpreter on the CPU against the twins (test
 from __future__ import annotations
 
 import torch
+
+from strata.ops import registry
 
 try:  # Triton is optional: without it (or without a GPU) the torch twins run
     import triton
@@ -170,3 +172,8 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor | None, pos: torch.Tensor, cos
         ROT=rot, HAS_NORM=has_norm, NEOX=neox, BLOCK_H=bh, BLOCK_D=block, num_warps=4 if bh * block >= 2048 else 2,
     )
     return qo, ko
+
+
+# the kernels' seats in the registry (strata.ops.registry): `use_for` is looked up at each call
+registry.op("rms_norm").register("triton", rms_norm, lambda x, weight, eps: use_for(x))
+registry.op("qk_norm_rope").register("triton", qk_norm_rope, lambda q, *args, **kw: use_for(q) and q.dim() == 3)

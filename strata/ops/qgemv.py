@@ -39,10 +39,14 @@ def _gemv(x2d: torch.Tensor, w: QTensor, block_n: int | None = None, block_k: in
 
 
 def install() -> bool:
-    """Register the kernels for CUDA when Triton is present; returns whether it did."""
+    """Register the kernels for CUDA when Triton is present (done when strata.ops.registry loads its kernel
+    modules); returns whether it did."""
     if not expert_triton.available() or not torch.cuda.is_available():
         return False
     for qt in (Q.Q4_K, Q.Q6_K, Q.Q8_0):
         if (("cuda", qt)) not in KERNELS:
             register_kernel("cuda", qt, _gemv)
     return True
+
+
+install()  # this module is one of strata.ops.registry.KERNEL_MODULES: imported on the first op call

@@ -13,7 +13,11 @@ from typing import Callable
 import torch
 from gguf import QK_K, GGMLQuantizationType
 
+from strata.ops import registry
 from strata.quant.formats import FLOAT_TYPES, block_geometry, check_supported
+
+# kernels for whole blocks are chosen in strata.ops.registry (the Triton dequantizer on CUDA)
+_DEQUANTIZE_BLOCKS = registry.op("dequantize_blocks")
 
 Q = GGMLQuantizationType
 
@@ -197,11 +201,16 @@ def dequantize_flat(raw: torch.Tensor, qtype, dtype: torch.dtype = torch.float32
             out.view(torch.uint8).copy_(flat)
         return out
     if flat.is_cuda:
-        # one Triton launch (bit-identical in float32) instead of ~20 torch ops per chunk
-        from strata.ops import dequant_triton
+        # one Triton launch (bit-identical in float32) instead of ~20 torch ops per chunk, where one takes it
+        kernel = _DEQUANTIZE_BLOCKS.pick(flat, qt, out)
+        if kernel is not None:
+            return kernel.fn(flat, qt, out)
+    return dequantize_blocks_torch(flat, qt, out)
 
-        if dequant_triton.available() and dequant_triton.supports(qt, out.dtype):
-            return dequant_triton.dequantize_blocks(flat, qt, out)
+
+def dequantize_blocks_torch(flat: torch.Tensor, qt, out: torch.Tensor) -> torch.Tensor:
+    """The reference dequantizer of whole blocks (flat uint8) into `out` (1-D), per format, in chunks."""
+    block, size = block_geometry(qt)
     fn = BLOCK_DEQUANT[qt]
     blocks = flat.view(-1, size)                                      # [n_blocks, type_size]
     # bigger chunks on the GPU: each chunk is ~20 launches, and launches, not bytes, bound small decode steps

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
 from strata import StrataError
+from strata.ops import registry
 from strata.quant import dequant
 from strata.quant.dequant import dequantize_flat
 from strata.quant.qtensor import QTensor
@@ -33,8 +34,8 @@ def _chunked(x2d: torch.Tensor, w: QTensor, dtype: torch.dtype) -> torch.Tensor:
     """[T, in] @ W.T computed in `dtype`, dequantizing at most ~CHUNK_ELEMENTS weights at a time."""
     out_f, in_f = w.shape
     x2d = x2d.to(dtype)
-    # On the GPU, fewer larger chunks: each chunk costs ~20 launches, and a 150K-row head in 4M-element chunks
-    # was measured at ~2000 launches per decode step.
+    # On the GPU, fewer larger chunks: each chunk costs ~20 launches, and a large head in small chunks would cost
+    # thousands of launches per decode step.
     budget = dequant.CHUNK_ELEMENTS * (8 if x2d.is_cuda else 1)
     rows = max(1, budget // in_f)
     if rows >= out_f:
@@ -70,6 +71,7 @@ def qmatmul(x: torch.Tensor, w: QTensor) -> torch.Tensor:
     if x.device != w.device:
         raise StrataError(f"qmatmul: input on {x.device} but weight on {w.device}")
     dev = x.device.type
+    registry.load()  # the kernel modules fill KERNELS on the first call (strata.ops.registry)
     kernel = KERNELS.get((dev, w.qtype)) or KERNELS.get((dev, None)) or reference_qmatmul
     lead = x.shape[:-1]
     y = kernel(x.reshape(-1, in_f), w)                                          # [T, out]

@@ -69,7 +69,7 @@ def test_auto_kernel_choice_and_ref_is_exact(q4k):
     q8 = _experts(Q.Q8_0, d=64, ff=64)
     q6 = _experts(Q.Q6_K, d=256, ff=256, E=2)
     lane = CpuLane({0: q4k, 1: q8, 2: q6}, dtype=torch.bfloat16)
-    from strata.experts import cpu_native
+    from strata.ops import cpu_native
 
     q4k_kernel = "native" if cpu_native.load() is not None else "int4"  # native where a C compiler builds it
     q6k_kernel = "native" if cpu_native.load() is not None else "ref"
@@ -125,7 +125,7 @@ def test_cost_measurements_are_positive(q4k):
 
 
 def _native_or_skip():
-    from strata.experts import cpu_native
+    from strata.ops import cpu_native
 
     if cpu_native.load() is None:
         pytest.skip("no C compiler: the native CPU kernel is unavailable here")
@@ -175,7 +175,7 @@ def test_native_kernel_takes_q6_k_and_q8_0(gu, dn):
 
 def test_native_kernel_is_deterministic_and_thread_count_free(q4k):
     _native_or_skip()
-    from strata.experts.cpu_native import NativeExperts
+    from strata.ops.cpu_native import NativeExperts
 
     x = torch.randn(2, 256, generator=torch.Generator().manual_seed(5))
     a = NativeExperts(q4k.gate.raw, q4k.up.raw, q4k.down.raw, threads=1)([1, 3], x)
@@ -186,7 +186,7 @@ def test_native_kernel_is_deterministic_and_thread_count_free(q4k):
 
 
 def test_native_kernel_unavailable_falls_back(q4k, monkeypatch):
-    import strata.experts.cpu_native as native
+    import strata.ops.cpu_native as native
 
     monkeypatch.setattr(native, "_tried", True)
     monkeypatch.setattr(native, "_lib", None)
@@ -200,7 +200,7 @@ def test_native_kernel_portable_path(gu, dn):
     """The kernel built without -march=native (no AVX2: the plain C loops other CPUs run) against the reference
     and against the machine's build."""
     _native_or_skip()
-    from strata.experts import cpu_native
+    from strata.ops import cpu_native
 
     if not any(f.startswith("-march") for f in cpu_native.FLAGS):
         pytest.skip("the default build is already portable")

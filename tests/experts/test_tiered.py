@@ -252,7 +252,7 @@ def _run_cuda(lm, prompt=PROMPT, decode=DECODE):
 @pytest.mark.parametrize("kernel", ["int4", "native"])
 def test_bf16_with_a_fast_cpu_lane_stays_close_to_resident(tmp_path, kernel):
     if kernel == "native":
-        from strata.experts import cpu_native
+        from strata.ops import cpu_native
 
         if cpu_native.load() is None:
             pytest.skip("no C compiler: the native CPU kernel is unavailable here")
@@ -317,7 +317,7 @@ def test_cuda_chunk_ring_matches_resident(model_path, monkeypatch, stage_mib, pl
 @pytest.mark.parametrize("plan,slots", [("012", 3), ("000", 0), ("001", 8)])
 def test_grouped_chunk_path_matches_resident(model_path, reference, monkeypatch, plan, slots):
     """The GPU's chunk path (hits and staged batches through the grouped FFN, masked pairs 0), run on the CPU."""
-    import strata.experts.tiered as tiered
+    import strata.experts.tiered_eager as tiered
 
     monkeypatch.setattr(tiered, "GROUPED_CHUNKS_ON_CPU", True)
     lm = _load(model_path, slots=slots, cpu_plan=plan)
@@ -330,7 +330,7 @@ def test_grouped_chunk_path_matches_resident(model_path, reference, monkeypatch,
 def test_chunk_buffers_match_resident(model_path, reference, monkeypatch, stage_mib, plan):
     """More streamed experts than the staging ring: the chunk's experts go through the two chunk buffers in
     batches (one expert per buffer, then a few), each batch one grouped call writing its pairs."""
-    import strata.experts.tiered as tiered
+    import strata.experts.tiered_eager as tiered
 
     monkeypatch.setattr(tiered, "GROUPED_CHUNKS_ON_CPU", True)
     monkeypatch.setenv("STRATA_CHUNK_STAGE_MIB", stage_mib)
@@ -366,8 +366,8 @@ def test_plan_tuner_switches_plans_during_decode(model_path, reference):
     seen = []
     real = ex._begin_step
 
-    def spy(n, graphed=False):
-        real(n, graphed)
+    def spy(ctx):
+        real(ctx)
         seen.append(str(ex.plan))
 
     ex._begin_step = spy
@@ -413,8 +413,8 @@ def test_tuner_sets_the_lane_threads(model_path, reference):
         seen = set()
         real = ex._begin_step
 
-        def spy(n, graphed=False):
-            real(n, graphed)
+        def spy(ctx):
+            real(ctx)
             seen.add((str(ex.plan), ex.lane.threads, torch.get_num_threads()))
 
         ex._begin_step = spy
@@ -480,7 +480,7 @@ def test_cuda_budget_holds_the_whole_process(tmp_path):
 def test_pairs_grouped_by_expert_in_order():
     """by_expert: every selected pair once, grouped by expert in expert order, pairs in their order within an
     expert — as a stable sort by expert id gives (ids past 16 bits too)."""
-    from strata.experts.tiered import by_expert
+    from strata.experts.tiered_eager import by_expert
 
     rng = np.random.default_rng(5)
     for E in (128, 70000):
@@ -524,7 +524,7 @@ def test_chunk_cpu_share_priced_by_measurement(model_path, reference, monkeypatc
     (measured / estimated folds into the split), and the chunks stream; logits stay the resident ones."""
     import time as _time
 
-    import strata.experts.tiered as tiered
+    import strata.experts.tiered_eager as tiered
 
     monkeypatch.setattr(tiered, "GROUPED_CHUNKS_ON_CPU", True)
     lm = _load(model_path, {"cost_model": CHEAP_CPU}, slots=0, cpu_plan="auto")

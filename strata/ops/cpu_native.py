@@ -1,0 +1,198 @@
+"""A native CPU kernel for the CPU lane: Q4_K / Q6_K / Q8_0 experts read in place, int8 dot products (AVX2).
+
+The C source is `cpu_native.c` beside this file. torch's fused `_weight_int4pack_mm_for_cpu` reads its repacked
+copy well below what the cores can read (one token's GEMV: fork/join and wake-up per call dominate; the measured
+rates are in docs/BENCHMARKS.md), and it needs a second, repacked copy of every expert in RAM. This kernel
+reads the GGUF blocks where they lie (the store's pinned or mapped bytes: no copy), the way llama.cpp's CPU path
+does: the token's activations are quantized to int8 per 256 (one float scale per block, sums per 32), each Q4_K
+row is a sum over its super-blocks of d·Σ sc_j·(q_j·x8_j) − dmin·Σ m_j·(Σ x8_j), with the 4-bit × 8-bit products
+done by `maddubs`/`madd` on 32 bytes at a time; Q6_K (the down projections of Q4_K_M files) likewise per 16
+weights, and Q8_0 per 32 (signed × signed through the sign trick). All the experts a token-layer sends to the CPU go in one call
+with one OpenMP region: gate and up rows of every expert in parallel, SiLU·up, the intermediate quantized, then
+the down rows — two barriers, no per-expert fork/join.
+
+Exactness: the weights are used exactly (the Q4_K formula); the activations are rounded to int8 per 256
+(relative error ~1/254 of the block's largest value), as llama.cpp does. The reference twin is
+`strata.ops.reference.expert_ffn` (tests hold the two within bf16-like tolerance).
+
+The build is one declared step, `build()`: the system C compiler (`cc -O3 -march=native -fopenmp`) compiles the
+source into the user's cache directory, atomically, keyed by the source, the flags and the compiler (a cached
+build is reused). It runs on first use (`load()`), or ahead of time with `python -m strata.ops.cpu_native`.
+Without a compiler the lane keeps torch's kernels; `unavailable()` says why in one line.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import pathlib
+import shutil
+import subprocess
+import tempfile
+import threading
+
+import numpy as np
+import torch
+
+log = logging.getLogger("strata")
+
+SOURCE_FILE = pathlib.Path(__file__).with_name("cpu_native.c")  # shipped as package data (pyproject.toml)
+
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+_lib = None
+_tried = False
+_why = ""  # why the kernel is unavailable (one line), "" while it is or before the first load
+_lock = threading.Lock()
+
+
+def source() -> str:
+    """The kernel's C source."""
+    return SOURCE_FILE.read_text(encoding="utf-8")
+
+
+def _cache_dir() -> pathlib.Path:
+    from strata.config import cache_dir
+
+    return cache_dir() / "native"
+
+
+def build(flags: list[str] | None = None) -> ctypes.CDLL | None:
+    """Compile the kernel with `flags` (default FLAGS) into the cache, or reuse the cached build; None (and a
+    warning) when there is no compiler or the build fails."""
+    global _why
+    flags = FLAGS if flags is None else flags
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        _why = "no C compiler found (install cc or gcc, or set CC)"
+        log.info("strata: %s; the CPU lane uses torch's kernels", _why)
+        return None
+    code = source()
+    tag = hashlib.sha256((code + " ".join(flags) + cc).encode()).hexdigest()[:16]
+    path = _cache_dir() / f"experts-{tag}.so"
+    try:
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+                src = pathlib.Path(tmp) / "experts.c"
+                src.write_text(code)
+                so = pathlib.Path(tmp) / "experts.so"
+                r = subprocess.run([cc, *flags, str(src), "-o", str(so), "-lm"], capture_output=True, text=True,
+                                   timeout=120)
+                if r.returncode != 0:
+                    err = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode
+                    _why = f"building {SOURCE_FILE.name} with {cc} failed ({err})"
+                    log.warning("strata: %s; the CPU lane uses torch's kernels", _why)
+                    return None
+                os.replace(so, path)  # atomic: a concurrent build leaves one complete file
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as e:
+        _why = f"the native CPU kernel is unavailable ({e})"
+        log.warning("strata: %s; the CPU lane uses torch's kernels", _why)
+        return None
+    f = lib.strata_native_experts
+    P, I = ctypes.c_void_p, ctypes.c_int
+    f.argtypes = [I, P, P, P, P, P, I, I, I, I, I, P]
+    f.restype = None
+    lib.strata_native_scratch.argtypes = [I, I, I]
+    lib.strata_native_scratch.restype = ctypes.c_long
+    return lib
+
+
+def unavailable() -> str:
+    """Why `load()` gave None, in one line ('' when the kernel loaded)."""
+    load()
+    return _why
+
+
+def load() -> ctypes.CDLL | None:
+    """The kernel library for this machine (built on first use, cached per source and flags), None without a
+    compiler."""
+    global _lib, _tried
+    with _lock:
+        if not _tried:
+            _tried = True
+            _lib = build()
+        return _lib
+
+
+FORMATS = {"Q4_K": 0, "Q6_K": 1, "Q8_0": 2}  # the kernel's format codes (FMT_Q4K, FMT_Q6K, FMT_Q80)
+
+
+class NativeExperts:
+    """Calls of the native kernel for one layer's experts: gate/up raw blocks [E, ff, ...] and down [E, d, ...],
+    each projection Q4_K or Q6_K (`fmt_gate_up`, `fmt_down`: names of FORMATS)."""
+
+    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, threads: int | None = None, *,
+                 fmt_gate_up: str = "Q4_K", fmt_down: str = "Q4_K", lib: ctypes.CDLL | None = None):
+        lib = lib or load()
+        if lib is None:
+            raise RuntimeError("the native CPU kernel is unavailable")
+        for t in (gate, up, down):
+            if t.dtype != torch.uint8 or t.device.type != "cpu" or not t.is_contiguous():
+                raise ValueError("the native kernel reads contiguous uint8 host blocks")
+        self._f, self._scratch = lib.strata_native_experts, lib.strata_native_scratch
+        self.gate, self.up, self.down = gate, up, down  # kept alive: the kernel reads their memory
+        self.E, self.ff = gate.shape[0], gate.shape[1]
+        self.d = down.shape[1]
+        self.fgu, self.fdn = FORMATS[fmt_gate_up], FORMATS[fmt_down]
+        if self.d % 256 or self.ff % 256:
+            raise ValueError(f"the native kernel needs dimensions that are multiples of 256, got {self.d}, {self.ff}")
+        self.threads = threads  # None: torch's intra-op thread count at each call (--cpu-threads sets it)
+        self._ws: dict[int, torch.Tensor] = {}
+        # each expert's gate, up and down addresses as Python ints: a decode call has a few experts, and filling
+        # its address table from lists costs a microsecond where numpy's indexing and checks cost tens
+        self._ga, self._ua, self._da = ([t.data_ptr() + e * t.stride(0) for e in range(self.E)] for t in (gate, up, down))
+        self._tabs: dict[int, tuple[np.ndarray, int]] = {}  # n -> (int64 address table [4n], its address)
+
+    def _work(self, n: int) -> int:
+        """Address of the kernel's scratch for n rows (kept per n: decode reuses a few sizes)."""
+        ws = self._ws.get(n)
+        if ws is None:
+            ws = self._ws[n] = torch.empty(int(self._scratch(n, self.d, self.ff)) + 64, dtype=torch.uint8)
+        return ws.data_ptr()
+
+    def __call__(self, experts, x: torch.Tensor, rows=None) -> torch.Tensor:
+        """experts [n]; x [m, d]; rows [n] (default 0..n-1): output row i is x[rows[i]] through experts[i] ->
+        [n, d] float32. (One token through several experts: m = 1, rows all 0 — the row is not copied.)
+        Plain Python on the ids: this runs per token-layer in decode, where the call's own cost counts."""
+        ex = experts.tolist() if hasattr(experts, "tolist") else list(experts)
+        ex = ex if isinstance(ex, list) else [ex]
+        n = len(ex)
+        if x.dtype != torch.float32:
+            x = x.float()
+        if not x.is_contiguous():
+            x = x.contiguous()
+        if rows is None:
+            r = list(range(n))
+        else:
+            r = rows.tolist() if hasattr(rows, "tolist") else list(rows)
+            r = r if isinstance(r, list) else [r]
+        if x.dim() != 2 or x.shape[1] != self.d or len(r) != n or (n and (min(r) < 0 or max(r) >= x.shape[0])):
+            raise ValueError(f"x must be [m, {self.d}] with a row for each of the {n} experts, got {list(x.shape)}")
+        if n and (min(ex) < 0 or max(ex) >= self.E):
+            raise ValueError(f"expert ids out of range 0..{self.E - 1}: {ex}")
+        out = torch.empty(n, self.d)
+        if n == 0:
+            return out
+        got = self._tabs.get(n)
+        if got is None:
+            arr = np.zeros(4 * n, dtype=np.int64)
+            got = self._tabs[n] = (arr, arr.ctypes.data)
+        tab, base = got
+        # one int64 table of addresses: gate, up, down rows of each expert, then each output row's input row
+        xp, xs = x.data_ptr(), self.d * 4
+        ga, ua, da = self._ga, self._ua, self._da
+        tab[:] = [ga[e] for e in ex] + [ua[e] for e in ex] + [da[e] for e in ex] + [xp + i * xs for i in r]
+        step = n * 8
+        threads = max(1, self.threads or torch.get_num_threads())
+        self._f(n, base, base + step, base + 2 * step, base + 3 * step, out.data_ptr(), self.d, self.ff,
+                self.fgu, self.fdn, threads, self._work(n))
+        return out
+
+
+if __name__ == "__main__":  # the build step, ahead of first use: python -m strata.ops.cpu_native
+    import sys
+
+    sys.exit(0 if load() is not None else f"strata: {unavailable()}")

@@ -1,0 +1,49 @@
+"""The native CPU kernel's build step (strata.ops.cpu_native): a real C source shipped as package data, compiled
+on first use into the user's cache (reused afterwards), one clear line when no compiler exists."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+import strata.ops.cpu_native as native
+from strata import StrataError
+
+
+def test_the_source_is_a_file_shipped_as_package_data():
+    assert native.SOURCE_FILE.name == "cpu_native.c" and native.SOURCE_FILE.is_file()
+    assert "strata_native_experts" in native.source()
+    pyproject = (Path(__file__).parents[2] / "pyproject.toml").read_text()
+    assert '"ops/*.c"' in pyproject.split("[tool.setuptools.package-data]")[1].split("\n[")[0]
+
+
+def test_no_compiler_is_one_clear_line(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", "strata-no-such-cc")
+    monkeypatch.setenv("PATH", str(tmp_path))  # neither cc nor gcc on it
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setattr(native, "_lib", None)
+    assert native.load() is None
+    why = native.unavailable()
+    assert "no C compiler" in why and "\n" not in why
+    from gguf import GGMLQuantizationType as Q
+
+    from strata.experts.cpu_lane import CpuLane
+    from strata.experts.resident import ExpertWeights
+    from strata.quant import random_qtensor
+
+    ew = ExpertWeights(*(random_qtensor(Q.Q4_K, s) for s in ((2, 256, 256), (2, 256, 256), (2, 256, 256))))
+    with pytest.raises(StrataError, match="no C compiler"):
+        CpuLane({0: ew}, kernel="native")
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="needs a C compiler")
+def test_the_build_is_cached_and_reused(monkeypatch, tmp_path):
+    monkeypatch.setenv("STRATA_CACHE_DIR", str(tmp_path))
+    assert native.build() is not None
+    built = list((tmp_path / "native").glob("experts-*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    assert native.build() is not None  # the cached build: not compiled again
+    assert list((tmp_path / "native").glob("experts-*.so")) == built and built[0].stat().st_mtime_ns == stamp
