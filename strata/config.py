@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from strata import StrataError
+from strata.experts.sizing import DEFAULT_CTX, VRAM_RESERVE_MIB  # torch-free; shared with `strata check`
 
 DTYPES = {"float32": torch.float32, "f32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "f16": torch.float16}
@@ -43,7 +44,7 @@ class ExpertConfig:
     vram_gb: float | None = field(default=None, metadata=opt(
         "the whole process's VRAM budget (GiB): the CUDA context, weights, KV, a prefill chunk and the expert "
         "cache fit in it, and torch's allocator is held to it"))
-    vram_reserve_mib: int = field(default=700, metadata=opt(
+    vram_reserve_mib: int = field(default=VRAM_RESERVE_MIB, metadata=opt(
         "VRAM headroom left free for decode activations, graphs and allocator slack (the CUDA context and a "
         "prefill chunk are counted besides)"))
     cpu_threads: int = field(default=0, metadata=opt("CPU lane threads (0: the physical cores)"))
@@ -95,7 +96,7 @@ class EngineConfig:
         "compute dtype: auto (f32 on CPU, bf16 on GPU), f32, bf16, f16", choices=DTYPE_CHOICES))
     kv_dtype: str = field(default="auto", metadata=opt(
         "KV cache dtype: auto (= the compute dtype), bf16, f16, f32", choices=DTYPE_CHOICES))
-    ctx_size: int = field(default=0, metadata=opt("context length (0: min(model, 8192))", short="-c"))
+    ctx_size: int = field(default=0, metadata=opt(f"context length (0: min(model, {DEFAULT_CTX}))", short="-c"))
     n_slots: int = 1  # from `strata serve --parallel`
     prefill_chunk: int = field(default=0, metadata=opt(
         "prompt tokens per forward (0: on a GPU with tiered experts 4096, fewer on a small budget, whose "
@@ -167,7 +168,6 @@ def env_number(name: str, kind=float):
 
 def cache_dir():
     """strata's cache root: $STRATA_CACHE_DIR, else $XDG_CACHE_HOME/strata, else ~/.cache/strata."""
-    from pathlib import Path
 
     root = env("STRATA_CACHE_DIR")
     if root:
@@ -177,7 +177,6 @@ def cache_dir():
 
 def models_dir():
     """Where `strata pull` puts models: $STRATA_MODELS_DIR, else <cache_dir()>/models."""
-    from pathlib import Path
 
     models = env("STRATA_MODELS_DIR")
     return Path(models).expanduser() if models else cache_dir() / "models"

@@ -10,6 +10,7 @@ import torch
 
 from strata import StrataError
 from strata.config import EngineConfig
+from strata.experts.sizing import DEFAULT_CTX
 from strata.gguf.reader import GGUFModel, open_gguf
 from strata.models.registry import family_for
 
@@ -48,9 +49,9 @@ def expandable_segments() -> None:
     in whole segments (measured within budget and within the runs' spread either way: docs/BENCHMARKS.md). Called
     before the first weights are allocated (the
     setting applies to segments made afterwards); STRATA_FIXED_SEGMENTS=1 keeps torch's default."""
-    from strata.config import env
+    from strata.config import fixed_segments
 
-    if env("PYTORCH_CUDA_ALLOC_CONF") or env("PYTORCH_ALLOC_CONF") or env("STRATA_FIXED_SEGMENTS"):
+    if fixed_segments():
         return
     try:
         setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
@@ -71,7 +72,7 @@ def load_model(path: str, cfg: EngineConfig | None = None, with_tokenizer: bool 
     g = open_gguf(path)
     fam = family_for(g.arch)
     args = fam.load_args(g)
-    max_ctx = cfg.ctx_size or min(args.ctx_len, 8192)
+    max_ctx = cfg.ctx_size or min(args.ctx_len, DEFAULT_CTX)
     if cfg.ctx_size and cfg.ctx_size > args.ctx_len:
         log.warning("context %d exceeds the model's trained context %d", cfg.ctx_size, args.ctx_len)
     if cfg.torch_device.type == "cuda":

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from strata import StrataError
-from strata.config import ExpertConfig, env
+from strata.config import ExpertConfig, chunk_ring_size, chunk_stage_mib
 from strata.experts.resident import ExpertWeights
 from strata.experts import sizing
 from strata.experts.store import ExpertStore
@@ -95,8 +95,8 @@ class ChunkStage:
 
 
 def _chunk_experts(left: int, expert_bytes: int, n_experts: int) -> int:
-    size = env("STRATA_CHUNK_STAGE_MIB")  # benchmarks compare buffer sizes (strata check does not see it)
-    return sizing.chunk_stage_experts(left, expert_bytes, n_experts, float(size) if size else None)
+    # benchmarks compare buffer sizes (strata check does not see the override)
+    return sizing.chunk_stage_experts(left, expert_bytes, n_experts, chunk_stage_mib())
 
 
 def _runs(experts: list[int]) -> list[tuple[int, int, int]]:
@@ -169,8 +169,7 @@ def budget_slots(cfg: ExpertConfig, store: ExpertStore, device: torch.device, st
     return int(max(0, min(E, left // per_slot))), chunk
 
 
-OUTSIDE_GROWTH_MIB = 256  # what the driver may still add outside torch after set-up: modules loaded on first use,
-                          # graph executables, cuBLASLt handles
+OUTSIDE_GROWTH_MIB = sizing.OUTSIDE_GROWTH_MIB
 
 
 def cap_to_budget(device: torch.device, vram_gb: float) -> float:
@@ -403,8 +402,7 @@ class ExpertCache:
 
     def _alloc_stage(self, layer: int) -> ChunkStage:
         ew = self.store[layer]
-        want = env("STRATA_CHUNK_RING")  # benchmarks compare ring sizes
-        ring, n = sizing.chunk_ring(self.chunk_experts, int(want) if want else None)
+        ring, n = sizing.chunk_ring(self.chunk_experts, chunk_ring_size())  # benchmarks compare ring sizes
         bufs = [tuple(QTensor(torch.zeros((n, *t.raw.shape[1:]), dtype=torch.uint8, device=self.device), t.qtype,
                               (n, *t.shape[1:])) for t in (ew.gate, ew.up, ew.down)) for _ in range(ring)]
         return ChunkStage(n, bufs)

@@ -13,6 +13,17 @@ cache would get (a few slots per layer), and never above CHUNK_STAGE_MIB.
 from __future__ import annotations
 
 MiB = 1 << 20
+# Shared by the engine and `strata check` (imported by both, so they cannot drift apart):
+VRAM_RESERVE_MIB = 700  # ExpertConfig.vram_reserve_mib's default: decode activations, graphs, allocator slack
+DEFAULT_CTX = 8192  # EngineConfig.ctx_size 0 = min(the model's context, DEFAULT_CTX)
+# what the driver may still add outside torch after set-up: modules loaded on first use, graph executables,
+# cuBLASLt handles
+OUTSIDE_GROWTH_MIB = 256
+
+
+def staging_slots(k: int) -> int:
+    """Experts the tiered backend's staging ring holds: two steps' worth of one token's k misses, at least 8."""
+    return max(2 * int(k), 8)
 CHUNK_STAGE_MIB = 256  # per buffer, at most (STRATA_CHUNK_STAGE_MIB sets a size by hand for benchmarks)
 CHUNK_STAGE_SHARE = 16  # at most 1/16 of the bytes left for the expert cache, per buffer
 # chunk buffers in the ring. Measured on the H200 machine (B1, 8 GiB, PCIe only, 4K prefill): 2 buffers 8,536

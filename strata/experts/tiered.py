@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from strata import StrataError
-from strata.config import EngineConfig, env
+from strata.config import EngineConfig, alloc_cap_enabled
 from strata.experts.backend import StepContext, StepProfiler
 from strata.experts.cache import ExpertCache, budget_slots, cap_to_budget
 from strata.experts.cpu_lane import CpuLane
@@ -32,6 +32,7 @@ from strata.experts.plan import CostModel, CpuPlan
 from strata.experts.policy import CachePolicy, make_policy
 from strata.experts.profile import RoutingProfile, layer_slots, warm_policy
 from strata.experts.resident import ExpertWeights
+from strata.experts.sizing import staging_slots
 from strata.experts.stats import ExpertStats, StepProfile
 from strata.experts.store import ExpertStore
 from strata.experts.tiered_decode import GraphedDecode
@@ -110,7 +111,7 @@ class TieredExperts:
         if self.cache is not None:
             return
         self.k = k
-        staging = self._staging or max(2 * k, 8)
+        staging = self._staging or staging_slots(k)
         if self.ex.prefetch_next:  # a layer's own stream, the next layer's prefetch and its own: 3k in flight
             staging = max(staging, 4 * k)
         slots, chunk = budget_slots(self.ex, self.store, self.device, staging, act_bytes)
@@ -122,7 +123,7 @@ class TieredExperts:
             sizes = [self.store.expert_nbytes(i) for i in self.layer_ids]
             slots = layer_slots(prof.counts, sum(slots * b for b in sizes), sizes)
         self.cache = ExpertCache(self.store, slots, staging, self.device, chunk_experts=chunk)
-        if self.cuda and self.ex.vram_gb is not None and env("STRATA_ALLOC_CAP", "1") != "0":
+        if self.cuda and self.ex.vram_gb is not None and alloc_cap_enabled():
             cap = cap_to_budget(self.device, self.ex.vram_gb)
             log.info("strata: torch's allocator held to %.2f GiB of the %g GiB budget", cap, self.ex.vram_gb)
         kw = dict(swap_budget=self.ex.swap_budget)
@@ -159,7 +160,7 @@ class TieredExperts:
         CPU lane within the staging ring (every miss must then cross PCIe)."""
         n = max(1, PAIRS_MAX // max(k, 1))
         if self.lane is None:
-            n = min(n, max(1, (self._staging or max(2 * k, 8)) // max(k, 1)))
+            n = min(n, max(1, (self._staging or staging_slots(k)) // max(k, 1)))
         return n
 
     def load_profile(self, path) -> None:

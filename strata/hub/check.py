@@ -13,26 +13,21 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from strata.experts.sizing import chunk_stage_experts, prefill_bytes_per_token, prefill_chunk_for
+from strata.experts.sizing import (DEFAULT_CTX, OUTSIDE_GROWTH_MIB, VRAM_RESERVE_MIB, chunk_stage_experts,
+                                   prefill_bytes_per_token, prefill_chunk_for, staging_slots)
 from strata.hub.machine import MachineInfo
 from strata.hub.verify import GGUFHeader, read_gguf_header
 
 GiB = 1 << 30
 MiB = 1 << 20
-# These mirror the engine's sizing (strata.experts.cache.budget_slots; tests hold them equal): without
-# importing torch, `strata check` answers in a moment.
-VRAM_RESERVE = 700 * MiB  # ExpertConfig.vram_reserve_mib: decode activations, graphs, allocator slack
+# The engine's own sizing rules and constants, imported from strata.experts.sizing (torch-free, so `strata check`
+# answers in a moment).
+VRAM_RESERVE = VRAM_RESERVE_MIB * MiB  # ExpertConfig.vram_reserve_mib's default
 # The engine also leaves out what the device holds when it sizes the cache, its own CUDA context included, which
 # it measures at start-up; check, before any context exists, counts this estimate for it (the context with cuBLAS
 # up, rounded up from what the GPU machine's driver counted: docs/history/benchmarks-2026-11.md, "Where the memory
 # went"), and the room the engine keeps for it to grow (strata.experts.cache.OUTSIDE_GROWTH_MIB).
-CUDA_CONTEXT_ESTIMATE = (704 + 256) * MiB
-DEFAULT_CTX = 8192  # EngineConfig.ctx_size 0 = min(the model's context, 8192)
-
-
-def staging_slots(n_expert_used: int) -> int:
-    """Experts the staging ring holds (the tiered backend's `max(2 * k, 8)`)."""
-    return max(2 * n_expert_used, 8)
+CUDA_CONTEXT_ESTIMATE = (704 + OUTSIDE_GROWTH_MIB) * MiB
 
 
 RAM_HEADROOM = 2 * GiB  # OS, the server process itself, page cache for the memory-mapped files

@@ -11,7 +11,6 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from strata.kv.cache import KVCache, Segment
 from strata.layers.norm import rms_norm

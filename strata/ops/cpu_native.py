@@ -36,6 +36,8 @@ import threading
 import numpy as np
 import torch
 
+from strata.config import c_compiler
+
 log = logging.getLogger("strata")
 
 SOURCE_FILE = pathlib.Path(__file__).with_name("cpu_native.c")  # shipped as package data (pyproject.toml)
@@ -63,7 +65,7 @@ def build(flags: list[str] | None = None) -> ctypes.CDLL | None:
     warning) when there is no compiler or the build fails."""
     global _why
     flags = FLAGS if flags is None else flags
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    cc = shutil.which(c_compiler()) or shutil.which("gcc")
     if cc is None:
         _why = "no C compiler found (install cc or gcc, or set CC)"
         log.info("strata: %s; the CPU lane uses torch's kernels", _why)

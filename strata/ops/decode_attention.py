@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from strata.config import env
+from strata.config import decode_attention_backend
 from strata.ops import registry
 
 try:
@@ -32,7 +32,7 @@ TARGET_PROGRAMS = 256  # Hkv x splits: enough programs to spread one query's key
 
 
 def available() -> bool:
-    return triton is not None and env("STRATA_DECODE_ATTN", "triton") != "sdpa"  # sdpa: the A/B baseline
+    return triton is not None and decode_attention_backend() != "sdpa"  # sdpa: the A/B baseline
 
 
 def use_for(q: torch.Tensor, ks: torch.Tensor) -> bool:

@@ -40,7 +40,7 @@ def _say(msg: str) -> None:
 def cmd_serve(args) -> int:
     import uvicorn
 
-    from strata.config import env, fault_after_tokens_for_tests
+    from strata.config import api_key_from_env, fault_after_tokens_for_tests
     from strata.engine.cli import load_from_args, resolve_model_path
     from strata.server.app import ServeConfig, create_app, model_id_for
     from strata.server.auth import is_loopback, origin_key
@@ -59,7 +59,7 @@ def cmd_serve(args) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    key = args.api_key or env("STRATA_API_KEY") or None
+    key = args.api_key or api_key_from_env()
     cfg_kw = dict(host=args.host, port=args.port, api_key=key, cors_origins=args.cors_origin, parallel=args.parallel,
                   prompt_cache_mib=args.prompt_cache_mib, aliases=args.alias, prefill_chunk=args.prefill_chunk,
                   warmup=not args.no_warmup, fault_after_tokens=fault_after_tokens_for_tests())
