@@ -9,7 +9,7 @@
 #
 # Environment (defaults in brackets): BUDGET [8] (GiB; 0: --experts resident), PROMPT [1024], GEN [128], RUNS [3]
 # measured requests per setting, PREFILL [4096] tokens of the timed prefill (0: none), TEMPERATURE [0.8] (0:
-# greedy), ROUNDS [2], MODEL [scratch/b1.gguf, made when missing], OUT (set by the device tool).
+# greedy), ROUNDS [2], ORDER [A B] (the sides within a round, e.g. "B A"), MODEL [scratch/b1.gguf, made when missing], OUT (set by the device tool).
 # Writes $OUT/ab.jsonl (one bench_decode JSON line per setting and round, labelled A or B), $OUT/ab.txt (stderr
 # of the runs) and prints a table of decode and prefill tok/s. Carry .whl (see setup.sh).
 set -uo pipefail
@@ -40,11 +40,11 @@ if [[ "${PREFILL:-4096}" != 0 ]]; then
 fi
 b1_model > "$OUT/synth.log" 2>&1 || { tail -5 "$OUT/synth.log"; exit 1; }
 machine_line > "$OUT/ab.txt"
-echo "A = $(cat scratch-ab/base/COMMIT), B = $(git rev-parse --short HEAD 2>/dev/null || echo this tree)" | tee -a "$OUT/ab.txt"
+echo "A = $(cat scratch-ab/base/COMMIT), B = this tree" | tee -a "$OUT/ab.txt"
 site="${PYTHONPATH%%:*}"
 : > "$OUT/ab.jsonl"
 for round in $(seq "${ROUNDS:-2}"); do
-  for side in A B; do
+  for side in ${ORDER:-A B}; do
     if [[ $side == A ]]; then tree="$PWD/scratch-ab/base"; else tree="$PWD"; fi
     ( cd "$tree" && PYTHONPATH="$site:$tree" timeout "${TIMEOUT:-280}" python3 tools/bench_decode.py -m "$OLDPWD/$MODEL" \
         "${budget[@]}" --prompt-tokens "${PROMPT:-1024}" --gen "${GEN:-128}" --runs "${RUNS:-3}" \
