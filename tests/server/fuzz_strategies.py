@@ -26,14 +26,14 @@ MAX_DEPTH = 3
 CHEAP_TOKENS = {"max_tokens", "max_completion_tokens"}
 MAX_CHEAP = 2
 CHEAP = st.sampled_from([1, 1, 1, MAX_CHEAP])  # one token is one engine step (the prompt's); a second is a decode
-MAX_OPTIONAL = 5  # optional fields per body: more finds no more, and drawing them is what a body costs
+MAX_OPTIONAL = 4  # optional fields per body: more finds no more, and drawing them is what a body costs
 
 # every unicode category, surrogates (Cs) included: json.dumps spells a lone one as a \udXXX escape
 _any_char = st.characters(codec=None, exclude_categories=())
 _markup = st.sampled_from(["<tool_call>", "</tool_call>", "<|im_end|>", "<|im_start|>", "<think>", "</think>",
                            "{{ messages }}", "{% for x in range(99999999) %}", "\x00", "\ud800", "\udfff",
                            "\U0001f600", "\u202e", "\ufeff", '{"name": "f", "arguments": {}}', "[TOOL_CALLS]"])
-TEXT = st.one_of(st.text(max_size=12), st.text(_any_char, max_size=12), _markup,
+TEXT = st.one_of(st.text(max_size=8), st.text(_any_char, max_size=8), _markup,
                  st.tuples(_markup, st.text(max_size=4), _markup).map("".join))
 EXTREME_TEXT = st.one_of(st.just(""), st.just("x" * 3000), st.just("\ud800" * 64), st.just("\\" * 100),
                          st.text(_any_char, min_size=200, max_size=400))
@@ -111,7 +111,7 @@ def plausible(ann, meta=(), depth: int = 0, mode: str = "plausible") -> st.Searc
         lo = b.get("min_length", 0)
         if depth >= MAX_DEPTH:
             return st.just([])
-        return st.lists(plausible(args[0] if args else Any, (), depth + 1, mode), min_size=lo, max_size=max(lo, 3))
+        return st.lists(plausible(args[0] if args else Any, (), depth + 1, mode), min_size=lo, max_size=max(lo, 2))
     if origin is dict:
         v = args[1] if len(args) > 1 else Any
         if depth >= MAX_DEPTH:
