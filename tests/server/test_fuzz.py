@@ -40,9 +40,9 @@ SLOTS = 4
 CTX = 256  # a prompt past it is refused before any prefill: what a body may cost stays bounded
 N_BODIES = 5000
 BATCH = 8  # bodies in flight at once: the server's slots and its event loop see concurrent work
-# the campaign stops sending here, whatever it reached (then fails if short of N_BODIES); on two free cores it
-# needs well under this
-BUDGET_S = 240
+# A guard against a hung server, not a speed bound: the test counts bodies, never seconds (the campaign takes about
+# 3 CPU-minutes of server and client together; a loaded machine only makes it slower)
+BUDGET_S = 1500
 # A leak raises the floor of the server's RSS; transient allocations (a long prompt's activations) only make it
 # swing. Sampled every RSS_EVERY bodies: the growth is the floor of the last 1000 bodies' samples against the floor
 # of the 1000 after the warm-up (the first WARM bodies fill caches and allocator arenas).
@@ -264,8 +264,8 @@ def test_fuzz_campaign(strata_serve, record_property):
     record_property("fuzz", figures)
     pool.shutdown()
     assert not stats["findings"], f"seed {SEED}: {len(stats['findings'])} findings, first: {stats['findings'][:5]}"
-    assert stats["sent"] >= N_BODIES, (f"only {stats['sent']} bodies in {BUDGET_S}s: the campaign needs about 3 "
-                                       "CPU-minutes (server and client), more than this machine could spare")
+    assert stats["sent"] >= N_BODIES, (f"only {stats['sent']} bodies in {BUDGET_S}s: the server stopped "
+                                       "answering (a hang guard, not a speed bound)")
     assert stats["by_status"].get(200, 0) > stats["sent"] // 20, "too few bodies got through validation"
     assert all(s["state"] == "idle" for s in slots), slots
     assert health.status_code == 200 and health.json()["requests_waiting"] == 0
