@@ -19,6 +19,7 @@ import torch
 
 from strata import StrataError
 from strata.engine.loader import LoadedModel
+from strata.engine.request import Request, request_fields
 from strata.engine.sampler import SamplingParams, sample, token_logprobs
 from strata.engine.spec import NgramDrafter, accept
 from strata.experts.sizing import prefill_bytes_per_token, prefill_chunk_for
@@ -29,11 +30,9 @@ log = logging.getLogger("strata")
 
 
 @dataclass
-class Sequence:
-    prompt: list[int]
-    params: SamplingParams = field(default_factory=SamplingParams)
-    max_tokens: int = 256
-    stop_ids: set[int] = field(default_factory=set)
+class Sequence(Request):
+    """A request in the engine: the `Request` fields (inherited, so declared once) and its running state."""
+
     id: int = field(default_factory=lambda: next(_ids))
     slot: int = -1
     pos: int = 0  # tokens already in the KV cache
@@ -44,7 +43,6 @@ class Sequence:
     generator: torch.Generator | None = None
     # speculative decoding (strata.engine.spec): the context's n-gram index, draft tokens proposed and accepted
     drafter: NgramDrafter | None = None
-    draft_max: int | None = None  # most draft tokens per step for this sequence (None: the engine's --draft-max)
     draft_len: int = 0  # this sequence's next draft length (adapted to how many drafts stood lately; 0: not set)
     draft_pause: int = 0  # steps left without drafts (after drafts of which none stood)
     draft_backoff: int = 0  # the next pause's length: doubles while whole drafts fail, 0 once one stands
@@ -53,15 +51,19 @@ class Sequence:
     draft_accepted: int = 0
     # Applied to the sequence's logits row [V] before sampling: OpenAI's logit_bias, grammar masks. None = off.
     logits_processor: Callable[[torch.Tensor], torch.Tensor] | None = None
-    # log-probabilities of each drawn token and of the `logprobs` most likely (None: not computed): one entry per
-    # token of `output`, (logprob, [(token id, logprob), ...]); see sampler.token_logprobs
-    logprobs: int | None = None
+    # with `logprobs` set: one entry per token of `output`, (logprob, [(token id, logprob), ...]); see
+    # sampler.token_logprobs
     token_logprobs: list = field(default_factory=list)
     # timings (engine clock, ms)
     t_start: float = 0.0
     prompt_ms: float = 0.0
     predicted_ms: float = 0.0
     t_first: float = 0.0
+
+    @classmethod
+    def of(cls, req: Request) -> "Sequence":
+        """A sequence for `req` (a Request or a subclass such as the server's Job): every Request field, copied."""
+        return cls(**request_fields(req))
 
     @property
     def prompt_done(self) -> bool:
@@ -364,7 +366,7 @@ class Engine:
     def generate(self, prompt: list[int], params: SamplingParams | None = None, max_tokens: int = 256,
                  stop_ids: set[int] | None = None) -> Iterator[int]:
         """Generate for one prompt (alone in the engine), yielding token ids as they come."""
-        seq = Sequence(list(prompt), params or SamplingParams(), max_tokens, set(stop_ids or ()))
+        seq = Sequence.of(Request(prompt, params or SamplingParams(), max_tokens, set(stop_ids or ())))
         # set before the first token: a caller that stops iterating early (at the end of a turn) closes the
         # generator, and code after the loop would never run
         self.last = seq

@@ -12,7 +12,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from strata.server.openai_api import check_model, read_json, server_of
 from strata.server.protocol import (AOther, APIError, ARedactedThinking, AText, AThinking, AToolResult, AToolUse,
                                     CountTokensRequest, MessagesRequest, bad_request, parse)
-from strata.server.runner import GenerationError, Job, sampling
+from strata.server.generation import GenerationError
+from strata.server.job import Job, sampling
 
 router = APIRouter()
 
@@ -130,9 +131,9 @@ async def messages(request: Request):
     stops = [s for s in (body.stop_sequences or []) if s]
     if len(stops) > 16:
         raise bad_request("stop_sequences: at most 16")
-    job = await asyncio.to_thread(srv.finish_job, Job(ids, max_tokens, sampling(body), stops, None, grammar,
-                                                      reasoning=True, in_reasoning=text.rstrip().endswith("<think>"),
-                                                      tools=use_tools, forced=grammar is not None))
+    job = Job(ids, sampling(body), max_tokens, srv.stop_ids(), stop=stops, grammar=grammar, reasoning=True,
+              in_reasoning=text.rstrip().endswith("<think>"), tools=use_tools, forced=grammar is not None)
+    job = await asyncio.to_thread(srv.finish_job, job)
     mid = "msg_" + uuid.uuid4().hex[:24]
     if body.stream:
         return StreamingResponse(_stream(srv, job, mid), media_type="text/event-stream",

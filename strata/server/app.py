@@ -101,8 +101,8 @@ def _start_engine(app: FastAPI, cfg: ServeConfig, lm, say) -> object:
     from strata.engine.engine import Engine
     from strata.server.grammar import Grammars, constrained_available
     from strata.server.prompt_cache import PromptCache
-    from strata.server.runner import Server
-    from strata.server.scheduler import EngineWorker
+    from strata.server.generation import Server
+    from strata.server.worker import EngineWorker
     from strata.server.toolcalls import detect_format
 
     if lm.tokenizer is None:

@@ -11,7 +11,8 @@ import asyncio
 from dataclasses import dataclass, field
 
 from strata.server.protocol import bad_request
-from strata.server.runner import GenerationError, Job, Result
+from strata.server.generation import GenerationError, Result
+from strata.server.job import Job
 
 
 def check_n(srv, n: int | None) -> int:

@@ -110,7 +110,7 @@ class Metrics:
         reason = req.finish_reason or "stop"
         self._success.labels(self.model_name, reason).inc()
         self.e2e.observe(req.t_end - req.t_submit)
-        n_prompt = len(req.prompt)
+        n_prompt = len(req.job.prompt)
         cached = seq.cached if seq is not None else 0
         if seq is not None:
             self.prompt_tokens.inc(n_prompt)
@@ -128,7 +128,7 @@ class Metrics:
             t["errors"] += reason == "error"
             t["aborted"] += reason == "abort"
             self.recent.append({
-                "id": req.id, "kind": req.kind, "finish_reason": reason, "prompt_tokens": n_prompt,
+                "id": req.id, "kind": req.job.kind, "finish_reason": reason, "prompt_tokens": n_prompt,
                 "cached_tokens": cached, "completion_tokens": req.n_out,
                 "queued_ms": round(((req.t_admit or req.t_end) - req.t_submit) * 1e3, 3),
                 "ttft_ms": round((req.t_first - req.t_submit) * 1e3, 3) if req.t_first else None,

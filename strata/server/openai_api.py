@@ -13,7 +13,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from strata.server.body import decode_json
 from strata.server.choices import chat_logprobs, check_n, legacy_logprobs, merged, run_all, usage_of
 from strata.server.protocol import APIError, ChatRequest, CompletionRequest, OtherPart, bad_request, parse
-from strata.server.runner import GenerationError, Job, Result, parse_arguments, sampling, stop_list
+from strata.server.generation import GenerationError, Result
+from strata.server.job import Job, parse_arguments, sampling, stop_list
 
 router = APIRouter()
 FINGERPRINT = "strata"
@@ -147,10 +148,11 @@ async def prepare_chat(srv, body: ChatRequest) -> Job:
     forced = grammar is not None
     if not forced:  # (a forced call's grammar wins over response_format, which shapes a text answer)
         grammar, what = constraint(srv, body)
-    job = Job(ids, max_tokens, sampling(body), stop_list(body.stop), body.logit_bias, grammar, what, reasoning=True,
-              in_reasoning=text.rstrip().endswith("<think>"), tools=use_tools, cache_prompt=body.cache_prompt,
-              ignore_eos=body.ignore_eos, draft_max=body.speculative_n_max, forced=forced,
-              logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+    job = Job(ids, sampling(body), max_tokens, srv.stop_ids(body.ignore_eos), draft_max=body.speculative_n_max,
+              logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+              stop=stop_list(body.stop), logit_bias=body.logit_bias, grammar=grammar, grammar_what=what,
+              reasoning=True, in_reasoning=text.rstrip().endswith("<think>"), tools=use_tools, forced=forced,
+              cache_prompt=body.cache_prompt)
     return await asyncio.to_thread(srv.finish_job, job)  # a grammar may take a moment to build
 
 
@@ -256,9 +258,9 @@ async def prepare_completion(srv, body: CompletionRequest) -> tuple[Job, str]:
         ids, text = list(p), srv.tok.decode(p)
     max_tokens = srv.max_tokens(len(ids), body.max_tokens if body.max_tokens is not None else 16)
     grammar, what = constraint(srv, body)
-    job = Job(ids, max_tokens, sampling(body), stop_list(body.stop), body.logit_bias, grammar, what,
-              cache_prompt=body.cache_prompt, ignore_eos=body.ignore_eos, kind="completion",
-              draft_max=body.speculative_n_max, logprobs=body.logprobs)
+    job = Job(ids, sampling(body), max_tokens, srv.stop_ids(body.ignore_eos), draft_max=body.speculative_n_max,
+              logprobs=body.logprobs, stop=stop_list(body.stop), logit_bias=body.logit_bias, grammar=grammar,
+              grammar_what=what, cache_prompt=body.cache_prompt, kind="completion")
     return await asyncio.to_thread(srv.finish_job, job), text if body.echo else ""
 
 

@@ -14,30 +14,23 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
 
 from strata.engine.engine import Engine, Sequence
-from strata.engine.sampler import SamplingParams
+from strata.server.job import Job
 from strata.server.prompt_cache import PromptCache
 
 log = logging.getLogger("strata.server")
 
 
 @dataclass
-class GenRequest:
-    prompt: list[int]
-    params: SamplingParams
-    max_tokens: int
-    stop_ids: set[int]
-    cache_prompt: bool = True
-    make_processor: Callable[[Sequence], Callable | None] | None = None  # built on the engine thread at admission
-    kind: str = "chat"
-    draft_max: int | None = None  # speculative.n_max of the request (None: the engine's --draft-max)
-    logprobs: int | None = None  # report log-probabilities with this many alternatives (None: off)
-    # filled in as it runs
+class Ticket:
+    """A submitted job's runtime state: its event queue, its sequence once admitted, cancellation and timings.
+    It refers to the job instead of copying its fields, so a new request field never passes through here."""
+
+    job: Job
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
     id: int = 0
-    loop: asyncio.AbstractEventLoop | None = None
-    events: asyncio.Queue | None = None
     seq: Sequence | None = None
     cancelled: str | None = None  # the reason, once cancelled
     t_submit: float = field(default_factory=time.perf_counter)
@@ -63,8 +56,8 @@ class EngineWorker:
         self.fault_after_tokens = fault_after_tokens  # tests only (strata.config.fault_after_tokens_for_tests)
         self.cache = prompt_cache
         self.metrics = metrics
-        self.waiting: deque[GenRequest] = deque()
-        self.active: dict[int, GenRequest] = {}  # seq id -> request (engine thread only)
+        self.waiting: deque[Ticket] = deque()
+        self.active: dict[int, Ticket] = {}  # seq id -> request (engine thread only)
         self.steps = 0
         self.tokens_out = 0
         self._cv = threading.Condition()
@@ -84,9 +77,9 @@ class EngineWorker:
         self._thread.join(timeout=10)
 
     # -- called from the server ----------------------------------------------------------------------------------
-    def submit(self, req: GenRequest) -> GenRequest:
-        req.loop = asyncio.get_running_loop()
-        req.events = asyncio.Queue()
+    def submit(self, job: Job) -> Ticket:
+        """Queue `job` (from a coroutine: events go to the running loop); its ticket carries the events."""
+        req = Ticket(job, asyncio.get_running_loop())
         with self._cv:
             self._ids += 1
             req.id = self._ids
@@ -95,7 +88,7 @@ class EngineWorker:
             self._cv.notify_all()
         return req
 
-    def cancel(self, req: GenRequest, reason: str = "abort") -> None:
+    def cancel(self, req: Ticket, reason: str = "abort") -> None:
         with self._cv:
             if req.cancelled is None and req.finish_reason is None:
                 req.cancelled = reason
@@ -185,19 +178,19 @@ class EngineWorker:
                 del self.active[sid]
                 self._finish(req, req.cancelled)
 
-    def _admit(self, req: GenRequest) -> None:
+    def _admit(self, req: Ticket) -> None:
         e = self.engine
-        seq = Sequence(list(req.prompt), req.params, req.max_tokens, set(req.stop_ids))
-        seq.draft_max, seq.logprobs = req.draft_max, req.logprobs
+        job = req.job
+        seq = Sequence.of(job)
         try:
-            if req.make_processor is not None:
-                seq.logits_processor = req.make_processor(seq)
+            if job.make_processor is not None:
+                seq.logits_processor = job.make_processor(seq)
             if self.cache is not None:
-                if req.cache_prompt:
+                if job.cache_prompt:
                     self.cache.prepare(e, seq.prompt)
                 else:
                     self.cache.prepare(e, [])
-            e.add(seq, reuse_prefix=req.cache_prompt)
+            e.add(seq, reuse_prefix=job.cache_prompt)
         except Exception as ex:  # noqa: BLE001 - reported to the client
             req._emit(("error", str(ex)))
             self._finish(req, "error", emit=False)
@@ -210,7 +203,7 @@ class EngineWorker:
             self.metrics.admitted(req)
         req._emit(("start", seq))
 
-    def _finish(self, req: GenRequest, reason: str, emit: bool = True) -> None:
+    def _finish(self, req: Ticket, reason: str, emit: bool = True) -> None:
         req.finish_reason = reason
         req.t_end = time.perf_counter()
         if self.metrics:

@@ -1,5 +1,5 @@
-"""What both APIs share: chat messages -> prompt tokens, request -> engine request, and the output pipeline
-(tokens -> text -> stop strings -> reasoning / answer -> tool calls) as a stream of events.
+"""What both APIs share: chat messages -> prompt tokens, constraints -> a Job's logits processor, and the output
+pipeline (tokens -> text -> stop strings -> reasoning / answer -> tool calls) as a stream of events.
 
 Events: ("reasoning", text), ("content", text), ("tool_call", ParsedCall), ("done", Result), and with
 `Job.logprobs` set, ("logprobs", entry) for each generated token, before the text it decodes to (which may be
@@ -9,51 +9,15 @@ held back: a stop string or a tool-call marker is decided by later tokens).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from strata import StrataError
-from strata.engine.sampler import SamplingParams
 from strata.server.grammar import bias_processor, chain, constrained_available
+from strata.server.job import Job
 from strata.server.protocol import APIError, bad_request
 from strata.server.reasoning import ReasoningSplitter, partial_suffix
-from strata.server.scheduler import GenRequest
 from strata.server.toolcalls import ToolCallStream, closed, tool_grammar
-
-
-@dataclass
-class Job:
-    """A request ready for the engine, with what the output pipeline needs to know."""
-
-    prompt: list[int]
-    max_tokens: int
-    params: SamplingParams
-    stop: list[str] = field(default_factory=list)
-    logit_bias: dict | None = None
-    grammar: str | None = None  # llguidance grammar (already compiled from lark / GBNF / JSON schema)
-    grammar_what: str = "the output grammar"  # how a grammar error names it
-    reasoning: bool = False  # split <think> blocks
-    in_reasoning: bool = False  # the prompt already opened one
-    tools: list[dict] | None = None  # parse tool calls against these (None: no parsing)
-    forced: bool = False  # `grammar` forces tool calls: every character of the output is call markup
-    cache_prompt: bool = True
-    ignore_eos: bool = False
-    kind: str = "chat"
-    draft_max: int | None = None  # the request's speculative.n_max (None: the server's --draft-max)
-    logprobs: int | None = None  # report each token's log-probability and this many alternatives (None: off)
-    make_processor: object = None  # set by Server.finish_job: built (and the grammar checked) before any output
-
-    def copies(self, n: int) -> list["Job"]:
-        """The request's n choices: the same job, each choice with its own seed (seed + index) when it has one, so
-        that seeded choices differ from one another and repeat from one request to the next."""
-        out = [self]
-        for i in range(1, n):
-            seed = self.params.seed
-            if seed is not None:
-                seed = (seed + i) % 2**64 if seed >= 0 else seed + i  # stays within what torch.Generator takes
-            out.append(dataclasses.replace(self, params=dataclasses.replace(self.params, seed=seed)))
-        return out
+from strata.server.worker import Ticket
 
 
 @dataclass
@@ -68,44 +32,6 @@ class Result:
 
 class GenerationError(Exception):
     pass
-
-
-def sampling(body, defaults: SamplingParams | None = None) -> SamplingParams:
-    d = defaults or SamplingParams()
-    g = lambda name, default: default if getattr(body, name, None) is None else getattr(body, name)  # noqa: E731
-    rep = getattr(body, "repetition_penalty", None) or getattr(body, "repeat_penalty", None) or d.repetition_penalty
-    p = SamplingParams(temperature=float(g("temperature", d.temperature)), top_k=int(g("top_k", d.top_k)),
-                       top_p=float(g("top_p", d.top_p)), min_p=float(g("min_p", d.min_p)),
-                       repetition_penalty=float(rep),
-                       presence_penalty=float(g("presence_penalty", d.presence_penalty)),
-                       frequency_penalty=float(g("frequency_penalty", d.frequency_penalty)), seed=g("seed", d.seed))
-    try:
-        p.validate()
-    except StrataError as e:
-        raise bad_request(str(e)) from None
-    return p
-
-
-def stop_list(stop) -> list[str]:
-    if stop is None:
-        return []
-    out = [stop] if isinstance(stop, str) else list(stop)
-    if len(out) > 16:
-        raise bad_request("stop: at most 16 stop sequences")
-    return [s for s in out if s]
-
-
-def parse_arguments(args) -> dict:
-    """Tool-call arguments as a dict for the chat template (templates iterate over them)."""
-    if isinstance(args, dict):
-        return args
-    try:
-        v = json.loads(args) if args else {}
-    except ValueError:
-        raise bad_request("tool_calls: function.arguments must be a JSON object") from None
-    if not isinstance(v, dict):
-        raise bad_request("tool_calls: function.arguments must be a JSON object")
-    return v
 
 
 class StopStrings:
@@ -164,6 +90,10 @@ class Server:
         if self.tok.add_bos and self.tok.bos_id is not None and (not ids or ids[0] != self.tok.bos_id):
             ids = [self.tok.bos_id] + ids
         return ids
+
+    def stop_ids(self, ignore_eos: bool = False) -> set[int]:
+        """The tokens that end a generation: the model's end-of-turn tokens, or none with `ignore_eos`."""
+        return set() if ignore_eos else set(self.tok.eot_ids)
 
     def max_tokens(self, n_prompt: int, asked: int | None) -> int:
         if n_prompt == 0:
@@ -225,10 +155,7 @@ class Server:
 
     async def run(self, job: Job, request=None):
         """Generate; yield events. Cancels the generation when the consumer stops early or the client leaves."""
-        stop_ids = set() if job.ignore_eos else set(self.tok.eot_ids)
-        req = GenRequest(job.prompt, job.params, job.max_tokens, stop_ids, job.cache_prompt,
-                         job.make_processor, kind=job.kind, draft_max=job.draft_max, logprobs=job.logprobs)
-        self.worker.submit(req)
+        req = self.worker.submit(job)
         dec = self.tok.stream_decoder()
         stops = StopStrings(job.stop)
         rs = ReasoningSplitter(job.reasoning, job.in_reasoning)
@@ -268,7 +195,7 @@ class Server:
                     continue
                 if kind == "token":
                     k, n_tok = n_tok, n_tok + 1
-                    if stops.hit or ev[1] in stop_ids:
+                    if stops.hit or ev[1] in job.stop_ids:
                         continue
                     if job.logprobs is not None and k < len(req.seq.token_logprobs):
                         yield ("logprobs", self.logprob_entry(ev[1], *req.seq.token_logprobs[k]))
@@ -302,7 +229,7 @@ class Server:
         """OpenAI's chat entry: {token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}."""
         return {**self._token(tid, lp), "top_logprobs": [self._token(i, v) for i, v in top]}
 
-    async def _next(self, req: GenRequest, request):
+    async def _next(self, req: Ticket, request):
         if request is None:
             return await req.events.get()
         while True:  # a non-streaming client that hangs up frees its slot too
@@ -313,10 +240,10 @@ class Server:
                     self.worker.cancel(req, "abort")
                     raise GenerationError("client disconnected") from None
 
-    def _result(self, req: GenRequest, reason: str, stop_word: str | None) -> Result:
+    def _result(self, req: Ticket, reason: str, stop_word: str | None) -> Result:
         seq = req.seq
         n_out = len(seq.output) if seq else 0
-        prompt_n = seq.prompt_n if seq else len(req.prompt)
+        prompt_n = seq.prompt_n if seq else len(req.job.prompt)
         p_ms, g_ms = (seq.prompt_ms, seq.predicted_ms) if seq else (0.0, 0.0)
         timings = {
             "prompt_n": prompt_n, "prompt_ms": p_ms,
@@ -329,5 +256,5 @@ class Server:
             "cache_n": seq.cached if seq else 0, "draft_n": seq.draft_n if seq else 0,
             "draft_n_accepted": seq.draft_accepted if seq else 0,
         }
-        return Result(reason if reason != "stop" or not stop_word else "stop", len(req.prompt), n_out,
+        return Result(reason if reason != "stop" or not stop_word else "stop", len(req.job.prompt), n_out,
                       seq.cached if seq else 0, timings, stop_word)
