@@ -287,3 +287,15 @@ def _write_body(
         f.flush()
         os.fsync(f.fileno())
     return offset
+
+
+def first_line(e: BaseException) -> str:
+    lines = str(e).splitlines()
+    return lines[0] if lines else type(e).__name__
+
+
+def is_transport_error(e: BaseException) -> bool:
+    """Connection, timeout and protocol errors of any httpx-like stack, by class name up the hierarchy."""
+    names = {c.__name__ for c in type(e).__mro__}
+    return bool(names & {"TransportError", "HTTPError", "ConnectError", "TimeoutException", "NetworkError",
+                         "ProtocolError", "RequestError", "ConnectionError"})

@@ -22,7 +22,7 @@ import httpx
 
 from strata import StrataError
 from strata.hub import local
-from strata.hub.http import NullTask, OpenFile, Task, fetch_to_part
+from strata.hub.http import NullTask, OpenFile, Task, fetch_to_part, first_line, is_transport_error
 from strata.hub.verify import (
     check_gguf_file,
     hash_file,
@@ -76,18 +76,6 @@ class Reporter:
 # --- planning --------------------------------------------------------------------------------------------
 
 
-def _first_line(e: BaseException) -> str:
-    lines = str(e).splitlines()
-    return lines[0] if lines else type(e).__name__
-
-
-def _is_transport_error(e: BaseException) -> bool:
-    """Connection, timeout and protocol errors of any httpx-like stack, by class name up the hierarchy."""
-    names = {c.__name__ for c in type(e).__mro__}
-    return bool(names & {"TransportError", "HTTPError", "ConnectError", "TimeoutException", "NetworkError",
-                         "ProtocolError", "RequestError", "ConnectionError"})
-
-
 def hf_plan(
     repo: str,
     selector: str | None,
@@ -114,15 +102,15 @@ def hf_plan(
     except RevisionNotFoundError as e:
         raise StrataError(f"{repo}: no revision {revision!r}") from e
     except (HfHubHTTPError, httpx.HTTPError, OSError) as e:
-        raise StrataError(f"{repo}: could not list files at {endpoint}: {_first_line(e)}") from e
+        raise StrataError(f"{repo}: could not list files at {endpoint}: {first_line(e)}") from e
     except Exception as e:
         # huggingface_hub's own HTTP stack (httpx, or its vendored httpx2) raises transport errors of classes
         # this module cannot name; any other failure of the listing call is as much the network's
-        if not _is_transport_error(e):
+        if not is_transport_error(e):
             raise
         host = urlsplit(endpoint).netloc or endpoint
         raise StrataError(
-            f"could not reach {host} to list {repo} ({type(e).__name__}: {_first_line(e)}); check the network, "
+            f"could not reach {host} to list {repo} ({type(e).__name__}: {first_line(e)}); check the network, "
             "or point HF_ENDPOINT (or --endpoint) at a mirror"
         ) from e
     siblings = {s.rfilename: s for s in info.siblings or []}
