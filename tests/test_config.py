@@ -101,3 +101,10 @@ def test_the_environment_is_read_in_config_only():
                     re.search(r"\benv\(\s*[\"']", code):
                 bad.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()}")
     assert not bad, "\n".join(bad)
+
+
+def test_no_module_of_strata_past_500_lines():
+    """Files past ~500 lines want splitting (one family per file, small executors, a thin server)."""
+    long = {str(p.relative_to(ROOT)): n for p in (ROOT / "strata").rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 500}
+    assert not long, long
