@@ -104,8 +104,8 @@ class EngineConfig:
         "runs out during a prompt)"))
     seed: int | None = None  # from the sampling flags
     cuda_graphs: bool | None = field(default=None, metadata=opt(
-        "replay decode steps as CUDA graphs (default: on with a CUDA device and one slot; --cuda-graphs with "
-        "--parallel N also batches decoding sequences, resident experts)"))
+        "replay decode steps as CUDA graphs (default: on with a CUDA device; with --parallel N a step decodes "
+        "the generating sequences together)"))
     # speculative decoding with n-gram drafts (strata.engine.spec): at most draft_max guessed tokens verified per
     # step (0: off), found by matching the context's last draft_ngram_max .. draft_ngram_min tokens earlier in it
     draft_max: int = field(default=0, metadata=opt(

@@ -102,10 +102,10 @@ class Engine:
         self.running: list[Sequence] = []
         self.slot_tokens: dict[int, list[int]] = {s: [] for s in range(self.n_slots)}  # what each slot's KV holds
         self.graphs = None
-        # Decode steps replay captured graphs: by default with CUDA for one slot (measured); with several slots
-        # (batches of decoding sequences, up to the grouped kernel's pair count) when --cuda-graphs asks for it.
-        graphs = lm.cfg.cuda_graphs if lm.cfg.cuda_graphs is not None else (
-            self.device.type == "cuda" and self.n_slots == 1)
+        # Decode steps replay captured graphs, by default on CUDA: eager steps launch thousands of small kernels
+        # from Python and are host-bound. With several slots a graphed step decodes a batch of sequences (up to
+        # the grouped kernel's pair count), captured once per set of slots and attention window.
+        graphs = lm.cfg.cuda_graphs if lm.cfg.cuda_graphs is not None else self.device.type == "cuda"
         self.graph_batch = 1
         if graphs and self.n_slots > 1:
             from strata.experts.resident import DECODE_PAIRS

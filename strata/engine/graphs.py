@@ -5,7 +5,7 @@ captured graphs launches them at once (the measured counts and speed-ups are in 
 needs static shapes and no host reads: the token and position live in device buffers, attention spans a fixed
 window of the KV cache masked beyond the position (`Segment.window`).
 Windows are powers of two, so a sequence re-captures at most log2(context) times. Several decoding sequences
-(resident experts, `--parallel` with `--cuda-graphs`) share one step: each has its own device position and is
+(`--parallel N`, resident or tiered experts) share one step: each has its own device position and is
 masked within the window of the furthest one; a set of slots is captured once per window.
 
 Tiered experts must hand each MoE layer's routing to the host (the CPU lane computes misses where they lie,

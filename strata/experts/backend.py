@@ -161,5 +161,13 @@ class ExpertsBackend(Protocol):
     def profile_report(self, measured_ms: float | None = None) -> str:
         """The --profile breakdown ('' when off)."""
 
+    def tuning(self) -> bool:
+        """Whether decode steps are still trying candidate plans (the server decodes warm-up text until they are
+        done, so that no request runs under a trial plan)."""
+
+    def end_tuning(self) -> str:
+        """Stop trying plans now and keep the best measured so far; returns what was chosen ('' if nothing was
+        being tuned)."""
+
     def close(self) -> None:
         """Release what the backend holds open (saves a routing profile when asked to)."""

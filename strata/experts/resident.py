@@ -69,6 +69,12 @@ class ResidentExperts:
     def profile_report(self, measured_ms: float | None = None) -> str:
         return ""
 
+    def tuning(self) -> bool:
+        return False
+
+    def end_tuning(self) -> str:
+        return ""
+
     def close(self) -> None:
         pass
 

@@ -248,6 +248,16 @@ class TieredExperts:
             self.cache.upload_map(li, self.policy.expert_map()[li])
         return bool(done)
 
+    def tuning(self) -> bool:
+        return self.tuner is not None and not self.tuner.done
+
+    def end_tuning(self) -> str:
+        if self.tuner is None:
+            return ""
+        self.tuner.finish_now()
+        self._apply(self.tuner.plan)
+        return str(self.tuner.chosen)
+
     def profile_report(self, measured_ms: float | None = None) -> str:
         """The per-token time breakdown (with --profile), '' otherwise."""
         return self.profiler.report(measured_ms) if self.profiler is not None else ""

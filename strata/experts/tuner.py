@@ -178,8 +178,18 @@ class PlanTuner:
         mbar = statistics.fmean(m_all)
         return [base + b * mbar for b in per]
 
+    def finish_now(self) -> None:
+        """Stop the trials and keep the best candidate measured so far (the model's plan, the first, when none
+        was timed): a bound on how long a warm-up may tune."""
+        if not self.done:
+            self._finish()
+
     def _finish(self) -> None:
         med = self.scores()
+        if all(m == float("inf") for m in med):  # nothing timed: keep the cost model's plan
+            self.chosen, self.done = self.candidates[0], True
+            log.info("strata: cpu plan tuning stopped before any trial; kept %s", self.chosen)
+            return
         best = min(range(len(med)), key=lambda i: med[i])
         self.chosen, self.done = self.candidates[best], True
         log.info("strata: cpu plan tuned to %s (%s ms/token)", self.chosen,

@@ -37,6 +37,7 @@ class ServeConfig:
     aliases: list[str] = field(default_factory=list)
     prefill_chunk: int = 0
     warmup: bool = True
+    warmup_tune_s: float = 90.0  # at most this long choosing the CPU/PCIe plan on warm-up text (strata.server.warmup)
     fault_after_tokens: int | None = None  # tests only: see strata.config.fault_after_tokens_for_tests
 
 
@@ -112,12 +113,14 @@ def _start_engine(app: FastAPI, cfg: ServeConfig, lm, say) -> object:
     kv_mib = engine.kv.nbytes / 2**20
     say(f"KV cache: {cfg.parallel} slot(s) x {engine.max_ctx} tokens ({kv_mib:.0f} MiB on {engine.device}), "
         f"prefill chunk {engine.prefill_chunk}")
+    warmed = {}
     if cfg.warmup:
-        say("warming up (one forward pass)")
-        for _ in engine.generate(lm.tokenizer.encode("Hello", add_special=False) or [0],
-                                 max_tokens=1):
-            pass
-        engine.slot_tokens = {s: [] for s in range(engine.n_slots)}
+        from strata.server.warmup import warm_up
+
+        warmed = warm_up(engine, lm.tokenizer, say, cfg.warmup_tune_s)
+    elif engine.model.experts is not None and engine.model.experts.tuning():
+        # no warm-up traffic to tune on: keep the cost model's plan rather than try plans inside requests
+        say(f"CPU/PCIe plan from the cost model (no warm-up): {engine.model.experts.end_tuning()}")
     metrics = app.state.metrics
     cache = PromptCache(cfg.prompt_cache_mib)
     metrics.prompt_cache = cache
@@ -138,7 +141,8 @@ def _start_engine(app: FastAPI, cfg: ServeConfig, lm, say) -> object:
                         "dtype": str(lm.cfg.torch_dtype).replace("torch.", ""),
                         "experts": lm.cfg.experts.mode, "prompt_cache_mib": cfg.prompt_cache_mib,
                         "structured_output": structured, "tool_call_format": tool_format,
-                        "api_key": cfg.api_key is not None, "host": cfg.host, "port": cfg.port}
+                        "api_key": cfg.api_key is not None, "host": cfg.host, "port": cfg.port,
+                        "warmup": warmed}
     worker.start()
     app.state.server = srv
     say(f"ready in {time.perf_counter() - t0:.1f}s")

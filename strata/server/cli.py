@@ -29,7 +29,11 @@ def register(sub) -> None:
                    "Origin gets 403")
     g.add_argument("--alias", action="append", default=[], help="another model name clients may use (repeatable)")
     g.add_argument("--threads", type=int, default=0, help="PyTorch CPU threads (default: PyTorch's choice)")
-    g.add_argument("--no-warmup", action="store_true", help="skip the warm-up forward pass")
+    g.add_argument("--no-warmup", action="store_true", help="skip the warm-up (a forward pass, and choosing the "
+                   "CPU/PCIe plan on warm-up text; without it the cost model's plan is kept)")
+    g.add_argument("--warmup-tune-s", type=float, default=90.0, help="at most this many seconds choosing the "
+                   "CPU/PCIe plan (--cpu-plan auto on a GPU) on text the server makes before it says ready; past "
+                   "it the best plan measured so far is kept (default 90)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -62,7 +66,8 @@ def cmd_serve(args) -> int:
     key = args.api_key or api_key_from_env()
     cfg_kw = dict(host=args.host, port=args.port, api_key=key, cors_origins=args.cors_origin, parallel=args.parallel,
                   prompt_cache_mib=args.prompt_cache_mib, aliases=args.alias, prefill_chunk=args.prefill_chunk,
-                  warmup=not args.no_warmup, fault_after_tokens=fault_after_tokens_for_tests())
+                  warmup=not args.no_warmup, warmup_tune_s=args.warmup_tune_s,
+                  fault_after_tokens=fault_after_tokens_for_tests())
     if not key and not is_loopback(args.host):
         bar = "!" * 78
         print(f"{bar}\nstrata: WARNING: binding {args.host} with no API key: anyone who can reach this port can use "

@@ -207,6 +207,12 @@ class CountingBackend:
     def profile_report(self, measured_ms=None):
         return ""
 
+    def tuning(self):
+        return False
+
+    def end_tuning(self):
+        return ""
+
     def close(self):
         pass
 

@@ -152,3 +152,20 @@ def test_a_candidate_without_misses_is_not_chosen():
     assert tuner.means()[2] < min(tuner.means()[:2]) and tuner.chosen == B
     rep = tuner.report()
     assert rep["ms_per_token"][str(C)] is None and rep["evidence"][str(C)]["misses"] == 0
+
+
+def test_finish_now_keeps_the_best_measured_and_stops_trials():
+    tuner = PlanTuner([A, B, C], trial=4, rounds=2, warmup=0)
+    cost = {str(A): 0.012, str(B): 0.020, str(C): 0.015}
+    _drive(tuner, cost, 12)  # A and B were tried, C not yet
+    assert not tuner.done and tuner.times[2] == []
+    tuner.finish_now()
+    assert tuner.done and tuner.chosen == A  # the best of those measured; C, never timed, cannot win
+    assert _drive(tuner, cost, 5) == [A] * 5 and sum(map(len, tuner.times)) == 8
+
+
+def test_finish_now_before_any_trial_keeps_the_first_candidate():
+    tuner = PlanTuner([B, A], trial=4, rounds=2, warmup=10)
+    _drive(tuner, {str(A): 0.01, str(B): 0.02}, 5)  # still warming up
+    tuner.finish_now()
+    assert tuner.done and tuner.chosen == B

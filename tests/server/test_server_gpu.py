@@ -45,3 +45,35 @@ def test_graphed_server_answers_like_eager(tiny_gguf, experts):
     graphed_lm = _lm(tiny_gguf, True, **experts)
     graphed = _answers(graphed_lm)
     assert graphed == eager and all(graphed) and len(graphed[-1]) == 8
+
+
+def _parallel_answers(lm, n_clients: int = 4) -> tuple[list[str], list[str]]:
+    """Greedy answers to distinct prompts, asked one at a time and then all at once, on a 4-slot server."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    msgs = [[{"role": "user", "content": f"Tell me about the number {i}."}] for i in range(n_clients)]
+    with serve(lm, parallel=n_clients) as r:
+        oai = openai.OpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0)
+
+        def ask(m):
+            return oai.chat.completions.create(model="tiny", messages=m, max_tokens=24, temperature=0,
+                                               extra_body={"ignore_eos": True}).choices[0].message.content
+
+        alone = [ask(m) for m in msgs]
+        with ThreadPoolExecutor(n_clients) as pool:
+            together = list(pool.map(ask, msgs))
+        engine = r.state.server.worker.engine
+        assert engine.graphs is not None and engine.graph_batch == n_clients  # on by default with --parallel
+        batched = [k for k in engine.graphs.graphs if len(k[0]) > 1]
+        assert batched, "four clients at once never shared a graphed step"
+    return alone, together
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("experts", [dict(mode="resident"), dict(mode="tiered", slots=2, cpu_plan="auto")])
+def test_parallel_slots_decode_in_one_graphed_step(tiny_gguf, experts):
+    """--parallel 4 decodes its sequences together in replayed graphs (the default on CUDA): the answers equal
+    the same prompts asked one at a time."""
+    assert torch.cuda.is_available()
+    alone, together = _parallel_answers(_lm(tiny_gguf, None, **experts))
+    assert together == alone and all(alone)

@@ -1,0 +1,61 @@
+"""What the server runs before it says ready: one forward pass, then — while the experts backend is still choosing
+its CPU / PCIe plan (`--cpu-plan auto` on a GPU, strata.experts.tuner) — sampled decoding of filler text until the
+choice is made.
+
+The plan tuner times decode steps under each candidate plan, all-CPU ones included, and a step under a poor
+candidate can take several times a good one's. Tuned inside user requests, the first requests after start-up
+decoded under those trials (a short request after a long prompt ran at a fraction of the steady speed). So the
+server makes its own traffic first: sampled text (the tuner prices plans by their misses, and sampled text misses
+like real text does; greedy filler repeats itself and barely misses), bounded in time; past the bound the tuner
+keeps the best plan it has measured. Requests only arrive once this returns (/health says 503 until then).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+from strata.engine.sampler import SamplingParams
+
+log = logging.getLogger("strata.server")
+
+WARMUP_PROMPT_CHARS = 1600  # a few hundred tokens: decode steps attend over a context, as a request's do
+WARMUP_TOKENS = 256  # per warm-up generation (the tuner's trials span several)
+TUNE_TEMPERATURE = 0.8
+
+
+def warm_up(engine, tokenizer, say: Callable[[str], None], tune_s: float) -> dict:
+    """Warm the engine up; returns what was done ({"tuned": plan or None, "steps": decode steps, "seconds"})."""
+    t0 = time.perf_counter()
+    say("warming up (one forward pass)")
+    for _ in engine.generate(tokenizer.encode("Hello", add_special=False) or [0], max_tokens=1):
+        pass
+    experts = engine.model.experts
+    out = {"tuned": None, "steps": 0, "seconds": 0.0}
+    if experts is not None and experts.tuning():
+        from strata.bench.prompts import filler_text
+
+        say(f"choosing the CPU/PCIe plan on warm-up text (at most {tune_s:g} s)")
+        deadline = t0 + max(float(tune_s), 0.0)
+        seed = 0
+        gen = max(1, min(WARMUP_TOKENS, engine.max_ctx // 2))
+        while experts.tuning() and time.perf_counter() < deadline:
+            # our own filler: cut to what the context holds beside the tokens generated
+            prompt = tokenizer.encode(filler_text(WARMUP_PROMPT_CHARS, seed), add_special=False)[:engine.max_ctx - gen]
+            params = SamplingParams(temperature=TUNE_TEMPERATURE, seed=seed)
+            for _ in engine.generate(prompt or [0], params, max_tokens=gen):
+                out["steps"] += 1
+                if not experts.tuning() or time.perf_counter() >= deadline:
+                    break
+            seed += 1
+        bounded = experts.tuning()
+        out["tuned"] = experts.end_tuning()
+        how = "stopped at the time bound, best measured" if bounded else "tuned"
+        say(f"CPU/PCIe plan {how}: {out['tuned']} ({out['steps']} decode steps)")
+    # the warm-up's text is nobody's conversation: no slot keeps it, no request's counts include it
+    engine.slot_tokens = {s: [] for s in range(engine.n_slots)}
+    if experts is not None:
+        experts.begin_request()
+    out["seconds"] = round(time.perf_counter() - t0, 3)
+    return out

@@ -1,0 +1,88 @@
+"""The server chooses its CPU/PCIe plan on its own warm-up text, before it says ready: no request decodes under a
+trial plan. A real server on loopback with a real tiered model and the real plan tuner; on the CPU the tuner is
+not made by default (its PCIe lane is a GPU's), so the tests give the backend one after its set-up."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from strata.experts.plan import CpuPlan
+from strata.experts.tiered import TieredExperts
+from strata.experts.tuner import PlanTuner
+
+from .conftest import CTX, serve
+
+MSG = [{"role": "user", "content": "Say something."}]
+
+
+@pytest.fixture
+def tiered_lm(tiny_gguf):
+    from strata.config import EngineConfig, ExpertConfig
+    from strata.engine.loader import load_model
+
+    cfg = EngineConfig(model=str(tiny_gguf), device="cpu", dtype="float32", ctx_size=CTX,
+                       experts=ExpertConfig(mode="tiered", slots=2, cpu_plan="0" * 5))
+    return load_model(str(tiny_gguf), cfg)
+
+
+@pytest.fixture
+def with_tuner(monkeypatch):
+    """Each TieredExperts set up from now on tunes between all-PCIe (its plan, first) and all-CPU, quickly."""
+    made = []
+    setup = TieredExperts.setup
+
+    def tuned_setup(self, k, act_bytes=0):
+        setup(self, k, act_bytes)
+        if self.tuner is None:
+            from strata.experts.cpu_lane import CpuLane
+
+            if self.lane is None:  # an all-PCIe plan needs no lane; the all-CPU candidate does
+                self.lane = CpuLane(self.store.layers, 1, "auto", self.dtype)
+                self.lane.prepare(progress=False)
+            self.tuner = PlanTuner([CpuPlan.all_pcie(k), CpuPlan.all_cpu(k)], trial=3, rounds=1, warmup=2)
+            made.append(self)
+
+    monkeypatch.setattr(TieredExperts, "setup", tuned_setup)
+    return made
+
+
+def _timed(tuner: PlanTuner) -> int:
+    return sum(len(t) for t in tuner.times)
+
+
+def test_the_plan_is_chosen_before_ready_and_requests_never_run_trials(tiered_lm, with_tuner):
+    with serve(tiered_lm, parallel=1, warmup=True, warmup_tune_s=120) as r:
+        (experts,) = with_tuner
+        tuner = experts.tuner
+        assert tuner.done and tuner.chosen is not None  # decided before the server took a request
+        assert _timed(tuner) >= 2 * tuner.trial  # from measured warm-up steps, both candidates
+        warm = r.state.metrics.settings["warmup"]
+        assert warm["tuned"] == str(tuner.chosen) and warm["steps"] > 0
+        chosen, timed = experts.plan, _timed(tuner)
+        assert chosen == tuner.chosen
+        # the warm-up's text is in no slot and in no request's counts
+        assert all(not t for t in r.state.server.worker.engine.slot_tokens.values())
+        oai = openai.OpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0)
+        for n in (4, 16):
+            c = oai.chat.completions.create(model="tiny", messages=MSG, max_tokens=n, temperature=0.8, seed=n)
+            assert c.usage.completion_tokens >= 1
+        assert experts.plan == chosen and _timed(tuner) == timed  # requests ran the chosen plan, no trial
+
+
+def test_the_warmup_bound_keeps_the_best_measured(tiered_lm, with_tuner):
+    with serve(tiered_lm, parallel=1, warmup=True, warmup_tune_s=0) as r:
+        (experts,) = with_tuner
+        assert experts.tuner.done and not experts.tuning()
+        # nothing was timed within a zero bound: the cost model's plan (the first candidate) is kept
+        assert experts.plan == experts.tuner.candidates[0]
+        assert r.state.metrics.settings["warmup"]["tuned"] == str(experts.tuner.candidates[0])
+
+
+def test_without_warmup_the_cost_models_plan_is_kept(tiered_lm, with_tuner):
+    with serve(tiered_lm, parallel=1, warmup=False) as r:
+        (experts,) = with_tuner
+        assert experts.tuner.done and experts.plan == experts.tuner.candidates[0]
+        oai = openai.OpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0)
+        oai.chat.completions.create(model="tiny", messages=MSG, max_tokens=12, temperature=0.8, seed=3)
+        assert _timed(experts.tuner) == 0
