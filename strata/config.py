@@ -106,6 +106,10 @@ class EngineConfig:
     cuda_graphs: bool | None = field(default=None, metadata=opt(
         "replay decode steps as CUDA graphs (default: on with a CUDA device; with --parallel N a step decodes "
         "the generating sequences together)"))
+    host_embed: bool | None = field(default=None, metadata=opt(
+        "keep the input embedding table in host RAM (a decode step gathers its rows there and copies one row per "
+        "token; the table's VRAM goes to the expert cache). Default: on with tiered experts on a GPU under "
+        "--vram-gb, unless the table is also the output head"))
     # speculative decoding with n-gram drafts (strata.engine.spec): at most draft_max guessed tokens verified per
     # step (0: off), found by matching the context's last draft_ngram_max .. draft_ngram_min tokens earlier in it
     draft_max: int = field(default=0, metadata=opt(

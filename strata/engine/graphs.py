@@ -96,6 +96,9 @@ class DecodeGraphs:
         self.tok = torch.zeros(max_batch, dtype=torch.long, device=dev)  # static inputs
         self.pos = torch.zeros(max_batch, dtype=torch.long, device=dev)
         self.cuda = dev.type == "cuda"
+        # an embedding table on the host cannot be read inside a graph: the step's input rows come in a buffer
+        self.embeds = (torch.zeros(max_batch, model.args.d_model, dtype=model.dtype, device=dev)
+                       if model.host_embed else None)
         self.rec = PieceRecorder()
         self.experts = model.experts  # an ExpertsBackend, or None for a dense model
         # (slots, window) -> (pieces, logits), least recently used first
@@ -121,7 +124,8 @@ class DecodeGraphs:
     def _forward(self, segs, live: bool = True, counting: bool = True):
         b = len(segs)
         ctx = self._context(b, live, counting)
-        return self.model.forward(self.tok[:b], self.pos[:b], segs, self.kv, ctx=ctx)
+        embeds = self.embeds[:b] if self.embeds is not None else None
+        return self.model.forward(self.tok[:b], self.pos[:b], segs, self.kv, ctx=ctx, embeds=embeds)
 
     def _capture(self, key: tuple):
         slots, window = key
@@ -172,6 +176,8 @@ class DecodeGraphs:
         else:
             self.tok[:b].copy_(torch.tensor(tokens))
             self.pos[:b].copy_(torch.tensor(positions))
+        if self.embeds is not None:  # the rows gathered on the host, one small copy
+            self.embeds[:b].copy_(self.model.embed_tokens(torch.tensor(tokens)))
         key = (tuple(slots), self.window_for(max(positions)))
         if not self.cuda:
             return self._forward(self._segments(key[1], key[0]))

@@ -81,6 +81,8 @@ def load_model(path: str, cfg: EngineConfig | None = None, with_tokenizer: bool 
         expandable_segments()
         release_caps()
     model = fam.build(g, cfg, experts or make_experts_factory(cfg), max_ctx, args=args)
+    if _host_embed(cfg, model):
+        embed_on_host(model, g)
     lm = LoadedModel(model, g, args, cfg, max_ctx)
     if with_tokenizer and "tokenizer.ggml.model" in g.metadata:
         from strata.gguf.chat_template import ChatTemplate
@@ -90,6 +92,29 @@ def load_model(path: str, cfg: EngineConfig | None = None, with_tokenizer: bool 
         if g.get("tokenizer.chat_template"):
             lm.template = ChatTemplate.from_metadata(g.metadata)
     return lm
+
+
+def _host_embed(cfg: EngineConfig, model) -> bool:
+    if model.device.type != "cuda" or model.head is model.embed:  # a tied table is the head too: it stays
+        return False
+    if cfg.host_embed is not None:
+        return cfg.host_embed
+    return cfg.experts.tiered and cfg.experts.vram_gb is not None
+
+
+def embed_on_host(model, g) -> None:
+    """Serve the input embedding from the GGUF's mapped rows on the host and free its VRAM (before the KV cache
+    and the expert cache are sized, so the cache gets it): a token reads one row, a few KB, where the table is
+    hundreds of MB (B1's: 151,936 x 2,048 in Q8_0, ~330 MB, two expert slots a layer)."""
+    from strata.quant import QTensor
+
+    t = g.tensors["token_embd.weight"]
+    model.embed = QTensor.from_raw(t.raw(), t.qtype, t.shape)
+    model.host_embed = True
+    if model.device.type == "cuda":
+        torch.cuda.empty_cache()
+    log.info("strata: input embedding table in host RAM (%.0f MiB of VRAM left to the cache)",
+             model.embed.raw.numel() / 2**20)
 
 
 @torch.inference_mode()

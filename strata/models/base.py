@@ -93,6 +93,9 @@ class CausalLM:
                  cache_spec: CacheSpec, device: torch.device, dtype: torch.dtype, experts=None):
         self.args, self.embed, self.blocks, self.out_norm, self.head = args, embed, blocks, out_norm, head
         self.cache_spec, self.device, self.dtype, self.experts = cache_spec, device, dtype, experts
+        # the input embedding lives in host RAM (strata.engine.loader.embed_on_host): a captured decode step then
+        # takes its input rows in a device buffer, filled before each replay (strata.engine.graphs)
+        self.host_embed = False
         self._route_taps: list[Callable[[int, torch.Tensor], None]] = []
 
     @contextlib.contextmanager
@@ -125,10 +128,11 @@ class CausalLM:
 
     def forward(self, tokens: torch.Tensor, pos: torch.Tensor, segments: list[Segment], kv: KVCache,
                 all_logits: bool = False, rows: list[int] | None = None,
-                ctx: StepContext | None = None) -> torch.Tensor:
+                ctx: StepContext | None = None, embeds: torch.Tensor | None = None) -> torch.Tensor:
         """tokens, pos [N] -> logits [N, V] (all_logits), [len(rows), V] (rows: indices into the N tokens, e.g.
         every position of a speculative verify segment) or [len(segments), V] (each segment's last token).
-        ctx: the step as its runner sees it (default: read from the segments)."""
+        ctx: the step as its runner sees it (default: read from the segments). embeds: the tokens' input rows
+        [N, d] already looked up (a captured step whose embedding table is on the host)."""
         if ctx is None:
             ctx = self.step_context(segments, int(tokens.shape[0]))
         if self._route_taps:
@@ -147,7 +151,7 @@ class CausalLM:
         if self.experts is not None and ctx.live:
             self.experts.begin_step(ctx)
         t = prof.mark() if prof else None
-        x = self.embed_tokens(tokens)
+        x = self.embed_tokens(tokens) if embeds is None else embeds
         if prof:
             prof.span("dense_other", t)
         for blk in self.blocks:
