@@ -15,6 +15,7 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 sys.path.insert(0, ".")
 import strata  # noqa: F401,E402  (before torch: it sets the OpenMP runtime's environment)
@@ -51,6 +52,9 @@ def main() -> int:
     ap.add_argument("--trace-out", default="",
                     help="with --trace-prefill: also write the timeline as a Chrome trace (.json.gz) for "
                          "tools/trace_timeline.py")
+    ap.add_argument("--trace-decode", type=int, default=0, metavar="N",
+                    help="also trace N decode steps under torch.profiler (after the timed runs): kernels per step "
+                         "and per layer, GPU busy / idle time, copies (tools/trace_timeline.py's summary)")
     ap.add_argument("--label", default="")
     ap.add_argument("--salt", type=int, default=0,
                     help="vary the prompts (a routing profile recorded on one salt, measured on another)")
@@ -146,7 +150,7 @@ def measure(a, lm, eng, experts, dev, label, load_s) -> None:
             experts.profile.reset()
         while not seq.output:  # prefill (one or more chunks) up to the first token
             eng.step()
-        before = experts.stats.snapshot() if hasattr(experts, "stats") else None
+        before = experts.stats.snapshot() if getattr(experts, "stats", None) is not None else None
         t_prev = time.perf_counter()
         run_steps = []
         gcc.on = r > 0
@@ -204,7 +208,7 @@ def measure(a, lm, eng, experts, dev, label, load_s) -> None:
         if len(ids) >= a.prefill_only:
             cache = getattr(experts, "cache", None)
             pre0 = (cache.copied_bytes, cache.prefetched, cache.prefetch_used) if cache is not None else None
-            st0 = experts.stats.cpu if hasattr(experts, "stats") else 0
+            st0 = experts.stats.cpu if getattr(experts, "stats", None) is not None else 0
 
             def long_prefill():
                 seq = Sequence(ids, SamplingParams(temperature=0), 1, set())
@@ -237,6 +241,8 @@ def measure(a, lm, eng, experts, dev, label, load_s) -> None:
                           file=sys.stderr)
                 print(ka.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60),
                       file=sys.stderr)
+    if a.trace_decode and dev.type == "cuda":
+        res["decode_trace"] = trace_decode(a, lm, eng, a.trace_decode)
     if getattr(experts, "cache", None) is not None:
         res["admitted_from_staging"] = experts.cache.promoted  # cumulative: swaps that needed no PCIe copy
         if experts.ex.prefetch_next:  # cumulative: next-layer experts copied ahead, and routed to when they came
@@ -252,6 +258,45 @@ def measure(a, lm, eng, experts, dev, label, load_s) -> None:
     if a.profile and callable(rep):
         ms = 1e3 / res["decode_tok_s"]["median"] if decode else None
         print(rep(ms), file=sys.stderr)
+
+
+def trace_decode(a, lm, eng, n: int) -> dict:
+    """n decode steps (after a prompt and a few untraced steps) under torch.profiler: the trace's summary
+    (strata's tools/trace_timeline.py) with per-step and per-layer kernel counts."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from trace_timeline import load, summarize
+
+    ids = make_prompt(lm.tokenizer, a.prompt_tokens, salt=4242)
+    sp = SamplingParams(temperature=a.temperature, seed=7) if a.temperature else SamplingParams(temperature=0)
+    seq = Sequence(ids, sp, n + 8, set())
+    eng.add(seq, reuse_prefix=False)
+    while len(seq.output) < 4:  # prefill and a few steps: graphs captured, the window settled
+        eng.step()
+    sync(lm.model.device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            eng.step()
+        sync(lm.model.device)
+    eng.release(seq, "abort")
+    with tempfile.TemporaryDirectory() as d:
+        path = str(Path(d) / "decode.json")
+        prof.export_chrome_trace(path)
+        out = summarize(load(path))
+    if a.trace_out:
+        prof.export_chrome_trace(a.trace_out.replace(".json", ".decode.json"))
+    n_layers = len(lm.model.blocks)
+    out["steps"] = n
+    out["kernels_per_step"] = round(out["kernel_count"] / n, 1)
+    out["kernels_per_layer"] = round(out["kernel_count"] / n / n_layers, 1)
+    out["span_ms_per_step"] = round(out["span_ms"] / n, 3)
+    out["kernels_ms_per_step"] = round(out["kernels_ms"] / n, 3)
+    out["idle_ms_per_step"] = round(out["idle_ms"] / n, 3)
+    print(json.dumps({"decode_trace": out}, indent=1), file=sys.stderr)
+    return out
 
 
 if __name__ == "__main__":

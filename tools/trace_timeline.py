@@ -54,7 +54,7 @@ def load(path: str) -> list[dict]:
 def summarize(events: list[dict]) -> dict:
     kern, copy, syncs = [], [], defaultdict(float)
     names: dict[str, float] = defaultdict(float)
-    copied = 0
+    copied = n_kernels = n_copies = 0
     for ev in events:
         if ev.get("ph") != "X" or "dur" not in ev:
             continue
@@ -62,9 +62,11 @@ def summarize(events: list[dict]) -> dict:
         if cat == "kernel":
             kern.append((s, s + d))
             names[ev["name"]] += d
+            n_kernels += 1
         elif cat == "gpu_memcpy":
             if "HtoD" in ev["name"]:
                 copy.append((s, s + d))
+                n_copies += 1
                 copied += int((ev.get("args") or {}).get("bytes", 0))
             else:
                 kern.append((s, s + d))  # device-side copies occupy the GPU like kernels
@@ -82,6 +84,8 @@ def summarize(events: list[dict]) -> dict:
     ms = 1e-3
     return {
         "span_ms": round((span1 - span0) * ms, 2),
+        "kernel_count": n_kernels,
+        "h2d_copy_count": n_copies,
         "kernels_ms": round(_length(k) * ms, 2),
         "copies_ms": round(_length(c) * ms, 2),
         "copies_hidden_ms": round(_length(both) * ms, 2),
