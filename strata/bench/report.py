@@ -129,8 +129,8 @@ def _sweep_md(s: dict) -> list[str]:
 def _conc_md(s: dict) -> list[str]:
     c = s["config"]
     lines = [f"{c['requests_per_worker']} requests per worker back to back, {c['prompt_tokens']}-token uncached "
-             f"prompts, {c['gen']} generated tokens, {sampling_text(c.get('temperature', 0), c.get('seed', 0))} "
-             f"(worker i: seed + i); server slots: "
+             f"prompts, {c['gen']} generated tokens, {sampling_text(c.get('temperature', 0), c.get('seed', 0))}"
+             f"{' (worker i: seed + i)' if c.get('temperature') else ''}; server slots: "
              f"{s.get('server_slots')}."]
     rows = [[str(lv["workers"]), str(lv["requests"]), f"{lv['aggregate_tok_s']:.1f}", _f(lv["latency_s"]["p50"]),
              _f(lv["latency_s"]["p90"]), _f(lv["ttft_s"]["p50"], "{:.3f}"), _f(lv["ttft_s"]["p90"], "{:.3f}"),
