@@ -451,6 +451,9 @@ def cmd_calibrate(args) -> int:
         raise StrataError("--repeats >= 1, --decode-tokens >= 2 and --prompt-tokens >= 1 are needed")
     if args.experts_mode == "resident":
         raise StrataError("calibrate tunes tiered experts: drop --experts resident")
+    if args.expert_routing != "model" and not args.no_save:  # it would become this model's saved setting
+        raise StrataError(f"calibrate with --expert-routing {args.expert_routing} tunes for random routing, not the "
+                          "model's: add --no-save (the result is not saved as this model's calibration)")
     if args.vram_gb is None and args.expert_slots is None:
         raise StrataError("calibrate tunes the tiered experts for a VRAM budget: pass --vram-gb (or --expert-slots)")
     lm = load_from_args(args)
