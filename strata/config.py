@@ -23,6 +23,7 @@ EXPERT_MODES = ("auto", "resident", "tiered")
 CPU_KERNELS = ("auto", "native", "int4", "ref")
 CACHE_POLICIES = ("lfu-decay", "lru")
 CACHE_LAYOUTS = ("uniform", "profile")
+EXPERT_ROUTINGS = ("model", "uniform")
 DTYPE_CHOICES = ("auto", *DTYPES)
 
 
@@ -74,6 +75,12 @@ class ExpertConfig:
         "decode: predict the next MoE layer's experts with its router on this layer's input and start copying "
         "the uncached ones during this layer (off by default: it cost more host time than it hid)",
         flag="--expert-prefetch", dest="expert_prefetch"))
+    # a benchmark switch, not a user setting: it changes what the model says (strata.layers.moe.uniform_route)
+    routing: str = field(default="model", metadata=opt(
+        "BENCHMARKS ONLY: model (the router's choice), or uniform: every MoE layer sends each token to k distinct "
+        "experts drawn at random with equal weights, ignoring the router, so an expert cache of S slots hits about "
+        "S/experts of the time (its worst case); the output is then not the model's",
+        flag="--expert-routing", dest="expert_routing", choices=EXPERT_ROUTINGS))
 
     def tiered(self) -> bool:
         """The one rule for --experts: tiered when asked for (tiered, or an explicit slot count) or, with auto, when

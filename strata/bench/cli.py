@@ -11,6 +11,7 @@ from strata import StrataError
 SUITES = ("sweep", "concurrency", "needle", "sanity")
 PEERS = ("llamacpp", "hf")
 LONG = ("sweep", "needle", "sanity")  # suites served with one slot and a long context
+ROUTINGS = ("model", "uniform")  # strata.config.EXPERT_ROUTINGS (not imported: `strata --help` stays torch-free)
 
 
 def _say(msg: str) -> None:
@@ -32,6 +33,12 @@ def register(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of the sweep and concurrency "
                    "requests (default 0: greedy; > 0 sends llama.cpp's default top-k/top-p/min-p with it, to every "
                    "server alike); needle and sanity stay greedy")
+    p.add_argument("--seed", type=int, default=0, help="the seed every sweep and concurrency request sends (default "
+                   "0); concurrency worker i sends seed + i, so sampled workers do not write the same text")
+    p.add_argument("--routing", default="model", choices=ROUTINGS, help="expert routing of the strata server: model "
+                   "(default), or uniform: each token to k random experts, an expert cache's worst case (passes "
+                   "--expert-routing uniform; changes the output, so speed only; llama.cpp peers keep their model's "
+                   "routing)")
     g = p.add_argument_group("sweep")
     g.add_argument("--lengths", default="1K,4K,16K,32K", help="prompt lengths (default 1K,4K,16K,32K)")
     g.add_argument("--runs", type=int, default=3, help="measured runs per length (default 3)")
@@ -130,6 +137,15 @@ def _ints(text: str, what: str) -> list[int]:
     return out
 
 
+def _routing(args) -> str:
+    """--routing, or the engine's own --expert-routing given to the bench (the same switch). Left in
+    args.expert_routing, which `engine_argv` passes to the strata server."""
+    engine = getattr(args, "expert_routing", "model")
+    routing = args.routing if args.routing != "model" else engine
+    args.expert_routing = routing
+    return routing
+
+
 class Plan:
     """What one bench invocation will do, parsed and checked before any server starts."""
 
@@ -144,10 +160,14 @@ class Plan:
             raise StrataError("--runs must be >= 1, --warmup >= 0 and --gen >= 2 (decode speed needs 2 tokens)")
         if not 0 <= args.temperature <= 2:
             raise StrataError(f"--temperature must be within 0..2, got {args.temperature}")
+        if args.seed < 0:
+            raise StrataError(f"--seed must be >= 0, got {args.seed}")
+        self.seed = args.seed
+        self.routing = _routing(args)
         self.sweep = SweepConfig(tuple(sorted(parse_sizes(args.lengths))), args.runs, args.warmup, args.gen,
-                                 temperature=args.temperature)
+                                 temperature=args.temperature, seed=args.seed)
         self.conc = ConcurrencyConfig(tuple(_ints(args.workers, "--workers")), args.conc_prompt, args.conc_gen,
-                                      args.conc_requests, temperature=args.temperature)
+                                      args.conc_requests, temperature=args.temperature, seed=args.seed)
         self.needle = NeedleConfig(tuple(sorted(parse_sizes(args.needle_lengths))), tuple(_ints(args.depths, "--depths")))
         if any(not 0 <= d <= 100 for d in self.needle.depths):
             raise StrataError("--depths are percentages (0..100)")
@@ -275,6 +295,12 @@ def cmd_bench(args) -> int:
         if status != 200:
             raise StrataError(f"{args.url} is not ready (/health answered {status or 'nothing'})")
         model_path = model_path or client0.props().get("model_path")
+        served = ((client0.metrics() or {}).get("settings") or {}).get("expert_routing")
+        if plan.routing != "model" and served != plan.routing:
+            raise StrataError(f"--routing {plan.routing}: the server at {args.url} routes by "
+                              f"{served or 'a rule it does not report'}; start it with --expert-routing "
+                              f"{plan.routing} (with --url the bench cannot change it)")
+        plan.routing = served  # None: a server that does not say (a peer's routing is its model's)
     mrec = model_record(model_path, args.vram_gb, args.ctx_size) if model_path else {}
     synthetic = True if args.synthetic else mrec.get("synthetic")
     model_ctx = (mrec.get("footprint") or {}).get("context_length")
@@ -282,7 +308,8 @@ def cmd_bench(args) -> int:
     out_dir = _fresh_dir(Path(args.out), f"{date}-{name}")
     _say(f"results go to {out_dir}")
     results = {"name": name, "date": stamp, "command": command_line(), "machine": machine_record(),
-               "model": mrec, "suites": {}, "peers": {}}
+               "model": mrec, "seed": plan.seed, "temperature": args.temperature, "routing": plan.routing,
+               "suites": {}, "peers": {}}
     if args.url:
         try:
             info = _server_info(client0)
@@ -307,8 +334,10 @@ def cmd_bench(args) -> int:
     for peer in dict.fromkeys(args.vs):
         if model_path is None:
             raise StrataError("--vs needs the model file (give -m, or a server whose /props names its model_path)")
-        results["peers"].update(_run_peer(peer, args, plan, model_path, model_ctx, synthetic, out_dir,
-                                          _device(results["server"], args)))
+        got = _run_peer(peer, args, plan, model_path, model_ctx, synthetic, out_dir, _device(results["server"], args))
+        for rec in got.values():  # no peer has a routing override: each runs the router of the model file
+            rec["routing"] = "model"
+        results["peers"].update(got)
     paths = report.write(results, out_dir)
     _print_summary(results, out_dir, paths)
     return 0
@@ -422,6 +451,9 @@ def cmd_calibrate(args) -> int:
         raise StrataError("--repeats >= 1, --decode-tokens >= 2 and --prompt-tokens >= 1 are needed")
     if args.experts_mode == "resident":
         raise StrataError("calibrate tunes tiered experts: drop --experts resident")
+    if args.expert_routing != "model" and not args.no_save:  # it would become this model's saved setting
+        raise StrataError(f"calibrate with --expert-routing {args.expert_routing} tunes for random routing, not the "
+                          "model's: add --no-save (the result is not saved as this model's calibration)")
     if args.vram_gb is None and args.expert_slots is None:
         raise StrataError("calibrate tunes the tiered experts for a VRAM budget: pass --vram-gb (or --expert-slots)")
     lm = load_from_args(args)

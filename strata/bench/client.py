@@ -155,11 +155,11 @@ def sampling(temperature: float) -> dict:
     return {"temperature": temperature, **(SAMPLED if temperature > 0 else {})}
 
 
-def sampling_text(temperature: float) -> str:
+def sampling_text(temperature: float, seed: int = 0) -> str:
     if not temperature:
         return "greedy"
     return (f"sampled at temperature {temperature:g} (top-k {SAMPLED['top_k']}, top-p {SAMPLED['top_p']}, "
-            f"min-p {SAMPLED['min_p']}, seed 0)")
+            f"min-p {SAMPLED['min_p']}, seed {seed})")
 
 
 def chat_body(messages: list[dict], max_tokens: int, *, cache_prompt: bool = False, temperature: float = 0.0,

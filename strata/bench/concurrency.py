@@ -2,7 +2,8 @@
 
 Per level: aggregate generated tok/s over the level's wall time (first request sent to last stream closed),
 request latency p50/p90, time to first token p50/p90 (client clock), errors. Every prompt is uncached (unique
-first line, `cache_prompt: false`). A server with fewer slots than workers queues the rest: that is part of
+first line, `cache_prompt: false`). Worker i sends seed `seed + i`: sampled workers draw different text rather than
+W copies of one. A server with fewer slots than workers queues the rest: that is part of
 what the level measures, so the server's slot count is recorded next to it.
 """
 
@@ -32,19 +33,21 @@ class ConcurrencyConfig:
     requests_per_worker: int = 2
     tolerance: float = 0.01
     temperature: float = 0.0  # 0: greedy
+    seed: int = 0  # worker i sends seed + i (the warm-up request: seed)
 
 
-async def _level(client: BenchClient, prompts: list[list[str]], gen: int, temperature: float) -> list[Reply]:
+async def _level(client: BenchClient, prompts: list[list[str]], gen: int, temperature: float,
+                 seed: int) -> list[Reply]:
     limits = httpx.Limits(max_connections=len(prompts) + 2, max_keepalive_connections=len(prompts) + 2)
     async with httpx.AsyncClient(timeout=client.timeout, limits=limits) as http:
-        async def worker(texts: list[str]) -> list[Reply]:
+        async def worker(texts: list[str], worker_seed: int) -> list[Reply]:
             out = []
             for t in texts:
                 out.append(await client.achat(http, [{"role": "user", "content": t}], gen, cache_prompt=False,
-                                              ignore_eos=True, **sampling(temperature)))
+                                              ignore_eos=True, seed=worker_seed, **sampling(temperature)))
             return out
 
-        per = await asyncio.gather(*(worker(texts) for texts in prompts))
+        per = await asyncio.gather(*(worker(texts, seed + i) for i, texts in enumerate(prompts)))
     return [r for rs in per for r in rs]
 
 
@@ -54,7 +57,7 @@ def run_concurrency(client: BenchClient, cfg: ConcurrencyConfig, say: Callable[[
     # one uncounted request first: the first level must not pay for a cold server
     first = builder.build(cfg.prompt_tokens)
     warm = client.chat([{"role": "user", "content": first.text}], cfg.gen, cache_prompt=False, ignore_eos=True,
-                       **sampling(cfg.temperature))
+                       seed=cfg.seed, **sampling(cfg.temperature))
     check_uncached(warm, "concurrency warm-up")
     offset = (warm.prompt_tokens - first.tokens) if warm.prompt_tokens is not None else 0
     props = client.props()
@@ -63,9 +66,10 @@ def run_concurrency(client: BenchClient, cfg: ConcurrencyConfig, say: Callable[[
         prompts = [[builder.build(cfg.prompt_tokens, offset=offset).text for _ in range(cfg.requests_per_worker)]
                    for _ in range(w)]
         before = client.metrics()
-        replies = asyncio.run(_level(client, prompts, cfg.gen, cfg.temperature))
+        replies = asyncio.run(_level(client, prompts, cfg.gen, cfg.temperature, cfg.seed))
         after = client.metrics()
         lv = _summarise(w, replies, before, after)
+        lv["seeds"] = [cfg.seed + i for i in range(w)]
         if lv["cached_requests"]:
             raise StrataError(f"concurrency {w}: the engine reused cached prompt tokens in {lv['cached_requests']} "
                               "requests despite unique first lines and cache_prompt false")
@@ -74,7 +78,7 @@ def run_concurrency(client: BenchClient, cfg: ConcurrencyConfig, say: Callable[[
             f"p90 {lv['latency_s']['p90']:.2f} s | TTFT p50 {lv['ttft_s']['p50']:.3f} s | errors {lv['errors']}")
     return {"config": {"workers": list(cfg.workers), "prompt_tokens": cfg.prompt_tokens, "gen": cfg.gen,
                        "requests_per_worker": cfg.requests_per_worker, "cache_prompt": False,
-                       "temperature": cfg.temperature},
+                       "temperature": cfg.temperature, "seed": cfg.seed},
             "server_slots": props.get("total_slots"), "levels": levels}
 
 

@@ -101,7 +101,8 @@ def _sweep_md(s: dict) -> list[str]:
                 f"cache, {c['warmup']} warm-up + {c['runs']} measured passes; TTFT = the prefill forward.")
     else:
         head = (f"Uncached prompts (unique first line, `cache_prompt: false`), {c['warmup']} warm-up + {c['runs']} "
-                f"measured runs per length, {c['gen']} generated tokens, {sampling_text(c.get('temperature', 0))}; "
+                f"measured runs per length, {c['gen']} generated tokens, "
+                f"{sampling_text(c.get('temperature', 0), c.get('seed', 0))}; "
                 "median (min-max). Prefill and decode from the "
                 "engine's timings, TTFT from the client's clock.")
     lines = [head]
@@ -128,7 +129,8 @@ def _sweep_md(s: dict) -> list[str]:
 def _conc_md(s: dict) -> list[str]:
     c = s["config"]
     lines = [f"{c['requests_per_worker']} requests per worker back to back, {c['prompt_tokens']}-token uncached "
-             f"prompts, {c['gen']} generated tokens, {sampling_text(c.get('temperature', 0))}; server slots: "
+             f"prompts, {c['gen']} generated tokens, {sampling_text(c.get('temperature', 0), c.get('seed', 0))}"
+             f"{' (worker i: seed + i)' if c.get('temperature') else ''}; server slots: "
              f"{s.get('server_slots')}."]
     rows = [[str(lv["workers"]), str(lv["requests"]), f"{lv['aggregate_tok_s']:.1f}", _f(lv["latency_s"]["p50"]),
              _f(lv["latency_s"]["p90"]), _f(lv["ttft_s"]["p50"], "{:.3f}"), _f(lv["ttft_s"]["p90"], "{:.3f}"),
@@ -167,6 +169,22 @@ def _profiles(srv: dict) -> list[dict]:
     return out + [ph["server"]["profile"] for ph in srv.get("phases", []) if (ph.get("server") or {}).get("profile")]
 
 
+def _requests_line(results: dict) -> str:
+    """The header's line on what the timed requests drew from: temperature, seed, and the experts' routing."""
+    t, seed = results.get("temperature") or 0, results.get("seed", 0)
+    how = f"temperature {t:g}, sampled" if t else "temperature 0 (greedy: the seed changes nothing)"
+    routing = results.get("routing")
+    if routing == "uniform":
+        route = ("**uniform** (`--expert-routing uniform`: each token to k random experts, the expert cache's worst "
+                 "case; the text is not the model's, the numbers are speed only)")
+    elif routing == "model":
+        route = "the model's router"
+    else:
+        route = "not reported by the server"
+    return (f"- sweep and concurrency requests: {how}, seed {seed} (concurrency worker i: seed {seed} + i); "
+            f"strata's expert routing: {route}")
+
+
 def markdown(results: dict) -> str:
     m, mod, srv = results.get("machine", {}), results.get("model", {}), results.get("server", {})
     chk = m.get("check", {})
@@ -193,6 +211,7 @@ def markdown(results: dict) -> str:
                  f"; flags: `{' '.join(srv.get('flags') or []) or '(defaults)'}`")
     if srv.get("settings"):
         lines.append(f"- settings: {json.dumps(srv['settings'], sort_keys=True)}")
+    lines.append(_requests_line(results))
     for prof in _profiles(srv):
         lines += ["", f"Per-token time breakdown ({prof.get('tokens')} tokens, the server's --profile):", ""]
         lines += _table(["bucket", "ms/token"], [[k, f"{v:.3f}"] for k, v in (prof.get("ms_per_token") or {}).items()])
@@ -207,6 +226,9 @@ def markdown(results: dict) -> str:
         ratios = results.get("ratios") or {}
         for name, p in peers.items():
             lines += ["", f"### {name}", "", f"{p.get('how', '')}"]
+            if results.get("routing") == "uniform":
+                lines.append(f"\n{name} ran with its model's routing (it has no uniform override): its rows and the "
+                             "ratios below set strata's worst case against the peer's ordinary routing.")
             if p.get("error"):
                 lines.append(f"\n**not measured**: {p['error']}")
                 continue

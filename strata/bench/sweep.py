@@ -36,6 +36,7 @@ class SweepConfig:
     gen: int = 128
     tolerance: float = 0.01  # prompt sizes within 1% of the target
     temperature: float = 0.0  # 0: greedy
+    seed: int = 0  # sent with every request (what a sampled run draws from)
 
 
 def check_uncached(rep: Reply, where: str) -> None:
@@ -79,7 +80,8 @@ def run_sweep(client: BenchClient, cfg: SweepConfig, say: Callable[[str], None] 
             continue
         rows.append(_one_length(client, builder, length, cfg, say))
     return {"config": {"lengths": list(cfg.lengths), "runs": cfg.runs, "warmup": cfg.warmup, "gen": cfg.gen,
-                       "tolerance": cfg.tolerance, "cache_prompt": False, "temperature": cfg.temperature},
+                       "tolerance": cfg.tolerance, "cache_prompt": False, "temperature": cfg.temperature,
+                       "seed": cfg.seed},
             "n_ctx": ctx, "rows": rows, "skipped": skipped}
 
 
@@ -130,4 +132,4 @@ def _one_length(client: BenchClient, builder: PromptBuilder, length: int, cfg: S
 
 def _send(client: BenchClient, p: Prompt, cfg: SweepConfig) -> Reply:
     return client.chat([{"role": "user", "content": p.text}], cfg.gen, cache_prompt=False, ignore_eos=True,
-                       **sampling(cfg.temperature))
+                       seed=cfg.seed, **sampling(cfg.temperature))

@@ -83,6 +83,14 @@ def load_model(path: str, cfg: EngineConfig | None = None, with_tokenizer: bool 
     model = fam.build(g, cfg, experts or make_experts_factory(cfg), max_ctx, args=args)
     if _host_embed(cfg, model):
         embed_on_host(model, g)
+    if cfg.experts.routing != "model":
+        model.set_expert_routing(cfg.experts.routing)
+        if not args.n_experts:
+            log.warning("strata: --expert-routing %s has no effect: the model has no MoE layers", cfg.experts.routing)
+        else:
+            log.warning("strata: WARNING: --expert-routing %s: every MoE layer ignores its router and sends each "
+                        "token to %d random experts of %d: the output is NOT the model's (benchmarks of the expert "
+                        "cache's worst case only)", cfg.experts.routing, args.n_experts_used, args.n_experts)
     lm = LoadedModel(model, g, args, cfg, max_ctx)
     if with_tokenizer and "tokenizer.ggml.model" in g.metadata:
         from strata.gguf.chat_template import ChatTemplate

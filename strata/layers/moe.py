@@ -3,6 +3,9 @@
 Routing is computed in float32 on the device that holds the router. The block knows nothing about where
 experts live: `experts.forward(layer, x, ids, weights, ctx)` is the only call (an `ExpertsBackend`, with the
 step's `StepContext`), and the backend (all resident, or tiered across VRAM / CPU / PCIe) decides.
+
+`--expert-routing uniform` (benchmarks only) replaces the router's choice by `uniform_route` in `MoE.__call__`,
+the one place every family's MoE layer routes.
 """
 
 from __future__ import annotations
@@ -46,11 +49,26 @@ def route(logits: torch.Tensor, r: Routing, bias: torch.Tensor | None = None) ->
     return ids, w
 
 
+def uniform_route(n: int, r: Routing, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """n tokens -> (ids [n, k] int64, weights [n, k] float32): k distinct experts per token drawn uniformly at
+    random, each weighted 1/k (the benchmark's worst case for an expert cache: no expert is hotter than another).
+
+    The top-k of E i.i.d. uniforms is a uniformly random k-subset, drawn on the device by torch's generator: no
+    host sync and no Python random, so it runs in eager steps and inside captured CUDA graphs (a replay advances
+    the generator's offset, so each replay draws anew). Equal weights rather than the router's top-k weights:
+    those belong to the experts the router chose, and carried over to random experts they would only add a
+    score unrelated to the draw; 1/k keeps the sum at 1 whatever the family's gating or scale."""
+    ids = torch.rand(n, r.n_experts, device=device).topk(r.k, dim=-1).indices  # [n, k]
+    w = torch.full((n, r.k), 1.0 / r.k, device=device, dtype=torch.float32)
+    return ids, w
+
+
 class MoE:
     def __init__(self, layer: int, routing: Routing, router: QTensor, experts, bias: torch.Tensor | None = None,
                  shared: SwiGLU | None = None, shared_gate: QTensor | None = None):
         self.layer, self.routing, self.router, self.bias = layer, routing, router, bias
         self.experts, self.shared, self.shared_gate = experts, shared, shared_gate
+        self.uniform = False  # --expert-routing uniform (set once at load: strata.models.base.CausalLM)
 
     def route_ids(self, x: torch.Tensor) -> torch.Tensor:
         """The experts this layer's router picks for x [N, d] -> ids [N, k] (a backend predicting this layer's
@@ -63,6 +81,8 @@ class MoE:
         t = prof.mark() if prof else None
         logits = qmatmul(x.float(), self.router)  # [N, E]
         ids, w = route(logits, self.routing, self.bias)
+        if self.uniform:  # the router still ran (its cost stays in the step); its choice is dropped
+            ids, w = uniform_route(x.shape[0], self.routing, logits.device)
         if prof:
             prof.span("router_shared", t)
         if ctx.on_route is not None:

@@ -107,6 +107,15 @@ class CausalLM:
         finally:
             self._route_taps.remove(fn)
 
+    def set_expert_routing(self, mode: str) -> None:
+        """`model` (the routers' choice) or `uniform` (random experts, strata.layers.moe.uniform_route) in every MoE
+        layer: --expert-routing, a benchmark switch."""
+        if mode not in ("model", "uniform"):
+            raise StrataError(f"--expert-routing must be model or uniform (got {mode!r})")
+        for b in self.blocks:
+            if isinstance(b.ffn, MoE):
+                b.ffn.uniform = mode == "uniform"
+
     def step_context(self, segments: list[Segment], n_tokens: int, **kw) -> StepContext:
         """The context of a forward over `segments` (the engine passes what it knows: graphs, phase)."""
         kw.setdefault("profiler", self.experts.profiler if self.experts is not None else None)

@@ -139,7 +139,8 @@ def _start_engine(app: FastAPI, cfg: ServeConfig, lm, say) -> object:
     metrics.settings = {"model": str(lm.cfg.model), "n_ctx": engine.max_ctx, "parallel": cfg.parallel,
                         "prefill_chunk": engine.prefill_chunk, "device": str(engine.device),
                         "dtype": str(lm.cfg.torch_dtype).replace("torch.", ""),
-                        "experts": lm.cfg.experts.mode, "prompt_cache_mib": cfg.prompt_cache_mib,
+                        "experts": lm.cfg.experts.mode, "expert_routing": lm.cfg.experts.routing,
+                        "prompt_cache_mib": cfg.prompt_cache_mib,
                         "structured_output": structured, "tool_call_format": tool_format,
                         "api_key": cfg.api_key is not None, "host": cfg.host, "port": cfg.port,
                         "warmup": warmed}

@@ -163,3 +163,16 @@ def test_calibrate_the_tiny_model(hf_and_gguf, tmp_path, monkeypatch):
     # the cost model for the kept thread count is where the engine looks for it
     backend = lm.model.experts
     assert CostModel.load(res["cost_model_path"]) == cost_model_for(backend)
+
+
+def test_calibrating_under_uniform_routing_is_not_saved_as_the_models(tmp_path, monkeypatch, capsys):
+    """Settings tuned for random routing would be read back by every later `strata serve` of the model: refused
+    unless --no-save, before the model loads."""
+    from strata.cli import main
+
+    monkeypatch.setenv("STRATA_CACHE_DIR", str(tmp_path))
+    rc = main(["calibrate", "-m", str(tmp_path / "absent.gguf"), "--device", "cpu", "--expert-slots", "2",
+               "--expert-routing", "uniform"])
+    assert rc != 0
+    assert "add --no-save" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())

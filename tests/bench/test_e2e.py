@@ -1,6 +1,7 @@
 """The bench end to end on the tiny model: a real strata server on loopback, llama.cpp's server (xllamacpp) as the
 peer, the CLI writing JSON, Markdown and PNG plots."""
 
+import asyncio
 import importlib.util
 import json
 import math
@@ -102,6 +103,7 @@ def test_bench_all_suites_with_llamacpp_peer(server, tmp_path):
     assert sanity["total"] == 12 and {c["kind"] for c in sanity["cases"]} == {"instruction", "retrieval", "tool"}
     peer = res["peers"]["llamacpp"]
     assert "error" not in peer, peer.get("error")
+    assert peer["routing"] == "model"
     assert [r["length"] for r in peer["suites"]["sweep"]["rows"]] == [64, 200]
     assert all(r["cache_n"] == 0 for row in peer["suites"]["sweep"]["rows"] for r in row["runs"])
     ratios = res["ratios"]["llamacpp"]
@@ -124,17 +126,29 @@ def test_bench_all_suites_with_llamacpp_peer(server, tmp_path):
 
 
 def test_bench_starts_its_own_server(tiny, tmp_path):
+    """With --routing uniform the server it starts routes every token to random experts (and says so in its log);
+    the results carry the routing and the seed."""
     rc = main(["bench", "sweep", "-m", tiny, "--expert-slots", "4", "--cpu-threads", "1", "--name", "own", "--out", str(tmp_path),
-               "--lengths", "100", "--runs", "1", "--gen", "3"])
+               "--lengths", "100", "--runs", "1", "--gen", "3", "--routing", "uniform", "--seed", "7",
+               "--temperature", "0.5"])
     assert rc == 0
-    res = json.loads(next(tmp_path.iterdir()).joinpath("results.json").read_text())
+    out = next(tmp_path.iterdir())
+    res = json.loads(out.joinpath("results.json").read_text())
     (phase,) = res["server"]["phases"]
     assert phase["suites"] == ["sweep"] and phase["parallel"] == 1
     argv = phase["argv"]
     assert argv[argv.index("--expert-slots") + 1] == "4" and argv[argv.index("-c") + 1] == str(phase["ctx"])
     flags = res["server"]["flags"]  # the engine flags given, in the parser's order
-    assert sorted(zip(flags[::2], flags[1::2])) == [("--cpu-threads", "1"), ("--expert-slots", "4")]
+    assert sorted(zip(flags[::2], flags[1::2])) == [("--cpu-threads", "1"), ("--expert-routing", "uniform"),
+                                                    ("--expert-slots", "4")]
     assert res["suites"]["sweep"]["rows"][0]["prompt_tokens"] == [100]
+    assert (res["routing"], res["seed"], res["suites"]["sweep"]["config"]["seed"]) == ("uniform", 7, 7)
+    assert phase["server"]["settings"]["expert_routing"] == "uniform"  # what the server itself reports
+    log = next((out / "logs").iterdir()).read_text()
+    assert sum("WARNING: --expert-routing uniform" in line for line in log.splitlines()) == 1
+    md = out.joinpath("results.md").read_text()
+    assert "seed 7 (concurrency worker i: seed 7 + i); strata's expert routing: **uniform**" in md
+    assert "temperature 0.5 (top-k 40, top-p 0.95, min-p 0.05, seed 7)" in md
 
 
 def test_bench_refuses_a_server_that_is_not_there(tmp_path):
@@ -159,18 +173,68 @@ def test_sampled_requests_carry_one_sampler_chain_for_every_server():
 def test_bench_sampled_text_through_the_server(server, tmp_path):
     rc = main(["bench", "sweep", "concurrency", "--url", server, "--name", "hot", "--out", str(tmp_path),
                "--temperature", "0.8", "--lengths", "64", "--runs", "1", "--warmup", "0", "--gen", "4",
-               "--workers", "1,2", "--conc-prompt", "64", "--conc-gen", "4", "--conc-requests", "1"])
+               "--workers", "1,2", "--conc-prompt", "64", "--conc-gen", "4", "--conc-requests", "1", "--seed", "5"])
     assert rc == 0
     out = next(tmp_path.iterdir())
     res = json.loads(out.joinpath("results.json").read_text())
     assert res["suites"]["sweep"]["config"]["temperature"] == 0.8
     assert res["suites"]["concurrency"]["config"]["temperature"] == 0.8
-    assert [lv["errors"] for lv in res["suites"]["concurrency"]["levels"]] == [0, 0]
-    assert out.joinpath("results.md").read_text().count("sampled at temperature 0.8") == 2
+    levels = res["suites"]["concurrency"]["levels"]
+    assert [lv["errors"] for lv in levels] == [0, 0]
+    # one seed for the run, recorded; each concurrent worker its own
+    assert res["seed"] == 5 and res["suites"]["sweep"]["config"]["seed"] == 5
+    assert res["suites"]["concurrency"]["config"]["seed"] == 5 and [lv["seeds"] for lv in levels] == [[5], [5, 6]]
+    assert res["routing"] == "model"  # as the running server reports it
+    md = out.joinpath("results.md").read_text()
+    assert md.count("sampled at temperature 0.8") == 2 and md.count("min-p 0.05, seed 5)") == 2
+    assert "temperature 0.8, sampled, seed 5" in md and "strata's expert routing: the model's router" in md
 
 
-def test_bench_refuses_a_temperature_out_of_range(tmp_path, capsys):
-    # checked before any server is asked: the URL here answers nothing
-    rc = main(["bench", "sweep", "--url", "http://127.0.0.1:9", "--out", str(tmp_path), "--temperature", "-0.5"])
+def test_sampled_workers_draw_different_text(server):
+    """Two concurrency workers with the same prompt at a temperature write two texts (seeds 11 and 12), where one
+    seed writes one text twice."""
+    from strata.bench.client import sampling
+    from strata.bench.concurrency import _level
+
+    c = BenchClient(server)
+    try:
+        text = PromptBuilder(c.count_tokens, tag="seeds").build(80).text
+        got = asyncio.run(_level(c, [[text], [text]], 12, 1.5, seed=11))
+        same = [c.chat([{"role": "user", "content": text}], 12, cache_prompt=False, ignore_eos=True, seed=11,
+                       **sampling(1.5)).text for _ in range(2)]
+    finally:
+        c.close()
+    assert all(r.error is None and r.completion_tokens == 12 for r in got)
+    assert same[0] == same[1] and got[0].text != got[1].text
+
+
+def test_a_routing_the_running_server_does_not_do_is_refused(server, tmp_path, capsys):
+    rc = main(["bench", "sweep", "--url", server, "--out", str(tmp_path), "--routing", "uniform"])
     assert rc != 0
-    assert "--temperature must be within 0..2, got -0.5" in capsys.readouterr().err
+    assert "start it with --expert-routing uniform" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # refused before anything was measured or written
+
+
+def test_bench_help_lists_seed_and_routing(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "--seed SEED" in out and "--routing {model,uniform}" in out
+
+
+def test_a_uniform_run_says_its_peers_kept_their_routing():
+    from strata.bench.report import markdown
+
+    md = markdown({"name": "x", "date": "d", "routing": "uniform", "seed": 3, "temperature": 0,
+                   "peers": {"llamacpp": {"how": "llama.cpp server", "routing": "model", "suites": {}}}})
+    assert "llamacpp ran with its model's routing" in md and "greedy: the seed changes nothing" in md
+
+
+@pytest.mark.parametrize("flag,value,message", [("--temperature", "-0.5", "--temperature must be within 0..2, got -0.5"),
+                                                ("--seed", "-1", "--seed must be >= 0, got -1")])
+def test_bench_refuses_a_setting_out_of_range(tmp_path, capsys, flag, value, message):
+    # checked before any server is asked: the URL here answers nothing
+    rc = main(["bench", "sweep", "--url", "http://127.0.0.1:9", "--out", str(tmp_path), flag, value])
+    assert rc != 0
+    assert message in capsys.readouterr().err
