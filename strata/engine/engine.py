@@ -22,7 +22,7 @@ from strata.engine.loader import LoadedModel
 from strata.engine.request import Request, request_fields
 from strata.engine.sampler import SamplingParams, sample, token_logprobs
 from strata.engine.spec import NgramDrafter, accept
-from strata.experts.sizing import prefill_bytes_per_token, prefill_chunk_for
+from strata.experts.sizing import prefill_bytes_per_token, prefill_chunk_for, prefill_left
 from strata.kv.cache import Segment
 
 _ids = itertools.count(1)
@@ -86,14 +86,22 @@ class Engine:
         self.kv = self.model.new_kv_cache(self.n_slots, self.max_ctx, lm.cfg.torch_kv_dtype)
         experts = self.model.experts  # an ExpertsBackend (strata.experts.backend), None for a dense model
         chunk = prefill_chunk or lm.cfg.prefill_chunk
+        # how the VRAM budget was divided (strata.experts.sizing.VramSplit.as_dict; None: no budget was divided)
+        self.vram_split: dict | None = None
         if experts is not None and experts.sizes_cache:
             # size the expert cache from what is left after the KV cache and a prefill chunk
             act = 0
-            if self.device.type == "cuda":  # room for a large chunk: each chunk streams the uncached experts once
+            cuda = self.device.type == "cuda"
+            if cuda:  # room for a large chunk: each chunk streams the uncached experts once
                 bpt = prefill_bytes_per_token(lm.args.d_model, lm.args.n_experts_used)
                 chunk = chunk or prefill_chunk_for(self._vram_left(), bpt)
                 act = chunk * bpt
-            experts.setup(lm.args.n_experts_used, act)
+            split = experts.setup(lm.args.n_experts_used, act)
+            if split is not None:
+                # on a CPU the KV cache and the weights are in RAM: the budget sizes the cache alone
+                split = split.itemized(self.kv.nbytes if cuda else 0, chunk if cuda else 0)
+                self.vram_split = split.as_dict()
+                log.info("strata: %s", split.render())
         self.prefill_chunk = chunk or self._default_chunk()
         cfg = lm.cfg
         self.draft_max = getattr(cfg, "draft_max", 0)
@@ -123,8 +131,8 @@ class Engine:
         holds now), less the reserve."""
         ex = self.lm.cfg.experts
         free, total = torch.cuda.mem_get_info(self.device)
-        left = free if ex.vram_gb is None else min(free, int(ex.vram_gb * (1 << 30)) - (total - free))
-        return left - ex.vram_reserve_mib * (1 << 20)
+        budget = total if ex.vram_gb is None else min(total, int(ex.vram_gb * (1 << 30)))
+        return prefill_left(budget, total - free, ex.vram_reserve_mib * (1 << 20))
 
     def _default_chunk(self) -> int:
         # Largest transient per chunk is the attention score block [H, chunk, ctx] in float32; give it a budget

@@ -32,7 +32,7 @@ from strata.experts.plan import CostModel, CpuPlan
 from strata.experts.policy import CachePolicy, make_policy
 from strata.experts.profile import RoutingProfile, layer_slots, warm_policy
 from strata.experts.resident import ExpertWeights
-from strata.experts.sizing import staging_slots
+from strata.experts.sizing import VramSplit, staging_slots
 from strata.experts.stats import ExpertStats, StepProfile
 from strata.experts.store import ExpertStore
 from strata.experts.tiered_decode import GraphedDecode
@@ -83,6 +83,7 @@ class TieredExperts:
         self.profiler = StepProfiler(self.profile, self.device) if self.profiling else None
         self._deferred: StepContext | None = None  # a step begun before the cache was set up
         self.cache: ExpertCache | None = None  # set up at the first forward, once KV and buffers exist
+        self.vram_split: VramSplit | None = None  # how setup divided the VRAM budget
         self.policy = None
         self.plan: CpuPlan | None = None
         self.tuner: PlanTuner | None = None  # --cpu-plan auto on a GPU: decode steps pick among candidate plans
@@ -105,16 +106,17 @@ class TieredExperts:
         self.next_moe = {a: moes[b] for a, b in zip(layers, layers[1:])}
 
     # --- set-up -----------------------------------------------------------------------------------------------
-    def setup(self, k: int, act_bytes: int = 0) -> None:
+    def setup(self, k: int, act_bytes: int = 0) -> VramSplit | None:
         """Size and fill the cache, pick the plan. Called by the first forward (or by the engine after it
-        allocated the KV cache, so the VRAM budget sees it, with the VRAM its prefill chunk needs)."""
+        allocated the KV cache, so the VRAM budget sees it, with the VRAM its prefill chunk needs). Returns how
+        the VRAM budget was divided (None with --expert-slots, or on a CPU without a budget)."""
         if self.cache is not None:
-            return
+            return self.vram_split
         self.k = k
         staging = self._staging or staging_slots(k)
         if self.ex.prefetch_next:  # a layer's own stream, the next layer's prefetch and its own: 3k in flight
             staging = max(staging, 4 * k)
-        slots, chunk = budget_slots(self.ex, self.store, self.device, staging, act_bytes)
+        slots, chunk, self.vram_split = budget_slots(self.ex, self.store, self.device, staging, act_bytes)
         L, E = len(self.layer_ids), self.n_experts
         if self.ex.cache_layout == "profile":  # the same bytes, spread over the layers as the profile routes
             if not self.ex.expert_profile:
@@ -154,6 +156,7 @@ class TieredExperts:
             self.load_profile(self.ex.expert_profile)
         if self.ex.expert_profile_save:
             atexit.register(self.close)
+        return self.vram_split
 
     def max_graph_batch(self, k: int) -> int:
         """Decoding sequences one graphed step may take: within the grouped kernel's pair count, and without a
