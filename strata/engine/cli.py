@@ -131,6 +131,8 @@ def _report(seq, engine) -> None:
     experts = engine.model.experts  # an ExpertsBackend, None for a dense model
     if experts is not None and experts.stats is not None:
         print(f"strata: experts {experts.stats.summary()}", file=sys.stderr)
+    if seq.experts_decode is not None:  # this run's decode: what the CPU and PCIe lanes moved, in GB/s
+        print(f"strata: {seq.experts_decode.lane_summary(seq.predicted_ms / 1e3)}", file=sys.stderr)
     r = experts.profile_report() if experts is not None else ""
     if r:
         print(r, file=sys.stderr)

@@ -70,6 +70,8 @@ class TieredExperts:
         self.layer_ids = self.store.layer_ids
         self.index = {layer: li for li, layer in enumerate(self.layer_ids)}
         self.n_experts = self.store.n_experts
+        # bytes of one expert per layer (a layer's experts all have the same formats and shapes): what a miss moves
+        self.expert_bytes = {layer: self.store.expert_nbytes(layer) for layer in self.layer_ids}
         self.lane: CpuLane | None = None
         if not _all_cpu_zero(self.ex.cpu_plan):  # a plan that never uses the CPU needs no lane (nor repacking)
             self.lane = CpuLane(self.store.layers, self.ex.cpu_threads, cpu_kernel or self.ex.cpu_kernel, self.dtype)
@@ -157,6 +159,10 @@ class TieredExperts:
         if self.ex.expert_profile_save:
             atexit.register(self.close)
         return self.vram_split
+
+    def vram_bytes(self) -> int:
+        """VRAM the expert cache holds (its slot pools and chunk buffers; 0 on a CPU, where they are in RAM)."""
+        return self.cache.nbytes() if self.cache is not None and self.cuda else 0
 
     def max_graph_batch(self, k: int) -> int:
         """Decoding sequences one graphed step may take: within the grouped kernel's pair count, and without a
@@ -268,11 +274,22 @@ class TieredExperts:
             return self.graphed.forward(ctx, layer, x, ids, w)
         return self.eager.forward(layer, x, ids, w)
 
-    def count(self, hits: int, cpu: int, pcie: int, layers: int, swaps: int = 0) -> None:
+    def count(self, hits: int, cpu: int, pcie: int, layers: int, swaps: int = 0, *, layer: int | None = None,
+              cpu_experts: int | None = None, pcie_experts: int | None = None) -> None:
         """Statistics, in one place for every path: a layer's lookups by where they ran (`layers` token-layers)
-        and the swaps it committed, in the totals and the current request's."""
+        and the swaps it committed, in the totals and the current request's. The bytes each miss lane moved:
+        `cpu_experts` / `pcie_experts` distinct experts of `layer` (default: one per lookup, as in a one-token
+        step), each the layer's expert bytes."""
+        if layer is None:
+            if cpu or pcie:
+                raise ValueError("TieredExperts.count: misses need their layer (its expert bytes)")
+            cpu_b = pcie_b = 0
+        else:
+            eb = self.expert_bytes[layer]
+            cpu_b = eb * (cpu if cpu_experts is None else cpu_experts)
+            pcie_b = eb * (pcie if pcie_experts is None else pcie_experts)
         for s in (self.stats, self.request):
-            s.add_layer(hits, cpu, pcie, layers)
+            s.add_layer(hits, cpu, pcie, layers, cpu_b, pcie_b)
             s.swaps += swaps
 
     def learn_chunk_cpu(self, measured_ms: float, estimate_ms: float) -> None:

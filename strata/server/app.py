@@ -138,7 +138,10 @@ def _start_engine(app: FastAPI, cfg: ServeConfig, lm, say) -> object:
                         "dtype": str(lm.cfg.torch_dtype).replace("torch.", ""),
                         "experts": lm.cfg.experts.mode, "prompt_cache_mib": cfg.prompt_cache_mib,
                         "structured_output": structured, "tool_call_format": tool_format,
-                        "api_key": cfg.api_key is not None, "host": cfg.host, "port": cfg.port}
+                        "api_key": cfg.api_key is not None, "host": cfg.host, "port": cfg.port,
+                        # how --vram-gb was divided (GiB per part, slots per layer, the cache's share); None: no
+                        # budget was divided (resident experts, --expert-slots, a CPU without --vram-gb)
+                        "vram_split": engine.vram_split.as_dict() if engine.vram_split is not None else None}
     worker.start()
     app.state.server = srv
     say(f"ready in {time.perf_counter() - t0:.1f}s")
@@ -232,6 +235,7 @@ def _routes(app: FastAPI) -> None:
             "build_info": f"strata {__version__}",
             "structured_output": request.app.state.model_meta.get("structured_output"),
             "tool_call_format": srv.tool_format,
+            "vram_split": request.app.state.metrics.settings.get("vram_split"),
         }
 
     @app.get("/slots")
