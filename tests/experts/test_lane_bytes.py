@@ -103,11 +103,20 @@ def test_a_miss_without_its_layer_is_refused(model_path):
         t.count(0, 1, 0, 1)
 
 
-def test_generate_prints_the_lanes_gbps(hf_and_gguf):
+def test_generate_prints_the_split_and_the_lanes_gbps(hf_and_gguf):
+    from strata.experts.sizing import staging_slots
+    from strata.hub.check import model_footprint
+
     _, path = hf_and_gguf("qwen3moe")
+    fp = model_footprint([path])
+    # no reserve: the staging ring and one slot in every layer (on a CPU the budget sizes the pool as on a GPU)
+    budget = staging_slots(fp.n_expert_used) * fp.slot_bytes + fp.expert_bytes // fp.n_expert + 1000
     cmd = [sys.executable, "-m", "strata", "generate", "-m", str(path), "--device", "cpu", "-p", "def hello():",
-           "-n", "8", "--temperature", "0", "--experts", "tiered", "--expert-slots", "1", "--cpu-plan", "011"]
+           "-n", "8", "--temperature", "0", "--experts", "tiered", "--vram-gb", repr(budget / (1 << 30)),
+           "--vram-reserve-mib", "0", "--cpu-plan", "011"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
+    split = next(x for x in r.stderr.splitlines() if x.startswith("strata: VRAM "))
+    assert f"expert cache: 1 of {fp.n_expert} slots per layer" in split and "staging ring" in split
     line = next(x for x in r.stderr.splitlines() if "miss lanes" in x)
     assert "GB/s" in line and "CPU" in line and "PCIe" in line and "together" in line
