@@ -134,6 +134,8 @@ def measure(a, lm, eng, experts, dev, label, load_s) -> None:
     if getattr(experts, "cache", None) is not None:
         res.update(plan=str(experts.plan), slots_per_layer=experts.cache.slots,
                    cache_gib=round(experts.cache.nbytes() / 2**30, 2))
+    if eng.vram_split is not None:  # how the budget was divided (GiB per part), as the engine logged it
+        res["vram_split"] = eng.vram_split.as_dict()
     decode, prefill = [], []
     steps_ms: list[float] = []  # every measured decode step's wall time (the distribution shows stalls)
     gcc = GcClock()
@@ -141,6 +143,7 @@ def measure(a, lm, eng, experts, dev, label, load_s) -> None:
     pol = getattr(experts, "policy", None)
     routed = None  # [L, E] expert uses of the measured decode steps (the routing skew on these prompts)
     stats = None  # expert statistics of the measured runs' decode steps (prefill chunks excluded)
+    decode_s = 0.0  # the measured runs' decode time (first token to last), for the miss lanes' GB/s
     for r in range(a.runs + 1):
         ids = make_prompt(lm.tokenizer, a.prompt_tokens, salt=r * 7919 + 13 + a.salt)
         sp = SamplingParams(temperature=a.temperature, seed=1000 + r) if a.temperature else SamplingParams(temperature=0)
@@ -176,6 +179,7 @@ def measure(a, lm, eng, experts, dev, label, load_s) -> None:
         if before is not None:
             d = experts.stats - before
             stats = d if stats is None else stats + d
+            decode_s += seq.predicted_ms / 1e3
         prefill.append(seq.prompt_n / (seq.prompt_ms / 1e3))
         decode.append((len(seq.output) - 1) / (seq.predicted_ms / 1e3))
         if seq.draft_n:  # --draft-max: the measured runs' drafts
@@ -200,7 +204,9 @@ def measure(a, lm, eng, experts, dev, label, load_s) -> None:
                                                float(np.percentile(step_misses, 50)),
                                                float(np.percentile(step_misses, 90))]}
     if stats is not None:
-        res["experts_decode"] = stats.as_dict()
+        # with the CPU and PCIe lanes' GB/s over the decode time (experts_cpu_gbps, experts_pcie_gbps, together
+        # experts_miss_gbps)
+        res["experts_decode"] = {**stats.as_dict(), **stats.lane_gbps(decode_s)}
     if routed is not None and routed.sum() > 0:
         res["routing"] = routing_skew(routed, experts.cache.layer_slots)
     if a.prefill_only:

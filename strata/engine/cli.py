@@ -119,6 +119,12 @@ def _stream(engine, tok, ids, params, n, out=sys.stdout) -> "Sequence":
     return engine.last
 
 
+def _say_split(engine) -> None:
+    """How the VRAM budget was divided (tiered experts sized from a budget), on stderr before generating."""
+    if engine.vram_split is not None:
+        print(f"strata: {engine.vram_split.render()}", file=sys.stderr)
+
+
 def _report(seq, engine) -> None:
     pt = seq.prompt_n / (seq.prompt_ms / 1e3) if seq.prompt_ms else 0.0
     n = max(len(seq.output) - 1, 0)
@@ -131,6 +137,8 @@ def _report(seq, engine) -> None:
     experts = engine.model.experts  # an ExpertsBackend, None for a dense model
     if experts is not None and experts.stats is not None:
         print(f"strata: experts {experts.stats.summary()}", file=sys.stderr)
+    if seq.experts_decode is not None:  # this run's decode: what the CPU and PCIe lanes moved, in GB/s
+        print(f"strata: {seq.experts_decode.lane_summary(seq.predicted_ms / 1e3)}", file=sys.stderr)
     r = experts.profile_report() if experts is not None else ""
     if r:
         print(r, file=sys.stderr)
@@ -154,6 +162,7 @@ def cmd_generate(args) -> int:
     else:
         ids = tok.encode(prompt)
     engine = Engine(lm, n_slots=1)
+    _say_split(engine)
     engine.check_fits(len(ids), args.n_predict)
     seq = _stream(engine, tok, ids, sampling_from_args(args), args.n_predict)
     sys.stdout.write("\n")
@@ -170,6 +179,7 @@ def cmd_chat(args) -> int:
     if lm.template is None or lm.tokenizer is None:
         raise StrataError("the model has no chat template or tokenizer; use strata generate")
     engine = Engine(lm, n_slots=1)
+    _say_split(engine)
     msgs = [{"role": "system", "content": args.system}] if args.system else []
     interactive = sys.stdin.isatty()
     if interactive:

@@ -22,7 +22,8 @@ from strata.engine.loader import LoadedModel
 from strata.engine.request import Request, request_fields
 from strata.engine.sampler import SamplingParams, sample, token_logprobs
 from strata.engine.spec import NgramDrafter, accept
-from strata.experts.sizing import prefill_bytes_per_token, prefill_chunk_for
+from strata.experts.sizing import VramSplit, prefill_bytes_per_token, prefill_chunk_for, prefill_left
+from strata.experts.stats import ExpertStats
 from strata.kv.cache import Segment
 
 _ids = itertools.count(1)
@@ -59,6 +60,18 @@ class Sequence(Request):
     prompt_ms: float = 0.0
     predicted_ms: float = 0.0
     t_first: float = 0.0
+    # the experts backend's counts at the first token, and what they grew by until the last (the miss lanes'
+    # bytes over predicted_ms; with other sequences in flight their steps' counts are in it too). None: nothing
+    # counted (a dense model, resident experts)
+    experts_at_first: ExpertStats | None = None
+    experts_decode: ExpertStats | None = None
+
+    @property
+    def lane_gbps(self) -> dict[str, float]:
+        """The miss lanes' GB/s over this sequence's decode (ExpertStats.lane_gbps); {} when nothing counted."""
+        if self.experts_decode is None:
+            return {}
+        return self.experts_decode.lane_gbps(self.predicted_ms / 1e3)
 
     @classmethod
     def of(cls, req: Request) -> "Sequence":
@@ -85,15 +98,23 @@ class Engine:
         self.device = self.model.device  # before _default_chunk, which reads it
         self.kv = self.model.new_kv_cache(self.n_slots, self.max_ctx, lm.cfg.torch_kv_dtype)
         experts = self.model.experts  # an ExpertsBackend (strata.experts.backend), None for a dense model
+        self.expert_stats = experts.stats if experts is not None else None  # cumulative counts, None: none kept
         chunk = prefill_chunk or lm.cfg.prefill_chunk
+        # how the VRAM budget was divided (None: no budget was divided); .as_dict() for /props and /metrics
+        self.vram_split: VramSplit | None = None
         if experts is not None and experts.sizes_cache:
             # size the expert cache from what is left after the KV cache and a prefill chunk
             act = 0
-            if self.device.type == "cuda":  # room for a large chunk: each chunk streams the uncached experts once
+            cuda = self.device.type == "cuda"
+            if cuda:  # room for a large chunk: each chunk streams the uncached experts once
                 bpt = prefill_bytes_per_token(lm.args.d_model, lm.args.n_experts_used)
                 chunk = chunk or prefill_chunk_for(self._vram_left(), bpt)
                 act = chunk * bpt
-            experts.setup(lm.args.n_experts_used, act)
+            split = experts.setup(lm.args.n_experts_used, act)
+            if split is not None:
+                # on a CPU the KV cache and the weights are in RAM: the budget sizes the cache alone
+                self.vram_split = split.itemized(self.kv.nbytes if cuda else 0, chunk if cuda else 0)
+                log.info("strata: %s", self.vram_split.render())
         self.prefill_chunk = chunk or self._default_chunk()
         cfg = lm.cfg
         self.draft_max = getattr(cfg, "draft_max", 0)
@@ -123,8 +144,8 @@ class Engine:
         holds now), less the reserve."""
         ex = self.lm.cfg.experts
         free, total = torch.cuda.mem_get_info(self.device)
-        left = free if ex.vram_gb is None else min(free, int(ex.vram_gb * (1 << 30)) - (total - free))
-        return left - ex.vram_reserve_mib * (1 << 20)
+        budget = total if ex.vram_gb is None else min(total, int(ex.vram_gb * (1 << 30)))
+        return prefill_left(budget, total - free, ex.vram_reserve_mib * (1 << 20))
 
     def _default_chunk(self) -> int:
         # Largest transient per chunk is the attention score block [H, chunk, ctx] in float32; give it a budget
@@ -175,6 +196,8 @@ class Engine:
     def release(self, seq: Sequence, reason: str | None = None) -> None:
         if reason and not seq.finished:
             seq.finished, seq.finish_reason = True, reason
+        if seq.experts_at_first is not None and seq.experts_decode is None:
+            seq.experts_decode = self.expert_stats - seq.experts_at_first
         if seq in self.running:
             self.running.remove(seq)
             self.free_slots.append(seq.slot)
@@ -294,6 +317,8 @@ class Engine:
                 if not s.output:
                     s.prompt_ms = (now - s.t_start) * 1e3
                     s.t_first = now
+                    if self.expert_stats is not None:  # the prefill's counts are in; decode's start now
+                        s.experts_at_first = self.expert_stats.snapshot()
                 else:
                     s.predicted_ms = (now - s.t_first) * 1e3
                 s.output.append(tok)

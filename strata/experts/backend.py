@@ -20,6 +20,7 @@ from typing import Callable, Protocol, runtime_checkable
 
 import torch
 
+from strata.experts.sizing import VramSplit
 from strata.experts.stats import ExpertStats, StepProfile
 
 PHASES = ("prefill", "decode", "mixed")
@@ -139,8 +140,10 @@ class ExpertsBackend(Protocol):
     profiler: StepProfiler | None  # the --profile timer, None when off
     stats: ExpertStats | None  # cumulative counts (None: nothing to count, every expert is resident)
 
-    def setup(self, k: int, act_bytes: int = 0) -> None:
-        """Once, after the KV cache is allocated: k experts per token, act_bytes of VRAM for a prefill chunk."""
+    def setup(self, k: int, act_bytes: int = 0) -> VramSplit | None:
+        """Once, after the KV cache is allocated: k experts per token, act_bytes of VRAM for a prefill chunk.
+        Returns how the VRAM budget was divided (strata.experts.sizing.VramSplit), None if the backend sized
+        nothing from a budget."""
 
     def max_graph_batch(self, k: int) -> int:
         """Decoding sequences one graphed step may take."""

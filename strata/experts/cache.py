@@ -135,38 +135,37 @@ class SlotPool:
 
 
 def budget_slots(cfg: ExpertConfig, store: ExpertStore, device: torch.device, staging: int,
-                 act_bytes: int = 0) -> tuple[int, int]:
-    """(cache slots per layer (uniform), experts per chunk buffer) from --expert-slots, --vram-gb /
-    --vram-reserve-mib, or the free VRAM.
+                 act_bytes: int = 0) -> tuple[int, int, sizing.VramSplit | None]:
+    """(cache slots per layer (uniform), experts per chunk buffer, the VRAM split) from --expert-slots, --vram-gb /
+    --vram-reserve-mib, or the free VRAM (the split: None with --expert-slots, or on a CPU without a budget).
 
-    GPU: the budget is the whole process's (`--vram-gb`), less everything the device holds now (the CUDA
-    context, which torch's allocator does not see (a few hundred MiB), dense weights, KV and buffers
+    GPU: the budget is the whole process's (`--vram-gb`, or the whole device), less everything the device holds
+    now (the CUDA context, which torch's allocator does not see (a few hundred MiB), dense weights, KV and buffers
     allocated before the cache), the reserve (decode activations, graphs, allocator slack), `act_bytes` (one
-    prefill chunk's activations) and the staging ring; without --vram-gb, all free VRAM less the same. CPU: the
-    pool lives in RAM; --vram-gb less the reserve sizes it as it would on a GPU, and without a budget every
-    expert gets a slot.
+    prefill chunk's activations) and the staging ring; the chunk buffers and the slots share the rest
+    (sizing.split_budget, which `strata check` uses too). CPU: the pool lives in RAM; --vram-gb less the reserve
+    sizes it as it would on a GPU, and without a budget every expert gets a slot.
     """
-    E = store.n_experts
+    E, eb = store.n_experts, store.expert_nbytes()
     if cfg.slots is not None:
         if cfg.slots < 0:
             raise StrataError("--expert-slots must be >= 0")
-        return min(cfg.slots, E), _chunk_experts(store.nbytes(), store.expert_nbytes(), E)
-    per_slot = sum(store.expert_nbytes(i) for i in store.layer_ids)  # one slot in every layer
-    stage_bytes = staging * store.expert_nbytes()
-    reserve = cfg.vram_reserve_mib * MiB
+        return min(cfg.slots, E), _chunk_experts(store.nbytes(), eb, E), None
+    common = dict(reserve=cfg.vram_reserve_mib * MiB, staging=staging * eb, expert_bytes=eb, n_experts=E,
+                  per_slot=sum(store.expert_nbytes(i) for i in store.layer_ids),  # one slot in every layer
+                  chunk_mib=chunk_stage_mib())  # benchmarks compare buffer sizes (strata check does not see it)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        left = free - reserve - stage_bytes - act_bytes
-        if cfg.vram_gb is not None:  # in use now: this process's context and tensors (and any other process's)
-            left = min(left, int(cfg.vram_gb * GiB) - (total - free) - reserve - stage_bytes - act_bytes)
-        chunk = _chunk_experts(left, store.expert_nbytes(), E)
-        left -= 2 * chunk * store.expert_nbytes() * _n_sigs(store)  # the prefill chunk buffers
-    elif cfg.vram_gb is not None:
-        left = int(cfg.vram_gb * GiB) - reserve - stage_bytes
-        chunk = _chunk_experts(left, store.expert_nbytes(), E)  # buffers in RAM: not taken from the cache
+        budget = total if cfg.vram_gb is None else min(total, int(cfg.vram_gb * GiB))
+        # in use now: this process's context and tensors (and any other process's)
+        held, alloc = torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device)
+        split = sizing.split_budget(budget, context=(total - free) - held, dense=alloc, other=held - alloc,
+                                    prefill=act_bytes, n_sigs=_n_sigs(store), **common)
+    elif cfg.vram_gb is not None:  # chunk buffers in RAM: not taken from the cache
+        split = sizing.split_budget(int(cfg.vram_gb * GiB), context=0, prefill=0, buffers_in_budget=False, **common)
     else:
-        return E, _chunk_experts(store.nbytes(), store.expert_nbytes(), E)
-    return int(max(0, min(E, left // per_slot))), chunk
+        return E, _chunk_experts(store.nbytes(), eb, E), None
+    return split.slots, split.chunk_experts, split
 
 
 OUTSIDE_GROWTH_MIB = sizing.OUTSIDE_GROWTH_MIB

@@ -12,7 +12,10 @@ cache would get (a few slots per layer), and never above CHUNK_STAGE_MIB.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 MiB = 1 << 20
+GiB = 1 << 30
 # Shared by the engine and `strata check` (imported by both, so they cannot drift apart):
 VRAM_RESERVE_MIB = 700  # ExpertConfig.vram_reserve_mib's default: decode activations, graphs, allocator slack
 DEFAULT_CTX = 8192  # EngineConfig.ctx_size 0 = min(the model's context, DEFAULT_CTX)
@@ -68,3 +71,116 @@ def chunk_ring(per_buffer: int, ring: int | None = None) -> tuple[int, int]:
     total = 2 * max(1, int(per_buffer))
     ring = max(2, min(int(ring or CHUNK_RING), total))
     return ring, total // ring
+
+
+def cache_slots(left: int, expert_bytes: int, per_slot: int, n_experts: int, n_sigs: int = 1,
+                chunk_mib: float | None = None, buffers_in_budget: bool = True) -> tuple[int, int, int]:
+    """(slots per layer, experts per chunk buffer, bytes of the chunk buffers) from `left`: the VRAM the chunk
+    buffers and the expert cache share (the budget less the context, dense weights, KV, reserve, staging ring
+    and prefill activations). Each weight signature (`n_sigs`) has its two buffers; `per_slot` is one slot in
+    every layer. buffers_in_budget False: the buffers live in RAM (a CPU run sized as a GPU's budget)."""
+    chunk = chunk_stage_experts(left, expert_bytes, n_experts, chunk_mib)
+    buffers = 2 * chunk * expert_bytes * max(1, int(n_sigs)) if buffers_in_budget else 0
+    slots = int(max(0, min(n_experts, (left - buffers) // max(int(per_slot), 1))))
+    return slots, chunk, buffers
+
+
+# the parts of a VRAM split, in the order they are reported
+SPLIT_LABELS = {"context": "CUDA context", "dense": "dense weights", "kv": "KV cache",
+                "other": "torch allocator cache", "prefill": "prefill activations", "chunk_buffers": "chunk buffers",
+                "staging": "staging ring", "cache": "expert cache", "reserve": "reserve", "unused": "unused"}
+
+
+@dataclass(frozen=True)
+class VramSplit:
+    """How a VRAM budget is divided, in bytes; the parts add up to `budget` (`unused`: less than one more slot in
+    every layer; negative when the budget is short by that much). The engine measures them on the device before
+    it allocates the cache: `context` is what the device holds outside torch (the CUDA context, any other
+    process), `dense` + `kv` what torch had allocated (told apart by `itemized`), `other` what torch's allocator
+    kept cached besides. `strata check` estimates the context from the GGUF and knows no `other`."""
+
+    budget: int
+    context: int
+    dense: int
+    kv: int
+    other: int
+    reserve: int
+    prefill: int  # one prefill chunk's activations
+    chunk_buffers: int  # the prefill chunk ring's buffers (each streamed expert lands there once per chunk)
+    staging: int  # the ring decode misses stream into over PCIe
+    cache: int  # the expert cache's slots
+    unused: int
+    slots: int  # per layer
+    n_experts: int  # per layer
+    chunk_experts: int = 0  # experts per chunk buffer
+    prefill_chunk: int = 0  # tokens
+
+    PARTS = tuple(SPLIT_LABELS)
+
+    @property
+    def cache_share(self) -> float:
+        """The share of the budget the expert cache got."""
+        return self.cache / self.budget if self.budget > 0 else 0.0
+
+    def itemized(self, kv: int, prefill_chunk: int | None = None) -> "VramSplit":
+        """This split with the KV cache's `kv` bytes told apart from the rest of what torch had allocated before
+        the cache (`dense`: weights and their tables); the parts still add up to the budget."""
+        k = max(0, min(int(kv), self.dense + self.kv))
+        return replace(self, dense=self.dense + self.kv - k, kv=k,
+                       prefill_chunk=self.prefill_chunk if prefill_chunk is None else int(prefill_chunk))
+
+    def as_dict(self) -> dict:
+        """GiB per part (`<part>_gib`), the budget, slots per layer and the cache's share of the budget."""
+        out: dict = {"budget_gib": round(self.budget / GiB, 3)}
+        out.update({f"{p}_gib": round(getattr(self, p) / GiB, 3) for p in self.PARTS})
+        out.update(slots_per_layer=self.slots, n_experts=self.n_experts, cache_share=round(self.cache_share, 4),
+                   prefill_chunk=self.prefill_chunk, chunk_experts=self.chunk_experts)
+        return out
+
+    def _shown(self) -> list[str]:
+        # parts that are 0 (no CUDA context on a CPU, no allocator cache in `strata check`) are left out
+        return [p for p in self.PARTS if getattr(self, p) or p == "cache"]
+
+    def _note(self, p: str) -> str:
+        if p == "prefill" and self.prefill_chunk:
+            return f"{self.prefill_chunk}-token chunks"
+        if p == "chunk_buffers" and self.chunk_experts:
+            return f"{self.chunk_experts} experts per buffer"
+        if p == "cache":
+            return (f"{self.slots} of {self.n_experts} slots per layer, {100 * self.cache_share:.1f}% of the "
+                    "budget")
+        return ""
+
+    def render(self) -> str:
+        """One line: `VRAM 8.00 GiB = CUDA context 0.94 + dense weights 1.50 + ... GiB; expert cache: 12 of 128
+        slots per layer, 6.6% of the budget`."""
+        parts = [f"{SPLIT_LABELS[p]} {getattr(self, p) / GiB:.2f}" for p in self._shown()]
+        return f"VRAM {self.budget / GiB:.2f} GiB = " + " + ".join(parts) + f" GiB; expert cache: {self._note('cache')}"
+
+    def table(self, indent: str = "  ") -> list[str]:
+        """A line per part: its label, GiB and what it holds."""
+        rows = [(SPLIT_LABELS[p], getattr(self, p) / GiB, self._note(p)) for p in self._shown()]
+        rows.append(("budget", self.budget / GiB, ""))
+        w = max(len(r[0]) for r in rows)
+        return [f"{indent}{name:<{w}}  {gib:8.3f} GiB  {note}".rstrip() for name, gib, note in rows]
+
+
+def split_budget(budget: int, *, context: int, dense: int = 0, kv: int = 0, other: int = 0, reserve: int,
+                 staging: int, prefill: int, expert_bytes: int, per_slot: int, n_experts: int, n_sigs: int = 1,
+                 chunk_mib: float | None = None, buffers_in_budget: bool = True,
+                 prefill_chunk: int = 0) -> VramSplit:
+    """The split of `budget` bytes (the engine's budget_slots and `strata check` both size the cache here): what
+    is held (context, dense, kv, other), the reserve, the staging ring and one prefill chunk's activations come
+    first; the chunk buffers and the cache share the rest (cache_slots)."""
+    left = budget - context - dense - kv - other - reserve - staging - prefill
+    slots, chunk, buffers = cache_slots(left, expert_bytes, per_slot, n_experts, n_sigs, chunk_mib, buffers_in_budget)
+    cache = slots * per_slot
+    return VramSplit(int(budget), int(context), int(dense), int(kv), int(other), int(reserve), int(prefill),
+                     int(buffers), int(staging), int(cache), int(left - buffers - cache), slots, int(n_experts),
+                     chunk, int(prefill_chunk))
+
+
+def prefill_left(budget: int, held: int, reserve: int) -> int:
+    """The VRAM the default prefill chunk is sized from (prefill_chunk_for): the budget less what the device holds
+    (context, dense weights, KV) and the reserve."""
+    return int(budget) - int(held) - int(reserve)

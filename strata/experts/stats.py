@@ -1,7 +1,7 @@
 """Expert statistics and the per-token time breakdown, first-class outputs of every run.
 
 `ExpertStats` counts what happened to each routed expert (hit in the GPU cache, computed by the CPU,
-copied over PCIe) and the cache swaps, per request and in total. `StepProfile` accumulates named
+copied over PCIe), the bytes each miss lane moved, and the cache swaps, per request and in total. `StepProfile` accumulates named
 timing buckets per token and renders them as a bar table.
 """
 
@@ -12,7 +12,8 @@ import dataclasses
 import time
 from typing import Iterator, Mapping
 
-_COUNTERS = ("lookups", "hits", "cpu", "pcie", "swaps", "tokens", "layers")
+_COUNTERS = ("lookups", "hits", "cpu", "pcie", "swaps", "tokens", "layers", "cpu_bytes", "pcie_bytes")
+GB = 1e9  # bandwidths in decimal GB/s, as `strata calibrate` reports them
 
 
 @dataclasses.dataclass
@@ -20,7 +21,9 @@ class ExpertStats:
     """Counts of expert lookups and where they ran; hits + cpu + pcie == lookups always.
 
     `layers` counts token-layers (one token through one MoE layer), so lookups / layers is the
-    number of experts routed per token-layer.
+    number of experts routed per token-layer. `cpu_bytes` / `pcie_bytes`: expert bytes each miss lane moved, an
+    expert once per layer call however many of the call's tokens it served (the CPU lane reads it once for
+    them, PCIe copies it once); in single-sequence decode that is the lane's count times its layer's expert bytes.
     """
 
     lookups: int = 0
@@ -30,6 +33,8 @@ class ExpertStats:
     swaps: int = 0
     tokens: int = 0
     layers: int = 0
+    cpu_bytes: int = 0
+    pcie_bytes: int = 0
 
     def __post_init__(self):
         self._check()
@@ -53,13 +58,15 @@ class ExpertStats:
         swaps: int = 0,
         tokens: int = 0,
         layers: int = 0,
+        cpu_bytes: int = 0,
+        pcie_bytes: int = 0,
     ) -> None:
         """Count more lookups (default hits + cpu + pcie; a given value must agree) and events."""
         if lookups is None:
             lookups = hits + cpu + pcie
         if hits + cpu + pcie != lookups:
             raise ValueError(f"expert stats: hits {hits} + cpu {cpu} + pcie {pcie} != lookups {lookups}")
-        if min(hits, cpu, pcie, swaps, tokens, layers) < 0:
+        if min(hits, cpu, pcie, swaps, tokens, layers, cpu_bytes, pcie_bytes) < 0:
             raise ValueError("expert stats: counts added must be >= 0")
         self.lookups += lookups
         self.hits += hits
@@ -68,8 +75,10 @@ class ExpertStats:
         self.swaps += swaps
         self.tokens += tokens
         self.layers += layers
+        self.cpu_bytes += cpu_bytes
+        self.pcie_bytes += pcie_bytes
 
-    def add_layer(self, hits: int, cpu: int, pcie: int, layers: int) -> None:
+    def add_layer(self, hits: int, cpu: int, pcie: int, layers: int, cpu_bytes: int = 0, pcie_bytes: int = 0) -> None:
         """`add` for the decode hand-off (every layer of every step): lookups = hits + cpu + pcie by
         construction, no keyword parsing or checks."""
         self.lookups += hits + cpu + pcie
@@ -77,6 +86,8 @@ class ExpertStats:
         self.cpu += cpu
         self.pcie += pcie
         self.layers += layers
+        self.cpu_bytes += cpu_bytes
+        self.pcie_bytes += pcie_bytes
 
     def merge(self, other: ExpertStats) -> None:
         """Add another's counts into this one (e.g. a finished request into the total)."""
@@ -123,6 +134,23 @@ class ExpertStats:
     @property
     def lookups_per_token(self) -> float:
         return self._ratio(self.lookups, self.tokens)
+
+    def lane_gbps(self, seconds: float) -> dict[str, float]:
+        """GB/s each miss lane moved over `seconds` (a request's decode time): `experts_cpu_gbps`,
+        `experts_pcie_gbps` and both together, `experts_miss_gbps` (0 for no time)."""
+        def rate(n: int) -> float:
+            return round(n / seconds / GB, 4) if seconds > 0 else 0.0
+
+        return {"experts_cpu_gbps": rate(self.cpu_bytes), "experts_pcie_gbps": rate(self.pcie_bytes),
+                "experts_miss_gbps": rate(self.cpu_bytes + self.pcie_bytes)}
+
+    def lane_summary(self, seconds: float) -> str:
+        """One line, e.g. `miss lanes over 2.1 s of decode: CPU 38.2 GB/s (80.3 GB) | PCIe 11.5 GB/s (24.2 GB) |
+        together 49.7 GB/s`."""
+        g = self.lane_gbps(seconds)
+        return (f"miss lanes over {seconds:.2f} s of decode: CPU {g['experts_cpu_gbps']:.2f} GB/s "
+                f"({self.cpu_bytes / GB:.2f} GB) | PCIe {g['experts_pcie_gbps']:.2f} GB/s ({self.pcie_bytes / GB:.2f} "
+                f"GB) | together {g['experts_miss_gbps']:.2f} GB/s")
 
     def as_dict(self) -> dict:
         d: dict = {n: getattr(self, n) for n in _COUNTERS}

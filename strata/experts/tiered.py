@@ -32,7 +32,7 @@ from strata.experts.plan import CostModel, CpuPlan
 from strata.experts.policy import CachePolicy, make_policy
 from strata.experts.profile import RoutingProfile, layer_slots, warm_policy
 from strata.experts.resident import ExpertWeights
-from strata.experts.sizing import staging_slots
+from strata.experts.sizing import VramSplit, staging_slots
 from strata.experts.stats import ExpertStats, StepProfile
 from strata.experts.store import ExpertStore
 from strata.experts.tiered_decode import GraphedDecode
@@ -70,6 +70,8 @@ class TieredExperts:
         self.layer_ids = self.store.layer_ids
         self.index = {layer: li for li, layer in enumerate(self.layer_ids)}
         self.n_experts = self.store.n_experts
+        # bytes of one expert per layer (a layer's experts all have the same formats and shapes): what a miss moves
+        self.expert_bytes = {layer: self.store.expert_nbytes(layer) for layer in self.layer_ids}
         self.lane: CpuLane | None = None
         if not _all_cpu_zero(self.ex.cpu_plan):  # a plan that never uses the CPU needs no lane (nor repacking)
             self.lane = CpuLane(self.store.layers, self.ex.cpu_threads, cpu_kernel or self.ex.cpu_kernel, self.dtype)
@@ -83,6 +85,7 @@ class TieredExperts:
         self.profiler = StepProfiler(self.profile, self.device) if self.profiling else None
         self._deferred: StepContext | None = None  # a step begun before the cache was set up
         self.cache: ExpertCache | None = None  # set up at the first forward, once KV and buffers exist
+        self.vram_split: VramSplit | None = None  # how setup divided the VRAM budget
         self.policy = None
         self.plan: CpuPlan | None = None
         self.tuner: PlanTuner | None = None  # --cpu-plan auto on a GPU: decode steps pick among candidate plans
@@ -105,16 +108,17 @@ class TieredExperts:
         self.next_moe = {a: moes[b] for a, b in zip(layers, layers[1:])}
 
     # --- set-up -----------------------------------------------------------------------------------------------
-    def setup(self, k: int, act_bytes: int = 0) -> None:
+    def setup(self, k: int, act_bytes: int = 0) -> VramSplit | None:
         """Size and fill the cache, pick the plan. Called by the first forward (or by the engine after it
-        allocated the KV cache, so the VRAM budget sees it, with the VRAM its prefill chunk needs)."""
+        allocated the KV cache, so the VRAM budget sees it, with the VRAM its prefill chunk needs). Returns how
+        the VRAM budget was divided (None with --expert-slots, or on a CPU without a budget)."""
         if self.cache is not None:
-            return
+            return self.vram_split
         self.k = k
         staging = self._staging or staging_slots(k)
         if self.ex.prefetch_next:  # a layer's own stream, the next layer's prefetch and its own: 3k in flight
             staging = max(staging, 4 * k)
-        slots, chunk = budget_slots(self.ex, self.store, self.device, staging, act_bytes)
+        slots, chunk, self.vram_split = budget_slots(self.ex, self.store, self.device, staging, act_bytes)
         L, E = len(self.layer_ids), self.n_experts
         if self.ex.cache_layout == "profile":  # the same bytes, spread over the layers as the profile routes
             if not self.ex.expert_profile:
@@ -154,6 +158,11 @@ class TieredExperts:
             self.load_profile(self.ex.expert_profile)
         if self.ex.expert_profile_save:
             atexit.register(self.close)
+        return self.vram_split
+
+    def vram_bytes(self) -> int:
+        """VRAM the expert cache holds (its slot pools and chunk buffers; 0 on a CPU, where they are in RAM)."""
+        return self.cache.nbytes() if self.cache is not None and self.cuda else 0
 
     def max_graph_batch(self, k: int) -> int:
         """Decoding sequences one graphed step may take: within the grouped kernel's pair count, and without a
@@ -275,11 +284,22 @@ class TieredExperts:
             return self.graphed.forward(ctx, layer, x, ids, w)
         return self.eager.forward(layer, x, ids, w)
 
-    def count(self, hits: int, cpu: int, pcie: int, layers: int, swaps: int = 0) -> None:
+    def count(self, hits: int, cpu: int, pcie: int, layers: int, swaps: int = 0, *, layer: int | None = None,
+              cpu_experts: int | None = None, pcie_experts: int | None = None) -> None:
         """Statistics, in one place for every path: a layer's lookups by where they ran (`layers` token-layers)
-        and the swaps it committed, in the totals and the current request's."""
+        and the swaps it committed, in the totals and the current request's. The bytes each miss lane moved:
+        `cpu_experts` / `pcie_experts` distinct experts of `layer` (default: one per lookup, as in a one-token
+        step), each the layer's expert bytes."""
+        if layer is None:
+            if cpu or pcie:
+                raise ValueError("TieredExperts.count: misses need their layer (its expert bytes)")
+            cpu_b = pcie_b = 0
+        else:
+            eb = self.expert_bytes[layer]
+            cpu_b = eb * (cpu if cpu_experts is None else cpu_experts)
+            pcie_b = eb * (pcie if pcie_experts is None else pcie_experts)
         for s in (self.stats, self.request):
-            s.add_layer(hits, cpu, pcie, layers)
+            s.add_layer(hits, cpu, pcie, layers, cpu_b, pcie_b)
             s.swaps += swaps
 
     def learn_chunk_cpu(self, measured_ms: float, estimate_ms: float) -> None:

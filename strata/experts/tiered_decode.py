@@ -133,7 +133,7 @@ class GraphedDecode:
             hit = [row[e] >= 0 for e in ids_l]
             got = self.prefetched.pop(li, None) if self.prefetched else None
             if all(hit):  # the common step: nothing to stream or compute here, only the bookkeeping
-                streamed, n_cpu, n_pcie = {}, 0, 0
+                streamed, n_cpu, n_pcie, cpu_experts = {}, 0, 0, 0
                 if b.stage_dirty:
                     b.stage_np.fill(-1)
                     b.stage_dirty = False
@@ -142,11 +142,14 @@ class GraphedDecode:
                     b.cpu_rows = []
             else:
                 pre, pre_ev = (got[1], got[2]) if got is not None and got[0] == self._step else ({}, None)
-                streamed, n_cpu, n_pcie = self._serve_misses(li, layer, N, k, b, ids_l, hit, pre, pre_ev)
+                streamed, n_cpu, n_pcie, cpu_experts = self._serve_misses(li, layer, N, k, b, ids_l, hit, pre,
+                                                                          pre_ev)
             if N == 1 and t.ex.prefetch_next and li + 1 < len(t.layer_ids) and t.next_moe.get(layer) is not None:
                 self._prefetch_next(li + 1, b)
             if counting:
-                t.count(N * k - n_cpu - n_pcie, n_cpu, n_pcie, N)
+                # bytes: each distinct expert once (`streamed` holds the staged and the prefetched ones)
+                t.count(N * k - n_cpu - n_pcie, n_cpu, n_pcie, N, layer=layer, cpu_experts=cpu_experts,
+                        pcie_experts=len(streamed))
 
             def post():  # after piece B is launched: learn from this routing, admit, refresh the map
                 swaps = admit(pol, li, ids_l)
@@ -170,11 +173,11 @@ class GraphedDecode:
         return fn
 
     def _serve_misses(self, li: int, layer: int, N: int, k: int, b: _Buffers, ids_l: list, hit: list, pre: dict,
-                      pre_ev) -> tuple[dict[int, int], int, int]:
+                      pre_ev) -> tuple[dict[int, int], int, int, int]:
         """A hand-off with misses: the plan's decision (strata.experts.pipeline.plan_handoff) carried out -- the
         PCIe share started into staging slots (or taken from the previous layer's prefetch), the CPU share
         computed now while piece H runs, the staging table and the CPU outputs written for piece B. Returns
-        (expert -> staging slot, CPU pairs, PCIe pairs)."""
+        (expert -> staging slot, CPU pairs, PCIe pairs, distinct CPU experts)."""
         t = self.t
         pol, cache = t.policy, t.cache
         ring = cache.staging_for(layer)
@@ -219,7 +222,7 @@ class GraphedDecode:
                 rows = [p for ps in by_expert.values() for p in ps]
             ycpu[rows] = out
             b.cpu_rows = rows
-        return streamed, len(cpu_pairs), dec.pcie_pairs
+        return streamed, len(cpu_pairs), dec.pcie_pairs, len(dec.cpu)
 
     def _prefetch_next(self, nl: int, b: _Buffers) -> None:
         """Start copying the next MoE layer's predicted experts that its cache lacks into its staging ring (the

@@ -160,7 +160,9 @@ class EagerLayer:
                 prof.span("cpu_wait", t_cpu)
             y[self._to_dev(idx)] = self._to_dev(out)
         n_hit = int(hit.sum())
-        t.count(n_hit, n_cpu, N * k - n_hit - n_cpu, N, swaps=len(swaps))
+        # the lanes moved each distinct expert once for all the call's pairs (the stream includes the prefetched)
+        t.count(n_hit, n_cpu, N * k - n_hit - n_cpu, N, swaps=len(swaps), layer=layer,
+                cpu_experts=len(cpu_experts), pcie_experts=len(stream))
         return combine(y[:N * k].view(N, k, d), w, x.dtype)
 
     # --- helpers --------------------------------------------------------------------------------------------

@@ -13,8 +13,9 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from strata.experts.sizing import (DEFAULT_CTX, OUTSIDE_GROWTH_MIB, VRAM_RESERVE_MIB, chunk_stage_experts,
-                                   prefill_bytes_per_token, prefill_chunk_for, staging_slots)
+from strata.experts.sizing import (DEFAULT_CTX, OUTSIDE_GROWTH_MIB, VRAM_RESERVE_MIB, VramSplit,
+                                   prefill_bytes_per_token, prefill_chunk_for, prefill_left, split_budget,
+                                   staging_slots)
 from strata.hub.machine import MachineInfo
 from strata.hub.verify import GGUFHeader, read_gguf_header
 
@@ -129,6 +130,8 @@ class Fit:
     notes: list[str] = field(default_factory=list)
     prefill_chunk: int = 0  # prompt tokens per forward the budget leaves room for (GPU, MoE)
     prefill_bytes: int = 0  # that chunk's activations, inside vram_needed
+    # how the budget divides (GPU, MoE): the engine's own arithmetic (strata.experts.sizing.split_budget)
+    vram_split: VramSplit | None = None
 
 
 def fit(fp: ModelFootprint, machine: MachineInfo, ctx: int = 0, vram_budget: int | None = None) -> Fit:
@@ -145,26 +148,25 @@ def fit(fp: ModelFootprint, machine: MachineInfo, ctx: int = 0, vram_budget: int
     if vram_budget is None:
         return _fit_cpu(fp, machine, ctx, kv)
     staging = staging_slots(fp.n_expert_used) * fp.slot_bytes if fp.n_expert else 0
+    held = CUDA_CONTEXT_ESTIMATE + fp.dense_bytes + kv
     # a MoE model's cache leaves room for one prefill chunk (4096 tokens, fewer on a small budget), as the engine
     # does on a GPU
-    fixed = fp.dense_bytes + kv + VRAM_RESERVE + staging + CUDA_CONTEXT_ESTIMATE
-    chunk, prefill = 0, 0
+    chunk, prefill, split = 0, 0, None
     if fp.n_expert:
         bpt = prefill_bytes_per_token(fp.d_model, fp.n_expert_used)
-        chunk = prefill_chunk_for(vram_budget - fixed, bpt)
+        chunk = prefill_chunk_for(prefill_left(vram_budget, held, VRAM_RESERVE), bpt)
         prefill = chunk * bpt
-    vram_needed = fixed + prefill
+        split = split_budget(vram_budget, context=CUDA_CONTEXT_ESTIMATE, dense=fp.dense_bytes, kv=kv,
+                             reserve=VRAM_RESERVE, staging=staging, prefill=prefill, expert_bytes=fp.slot_bytes,
+                             per_slot=fp.expert_bytes // fp.n_expert,  # one expert in every layer
+                             n_experts=fp.n_expert, prefill_chunk=chunk)
+    vram_needed = held + VRAM_RESERVE + staging + prefill
     ram_needed = fp.expert_bytes + RAM_HEADROOM
     spare = vram_budget - vram_needed
-    per_slot = fp.expert_bytes // fp.n_expert if fp.n_expert else 0  # one expert in every layer
-    if fp.n_expert and spare > 0:  # the two prefill chunk buffers come out of what the cache would get
-        spare_cache = spare - 2 * chunk_stage_experts(spare, fp.slot_bytes, fp.n_expert) * fp.slot_bytes
-    else:
-        spare_cache = spare
-    slots = min(spare_cache // per_slot, fp.n_expert) if per_slot and spare_cache > 0 else 0
+    slots = split.slots if split is not None else 0
     share = slots / fp.n_expert if fp.n_expert else 1.0
     f = Fit("gpu", ctx, True, vram_budget, vram_needed, kv, ram_needed, machine.ram_available, int(slots), share,
-            prefill_chunk=chunk, prefill_bytes=prefill)
+            prefill_chunk=chunk, prefill_bytes=prefill, vram_split=split)
     if spare < 0:
         f.ok = False
         f.reasons.append(

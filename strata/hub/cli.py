@@ -168,6 +168,8 @@ def cmd_check(args: argparse.Namespace) -> int:
         if fp is not None:
             out["model"] = asdict(fp)
             out["fit"] = asdict(verdict)
+            # in GiB, as the engine's startup log and the server's /props give it
+            out["fit"]["vram_split"] = verdict.vram_split.as_dict() if verdict.vram_split is not None else None
         print(json.dumps(out, indent=2))
     else:
         _print_report(machine, fp, verdict)
@@ -225,6 +227,11 @@ def _print_report(machine, fp, verdict) -> None:
         if verdict.prefill_chunk:
             con.print(f"  prefill: {verdict.prefill_chunk}-token chunks, {_g(verdict.prefill_bytes)} of activations "
                       "(a chunk streams each uncached expert once)")
+        if verdict.vram_split is not None:
+            # the engine logs the same split, the context measured, when it starts
+            con.print("  VRAM split (the CUDA context estimated):")
+            for line in verdict.vram_split.table("    "):
+                con.print(line)
         if fp.n_expert:
             con.print(
                 f"  expert cache: {verdict.slots} slots per layer = {verdict.slots_share:.1%} of the {fp.n_expert} "

@@ -113,6 +113,8 @@ def _start_engine(app: FastAPI, cfg: ServeConfig, lm, say) -> object:
     kv_mib = engine.kv.nbytes / 2**20
     say(f"KV cache: {cfg.parallel} slot(s) x {engine.max_ctx} tokens ({kv_mib:.0f} MiB on {engine.device}), "
         f"prefill chunk {engine.prefill_chunk}")
+    if engine.vram_split is not None:  # how --vram-gb (or the device) was divided, the expert cache's share
+        say(engine.vram_split.render())
     warmed = {}
     if cfg.warmup:
         from strata.server.warmup import warm_up
@@ -143,7 +145,10 @@ def _start_engine(app: FastAPI, cfg: ServeConfig, lm, say) -> object:
                         "prompt_cache_mib": cfg.prompt_cache_mib,
                         "structured_output": structured, "tool_call_format": tool_format,
                         "api_key": cfg.api_key is not None, "host": cfg.host, "port": cfg.port,
-                        "warmup": warmed}
+                        "warmup": warmed,
+                        # how --vram-gb was divided (GiB per part, slots per layer, the cache's share); None: no
+                        # budget was divided (resident experts, --expert-slots, a CPU without --vram-gb)
+                        "vram_split": engine.vram_split.as_dict() if engine.vram_split is not None else None}
     worker.start()
     app.state.server = srv
     say(f"ready in {time.perf_counter() - t0:.1f}s")
@@ -237,6 +242,7 @@ def _routes(app: FastAPI) -> None:
             "build_info": f"strata {__version__}",
             "structured_output": request.app.state.model_meta.get("structured_output"),
             "tool_call_format": srv.tool_format,
+            "vram_split": request.app.state.metrics.settings.get("vram_split"),
         }
 
     @app.get("/slots")

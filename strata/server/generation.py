@@ -256,5 +256,8 @@ class Server:
             "cache_n": seq.cached if seq else 0, "draft_n": seq.draft_n if seq else 0,
             "draft_n_accepted": seq.draft_accepted if seq else 0,
         }
+        ex = seq.experts_decode if seq else None
+        if ex is not None:  # tiered experts: what the miss lanes moved while this request decoded, and how fast
+            timings.update(experts_cpu_bytes=ex.cpu_bytes, experts_pcie_bytes=ex.pcie_bytes, **seq.lane_gbps)
         return Result(reason if reason != "stop" or not stop_word else "stop", len(req.job.prompt), n_out,
                       seq.cached if seq else 0, timings, stop_word)

@@ -13,6 +13,8 @@ from collections import deque
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import GaugeMetricFamily, CounterMetricFamily
 
+from strata.experts.stats import ExpertStats
+
 disable_created_metrics()  # the *_created samples only add noise to every scrape
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -40,7 +42,23 @@ class _StrataCollector:
                 value=ex.get("pcie_per_token", 0.0))
         yield CounterMetricFamily("strata_expert_swaps", "Experts copied into the GPU cache",
                                   value=ex.get("swaps", 0))
+        for lane, name in (("cpu", "the CPU lane computed from RAM"), ("pcie", "PCIe copied to the GPU")):
+            yield CounterMetricFamily(f"strata_expert_{lane}_bytes", f"Expert bytes {name} (misses, all phases)",
+                                      value=ex.get(f"{lane}_bytes", 0))
+        lanes = self.m.lane_stats()
+        for key, name in (("experts_cpu_gbps", "the CPU lane"), ("experts_pcie_gbps", "the PCIe lane"),
+                          ("experts_miss_gbps", "both miss lanes together")):
+            yield g(f"strata_{key}", f"GB/s {name} moved over the finished requests' decode time",
+                    value=lanes[key])
         yield g("strata_expert_cache_vram_bytes", "VRAM held by the expert cache", value=ex.get("vram_bytes", 0))
+        split = self.m.vram_split()
+        if split is not None:
+            parts = g("strata_vram_split_bytes", "How the VRAM budget was divided at start-up, by part", labels=["part"])
+            for p in split.PARTS:
+                parts.add_metric([p], getattr(split, p))
+            yield parts
+            yield g("strata_vram_budget_bytes", "The VRAM budget the expert cache was sized in", value=split.budget)
+            yield g("strata_expert_cache_slots_per_layer", "Expert cache slots per MoE layer", value=split.slots)
         pc = self.m.prompt_cache_stats()
         yield g("strata_prompt_cache_bytes", "Host RAM held by the conversation cache", value=pc.get("bytes", 0))
         yield g("strata_prompt_cache_entries", "Conversations held in the conversation cache",
@@ -89,6 +107,9 @@ class Metrics:
         self.started = time.time()
         self.settings: dict = {}
         self.prompt_cache = None
+        # the miss lanes' bytes while requests decoded, and their decode seconds (requests in flight together
+        # count their shared steps each: the ratio is a decode-time-weighted mean of the requests' GB/s)
+        self.lanes = {"decode_s": 0.0, "cpu_bytes": 0, "pcie_bytes": 0}
 
     # -- fed by the engine thread --------------------------------------------------------------------------------
     def admitted(self, req) -> None:
@@ -115,6 +136,7 @@ class Metrics:
         if seq is not None:
             self.prompt_tokens.inc(n_prompt)
         self.generation_tokens.inc(req.n_out)
+        ex = seq.experts_decode if seq is not None else None
         if seq is not None and seq.draft_n:
             self.spec_drafts.inc(seq.draft_steps)
             self.spec_draft_tokens.inc(seq.draft_n)
@@ -127,6 +149,10 @@ class Metrics:
             t["generated_tokens"] += req.n_out
             t["errors"] += reason == "error"
             t["aborted"] += reason == "abort"
+            if ex is not None:
+                self.lanes["decode_s"] += seq.predicted_ms / 1e3
+                self.lanes["cpu_bytes"] += ex.cpu_bytes
+                self.lanes["pcie_bytes"] += ex.pcie_bytes
             self.recent.append({
                 "id": req.id, "kind": req.job.kind, "finish_reason": reason, "prompt_tokens": n_prompt,
                 "cached_tokens": cached, "completion_tokens": req.n_out,
@@ -136,6 +162,7 @@ class Metrics:
                 "prompt_ms": round(seq.prompt_ms, 3) if seq else None,
                 "predicted_ms": round(seq.predicted_ms, 3) if seq else None,
                 "admit_step": req.admit_step, "cancel_step": req.cancel_step, "end_time": time.time(),
+                **(seq.lane_gbps if seq is not None else {}),
             })
 
     # -- read when scraped ---------------------------------------------------------------------------------------
@@ -161,6 +188,18 @@ class Metrics:
             out["vram_bytes"] = int(vb() if callable(vb) else vb)
         return out
 
+    def lane_stats(self) -> dict:
+        """The miss lanes over the finished requests' decode: seconds, bytes and GB/s (ExpertStats.lane_gbps)."""
+        with self._lock:
+            la = dict(self.lanes)
+        st = ExpertStats(cpu_bytes=la["cpu_bytes"], pcie_bytes=la["pcie_bytes"])
+        return {**la, **st.lane_gbps(la["decode_s"])}
+
+    def vram_split(self):
+        """The engine's VramSplit (strata.experts.sizing), None before the engine is up or without a budget."""
+        w = self.worker
+        return w.engine.vram_split if w is not None else None
+
     def prompt_cache_stats(self) -> dict:
         return self.prompt_cache.stats() if self.prompt_cache is not None else {}
 
@@ -181,7 +220,7 @@ class Metrics:
                 "steps": w.steps if w else 0, "last_step_ms": w.last_step_ms if w else 0.0,
                 "slots": w.slots() if w else [],
             },
-            "experts": self.expert_stats(),
+            "experts": {**self.expert_stats(), "decode_lanes": self.lane_stats()},
             "prompt_cache": self.prompt_cache_stats(),
             "totals": totals,
             "recent_requests": recent,
