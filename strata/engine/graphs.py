@@ -96,9 +96,14 @@ class DecodeGraphs:
         self.tok = torch.zeros(max_batch, dtype=torch.long, device=dev)  # static inputs
         self.pos = torch.zeros(max_batch, dtype=torch.long, device=dev)
         self.cuda = dev.type == "cuda"
-        # an embedding table on the host cannot be read inside a graph: the step's input rows come in a buffer
-        self.embeds = (torch.zeros(max_batch, model.args.d_model, dtype=model.dtype, device=dev)
-                       if model.host_embed else None)
+        # an embedding table on the host cannot be read inside a graph: the step's rows (still quantized, a few KB)
+        # are gathered on the host into a pinned buffer and copied into `embeds` before each replay; the graph
+        # dequantizes them
+        self.embeds = self._rows_host = None
+        if model.host_embed:
+            row_bytes = model.embed.raw.shape[-1]
+            self.embeds = torch.zeros(max_batch, row_bytes, dtype=torch.uint8, device=dev)
+            self._rows_host = torch.zeros(max_batch, row_bytes, dtype=torch.uint8, pin_memory=self.cuda)
         self.rec = PieceRecorder()
         self.experts = model.experts  # an ExpertsBackend, or None for a dense model
         # (slots, window) -> (pieces, logits), least recently used first
@@ -124,7 +129,7 @@ class DecodeGraphs:
     def _forward(self, segs, live: bool = True, counting: bool = True):
         b = len(segs)
         ctx = self._context(b, live, counting)
-        embeds = self.embeds[:b] if self.embeds is not None else None
+        embeds = self.model.embed_rows(self.embeds[:b]) if self.embeds is not None else None
         return self.model.forward(self.tok[:b], self.pos[:b], segs, self.kv, ctx=ctx, embeds=embeds)
 
     def _capture(self, key: tuple):
@@ -176,8 +181,10 @@ class DecodeGraphs:
         else:
             self.tok[:b].copy_(torch.tensor(tokens))
             self.pos[:b].copy_(torch.tensor(positions))
-        if self.embeds is not None:  # the rows gathered on the host, one small copy
-            self.embeds[:b].copy_(self.model.embed_tokens(torch.tensor(tokens)))
+        if self.embeds is not None:  # the rows gathered on the host, one small copy (the last step's is done:
+            # its logits were read)
+            torch.index_select(self.model.embed.raw, 0, torch.tensor(tokens), out=self._rows_host[:b])
+            self.embeds[:b].copy_(self._rows_host[:b], non_blocking=True)
         key = (tuple(slots), self.window_for(max(positions)))
         if not self.cuda:
             return self._forward(self._segments(key[1], key[0]))

@@ -50,6 +50,9 @@ class ModelFootprint:
     kv_bytes_per_token: int  # all layers, K and V
     context_length: int | None  # the model's trained context
     d_model: int = 0  # hidden size (sizes a prefill chunk's activations)
+    # the input embedding table when the model has its own output head: under a VRAM budget a MoE model serves
+    # it from host RAM (EngineConfig.host_embed), so it is not part of the dense weights on the GPU
+    embed_bytes: int = 0
 
     @property
     def n_expert_total(self) -> int:
@@ -85,9 +88,13 @@ def model_footprint(paths: list[Path]) -> ModelFootprint:
     total = expert = 0
     per_layer: dict[int, int] = {}  # layer -> bytes of its routed experts
     n_expert = int(first.arch_value("expert_count", 0) or 0)
+    embed, has_head = 0, False
     for h in headers:
         for t in h.tensors:
             total += t.n_bytes
+            if t.name == "token_embd.weight":
+                embed = t.n_bytes
+            has_head = has_head or t.name == "output.weight"
             if "_exps" not in t.name:
                 continue
             expert += t.n_bytes
@@ -110,6 +117,7 @@ def model_footprint(paths: list[Path]) -> ModelFootprint:
         kv_bytes_per_token=kv_bytes_per_token(first),
         context_length=first.arch_value("context_length"),
         d_model=int(first.arch_value("embedding_length", 0) or 0),
+        embed_bytes=embed if has_head else 0,
     )
 
 
@@ -148,7 +156,8 @@ def fit(fp: ModelFootprint, machine: MachineInfo, ctx: int = 0, vram_budget: int
     if vram_budget is None:
         return _fit_cpu(fp, machine, ctx, kv)
     staging = staging_slots(fp.n_expert_used) * fp.slot_bytes if fp.n_expert else 0
-    held = CUDA_CONTEXT_ESTIMATE + fp.dense_bytes + kv
+    dense = fp.dense_bytes - (fp.embed_bytes if fp.n_expert else 0)  # the embedding in host RAM (MoE, a budget)
+    held = CUDA_CONTEXT_ESTIMATE + dense + kv
     # a MoE model's cache leaves room for one prefill chunk (4096 tokens, fewer on a small budget), as the engine
     # does on a GPU
     chunk, prefill, split = 0, 0, None
@@ -156,7 +165,7 @@ def fit(fp: ModelFootprint, machine: MachineInfo, ctx: int = 0, vram_budget: int
         bpt = prefill_bytes_per_token(fp.d_model, fp.n_expert_used)
         chunk = prefill_chunk_for(prefill_left(vram_budget, held, VRAM_RESERVE), bpt)
         prefill = chunk * bpt
-        split = split_budget(vram_budget, context=CUDA_CONTEXT_ESTIMATE, dense=fp.dense_bytes, kv=kv,
+        split = split_budget(vram_budget, context=CUDA_CONTEXT_ESTIMATE, dense=dense, kv=kv,
                              reserve=VRAM_RESERVE, staging=staging, prefill=prefill, expert_bytes=fp.slot_bytes,
                              per_slot=fp.expert_bytes // fp.n_expert,  # one expert in every layer
                              n_experts=fp.n_expert, prefill_chunk=chunk)
@@ -170,7 +179,7 @@ def fit(fp: ModelFootprint, machine: MachineInfo, ctx: int = 0, vram_budget: int
     if spare < 0:
         f.ok = False
         f.reasons.append(
-            f"VRAM: needs {_g(vram_needed)} (dense weights {_g(fp.dense_bytes)} + KV for {ctx} tokens {_g(kv)} "
+            f"VRAM: needs {_g(vram_needed)} (dense weights {_g(dense)} + KV for {ctx} tokens {_g(kv)} "
             f"+ reserve {_g(VRAM_RESERVE)} + staging {_g(staging)} + a {chunk}-token prefill chunk "
             f"{_g(prefill)} + the CUDA context, about {_g(CUDA_CONTEXT_ESTIMATE)}), budget is {_g(vram_budget)}"
         )
@@ -195,6 +204,9 @@ def fit(fp: ModelFootprint, machine: MachineInfo, ctx: int = 0, vram_budget: int
             f"{slots} slots per layer are fewer than the {fp.n_expert_used} experts each token uses: most experts "
             "are computed by the CPU or copied each token; expect CPU-bound speed"
         )
+    if fp.n_expert and fp.embed_bytes:
+        f.notes.append(f"the input embedding table ({_g(fp.embed_bytes)}) is read from host RAM, its VRAM left to "
+                       "the expert cache (--no-host-embed keeps it on the GPU)")
     if fp.context_length and ctx > fp.context_length:
         f.notes.append(f"-c {ctx} is beyond the model's trained context of {fp.context_length}")
     return f

@@ -132,8 +132,12 @@ class CausalLM:
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         e = self.embed
         rows = e.raw.index_select(0, tokens.to(e.raw.device))  # [N, row_bytes]: only the rows used
-        x = dequantize(rows, e.qtype, (tokens.shape[0], e.shape[-1]))
-        return x.to(device=self.device, dtype=self.dtype)
+        return self.embed_rows(rows.to(self.device))  # (a table on the host: its rows cross, still quantized)
+
+    def embed_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """The input vectors [N, d] of embedding-table rows [N, row_bytes] in the table's stored format."""
+        e = self.embed
+        return dequantize(rows, e.qtype, (rows.shape[0], e.shape[-1])).to(dtype=self.dtype)
 
     def forward(self, tokens: torch.Tensor, pos: torch.Tensor, segments: list[Segment], kv: KVCache,
                 all_logits: bool = False, rows: list[int] | None = None,

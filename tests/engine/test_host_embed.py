@@ -16,9 +16,12 @@ from tests.experts.tiered_model import write_moe_gguf
 PROMPT = [5, 17, 3, 88, 41, 41, 9, 60, 2, 33, 71, 14]
 
 
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return write_moe_gguf(tmp_path_factory.mktemp("host_embed") / "moe.gguf", n_experts=8, k=2)
+@pytest.fixture(scope="module", params=["F32", "Q8_0"])
+def model_path(tmp_path_factory, request):
+    import gguf
+
+    return write_moe_gguf(tmp_path_factory.mktemp("host_embed") / "moe.gguf", n_experts=8, k=2,
+                          embed_type=gguf.GGMLQuantizationType[request.param])
 
 
 def _tokens(path, device: str, graphs: bool, host: bool | None, **ex) -> tuple[list[int], object]:

@@ -15,8 +15,9 @@ Q = gguf.GGMLQuantizationType
 
 def write_moe_gguf(path: Path, *, n_layers: int = 3, d: int = 64, ff: int = 32, n_experts: int = 8, k: int = 2,
                    vocab: int = 96, heads: int = 4, kv_heads: int = 2, head_dim: int = 16,
-                   expert_type=Q.F32, seed: int = 0, router_std: float = 0.5) -> Path:
-    """Write the model; expert tensors in `expert_type` (random valid blocks), everything else float32."""
+                   expert_type=Q.F32, seed: int = 0, router_std: float = 0.5, embed_type=Q.F32) -> Path:
+    """Write the model; expert tensors in `expert_type` (random valid blocks), the input embedding in `embed_type`
+    (F32 or a format gguf-py quantizes, e.g. Q8_0), everything else float32."""
     g = torch.Generator().manual_seed(seed)
 
     def f32(*shape, std=0.05, mean=0.0):
@@ -36,7 +37,11 @@ def write_moe_gguf(path: Path, *, n_layers: int = 3, d: int = 64, ff: int = 32, 
     w.add_expert_count(n_experts)
     w.add_expert_used_count(k)
     w.add_expert_feed_forward_length(ff)
-    w.add_tensor("token_embd.weight", f32(vocab, d, std=1.0))
+    emb = f32(vocab, d, std=1.0)
+    if embed_type == Q.F32:
+        w.add_tensor("token_embd.weight", emb)
+    else:
+        w.add_tensor("token_embd.weight", gguf.quants.quantize(emb, embed_type), raw_dtype=embed_type)
     w.add_tensor("output_norm.weight", f32(d, std=0.1, mean=1.0))
     w.add_tensor("output.weight", f32(vocab, d))
     rng = np.random.default_rng(seed)
