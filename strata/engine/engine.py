@@ -40,7 +40,8 @@ class Sequence(Request):
     cached: int = 0  # prompt tokens reused from a cached prefix (not recomputed)
     output: list[int] = field(default_factory=list)
     finished: bool = False
-    finish_reason: str | None = None  # stop | length | abort
+    finish_reason: str | None = None  # stop | length | abort | error
+    error: str | None = None  # why it failed (finish_reason "error"): its own step work raised; the others go on
     generator: torch.Generator | None = None
     # speculative decoding (strata.engine.spec): the context's n-gram index, draft tokens proposed and accepted
     drafter: NgramDrafter | None = None
@@ -121,6 +122,7 @@ class Engine:
         self.draft_ngram = (getattr(cfg, "draft_ngram_min", 2), getattr(cfg, "draft_ngram_max", 4))
         self.free_slots = list(range(self.n_slots))
         self.running: list[Sequence] = []
+        self.failed: list[Sequence] = []  # failed in their own part of a step (take_failed), still in `running`
         self.slot_tokens: dict[int, list[int]] = {s: [] for s in range(self.n_slots)}  # what each slot's KV holds
         self.graphs = None
         # Decode steps replay captured graphs, by default on CUDA: eager steps launch thousands of small kernels
@@ -283,13 +285,25 @@ class Engine:
                 continue
             ctx = s.context() if pr.penalty_last_n else []
             drawn = []
-            for j, i in enumerate(mine):  # row j predicts the token after the segment's first j + 1 tokens
-                window = (ctx + d[:j])[-pr.penalty_last_n:] if pr.penalty_last_n else []
-                recent = torch.tensor(window, device=self.device, dtype=torch.long)
-                row = logits[i] if s.logits_processor is None else s.logits_processor(logits[i])
-                drawn.append(sample(row, pr, recent, s.generator))
+            try:  # a sequence's own logits processor (a grammar) may fail: that fails it, not the batch
+                for j, i in enumerate(mine):  # row j predicts the token after the segment's first j + 1 tokens
+                    window = (ctx + d[:j])[-pr.penalty_last_n:] if pr.penalty_last_n else []
+                    recent = torch.tensor(window, device=self.device, dtype=torch.long)
+                    row = logits[i] if s.logits_processor is None else s.logits_processor(logits[i])
+                    drawn.append(sample(row, pr, recent, s.generator))
+            except Exception as e:  # noqa: BLE001 - reported with the sequence (take_failed)
+                log.exception("strata: sequence %d failed drawing its token", s.id)
+                s.finished, s.finish_reason, s.error = True, "error", f"{type(e).__name__}: {e}"
+                self.failed.append(s)
+                continue
             picks.append((s, d, seg_toks, drawn, i))
         return picks
+
+    def take_failed(self) -> list[Sequence]:
+        """The sequences that failed in their own part of the last steps (finish_reason "error", `error` says why);
+        the caller releases them."""
+        out, self.failed = self.failed, []
+        return out
 
     def _logprobs(self, picks: list, logits: torch.Tensor) -> dict[int, list[float]] | None:
         """For the sequences that asked (they draw one row, never drafts): {sequence id: [lp, top values, top
@@ -401,6 +415,9 @@ class Engine:
                 for s, tok in self.step():
                     if s is seq:
                         yield tok
+            self.take_failed()
+            if seq.error is not None:
+                raise StrataError(f"generation failed: {seq.error}")
         finally:
             self.release(seq, "abort")
 

@@ -144,6 +144,12 @@ class EngineWorker:
                         req._emit(("error", f"engine failure: {type(e).__name__}: {e}"))
                         self._finish(req, "error", emit=False)
                 continue
+            for seq in self.engine.take_failed():  # its own work failed (a grammar, say): only it ends
+                self.engine.release(seq, "error")
+                req = self.active.pop(seq.id, None)
+                if req is not None:
+                    req._emit(("error", f"generation failed: {seq.error}"))
+                    self._finish(req, "error", emit=False)
             now = time.perf_counter()
             self.last_step_ms = (now - t0) * 1e3
             self.steps += 1

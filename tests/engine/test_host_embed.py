@@ -64,3 +64,4 @@ def test_cuda_host_embed_equals_device_embed(model_path, graphs):
     ref, _ = _tokens(model_path, "cuda", graphs, False, mode="tiered", slots=3, cpu_plan="012")
     got, eng = _tokens(model_path, "cuda", graphs, True, mode="tiered", slots=3, cpu_plan="012")
     assert eng.model.embed.raw.device.type == "cpu" and got == ref
+

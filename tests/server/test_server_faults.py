@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import openai
 import pytest
 
 from strata import StrataError
@@ -124,3 +125,48 @@ def test_an_unhandled_error_is_a_500_and_the_connection_lives(lm):
             assert r.status_code == 500 and r.json()["error"] == {
                 "type": "server_error", "message": "internal error: RuntimeError", "code": None, "param": None}
             assert c.get("/health").status_code == 200
+
+
+def test_one_sequence_failing_ends_only_its_request(lm, monkeypatch):
+    """A sequence whose own step work raises (here its logits processor, as a broken grammar would) gets an error;
+    the request decoding beside it in the same steps runs to its end."""
+    import strata.server.generation as generation
+    from concurrent.futures import ThreadPoolExecutor
+
+    real = generation.bias_processor
+
+    def failing_after_three(*a, **kw):
+        inner, calls = real(*a, **kw), [0]
+
+        def fn(row):
+            calls[0] += 1
+            if calls[0] > 3:
+                raise RuntimeError("the grammar broke")
+            return inner(row)
+        return fn
+
+    monkeypatch.setattr(generation, "bias_processor", failing_after_three)
+    with serve(lm, parallel=2) as r:
+        oai = openai.OpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0)
+        msgs = [{"role": "user", "content": "Count to twenty."}]
+
+        def healthy():
+            return oai.chat.completions.create(model="tiny", messages=msgs, max_tokens=40, temperature=0,
+                                               extra_body={"ignore_eos": True})
+
+        def broken():
+            try:
+                oai.chat.completions.create(model="tiny", messages=msgs, max_tokens=40, temperature=0,
+                                            logit_bias={"5": 1.0}, extra_body={"ignore_eos": True})
+            except openai.APIStatusError as e:
+                return e
+            return None
+
+        with ThreadPoolExecutor(2) as pool:
+            ok, err = pool.submit(healthy), pool.submit(broken)
+            ok, err = ok.result(), err.result()
+        assert err is not None and err.status_code == 500 and "the grammar broke" in str(err.body)
+        assert ok.usage.completion_tokens == 40 and ok.choices[0].finish_reason == "length"
+        assert not r.state.server.worker.engine.running  # the failed sequence's slot came back
+        again = healthy()  # and the server goes on
+        assert again.usage.completion_tokens == 40
