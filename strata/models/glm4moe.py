@@ -136,6 +136,9 @@ def build(g: GGUFModel, cfg, make_experts, max_ctx: int, args=None):
     if args.extra["nextn_layers"] and not nextn:
         log.info("strata: %s: no MTP block tensors in this file (nextn_predict_layers = %d): trunk only",
                  g.paths[0].name, args.extra["nextn_layers"])
+    for b in nextn:
+        log.info("strata: MTP block %d kept on the host (%.1f MiB, mapped from the file), not run by the forward", b.layer,
+                 b.nbytes / 2**20)
     k, v = GQAttention.cache_shapes(args)
     model = finish_model(L, args, blocks, experts, CacheSpec(k, v), cfg.torch_dtype, make_experts)
     model.nextn = nextn

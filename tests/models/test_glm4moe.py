@@ -189,6 +189,11 @@ def test_llamacpps_converter_output_gives_the_same_logits(glm, tmp_path):
     if res.returncode != 0 and ("ModuleNotFoundError" in res.stderr or "ImportError" in res.stderr):
         pytest.skip(f"llama.cpp's converter cannot run here: {res.stderr.strip().splitlines()[-1]}")
     assert res.returncode == 0, res.stderr[-3000:]
+    ours_t = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    theirs_t = {t.name: t for t in gguf.GGUFReader(out).tensors}
+    assert set(ours_t) == set(theirs_t)
+    for name, t in theirs_t.items():  # same layout, bit for bit (both float32)
+        assert t.data.shape == ours_t[name].data.shape and (t.data == ours_t[name].data).all(), name
     cfg = EngineConfig(**CPU32)
     theirs = load_model(str(out), cfg, with_tokenizer=False)
     assert len(theirs.model.nextn) == 1
