@@ -2,7 +2,8 @@
 
 Tensor names and metadata follow llama.cpp's converter, so files made here also load in llama.cpp (and files
 made there load here): Llama/Mixtral Q/K rows are permuted for pair-order rotary, experts are stacked into one
-`[E, out, in]` tensor per projection, DeepSeek's kv_b is split into per-head k_b/v_b.
+`[E, out, in]` tensor per projection, DeepSeek's kv_b is split into per-head k_b/v_b, GLM's MTP blocks follow the
+trunk.
 """
 
 from __future__ import annotations
@@ -82,10 +83,10 @@ def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, out_type: str = "
     cfg = json.loads(cfg_path.read_text())
     mt = cfg.get("model_type", "")
     arch = {"qwen3_moe": "qwen3moe", "qwen3": "qwen3", "mixtral": "llama", "llama": "llama",
-            "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2"}.get(mt)
+            "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2", "glm4_moe": "glm4moe"}.get(mt)
     if arch is None:
         raise StrataError(f"{d}: model_type '{mt}' is not supported by strata convert "
-                          "(qwen3_moe, qwen3, mixtral, llama, deepseek_v3, deepseek_v2)")
+                          "(qwen3_moe, qwen3, mixtral, llama, deepseek_v3, deepseek_v2, glm4_moe)")
     ck = _Checkpoint(d)
     n_layers, d_model, n_head = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"]
     n_kv = cfg.get("num_key_value_heads") or n_head
@@ -97,7 +98,9 @@ def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, out_type: str = "
     w = gguf.GGUFWriter(str(tmp), arch)
     w.add_name(cfg.get("_name_or_path") or d.name)
     w.add_file_type(FILE_TYPES[out_type])
-    w.add_block_count(n_layers)
+    # GLM's MTP blocks follow the trunk as blocks n_layers.. (llama.cpp's layout: block_count counts them)
+    n_nextn = int(cfg.get("num_nextn_predict_layers") or 0) if arch == "glm4moe" else 0
+    w.add_block_count(n_layers + n_nextn)
     w.add_context_length(int(cfg.get("max_position_embeddings", 4096)))
     w.add_embedding_length(d_model)
     w.add_head_count(n_head)
@@ -130,6 +133,8 @@ def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, out_type: str = "
     n_exp = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0
     if arch == "deepseek2":
         _deepseek(cfg, ck, w, put, n_layers, n_exp)
+    elif arch == "glm4moe":
+        _glm4moe(cfg, ck, w, put, n_layers, n_nextn, head_dim)
     else:
         if n_exp:
             w.add_expert_count(int(n_exp))
@@ -186,7 +191,8 @@ def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, out_type: str = "
         if k in ck.used or "rotary_emb" in k:
             return False
         m = re.search(r"layers\.(\d+)\.", k)
-        return not (m and int(m.group(1)) >= n_layers)  # layers past the last are MTP heads, not converted yet
+        # layers past the last are MTP heads, converted for glm4moe only so far
+        return not (m and int(m.group(1)) >= n_layers + n_nextn)
 
     left = [k for k in ck.index if unmapped(k)]
     if left:
@@ -263,6 +269,69 @@ def _deepseek(cfg, ck, w, put, n_layers, n_exp):
         if cfg.get("n_shared_experts"):
             for hf, gg in (("gate_proj", "ffn_gate_shexp"), ("up_proj", "ffn_up_shexp"), ("down_proj", "ffn_down_shexp")):
                 put(f"{b}{gg}.weight", ck.get(f"{p}mlp.shared_experts.{hf}.weight"))
+
+
+def _glm4moe(cfg, ck, w, put, n_layers, n_nextn, head_dim):
+    """GLM-4.5/4.6: llama.cpp's glm4moe layout (Q/K left in rotate-half order: this family's rotary is NEOX;
+    the post-attention norm is `post_attention_norm`; MTP blocks keep their block tensors plus `nextn.*`)."""
+    a = "glm4moe"
+    rp = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if (rp.get("rope_type") or rp.get("type") or "default") != "default":
+        raise StrataError(f"glm4_moe with rope type {rp.get('rope_type') or rp.get('type')!r} is not supported")
+    partial = rp.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.5))
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(int(head_dim * partial))
+    n_exp, first_dense = int(cfg["n_routed_experts"]), int(cfg.get("first_k_dense_replace", 1))
+    n_shared = int(cfg.get("n_shared_experts") or 0)
+    w.add_expert_count(n_exp)
+    w.add_expert_used_count(int(cfg["num_experts_per_tok"]))
+    w.add_expert_feed_forward_length(int(cfg["moe_intermediate_size"]))
+    w.add_expert_shared_count(n_shared)
+    w.add_leading_dense_block_count(first_dense)
+    w.add_uint32(f"{a}.expert_gating_func", 2)  # sigmoid
+    w.add_expert_weights_scale(float(cfg.get("routed_scaling_factor", 1.0)))
+    w.add_expert_weights_norm(bool(cfg.get("norm_topk_prob", True)))
+    if int(cfg.get("n_group") or 1) > 1:  # (the released GLM models route ungrouped: n_group = 1)
+        w.add_uint32(f"{a}.expert_group_count", int(cfg["n_group"]))
+        w.add_uint32(f"{a}.expert_group_used_count", int(cfg.get("topk_group") or 1))
+    if n_nextn:
+        w.add_uint32(f"{a}.nextn_predict_layers", n_nextn)
+    for i in range(n_layers + n_nextn):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        s = p + "self_attn."
+        for hf, gg in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v")):
+            put(b + gg + ".weight", ck.get(s + hf + ".weight"))
+            if ck.has(s + hf + ".bias"):
+                put(b + gg + ".bias", ck.get(s + hf + ".bias"))
+        put(b + "attn_output.weight", ck.get(s + "o_proj.weight"))
+        if ck.has(s + "q_norm.weight"):
+            put(b + "attn_q_norm.weight", ck.get(s + "q_norm.weight"))
+            put(b + "attn_k_norm.weight", ck.get(s + "k_norm.weight"))
+        put(b + "attn_norm.weight", ck.get(p + "input_layernorm.weight"))
+        put(b + "post_attention_norm.weight", ck.get(p + "post_attention_layernorm.weight"))
+        if i < first_dense:
+            for hf, gg in (("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"), ("down_proj", "ffn_down")):
+                put(f"{b}{gg}.weight", ck.get(f"{p}mlp.{hf}.weight"))
+        else:
+            put(b + "ffn_gate_inp.weight", ck.get(p + "mlp.gate.weight"), keep_f32=True)
+            put(b + "exp_probs_b.bias", ck.get(p + "mlp.gate.e_score_correction_bias"), keep_f32=True)
+            g, u, dn = ck.experts(p + "mlp.experts.", n_exp, ("gate_proj", "up_proj", "down_proj"))
+            put(b + "ffn_gate_exps.weight", g)
+            put(b + "ffn_up_exps.weight", u)
+            put(b + "ffn_down_exps.weight", dn)
+            if n_shared:
+                for hf, gg in (("gate_proj", "ffn_gate_shexp"), ("up_proj", "ffn_up_shexp"),
+                               ("down_proj", "ffn_down_shexp")):
+                    put(f"{b}{gg}.weight", ck.get(f"{p}mlp.shared_experts.{hf}.weight"))
+        if i < n_layers:
+            continue
+        for hf, gg in (("eh_proj", "eh_proj"), ("enorm", "enorm"), ("hnorm", "hnorm")):
+            put(f"{b}nextn.{gg}.weight", ck.get(f"{p}{hf}.weight"))
+        for hf, gg in (("embed_tokens", "embed_tokens"), ("shared_head.head", "shared_head_head"),
+                       ("shared_head.norm", "shared_head_norm")):
+            if ck.has(f"{p}{hf}.weight"):
+                put(f"{b}nextn.{gg}.weight", ck.get(f"{p}{hf}.weight"))
 
 
 def _tokenizer(d: Path, w, vocab_size: int) -> None:

@@ -13,6 +13,7 @@ FAMILIES: dict[str, str] = {
     "llama": "strata.models.llama",  # Llama (dense) and Mixtral (llama + experts)
     "mixtral": "strata.models.llama",
     "deepseek2": "strata.models.deepseek2",
+    "glm4moe": "strata.models.glm4moe",  # GLM-4.5 / 4.5-Air / 4.6
 }
 
 

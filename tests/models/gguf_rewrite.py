@@ -12,7 +12,8 @@ import numpy as np
 def rewrite(src: Path, dst: Path, fn: Callable[[str, np.ndarray, int, tuple], tuple[np.ndarray, int]],
             arch: str | None = None) -> Path:
     """fn(name, raw_bytes_or_array, qtype, torch_shape) -> (data, qtype) where data is what GGUFWriter takes:
-    a float32 array of the logical shape (qtype F32) or uint8 raw blocks `[..., row_bytes]`."""
+    a float32 array of the logical shape (qtype F32) or uint8 raw blocks `[..., row_bytes]`; or None to leave the
+    tensor out."""
     r = gguf.GGUFReader(src)
     arch = arch or r.fields["general.architecture"].contents()
     w = gguf.GGUFWriter(str(dst), arch)
@@ -24,7 +25,10 @@ def rewrite(src: Path, dst: Path, fn: Callable[[str, np.ndarray, int, tuple], tu
         w.add_key_value(name, f.contents(), vt, sub_type=sub)
     for t in r.tensors:
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        data, qt = fn(t.name, np.asarray(t.data), int(t.tensor_type), shape)
+        got = fn(t.name, np.asarray(t.data), int(t.tensor_type), shape)
+        if got is None:
+            continue
+        data, qt = got
         if qt == gguf.GGMLQuantizationType.F32:
             w.add_tensor(t.name, np.ascontiguousarray(data, dtype=np.float32).reshape(shape))
         else:

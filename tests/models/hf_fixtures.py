@@ -54,7 +54,53 @@ FAMILIES = {
                 v_head_dim=16, first_k_dense_replace=0, n_shared_experts=2, routed_scaling_factor=1.0,
                 max_position_embeddings=512, tie_word_embeddings=False),
     ),
+    # odd sizes, q width != hidden, partial rotary (12 of 20 dims), qk-norm, Q/K/V biases, grouped routing, a
+    # leading dense layer, a shared expert, and one MTP block appended to the checkpoint as GLM ships it
+    "glm4moe": dict(
+        cls="Glm4MoeForCausalLM", cfg="Glm4MoeConfig", mtp=1,
+        kw=dict(hidden_size=52, intermediate_size=72, moe_intermediate_size=20, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=20, partial_rotary_factor=0.6,
+                n_routed_experts=8, num_experts_per_tok=3, n_group=2, topk_group=1, first_k_dense_replace=1,
+                n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True, use_qk_norm=True,
+                attention_bias=True, num_nextn_predict_layers=1, max_position_embeddings=512,
+                tie_word_embeddings=False),
+    ),
+    # GLM-4.5-Air's shape: no qk-norm, ungrouped routing; here also two dense layers, two shared experts, no
+    # renormalisation, no MTP block
+    "glm4moe_noqknorm": dict(
+        cls="Glm4MoeForCausalLM", cfg="Glm4MoeConfig",
+        kw=dict(hidden_size=48, intermediate_size=80, moe_intermediate_size=24, num_hidden_layers=4,
+                num_attention_heads=6, num_key_value_heads=2, head_dim=16, n_routed_experts=6,
+                num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=2, n_shared_experts=2,
+                routed_scaling_factor=1.0, norm_topk_prob=False, use_qk_norm=False, attention_bias=True,
+                num_nextn_predict_layers=0, max_position_embeddings=512, tie_word_embeddings=False),
+    ),
 }
+
+
+def _append_mtp_blocks(model, out: Path, n: int, std: float) -> None:
+    """Add n MTP blocks to the saved checkpoint as GLM's releases carry them: `model.layers.{L+j}.*`, a decoder
+    layer like the last one plus eh_proj, enorm, hnorm, embed_tokens and shared_head (transformers' causal LM
+    builds no such layer and ignores the tensors on load; the converters must carry them)."""
+    from safetensors.torch import load_file, save_file
+
+    path = out / "model.safetensors"
+    tensors = load_file(path)
+    L, d, V = model.config.num_hidden_layers, model.config.hidden_size, model.config.vocab_size
+    last = f"model.layers.{L - 1}."
+    for j in range(n):
+        p = f"model.layers.{L + j}."
+        for k, t in list(tensors.items()):
+            if k.startswith(last):
+                scale = 0.05 if "e_score_correction_bias" in k else std
+                mean = 1.0 if t.ndim == 1 and "norm" in k else 0.0
+                tensors[p + k[len(last):]] = (mean + scale * torch.randn_like(t)).contiguous()
+        tensors[p + "eh_proj.weight"] = std * torch.randn(d, 2 * d)
+        for k in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight"):
+            tensors[p + k] = 1.0 + 0.1 * torch.randn(d)
+        tensors[p + "embed_tokens.weight"] = std * torch.randn(V, d)
+        tensors[p + "shared_head.head.weight"] = std * torch.randn(V, d)
+    save_file(tensors, path, metadata={"format": "pt"})
 
 
 def make_hf_model(family: str, out: Path, vocab_size: int, seed: int = 0, std: float = 0.05):
@@ -76,6 +122,8 @@ def make_hf_model(family: str, out: Path, vocab_size: int, seed: int = 0, std: f
             if "e_score_correction_bias" in name:
                 b.copy_(0.05 * torch.randn_like(b))
     model.save_pretrained(out)
+    if spec.get("mtp"):
+        _append_mtp_blocks(model, out, spec["mtp"], std)
     return model
 
 

@@ -50,7 +50,8 @@ CASES = textwrap.dedent("""
                                                  ("norm", 128, 128, 5, 1, True, None),
                                                  ("neox", 24, 16, 3, 3, False, None),
                                                  ("norm", 64, 32, 4, 2, True, yarn),
-                                                 ("neox", 64, 32, 6, 2, False, yarn)):
+                                                 ("neox", 64, 32, 6, 2, False, yarn),
+                                                 ("neox", 128, 64, 6, 2, True, None)):  # GLM-4.5's heads
             r = Rotary(rot, 10000.0, style, 300, sc)
             cos, sin = r._tables(torch.device(dev))
             for dtype in (torch.float32, torch.bfloat16):
