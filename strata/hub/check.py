@@ -60,8 +60,9 @@ class ModelFootprint:
 
 
 def kv_bytes_per_token(h: GGUFHeader) -> int:
-    """KV-cache bytes one token occupies across all layers, from the GGUF metadata."""
-    n_layer = int(h.arch_value("block_count", 0) or 0)
+    """KV-cache bytes one token occupies across all layers, from the GGUF metadata (multi-token-prediction
+    blocks, which hold no KV here, left out)."""
+    n_layer = int(h.arch_value("block_count", 0) or 0) - int(h.arch_value("nextn_predict_layers", 0) or 0)
     n_head = h.arch_value("attention.head_count", 0) or 0
     n_embd = int(h.arch_value("embedding_length", 0) or 0)
     kv_lora = h.arch_value("attention.kv_lora_rank")
@@ -89,8 +90,14 @@ def model_footprint(paths: list[Path]) -> ModelFootprint:
     per_layer: dict[int, int] = {}  # layer -> bytes of its routed experts
     n_expert = int(first.arch_value("expert_count", 0) or 0)
     embed, has_head = 0, False
+    # multi-token-prediction blocks (glm4moe's nextn) after the trunk are kept in host RAM and never run: not
+    # part of what the GPU holds, nor of the KV
+    trunk = int(first.arch_value("block_count", 0) or 0) - int(first.arch_value("nextn_predict_layers", 0) or 0)
     for h in headers:
         for t in h.tensors:
+            m = _LAYER.match(t.name)
+            if m and int(m.group(1)) >= trunk > 0 and first.arch_value("nextn_predict_layers"):
+                continue
             total += t.n_bytes
             if t.name == "token_embd.weight":
                 embed = t.n_bytes
@@ -98,7 +105,6 @@ def model_footprint(paths: list[Path]) -> ModelFootprint:
             if "_exps" not in t.name:
                 continue
             expert += t.n_bytes
-            m = _LAYER.match(t.name)
             layer = int(m.group(1)) if m else -1
             per_layer[layer] = per_layer.get(layer, 0) + t.n_bytes
             if not n_expert and len(t.shape) >= 3:

@@ -200,3 +200,16 @@ def test_llamacpps_converter_output_gives_the_same_logits(glm, tmp_path):
     got = forward_all(theirs, PROMPT)
     assert torch.equal(got, forward_all(load_model(str(path), cfg, with_tokenizer=False), PROMPT))
     assert _rel(got, ref) <= 1e-4
+
+
+def test_strata_check_leaves_the_mtp_block_out(glm, tmp_path):
+    """`strata check` sizes what the GPU holds: the MTP block stays in host RAM and has no KV, so a file with it
+    and the same file without it need the same VRAM."""
+    from strata.hub.check import model_footprint
+
+    _, path, _, _ = glm
+    trunk = rewrite(path, tmp_path / "trunk.gguf", lambda n, d, q, s: None if n.startswith("blk.3.") else (d, q))
+    full, cut = model_footprint([path]), model_footprint([trunk])
+    assert (full.dense_bytes, full.expert_bytes, full.kv_bytes_per_token, full.n_moe_layers) == (
+        cut.dense_bytes, cut.expert_bytes, cut.kv_bytes_per_token, cut.n_moe_layers)
+    assert full.n_moe_layers == 2  # four blocks in the file: one dense, two MoE, and the MTP block
