@@ -14,7 +14,6 @@ from strata import StrataError
 def gpt_oss(cfg: dict, ck, w, put, n_layers: int, n_exp: int) -> None:
     import gguf
 
-    a = "gpt-oss"
     if ck.has("model.layers.0.mlp.experts.gate_up_proj_blocks"):
         raise StrataError("gpt-oss checkpoint in MXFP4 (gate_up_proj_blocks): strata convert reads float weights "
                           "only; dequantize it first (transformers' Mxfp4Config(dequantize=True))")
