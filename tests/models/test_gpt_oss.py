@@ -110,3 +110,28 @@ def test_native_cpu_kernel_refuses_biased_experts(hf_and_gguf):
     _, path = hf_and_gguf("gpt_oss")
     with pytest.raises(StrataError, match="plain SwiGLU"):
         load_model(str(path), _cfg("tiered", slots=0, cpu_plan="012", cpu_kernel="int4"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode,slots,plan", [("resident", None, "auto"), ("tiered", 0, "011"), ("tiered", 2, "000")])
+def test_cuda_matches_transformers_and_cpu(hf_and_gguf, mode, slots, plan):
+    # float32 on the GPU: eager prefill and captured decode steps (CUDA graphs) with sinks and sliding windows
+    hf_dir, path = hf_and_gguf("gpt_oss")
+    lm = load_model(str(path), EngineConfig(device="cuda", dtype="float32",
+                                            experts=ExpertConfig(mode=mode, slots=slots, cpu_plan=plan)))
+    ids = _prompt(40, seed=4)
+    with torch.no_grad():
+        ref = _hf(hf_dir)(torch.tensor([ids])).logits[0].float()
+    assert _rel(forward_all(lm, ids).cpu(), ref) <= 1e-4
+    short = _prompt(12, seed=5)
+    cpu = list(Engine(load_model(str(path), _cfg())).generate(short, SamplingParams(temperature=0), max_tokens=24))
+    assert list(Engine(lm).generate(short, SamplingParams(temperature=0), max_tokens=24)) == cpu
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_q8_0_close_to_float32(hf_and_gguf):
+    _, path = hf_and_gguf("gpt_oss", "q8_0")
+    ids = _prompt(32, seed=9)
+    a = forward_all(load_model(str(path), EngineConfig(device="cuda", dtype="bfloat16")), ids).float().cpu()
+    b = forward_all(load_model(str(path), _cfg()), ids)
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean().item() >= 0.9
