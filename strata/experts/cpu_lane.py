@@ -198,7 +198,12 @@ class CpuLane:
         self._native: dict[int, object] = {}
         for i, ew in layers.items():
             want = kernel
-            if kernel == "auto":  # float32 activations keep the exact reference (offloaded runs equal resident)
+            if ew.act is not None and kernel in ("int4", "native"):
+                raise StrataError(f"layer {i}: the {kernel} CPU kernel computes plain SwiGLU experts; these have "
+                                  f"biases and the {ew.act.kind} activation (use --cpu-kernel ref or auto)")
+            if kernel == "auto" and ew.act is not None:
+                want = "ref"  # the fast kernels compute plain SwiGLU only
+            elif kernel == "auto":  # float32 activations keep the exact reference (offloaded runs equal resident)
                 low = dtype in (torch.bfloat16, torch.float16)
                 if low and native_supported(ew) and _native_lib() is not None:
                     want = "native"  # reads the stored blocks in place: no repacked copy, one call per token-layer
@@ -294,7 +299,7 @@ class CpuLane:
                 packed = self._int4[layer][e] = _Int4Expert(self.layers[layer], e)
             return packed(x.to(torch.bfloat16)).float()
         ew = self.layers[layer]
-        return expert_ffn(x, ew.gate[e], ew.up[e], ew.down[e]).float()
+        return expert_ffn(x, ew.gate[e], ew.up[e], ew.down[e], ew.act, e).float()
 
     def run_experts(self, layer: int, x: torch.Tensor, experts: list[int]) -> torch.Tensor:
         """One token x [1, d] (host) through each of `experts` -> [len(experts), d] float32."""

@@ -6,14 +6,93 @@ tiered backend uses, so both produce bit-identical sums for the same expert outp
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass, replace
+
 import torch
 import torch.nn.functional as F
 
 from strata.quant import QTensor, qmatmul
 
+log = logging.getLogger("strata")
+ACTS = ("swiglu_oai",)
 
-def expert_ffn(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor) -> torch.Tensor:
-    return qmatmul(F.silu(qmatmul(x, gate)) * qmatmul(x, up), down)
+
+@dataclass
+class ExpertAct:
+    """An expert FFN other than plain SwiGLU: biases on the projections and another gated activation.
+
+    kind `swiglu_oai` (gpt-oss): gate clamped above at `limit`, up clamped to [-limit, limit], then
+    (up + 1) * gate * sigmoid(alpha * gate). The biases ([E, ff], [E, ff], [E, d] float32) are indexed by expert
+    id and stay whole wherever the experts' outputs are computed (they are small): they never go through the slot
+    cache, so each path adds them from the pair's expert id, not its slot."""
+
+    kind: str
+    alpha: float = 1.702
+    limit: float = 7.0
+    gate_b: torch.Tensor | None = None
+    up_b: torch.Tensor | None = None
+    down_b: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if self.kind not in ACTS:
+            raise ValueError(f"expert activation must be one of {', '.join(ACTS)}, got {self.kind!r}")
+
+    def to(self, device) -> "ExpertAct":
+        mv = {n: getattr(self, n).to(device) for n in ("gate_b", "up_b", "down_b") if getattr(self, n) is not None}
+        return replace(self, **mv)
+
+    def bias(self, name: str, e, dtype: torch.dtype) -> torch.Tensor | None:
+        """Expert e's (an int, or ids [P] of each row) bias `name` in dtype, None if the layer has none."""
+        b = getattr(self, name)
+        if b is None:
+            return None
+        return (b[e] if isinstance(e, int) else b.index_select(0, e)).to(dtype)
+
+    def glu(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        g = g.clamp(max=self.limit)
+        u = u.clamp(min=-self.limit, max=self.limit)
+        return (u + 1) * (g * torch.sigmoid(g * self.alpha))
+
+
+def _add(y: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return y if b is None else y + b
+
+
+def expert_ffn(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, act: ExpertAct | None = None,
+               e: int | None = None) -> torch.Tensor:
+    """One expert over x [T, d]; with `act`, expert e's biases and activation."""
+    if act is None:
+        return qmatmul(F.silu(qmatmul(x, gate)) * qmatmul(x, up), down)
+    g = _add(qmatmul(x, gate), act.bias("gate_b", e, x.dtype))
+    u = _add(qmatmul(x, up), act.bias("up_b", e, x.dtype))
+    h = act.glu(g, u).to(x.dtype)
+    return _add(qmatmul(h, down), act.bias("down_b", e, x.dtype))
+
+
+_SAID: set[str] = set()
+
+
+def reference_fallback(what: str) -> None:
+    """One log line the first time a fast GPU path gives way to the reference for an expert activation."""
+    if what not in _SAID:
+        _SAID.add(what)
+        log.info("strata: %s: no fast GPU kernel for this expert activation; using the torch reference", what)
+
+
+def gather_pairs(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, slots: torch.Tensor,
+                 act: ExpertAct | None = None, eids: torch.Tensor | None = None) -> torch.Tensor:
+    """`gather_expert_ffn` (x [P, d], slots [P], a miss (-1) gives 0 -> [P, d] float32), and with `act` the
+    batched torch reference taking each pair's biases by its expert id eids [P]."""
+    from strata.ops.expert_gather import gather_expert_ffn
+    from strata.ops.reference import torch_gather_ffn
+
+    if act is None:
+        return gather_expert_ffn(x, gate, up, down, slots)
+    if x.is_cuda:
+        reference_fallback("gathered expert FFN")
+    y = torch_gather_ffn(x, gate, up, down, slots.clamp(min=0), act=act, eids=eids)
+    return torch.where((slots >= 0).unsqueeze(1), y, 0.0)
 
 
 def combine(y: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -25,10 +104,11 @@ DECODE_PAIRS = 64  # up to this many (token, expert) pairs the grouped kernel be
 
 
 class ExpertWeights:
-    """One MoE layer's stacked expert tensors, each `[E, out, in]` in its stored format."""
+    """One MoE layer's stacked expert tensors, each `[E, out, in]` in its stored format; `act` the biases and
+    activation of a family whose experts are not plain SwiGLU (None: plain)."""
 
-    def __init__(self, gate: QTensor, up: QTensor, down: QTensor):
-        self.gate, self.up, self.down = gate, up, down
+    def __init__(self, gate: QTensor, up: QTensor, down: QTensor, act: ExpertAct | None = None):
+        self.gate, self.up, self.down, self.act = gate, up, down, act
 
     @property
     def n_experts(self) -> int:
@@ -38,7 +118,8 @@ class ExpertWeights:
         return (self.gate.nbytes + self.up.nbytes + self.down.nbytes) // self.n_experts
 
     def to(self, device) -> "ExpertWeights":
-        return ExpertWeights(self.gate.to(device), self.up.to(device), self.down.to(device))
+        act = self.act.to(device) if self.act is not None else None
+        return ExpertWeights(self.gate.to(device), self.up.to(device), self.down.to(device), act)
 
 
 class ResidentExperts:
@@ -81,6 +162,15 @@ class ResidentExperts:
     def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, ctx=None) -> torch.Tensor:
         ew = self.layers[layer]
         n, k = ids.shape
+        if ew.act is not None and x.is_cuda and n * k <= DECODE_PAIRS:
+            # biases and another activation: the batched reference over the pairs (no host sync: capturable)
+            flat = ids.reshape(-1)
+            y = gather_pairs(x.repeat_interleave(k, 0), ew.gate, ew.up, ew.down, flat, ew.act, flat)
+            return combine(y.view(n, k, -1), w, x.dtype)
+        if ew.act is not None:  # a chunk: the reference loop on every device
+            if x.is_cuda:
+                reference_fallback("resident experts (chunk)")
+            return combine(expert_loop(ew, x, ids), w, x.dtype)
         if x.is_cuda and n * k <= DECODE_PAIRS:
             # Decode: every (token, choice) pair through the grouped kernel over the whole expert stack (the
             # "slot pool" is all experts): a constant number of launches and no host sync.
@@ -114,6 +204,6 @@ def expert_loop(ew: ExpertWeights, x: torch.Tensor, ids: torch.Tensor) -> torch.
         sel = order[start : start + c]
         start += c
         tok = sel // k
-        out = expert_ffn(x[tok], ew.gate[e], ew.up[e], ew.down[e])
+        out = expert_ffn(x[tok], ew.gate[e], ew.up[e], ew.down[e], ew.act, e)
         y.view(n * k, -1)[sel] = out.float()
     return y

@@ -85,7 +85,7 @@ class ExpertStore:
         out = {}
         try:
             for i, ew in layers.items():
-                out[i] = ExpertWeights(*(self._pin_tensor(t, bar) for t in (ew.gate, ew.up, ew.down)))
+                out[i] = ExpertWeights(*(self._pin_tensor(t, bar) for t in (ew.gate, ew.up, ew.down)), act=ew.act)
         except RuntimeError as e:  # cudaHostAlloc failed: locked-memory limits, or RAM taken meanwhile
             raise StrataError(
                 f"pinning {_fmt_gib(total)} of experts failed ({str(e).splitlines()[0]}); run with --low-ram, "

@@ -68,6 +68,8 @@ class TieredExperts:
         self._make_policy = policy
         self.store = ExpertStore(layers, pin=None if self.cuda else False, low_ram=self.ex.low_ram, progress=progress)
         self.layer_ids = self.store.layer_ids
+        # biases and activation of experts that are not plain SwiGLU, whole on the device (by expert id, not slot)
+        self.acts = {i: ew.act.to(self.device) for i, ew in layers.items() if ew.act is not None}
         self.index = {layer: li for li, layer in enumerate(self.layer_ids)}
         self.n_experts = self.store.n_experts
         # bytes of one expert per layer (a layer's experts all have the same formats and shapes): what a miss moves

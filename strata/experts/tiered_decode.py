@@ -33,8 +33,7 @@ import numpy as np
 import torch
 
 from strata.experts.pipeline import admit, plan_handoff
-from strata.experts.resident import combine
-from strata.ops.expert_gather import gather_expert_ffn
+from strata.experts.resident import combine, gather_pairs
 
 
 class _Buffers:
@@ -99,12 +98,13 @@ class GraphedDecode:
         rec.cut(self._ready(b), label="router_shared")
         # piece H: hits from the device map (no host involvement)
         xs = x.repeat_interleave(k, dim=0) if N > 1 else x.expand(k, -1).contiguous()  # [N*k, d]
-        y_hit = gather_expert_ffn(xs, pool.gate, pool.up, pool.down, t.cache.map[li].index_select(0, ids.view(-1)))
+        act, flat = t.acts.get(layer), ids.view(-1)  # (act: biases by expert id, flat: each pair's expert)
+        y_hit = gather_pairs(xs, pool.gate, pool.up, pool.down, t.cache.map[li].index_select(0, flat), act, flat)
         rec.cut(self._handoff(li, layer, N, k, b, ctx.counting), label="gpu_experts")
         # piece B: what the host decided comes up, staged experts run, all three parts summed
         b.stage_d.copy_(b.stage_h, non_blocking=True)
         b.ycpu_d.copy_(b.ycpu_h, non_blocking=True)
-        y_stage = gather_expert_ffn(xs, pool.gate, pool.up, pool.down, b.stage_d)
+        y_stage = gather_pairs(xs, pool.gate, pool.up, pool.down, b.stage_d, act, flat)
         y = y_hit + y_stage + b.ycpu_d  # [N*k, d] float32: one of the three is each choice's output
         out = combine(y.view(N, k, -1), w, x.dtype)
         if t.profiler is not None:

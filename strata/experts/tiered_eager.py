@@ -28,9 +28,8 @@ import numpy as np
 import torch
 
 from strata.experts.pipeline import plan_layer
-from strata.experts.resident import combine, expert_ffn
+from strata.experts.resident import combine, expert_ffn, gather_pairs, reference_fallback
 from strata.experts.tiered_chunk import prefetch, stream_chunk
-from strata.ops.expert_gather import gather_expert_ffn
 
 # A chunk whose pairs number this many per expert (nearly every expert routed) prefetches the next layer's experts
 PREFETCH_PAIRS_PER_EXPERT = 2
@@ -64,6 +63,8 @@ class EagerLayer:
         self._pin_bufs: dict[str, torch.Tensor] = {}
         self._chunk = False  # this layer call is a chunk (grouped calls, chunk buffers)
         self._cpu_estimate_ms = 0.0  # the last chunk split's CPU lane, unscaled
+        self._act = None  # this layer call's ExpertAct (None: plain SwiGLU experts)
+        self._flat: np.ndarray | None = None  # this layer call's expert id of each pair [N*k] (with an act)
 
     def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x [N, d], ids/w [N, k] -> [N, d]."""
@@ -74,6 +75,7 @@ class EagerLayer:
         cache, pool = t.cache, t.cache.pool_of[layer]
         d = x.shape[-1]
         row = t.policy.expert_map()[li].copy()  # [E] host mirror of the device map row: slot or -1
+        self._act = t.acts.get(layer)
         prof = t.profiler
         t_hits = prof.mark() if prof else None
         y = None  # [N*k, d] float32 on the device
@@ -87,13 +89,15 @@ class EagerLayer:
             if N * k <= PAIRS_MAX:
                 gslot = cache.map[li].index_select(0, ids.reshape(-1))  # [N*k]
                 xs = x.repeat_interleave(k, dim=0)  # [N*k, d]
-                y = gather_expert_ffn(xs, pool.gate, pool.up, pool.down, gslot)  # misses (-1) give 0
+                flat = ids.reshape(-1)
+                y = gather_pairs(xs, pool.gate, pool.up, pool.down, gslot, self._act, flat)  # misses (-1) give 0
             ready.synchronize()  # host sync #1: the routing (and x for the CPU lane) on the host
             ids_np = ids_h.numpy().copy()
         else:
             x_h = x
             ids_np = ids.numpy().copy()
         hit = row[ids_np] >= 0  # [N, k]
+        self._flat = ids_np.reshape(-1)
         # a chunk: y gets a spare row past the pairs (grouped calls write their padding there), and the streamed
         # experts go through the chunk buffers
         self._chunk = y is None and self._grouped_chunks()
@@ -200,17 +204,22 @@ class EagerLayer:
             tok = np.concatenate([t for _, t, _ in groups])
             pairs = np.concatenate([p for _, _, p in groups])
             st = self._to_dev(np.stack([slots, tok, pairs]))
-            y[st[2]] = gather_expert_ffn(x.index_select(0, st[1]), pool.gate, pool.up, pool.down, st[0])
+            eids = self._to_dev(self._flat[pairs]) if self._act is not None else None
+            y[st[2]] = gather_pairs(x.index_select(0, st[1]), pool.gate, pool.up, pool.down, st[0], self._act, eids)
             return
         if self._grouped_chunks():  # chunk-sized: these slots' pairs in one grouped call (batched matmuls)
             self.grouped(pool.gate, pool.up, pool.down, x, groups, y)
             return
+        if self._act is not None and self.t.cuda:
+            reference_fallback("tiered experts (chunk)")
         for s, tok, pairs in groups:  # chunk-sized: a matmul per expert over its tokens
             ti = self._to_dev(tok)
-            y[self._to_dev(pairs)] = expert_ffn(x.index_select(0, ti), *pool.expert(s)).float()
+            e = int(self._flat[pairs[0]]) if self._act is not None else None  # (a group is one expert's pairs)
+            y[self._to_dev(pairs)] = expert_ffn(x.index_select(0, ti), *pool.expert(s), self._act, e).float()
 
     def _grouped_chunks(self) -> bool:
-        return self.t.cuda or GROUPED_CHUNKS_ON_CPU
+        # the grouped calls (and the chunk buffers they read) compute plain SwiGLU experts only
+        return (self.t.cuda or GROUPED_CHUNKS_ON_CPU) and self._act is None
 
     def grouped(self, gate, up, down, x: torch.Tensor, groups, y: torch.Tensor) -> None:
         """groups [(slot of the stacks, token idx, pair idx)] computed in one grouped call, written into their

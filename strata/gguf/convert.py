@@ -3,7 +3,7 @@
 Tensor names and metadata follow llama.cpp's converter, so files made here also load in llama.cpp (and files
 made there load here): Llama/Mixtral Q/K rows are permuted for pair-order rotary, experts are stacked into one
 `[E, out, in]` tensor per projection, DeepSeek's kv_b is split into per-head k_b/v_b, GLM's MTP blocks follow the
-trunk.
+trunk, gpt-oss's interleaved gate_up is split (strata.gguf.convert_gpt_oss).
 """
 
 from __future__ import annotations
@@ -83,10 +83,11 @@ def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, out_type: str = "
     cfg = json.loads(cfg_path.read_text())
     mt = cfg.get("model_type", "")
     arch = {"qwen3_moe": "qwen3moe", "qwen3": "qwen3", "mixtral": "llama", "llama": "llama",
-            "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2", "glm4_moe": "glm4moe"}.get(mt)
+            "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2", "glm4_moe": "glm4moe",
+            "gpt_oss": "gpt-oss"}.get(mt)
     if arch is None:
         raise StrataError(f"{d}: model_type '{mt}' is not supported by strata convert "
-                          "(qwen3_moe, qwen3, mixtral, llama, deepseek_v3, deepseek_v2, glm4_moe)")
+                          "(qwen3_moe, qwen3, mixtral, llama, deepseek_v3, deepseek_v2, glm4_moe, gpt_oss)")
     ck = _Checkpoint(d)
     n_layers, d_model, n_head = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"]
     n_kv = cfg.get("num_key_value_heads") or n_head
@@ -135,6 +136,10 @@ def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, out_type: str = "
         _deepseek(cfg, ck, w, put, n_layers, n_exp)
     elif arch == "glm4moe":
         _glm4moe(cfg, ck, w, put, n_layers, n_nextn, head_dim)
+    elif arch == "gpt-oss":
+        from strata.gguf.convert_gpt_oss import gpt_oss
+
+        gpt_oss(cfg, ck, w, put, n_layers, n_exp)
     else:
         if n_exp:
             w.add_expert_count(int(n_exp))

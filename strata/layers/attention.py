@@ -1,4 +1,5 @@
-"""Attention: grouped-query attention (Qwen3, Llama, Mixtral) and multi-head latent attention (DeepSeek-V2/V3).
+"""Attention: grouped-query attention (Qwen3, Llama, Mixtral; with sinks and sliding windows: gpt-oss) and
+multi-head latent attention (DeepSeek-V2/V3).
 
 Tokens of several sequences arrive flattened ([N, d]); `segments` says which slot and positions each run of
 tokens belongs to. Projections run once over all N tokens; the score/softmax part runs per segment against that
@@ -17,6 +18,7 @@ from strata.layers.norm import rms_norm
 from strata.layers.rotary import Rotary
 from strata.ops import registry
 from strata.ops.reference import gqa_attention as _gqa  # the one-segment attention (tests/layers)
+from strata.ops.reference import sink_attention
 from strata.quant import QTensor, qmatmul
 
 _ARANGES: dict[tuple[int, torch.device], torch.Tensor] = {}
@@ -119,6 +121,68 @@ class GQAttention:
             i += seg.n
         out = outs[0] if len(outs) == 1 else torch.cat(outs)  # [n, H, Dv]
         return qmatmul(out.reshape(n, self.n_heads * self.vd), self.wo)
+
+
+class SinkAttention(GQAttention):
+    """GQA with a learned sink logit per head in each softmax, an output bias, and (when `sliding` > 0) a sliding
+    window: a query at position i sees the keys at i - sliding + 1 .. i (gpt-oss's alternate layers).
+
+    Always the torch reference (`strata.ops.reference.sink_attention`): the one-query split kernel and SDPA take
+    neither sinks nor per-layer windows. The KV cache keeps every position of every layer (a sliding layer
+    reads only its window of it)."""
+
+    def __init__(self, layer: int, args, w: dict, rotary: Rotary, sinks: torch.Tensor, sliding: int = 0):
+        super().__init__(layer, args, w, rotary)
+        self.sinks, self.sliding = sinks.float(), int(sliding)
+        self.bo = w.get("attn_output.bias")
+
+    def _mask(self, seg: Segment, device) -> tuple[int, torch.Tensor | None]:
+        """(first key read, additive mask [n or 1, keys read] or None) of an eager segment."""
+        first = max(0, seg.start - self.sliding + 1) if self.sliding else 0
+        if seg.n == 1:
+            return first, None  # one query sees every key read
+        q = torch.arange(seg.start, seg.end, device=device).unsqueeze(1)
+        k = torch.arange(first, seg.end, device=device).unsqueeze(0)
+        seen = k <= q
+        if self.sliding:
+            seen &= q - k < self.sliding
+        m = torch.zeros(seen.shape, dtype=torch.float32, device=device)
+        return first, m.masked_fill_(~seen, float("-inf"))
+
+    def _static_mask(self, window: int, pos_t: torch.Tensor) -> torch.Tensor:
+        """[1, window] for a static decode step (device tensors only: capturable): past pos_t, and for a sliding
+        layer before its window, -inf."""
+        ar = _arange(window, pos_t.device)
+        off = ar > pos_t
+        if self.sliding:
+            off |= ar <= pos_t - self.sliding
+        return torch.zeros(window, dtype=torch.float32, device=pos_t.device).masked_fill_(off, float("-inf"))[None]
+
+    def __call__(self, x: torch.Tensor, pos: torch.Tensor, segments: list[Segment], kv: KVCache) -> torch.Tensor:
+        n = x.shape[0]
+        bq, bk, bv = self._biases(x.dtype)
+        q = _linear(x, self.wq, bq).view(n, self.n_heads, self.hd)
+        k = _linear(x, self.wk, bk).view(n, self.n_kv, self.hd)
+        v = _linear(x, self.wv, bv).view(n, self.n_kv, self.vd)
+        q, k = self.rotary.qk(q, k, pos)
+        sinks = self.sinks if self.sinks.device == x.device else self.sinks.to(x.device)
+        outs, i = [], 0
+        for seg in segments:
+            kk, vv = k[i : i + seg.n], v[i : i + seg.n]
+            if seg.window:
+                kv.write_at(self.layer, seg.slot, seg.pos_t, kk, vv)
+                ks = kv.k[self.layer][seg.slot, : seg.window]
+                vs = kv.v[self.layer][seg.slot, : seg.window]
+                mask = self._static_mask(seg.window, seg.pos_t)
+            else:
+                kv.write(self.layer, seg, kk, vv)
+                ks, vs = kv.read(self.layer, seg)
+                first, mask = self._mask(seg, x.device)
+                ks, vs = ks[first:], vs[first:]  # a sliding layer reads its window only
+            outs.append(sink_attention(q[i : i + seg.n], ks, vs, mask, self.scale, sinks))  # [n, H, Dv]
+            i += seg.n
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return _linear(out.reshape(n, self.n_heads * self.vd), self.wo, self.bo)
 
 
 class MLAttention:

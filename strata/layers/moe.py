@@ -22,7 +22,7 @@ from strata.quant import QTensor, qmatmul
 class Routing:
     n_experts: int
     k: int
-    gating: str = "softmax"  # softmax | sigmoid
+    gating: str = "softmax"  # softmax | sigmoid | softmax_weight (top-k of the logits, softmax over those k)
     norm_topk: bool = True
     scale: float = 1.0
     n_groups: int = 1
@@ -31,6 +31,9 @@ class Routing:
 
 def route(logits: torch.Tensor, r: Routing, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [N, E] float32 -> (ids [N, k] int64, weights [N, k] float32)."""
+    if r.gating == "softmax_weight":  # gpt-oss: choose on the logits, weigh the chosen k by their own softmax
+        top = logits.topk(r.k, dim=-1)
+        return top.indices, torch.softmax(top.values, dim=-1) * r.scale
     probs = torch.softmax(logits, dim=-1) if r.gating == "softmax" else torch.sigmoid(logits)
     choose = probs + bias if bias is not None else probs  # the correction bias steers choice, not weights
     if r.n_groups > 1:
@@ -65,21 +68,28 @@ def uniform_route(n: int, r: Routing, device: torch.device) -> tuple[torch.Tenso
 
 class MoE:
     def __init__(self, layer: int, routing: Routing, router: QTensor, experts, bias: torch.Tensor | None = None,
-                 shared: SwiGLU | None = None, shared_gate: QTensor | None = None):
+                 shared: SwiGLU | None = None, shared_gate: QTensor | None = None,
+                 router_bias: torch.Tensor | None = None):
+        # bias steers the choice only (DeepSeek-V3); router_bias is added to the router's logits (gpt-oss)
         self.layer, self.routing, self.router, self.bias = layer, routing, router, bias
+        self.router_bias = router_bias.float() if router_bias is not None else None
         self.experts, self.shared, self.shared_gate = experts, shared, shared_gate
         self.uniform = False  # --expert-routing uniform (set once at load: strata.models.base.CausalLM)
 
     def route_ids(self, x: torch.Tensor) -> torch.Tensor:
         """The experts this layer's router picks for x [N, d] -> ids [N, k] (a backend predicting this layer's
         routing from an earlier layer's input)."""
-        return route(qmatmul(x.float(), self.router), self.routing, self.bias)[0]
+        return route(self._logits(x), self.routing, self.bias)[0]
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        logits = qmatmul(x.float(), self.router)  # [N, E]
+        return logits if self.router_bias is None else logits + self.router_bias
 
     def __call__(self, x: torch.Tensor, ctx) -> torch.Tensor:
         """x [N, d] -> [N, d] within the step `ctx` (strata.experts.backend.StepContext)."""
         prof = ctx.profiler
         t = prof.mark() if prof else None
-        logits = qmatmul(x.float(), self.router)  # [N, E]
+        logits = self._logits(x)  # [N, E]
         ids, w = route(logits, self.routing, self.bias)
         if self.uniform:  # the router still ran (its cost stays in the step); its choice is dropped
             ids, w = uniform_route(x.shape[0], self.routing, logits.device)

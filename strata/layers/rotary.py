@@ -27,6 +27,7 @@ class RopeScaling:
     beta_slow: float = 1.0
     mscale: float = 1.0  # yarn: attention temperature multiplier (`rope.scaling.yarn_log_multiplier` related)
     mscale_all_dim: float = 0.0
+    truncate: bool = True  # yarn: round the ramp's ends to whole dims (llama.cpp, most checkpoints; gpt-oss: no)
 
 
 def _yarn_inv_freq(dim: int, theta: float, s: RopeScaling) -> tuple[torch.Tensor, float]:
@@ -38,8 +39,10 @@ def _yarn_inv_freq(dim: int, theta: float, s: RopeScaling) -> tuple[torch.Tensor
     def correction_dim(n_rot: float) -> float:
         return (dim * math.log(s.original_ctx / (n_rot * 2 * math.pi))) / (2 * math.log(theta))
 
-    low = max(math.floor(correction_dim(s.beta_fast)), 0)
-    high = min(math.ceil(correction_dim(s.beta_slow)), dim - 1)
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001
     ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)

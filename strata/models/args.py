@@ -62,7 +62,8 @@ class ModelArgs:
         return [i for i in range(self.n_layers) if self.is_moe_layer(i)]
 
 
-GATING = {0: "softmax", 1: "softmax", 2: "sigmoid"}  # llama.cpp's expert_gating_func enum (0 = unset)
+# llama.cpp's expert_gating_func enum (0 = unset; 3 = SOFTMAX_WEIGHT, which llama.cpp's gpt-oss uses)
+GATING = {0: "softmax", 1: "softmax", 2: "sigmoid", 3: "softmax_weight"}
 
 
 def read_args(md: dict[str, Any], arch: str, tensors: dict[str, Any] | None = None, **defaults) -> ModelArgs:

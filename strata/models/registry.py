@@ -14,6 +14,7 @@ FAMILIES: dict[str, str] = {
     "mixtral": "strata.models.llama",
     "deepseek2": "strata.models.deepseek2",
     "glm4moe": "strata.models.glm4moe",  # GLM-4.5 / 4.5-Air / 4.6
+    "gpt-oss": "strata.models.gpt_oss",
 }
 
 

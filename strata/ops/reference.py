@@ -93,6 +93,38 @@ def one_query_attention(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, mas
     return gqa_attention(q, ks, vs, mask, scale)
 
 
+# Score elements per batch of query rows in `sink_attention` (bounds its [Hkv, G, n, L] temporaries)
+SINK_SCORES = 1 << 25
+
+
+def sink_attention(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                   sinks: torch.Tensor) -> torch.Tensor:
+    """Attention with a learned per-head sink logit in the softmax's denominator (gpt-oss): q [n, H, D] against
+    ks [L, Hkv, D], vs [L, Hkv, Dv]; mask additive [n or 1, L] float (-inf: not seen) or None; sinks [H]
+    -> [n, H, Dv] in q's dtype, computed in float32. The sink takes probability mass and gives no value:
+    softmax over [scores, sink], the sink's column dropped."""
+    n, H, D = q.shape
+    L, hkv, dv = ks.shape[0], ks.shape[1], vs.shape[-1]
+    G = H // hkv
+    kt = ks.float().permute(1, 2, 0).unsqueeze(1)  # [Hkv, 1, D, L]
+    vt = vs.float().transpose(0, 1).unsqueeze(1)  # [Hkv, 1, L, Dv]
+    sk = sinks.float().view(hkv, G, 1, 1)
+    out = torch.empty(n, H, dv, dtype=q.dtype, device=q.device)
+    step = max(1, SINK_SCORES // max(1, H * L))
+    for a in range(0, n, step):
+        qs = q[a:a + step].float()
+        m = qs.shape[0]
+        s = torch.matmul(qs.view(m, hkv, G, D).permute(1, 2, 0, 3), kt) * scale  # [Hkv, G, m, L]
+        if mask is not None:
+            s = s + (mask[a:a + step] if mask.shape[0] == n and n > 1 else mask)
+        top = torch.maximum(s.amax(-1, keepdim=True), sk)  # [Hkv, G, m, 1]
+        p = torch.exp(s - top)
+        den = p.sum(-1, keepdim=True) + torch.exp(sk - top)
+        o = torch.matmul(p, vt) / den  # [Hkv, G, m, Dv]
+        out[a:a + step] = o.permute(2, 0, 1, 3).reshape(m, H, dv).to(q.dtype)
+    return out
+
+
 reference("dequantize_blocks")(dequantize_blocks_torch)
 reference("qmatmul")(reference_qmatmul)
 
@@ -113,7 +145,9 @@ def gather_expert_ffn(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor
 
 
 def torch_gather_ffn(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor,
-                      slots: torch.Tensor) -> torch.Tensor:
+                     slots: torch.Tensor, act=None, eids: torch.Tensor | None = None) -> torch.Tensor:
+    """The batched torch gathered FFN; with `act` (strata.experts.resident.ExpertAct) each pair's biases, by
+    its expert id eids [P], and the act's activation."""
     P, d = x.shape
     dtype = x.dtype if x.dtype.is_floating_point else torch.float32
     ff = gate.shape[1]
@@ -126,8 +160,20 @@ def torch_gather_ffn(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor,
         h = torch.bmm(xa, g.transpose(1, 2))  # [p, 1, ff]
         del g
         u = _gather(up, s, dtype)
-        h = F.silu(h) * torch.bmm(xa, u.transpose(1, 2))
+        if act is None:
+            h = F.silu(h) * torch.bmm(xa, u.transpose(1, 2))
+        else:
+            e = eids[a:a + step]
+            h = _bias(h, act.bias("gate_b", e, dtype))
+            h = act.glu(h, _bias(torch.bmm(xa, u.transpose(1, 2)), act.bias("up_b", e, dtype))).to(dtype)
         del u
         dn = _gather(down, s, dtype)  # [p, d, ff]
-        out[a:a + step] = torch.bmm(h, dn.transpose(1, 2)).squeeze(1).float()
+        o = torch.bmm(h, dn.transpose(1, 2))
+        if act is not None:
+            o = _bias(o, act.bias("down_b", eids[a:a + step], dtype))
+        out[a:a + step] = o.squeeze(1).float()
     return out
+
+
+def _bias(y: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return y if b is None else y + b.unsqueeze(1)  # y [p, 1, n], b [p, n]

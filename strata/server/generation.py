@@ -15,7 +15,7 @@ from strata import StrataError
 from strata.server.grammar import bias_processor, chain, constrained_available
 from strata.server.job import Job
 from strata.server.protocol import APIError, bad_request
-from strata.server.reasoning import ReasoningSplitter, partial_suffix
+from strata.server.reasoning import HarmonySplitter, ReasoningSplitter, partial_suffix, uses_harmony
 from strata.server.toolcalls import ToolCallStream, closed, tool_grammar
 from strata.server.worker import Ticket
 
@@ -69,6 +69,8 @@ class Server:
         self.lm, self.worker, self.metrics, self.grammars = lm, worker, metrics, grammars
         self.tok, self.template = lm.tokenizer, lm.template
         self.tool_format, self.model_id, self.ctx = tool_format, model_id, ctx
+        # gpt-oss's harmony messages carry the reasoning in the analysis channel, not in <think> tags
+        self.splitter = HarmonySplitter if uses_harmony(lm.gguf.get("tokenizer.chat_template")) else ReasoningSplitter
         self.vocab_size = getattr(lm.args, "vocab_size", None) or self.tok.vocab_size
 
     # -- prompts -------------------------------------------------------------------------------------------------
@@ -158,7 +160,7 @@ class Server:
         req = self.worker.submit(job)
         dec = self.tok.stream_decoder()
         stops = StopStrings(job.stop)
-        rs = ReasoningSplitter(job.reasoning, job.in_reasoning)
+        rs = self.splitter(job.reasoning, job.in_reasoning)
         tc = ToolCallStream(self.tool_format, job.tools, enabled=job.tools is not None, forced=job.forced)
         n_calls = 0
         n_tok = 0  # token events seen: the index of the next one in seq.output (and seq.token_logprobs)

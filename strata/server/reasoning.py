@@ -93,3 +93,74 @@ def split_reasoning(text: str, enabled: bool = True, in_reasoning: bool = False)
     r1, c1 = s.push(text)
     r2, c2 = s.flush()
     return (r1 + r2).rstrip("\n"), (c1 + c2)
+
+
+# gpt-oss's harmony format: the output is messages, each `<|channel|>NAME<|message|>BODY<|end|>`, later ones
+# introduced by `<|start|>assistant`; the generation prompt ends with `<|start|>assistant`, so the first header
+# comes straight away. `analysis` is the reasoning, `final` (and any other channel) the answer.
+H_MESSAGE, H_CHANNEL = "<|message|>", "<|channel|>"
+H_ENDS = ("<|end|>", "<|return|>", "<|call|>", "<|start|>")
+REASONING_CHANNELS = frozenset({"analysis"})
+
+
+def uses_harmony(template: str | None) -> bool:
+    """Whether a chat template writes the harmony format (gpt-oss)."""
+    return bool(template) and H_CHANNEL in template and H_MESSAGE in template
+
+
+class HarmonySplitter:
+    """`ReasoningSplitter` for harmony output: (reasoning, content) pieces, the message headers and ends
+    dropped. Output that does not start with a header (`<|channel|>` or `<|start|>`) is all content.
+    With `enabled=False` everything (markers included) is content."""
+
+    def __init__(self, enabled: bool = True, in_reasoning: bool = False):
+        self.enabled = enabled
+        self._buf = ""
+        self._mode = "header"  # header | body | plain
+        self._channel = ""
+
+    def push(self, text: str) -> tuple[str, str]:
+        if not self.enabled:
+            return "", text
+        self._buf += text
+        r, c = [], []
+        while self._buf:
+            buf = self._buf
+            if self._mode == "plain":
+                c.append(buf)
+                self._buf = ""
+                break
+            if self._mode == "header":
+                s = buf.lstrip()
+                if s and not (s.startswith("<|") or "<|".startswith(s)):
+                    self._mode = "plain"  # no header: the model answered in plain text
+                    continue
+                i = buf.find(H_MESSAGE)
+                if i < 0:
+                    break  # the header is not complete yet
+                head = buf[:i]
+                j = head.find(H_CHANNEL)
+                name = head[j + len(H_CHANNEL):] if j >= 0 else ""
+                self._channel = name.split("<|")[0].split()[0] if name.split() else ""
+                self._buf, self._mode = buf[i + len(H_MESSAGE):], "body"
+                continue
+            cut = [(buf.find(m), m) for m in H_ENDS if m in buf]
+            if cut:
+                i, m = min(cut)
+                (r if self._channel in REASONING_CHANNELS else c).append(buf[:i])
+                # `<|start|>` opens the next message's header; an end marker is dropped
+                self._buf, self._mode = (buf[i:] if m == "<|start|>" else buf[i + len(m):]), "header"
+                continue
+            keep = max(partial_suffix(buf, m) for m in H_ENDS)
+            (r if self._channel in REASONING_CHANNELS else c).append(buf[: len(buf) - keep])
+            self._buf = buf[len(buf) - keep:]
+            break
+        return "".join(r), "".join(c)
+
+    def flush(self) -> tuple[str, str]:
+        buf, self._buf = self._buf, ""
+        if self._mode == "body" and self._channel in REASONING_CHANNELS:
+            return buf, ""
+        if self._mode == "header":
+            return "", ""  # an unfinished header says nothing
+        return "", buf

@@ -75,6 +75,17 @@ FAMILIES = {
                 routed_scaling_factor=1.0, norm_topk_prob=False, use_qk_norm=False, attention_bias=True,
                 num_nextn_predict_layers=0, max_position_embeddings=512, tie_word_embeddings=False),
     ),
+    # odd head count (5 query heads over 5 KV heads would be plain MHA: 5 over 1 is GQA with G = 5), a sliding
+    # window shorter than the parity prompts, alternating layer types, YaRN (untruncated, as gpt-oss ships it)
+    "gpt_oss": dict(
+        cls="GptOssForCausalLM", cfg="GptOssConfig",
+        kw=dict(hidden_size=64, intermediate_size=48, num_hidden_layers=4, num_attention_heads=5,
+                num_key_value_heads=1, head_dim=16, num_local_experts=6, num_experts_per_tok=2, sliding_window=6,
+                layer_types=["sliding_attention", "full_attention"] * 2, max_position_embeddings=256,
+                rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0,
+                                     beta_slow=1.0, truncate=False, original_max_position_embeddings=64),
+                tie_word_embeddings=False),
+    ),
 }
 
 
@@ -116,6 +127,10 @@ def make_hf_model(family: str, out: Path, vocab_size: int, seed: int = 0, std: f
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))  # non-trivial norms catch a missing norm
             elif "e_score_correction_bias" in name:
                 p.copy_(0.05 * torch.randn_like(p))
+            elif name.endswith("sinks"):  # sinks large enough to take a real share of each softmax
+                p.copy_(torch.randn_like(p))
+            elif "bias" in name:  # biases (gpt-oss: attention, router, experts) large enough to matter
+                p.normal_(0.0, 0.2)
             else:
                 p.normal_(0.0, std)
         for name, b in model.named_buffers():
