@@ -100,13 +100,24 @@ def test_dequantize_never_aliases_raw():
     assert raw.abs().sum() > 0
 
 
-@pytest.mark.parametrize("qtype", [Q.IQ2_XXS, Q.IQ4_NL, Q.TQ1_0, Q.TQ2_0, Q.MXFP4, Q.Q8_1, Q.I8])
+@pytest.mark.parametrize("qtype", [Q.NVFP4, Q.Q1_0, Q.Q8_1, Q.Q8_K, Q.I8])
 def test_unsupported_types_are_named(qtype):
     raw = torch.zeros(4, 256, dtype=torch.uint8)
     for call in (lambda: QTensor.from_raw(raw, qtype, (4, 256)),
                  lambda: dequantize(raw, qtype, (4, 256)),
                  lambda: random_qtensor(qtype, (4, 256), 0)):
         with pytest.raises(StrataError, match=qtype.name):
+            call()
+
+
+@pytest.mark.parametrize("number", [99, 1000])
+def test_unknown_type_numbers_are_named(number):
+    """A qtype number gguf does not know either: one clear error with the number in it."""
+    raw = torch.zeros(4, 256, dtype=torch.uint8)
+    for call in (lambda: QTensor.from_raw(raw, number, (4, 256)),
+                 lambda: dequantize(raw, number, (4, 256)),
+                 lambda: random_qtensor(number, (4, 256), 0)):
+        with pytest.raises(StrataError, match=f"unknown GGML weight type {number}"):
             call()
 
 
