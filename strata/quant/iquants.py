@@ -26,11 +26,15 @@ _LOCK = threading.Lock()
 
 
 def _build(name: str) -> np.ndarray:
-    """The numpy table `name` from gguf-py: a grid [N, k] float32, "ksigns" [128] uint8, "iq4nl"/"mxfp4" [16]."""
+    """The numpy table `name` from gguf-py: a grid [N, k] float32, sign tables [128 or 256, 8], "iq4nl"/"mxfp4" [16]."""
     import gguf.quants as gq
 
-    if name == "ksigns":
-        return np.frombuffer(gq.IQ2_XXS.ksigns, dtype=np.uint8).copy()
+    if name in ("ksigns", "bytesigns"):
+        # a byte's 8 bits as signs, [n, 8] float32: +1 where bit i is clear, -1 where set (gguf-py's np.where);
+        # "ksigns": the 128 even-parity patterns the 7-bit sign indices select, "bytesigns": every byte
+        b = np.frombuffer(gq.IQ2_XXS.ksigns, dtype=np.uint8) if name == "ksigns" else np.arange(256, dtype=np.uint8)
+        bits = (b[:, None] >> np.arange(8, dtype=np.uint8)) & 1
+        return np.where(bits == 0, np.float32(1), np.float32(-1)).astype(np.float32)
     if name == "iq4nl":
         return np.array(gq.IQ4_NL.kvalues, dtype=np.float32)
     if name == "mxfp4":
@@ -77,14 +81,13 @@ def _split(x: torch.Tensor, shifts, width: int) -> torch.Tensor:
 
 
 def _sign_bits(b: torch.Tensor) -> torch.Tensor:
-    """Bytes [...] -> float32 [..., 8]: +1 where bit i is clear, -1 where set (gguf-py's np.where)."""
-    bits = _split(b, range(8), 1)
-    return 1.0 - 2.0 * bits.to(torch.float32)
+    """Bytes [...] -> float32 [..., 8]: +1 where bit i is clear, -1 where set."""
+    return _table("bytesigns", b.device)[b.to(torch.int64)]
 
 
 def _ksigns(idx: torch.Tensor) -> torch.Tensor:
     """7-bit indices [...] -> float32 signs [..., 8] from the ksigns table (8th bit: the parity)."""
-    return _sign_bits(_table("ksigns", idx.device).to(torch.int64)[idx])
+    return _table("ksigns", idx.device)[idx]
 
 
 def _nib_scales(b: torch.Tensor) -> torch.Tensor:

@@ -65,7 +65,7 @@ def _logits(lm) -> torch.Tensor:
 
 
 def _greedy(lm) -> list[int]:
-    return list(Engine(lm, n_slots=1).generate(PROMPT, SamplingParams(temperature=0.0), max_tokens=10))
+    return list(Engine(lm, n_slots=1).generate(PROMPT, SamplingParams(temperature=0.0), max_tokens=8))
 
 
 @pytest.fixture(scope="module")
@@ -85,18 +85,27 @@ def test_resident_equals_float32_model_of_the_dequantized_weights(model, residen
     assert rel <= 1e-5, rel
 
 
-@pytest.mark.parametrize("slots,plan", [(0, "012"), (3, "012"), (0, "000"), (3, "011")])
-def test_tiered_matches_resident(model, resident, slots, plan):
+@pytest.mark.parametrize("slots,plan", [(0, "012"), (3, "011"), (2, "000")])
+def test_tiered_logits_match_resident(model, resident, slots, plan):
     _, qpath, _ = model
-    ref_logits, ref_tokens = resident
     lm = _load(qpath, mode="tiered", slots=slots, cpu_plan=plan)
-    assert (_logits(lm) - ref_logits).abs().max().item() <= 1e-5
-    ex = lm.model.experts
-    if plan == "012":
-        assert ex.stats.cpu > 0 and ex.stats.pcie == 0              # the CPU lane computed the misses
-    if ex.lane is not None:
-        assert set(ex.lane.kernel.values()) == {"ref"}
-    assert _greedy(_load(qpath, mode="tiered", slots=slots, cpu_plan=plan)) == ref_tokens
+    assert (_logits(lm) - resident[0]).abs().max().item() <= 1e-5
+    s = lm.model.experts.stats
+    assert s.hits + s.cpu + s.pcie == s.lookups > 0
+    if plan == "000":
+        assert s.cpu == 0 and s.pcie > 0                          # misses staged, as PCIe copies would be
+    else:
+        assert s.cpu > 0 and set(lm.model.experts.lane.kernel.values()) == {"ref"}
+
+
+@pytest.mark.parametrize("slots", [0, 3])
+def test_tiered_greedy_tokens_match_resident(model, resident, slots):
+    """The CPU lane plan: misses computed on the host from the stored blocks."""
+    _, qpath, _ = model
+    lm = _load(qpath, mode="tiered", slots=slots, cpu_plan="012")
+    assert _greedy(lm) == resident[1]
+    s = lm.model.experts.stats
+    assert s.cpu > 0 and s.pcie == 0 and (s.hits > 0) == (slots > 0)
 
 
 def _layer(fmt, seed, d=256, ff=256, n_experts=4) -> ExpertWeights:
