@@ -7,7 +7,7 @@ returns float32 [n, block_size], bit-exact with gguf-py's numpy code, whose floa
 
 The codebooks (grids, the sign table, the 16-entry value tables) are gguf-py's own, read from `gguf.quants` at
 first use rather than copied here: gguf-py is the oracle these functions are tested against, so one source of
-truth. Each table becomes a torch tensor once per device (`_table`), so CUDA graphs and repeated chunks reuse it.
+truth. Each table becomes a torch tensor once per device (`table`), so CUDA graphs and repeated chunks reuse it.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def _build(name: str) -> np.ndarray:
     return np.ascontiguousarray(cls.grid.reshape(cls.grid_shape), dtype=np.float32)
 
 
-def _table(name: str, device: torch.device) -> torch.Tensor:
+def table(name: str, device: torch.device) -> torch.Tensor:
     """gguf-py's table `name` as a torch tensor on `device`, built once per (table, device)."""
     key = (name, device)
     t = _TABLES.get(key)
@@ -82,12 +82,12 @@ def _split(x: torch.Tensor, shifts, width: int) -> torch.Tensor:
 
 def _sign_bits(b: torch.Tensor) -> torch.Tensor:
     """Bytes [...] -> float32 [..., 8]: +1 where bit i is clear, -1 where set."""
-    return _table("bytesigns", b.device)[b.to(torch.int64)]
+    return table("bytesigns", b.device)[b.to(torch.int64)]
 
 
 def _ksigns(idx: torch.Tensor) -> torch.Tensor:
     """7-bit indices [...] -> float32 signs [..., 8] from the ksigns table (8th bit: the parity)."""
-    return _table("ksigns", idx.device)[idx]
+    return table("ksigns", idx.device)[idx]
 
 
 def _nib_scales(b: torch.Tensor) -> torch.Tensor:
@@ -106,7 +106,7 @@ def _iq2_xxs(b: torch.Tensor) -> torch.Tensor:
     db = (d * (0.5 + (qs[..., 1] >> 28).to(torch.float32)) * 0.25).reshape(n, 8, 1, 1)
     signs = _ksigns(_split(qs[..., 1], (0, 7, 14, 21), 7))                       # [n, 8, 4, 8]
     idx = b[:, 2:66].reshape(n, 8, 2, 4)[:, :, 0].to(torch.int64)                 # [n, 8, 4]
-    grid = _table("IQ2_XXS", b.device)[idx]                                       # [n, 8, 4, 8]
+    grid = table("IQ2_XXS", b.device)[idx]                                       # [n, 8, 4, 8]
     return (db * grid * signs).reshape(n, QK_K)
 
 
@@ -117,7 +117,7 @@ def _iq2_xs(b: torch.Tensor) -> torch.Tensor:
     qs = _u16(b[:, 2:66])                                                         # [n, 32]
     db = (d * (0.5 + _nib_scales(b[:, 66:74]).to(torch.float32)) * 0.25).reshape(n, 16, 1, 1)
     signs = _ksigns(qs >> 9).reshape(n, 16, 2, 8)
-    grid = _table("IQ2_XS", b.device)[qs & 511].reshape(n, 16, 2, 8)
+    grid = table("IQ2_XS", b.device)[qs & 511].reshape(n, 16, 2, 8)
     return (db * grid * signs).reshape(n, QK_K)
 
 
@@ -129,7 +129,7 @@ def _iq2_s(b: torch.Tensor) -> torch.Tensor:
     signs = _sign_bits(b[:, 34:66]).reshape(n, 16, 2, 8)
     qh = _split(b[:, 66:74], (0, 2, 4, 6), 2).reshape(n, 32).to(torch.int64)
     idx = b[:, 2:34].to(torch.int64) | (qh << 8)
-    grid = _table("IQ2_S", b.device)[idx].reshape(n, 16, 2, 8)
+    grid = table("IQ2_S", b.device)[idx].reshape(n, 16, 2, 8)
     return (db * grid * signs).reshape(n, QK_K)
 
 
@@ -140,7 +140,7 @@ def _iq3_xxs(b: torch.Tensor) -> torch.Tensor:
     sc = _u32(b[:, 66:98])                                                        # [n, 8]
     db = (d * (0.5 + (sc >> 28).to(torch.float32)) * 0.5).reshape(n, 8, 1, 1)
     signs = _ksigns(_split(sc, (0, 7, 14, 21), 7))                                # [n, 8, 4, 8]
-    grid = _table("IQ3_XXS", b.device)[b[:, 2:66].to(torch.int64)].reshape(n, 8, 4, 8)
+    grid = table("IQ3_XXS", b.device)[b[:, 2:66].to(torch.int64)].reshape(n, 8, 4, 8)
     return (db * grid * signs).reshape(n, QK_K)
 
 
@@ -152,13 +152,13 @@ def _iq3_s(b: torch.Tensor) -> torch.Tensor:
     signs = _sign_bits(b[:, 74:106]).reshape(n, 8, 4, 8)
     qh = _split(b[:, 66:74], range(8), 1).reshape(n, 64).to(torch.int64)
     idx = b[:, 2:66].to(torch.int64) | (qh << 8)
-    grid = _table("IQ3_S", b.device)[idx].reshape(n, 8, 4, 8)
+    grid = table("IQ3_S", b.device)[idx].reshape(n, 8, 4, 8)
     return (db * grid * signs).reshape(n, QK_K)
 
 
 def _iq1_grid(idx: torch.Tensor, qh_delta: torch.Tensor, shape) -> torch.Tensor:
     """grid + delta for IQ1_S/IQ1_M: idx [n, 32] 11-bit indices, qh_delta the matching +-0.125 (broadcast)."""
-    return _table("IQ1_S", idx.device)[idx].reshape(shape) + qh_delta
+    return table("IQ1_S", idx.device)[idx].reshape(shape) + qh_delta
 
 
 def _iq1_s(b: torch.Tensor) -> torch.Tensor:
@@ -190,10 +190,9 @@ def _iq1_m(b: torch.Tensor) -> torch.Tensor:
 
 def _iq4_nl(b: torch.Tensor) -> torch.Tensor:
     # 18 bytes: f16 d, 16 bytes of 4-bit indices into the 16 non-linear values (low nibbles first)
-    n = b.shape[0]
     d = _f16(b, 0)
     q = torch.cat([b[:, 2:18] & 0x0F, b[:, 2:18] >> 4], dim=1).to(torch.int64)
-    return d * _table("iq4nl", b.device)[q]
+    return d * table("iq4nl", b.device)[q]
 
 
 def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
@@ -206,7 +205,7 @@ def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
     dl = (d * scales).reshape(n, 8, 1)
     qs = b[:, 8:136].reshape(n, 8, 16)
     q = torch.cat([qs & 0x0F, qs >> 4], dim=2).to(torch.int64)                    # [n, 8, 32]
-    return (dl * _table("iq4nl", b.device)[q]).reshape(n, QK_K)
+    return (dl * table("iq4nl", b.device)[q]).reshape(n, QK_K)
 
 
 # ---- ternary and microscaling --------------------------------------------------------------------------------
@@ -248,7 +247,7 @@ def _mxfp4(b: torch.Tensor) -> torch.Tensor:
     # 17 bytes: an E8M0 exponent byte, 16 bytes of 4-bit E2M1 codes (low nibbles: weights 0..15)
     d = e8m0_half(b[:, :1])
     q = torch.cat([b[:, 1:17] & 0x0F, b[:, 1:17] >> 4], dim=1).to(torch.int64)
-    return d * _table("mxfp4", b.device)[q]
+    return d * table("mxfp4", b.device)[q]
 
 
 BLOCK_DEQUANT: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]] = {

@@ -46,22 +46,23 @@ def model(request, tmp_path_factory):
     return fmt, qpath, rewrite(qpath, root / "moe-f32.gguf", deq)
 
 
-def _load(path, **ex):
-    cfg = EngineConfig(model=str(path), device="cpu", dtype="float32", experts=ExpertConfig(**ex))
+def _load(path, device="cpu", dtype="float32", **ex):
+    cfg = EngineConfig(model=str(path), device=device, dtype=dtype, experts=ExpertConfig(**ex))
     return load_model(str(path), cfg, with_tokenizer=False)
 
 
 @torch.inference_mode()
 def _logits(lm) -> torch.Tensor:
-    """A prefill chunk then single-token decode steps: [len(PROMPT) + len(DECODE), V]."""
-    m = lm.model
+    """A prefill chunk then single-token decode steps: [len(PROMPT) + len(DECODE), V] float32 on the CPU."""
+    m, dev = lm.model, lm.model.device
     kv = m.new_kv_cache(1, 64)
-    out = [m.forward(torch.tensor(PROMPT), torch.arange(len(PROMPT)), [Segment(0, 0, len(PROMPT))], kv,
-                     all_logits=True)]
+    out = [m.forward(torch.tensor(PROMPT, device=dev), torch.arange(len(PROMPT), device=dev),
+                     [Segment(0, 0, len(PROMPT))], kv, all_logits=True)]
     for i, t in enumerate(DECODE):
         p = len(PROMPT) + i
-        out.append(m.forward(torch.tensor([t]), torch.tensor([p]), [Segment(0, p, 1)], kv, all_logits=True))
-    return torch.cat(out)
+        out.append(m.forward(torch.tensor([t], device=dev), torch.tensor([p], device=dev), [Segment(0, p, 1)], kv,
+                             all_logits=True))
+    return torch.cat(out).float().cpu()
 
 
 def _greedy(lm) -> list[int]:
@@ -149,3 +150,33 @@ def test_gpu_dequantization_without_a_kernel_warns_once(monkeypatch, caplog):
     assert len(msgs) == 1 and "IQ2_XXS" in msgs[0] and "GPU" in msgs[0]
     assert torch.equal(a.cpu(), random_qtensor(Q.IQ2_XXS, (4, 512), 0).dequantize())
     np.testing.assert_array_equal(a.cpu().numpy(), gguf.quants.dequantize(w.raw.cpu().numpy(), Q.IQ2_XXS))
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("slots,plan", [(0, "012"), (0, "000"), (3, "011")])
+def test_cuda_tiered_matches_resident_and_the_cpu(model, resident, slots, plan, monkeypatch, caplog):
+    """On the GPU: the slot pool, staging and the CPU lane over these formats give the resident logits, which
+    are the CPU reference's; IQ4_XS and MXFP4 dequantize in Triton (no warning), IQ2_XXS in torch (one)."""
+    fmt, qpath, _ = model
+    monkeypatch.setattr(formats, "_WARNED", set())
+    with caplog.at_level(logging.WARNING, logger="strata"):
+        ref = _logits(_load(qpath, "cuda", mode="resident"))
+        out = _logits(_load(qpath, "cuda", mode="tiered", slots=slots, cpu_plan=plan))
+    assert _rel(ref, resident[0]) <= 1e-3          # TF32 may be on for float32 GEMMs on the GPU
+    assert _rel(out, ref) <= 1e-5
+    warned = [r.getMessage() for r in caplog.records if "no fast kernel" in r.getMessage()]
+    if fmt in (Q.IQ4_XS, Q.MXFP4):
+        assert warned == []
+    else:
+        assert len(warned) == 1 and fmt.name in warned[0] and "GPU" in warned[0], warned
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_runs(model, resident):
+    _, qpath, _ = model
+    out = _logits(_load(qpath, "cuda", "bfloat16", mode="tiered", slots=3, cpu_plan="011"))
+    assert torch.isfinite(out).all() and _rel(out, resident[0]) <= 5e-2
