@@ -57,6 +57,21 @@ def table(name: str, device: torch.device) -> torch.Tensor:
     return t
 
 
+# the tables each format reads
+FORMAT_TABLES: dict[GGMLQuantizationType, tuple[str, ...]] = {
+    Q.IQ2_XXS: ("IQ2_XXS", "ksigns"), Q.IQ2_XS: ("IQ2_XS", "ksigns"), Q.IQ2_S: ("IQ2_S", "bytesigns"),
+    Q.IQ3_XXS: ("IQ3_XXS", "ksigns"), Q.IQ3_S: ("IQ3_S", "bytesigns"), Q.IQ1_S: ("IQ1_S",), Q.IQ1_M: ("IQ1_S",),
+    Q.IQ4_NL: ("iq4nl",), Q.IQ4_XS: ("iq4nl",), Q.MXFP4: ("mxfp4",),
+}
+
+
+def prepare(qtype: GGMLQuantizationType, device: torch.device) -> None:
+    """Build the format's tables on `device` now: a weight arriving on the GPU does this at load time, so no
+    host-to-device copy happens later inside a captured CUDA graph."""
+    for name in FORMAT_TABLES.get(qtype, ()):
+        table(name, device)
+
+
 def _f16(blocks: torch.Tensor, off: int) -> torch.Tensor:
     """The f16 field at byte offset off of each block, as float32 [n, 1]."""
     return blocks[:, off:off + 2].contiguous().view(torch.float16).to(torch.float32)

@@ -142,3 +142,22 @@ def test_cuda_matches_gguf(qtype):
     assert_bits_equal(wc.dequantize(), _gguf(w.raw, qtype))
     raw = torch.from_numpy(np.random.default_rng(1).integers(0, 256, w.nbytes, dtype=np.uint8)).view(w.raw.shape)
     assert_bits_equal(QTensor.from_raw(raw, qtype, shape).to("cuda").dequantize(), _gguf(raw, qtype))
+
+
+def test_codebooks_come_from_gguf_py():
+    """The lookup tables are gguf-py's own (built once per device), not copies that could drift from the oracle."""
+    import gguf.quants as gq
+
+    from strata.quant import iquants
+
+    gq.IQ2_XXS.init_grid()
+    grid = iquants.table("IQ2_XXS", torch.device("cpu"))
+    assert grid.shape == (256, 8) and np.array_equal(grid.numpy(), gq.IQ2_XXS.grid.reshape(256, 8))
+    assert iquants.table("IQ2_XXS", torch.device("cpu")) is grid
+    assert iquants.table("iq4nl", torch.device("cpu")).tolist() == list(gq.IQ4_NL.kvalues)
+    assert iquants.table("mxfp4", torch.device("cpu")).tolist() == list(gq.MXFP4.kvalues)
+    signs = iquants.table("ksigns", torch.device("cpu"))                          # [128, 8] of +-1
+    bits = np.frombuffer(gq.IQ2_XXS.ksigns, dtype=np.uint8)
+    assert np.array_equal(signs.numpy() < 0, (bits[:, None] >> np.arange(8)) & 1 == 1)
+    for qt in iquants.FORMAT_TABLES:                                              # every format's tables build
+        iquants.prepare(qt, torch.device("cpu"))
