@@ -18,8 +18,8 @@ Kernels per expert FFN (`silu(x @ gate.T) * (x @ up.T) @ down.T`):
   AVX2 integer dot products, every expert of a token-layer in one call); needs a C compiler at first use.
 
 `auto` takes `native` for bf16/f16 activations and Q4_K/Q6_K/Q8_0 experts when the kernel builds, else `int4` for a
-repackable format (Q4_K, Q4_0, Q8_0), else `ref`. Other formats (Q5_K, Q6_K, ...) use `ref` until a kernel for
-them lands.
+repackable format (Q4_K, Q4_0, Q8_0), else `ref`. Other formats (Q5_K, the i-quants, MXFP4, ...) use `ref` until a
+kernel for them lands; with bf16/f16 activations that logs one warning per such format.
 
 Threads: torch's intra-op pool is process-wide; `CpuLane(threads=n)` sets it (0 leaves torch's default, one
 per physical core). The lane runs on the calling thread: the backend launches the GPU's work first, then
@@ -38,6 +38,7 @@ from gguf import GGMLQuantizationType
 from strata import StrataError
 from strata.experts.resident import ExpertWeights, expert_ffn
 from strata.quant import QTensor
+from strata.quant.formats import warn_reference_path
 
 log = logging.getLogger("strata")
 
@@ -211,6 +212,9 @@ class CpuLane:
                     want = "int4"
                 else:
                     want = "ref"
+                    if low:  # a format no CPU kernel reads is slow here by nature, not by choice: say so, once
+                        for t in sorted({ew.gate.qtype, ew.up.qtype, ew.down.qtype} - NATIVE_TYPES - INT4_TYPES):
+                            warn_reference_path(t, "the CPU lane")
             elif kernel == "int4" and not int4_supported(ew):
                 raise StrataError(f"layer {i}: the int4 CPU kernel does not take {ew.gate.qtype.name}/"
                                   f"{ew.down.qtype.name} experts of shape {ew.gate.shape[1:]}")

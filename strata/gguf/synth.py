@@ -211,8 +211,12 @@ def tokenizer_metadata(p: Preset) -> dict:
 
 # ---- tensors ------------------------------------------------------------------------------------------------
 
-# llama.cpp's choice when a row is not a whole number of K-quant super-blocks (256): a 32-block type.
-_FALLBACK = {Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
+# llama.cpp's choice when a row is not a whole number of K-quant super-blocks (256): a 32-block type (IQ4_NL
+# for the i-quants, Q4_0 for the ternary types, as llama-quant does).
+_FALLBACK = {Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0,
+             **{t: Q.IQ4_NL for t in (Q.IQ1_S, Q.IQ1_M, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S,
+                                      Q.IQ4_XS)},
+             Q.TQ1_0: Q.Q4_0, Q.TQ2_0: Q.Q4_0}
 
 
 def fit_type(qtype: Q, row: int) -> Q:
@@ -305,7 +309,8 @@ def tensor_plan(p: Preset, experts_type="Q4_K", dense_type="Q8_0", head_type="Q6
 
 def _file_type(qtype: Q) -> int:
     name = {Q.F32: "ALL_F32", Q.F16: "MOSTLY_F16", Q.BF16: "MOSTLY_BF16", Q.Q2_K: "MOSTLY_Q2_K",
-            Q.Q3_K: "MOSTLY_Q3_K_M", Q.Q4_K: "MOSTLY_Q4_K_M", Q.Q5_K: "MOSTLY_Q5_K_M", Q.Q6_K: "MOSTLY_Q6_K"}
+            Q.Q3_K: "MOSTLY_Q3_K_M", Q.Q4_K: "MOSTLY_Q4_K_M", Q.Q5_K: "MOSTLY_Q5_K_M", Q.Q6_K: "MOSTLY_Q6_K",
+            Q.MXFP4: "MOSTLY_MXFP4_MOE"}
     return int(LlamaFileType[name.get(qtype, f"MOSTLY_{qtype.name}")])
 
 

@@ -30,7 +30,7 @@ from gguf import GGMLQuantizationType
 
 from strata import StrataError
 from strata.quant.formats import FLOAT_TYPES, block_geometry, bytes_for, check_supported
-from strata.quant.random import _SCALE_FIELDS, _unit_std, random_raw_bytes
+from strata.quant.random import _set_scales, _unit_std, make_valid, random_raw_bytes, scale_mask
 
 Q = GGMLQuantizationType
 
@@ -60,12 +60,7 @@ class RandomBlocks:
             mask[:] = _SIGN[self.qtype]
             self._mask = mask.view(np.uint64)
         else:
-            mask = np.full((per, self.block_bytes), 0xFF, np.uint8)
-            off_d, off_m, _ = _SCALE_FIELDS[self.qtype]
-            for off in (off_d, off_m):
-                if off is not None:
-                    mask[:, off:off + 2] = 0
-            self._mask = mask.reshape(-1).view(np.uint64)
+            self._mask = np.tile(scale_mask(self.qtype), per).view(np.uint64)
 
     def _pool(self, scale: float) -> np.ndarray:
         """The pool as uint64 [n_groups, g64]; quantized pools have zeroed scale fields (the key sets them)."""
@@ -86,12 +81,7 @@ class RandomBlocks:
             return self._fixed_cache[scale]
         fixed = np.zeros((self.group // self.block_bytes, self.block_bytes), np.uint8)
         if self.qtype not in FLOAT_TYPES:
-            off_d, off_m, ratio = _SCALE_FIELDS[self.qtype]
-            d = np.float16(scale / _unit_std(self.qtype))
-            halves = fixed.view(np.uint16)
-            halves[:, off_d // 2] = d.view(np.uint16)
-            if off_m is not None:
-                halves[:, off_m // 2] = np.float16(d * np.float32(ratio)).view(np.uint16)
+            _set_scales(fixed, self.qtype, scale / _unit_std(self.qtype))
         self._fixed_cache[scale] = fixed.reshape(-1).view(np.uint64)
         return self._fixed_cache[scale]
 
@@ -106,6 +96,7 @@ class RandomBlocks:
         key &= self._mask
         key |= self._fixed(scale)
         np.bitwise_xor(pool[start:start + ng], key, out=out.view(np.uint64).reshape(ng, self.g64))
+        make_valid(self.qtype, out)  # the key may set codes a format leaves unused (TQ2_0)
 
 
 @dataclass

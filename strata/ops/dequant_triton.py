@@ -1,5 +1,5 @@
-"""One-launch GGML dequantization in Triton: Q4_0, Q4_K, Q5_K, Q6_K and Q8_0 blocks (uint8) -> float32,
-bfloat16 or float16, bit-identical in float32 to the torch reference in `strata.quant.dequant`.
+"""One-launch GGML dequantization in Triton: Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, IQ4_NL, IQ4_XS and MXFP4 blocks
+(uint8) -> float32, bfloat16 or float16, bit-identical in float32 to the torch reference in `strata.quant.dequant`.
 
 The reference builds each chunk with ~15-20 elementwise torch ops (shifts, masks, casts, products), each a
 kernel launch and a pass over memory; here one program decodes BB whole blocks in registers and writes them
@@ -173,6 +173,62 @@ if triton is not None:
         y = dl * ((lo | (hi << 4)).to(tl.float32) - 32.0)
         _store(dst + pid * (BB * 256) + blk[:, None, None] * 256 + j[None], y, m3)
 
+    # The 16-value formats index a table (gguf-py's, as float32 on the device: strata.quant.iquants) with 4-bit
+    # codes; the table is a kernel argument, read through L1 like the blocks.
+
+    @triton.jit
+    def _iq4_nl_kernel(src, dst, n_blocks, tab, BB: tl.constexpr):
+        # block (18 bytes / 32 weights): f16 d, 16 bytes; weight j is code nibble j // 16 of byte j % 16;
+        # w = d * tab[code]
+        pid = tl.program_id(0).to(tl.int64)
+        blk = tl.arange(0, BB)
+        m = (pid * BB + blk < n_blocks)[:, None]
+        b = (src + pid * (BB * 18) + blk * 18)[:, None]
+        j = tl.arange(0, 32)[None, :]
+        d = _f16(b, m)
+        q = (_u8(b + 2 + j % 16, m) >> (4 * (j // 16))) & 0x0F
+        y = d * tl.load(tab + q)
+        _store(dst + pid * (BB * 32) + blk[:, None] * 32 + j, y, m)
+
+    @triton.jit
+    def _iq4_xs_kernel(src, dst, n_blocks, tab, BB: tl.constexpr):
+        # block (136 bytes / 256 weights): f16 d, a uint16 of 2-bit high scales, 4 bytes of 4-bit low scales,
+        # 128 bytes of codes. Sub-block g (32 weights): scale = (nibble g % 2 of byte 4 + g // 2
+        # | bits 2g of the uint16 << 4) - 32; weight c is code nibble c // 16 of byte 8 + 16 g + c % 16;
+        # w = (d * scale) * tab[code]
+        pid = tl.program_id(0).to(tl.int64)
+        blk = tl.arange(0, BB)
+        m2 = (pid * BB + blk < n_blocks)[:, None]
+        b2 = (src + pid * (BB * 136) + blk * 136)[:, None]
+        g = tl.arange(0, 8)[None, :]
+        c = tl.arange(0, 32)
+        d = _f16(b2, m2)
+        sh = (_u8(b2 + 2, m2) | (_u8(b2 + 3, m2) << 8)) >> (2 * g) & 0x03  # [BB, 8]
+        sl = (_u8(b2 + 4 + g // 2, m2) >> (4 * (g % 2))) & 0x0F
+        dl = (d * ((sl | (sh << 4)) - 32).to(tl.float32))[:, :, None]  # [BB, 8, 1]
+        m3 = m2[:, :, None]
+        off = (8 + 16 * g)[:, :, None] + (c % 16)[None, None, :]  # [1, 8, 32]
+        q = (_u8(b2[:, :, None] + off, m3) >> (4 * (c // 16))[None, None, :]) & 0x0F
+        y = dl * tl.load(tab + q)
+        o = (g * 32)[:, :, None] + c[None, None, :]
+        _store(dst + pid * (BB * 256) + blk[:, None, None] * 256 + o, y, m3)
+
+    @triton.jit
+    def _mxfp4_kernel(src, dst, n_blocks, tab, BB: tl.constexpr):
+        # block (17 bytes / 32 weights): an E8M0 exponent e, 16 bytes of E2M1 codes (weight j: nibble j // 16
+        # of byte 1 + j % 16); w = 2^(e-128) * tab[code] (the table is doubled), subnormal for e < 2
+        pid = tl.program_id(0).to(tl.int64)
+        blk = tl.arange(0, BB)
+        m = (pid * BB + blk < n_blocks)[:, None]
+        b = (src + pid * (BB * 17) + blk * 17)[:, None]
+        j = tl.arange(0, 32)[None, :]
+        e = _u8(b, m)
+        bits = tl.where(e < 2, 0x00200000 << tl.minimum(e, 1), tl.maximum(e - 1, 0) << 23)
+        d = bits.to(tl.float32, bitcast=True)
+        q = (_u8(b + 1 + j % 16, m) >> (4 * (j // 16))) & 0x0F
+        y = d * tl.load(tab + q)
+        _store(dst + pid * (BB * 32) + blk[:, None] * 32 + j, y, m)
+
     # qtype -> (kernel, bytes per block, weights per block, blocks per program): ~4K weights per program
     KERNELS = {
         Q.Q8_0: (_q8_0_kernel, 34, 32, 128),
@@ -180,9 +236,15 @@ if triton is not None:
         Q.Q4_K: (_q4_k_kernel, 144, 256, 16),
         Q.Q5_K: (_q5_k_kernel, 176, 256, 16),
         Q.Q6_K: (_q6_k_kernel, 210, 256, 16),
+        Q.IQ4_NL: (_iq4_nl_kernel, 18, 32, 128),
+        Q.IQ4_XS: (_iq4_xs_kernel, 136, 256, 16),
+        Q.MXFP4: (_mxfp4_kernel, 17, 32, 128),
     }
 else:  # pragma: no cover
     KERNELS = {}
+
+# formats whose kernel takes a value table (strata.quant.iquants' name for it) after n_blocks
+TABLES = {Q.IQ4_NL: "iq4nl", Q.IQ4_XS: "iq4nl", Q.MXFP4: "mxfp4"}
 
 SUPPORTED = frozenset(KERNELS)
 
@@ -206,8 +268,12 @@ def dequantize_blocks(blocks: torch.Tensor, qtype, out: torch.Tensor | None = No
         raise ValueError(f"out must be {n_blocks * block} float32/bfloat16/float16 elements")
     dst = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
     if n_blocks:
-        kernel[(triton.cdiv(n_blocks, bb),)](flat, dst, n_blocks, BB=bb, num_warps=NUM_WARPS,
-                                             enable_fp_fusion=False)
+        args = (flat, dst, n_blocks)
+        if qtype in TABLES:
+            from strata.quant.iquants import table
+
+            args += (table(TABLES[qtype], flat.device),)
+        kernel[(triton.cdiv(n_blocks, bb),)](*args, BB=bb, num_warps=NUM_WARPS, enable_fp_fusion=False)
     if dst is not out:
         out.copy_(dst)
     return out

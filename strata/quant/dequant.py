@@ -14,7 +14,8 @@ import torch
 from gguf import QK_K, GGMLQuantizationType
 
 from strata.ops import registry
-from strata.quant.formats import FLOAT_TYPES, block_geometry, check_supported
+from strata.quant.formats import FLOAT_TYPES, block_geometry, check_supported, warn_reference_path
+from strata.quant.iquants import BLOCK_DEQUANT as _LUT_DEQUANT
 
 # kernels for whole blocks are chosen in strata.ops.registry (the Triton dequantizer on CUDA)
 _DEQUANTIZE_BLOCKS = registry.op("dequantize_blocks")
@@ -164,6 +165,7 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
 BLOCK_DEQUANT: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]] = {
     Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1, Q.Q8_0: _q8_0,
     Q.Q2_K: _q2_k, Q.Q3_K: _q3_k, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k,
+    **_LUT_DEQUANT,  # the i-quants, TQ1_0/TQ2_0 and MXFP4 (strata.quant.iquants)
 }
 
 _FLOAT_DTYPE = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
@@ -205,6 +207,7 @@ def dequantize_flat(raw: torch.Tensor, qtype, dtype: torch.dtype = torch.float32
         kernel = _DEQUANTIZE_BLOCKS.pick(flat, qt, out)
         if kernel is not None:
             return kernel.fn(flat, qt, out)
+        warn_reference_path(qt, "GPU dequantization")
     return dequantize_blocks_torch(flat, qt, out)
 
 

@@ -12,6 +12,7 @@ from gguf import GGMLQuantizationType
 from strata import StrataError
 from strata.quant.dequant import dequantize_flat
 from strata.quant.formats import FLOAT_TYPES, as_qtype, block_geometry, bytes_for, check_supported
+from strata.quant.iquants import FORMAT_TABLES, prepare
 
 Q = GGMLQuantizationType
 
@@ -66,6 +67,8 @@ class QTensor:
         self.raw = raw
         self.qtype = qt
         self.shape = shape
+        if raw.is_cuda and qt in FORMAT_TABLES:
+            prepare(qt, raw.device)             # codebooks on the GPU before any graph capture reads them
 
     # construction -----------------------------------------------------------------------------------------
     @classmethod

@@ -303,12 +303,36 @@ def test_synth_cli(tmp_path):
     assert "top 25%" in r.stdout and "512-token batch" in r.stdout
 
 
+@pytest.mark.parametrize("fmt", ["IQ2_XXS", "MXFP4", "TQ2_0"])
+def test_synth_writes_reference_only_expert_formats(tmp_path, fmt):
+    """`strata synth --experts-type IQ2_XXS` (and the other formats without a fast kernel): the experts are stored
+    in that format with the asked std, and the model runs on them."""
+    from strata.cli import main
+    from strata.engine.loader import forward_all, load_model
+
+    path = tmp_path / "m.gguf"
+    assert main(["synth", "tiny-qwen3moe", str(path), "--experts-type", fmt, "--layers", "2", "-q",
+                 "--no-report"]) == 0
+    g = open_gguf(path)
+    qt = Q[fmt]
+    assert g.get("general.file_type") == int(S._file_type(qt))
+    for name in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
+        assert g.tensors[f"blk.1.{name}.weight"].qtype == qt
+    raw = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.0.ffn_up_exps.weight").data
+    x = gguf.quants.dequantize(np.asarray(raw), qt)
+    assert np.isfinite(x).all() and x.std() > 0 and abs(x.mean()) < 0.1 * x.std()
+    lm = load_model(str(path), EngineConfig(device="cpu", dtype="float32"), with_tokenizer=False)
+    assert lm.model.experts.layers[0].gate.qtype == qt
+    logits = forward_all(lm, [1, 5, 9, 200])
+    assert torch.isfinite(logits).all() and logits.std() > 0
+
+
 def test_synth_cli_errors(tmp_path, capsys):
     from strata.cli import main
     from strata.gguf.cli import PRESET_NAMES
 
     assert PRESET_NAMES == tuple(S.PRESETS)
-    for args, want in ((["no-such-model"], "tiny-qwen3moe"), (["tiny-mixtral", "--experts-type", "IQ2_XS"], "Q4_K"),
+    for args, want in ((["no-such-model"], "tiny-qwen3moe"), (["tiny-mixtral", "--experts-type", "NVFP4"], "Q4_K"),
                        (["tiny-mixtral", "--layers", "0"], "--layers")):
         assert main(["synth", args[0], str(tmp_path / "x.gguf"), *args[1:]]) == 1
         err = capsys.readouterr().err.strip()

@@ -100,13 +100,24 @@ def test_dequantize_never_aliases_raw():
     assert raw.abs().sum() > 0
 
 
-@pytest.mark.parametrize("qtype", [Q.IQ2_XXS, Q.IQ4_NL, Q.TQ1_0, Q.TQ2_0, Q.MXFP4, Q.Q8_1, Q.I8])
+@pytest.mark.parametrize("qtype", [Q.NVFP4, Q.Q1_0, Q.Q8_1, Q.Q8_K, Q.I8])
 def test_unsupported_types_are_named(qtype):
     raw = torch.zeros(4, 256, dtype=torch.uint8)
     for call in (lambda: QTensor.from_raw(raw, qtype, (4, 256)),
                  lambda: dequantize(raw, qtype, (4, 256)),
                  lambda: random_qtensor(qtype, (4, 256), 0)):
         with pytest.raises(StrataError, match=qtype.name):
+            call()
+
+
+@pytest.mark.parametrize("number", [99, 1000])
+def test_unknown_type_numbers_are_named(number):
+    """A qtype number gguf does not know either: one clear error with the number in it."""
+    raw = torch.zeros(4, 256, dtype=torch.uint8)
+    for call in (lambda: QTensor.from_raw(raw, number, (4, 256)),
+                 lambda: dequantize(raw, number, (4, 256)),
+                 lambda: random_qtensor(number, (4, 256), 0)):
+        with pytest.raises(StrataError, match=f"unknown GGML weight type {number}"):
             call()
 
 
@@ -131,3 +142,22 @@ def test_cuda_matches_gguf(qtype):
     assert_bits_equal(wc.dequantize(), _gguf(w.raw, qtype))
     raw = torch.from_numpy(np.random.default_rng(1).integers(0, 256, w.nbytes, dtype=np.uint8)).view(w.raw.shape)
     assert_bits_equal(QTensor.from_raw(raw, qtype, shape).to("cuda").dequantize(), _gguf(raw, qtype))
+
+
+def test_codebooks_come_from_gguf_py():
+    """The lookup tables are gguf-py's own (built once per device), not copies that could drift from the oracle."""
+    import gguf.quants as gq
+
+    from strata.quant import iquants
+
+    gq.IQ2_XXS.init_grid()
+    grid = iquants.table("IQ2_XXS", torch.device("cpu"))
+    assert grid.shape == (256, 8) and np.array_equal(grid.numpy(), gq.IQ2_XXS.grid.reshape(256, 8))
+    assert iquants.table("IQ2_XXS", torch.device("cpu")) is grid
+    assert iquants.table("iq4nl", torch.device("cpu")).tolist() == list(gq.IQ4_NL.kvalues)
+    assert iquants.table("mxfp4", torch.device("cpu")).tolist() == list(gq.MXFP4.kvalues)
+    signs = iquants.table("ksigns", torch.device("cpu"))                          # [128, 8] of +-1
+    bits = np.frombuffer(gq.IQ2_XXS.ksigns, dtype=np.uint8)
+    assert np.array_equal(signs.numpy() < 0, (bits[:, None] >> np.arange(8)) & 1 == 1)
+    for qt in iquants.FORMAT_TABLES:                                              # every format's tables build
+        iquants.prepare(qt, torch.device("cpu"))

@@ -7,7 +7,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from strata.quant import bytes_for, random_qtensor, random_raw_bytes, type_name
+from strata.quant import bytes_for, dequantize, random_qtensor, random_raw_bytes, type_name
 
 from quant_helpers import ALL_TYPES, block_len
 
@@ -56,3 +56,21 @@ def test_generation_speed():
             dt = time.perf_counter() - t0
             print(f"\nrandom_raw_bytes {qtype.name} ({label}): {n / dt / 1e9:.2f} GB/s "
                   f"({n >> 20} MiB in {dt * 1e3:.0f} ms)", end="")
+
+
+@pytest.mark.parametrize("qtype", [Q.TQ1_0, Q.TQ2_0], ids=type_name)
+def test_ternary_blocks_hold_only_ternary_values(qtype):
+    """TQ2_0's 2-bit codes leave one unused (a weight of 2d): random blocks never use it, in random_raw_bytes nor
+    in the streaming writer's XOR'd chunks."""
+    from strata.gguf.writer import RandomBlocks
+    from strata.quant.formats import block_geometry
+
+    w = random_qtensor(qtype, (16, 1024), 3)
+    gen = RandomBlocks(qtype, seed=0, pool_bytes=1 << 18)
+    buf = np.empty(gen.group * 16, np.uint8)
+    gen.fill(buf, np.random.default_rng(2), 0.05)
+    block, size = block_geometry(qtype)
+    for raw in (w.raw.reshape(-1), torch.from_numpy(buf)):
+        x = dequantize(raw, qtype, (raw.numel() // size * block,))
+        d = x.abs().max()
+        assert set(torch.unique(x / d).tolist()) == {-1.0, 0.0, 1.0}
