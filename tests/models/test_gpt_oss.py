@@ -135,3 +135,34 @@ def test_cuda_bf16_q8_0_close_to_float32(hf_and_gguf):
     a = forward_all(load_model(str(path), EngineConfig(device="cuda", dtype="bfloat16")), ids).float().cpu()
     b = forward_all(load_model(str(path), _cfg()), ids)
     assert (a.argmax(-1) == b.argmax(-1)).float().mean().item() >= 0.9
+
+
+def test_mxfp4_experts_equal_their_dequantized_weights(hf_and_gguf, tmp_path):
+    """gpt-oss ships its experts in MXFP4: the same file with gate/up in MXFP4 (gguf-py's quantizer) gives the logits
+    of a float32 file holding gguf-py's dequantization of those blocks, resident and tiered."""
+    import gguf
+
+    from tests.models.gguf_rewrite import rewrite
+
+    Q = gguf.GGMLQuantizationType
+    _, path = hf_and_gguf("gpt_oss")
+
+    def to(kind):
+        def fn(name, data, qtype, shape):
+            if not (name.endswith(("ffn_gate_exps.weight", "ffn_up_exps.weight")) and qtype == Q.F32):
+                return data, qtype
+            blocks = gguf.quants.quantize(data.reshape(shape), Q.MXFP4)
+            return (blocks, Q.MXFP4) if kind == "mxfp4" else (gguf.quants.dequantize(blocks, Q.MXFP4), Q.F32)
+        return fn
+
+    mx = rewrite(path, tmp_path / "mxfp4.gguf", to("mxfp4"))
+    f32 = rewrite(path, tmp_path / "dequantized.gguf", to("f32"))
+    kinds = {int(t.tensor_type) for t in gguf.GGUFReader(mx).tensors if "_exps" in t.name}
+    assert Q.MXFP4 in kinds  # the experts really are MXFP4 blocks
+    ids = _prompt(24, seed=11)
+    ref = forward_all(load_model(str(f32), _cfg()), ids)
+    got = forward_all(load_model(str(mx), _cfg()), ids)
+    assert _rel(got, ref) <= 1e-5
+    for slots, plan in ((0, "011"), (2, "000")):
+        tiered = forward_all(load_model(str(mx), _cfg("tiered", slots=slots, cpu_plan=plan)), ids)
+        assert torch.equal(tiered, got), (slots, plan)
