@@ -13,6 +13,7 @@ FAMILIES: dict[str, str] = {
     "llama": "strata.models.llama",  # Llama (dense) and Mixtral (llama + experts)
     "mixtral": "strata.models.llama",
     "deepseek2": "strata.models.deepseek2",
+    "qwen3next": "strata.models.qwen3next",  # hybrid: gated delta-net + gated attention, MoE
 }
 
 

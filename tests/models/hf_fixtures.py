@@ -54,6 +54,16 @@ FAMILIES = {
                 v_head_dim=16, first_k_dense_replace=0, n_shared_experts=2, routed_scaling_factor=1.0,
                 max_position_embeddings=512, tie_word_embeddings=False),
     ),
+    # hybrid: delta-net layers (key/value head sizes differ, 2 value heads per key head) and gated attention
+    # every 2nd layer (partial rotary: 6 of 24 dims)
+    "qwen3next": dict(
+        cls="Qwen3NextForCausalLM", cfg="Qwen3NextConfig",
+        kw=dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=40, shared_expert_intermediate_size=48,
+                num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                linear_conv_kernel_dim=4, linear_key_head_dim=12, linear_value_head_dim=20, linear_num_key_heads=2,
+                linear_num_value_heads=4, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                full_attention_interval=2, max_position_embeddings=512, tie_word_embeddings=False),
+    ),
 }
 
 

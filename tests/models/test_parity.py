@@ -8,7 +8,7 @@ from strata.engine.engine import Engine
 from strata.engine.loader import forward_all, load_model
 from strata.engine.sampler import SamplingParams
 
-FAMILIES = ["qwen3moe", "qwen3", "mixtral", "llama", "deepseek_v3", "deepseek_v3_noqlora"]
+FAMILIES = ["qwen3moe", "qwen3", "mixtral", "llama", "deepseek_v3", "deepseek_v3_noqlora", "qwen3next"]
 CPU32 = dict(device="cpu", dtype="float32")
 
 
