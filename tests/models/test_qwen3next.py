@@ -1,0 +1,150 @@
+"""Qwen3-Next in the engine: the recurrent state per slot under tiered experts, several sequences at once, slot
+reuse and prefix reuse, drafts, static-shape (graph) decode steps and an out-of-memory retry. The oracle is the
+same model run alone and fresh (itself checked against transformers in test_parity)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from strata.config import EngineConfig, ExpertConfig
+from strata.engine.engine import Engine, Sequence
+from strata.engine.loader import forward_all, load_model
+from strata.engine.request import Request
+from strata.engine.sampler import SamplingParams
+
+GREEDY = SamplingParams(temperature=0)
+
+
+def _prompt(n, seed):
+    return torch.randint(0, 1001, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def path(hf_and_gguf):
+    return hf_and_gguf("qwen3next")[1]
+
+
+@pytest.fixture(scope="module")
+def lm(path):
+    return load_model(str(path), EngineConfig(device="cpu", dtype="float32", ctx_size=1024), with_tokenizer=False)
+
+
+def _alone(lm, prompt, n=12, **kw):
+    return list(Engine(lm, n_slots=1, prefill_chunk=kw.pop("chunk", 6), **kw).generate(prompt, GREEDY, n))
+
+
+def _run_all(eng: Engine, seqs: list[Sequence], join_at: dict[int, int] | None = None) -> list[list[int]]:
+    """Step the engine until every sequence is done; seqs[i] joins at step join_at[i] (default 0)."""
+    join_at = join_at or {}
+    step = 0
+    while not all(s.finished for s in seqs):
+        for i, s in enumerate(seqs):
+            if join_at.get(i, 0) == step and s.slot < 0:
+                eng.add(s)
+        eng.step()
+        step += 1
+    return [s.output for s in seqs]
+
+
+def _seq(prompt, n=12, **kw):
+    return Sequence.of(Request(prompt, GREEDY, n, set(), **kw))
+
+
+def test_cache_holds_attention_layers_and_state_per_slot(lm):
+    m = lm.model
+    assert m.attn_layers == [1, 3] and m.recurrent_layers == [0, 2]
+    kv = m.new_kv_cache(3, 64)
+    assert kv.n_layers == 2 and kv.recurrent.ssm[0].shape == (3, 4, 12, 20)  # [slots, Hv, Dk, Dv]
+    assert kv.recurrent.conv[2].shape == (3, 3, 2 * 2 * 12 + 4 * 20)  # [slots, K-1, conv channels]
+    assert m.kv_bytes_per_token() == 2 * 2 * (2 * 24) * 4  # attention layers x (K + V) x heads x dim x float32
+
+
+@pytest.mark.parametrize("slots,plan", [(0, "012"), (0, "000"), (3, "011")])
+def test_tiered_experts_equal_resident(path, lm, slots, plan):
+    ids = _prompt(30, seed=4)
+    tiered = load_model(str(path), EngineConfig(device="cpu", dtype="float32", ctx_size=1024, experts=ExpertConfig(
+        mode="tiered", slots=slots, cpu_plan=plan)), with_tokenizer=False)
+    assert (forward_all(tiered, ids) - forward_all(lm, ids)).abs().max().item() <= 1e-5
+    assert _alone(tiered, ids) == _alone(lm, ids)
+
+
+def test_two_slots_at_once_equal_each_alone(lm):
+    a, b = _prompt(17, seed=5), _prompt(11, seed=6)
+    want = [_alone(lm, a), _alone(lm, b)]
+    # b joins while a is still reading its prompt, then both decode in one step (mixed steps, batched decode)
+    assert _run_all(Engine(lm, n_slots=2, prefill_chunk=6), [_seq(a), _seq(b)], {1: 1}) == want
+    assert _run_all(Engine(lm, n_slots=2, prefill_chunk=64), [_seq(b), _seq(a)]) == want[::-1]
+
+
+def test_a_reused_slot_starts_from_a_fresh_state(lm):
+    a, b = _prompt(20, seed=7), _prompt(9, seed=8)
+    eng = Engine(lm, n_slots=1, prefill_chunk=6)
+    list(eng.generate(a, GREEDY, 8))
+    assert list(eng.generate(b, GREEDY, 12)) == _alone(lm, b)
+
+
+def test_prefix_reuse_only_from_a_whole_slot(lm):
+    a = _prompt(20, seed=9)
+    eng = Engine(lm, n_slots=1, prefill_chunk=6)
+    out = list(eng.generate(a, GREEDY, 8))
+    # a follow-up turn: everything the slot absorbed (the prompt, the replies but the last) and more
+    turn2 = a + out + _prompt(5, seed=10)
+    got = list(eng.generate(turn2, GREEDY, 10))
+    assert eng.last.cached == len(a) + len(out) - 1  # the state at the end of the slot's tokens is reused
+    assert got == _alone(lm, turn2, 10)
+    # a prompt sharing only part of the slot: the state at that point is gone, so nothing is reused
+    branch = turn2[:15] + _prompt(6, seed=11)
+    got = list(eng.generate(branch, GREEDY, 10))
+    assert eng.last.cached == 0
+    assert got == _alone(lm, branch, 10)
+
+
+def test_no_prefix_reuse_after_the_slot_changed_behind_the_engine(lm):
+    a = _prompt(20, seed=12)
+    eng = Engine(lm, n_slots=1, prefill_chunk=6)
+    list(eng.generate(a, GREEDY, 4))
+    other = _prompt(30, seed=13)
+    eng.slot_tokens[0] = list(other[:20])  # as a conversation cache restoring another prompt's KV rows does
+    got = list(eng.generate(other, GREEDY, 10))
+    assert eng.last.cached == 0 and got == _alone(lm, other, 10)
+
+
+def test_drafts_are_off_for_a_recurrent_model(path, caplog):
+    cfg = EngineConfig(device="cpu", dtype="float32", ctx_size=1024, draft_max=4)
+    lm = load_model(str(path), cfg, with_tokenizer=False)
+    with caplog.at_level(logging.WARNING, logger="strata"):
+        eng = Engine(lm, n_slots=1, prefill_chunk=6)
+    assert eng.draft_max == 0 and not eng.drafts_ok
+    assert sum("--draft-max ignored" in r.getMessage() for r in caplog.records) == 1
+    loop = _prompt(6, seed=14) * 4  # repeats: an n-gram drafter would propose
+    s = _seq(loop, n=12, draft_max=4)  # a request asking for drafts itself
+    assert _run_all(eng, [s]) == [_alone(lm, loop)] and s.draft_steps == 0
+
+
+def test_static_decode_steps_equal_eager(path, lm):
+    cfg = EngineConfig(device="cpu", dtype="float32", ctx_size=1024, cuda_graphs=True, n_slots=2)
+    glm = load_model(str(path), cfg, with_tokenizer=False)
+    eng = Engine(glm, n_slots=2, prefill_chunk=6)
+    assert eng.graphs is not None and eng.graph_batch == 2
+    a, b = _prompt(13, seed=15), _prompt(8, seed=16)
+    assert _run_all(eng, [_seq(a), _seq(b)]) == [_alone(lm, a), _alone(lm, b)]
+
+
+def test_out_of_memory_mid_chunk_takes_the_state_back(lm, monkeypatch):
+    prompt = _prompt(600, seed=17)
+    want = _alone(lm, prompt, 6, chunk=1024)
+    eng = Engine(lm, n_slots=1, prefill_chunk=1024)
+    last = lm.model.blocks[-1]
+    inner = last.attn
+
+    def attn(x, *a):  # fails after the recurrent layers before it folded the chunk in
+        if x.shape[0] > 300:
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        return inner(x, *a)
+
+    monkeypatch.setattr(last, "attn", attn)
+    assert list(eng.generate(prompt, GREEDY, 6)) == want
+    assert eng.prefill_chunk == 256
