@@ -134,17 +134,23 @@ def test_static_decode_steps_equal_eager(path, lm):
 
 
 def test_out_of_memory_mid_chunk_takes_the_state_back(lm, monkeypatch):
-    prompt = _prompt(600, seed=17)
-    want = _alone(lm, prompt, 6, chunk=1024)
-    eng = Engine(lm, n_slots=1, prefill_chunk=1024)
+    prompt = _prompt(403, seed=17)
+    ref = Engine(lm, n_slots=1, prefill_chunk=400)
+    want = list(ref.generate(prompt, GREEDY, 1))
+    eng = Engine(lm, n_slots=1, prefill_chunk=400)
     last = lm.model.blocks[-1]
-    inner = last.attn
+    inner, failed = last.attn, []
 
-    def attn(x, *a):  # fails after the recurrent layers before it folded the chunk in
-        if x.shape[0] > 300:
+    def attn(x, pos, segments, kv):
+        # the second chunk runs out of memory once, after the recurrent layers before this one folded it in
+        if segments[0].start > 0 and not failed:
+            failed.append(segments[0].start)
             raise torch.OutOfMemoryError("CUDA out of memory (test)")
-        return inner(x, *a)
+        return inner(x, pos, segments, kv)
 
     monkeypatch.setattr(last, "attn", attn)
-    assert list(eng.generate(prompt, GREEDY, 6)) == want
-    assert eng.prefill_chunk == 256
+    assert list(eng.generate(prompt, GREEDY, 1)) == want
+    assert failed == [400] and eng.prefill_chunk == 200
+    for i in lm.model.recurrent_layers:  # the state of the prompt, as a run without the failure leaves it
+        assert torch.allclose(eng.kv.recurrent.ssm[i][0], ref.kv.recurrent.ssm[i][0], atol=1e-6)
+        assert torch.equal(eng.kv.recurrent.conv[i][0], ref.kv.recurrent.conv[i][0])
