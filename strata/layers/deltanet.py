@@ -105,6 +105,11 @@ class GatedDeltaNet:
         self.conv_w, self.dt_bias, self.a, self.norm = w["conv"], w["dt_bias"], w["a"], w["norm"]
         self.scale = self.dk ** -0.5
 
+    def _per_value_head(self, x: torch.Tensor) -> torch.Tensor:
+        """[n, Hk, Dk] -> [n, Hv, Dk]: each key head serves its r value heads (an expand, no host sync)."""
+        n = x.shape[0]
+        return x.unsqueeze(2).expand(n, self.hk, self.r, self.dk).reshape(n, self.hv, self.dk)
+
     @staticmethod
     def state_shapes(dims: dict) -> tuple[tuple[int, int], tuple[int, int, int]]:
         conv_dim = 2 * dims["hk"] * dims["dk"] + dims["hv"] * dims["dv"]
@@ -128,8 +133,8 @@ class GatedDeltaNet:
             mixed, new_conv = causal_conv(qkv[i : i + seg.n], conv_s, self.conv_w)
             conv_s.copy_(new_conv)
             q, k, v = mixed.split([self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], dim=-1)
-            q = (l2norm(q.reshape(seg.n, self.hk, self.dk)) * self.scale).repeat_interleave(self.r, dim=1)
-            k = l2norm(k.reshape(seg.n, self.hk, self.dk)).repeat_interleave(self.r, dim=1)
+            q = self._per_value_head(l2norm(q.reshape(seg.n, self.hk, self.dk)) * self.scale)
+            k = self._per_value_head(l2norm(k.reshape(seg.n, self.hk, self.dk)))
             v = v.reshape(seg.n, self.hv, self.dv)
             gs, bs = g[i : i + seg.n], beta[i : i + seg.n]
             if seg.n == 1:

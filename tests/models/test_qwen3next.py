@@ -154,3 +154,13 @@ def test_out_of_memory_mid_chunk_takes_the_state_back(lm, monkeypatch):
     for i in lm.model.recurrent_layers:  # the state of the prompt, as a run without the failure leaves it
         assert torch.allclose(eng.kv.recurrent.ssm[i][0], ref.kv.recurrent.ssm[i][0], atol=1e-6)
         assert torch.equal(eng.kv.recurrent.conv[i][0], ref.kv.recurrent.conv[i][0])
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_equal_cpu_eager(path, lm):
+    """Captured decode steps (the warm-up's steps taken back from the state) give the CPU's eager tokens."""
+    cfg = EngineConfig(device="cuda", dtype="float32", ctx_size=1024, cuda_graphs=True, n_slots=2)
+    eng = Engine(load_model(str(path), cfg, with_tokenizer=False), n_slots=2, prefill_chunk=6)
+    a, b = _prompt(13, seed=15), _prompt(8, seed=16)
+    assert _run_all(eng, [_seq(a), _seq(b)]) == [_alone(lm, a), _alone(lm, b)]
+    assert eng.graphs is not None and eng.graphs.graphs  # captured, not fallen back to eager
