@@ -100,8 +100,8 @@ class Engine:
         self.kv = self.model.new_kv_cache(self.n_slots, self.max_ctx, lm.cfg.torch_kv_dtype)
         # recurrent layers' state per slot (strata.kv.recurrent), None for a model of attention layers only. Such a
         # slot holds the state after its last token and nothing before it: a cached prefix is reused only when it
-        # is the slot's whole content as of its release (_state_tokens), and drafts are off (a verify step would
-        # fold drafts that may be rejected into the state)
+        # is the slot's whole content as of its release (_state_tokens), and a verify step keeps the state after
+        # each token, of which the engine keeps the one after the tokens that stand (_verified)
         self.recurrent = self.kv.recurrent
         self._state_tokens: dict[int, tuple[int, ...]] = {}  # slot -> the tokens its state absorbed, when freed
         self._state_bad: set[int] = set()  # slots whose state a failed forward left half-advanced
@@ -126,10 +126,6 @@ class Engine:
         self.prefill_chunk = chunk or self._default_chunk()
         cfg = lm.cfg
         self.draft_max = getattr(cfg, "draft_max", 0)
-        self.drafts_ok = self.recurrent is None
-        if self.draft_max and not self.drafts_ok:
-            log.warning("strata: --draft-max ignored: this model's recurrent layers cannot take back rejected drafts")
-            self.draft_max = 0
         self.draft_ngram = (getattr(cfg, "draft_ngram_min", 2), getattr(cfg, "draft_ngram_max", 4))
         self.free_slots = list(range(self.n_slots))
         self.running: list[Sequence] = []
@@ -249,7 +245,7 @@ class Engine:
             plan.add(pf, pf.pos, pf.prompt[pf.pos : pf.pos + n])
         for s in self.running:
             if s.prompt_done and not s.finished:
-                d = self._draft(s) if self.drafts_ok and (self.draft_max or s.draft_max) else []
+                d = self._draft(s) if self.draft_max or s.draft_max else []
                 if d:
                     plan.drafts[s.id] = d
                 plan.add(s, s.pos, [s.output[-1], *d])
@@ -263,11 +259,17 @@ class Engine:
     def _run(self, plan: "_StepPlan") -> torch.Tensor | None:
         """The step's forward: replayed graphs for plain decode steps, else eager. None after running out of memory
         in a prefill chunk (the chunk was halved: KV rows are simply rewritten)."""
+        if self.recurrent is not None:
+            self.recurrent.pending.clear()
+            self.recurrent.track = {s.slot for s in plan.owners if s.id in plan.drafts}
         try:
             return self._forward(plan)
         except BaseException:
             self._state_bad.update(seg.slot for seg in plan.segs)  # (only read for a model with recurrent state)
             raise
+        finally:
+            if self.recurrent is not None:
+                self.recurrent.track = set()
 
     def _forward(self, plan: "_StepPlan") -> torch.Tensor | None:
         segs, toks, poss = plan.segs, plan.toks, plan.poss
@@ -329,6 +331,8 @@ class Engine:
                     drawn.append(sample(row, pr, recent, s.generator))
             except Exception as e:  # noqa: BLE001 - reported with the sequence (take_failed)
                 log.exception("strata: sequence %d failed drawing its token", s.id)
+                if d:  # its state folded drafts in that will not be taken back
+                    self._state_bad.add(s.slot)
                 s.finished, s.finish_reason, s.error = True, "error", f"{type(e).__name__}: {e}"
                 self.failed.append(s)
                 continue
@@ -403,6 +407,8 @@ class Engine:
         s.draft_backoff = min(64, max(1, 2 * s.draft_backoff)) if a == 0 else 0
         s.draft_pause = s.draft_backoff
         s.pos += a + 1  # the KV rows of rejected drafts are stale: later steps overwrite them
+        if self.recurrent is not None:  # a recurrent state is not overwritten: take it back to what stands
+            self.recurrent.keep(s.slot, a + 1)
         self.slot_tokens[s.slot] += seg_toks[:a + 1]
         return got[:a + 1]
 

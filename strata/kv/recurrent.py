@@ -4,8 +4,9 @@ A recurrent layer does not keep one row per past token: it folds the whole past 
 sequence (the delta-net's [heads, key, value] matrix and the last `kernel - 1` inputs of its short causal
 convolution). So a slot holds the state *after the last token it absorbed*, and nothing else: a KV-style prefix
 of a longer run cannot be read back from it. The engine follows from that (strata.engine.engine): a cached
-prefix is reused only when it is the slot's whole content, and a speculative verify step (which would absorb
-drafts that may be rejected) is not run for such a model.
+prefix is reused only when it is the slot's whole content; and a speculative verify step, which folds drafts
+that may be rejected into the state, runs with its slot in `track`: the layers then keep the state after each of
+the segment's tokens (`pending`), and once the engine knows how many stand, `keep` puts the state after those.
 
 The state is float32 whatever the activations: it is a running sum over the whole context, and bf16 rounding
 would accumulate in it.
@@ -27,6 +28,10 @@ class RecurrentState:
         self.layers, self.n_slots = list(layers), n_slots
         self.conv = {i: torch.zeros(n_slots, *conv_shape, dtype=dtype, device=device) for i in self.layers}
         self.ssm = {i: torch.zeros(n_slots, *ssm_shape, dtype=dtype, device=device) for i in self.layers}
+        self.track: set[int] = set()  # slots whose segment in this step is a verify segment (set by the engine)
+        # (layer, slot) -> (the state after each of the segment's tokens [n, H, Dk, Dv], the conv's inputs
+        # [K-1+n, C]: its state before the segment, then the segment's)
+        self.pending: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     @staticmethod
     def bytes_per_slot(n_layers: int, conv_shape, ssm_shape, dtype: torch.dtype = torch.float32) -> int:
@@ -36,6 +41,14 @@ class RecurrentState:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for d in (self.conv, self.ssm) for t in d.values())
+
+    def keep(self, slot: int, n: int) -> None:
+        """After a verify segment in `slot`: its state is the one after the segment's first n tokens."""
+        for i in self.layers:
+            states, inputs = self.pending.pop((i, slot))
+            self.ssm[i][slot].copy_(states[n - 1])
+            k1 = self.conv[i].shape[1]
+            self.conv[i][slot].copy_(inputs[n : n + k1])  # the last K-1 inputs up to token n - 1
 
     def snapshot(self, slots: list[int] | None = None) -> dict:
         """A copy of the given slots' state (all slots: None), for `restore` after work that must not count (a

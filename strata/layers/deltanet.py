@@ -49,6 +49,18 @@ def delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     return torch.einsum("...hk,...hkv->...hv", q, state)
 
 
+def delta_steps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A few tokens one by one, keeping the state after each (a speculative verify segment, whose drafts may be
+    taken back): q, k [T, H, Dk], ... -> (o [T, H, Dv], states [T, H, Dk, Dv]); `state` is not modified."""
+    s = state.clone()
+    outs, states = [], []
+    for t in range(q.shape[0]):
+        outs.append(delta_step(q[t], k[t], v[t], g[t], beta[t], s))
+        states.append(s.clone())
+    return torch.stack(outs), torch.stack(states)
+
+
 def delta_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                   state: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
     """A run of T tokens: q, k [T, H, Dk], v [T, H, Dv], g, beta [T, H], state [H, Dk, Dv] (before the run; not
@@ -130,6 +142,9 @@ class GatedDeltaNet:
             if not seg.window and seg.start == 0:  # a sequence's first tokens: whatever the slot held is gone
                 conv_s.zero_()
                 ssm_s.zero_()
+            track = seg.slot in st.track  # a verify segment: keep the state after each token
+            if track:
+                inputs = torch.cat([conv_s, qkv[i : i + seg.n]])
             mixed, new_conv = causal_conv(qkv[i : i + seg.n], conv_s, self.conv_w)
             conv_s.copy_(new_conv)
             q, k, v = mixed.split([self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], dim=-1)
@@ -137,7 +152,12 @@ class GatedDeltaNet:
             k = self._per_value_head(l2norm(k.reshape(seg.n, self.hk, self.dk)))
             v = v.reshape(seg.n, self.hv, self.dv)
             gs, bs = g[i : i + seg.n], beta[i : i + seg.n]
-            if seg.n == 1:
+            if track:
+                o, states = delta_steps(q, k, v, gs, bs, ssm_s)
+                ssm_s.copy_(states[-1])
+                st.pending[(self.layer, seg.slot)] = (states, inputs)
+                outs.append(o)
+            elif seg.n == 1:
                 outs.append(delta_step(q, k, v, gs, bs, ssm_s.unsqueeze(0)))  # (updates the slot's state)
             else:
                 o, s = delta_chunked(q, k, v, gs, bs, ssm_s)
