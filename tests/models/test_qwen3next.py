@@ -187,3 +187,56 @@ def test_cuda_graphs_equal_cpu_eager(path, lm):
     a, b = _prompt(13, seed=15), _prompt(8, seed=16)
     assert _run_all(eng, [_seq(a), _seq(b)]) == [_alone(lm, a), _alone(lm, b)]
     assert eng.graphs is not None and eng.graphs.graphs  # captured, not fallen back to eager
+
+
+def _legacy(src, dst, hk=2, dk=12, r=2, dv=20):
+    """The file as older llama.cpp converters wrote it: one fused `ssm_in` per delta-net layer, interleaved per key
+    head as transformers' in_proj_qkvz is ([q, k, v, z] x Hk), rows kept in their stored format."""
+    import gguf
+    import numpy as np
+
+    rd = gguf.GGUFReader(src)
+    w = gguf.GGUFWriter(str(dst), rd.fields["general.architecture"].contents())
+    for name, f in rd.fields.items():
+        if not name.startswith("GGUF.") and name != "general.architecture":
+            vt = f.types[0]
+            w.add_key_value(name, f.contents(), vt, sub_type=f.types[-1] if vt == gguf.GGUFValueType.ARRAY else None)
+    tensors = {t.name: t for t in rd.tensors}
+
+    def rows(t):
+        a = np.asarray(t.data)
+        return a.reshape(int(t.shape[-1]), -1) if t.tensor_type != gguf.GGMLQuantizationType.F32 else a
+
+    for name, t in tensors.items():
+        if name.endswith("attn_gate.weight"):
+            continue
+        if name.endswith("attn_qkv.weight"):
+            qkv, z = rows(t), rows(tensors[name.replace("attn_qkv", "attn_gate")])
+            q, k, v = np.split(qkv, [hk * dk, 2 * hk * dk])
+            per = [np.concatenate([q[h * dk:(h + 1) * dk], k[h * dk:(h + 1) * dk], v[h * r * dv:(h + 1) * r * dv],
+                                   z[h * r * dv:(h + 1) * r * dv]]) for h in range(hk)]
+            w.add_tensor(name.replace("attn_qkv", "ssm_in"), np.concatenate(per), raw_dtype=t.tensor_type)
+            continue
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        data = np.asarray(t.data)
+        if t.tensor_type == gguf.GGMLQuantizationType.F32:
+            w.add_tensor(name, np.ascontiguousarray(data).reshape(shape))
+        else:
+            w.add_tensor(name, np.ascontiguousarray(data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def test_legacy_layout_equals_current(hf_and_gguf, tmp_path):
+    # in Q8_0, so that the fused projection's rows are reordered as stored blocks. (No closeness to float32 is
+    # asserted: the random-weight model, like transformers' own, amplifies small perturbations along the sequence)
+    _, q8 = hf_and_gguf("qwen3next", "q8_0")
+    cfg = EngineConfig(device="cpu", dtype="float32", ctx_size=1024)
+    ids = _prompt(40, seed=19)
+    a = forward_all(load_model(str(q8), cfg, with_tokenizer=False), ids)
+    assert torch.isfinite(a).all()
+    old = _legacy(q8, tmp_path / "legacy.gguf")
+    assert torch.equal(forward_all(load_model(str(old), cfg, with_tokenizer=False), ids), a)
