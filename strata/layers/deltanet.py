@@ -24,6 +24,7 @@ from strata.layers.norm import rms_norm
 from strata.quant import QTensor, qmatmul
 
 CHUNK = 64
+_SLOT_INDEX: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -135,6 +136,33 @@ class GatedDeltaNet:
         beta = ba[..., : self.r].reshape(n, self.hv).sigmoid()
         g = self.a * F.softplus(ba[..., self.r:].reshape(n, self.hv) + self.dt_bias)  # [n, Hv], <= 0
         st = kv.recurrent
+        if len(segments) > 1 and all(seg.n == 1 and (seg.window or seg.start > 0) and seg.slot not in st.track
+                                     for seg in segments):
+            o = self._decode_batch(qkv, g, beta, segments, st)  # (the common step: every sequence decoding)
+        else:
+            o = self._segments(qkv, g, beta, segments, st)
+        o = rms_norm(o, self.norm, self.eps) * F.silu(z)  # the gated RMSNorm (plain weight, not 1 + w)
+        return qmatmul(o.reshape(n, self.hv * self.dv).to(x.dtype), self.wout)
+
+    def _decode_batch(self, qkv, g, beta, segments: list[Segment], st) -> torch.Tensor:
+        """One token of each of B sequences (rows in segment order), their states gathered and written back at
+        once: qkv [B, C], g, beta [B, Hv] -> o [B, Hv, Dv]."""
+        slots = _slot_index(tuple(seg.slot for seg in segments), qkv.device)
+        conv_all, ssm_all = st.conv[self.layer], st.ssm[self.layer]
+        full = torch.cat([conv_all.index_select(0, slots), qkv.unsqueeze(1)], dim=1)  # [B, K, C]
+        mixed = F.silu((full * self.conv_w.T).sum(1))  # [B, C]
+        conv_all.index_copy_(0, slots, full[:, 1:])
+        q, k, v = mixed.split([self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], dim=-1)
+        b = qkv.shape[0]
+        q = self._per_value_head(l2norm(q.reshape(b, self.hk, self.dk)) * self.scale)
+        k = self._per_value_head(l2norm(k.reshape(b, self.hk, self.dk)))
+        ssm = ssm_all.index_select(0, slots)  # [B, Hv, Dk, Dv] (a copy)
+        o = delta_step(q, k, v.reshape(b, self.hv, self.dv), g, beta, ssm)
+        ssm_all.index_copy_(0, slots, ssm)
+        return o
+
+    def _segments(self, qkv, g, beta, segments: list[Segment], st) -> torch.Tensor:
+        """Segment by segment (prefill chunks, verify segments, a lone decode token): o [n, Hv, Dv]."""
         conv_all, ssm_all = st.conv[self.layer], st.ssm[self.layer]
         outs, i = [], 0
         for seg in segments:
@@ -164,9 +192,19 @@ class GatedDeltaNet:
                 ssm_s.copy_(s)
                 outs.append(o)
             i += seg.n
-        o = outs[0] if len(outs) == 1 else torch.cat(outs)  # [n, Hv, Dv]
-        o = rms_norm(o, self.norm, self.eps) * F.silu(z)  # the gated RMSNorm (plain weight, not 1 + w)
-        return qmatmul(o.reshape(n, self.hv * self.dv).to(x.dtype), self.wout)
+        return outs[0] if len(outs) == 1 else torch.cat(outs)  # [n, Hv, Dv]
+
+
+def _slot_index(slots: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The slots as an index tensor on `device`, built once per set (a host copy each step would wait for the
+    device, and a graph capture forbids one; the capture's warm-up builds it first)."""
+    key = (slots, device)
+    t = _SLOT_INDEX.get(key)
+    if t is None:
+        t = torch.tensor(slots, dtype=torch.long, device=device)
+        if not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
+            _SLOT_INDEX[key] = t
+    return t
 
 
 def legacy_split(ssm_in: QTensor, hk: int, dk: int, r: int, dv: int) -> tuple[QTensor, QTensor]:
