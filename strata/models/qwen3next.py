@@ -65,7 +65,7 @@ class GatedAttention:
     def __call__(self, x: torch.Tensor, pos: torch.Tensor, segments: list[Segment], kv: KVCache) -> torch.Tensor:
         n = x.shape[0]
         qg = qmatmul(x, self.wq).view(n, self.n_heads, 2 * self.hd)  # per head: [query, gate]
-        q, gate = qg[..., : self.hd].contiguous(), qg[..., self.hd :]
+        q, gate = qg[..., : self.hd], qg[..., self.hd :]  # (strided views: the rotary reads them in place)
         k = _linear(x, self.wk, None).view(n, self.n_kv, self.hd)
         v = _linear(x, self.wv, None).view(n, self.n_kv, self.hd)
         q, k = self.rotary.qk(q, k, pos, self.q_norm, self.k_norm, self.eps)
