@@ -134,6 +134,18 @@ def _drafted(prompt, want, n):
     return s
 
 
+def test_conversation_cache_keeps_nothing_for_a_recurrent_model(lm):
+    from strata.server.prompt_cache import PromptCache
+
+    eng, cache = Engine(lm, n_slots=1, prefill_chunk=6), PromptCache(64)
+    a, b = _prompt(20, seed=20), _prompt(20, seed=21)
+    for p in (a, b, a):
+        s = _seq(p, n=4)
+        cache.prepare(eng, s.prompt)
+        assert _run_all(eng, [s]) == [_alone(lm, p, 4)]
+    assert cache.saves == cache.restores == 0 and not cache.entries
+
+
 def test_drafts_give_plain_greedy_tokens(lm):
     """Verify steps fold drafts into the state; the rejected ones must be taken back exactly."""
     a, b = _prompt(20, seed=14), _prompt(9, seed=18)
