@@ -98,6 +98,13 @@ class Engine:
         self.max_ctx = lm.max_ctx
         self.device = self.model.device  # before _default_chunk, which reads it
         self.kv = self.model.new_kv_cache(self.n_slots, self.max_ctx, lm.cfg.torch_kv_dtype)
+        # recurrent layers' state per slot (strata.kv.recurrent), None for a model of attention layers only. Such a
+        # slot holds the state after its last token and nothing before it: a cached prefix is reused only when it
+        # is the slot's whole content as of its release (_state_tokens), and a verify step keeps the state after
+        # each token, of which the engine keeps the one after the tokens that stand (_verified)
+        self.recurrent = self.kv.recurrent
+        self._state_tokens: dict[int, tuple[int, ...]] = {}  # slot -> the tokens its state absorbed, when freed
+        self._state_bad: set[int] = set()  # slots whose state a failed forward left half-advanced
         experts = self.model.experts  # an ExpertsBackend (strata.experts.backend), None for a dense model
         self.expert_stats = experts.stats if experts is not None else None  # cumulative counts, None: none kept
         chunk = prefill_chunk or lm.cfg.prefill_chunk
@@ -179,9 +186,11 @@ class Engine:
         if reuse_prefix:
             for s in self.free_slots:
                 n = _common_prefix(self.slot_tokens[s], seq.prompt)
-                if n > best_n:
+                if n > best_n and (self.recurrent is None or self._state_reusable(s, n, len(seq.prompt))):
                     best, best_n = s, n
         self.free_slots.remove(best)
+        self._state_tokens.pop(best, None)
+        self._state_bad.discard(best)
         seq.slot = best
         # keep at least the last prompt token to compute: its logits start generation
         seq.cached = min(best_n, len(seq.prompt) - 1)
@@ -195,6 +204,13 @@ class Engine:
         seq.t_start = time.perf_counter()
         self.running.append(seq)
 
+    def _state_reusable(self, slot: int, n: int, n_prompt: int) -> bool:
+        """A recurrent slot's state serves a prompt sharing n tokens with the slot when those are all the slot
+        absorbed (its state is at their end), the prompt goes on past them, and nothing but this engine's steps
+        (a conversation cache restoring KV rows, say) has changed the slot since it was freed."""
+        held = self.slot_tokens[slot]
+        return n == len(held) < n_prompt and self._state_tokens.get(slot) == tuple(held)
+
     def release(self, seq: Sequence, reason: str | None = None) -> None:
         if reason and not seq.finished:
             seq.finished, seq.finish_reason = True, reason
@@ -203,6 +219,8 @@ class Engine:
         if seq in self.running:
             self.running.remove(seq)
             self.free_slots.append(seq.slot)
+            if self.recurrent is not None and seq.slot not in self._state_bad:
+                self._state_tokens[seq.slot] = tuple(self.slot_tokens[seq.slot])
 
     # -- one step ----------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -241,6 +259,19 @@ class Engine:
     def _run(self, plan: "_StepPlan") -> torch.Tensor | None:
         """The step's forward: replayed graphs for plain decode steps, else eager. None after running out of memory
         in a prefill chunk (the chunk was halved: KV rows are simply rewritten)."""
+        if self.recurrent is not None:
+            self.recurrent.pending.clear()
+            self.recurrent.track = {s.slot for s in plan.owners if s.id in plan.drafts}
+        try:
+            return self._forward(plan)
+        except BaseException:
+            self._state_bad.update(seg.slot for seg in plan.segs)  # (only read for a model with recurrent state)
+            raise
+        finally:
+            if self.recurrent is not None:
+                self.recurrent.track = set()
+
+    def _forward(self, plan: "_StepPlan") -> torch.Tensor | None:
         segs, toks, poss = plan.segs, plan.toks, plan.poss
         if self.graphs is not None and plan.prefill is None and not plan.drafts and 0 < len(segs) <= self.graph_batch:
             slots = [seg.slot for seg in segs]
@@ -257,10 +288,17 @@ class Engine:
         p = torch.tensor(poss, device=self.device)
         phase = "decode" if plan.prefill is None else "prefill" if len(segs) == 1 else "mixed"
         ctx = self.model.step_context(segs, len(toks), phase=phase, graphs=self.graphs is not None)
+        # a prefill chunk that runs out of memory is run again in smaller chunks: a recurrent state must first be
+        # put back as it was (its layers before the failure had already folded the chunk in)
+        snap = None
+        if self.recurrent is not None and plan.prefill is not None and self.prefill_chunk > 256:
+            snap = self.recurrent.snapshot([seg.slot for seg in segs])
         try:
             return self.model.forward(t, p, segs, self.kv, rows=plan.rows, ctx=ctx)  # [len(segs) or len(rows), V]
         except torch.OutOfMemoryError:
             self._out_of_memory(plan.prefill)
+            if snap is not None:
+                self.recurrent.restore(snap)
             return None
 
     def _draw(self, plan: "_StepPlan", logits: torch.Tensor) -> list:
@@ -293,6 +331,8 @@ class Engine:
                     drawn.append(sample(row, pr, recent, s.generator))
             except Exception as e:  # noqa: BLE001 - reported with the sequence (take_failed)
                 log.exception("strata: sequence %d failed drawing its token", s.id)
+                if d:  # its state folded drafts in that will not be taken back
+                    self._state_bad.add(s.slot)
                 s.finished, s.finish_reason, s.error = True, "error", f"{type(e).__name__}: {e}"
                 self.failed.append(s)
                 continue
@@ -367,6 +407,8 @@ class Engine:
         s.draft_backoff = min(64, max(1, 2 * s.draft_backoff)) if a == 0 else 0
         s.draft_pause = s.draft_backoff
         s.pos += a + 1  # the KV rows of rejected drafts are stale: later steps overwrite them
+        if self.recurrent is not None:  # a recurrent state is not overwritten: take it back to what stands
+            self.recurrent.keep(s.slot, a + 1)
         self.slot_tokens[s.slot] += seg_toks[:a + 1]
         return got[:a + 1]
 

@@ -137,9 +137,17 @@ class DecodeGraphs:
         segs = self._segments(window, slots)
         side = torch.cuda.Stream(self.model.device)
         side.wait_stream(torch.cuda.current_stream())
+        # a recurrent state (strata.kv.recurrent) is not rewritten but advanced by a forward: the warm-up's
+        # steps are taken back, in place (the graphs capture these buffers)
+        rec = self.kv.recurrent
         with torch.cuda.stream(side):  # warm-up: Triton compiles, allocator settles (rewrites the same K/V)
-            for _ in range(2):
-                self._forward(segs, counting=False)  # statistics skip the warm-up
+            saved = rec.snapshot(list(slots)) if rec is not None else None
+            try:
+                for _ in range(2):
+                    self._forward(segs, counting=False)  # statistics skip the warm-up
+            finally:
+                if saved is not None:
+                    rec.restore(saved)
             side.synchronize()
             self.rec.start(torch.cuda.graph_pool_handle())
             try:

@@ -84,10 +84,11 @@ def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, out_type: str = "
     mt = cfg.get("model_type", "")
     arch = {"qwen3_moe": "qwen3moe", "qwen3": "qwen3", "mixtral": "llama", "llama": "llama",
             "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2", "glm4_moe": "glm4moe",
-            "gpt_oss": "gpt-oss"}.get(mt)
+            "gpt_oss": "gpt-oss", "qwen3_next": "qwen3next"}.get(mt)
     if arch is None:
         raise StrataError(f"{d}: model_type '{mt}' is not supported by strata convert "
-                          "(qwen3_moe, qwen3, mixtral, llama, deepseek_v3, deepseek_v2, glm4_moe, gpt_oss)")
+                          "(qwen3_moe, qwen3, mixtral, llama, deepseek_v3, deepseek_v2, glm4_moe, gpt_oss, "
+                          "qwen3_next)")
     ck = _Checkpoint(d)
     n_layers, d_model, n_head = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"]
     n_kv = cfg.get("num_key_value_heads") or n_head
@@ -125,7 +126,8 @@ def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, out_type: str = "
         w.add_tensor(name, q.raw.numpy().reshape(*a.shape[:-1], -1), raw_dtype=qtype)
 
     put("token_embd.weight", ck.get("model.embed_tokens.weight"))
-    put("output_norm.weight", ck.get("model.norm.weight"))
+    # Qwen3-Next's RMSNorms scale by 1 + w: GGUF stores 1 + w (as llama.cpp's converter does)
+    put("output_norm.weight", ck.get("model.norm.weight") + (1.0 if arch == "qwen3next" else 0.0))
     if ck.has("lm_head.weight") and not cfg.get("tie_word_embeddings", False):
         put("output.weight", ck.get("lm_head.weight"))
     elif ck.has("lm_head.weight"):
@@ -140,6 +142,10 @@ def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, out_type: str = "
         from strata.gguf.convert_gpt_oss import gpt_oss
 
         gpt_oss(cfg, ck, w, put, n_layers, n_exp)
+    elif arch == "qwen3next":
+        from strata.gguf.convert_qwen3next import convert_layers
+
+        convert_layers(cfg, ck, w, put, n_layers, n_exp, head_dim)
     else:
         if n_exp:
             w.add_expert_count(int(n_exp))
@@ -193,7 +199,7 @@ def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, out_type: str = "
     _tokenizer(d, w, int(cfg["vocab_size"]))
 
     def unmapped(k: str) -> bool:
-        if k in ck.used or "rotary_emb" in k:
+        if k in ck.used or "rotary_emb" in k or k.startswith("mtp."):  # (mtp.*: Qwen3-Next's MTP head)
             return False
         m = re.search(r"layers\.(\d+)\.", k)
         # layers past the last are MTP heads, converted for glm4moe only so far

@@ -29,6 +29,9 @@ class Segment:
 
 
 class KVCache:
+    # the recurrent layers' per-slot state (strata.kv.recurrent.HybridCache); None: every layer is attention
+    recurrent = None
+
     def __init__(self, n_layers: int, n_slots: int, max_ctx: int, k_shape: tuple[int, ...],
                  v_shape: tuple[int, ...] | None, dtype: torch.dtype, device: torch.device | str):
         self.n_layers, self.n_slots, self.max_ctx = n_layers, n_slots, max_ctx

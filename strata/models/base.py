@@ -233,8 +233,10 @@ def build_ffn(L: WeightLoader, args, i: int, routing, experts_out: dict):
                shared_gate=L.q(p + "ffn_gate_inp_shexp.weight", required=False))
 
 
-def finish_model(L: WeightLoader, args, blocks, experts: dict, cache_spec: CacheSpec, dtype, make_experts):
-    """Embeddings, final norm, head; attach the experts backend to every MoE block; check all tensors used."""
+def finish_model(L: WeightLoader, args, blocks, experts: dict, cache_spec: CacheSpec, dtype, make_experts,
+                 lm_class: type | None = None):
+    """Embeddings, final norm, head; attach the experts backend to every MoE block; check all tensors used.
+    lm_class: a CausalLM subclass taking the same arguments (default CausalLM)."""
     embed = L.q("token_embd.weight")
     head = L.q("output.weight", required=False) or embed
     out_norm = L.f("output_norm.weight")
@@ -245,4 +247,4 @@ def finish_model(L: WeightLoader, args, blocks, experts: dict, cache_spec: Cache
     if backend is not None:  # a backend may predict the next layer's routing with its router
         backend.set_routers({b.ffn.layer: b.ffn for b in blocks if isinstance(b.ffn, MoE)})
     L.finish()
-    return CausalLM(args, embed, blocks, out_norm, head, cache_spec, L.device, dtype, experts=backend)
+    return (lm_class or CausalLM)(args, embed, blocks, out_norm, head, cache_spec, L.device, dtype, experts=backend)

@@ -15,6 +15,7 @@ FAMILIES: dict[str, str] = {
     "deepseek2": "strata.models.deepseek2",
     "glm4moe": "strata.models.glm4moe",  # GLM-4.5 / 4.5-Air / 4.6
     "gpt-oss": "strata.models.gpt_oss",
+    "qwen3next": "strata.models.qwen3next",  # hybrid: gated delta-net + gated attention, MoE
 }
 
 

@@ -89,7 +89,9 @@ class PromptCache:
         """Arrange the engine's free slots so that `engine.add` finds the longest cached prefix of `prompt`, and
         save whatever KV the chosen slot held that the new prompt will overwrite."""
         free = engine.free_slots
-        if not free:
+        if not free or engine.recurrent is not None:
+            # a recurrent model's slot state is not in the KV rows copied here: restored rows would not be reused
+            # (strata.engine.engine.Engine._state_reusable), so keep no copies; the slots' own reuse still applies
             return
         best, best_n = None, 0
         for s in free:

@@ -86,6 +86,19 @@ FAMILIES = {
                                      beta_slow=1.0, truncate=False, original_max_position_embeddings=64),
                 tie_word_embeddings=False),
     ),
+    # hybrid: delta-net layers (key/value head sizes differ, 2 value heads per key head) and gated attention
+    # every 2nd layer (partial rotary: 6 of 24 dims)
+    "qwen3next": dict(
+        cls="Qwen3NextForCausalLM", cfg="Qwen3NextConfig",
+        kw=dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=40, shared_expert_intermediate_size=48,
+                num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                linear_conv_kernel_dim=4, linear_key_head_dim=12, linear_value_head_dim=20, linear_num_key_heads=2,
+                linear_num_value_heads=4, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                full_attention_interval=2, max_position_embeddings=512, tie_word_embeddings=False),
+        # slow decays (as trained models have in many heads): the state then carries the far past, so that a
+        # state that is wrong at a chunk's start shows in what follows
+        init={"A_log": lambda p: p.uniform_(0.02, 0.3).log_(), "dt_bias": lambda p: p.uniform_(-3.0, -1.0)},
+    ),
 }
 
 
@@ -122,8 +135,12 @@ def make_hf_model(family: str, out: Path, vocab_size: int, seed: int = 0, std: f
     cfg = getattr(transformers, spec["cfg"])(vocab_size=vocab_size, **spec["kw"])
     model = getattr(transformers, spec["cls"])(cfg).float().eval()
     with torch.no_grad():
+        special = spec.get("init", {})
         for name, p in model.named_parameters():
-            if p.ndim == 1 and "norm" in name:
+            fill = next((f for key, f in special.items() if name.endswith(key)), None)
+            if fill is not None:
+                fill(p)
+            elif p.ndim == 1 and "norm" in name:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))  # non-trivial norms catch a missing norm
             elif "e_score_correction_bias" in name:
                 p.copy_(0.05 * torch.randn_like(p))

@@ -9,7 +9,7 @@ from strata.engine.loader import forward_all, load_model
 from strata.engine.sampler import SamplingParams
 
 FAMILIES = ["qwen3moe", "qwen3", "mixtral", "llama", "deepseek_v3", "deepseek_v3_noqlora", "glm4moe",
-            "glm4moe_noqknorm", "gpt_oss"]
+            "glm4moe_noqknorm", "gpt_oss", "qwen3next"]
 CPU32 = dict(device="cpu", dtype="float32")
 
 

@@ -11,7 +11,7 @@ from strata.engine.sampler import SamplingParams
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("family", ["qwen3moe", "mixtral", "deepseek_v3", "glm4moe"])
+@pytest.mark.parametrize("family", ["qwen3moe", "mixtral", "deepseek_v3", "glm4moe", "qwen3next"])
 def test_cuda_logits_match_transformers(family, hf_and_gguf):
     from transformers import AutoModelForCausalLM
 

@@ -1,0 +1,227 @@
+"""Gated delta-net linear attention (Qwen3-Next's recurrent layers), in torch, float32.
+
+Per value head the layer keeps a state S [key_dim, value_dim] and, for each token t (q, k L2-normalised, q scaled
+by 1/sqrt(key_dim); g_t <= 0 a log decay, beta_t in (0, 1) a write strength):
+
+    S   <- exp(g_t) * S                      decay
+    S   <- S + k_t (beta_t (v_t - S^T k_t))^T  delta rule: write the part of v_t that S does not predict yet
+    o_t  = S^T q_t
+
+`delta_step` is that recurrence for one token (decode). `delta_chunked` computes the same outputs and final state
+for a run of tokens in chunks (prefill): within a chunk the writes depend on each other only through a
+unit-lower-triangular system, solved once per chunk, so the work is matmuls instead of a loop over tokens; the
+loop is over chunks. Inputs reach the delta rule through a short depthwise causal convolution (`causal_conv`)
+whose last `kernel - 1` inputs are the other half of a sequence's state.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from strata.kv.cache import KVCache, Segment
+from strata.layers.norm import rms_norm
+from strata.quant import QTensor, qmatmul
+
+CHUNK = 64
+_SLOT_INDEX: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def causal_conv(x: torch.Tensor, state: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [n, C] new inputs, state [K-1, C] the inputs before them, w [C, K] -> (silu(conv) [n, C], the new state
+    [K-1, C]: the last K-1 inputs)."""
+    k = w.shape[1]
+    full = torch.cat([state, x])  # [K-1+n, C]
+    out = (full.unfold(0, k, 1) * w).sum(-1)  # window t covers inputs t .. t+K-1, the last being token t
+    return F.silu(out), full[full.shape[0] - (k - 1):]
+
+
+def delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+               state: torch.Tensor) -> torch.Tensor:
+    """One token: q, k [..., H, Dk], v [..., H, Dv], g, beta [..., H]; state [..., H, Dk, Dv] is updated in place.
+    Returns o [..., H, Dv]."""
+    state.mul_(g.exp()[..., None, None])
+    predicted = torch.einsum("...hk,...hkv->...hv", k, state)
+    state.add_(k.unsqueeze(-1) * ((v - predicted) * beta.unsqueeze(-1)).unsqueeze(-2))
+    return torch.einsum("...hk,...hkv->...hv", q, state)
+
+
+def delta_steps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A few tokens one by one, keeping the state after each (a speculative verify segment, whose drafts may be
+    taken back): q, k [T, H, Dk], ... -> (o [T, H, Dv], states [T, H, Dk, Dv]); `state` is not modified."""
+    s = state.clone()
+    outs, states = [], []
+    for t in range(q.shape[0]):
+        outs.append(delta_step(q[t], k[t], v[t], g[t], beta[t], s))
+        states.append(s.clone())
+    return torch.stack(outs), torch.stack(states)
+
+
+def delta_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                  state: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """A run of T tokens: q, k [T, H, Dk], v [T, H, Dv], g, beta [T, H], state [H, Dk, Dv] (before the run; not
+    modified) -> (o [T, H, Dv], the state after the run).
+
+    In a chunk starting from state S0, with c_t the cumulative log decay from the chunk's start to t, the writes
+    u_t = beta_t (v_t - S_{t-1}'^T k_t) satisfy (I + A) u = beta v - beta exp(c) k S0, A[t, j] = beta_t exp(c_t - c_j)
+    k_t.k_j for j < t. Then o_t = exp(c_t) q_t S0 + sum_{j<=t} exp(c_t - c_j) (q_t.k_j) u_j and the chunk's end
+    state is exp(c_C) S0 + sum_j exp(c_C - c_j) k_j u_j^T."""
+    t_len, h, dk = k.shape
+    c = min(chunk, t_len)
+    pad = (-t_len) % c
+    # padded tokens have beta = 0 (no write) and g = 0 (no decay): they leave the state as it is
+    q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)).transpose(0, 1) for x in (q, k, v))  # [H, T', D]
+    g, beta = (F.pad(x, (0, 0, 0, pad)).transpose(0, 1) for x in (g, beta))  # [H, T']
+    n = q.shape[1] // c
+    q, k, v = (x.reshape(h, n, c, x.shape[-1]) for x in (q, k, v))  # [H, N, C, D]
+    g, beta = g.reshape(h, n, c), beta.reshape(h, n, c)
+    cum = g.cumsum(-1)  # [H, N, C]
+    causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+    # exp(c_i - c_j) for j <= i, 0 above the diagonal (masked before exp: c_i - c_j > 0 there could overflow)
+    decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()  # [H, N, C, C]
+    kb = k * beta.unsqueeze(-1)
+    eye = torch.eye(c, dtype=q.dtype, device=q.device)
+    system = eye + (kb @ k.transpose(-1, -2) * decay).tril(-1)  # I + A, unit lower triangular
+    u0 = torch.linalg.solve_triangular(system, v * beta.unsqueeze(-1), upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, kb * cum.exp().unsqueeze(-1), upper=False, unitriangular=True)
+    inner = q @ k.transpose(-1, -2) * decay  # [H, N, C, C]
+    q_dec = q * cum.exp().unsqueeze(-1)  # reads of the chunk's start state
+    k_dec = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)  # writes decayed to the chunk's end
+    end_decay = cum[..., -1].exp()[..., None, None]  # [H, N, 1, 1]
+    out = torch.empty_like(v)
+    s = state
+    for i in range(n):
+        u = u0[:, i] - w[:, i] @ s  # [H, C, Dv]
+        out[:, i] = q_dec[:, i] @ s + inner[:, i] @ u
+        s = s * end_decay[:, i] + k_dec[:, i].transpose(-1, -2) @ u
+    return out.reshape(h, n * c, -1)[:, :t_len].transpose(0, 1), s
+
+
+class GatedDeltaNet:
+    """A Qwen3-Next linear-attention layer: projections -> causal conv -> gated delta rule -> gated RMSNorm -> out.
+
+    Weights (llama.cpp's GGUF layout): qkv [2*Hk*Dk + Hv*Dv, d] (all q heads, all k heads, all v heads), gate z
+    [Hv*Dv, d], ba [2*Hv, d] (per key head: its r = Hv/Hk betas, then its r alphas), conv [C, K], dt_bias [Hv],
+    a [Hv] (= -exp(A_log)), norm [Dv], out [d, Hv*Dv]. Value heads are grouped by key head: value head h reads key
+    head h // r."""
+
+    def __init__(self, layer: int, dims: dict, w: dict, eps: float):
+        self.layer, self.eps = layer, eps
+        self.hk, self.hv, self.dk, self.dv = dims["hk"], dims["hv"], dims["dk"], dims["dv"]
+        self.r = self.hv // self.hk
+        self.wqkv, self.wz, self.wba, self.wout = w["qkv"], w["z"], w["ba"], w["out"]
+        self.conv_w, self.dt_bias, self.a, self.norm = w["conv"], w["dt_bias"], w["a"], w["norm"]
+        self.scale = self.dk ** -0.5
+
+    def _per_value_head(self, x: torch.Tensor) -> torch.Tensor:
+        """[n, Hk, Dk] -> [n, Hv, Dk]: each key head serves its r value heads (an expand, no host sync)."""
+        n = x.shape[0]
+        return x.unsqueeze(2).expand(n, self.hk, self.r, self.dk).reshape(n, self.hv, self.dk)
+
+    @staticmethod
+    def state_shapes(dims: dict) -> tuple[tuple[int, int], tuple[int, int, int]]:
+        conv_dim = 2 * dims["hk"] * dims["dk"] + dims["hv"] * dims["dv"]
+        return (dims["kernel"] - 1, conv_dim), (dims["hv"], dims["dk"], dims["dv"])
+
+    def __call__(self, x: torch.Tensor, pos: torch.Tensor, segments: list[Segment], kv: KVCache) -> torch.Tensor:
+        n = x.shape[0]
+        qkv = qmatmul(x, self.wqkv).float()  # [n, conv_dim]
+        z = qmatmul(x, self.wz).float().view(n, self.hv, self.dv)
+        ba = qmatmul(x, self.wba).float().view(n, self.hk, 2 * self.r)
+        beta = ba[..., : self.r].reshape(n, self.hv).sigmoid()
+        g = self.a * F.softplus(ba[..., self.r:].reshape(n, self.hv) + self.dt_bias)  # [n, Hv], <= 0
+        st = kv.recurrent
+        if len(segments) > 1 and all(seg.n == 1 and (seg.window or seg.start > 0) and seg.slot not in st.track
+                                     for seg in segments):
+            o = self._decode_batch(qkv, g, beta, segments, st)  # (the common step: every sequence decoding)
+        else:
+            o = self._segments(qkv, g, beta, segments, st)
+        o = rms_norm(o, self.norm, self.eps) * F.silu(z)  # the gated RMSNorm (plain weight, not 1 + w)
+        return qmatmul(o.reshape(n, self.hv * self.dv).to(x.dtype), self.wout)
+
+    def _decode_batch(self, qkv, g, beta, segments: list[Segment], st) -> torch.Tensor:
+        """One token of each of B sequences (rows in segment order), their states gathered and written back at
+        once: qkv [B, C], g, beta [B, Hv] -> o [B, Hv, Dv]."""
+        slots = _slot_index(tuple(seg.slot for seg in segments), qkv.device)
+        conv_all, ssm_all = st.conv[self.layer], st.ssm[self.layer]
+        full = torch.cat([conv_all.index_select(0, slots), qkv.unsqueeze(1)], dim=1)  # [B, K, C]
+        mixed = F.silu((full * self.conv_w.T).sum(1))  # [B, C]
+        conv_all.index_copy_(0, slots, full[:, 1:])
+        q, k, v = mixed.split([self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], dim=-1)
+        b = qkv.shape[0]
+        q = self._per_value_head(l2norm(q.reshape(b, self.hk, self.dk)) * self.scale)
+        k = self._per_value_head(l2norm(k.reshape(b, self.hk, self.dk)))
+        ssm = ssm_all.index_select(0, slots)  # [B, Hv, Dk, Dv] (a copy)
+        o = delta_step(q, k, v.reshape(b, self.hv, self.dv), g, beta, ssm)
+        ssm_all.index_copy_(0, slots, ssm)
+        return o
+
+    def _segments(self, qkv, g, beta, segments: list[Segment], st) -> torch.Tensor:
+        """Segment by segment (prefill chunks, verify segments, a lone decode token): o [n, Hv, Dv]."""
+        conv_all, ssm_all = st.conv[self.layer], st.ssm[self.layer]
+        outs, i = [], 0
+        for seg in segments:
+            conv_s, ssm_s = conv_all[seg.slot], ssm_all[seg.slot]
+            if not seg.window and seg.start == 0:  # a sequence's first tokens: whatever the slot held is gone
+                conv_s.zero_()
+                ssm_s.zero_()
+            track = seg.slot in st.track  # a verify segment: keep the state after each token
+            if track:
+                inputs = torch.cat([conv_s, qkv[i : i + seg.n]])
+            mixed, new_conv = causal_conv(qkv[i : i + seg.n], conv_s, self.conv_w)
+            conv_s.copy_(new_conv)
+            q, k, v = mixed.split([self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], dim=-1)
+            q = self._per_value_head(l2norm(q.reshape(seg.n, self.hk, self.dk)) * self.scale)
+            k = self._per_value_head(l2norm(k.reshape(seg.n, self.hk, self.dk)))
+            v = v.reshape(seg.n, self.hv, self.dv)
+            gs, bs = g[i : i + seg.n], beta[i : i + seg.n]
+            if track:
+                o, states = delta_steps(q, k, v, gs, bs, ssm_s)
+                ssm_s.copy_(states[-1])
+                st.pending[(self.layer, seg.slot)] = (states, inputs)
+                outs.append(o)
+            elif seg.n == 1:
+                outs.append(delta_step(q, k, v, gs, bs, ssm_s.unsqueeze(0)))  # (updates the slot's state)
+            else:
+                o, s = delta_chunked(q, k, v, gs, bs, ssm_s)
+                ssm_s.copy_(s)
+                outs.append(o)
+            i += seg.n
+        return outs[0] if len(outs) == 1 else torch.cat(outs)  # [n, Hv, Dv]
+
+
+def _slot_index(slots: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The slots as an index tensor on `device`, built once per set (a host copy each step would wait for the
+    device, and a graph capture forbids one; the capture's warm-up builds it first)."""
+    key = (slots, device)
+    t = _SLOT_INDEX.get(key)
+    if t is None:
+        t = torch.tensor(slots, dtype=torch.long, device=device)
+        if not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
+            _SLOT_INDEX[key] = t
+    return t
+
+
+def legacy_split(ssm_in: QTensor, hk: int, dk: int, r: int, dv: int) -> tuple[QTensor, QTensor]:
+    """Older GGUFs store the fused input projection `ssm_in` as transformers does, interleaved per key head
+    ([q, k, v, z] x Hk); current ones store qkv and z apart (`attn_qkv`, `attn_gate`). Rows are reordered in their
+    stored format (a row is whole blocks), so no value changes."""
+    per = 2 * dk + 2 * r * dv
+    base = torch.arange(hk).unsqueeze(1) * per
+
+    def rows(lo: int, width: int) -> torch.Tensor:
+        return (base + lo + torch.arange(width)).reshape(-1)
+
+    qkv = torch.cat([rows(0, dk), rows(dk, dk), rows(2 * dk, r * dv)])
+    z = rows(2 * dk + r * dv, r * dv)
+
+    def take(idx: torch.Tensor) -> QTensor:
+        return QTensor(ssm_in.raw.index_select(0, idx.to(ssm_in.raw.device)), ssm_in.qtype,
+                       (idx.numel(), ssm_in.shape[-1]))
+
+    return take(qkv), take(z)
