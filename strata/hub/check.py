@@ -53,6 +53,7 @@ class ModelFootprint:
     # the input embedding table when the model has its own output head: under a VRAM budget a MoE model serves
     # it from host RAM (EngineConfig.host_embed), so it is not part of the dense weights on the GPU
     embed_bytes: int = 0
+    state_bytes_per_slot: int = 0  # recurrent layers' state per sequence (qwen3next's delta-net), beside the KV
 
     @property
     def n_expert_total(self) -> int:
@@ -80,6 +81,22 @@ def kv_bytes_per_token(h: GGUFHeader) -> int:
         interval = int(h.arch_value("full_attention_interval", 1) or 1)  # hybrids: 1 attention layer in N
         kv_heads_total = int(n_kv) * (n_layer // interval)
     return kv_heads_total * (k_len + v_len) * KV_BYTES_PER_ELEMENT
+
+
+def state_bytes_per_slot(h: GGUFHeader) -> int:
+    """The recurrent layers' state one sequence holds whatever its length (gated delta-net: a float32 [value heads,
+    key dim, value dim] matrix and the last kernel - 1 inputs of the short conv per layer; see
+    strata.kv.recurrent); 0 for a model of attention layers only."""
+    keys = ("ssm.group_count", "ssm.time_step_rank", "ssm.state_size", "ssm.inner_size", "ssm.conv_kernel")
+    vals = [h.arch_value(k) for k in keys]
+    if any(v is None for v in vals) or not int(vals[1]):
+        return 0
+    hk, hv, dk, inner, kernel = (int(v) for v in vals)
+    n_layer = int(h.arch_value("block_count", 0) or 0)
+    interval = int(h.arch_value("full_attention_interval", 4) or 4)
+    n_recurrent = n_layer - n_layer // interval
+    per_layer = (kernel - 1) * (2 * hk * dk + inner) + hv * dk * (inner // hv)
+    return n_recurrent * per_layer * 4
 
 
 def model_footprint(paths: list[Path]) -> ModelFootprint:
@@ -121,6 +138,7 @@ def model_footprint(paths: list[Path]) -> ModelFootprint:
         n_moe_layers=len(per_layer),
         slot_bytes=slot,
         kv_bytes_per_token=kv_bytes_per_token(first),
+        state_bytes_per_slot=state_bytes_per_slot(first),
         context_length=first.arch_value("context_length"),
         d_model=int(first.arch_value("embedding_length", 0) or 0),
         embed_bytes=embed if has_head else 0,
@@ -158,7 +176,7 @@ def fit(fp: ModelFootprint, machine: MachineInfo, ctx: int = 0, vram_budget: int
     ctx = ctx or min(fp.context_length or DEFAULT_CTX, DEFAULT_CTX)
     if vram_budget is None and machine.gpus:
         vram_budget = machine.gpus[0].vram_free
-    kv = fp.kv_bytes_per_token * ctx
+    kv = fp.kv_bytes_per_token * ctx + fp.state_bytes_per_slot  # one sequence: its KV and any recurrent state
     if vram_budget is None:
         return _fit_cpu(fp, machine, ctx, kv)
     staging = staging_slots(fp.n_expert_used) * fp.slot_bytes if fp.n_expert else 0

@@ -252,3 +252,14 @@ def test_legacy_layout_equals_current(hf_and_gguf, tmp_path):
     assert torch.isfinite(a).all()
     old = _legacy(q8, tmp_path / "legacy.gguf")
     assert torch.equal(forward_all(load_model(str(old), cfg, with_tokenizer=False), ids), a)
+
+
+def test_strata_check_counts_the_state_per_sequence(path, lm):
+    """`strata check` sizes one sequence as its KV plus the recurrent state the engine allocates per slot."""
+    from strata.hub.check import model_footprint
+
+    fp = model_footprint([path])
+    eng = Engine(lm, n_slots=2)
+    assert fp.state_bytes_per_slot > 0 and fp.state_bytes_per_slot == eng.kv.recurrent.nbytes // 2
+    # check sizes the KV as a GPU holds it (bf16): the attention layers only
+    assert fp.kv_bytes_per_token == lm.model.kv_bytes_per_token(torch.bfloat16)
