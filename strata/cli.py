@@ -15,7 +15,7 @@ from strata import StrataError, __version__
 
 # Subcommand modules, in the order `strata --help` lists them.
 COMMAND_MODULES = [
-    "strata.engine.cli",  # generate, chat
+    "strata.engine.cli",  # generate, chat, perplexity
     "strata.server.cli",  # serve
     "strata.hub.cli",  # pull, check
     "strata.gguf.cli",  # convert, synth

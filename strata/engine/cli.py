@@ -1,4 +1,6 @@
-"""`strata generate` and `strata chat`: text to stdout, everything else (progress, statistics) to stderr."""
+"""`strata generate` and `strata chat`: text to stdout, everything else (progress, statistics) to stderr.
+
+`strata perplexity` lives in perplexity_cli and is registered from here."""
 
 from __future__ import annotations
 
@@ -236,3 +238,6 @@ def register(sub) -> None:
     p.add_argument("-v", "--verbose", action="store_true", help="print speed after each reply")
     _add_sampling(p)
     p.set_defaults(func=cmd_chat, n_predict=512)
+    from strata.engine.perplexity_cli import register as register_perplexity
+
+    register_perplexity(sub)

@@ -1,0 +1,135 @@
+"""`strata perplexity`: llama-perplexity's PPL and KL-divergence runs (strata.engine.perplexity has the math).
+
+Scores go to stdout (`[1]12.3456,[2]...` then `Final estimate: PPL = x +/- y`), loading and timing to stderr.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from strata import StrataError
+
+DEFAULT_PPL_CTX = 512  # llama-perplexity's customary context; -c sets another
+
+
+def _model_meta(path: str):
+    """(tokenizer, trained context, vocabulary size) from the GGUF's metadata, before any weight is loaded."""
+    from strata.gguf.reader import open_gguf
+    from strata.gguf.tokenizer import Tokenizer
+    from strata.models.registry import family_for
+
+    g = open_gguf(path)
+    args = family_for(g.arch).load_args(g)
+    if "tokenizer.ggml.model" not in g.metadata:
+        raise StrataError(f"{path}: the model has no tokenizer in its metadata")
+    return Tokenizer.from_metadata(g.metadata), int(args.ctx_len), int(args.vocab_size)
+
+
+def _read_text(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except OSError as e:
+        raise StrataError(f"cannot read {path}: {e.strerror}") from None
+
+
+def cmd_perplexity(args) -> int:
+    from strata.engine import perplexity as P
+    from strata.engine.cli import engine_config, load_from_args, resolve_model_path
+    from strata.engine.engine import Engine
+
+    kl = args.kl_divergence
+    if kl and not args.kl_divergence_base:
+        raise StrataError("--kl-divergence needs --kl-divergence-base FILE: the logits of a base run")
+    if not kl and not args.file:
+        raise StrataError("-f/--file is required: the text to score")
+    if args.chunks == 0 or args.chunks < -1:
+        raise StrataError(f"--chunks must be a positive number of chunks (or -1: all), got {args.chunks}")
+    engine_config(args)  # bad engine flags fail here, before anything loads
+    path = resolve_model_path(args.model)
+    tok, ctx_len, vocab = _model_meta(path)
+    bos = tok.bos_id if tok.add_bos else None
+
+    base = None
+    if kl:
+        base = P.BaseFile.open(args.kl_divergence_base)
+        if args.ctx_size and args.ctx_size != base.n_ctx:
+            raise StrataError(f"{base.path} was computed with -c {base.n_ctx}, not {args.ctx_size}: the chunks "
+                              "must be the same (leave -c out to use the file's)")
+        n_ctx = base.n_ctx
+        if base.n_vocab != vocab:
+            raise StrataError(f"{base.path} holds log-probs over {base.n_vocab} tokens, {path} has a vocabulary "
+                              f"of {vocab}: a base from another model family")
+        if max(base.tokens) >= vocab or min(base.tokens) < 0:
+            raise StrataError(f"{base.path}: its tokens are not of this model's vocabulary")
+        if args.file and P.tokenize(tok, _read_text(args.file))[:len(base.tokens)] != base.tokens:
+            raise StrataError(f"{args.file} does not tokenize to the tokens in {base.path}: another text or "
+                              "another tokenizer")
+        tokens = base.tokens
+    else:
+        n_ctx = args.ctx_size or min(DEFAULT_PPL_CTX, ctx_len)
+        tokens = P.tokenize(tok, _read_text(args.file))
+    if n_ctx > ctx_len:
+        raise StrataError(f"-c {n_ctx} is larger than the model's context of {ctx_len}")
+    n_chunk = P.n_chunks_for(len(tokens), n_ctx, args.chunks)
+    if base is not None:
+        n_chunk = min(n_chunk, base.n_chunk)
+
+    args.ctx_size = n_ctx  # the KV cache holds one chunk
+    lm = load_from_args(args)
+    engine = Engine(lm, n_slots=1)
+    if engine.vram_split is not None:
+        print(f"strata: {engine.vram_split.render()}", file=sys.stderr)
+    runner = P.ChunkRunner(engine)
+    first, n = P.scored(n_ctx)
+    print(f"strata: perplexity over {n_chunk} chunks of {n_ctx} tokens ({len(tokens)} tokens in all), "
+          f"scoring {n} tokens per chunk, {runner.piece} tokens per forward", file=sys.stderr)
+    t0 = time.perf_counter()
+    if base is not None:
+        try:
+            st = P.run_kl(runner, base, n_chunk, bos)
+        finally:
+            base.f.close()
+        for line in P.kl_report(st):
+            print(line)
+    elif args.kl_divergence_base:
+        tmp = args.kl_divergence_base + ".tmp"
+        try:
+            with open(tmp, "wb") as f:
+                st = P.run_perplexity(runner, tokens, n_ctx, n_chunk, bos, save=f)
+        except OSError as e:
+            raise StrataError(f"cannot write {args.kl_divergence_base}: {e.strerror}") from None
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        os.replace(tmp, args.kl_divergence_base)
+        print(f"Final estimate: PPL = {st.ppl:.4f} +/- {st.ppl_err:.5f}")
+        print(f"strata: saved the base log-probs to {args.kl_divergence_base}", file=sys.stderr)
+    else:
+        st = P.run_perplexity(runner, tokens, n_ctx, n_chunk, bos)
+        print(f"Final estimate: PPL = {st.ppl:.4f} +/- {st.ppl_err:.5f}")
+    dt = time.perf_counter() - t0
+    print(f"strata: {n_chunk} chunks in {dt:.1f}s ({n_chunk * n_ctx / max(dt, 1e-9):.1f} tok/s)", file=sys.stderr)
+    return 0
+
+
+def register(sub) -> None:
+    from strata.engine.cli import add_engine_args
+
+    p = sub.add_parser("perplexity", help="perplexity of a text file, or KL divergence against a base run, as "
+                       "llama.cpp's llama-perplexity computes them",
+                       description="Perplexity over a text, in chunks of -c tokens (default "
+                       f"{DEFAULT_PPL_CTX}) of which the second half is scored, as llama-perplexity does. "
+                       "--kl-divergence-base FILE saves the run's log-probs (llama.cpp's file format); adding "
+                       "--kl-divergence compares this model against them.")
+    add_engine_args(p)
+    p.add_argument("-f", "--file", default=None, help="the text file to score")
+    p.add_argument("--chunks", type=int, default=-1, help="score at most this many chunks (-1: all)")
+    p.add_argument("--kl-divergence-base", default=None, metavar="FILE",
+                   help="write the log-probs of this run to FILE (with --kl-divergence: read them from it)")
+    p.add_argument("--kl-divergence", action="store_true",
+                   help="KL divergence of this model from the base run in --kl-divergence-base")
+    p.set_defaults(func=cmd_perplexity)
