@@ -256,8 +256,9 @@ def kl_chunk(logits: torch.Tensor, base_rows: np.ndarray, targets: torch.Tensor,
 
 
 def run_perplexity(runner: ChunkRunner, tokens: list[int], n_ctx: int, n_chunk: int, bos: int | None,
-                   save: BinaryIO | None = None, out=sys.stdout) -> NllStats:
+                   save: BinaryIO | None = None, out=None) -> NllStats:
     """Scores n_chunk chunks, printing `[i]ppl,` after each; with save, writes the base logits file too."""
+    out = out or sys.stdout  # (read at the call: a test's capture replaces sys.stdout)
     first, n = scored(n_ctx)
     st = NllStats()
     vocab = None
@@ -276,7 +277,8 @@ def run_perplexity(runner: ChunkRunner, tokens: list[int], n_ctx: int, n_chunk: 
     return st
 
 
-def run_kl(runner: ChunkRunner, base: BaseFile, n_chunk: int, bos: int | None, out=sys.stdout) -> KlStats:
+def run_kl(runner: ChunkRunner, base: BaseFile, n_chunk: int, bos: int | None, out=None) -> KlStats:
+    out = out or sys.stdout
     first, n = scored(base.n_ctx)
     st = KlStats()
     for i in range(n_chunk):
