@@ -1,0 +1,159 @@
+"""`strata perplexity`: llama-perplexity's chunking, its error formula, the logits file of a KL base run, the
+KL mode (a run against itself, q8_0 against f32), and the one-line errors for bad input.
+
+The model is a tiny random Qwen3 converted by `strata convert` (f32 and q8_0 from the same checkpoint).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from strata import StrataError
+from strata.cli import main
+from strata.engine import perplexity as P
+
+N_CTX = 32
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from hf_fixtures import make_hf_model  # tests/models (on sys.path from conftest)
+
+    from strata.gguf.convert import convert
+    from strata.gguf.tokenizer_hf import make_tiny_hf_tokenizer
+
+    root = tmp_path_factory.mktemp("ppl")
+    tok = make_tiny_hf_tokenizer(root / "tok", 512)
+    hf = root / "hf"
+    make_hf_model("qwen3", hf, 512, seed=3, std=0.08)
+    for f in tok.iterdir():
+        if f.is_file():
+            (hf / f.name).write_bytes(f.read_bytes())
+    return {t: convert(hf, root / f"m.{t}.gguf", t) for t in ("f32", "q8_0")}
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    import argparse
+    import inspect
+
+    f = tmp_path_factory.mktemp("text") / "text.txt"
+    f.write_text(inspect.getdoc(argparse) * 2)
+    return f
+
+
+def _run(capsys, *argv) -> str:
+    capsys.readouterr()
+    assert main(["perplexity", "--device", "cpu", "--dtype", "f32", *map(str, argv)]) == 0
+    return capsys.readouterr().out
+
+
+def _error(capsys, *argv) -> str:
+    capsys.readouterr()
+    assert main(["perplexity", "--device", "cpu", *map(str, argv)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("strata: error: ")
+    return err[-1]
+
+
+def test_chunking_scores_the_second_half():
+    # 100 tokens, -c 16: 6 chunks (the tail of 4 dropped); logits at 8..14 predict tokens 9..15 of each chunk
+    assert P.n_chunks_for(100, 16) == 6
+    assert P.n_chunks_for(100, 16, 2) == 2
+    assert P.n_chunks_for(32, 16) == 2
+    assert P.scored(16) == (8, 7)
+    assert P.scored(17) == (8, 8)  # odd: first = n_ctx // 2, up to n_ctx - 2
+    toks = list(range(100, 200))
+    assert P.chunk_input(toks, 2, 16, bos=1) == [1] + list(range(133, 148))
+    assert P.chunk_input(toks, 2, 16, bos=None) == list(range(132, 148))
+    with pytest.raises(StrataError, match="needs at least 32"):
+        P.n_chunks_for(31, 16)
+
+
+def test_error_formula_is_llamacpps():
+    v = torch.tensor([1.0, 2.0, 4.0, 0.5])
+    st = P.NllStats()
+    st.add(v[:2])
+    st.add(v[2:])
+    mean, var = float(v.mean()), float((v * v).mean() - v.mean() ** 2)
+    assert st.count == 4 and st.ppl == pytest.approx(math.exp(mean))
+    assert st.ppl_err == pytest.approx(math.exp(mean) * math.sqrt(var / 3))
+
+
+def test_logprob_rows_round_trip():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 301, generator=g) * 4
+    logits[0] = 0.0  # a flat row: scale 0, every log-prob the same
+    rows = P.encode_logprobs(logits)
+    assert rows.dtype == np.dtype("<u2") and rows.shape == (5, P.row_width(301)) == (5, 306)
+    lp = P.decode_logprobs(rows, 301)
+    ref = torch.log_softmax(logits, -1)
+    keep = ref > ref.max(dim=1, keepdim=True).values - P.FLOOR_NATS
+    assert (lp - ref)[keep].abs().max() < 2e-4  # half a step of 16 nats / 65535
+    assert torch.allclose(lp[0], ref[0], atol=1e-6)
+
+
+def test_ppl_and_base_file(models, text_file, capsys, tmp_path):
+    base = tmp_path / "base.kl"
+    out = _run(capsys, "-m", models["f32"], "-f", text_file, "-c", N_CTX, "--chunks", 3,
+               "--kl-divergence-base", base)
+    assert re.fullmatch(r"\[1\][0-9.]+,\[2\][0-9.]+,\[3\][0-9.]+,\nFinal estimate: PPL = [0-9.]+ \+/- [0-9.]+\n",
+                        out), out
+    raw = base.read_bytes()
+    assert raw[:8] == b"_logits_"
+    n_ctx, n_vocab, n_chunk = np.frombuffer(raw[8:20], dtype="<i4")
+    assert (n_ctx, n_vocab, n_chunk) == (N_CTX, 512, 3)
+    assert len(raw) == 20 + 4 * N_CTX * 3 + 2 * 3 * (N_CTX - 1 - N_CTX // 2) * P.row_width(512)
+    # the same numbers without saving
+    assert _run(capsys, "-m", models["f32"], "-f", text_file, "-c", N_CTX, "--chunks", 3) == out
+
+
+def test_kl_against_itself_and_q8(models, text_file, capsys, tmp_path):
+    base = tmp_path / "base.kl"
+    _run(capsys, "-m", models["f32"], "-f", text_file, "-c", N_CTX, "--chunks", 2, "--kl-divergence-base", base)
+
+    def kl(model):
+        out = _run(capsys, "-m", model, "--kl-divergence-base", base, "--kl-divergence", "-f", text_file)
+        kld = float(re.search(r"Mean KLD +: +(-?[0-9.]+) \+/-", out).group(1))
+        top = float(re.search(r"Same top p +: +([0-9.]+) \+/-", out).group(1))
+        return kld, top
+
+    kld, top = kl(models["f32"])
+    assert abs(kld) < 1e-5 and top == 100.0  # only the file's uint16 rounding of the base log-probs
+    kld_q, top_q = kl(models["q8_0"])
+    assert 1e-5 < kld_q < 0.05 and top_q > 80.0
+
+
+def test_bad_input(models, text_file, capsys, tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text("a few words only")
+    assert "needs at least 64" in _error(capsys, "-m", models["f32"], "-f", short, "-c", N_CTX)
+    assert "larger than the model's context of 512" in _error(capsys, "-m", models["f32"], "-f", text_file,
+                                                              "-c", 4096)
+    assert "-f/--file is required" in _error(capsys, "-m", models["f32"])
+    missing = tmp_path / "nope.txt"
+    assert "cannot read" in _error(capsys, "-m", models["f32"], "-f", missing)
+    junk = tmp_path / "junk.kl"
+    junk.write_bytes(b"not a logits file at all")
+    assert "not a logits file" in _error(capsys, "-m", models["f32"], "--kl-divergence-base", junk,
+                                         "--kl-divergence")
+    # a base of another chunking, another vocabulary, another text
+    base = tmp_path / "base.kl"
+    _run(capsys, "-m", models["f32"], "-f", text_file, "-c", N_CTX, "--chunks", 2, "--kl-divergence-base", base)
+    assert "computed with -c 32, not 64" in _error(capsys, "-m", models["f32"], "--kl-divergence-base", base,
+                                                   "--kl-divergence", "-c", 64)
+    assert "another text or another tokenizer" in _error(capsys, "-m", models["f32"], "--kl-divergence-base",
+                                                         base, "--kl-divergence", "-f", short)
+    other = tmp_path / "other.kl"
+    other.write_bytes(base.read_bytes()[:8] + np.array([N_CTX, 8192, 2], dtype="<i4").tobytes()
+                      + base.read_bytes()[20:])
+    assert "another model family" in _error(capsys, "-m", models["f32"], "--kl-divergence-base", other,
+                                            "--kl-divergence")
+    cut = tmp_path / "cut.kl"
+    cut.write_bytes(base.read_bytes()[:-100])
+    assert "truncated" in _error(capsys, "-m", models["f32"], "--kl-divergence-base", cut, "--kl-divergence")
