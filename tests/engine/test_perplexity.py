@@ -1,7 +1,8 @@
 """`strata perplexity`: llama-perplexity's chunking, its error formula, the logits file of a KL base run, the
 KL mode (a run against itself, q8_0 against f32), and the one-line errors for bad input.
 
-The model is a tiny random Qwen3 converted by `strata convert` (f32 and q8_0 from the same checkpoint).
+The models are tiny random Qwen3 (f32 and q8_0 from the same checkpoint) and Qwen3-MoE checkpoints converted
+by `strata convert`.
 """
 
 from __future__ import annotations
@@ -29,12 +30,16 @@ def models(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("ppl")
     tok = make_tiny_hf_tokenizer(root / "tok", 512)
-    hf = root / "hf"
-    make_hf_model("qwen3", hf, 512, seed=3, std=0.08)
-    for f in tok.iterdir():
-        if f.is_file():
-            (hf / f.name).write_bytes(f.read_bytes())
-    return {t: convert(hf, root / f"m.{t}.gguf", t) for t in ("f32", "q8_0")}
+    out = {}
+    for fam in ("qwen3", "qwen3moe"):
+        hf = root / fam
+        make_hf_model(fam, hf, 512, seed=3, std=0.08)
+        for f in tok.iterdir():
+            if f.is_file():
+                (hf / f.name).write_bytes(f.read_bytes())
+        for t in ("f32", "q8_0") if fam == "qwen3" else ("f32",):
+            out[t if fam == "qwen3" else f"moe.{t}"] = convert(hf, root / f"{fam}.{t}.gguf", t)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -157,3 +162,17 @@ def test_bad_input(models, text_file, capsys, tmp_path):
     cut = tmp_path / "cut.kl"
     cut.write_bytes(base.read_bytes()[:-100])
     assert "truncated" in _error(capsys, "-m", models["f32"], "--kl-divergence-base", cut, "--kl-divergence")
+
+
+def _ppl(out: str) -> float:
+    return float(re.search(r"Final estimate: PPL = ([0-9.]+)", out).group(1))
+
+
+def test_pieces_and_tiered_experts_give_the_same_ppl(models, text_file, capsys):
+    """A MoE model: chunks run in pieces of 5 tokens (not aligned with the scored half) and with tiered experts
+    (a cache of 3 of 8 experts per layer) score what one forward per chunk with resident experts does."""
+    common = ["-m", models["moe.f32"], "-f", text_file, "-c", N_CTX, "--chunks", 2]
+    whole = _ppl(_run(capsys, *common))
+    assert _ppl(_run(capsys, *common, "--prefill-chunk", 5)) == pytest.approx(whole, rel=1e-5)
+    tiered = _run(capsys, *common, "--prefill-chunk", 5, "--experts", "tiered", "--expert-slots", 3)
+    assert _ppl(tiered) == pytest.approx(whole, rel=1e-5)
