@@ -73,9 +73,10 @@ def cmd_perplexity(args) -> int:
         tokens = P.tokenize(tok, _read_text(args.file))
     if n_ctx > ctx_len:
         raise StrataError(f"-c {n_ctx} is larger than the model's context of {ctx_len}")
-    n_chunk = P.n_chunks_for(len(tokens), n_ctx, args.chunks)
-    if base is not None:
-        n_chunk = min(n_chunk, base.n_chunk)
+    if base is not None:  # the base run already checked the text's length; it may hold a single chunk
+        n_chunk = min(args.chunks, base.n_chunk) if args.chunks > 0 else base.n_chunk
+    else:
+        n_chunk = P.n_chunks_for(len(tokens), n_ctx, args.chunks)
 
     args.ctx_size = n_ctx  # the KV cache holds one chunk
     lm = load_from_args(args)

@@ -132,6 +132,9 @@ def test_kl_against_itself_and_q8(models, text_file, capsys, tmp_path):
     assert abs(kld) < 1e-5 and top == 100.0  # only the file's uint16 rounding of the base log-probs
     kld_q, top_q = kl(models["q8_0"])
     assert 1e-5 < kld_q < 0.05 and top_q > 80.0
+    # --chunks limits the comparison to the first chunks of the base
+    out = _run(capsys, "-m", models["q8_0"], "--kl-divergence-base", base, "--kl-divergence", "--chunks", 1)
+    assert re.match(r"\[1\][0-9.]+,\n", out), out
 
 
 def test_bad_input(models, text_file, capsys, tmp_path):
