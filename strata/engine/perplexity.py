@@ -235,11 +235,11 @@ def kl_chunk(logits: torch.Tensor, base_rows: np.ndarray, targets: torch.Tensor,
     """Adds one chunk's scored positions to st: KL(base || model) per position over the tokens the base gives
     more than the floor, the NLL of both, and whether both rank the same token first."""
     v = logits.shape[1]
-    lp = torch.log_softmax(logits.float().cpu(), dim=-1)
-    lb = decode_logprobs(base_rows, v)
+    lp = torch.log_softmax(logits.float(), dim=-1)  # on the model's device: [n, V] is large for a real vocabulary
+    lb = decode_logprobs(base_rows, v).to(lp.device)
     pb = torch.where(lb > -FLOOR_NATS, lb.exp(), torch.zeros_like(lb))
     kl = (pb * (lb - lp)).sum(dim=1).double()
-    t = targets.cpu()[:, None]
+    t = targets.to(lp.device)[:, None]
     st.test.add(-lp.gather(1, t).squeeze(1))
     st.base.add(-lb.gather(1, t).squeeze(1))
     st.kld += float(kl.sum())
@@ -249,7 +249,7 @@ def kl_chunk(logits: torch.Tensor, base_rows: np.ndarray, targets: torch.Tensor,
     top = lp.argmax(dim=1, keepdim=True)
     st.same_top += int((lb.gather(1, top).squeeze(1) >= lb.max(dim=1).values).sum())
     st.count += int(kl.numel())
-    st.values.append(kl.float())
+    st.values.append(kl.float().cpu())
 
 
 # --- the runs ----------------------------------------------------------------------------------------------------
