@@ -91,26 +91,14 @@ class Sequence(Request):
         return self.prompt + self.output
 
 
-def _kv_types(cfg) -> tuple:
-    """(k_type, v_type) of the KV cache from the config (a config without the flags: the plain cache)."""
-    types = getattr(cfg, "kv_cache_types", None)
-    return types if types is not None else (None, None)
-
-
-def _type_name(t) -> str:
-    return t if isinstance(t, str) else str(t).removeprefix("torch.")
-
-
 class Engine:
     def __init__(self, lm: LoadedModel, n_slots: int | None = None, prefill_chunk: int | None = None):
         self.lm, self.model = lm, lm.model
         self.n_slots = n_slots or lm.cfg.n_slots
         self.max_ctx = lm.max_ctx
         self.device = self.model.device  # before _default_chunk, which reads it
-        self.kv = self.model.new_kv_cache(self.n_slots, self.max_ctx, lm.cfg.torch_kv_dtype, *_kv_types(lm.cfg))
-        if self.kv.quantized:
-            log.info("strata: KV cache K %s, V %s: attention reads it dequantized with torch ops (no fused kernel "
-                     "reads the blocks yet)", *(_type_name(t) for t in (self.kv.k_type, self.kv.v_type)))
+        kv_types = getattr(lm.cfg, "kv_cache_types", (None, None))  # -ctk/-ctv (None: the plain cache)
+        self.kv = self.model.new_kv_cache(self.n_slots, self.max_ctx, lm.cfg.torch_kv_dtype, *kv_types)
         # recurrent layers' state per slot (strata.kv.recurrent), None for a model of attention layers only. Such a
         # slot holds the state after its last token and nothing before it: a cached prefix is reused only when it
         # is the slot's whole content as of its release (_state_tokens), and a verify step keeps the state after

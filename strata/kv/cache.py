@@ -6,11 +6,14 @@ Standard attention stores K and V per KV head; MLA stores the compressed latent 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from strata.kv.quant import QuantRows
+
+log = logging.getLogger("strata")
 
 
 @dataclass
@@ -58,6 +61,10 @@ class KVCache:
         self._typed = self.k_type != dtype or (v_shape is not None and self.v_type != dtype)
         self.k = [self._buffer(k_shape, self.k_type) for _ in range(n_layers)]
         self.v = [self._buffer(v_shape, self.v_type) for _ in range(n_layers)] if v_shape is not None else None
+        if self.quantized:
+            names = [t if isinstance(t, str) else str(t).removeprefix("torch.") for t in (self.k_type, self.v_type)]
+            log.info("strata: KV cache K %s, V %s: attention reads the quantized rows dequantized by torch ops "
+                     "(no fused kernel reads the blocks yet)", *names)
 
     def _buffer(self, shape, kind):
         if _is_quant(kind):
