@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from strata import StrataError
-from strata.experts.sizing import DEFAULT_CTX, VRAM_RESERVE_MIB  # torch-free; shared with `strata check`
+from strata.experts.sizing import DEFAULT_CTX, KV_TYPE_BLOCKS, VRAM_RESERVE_MIB  # torch-free; shared with `strata check`
 
 DTYPES = {"float32": torch.float32, "f32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "f16": torch.float16}
@@ -28,7 +28,7 @@ DTYPE_CHOICES = ("auto", *DTYPES)
 # KV cache types, llama.cpp's -ctk/-ctv names: a float dtype, or GGML blocks quantized on write and dequantized on
 # read (strata.kv.quant)
 KV_QUANT_TYPES = ("q8_0", "q4_0")
-KV_TYPE_CHOICES = ("f32", "f16", "bf16", *KV_QUANT_TYPES)
+KV_TYPE_CHOICES = tuple(KV_TYPE_BLOCKS)  # f32 f16 bf16 q8_0 q4_0
 
 
 def opt(help: str, *, flag: str | None = None, short: str | None = None, dest: str | None = None,

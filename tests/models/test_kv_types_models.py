@@ -80,3 +80,16 @@ def test_cuda_graph_decode_equals_eager_with_q8_0(family, dtype, hf_and_gguf):
         return list(eng.generate(ids, SamplingParams(temperature=0), 24))
 
     assert run(True) == run(False)
+
+
+@pytest.mark.parametrize("family", ["qwen3moe", "deepseek_v3", "qwen3next"])
+def test_check_plans_the_bytes_the_engine_allocates(family, hf_and_gguf):
+    """`strata check -ctk/-ctv` counts per token what the engine's cache of those types holds."""
+    from strata.hub.check import model_footprint
+
+    _, path = hf_and_gguf(family)
+    lm = load_model(str(path), EngineConfig(device="cpu", dtype="float32", cache_type_k="q8_0", cache_type_v="q4_0"))
+    kv = Engine(lm).kv
+    per_token = lm.model.kv_bytes_per_token(torch.float32, "q8_0", "q4_0")
+    assert model_footprint([path], "q8_0", "q4_0").kv_bytes_per_token == per_token
+    assert kv.nbytes - (kv.recurrent.nbytes if kv.recurrent is not None else 0) == per_token * lm.max_ctx
