@@ -161,6 +161,9 @@ class EngineConfig:
     @property
     def torch_kv_dtype(self) -> torch.dtype:
         """The dtype KV reads come back in (and a float cache's storage)."""
+        k, v = self.cache_type_k, self.cache_type_v
+        if k is not None and k == v and k not in KV_QUANT_TYPES:
+            return DTYPES[k]  # -ctk f16 -ctv f16 is --kv-dtype f16: the plain cache of that dtype
         if self.kv_dtype == "auto" or self.kv_dtype in KV_QUANT_TYPES:
             return self.torch_dtype
         return DTYPES[self.kv_dtype]

@@ -119,6 +119,8 @@ def test_flags_resolve_per_k_and_v():
                                                                                               "q4_0")
     both = EngineConfig(device="cpu", kv_dtype="q8_0")  # --kv-dtype sets both, reads in the compute dtype
     assert both.kv_cache_types == ("q8_0", "q8_0") and both.torch_kv_dtype == torch.float32
+    same = EngineConfig(device="cpu", cache_type_k="f16", cache_type_v="f16")  # = --kv-dtype f16: the plain cache
+    assert same.torch_kv_dtype == torch.float16 and same.kv_cache_types == (torch.float16, torch.float16)
     with pytest.raises(StrataError, match="--cache-type-k must be one of"):
         EngineConfig(device="cpu", cache_type_k="q5_1").validate()
 
