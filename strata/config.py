@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from strata import StrataError
-from strata.experts.sizing import DEFAULT_CTX, VRAM_RESERVE_MIB  # torch-free; shared with `strata check`
+from strata.experts.sizing import DEFAULT_CTX, KV_TYPE_BLOCKS, VRAM_RESERVE_MIB  # torch-free; shared with `strata check`
 
 DTYPES = {"float32": torch.float32, "f32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "f16": torch.float16}
@@ -25,6 +25,10 @@ CACHE_POLICIES = ("lfu-decay", "lru")
 CACHE_LAYOUTS = ("uniform", "profile")
 EXPERT_ROUTINGS = ("model", "uniform")
 DTYPE_CHOICES = ("auto", *DTYPES)
+# KV cache types, llama.cpp's -ctk/-ctv names: a float dtype, or GGML blocks quantized on write and dequantized on
+# read (strata.kv.quant)
+KV_QUANT_TYPES = ("q8_0", "q4_0")
+KV_TYPE_CHOICES = tuple(KV_TYPE_BLOCKS)  # f32 f16 bf16 q8_0 q4_0
 
 
 def opt(help: str, *, flag: str | None = None, short: str | None = None, dest: str | None = None,
@@ -102,7 +106,13 @@ class EngineConfig:
     dtype: str = field(default="auto", metadata=opt(
         "compute dtype: auto (f32 on CPU, bf16 on GPU), f32, bf16, f16", choices=DTYPE_CHOICES))
     kv_dtype: str = field(default="auto", metadata=opt(
-        "KV cache dtype: auto (= the compute dtype), bf16, f16, f32", choices=DTYPE_CHOICES))
+        "KV cache type of K and V unless -ctk/-ctv say otherwise: auto (= the compute dtype), bf16, f16, f32, "
+        "q8_0, q4_0", choices=(*DTYPE_CHOICES, *KV_QUANT_TYPES)))
+    cache_type_k: str | None = field(default=None, metadata=opt(
+        "KV cache type of K (MLA: of the latent cache): f32, f16, bf16, q8_0 (blocks of 32 values and an f16 "
+        "scale, quantized as written), q4_0 (default: --kv-dtype)", short="-ctk", choices=KV_TYPE_CHOICES))
+    cache_type_v: str | None = field(default=None, metadata=opt(
+        "KV cache type of V: as -ctk (default: --kv-dtype)", short="-ctv", choices=KV_TYPE_CHOICES))
     ctx_size: int = field(default=0, metadata=opt(f"context length (0: min(model, {DEFAULT_CTX}))", short="-c"))
     n_slots: int = 1  # from `strata serve --parallel`
     prefill_chunk: int = field(default=0, metadata=opt(
@@ -150,7 +160,26 @@ class EngineConfig:
 
     @property
     def torch_kv_dtype(self) -> torch.dtype:
-        return self.torch_dtype if self.kv_dtype == "auto" else DTYPES[self.kv_dtype]
+        """The dtype KV reads come back in (and a float cache's storage)."""
+        k, v = self.cache_type_k, self.cache_type_v
+        if k is not None and k == v and k not in KV_QUANT_TYPES:
+            return DTYPES[k]  # -ctk f16 -ctv f16 is --kv-dtype f16: the plain cache of that dtype
+        if self.kv_dtype == "auto" or self.kv_dtype in KV_QUANT_TYPES:
+            return self.torch_dtype
+        return DTYPES[self.kv_dtype]
+
+    @property
+    def kv_cache_types(self) -> tuple[torch.dtype | str, torch.dtype | str]:
+        """How K and V are stored (strata.kv.cache.KVCache's k_type, v_type): a torch dtype, or a quantized
+        type's name. Neither flag given, both are torch_kv_dtype: the plain cache."""
+        base = self.kv_dtype if self.kv_dtype in KV_QUANT_TYPES else self.torch_kv_dtype
+
+        def one(name):
+            if name is None:
+                return base
+            return name if name in KV_QUANT_TYPES else DTYPES[name]
+
+        return one(self.cache_type_k), one(self.cache_type_v)
 
 
 # --- the environment: read here only -------------------------------------------------------------------------
@@ -214,7 +243,8 @@ def check_choices(obj) -> None:
 
     for f in fields(obj):
         cli = f.metadata.get("cli")
-        if cli and cli["choices"] and getattr(obj, f.name) not in cli["choices"]:
+        value = getattr(obj, f.name)
+        if cli and cli["choices"] and value is not None and value not in cli["choices"]:  # None: not set
             raise StrataError(f"{_flag_name(f)} must be one of {', '.join(cli['choices'])} "
                               f"(got {getattr(obj, f.name)!r})")
 

@@ -97,7 +97,8 @@ class Engine:
         self.n_slots = n_slots or lm.cfg.n_slots
         self.max_ctx = lm.max_ctx
         self.device = self.model.device  # before _default_chunk, which reads it
-        self.kv = self.model.new_kv_cache(self.n_slots, self.max_ctx, lm.cfg.torch_kv_dtype)
+        kv_types = getattr(lm.cfg, "kv_cache_types", (None, None))  # -ctk/-ctv (None: the plain cache)
+        self.kv = self.model.new_kv_cache(self.n_slots, self.max_ctx, lm.cfg.torch_kv_dtype, *kv_types)
         # recurrent layers' state per slot (strata.kv.recurrent), None for a model of attention layers only. Such a
         # slot holds the state after its last token and nothing before it: a cached prefix is reused only when it
         # is the slot's whole content as of its release (_state_tokens), and a verify step keeps the state after

@@ -184,3 +184,14 @@ def prefill_left(budget: int, held: int, reserve: int) -> int:
     """The VRAM the default prefill chunk is sized from (prefill_chunk_for): the budget less what the device holds
     (context, dense weights, KV) and the reserve."""
     return int(budget) - int(held) - int(reserve)
+
+
+# KV cache types (-ctk/-ctv) -> (values per block, bytes per block): q8_0 and q4_0 are GGML blocks of 32 values
+# and one f16 scale (strata.kv.quant), a row that is not a multiple of 32 padded to whole blocks
+KV_TYPE_BLOCKS = {"f32": (1, 4), "f16": (1, 2), "bf16": (1, 2), "q8_0": (32, 34), "q4_0": (32, 18)}
+
+
+def kv_row_bytes(n: int, kind: str) -> int:
+    """Bytes of one cached row (a head's key or value, or MLA's latent) of n values stored as `kind`."""
+    per, nbytes = KV_TYPE_BLOCKS[kind]
+    return -(-n // per) * nbytes

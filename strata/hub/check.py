@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from strata.experts.sizing import (DEFAULT_CTX, OUTSIDE_GROWTH_MIB, VRAM_RESERVE_MIB, VramSplit,
+from strata.experts.sizing import (DEFAULT_CTX, OUTSIDE_GROWTH_MIB, VRAM_RESERVE_MIB, VramSplit, kv_row_bytes,
                                    prefill_bytes_per_token, prefill_chunk_for, prefill_left, split_budget,
                                    staging_slots)
 from strata.hub.machine import MachineInfo
@@ -32,7 +32,7 @@ CUDA_CONTEXT_ESTIMATE = (704 + OUTSIDE_GROWTH_MIB) * MiB
 
 
 RAM_HEADROOM = 2 * GiB  # OS, the server process itself, page cache for the memory-mapped files
-KV_BYTES_PER_ELEMENT = 2  # f16/bf16 KV cache
+KV_CACHE_TYPE = "f16"  # the engine's default KV on a GPU is bf16, the same size; -ctk/-ctv choose others
 _LAYER = re.compile(r"^blk\.(\d+)\.")
 
 
@@ -60,16 +60,16 @@ class ModelFootprint:
         return self.n_expert * self.n_moe_layers
 
 
-def kv_bytes_per_token(h: GGUFHeader) -> int:
+def kv_bytes_per_token(h: GGUFHeader, cache_type_k: str = "f16", cache_type_v: str = "f16") -> int:
     """KV-cache bytes one token occupies across all layers, from the GGUF metadata (multi-token-prediction
-    blocks, which hold no KV here, left out)."""
+    blocks, which hold no KV here, left out), K and V stored as the engine's -ctk/-ctv would (MLA's latent: -ctk)."""
     n_layer = int(h.arch_value("block_count", 0) or 0) - int(h.arch_value("nextn_predict_layers", 0) or 0)
     n_head = h.arch_value("attention.head_count", 0) or 0
     n_embd = int(h.arch_value("embedding_length", 0) or 0)
     kv_lora = h.arch_value("attention.kv_lora_rank")
     if kv_lora:  # MLA (DeepSeek-style): one compressed latent plus the rope part per token and layer
         rope = int(h.arch_value("rope.dimension_count", 0) or 0)
-        return n_layer * (int(kv_lora) + rope) * KV_BYTES_PER_ELEMENT
+        return n_layer * kv_row_bytes(int(kv_lora) + rope, cache_type_k)
     n_kv = h.arch_value("attention.head_count_kv", n_head)
     heads = n_head if isinstance(n_head, int) else max(n_head or [0])
     head_dim = n_embd // heads if heads else 0
@@ -80,7 +80,7 @@ def kv_bytes_per_token(h: GGUFHeader) -> int:
     else:
         interval = int(h.arch_value("full_attention_interval", 1) or 1)  # hybrids: 1 attention layer in N
         kv_heads_total = int(n_kv) * (n_layer // interval)
-    return kv_heads_total * (k_len + v_len) * KV_BYTES_PER_ELEMENT
+    return kv_heads_total * (kv_row_bytes(k_len, cache_type_k) + kv_row_bytes(v_len, cache_type_v))
 
 
 def state_bytes_per_slot(h: GGUFHeader) -> int:
@@ -99,8 +99,10 @@ def state_bytes_per_slot(h: GGUFHeader) -> int:
     return n_recurrent * per_layer * 4
 
 
-def model_footprint(paths: list[Path]) -> ModelFootprint:
-    """Sizes from the tensor tables of a model's GGUF file(s) (all shards; metadata from the first)."""
+def model_footprint(paths: list[Path], cache_type_k: str = KV_CACHE_TYPE,
+                    cache_type_v: str = KV_CACHE_TYPE) -> ModelFootprint:
+    """Sizes from the tensor tables of a model's GGUF file(s) (all shards; metadata from the first); the KV as
+    stored in the given -ctk/-ctv types."""
     headers = [read_gguf_header(p) for p in paths]
     first = headers[0]
     total = expert = 0
@@ -137,7 +139,7 @@ def model_footprint(paths: list[Path]) -> ModelFootprint:
         n_expert_used=int(first.arch_value("expert_used_count", 0) or 0),
         n_moe_layers=len(per_layer),
         slot_bytes=slot,
-        kv_bytes_per_token=kv_bytes_per_token(first),
+        kv_bytes_per_token=kv_bytes_per_token(first, cache_type_k, cache_type_v),
         state_bytes_per_slot=state_bytes_per_slot(first),
         context_length=first.arch_value("context_length"),
         d_model=int(first.arch_value("embedding_length", 0) or 0),

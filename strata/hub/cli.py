@@ -49,6 +49,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     c.add_argument("--models-dir", type=Path, help="models directory (default: as for pull)")
     c.add_argument("--vram-gb", type=float, help="VRAM budget in GiB (default: the first GPU's free VRAM)")
     c.add_argument("-c", "--ctx-size", type=int, default=0, help="context to plan for (default: min(model's, 8192))")
+    from strata.experts.sizing import KV_TYPE_BLOCKS  # torch-free, as check is
+
+    for short, flag, what in (("-ctk", "--cache-type-k", "K (MLA: the latent)"), ("-ctv", "--cache-type-v", "V")):
+        c.add_argument(short, flag, default="f16", choices=tuple(KV_TYPE_BLOCKS),
+                       help=f"KV cache type of {what} to plan for, as the engine's flag (default f16)")
     c.add_argument("--json", action="store_true", help="machine-readable output")
     c.set_defaults(func=cmd_check)
 
@@ -160,7 +165,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     fp = verdict = None
     if args.model:
         paths = resolve_model(args.model, models_dir)
-        fp = model_footprint(paths)
+        fp = model_footprint(paths, args.cache_type_k, args.cache_type_v)
         budget = int(args.vram_gb * GiB) if args.vram_gb is not None else None
         verdict = fit(fp, machine, args.ctx_size, budget)
     if args.json:

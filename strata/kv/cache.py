@@ -6,9 +6,14 @@ Standard attention stores K and V per KV head; MLA stores the compressed latent 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
+
+from strata.kv.quant import QuantRows
+
+log = logging.getLogger("strata")
 
 
 @dataclass
@@ -28,59 +33,141 @@ class Segment:
         return self.start + self.n
 
 
+def _is_quant(t) -> bool:
+    return isinstance(t, str)
+
+
+def _stored(kind, dtype: torch.dtype):
+    """A K or V cache type: None (the cache's dtype), a torch dtype, or a quantized type's name ("q8_0")."""
+    return dtype if kind is None else kind
+
+
 class KVCache:
     # the recurrent layers' per-slot state (strata.kv.recurrent.HybridCache); None: every layer is attention
     recurrent = None
 
     def __init__(self, n_layers: int, n_slots: int, max_ctx: int, k_shape: tuple[int, ...],
-                 v_shape: tuple[int, ...] | None, dtype: torch.dtype, device: torch.device | str):
+                 v_shape: tuple[int, ...] | None, dtype: torch.dtype, device: torch.device | str,
+                 k_type: "torch.dtype | str | None" = None, v_type: "torch.dtype | str | None" = None):
+        """`dtype`: the dtype of what reads return (a plain cache's storage). k_type / v_type: how K and V are
+        stored, when not in `dtype`: another torch dtype, or a quantized type of strata.kv.quant ("q8_0", read
+        back dequantized to `dtype`)."""
         self.n_layers, self.n_slots, self.max_ctx = n_layers, n_slots, max_ctx
         self.dtype, self.device = dtype, torch.device(device)
-        self.k = [torch.zeros(n_slots, max_ctx, *k_shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.v = (
-            [torch.zeros(n_slots, max_ctx, *v_shape, dtype=dtype, device=device) for _ in range(n_layers)]
-            if v_shape is not None
-            else None
-        )
+        self.k_type, self.v_type = _stored(k_type, dtype), _stored(v_type, dtype)
+        self.quantized = _is_quant(self.k_type) or (v_shape is not None and _is_quant(self.v_type))
+        # K or V stored otherwise than in `dtype`: each buffer says how it is written and read. Not so (the
+        # default), the plain tensor path below runs unchanged
+        self._typed = self.k_type != dtype or (v_shape is not None and self.v_type != dtype)
+        self.k = [self._buffer(k_shape, self.k_type) for _ in range(n_layers)]
+        self.v = [self._buffer(v_shape, self.v_type) for _ in range(n_layers)] if v_shape is not None else None
+        if self.quantized:
+            names = [t if isinstance(t, str) else str(t).removeprefix("torch.") for t in (self.k_type, self.v_type)]
+            log.info("strata: KV cache K %s, V %s: attention reads the quantized rows dequantized by torch ops "
+                     "(no fused kernel reads the blocks yet)", *names)
+
+    def _buffer(self, shape, kind):
+        if _is_quant(kind):
+            return QuantRows(self.n_slots, self.max_ctx, tuple(shape), kind, self.device)
+        return torch.zeros(self.n_slots, self.max_ctx, *shape, dtype=kind, device=self.device)
+
+    @staticmethod
+    def _nbytes(t) -> int:
+        return t.nbytes if isinstance(t, QuantRows) else t.numel() * t.element_size()
 
     @property
     def nbytes(self) -> int:
-        per = self.k[0].numel() * self.k[0].element_size()
+        per = self._nbytes(self.k[0])
         if self.v is not None:
-            per += self.v[0].numel() * self.v[0].element_size()
+            per += self._nbytes(self.v[0])
         return per * self.n_layers
 
     @staticmethod
-    def bytes_per_token(n_layers: int, k_shape, v_shape, dtype: torch.dtype) -> int:
-        n = 1
-        for d in k_shape:
-            n *= d
-        m = 0
+    def bytes_per_token(n_layers: int, k_shape, v_shape, dtype: torch.dtype, k_type=None, v_type=None) -> int:
+        def row(shape, kind) -> int:
+            n = 1
+            for d in shape[:-1]:
+                n *= d
+            if _is_quant(kind):
+                return n * QuantRows.bytes_per_row(shape[-1], kind)
+            return n * shape[-1] * torch.empty(0, dtype=kind).element_size()
+
+        per = row(k_shape, _stored(k_type, dtype))
         if v_shape is not None:
-            m = 1
-            for d in v_shape:
-                m *= d
-        return (n + m) * n_layers * torch.empty(0, dtype=dtype).element_size()
+            per += row(v_shape, _stored(v_type, dtype))
+        return per * n_layers
 
     def write(self, layer: int, seg: Segment, k: torch.Tensor, v: torch.Tensor | None) -> None:
+        if self._typed:
+            self._put(self.k[layer], seg, k)
+            if v is not None and self.v is not None:
+                self._put(self.v[layer], seg, v)
+            return
         self.k[layer][seg.slot, seg.start : seg.end] = k.to(self.dtype)
         if v is not None and self.v is not None:
             self.v[layer][seg.slot, seg.start : seg.end] = v.to(self.dtype)
 
+    @staticmethod
+    def _put(buf, seg: Segment, x: torch.Tensor) -> None:
+        if isinstance(buf, QuantRows):
+            buf.write(seg.slot, seg.start, seg.end, x)
+        else:
+            buf[seg.slot, seg.start : seg.end] = x.to(buf.dtype)
+
     def write_at(self, layer: int, slot: int, pos_t: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
         """Write one token's K/V at a device-side position (no host value involved)."""
+        if self._typed:
+            for buf, x in ((self.k[layer], k), (self.v[layer] if self.v is not None else None, v)):
+                if buf is None or x is None:
+                    continue
+                if isinstance(buf, QuantRows):
+                    buf.write_at(slot, pos_t, x)
+                else:
+                    buf[slot].index_copy_(0, pos_t, x.to(buf.dtype))
+            return
         self.k[layer][slot].index_copy_(0, pos_t, k.to(self.dtype))
         if v is not None and self.v is not None:
             self.v[layer][slot].index_copy_(0, pos_t, v.to(self.dtype))
 
+    def _view(self, buf, slot: int, n: int) -> torch.Tensor:
+        return buf.read(slot, n, self.dtype) if isinstance(buf, QuantRows) else buf[slot, :n]
+
     def read(self, layer: int, seg: Segment) -> tuple[torch.Tensor, torch.Tensor | None]:
-        k = self.k[layer][seg.slot, : seg.end]
-        v = self.v[layer][seg.slot, : seg.end] if self.v is not None else None
+        return self.read_window(layer, seg.slot, seg.end)
+
+    def read_window(self, layer: int, slot: int, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A slot's first n positions (the whole static window of a captured decode step, or a segment's prefix):
+        views of a plain cache; a quantized type dequantized to `dtype` (torch ops, static shapes)."""
+        if self._typed:
+            return self._view(self.k[layer], slot, n), (
+                self._view(self.v[layer], slot, n) if self.v is not None else None)
+        k = self.k[layer][slot, :n]
+        v = self.v[layer][slot, :n] if self.v is not None else None
         return k, v
 
     def copy_prefix(self, src_slot: int, dst_slot: int, n: int) -> None:
         """Copy the first n positions of one slot to another (conversation cache restore)."""
         for layer in range(self.n_layers):
-            self.k[layer][dst_slot, :n] = self.k[layer][src_slot, :n]
-            if self.v is not None:
-                self.v[layer][dst_slot, :n] = self.v[layer][src_slot, :n]
+            for bufs in (self.k, self.v):
+                if bufs is None:
+                    continue
+                if isinstance(bufs[layer], QuantRows):
+                    bufs[layer].copy_prefix(src_slot, dst_slot, n)
+                else:
+                    bufs[layer][dst_slot, :n] = bufs[layer][src_slot, :n]
+
+    def save_rows(self, layer: int, slot: int, n: int, which: str = "k") -> list[torch.Tensor]:
+        """Host copies of what a slot's first n positions store for K (or V), as stored (a quantized type's
+        blocks and scales, not dequantized): the conversation cache's entries."""
+        buf = (self.k if which == "k" else self.v)[layer]
+        if isinstance(buf, QuantRows):
+            return buf.rows(slot, n, "cpu")
+        return [buf[slot, :n].to("cpu", copy=True)]
+
+    def load_rows(self, layer: int, slot: int, n: int, rows: list[torch.Tensor], which: str = "k") -> None:
+        """Put back what save_rows copied (its first n positions) into a slot."""
+        buf = (self.k if which == "k" else self.v)[layer]
+        if isinstance(buf, QuantRows):
+            buf.put_rows(slot, n, rows)
+        else:
+            buf[slot, :n] = rows[0][:n].to(self.device, non_blocking=True)

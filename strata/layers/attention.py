@@ -63,12 +63,20 @@ def _cache_step(kv: KVCache, layer: int, seg: Segment, k: torch.Tensor, v: torch
     static-shape decode segment the fixed window masked beyond the device-side position."""
     if seg.window:
         kv.write_at(layer, seg.slot, seg.pos_t, k, v)
-        ks = kv.k[layer][seg.slot, : seg.window]
-        vs = kv.v[layer][seg.slot, : seg.window] if kv.v is not None else None
+        ks, vs = kv.read_window(layer, seg.slot, seg.window)
         return ks, vs, _window_mask(seg.window, seg.pos_t, k.dtype)
     kv.write(layer, seg, k, v)
     ks, vs = kv.read(layer, seg)
     return ks, vs, _causal_mask(seg, k.device)
+
+
+def _as_dtype(ks: torch.Tensor, vs: torch.Tensor | None, dtype: torch.dtype):
+    """Keys and values in the activations' dtype (a cache in another dtype: each of K and V may have its own)."""
+    if ks.dtype != dtype:
+        ks = ks.to(dtype)
+    if vs is not None and vs.dtype != dtype:
+        vs = vs.to(dtype)
+    return ks, vs
 
 
 def _linear(x: torch.Tensor, w: QTensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -112,8 +120,7 @@ class GQAttention:
         outs, i = [], 0
         for seg in segments:
             ks, vs, mask = _cache_step(kv, self.layer, seg, k[i : i + seg.n], v[i : i + seg.n])  # [L, Hkv, D]
-            if ks.dtype != x.dtype:  # (a cache in another dtype than the activations)
-                ks, vs = ks.to(x.dtype), vs.to(x.dtype)
+            ks, vs = _as_dtype(ks, vs, x.dtype)  # (a cache in another dtype than the activations)
             if seg.window and seg.n == 1:  # a static decode step's query: split over the keys on a GPU
                 outs.append(_ONE_QUERY(q[i : i + 1], ks, vs, mask, seg.pos_t, self.scale))
             else:
@@ -171,8 +178,7 @@ class SinkAttention(GQAttention):
             kk, vv = k[i : i + seg.n], v[i : i + seg.n]
             if seg.window:
                 kv.write_at(self.layer, seg.slot, seg.pos_t, kk, vv)
-                ks = kv.k[self.layer][seg.slot, : seg.window]
-                vs = kv.v[self.layer][seg.slot, : seg.window]
+                ks, vs = kv.read_window(self.layer, seg.slot, seg.window)
                 mask = self._static_mask(seg.window, seg.pos_t)
             else:
                 kv.write(self.layer, seg, kk, vv)

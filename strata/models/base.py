@@ -121,13 +121,15 @@ class CausalLM:
         kw.setdefault("profiler", self.experts.profiler if self.experts is not None else None)
         return StepContext.for_segments(segments, n_tokens, **kw)
 
-    def new_kv_cache(self, n_slots: int, max_ctx: int, dtype: torch.dtype | None = None) -> KVCache:
+    def new_kv_cache(self, n_slots: int, max_ctx: int, dtype: torch.dtype | None = None, k_type=None,
+                     v_type=None) -> KVCache:
+        """k_type / v_type: how K and V are stored when not in `dtype` (strata.kv.cache.KVCache)."""
         return KVCache(len(self.blocks), n_slots, max_ctx, self.cache_spec.k_shape, self.cache_spec.v_shape,
-                       dtype or self.dtype, self.device)
+                       dtype or self.dtype, self.device, k_type, v_type)
 
-    def kv_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
+    def kv_bytes_per_token(self, dtype: torch.dtype | None = None, k_type=None, v_type=None) -> int:
         return KVCache.bytes_per_token(len(self.blocks), self.cache_spec.k_shape, self.cache_spec.v_shape,
-                                       dtype or self.dtype)
+                                       dtype or self.dtype, k_type, v_type)
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         e = self.embed

@@ -19,7 +19,7 @@ from strata import StrataError
 from strata.gguf.reader import GGUFModel
 from strata.kv.cache import KVCache, Segment
 from strata.kv.recurrent import HybridCache, RecurrentState
-from strata.layers.attention import _ONE_QUERY, _cache_step, _gqa, _linear
+from strata.layers.attention import _ONE_QUERY, _as_dtype, _cache_step, _gqa, _linear
 from strata.layers.deltanet import GatedDeltaNet, legacy_split
 from strata.layers.moe import Routing
 from strata.layers.rotary import Rotary
@@ -72,8 +72,7 @@ class GatedAttention:
         outs, i = [], 0
         for seg in segments:
             ks, vs, mask = _cache_step(kv, self.layer, seg, k[i : i + seg.n], v[i : i + seg.n])
-            if ks.dtype != x.dtype:
-                ks, vs = ks.to(x.dtype), vs.to(x.dtype)
+            ks, vs = _as_dtype(ks, vs, x.dtype)
             if seg.window and seg.n == 1:
                 outs.append(_ONE_QUERY(q[i : i + 1], ks, vs, mask, seg.pos_t, self.scale))
             else:
@@ -93,14 +92,15 @@ class HybridLM(CausalLM):
         self.recurrent_layers = [i for i in range(len(self.blocks)) if i not in set(self.attn_layers)]
         self.state_shapes = GatedDeltaNet.state_shapes(args.extra["linear"])
 
-    def new_kv_cache(self, n_slots: int, max_ctx: int, dtype: torch.dtype | None = None) -> KVCache:
+    def new_kv_cache(self, n_slots: int, max_ctx: int, dtype: torch.dtype | None = None, k_type=None,
+                     v_type=None) -> KVCache:
         rec = RecurrentState(self.recurrent_layers, n_slots, *self.state_shapes, device=self.device)
         return HybridCache(len(self.attn_layers), n_slots, max_ctx, self.cache_spec.k_shape, self.cache_spec.v_shape,
-                           dtype or self.dtype, self.device, rec)
+                           dtype or self.dtype, self.device, rec, k_type, v_type)
 
-    def kv_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
+    def kv_bytes_per_token(self, dtype: torch.dtype | None = None, k_type=None, v_type=None) -> int:
         return KVCache.bytes_per_token(len(self.attn_layers), self.cache_spec.k_shape, self.cache_spec.v_shape,
-                                       dtype or self.dtype)
+                                       dtype or self.dtype, k_type, v_type)
 
     def state_bytes_per_slot(self) -> int:
         return RecurrentState.bytes_per_slot(len(self.recurrent_layers), *self.state_shapes)

@@ -29,8 +29,8 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 @dataclass
 class Entry:
     tokens: list[int]
-    k: list[torch.Tensor]  # per layer [n, *k_shape] on the host
-    v: list[torch.Tensor] | None
+    k: list[list[torch.Tensor]]  # per layer, on the host, as the cache stores them (KVCache.save_rows)
+    v: list[list[torch.Tensor]] | None
     nbytes: int
 
 
@@ -56,9 +56,10 @@ class PromptCache:
             if len(other.tokens) >= n and other.tokens[:n] == toks:
                 return
         kv = engine.kv
-        k = [kv.k[layer][slot, :n].to("cpu", copy=True) for layer in range(kv.n_layers)]
-        v = [kv.v[layer][slot, :n].to("cpu", copy=True) for layer in range(kv.n_layers)] if kv.v is not None else None
-        nbytes = sum(t.numel() * t.element_size() for t in k + (v or []))
+        # each layer's rows as stored (a quantized cache's blocks and scales, copied as they are)
+        k = [kv.save_rows(layer, slot, n, "k") for layer in range(kv.n_layers)]
+        v = [kv.save_rows(layer, slot, n, "v") for layer in range(kv.n_layers)] if kv.v is not None else None
+        nbytes = sum(t.numel() * t.element_size() for rows in k + (v or []) for t in rows)
         if nbytes > self.budget:
             return
         # drop entries that are prefixes of this one (the conversation moved on)
@@ -78,9 +79,9 @@ class PromptCache:
     def _restore(self, engine, slot: int, e: Entry, n: int) -> None:
         kv = engine.kv
         for layer in range(kv.n_layers):
-            kv.k[layer][slot, :n] = e.k[layer][:n].to(kv.device, non_blocking=True)
+            kv.load_rows(layer, slot, n, e.k[layer], "k")
             if kv.v is not None and e.v is not None:
-                kv.v[layer][slot, :n] = e.v[layer][:n].to(kv.device, non_blocking=True)
+                kv.load_rows(layer, slot, n, e.v[layer], "v")
         engine.slot_tokens[slot] = list(e.tokens[:n])
         self.restores += 1
 

@@ -287,3 +287,15 @@ def test_no_gpu_message_names_no_package_when_there_is_no_device(monkeypatch):
     monkeypatch.setattr(machine, "_nvidia_device_present", lambda: True)
     gpus, why = machine.probe_gpus()
     assert gpus == [] and "nvidia-ml-py" in why
+
+
+def test_kv_bytes_follow_the_cache_types():
+    """-ctk/-ctv: q8_0 stores 32 values in 34 bytes, q4_0 in 18 (the last block of a row padded)."""
+    h = _header(block_count=48, embedding_length=2048, **{"attention.head_count": 32, "attention.head_count_kv": 4,
+                                                          "attention.key_length": 128, "attention.value_length": 128})
+    assert kv_bytes_per_token(h, "q8_0", "q8_0") == 48 * 4 * 2 * 4 * 34
+    assert kv_bytes_per_token(h, "q8_0", "f32") == 48 * 4 * (4 * 34 + 128 * 4)
+    assert kv_bytes_per_token(h, "q4_0", "q4_0") == 48 * 4 * 2 * 4 * 18
+    mla = _header(block_count=61, embedding_length=7168, **{"attention.head_count": 128,
+                                                            "attention.kv_lora_rank": 512, "rope.dimension_count": 64})
+    assert kv_bytes_per_token(mla, "q8_0", "f16") == 61 * 18 * 34  # the latent follows -ctk

@@ -53,3 +53,28 @@ def test_same_output_with_and_without_cache(lm):
     _run(e, cache, list(range(300, 340)))
     hot = _run(e, cache, conv, 6)
     assert hot.cached == len(conv) - 1 and hot.output == base
+
+
+def test_round_trip_with_q8_0_cache_keeps_the_blocks(tiny_gguf):
+    """-ctk q8_0 -ctv q8_0: entries hold the stored blocks and scales (about half a bf16 cache's bytes), and a
+    restore puts them back bit for bit: the same tokens as a cold run of the same cache type."""
+    from strata.config import EngineConfig
+    from strata.engine.loader import load_model
+
+    cfg = EngineConfig(model=str(tiny_gguf), device="cpu", ctx_size=256, cache_type_k="q8_0", cache_type_v="q8_0")
+    e = Engine(load_model(str(tiny_gguf), cfg), n_slots=1, prefill_chunk=64)
+    assert e.kv.quantized
+    cache = PromptCache(64)
+    a, b = list(range(10, 50)), list(range(100, 140))
+    _run(e, cache, a)
+    stored = [e.kv.k[0].qs[0, :40].clone(), e.kv.k[0].d[0, :40].clone(), e.kv.v[0].qs[0, :40].clone()]
+    _run(e, cache, b)  # a goes to RAM, as stored
+    entry = next(iter(cache.entries.values()))
+    assert [t.dtype for t in entry.k[0]] == [torch.uint8, torch.float16]
+    assert entry.nbytes == sum(t.numel() * t.element_size() for rows in entry.k + entry.v for t in rows)
+    again = _run(e, cache, a + [7, 8])
+    assert cache.restores == 1 and again.cached == 40
+    assert torch.equal(e.kv.k[0].qs[0, :40], stored[0]) and torch.equal(e.kv.k[0].d[0, :40], stored[1])
+    assert torch.equal(e.kv.v[0].qs[0, :40], stored[2])
+    cold = Engine(load_model(str(tiny_gguf), cfg), n_slots=1, prefill_chunk=64)
+    assert _run(cold, PromptCache(0), a + [7, 8]).output == again.output

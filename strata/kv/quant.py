@@ -1,0 +1,117 @@
+"""Quantized KV rows (llama.cpp's `-ctk/-ctv q8_0 | q4_0`): each cached row (one head's key or value, or MLA's
+latent) is stored as GGML blocks of 32 values sharing one f16 scale, quantized when written and dequantized when
+attention reads it.
+
+The blocks' quantized bytes and their scales live in two tensors (`qs` [..., blocks * block_bytes] and
+`d` [..., blocks] f16) rather than interleaved as GGUF's 34-byte records: the scales then read as f16 in place (an
+interleaved f16 field at stride 34 cannot be viewed without a copy) and both tensors index by slot and position
+like a plain cache. The values and scales are GGML's Q8_0 / Q4_0 exactly (same rounding; tests/kv compares with
+gguf-py's quantizer). A row whose length is not a multiple of 32 gets its last block zero-padded, so every
+family's head dimension works (real models' are multiples of 32, tiny test models' often are not).
+
+Everything is whole-tensor torch ops with static shapes and no host reads, so a write at a device-side position
+and a dequantized read of a fixed window are capturable in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK = 32
+# bytes of quantized values per block (the f16 scale is kept beside them)
+QUANT_TYPES = {"q8_0": BLOCK, "q4_0": BLOCK // 2}
+
+
+def _round_away(x: torch.Tensor) -> torch.Tensor:
+    """roundf (half away from zero), as ggml's reference quantizer rounds; torch.round rounds half to even."""
+    return torch.sign(x) * torch.floor(x.abs() + 0.5)
+
+
+def _blocks(x: torch.Tensor, nb: int) -> torch.Tensor:
+    """x [..., D] -> float32 [..., nb, 32], zero-padded past D."""
+    x = x.float()
+    pad = nb * BLOCK - x.shape[-1]
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad))
+    return x.reshape(*x.shape[:-1], nb, BLOCK)
+
+
+def quantize(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows x [..., D] -> (qs [..., nb * block_bytes] uint8, d [..., nb] f16), nb = ceil(D / 32)."""
+    nb = -(-x.shape[-1] // BLOCK)
+    b = _blocks(x, nb)
+    if kind == "q8_0":
+        d = b.abs().amax(-1, keepdim=True) / 127  # ggml: d = amax / 127, values scaled by 1/d in float32
+        inv = torch.where(d == 0, torch.zeros_like(d), 1.0 / d)
+        q = _round_away(b * inv).to(torch.int8).view(torch.uint8)
+    elif kind == "q4_0":
+        # ggml: d = max / -8 where max is the signed value of largest magnitude; q = min(15, (int)(x / d + 8.5))
+        idx = b.abs().argmax(-1, keepdim=True)
+        d = b.gather(-1, idx) / -8
+        inv = torch.where(d == 0, torch.zeros_like(d), 1.0 / d)
+        q = torch.clamp(torch.trunc(b * inv + 8.5), max=15).to(torch.uint8)
+        q = q[..., : BLOCK // 2] | (q[..., BLOCK // 2 :] << 4)  # element j in the low nibble, j + 16 in the high
+    else:
+        raise ValueError(f"unknown KV quant type {kind!r}")
+    return q.reshape(*x.shape[:-1], -1), d.squeeze(-1).to(torch.float16)
+
+
+def dequantize(qs: torch.Tensor, d: torch.Tensor, kind: str, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """(qs [..., nb * block_bytes], d [..., nb]) -> [..., dim] in `dtype` (the product in float32)."""
+    lead, nb = qs.shape[:-1], d.shape[-1]
+    q = qs.reshape(*lead, nb, -1)
+    if kind == "q8_0":
+        v = q.view(torch.int8).float()
+    else:
+        v = torch.cat([q & 0x0F, q >> 4], dim=-1).float() - 8
+    x = (v * d.float().unsqueeze(-1)).reshape(*lead, nb * BLOCK).to(dtype)
+    return x if dim == nb * BLOCK else x[..., :dim]  # a padded last block: its zeros are not keys
+
+
+class QuantRows:
+    """One layer's K (or V) cache in blocks: qs [n_slots, max_ctx, *lead, nb * block_bytes] uint8 and
+    d [n_slots, max_ctx, *lead, nb] f16, where the row shape is (*lead, dim)."""
+
+    def __init__(self, n_slots: int, max_ctx: int, shape: tuple[int, ...], kind: str, device):
+        if kind not in QUANT_TYPES:
+            raise ValueError(f"unknown KV quant type {kind!r}")
+        *lead, self.dim = shape
+        self.kind = kind
+        nb = -(-self.dim // BLOCK)
+        self.qs = torch.zeros(n_slots, max_ctx, *lead, nb * QUANT_TYPES[kind], dtype=torch.uint8, device=device)
+        self.d = torch.zeros(n_slots, max_ctx, *lead, nb, dtype=torch.float16, device=device)
+
+    @staticmethod
+    def bytes_per_row(dim: int, kind: str) -> int:
+        """Bytes of one cached row of `dim` values (blocks and scales)."""
+        return -(-dim // BLOCK) * (QUANT_TYPES[kind] + 2)
+
+    @property
+    def nbytes(self) -> int:
+        return self.qs.numel() * self.qs.element_size() + self.d.numel() * self.d.element_size()
+
+    def write(self, slot: int, start: int, end: int, x: torch.Tensor) -> None:
+        qs, d = quantize(x, self.kind)
+        self.qs[slot, start:end] = qs
+        self.d[slot, start:end] = d
+
+    def write_at(self, slot: int, pos_t: torch.Tensor, x: torch.Tensor) -> None:
+        qs, d = quantize(x, self.kind)
+        self.qs[slot].index_copy_(0, pos_t, qs)
+        self.d[slot].index_copy_(0, pos_t, d)
+
+    def read(self, slot: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+        """The first n positions of a slot, dequantized: [n, *lead, dim]."""
+        return dequantize(self.qs[slot, :n], self.d[slot, :n], self.kind, self.dim, dtype)
+
+    def rows(self, slot: int, n: int, device) -> list[torch.Tensor]:
+        """Copies of the stored blocks of a slot's first n positions (the conversation cache keeps them as is)."""
+        return [self.qs[slot, :n].to(device, copy=True), self.d[slot, :n].to(device, copy=True)]
+
+    def put_rows(self, slot: int, n: int, rows: list[torch.Tensor]) -> None:
+        self.qs[slot, :n] = rows[0][:n].to(self.qs.device, non_blocking=True)
+        self.d[slot, :n] = rows[1][:n].to(self.d.device, non_blocking=True)
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        self.qs[dst, :n] = self.qs[src, :n]
+        self.d[dst, :n] = self.d[src, :n]
