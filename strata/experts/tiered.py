@@ -36,6 +36,7 @@ from strata.experts.sizing import VramSplit, staging_slots
 from strata.experts.stats import ExpertStats, StepProfile
 from strata.experts.store import ExpertStore
 from strata.experts.tiered_decode import GraphedDecode
+from strata.experts.tiered_direct import DirectDecode, supported as direct_supported
 from strata.experts.tiered_eager import PAIRS_MAX, EagerLayer
 from strata.experts.tuner import LaneSetting, PlanTuner, lane_candidates
 
@@ -99,6 +100,7 @@ class TieredExperts:
         # measured / estimated time of the CPU lane on chunks (--cpu-plan auto): the split prices the CPU with it
         self.chunk_cpu_scale = 1.0
         self.graphed = GraphedDecode(self)  # the executors
+        self.direct: DirectDecode | None = None  # --decode-misses direct (set up with the cache)
         self.eager = EagerLayer(self)
         self.next_moe: dict[int, object] = {}  # MoE layer -> the next MoE layer's block (its router predicts)
         self.prefetch_issued = self.prefetch_used = 0  # decode: next-layer experts copied ahead / then routed to
@@ -153,6 +155,12 @@ class TieredExperts:
             self.plan = CpuPlan.parse(self.ex.cpu_plan, k)
         if self.lane is None and any(self.plan.shares):
             raise StrataError("internal: the CPU lane is off but the plan uses the CPU")
+        if self.ex.decode_misses == "direct":
+            why = direct_supported(self)
+            if why:
+                log.warning("strata: --decode-misses direct: %s; graphed decode hands misses to the host", why)
+            else:  # decode plans do not apply (prefill chunks still split by the plan)
+                self.direct, self.tuner = DirectDecode(self), None
         log.info("strata: expert cache %s slots/layer (%.2f GiB), plan %s, CPU kernel %s", slots,
                  self.cache.nbytes() / 2**30, self.plan,
                  ",".join(sorted(set(self.lane.kernel.values()))) if self.lane else "-")
@@ -170,7 +178,7 @@ class TieredExperts:
         """Decoding sequences one graphed step may take: within the grouped kernel's pair count, and without a
         CPU lane within the staging ring (every miss must then cross PCIe)."""
         n = max(1, PAIRS_MAX // max(k, 1))
-        if self.lane is None:
+        if self.lane is None and not (self.ex.decode_misses == "direct" and not direct_supported(self)):
             n = min(n, max(1, (self._staging or staging_slots(k)) // max(k, 1)))
         return n
 
@@ -218,6 +226,8 @@ class TieredExperts:
             return
         if ctx.graphed:
             self.graphed.new_step()
+        if self.direct is not None:  # the last step's routing is learnt before the policy ages
+            self.direct.begin_step(ctx)
         if ctx.counting:
             self._begin_step(ctx)
 
@@ -283,7 +293,7 @@ class TieredExperts:
             begun, self._deferred = self._deferred, None
             self.begin_step(begun)
         if ctx.graphed and N * k <= PAIRS_MAX:
-            return self.graphed.forward(ctx, layer, x, ids, w)
+            return (self.direct or self.graphed).forward(ctx, layer, x, ids, w)
         return self.eager.forward(layer, x, ids, w)
 
     def count(self, hits: int, cpu: int, pcie: int, layers: int, swaps: int = 0, *, layer: int | None = None,

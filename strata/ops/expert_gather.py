@@ -12,6 +12,8 @@ Reference twins: `strata.ops.reference.gather_expert_ffn` (the batched torch pat
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from strata.ops import expert_triton, registry
@@ -27,3 +29,41 @@ registry.op("gather_expert_ffn").register("triton", expert_triton.triton_expert_
 # x [P, d], pools [S, ff, d] / [S, ff, d] / [S, d, ff], slots [P] int64 (negative: a miss, output 0) -> [P, d]
 # float32. On CUDA, formats with a fused Triton kernel (Q4_K, Q8_0) take it: two launches.
 gather_expert_ffn = registry.op("gather_expert_ffn")
+
+
+# host stack -> pinned, asked once per tensor (the stacks live as long as the model; the question is a driver call,
+# and the kernel choice is also made while a decode step is being captured)
+_PINNED: dict[int, bool] = {}  # id(tensor) -> pinned, dropped with the tensor
+
+
+def _pinned(t: torch.Tensor) -> bool:
+    k = id(t)
+    got = _PINNED.get(k)
+    if got is None:
+        got = _PINNED[k] = bool(t.is_pinned())
+        weakref.finalize(t, _PINNED.pop, k, None)
+    return got
+
+
+def _two_tier_when(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, slots: torch.Tensor, host,
+                   eids: torch.Tensor) -> bool:
+    # the host stack must be mapped into the GPU's address space (pinned) for the kernel to read it over the bus
+    return (x.is_cuda and expert_triton.supports(gate, up, down) and expert_triton.supports(*host)
+            and all(_pinned(t.raw) for t in host))
+
+
+def two_tier_fast(gate: QTensor, up: QTensor, down: QTensor) -> bool:
+    """Whether the fused kernel reads experts of these stacks' formats and shapes (a GPU-side check before a
+    decode path is chosen; the stacks must also be pinned, which the caller knows)."""
+    return expert_triton.supports(gate, up, down)
+
+
+def _two_tier_triton(x, gate, up, down, slots, host, eids):
+    return expert_triton.triton_expert_ffn(x, gate, up, down, slots, host=host, eids=eids)
+
+
+registry.op("two_tier_expert_ffn").register("triton", _two_tier_triton, _two_tier_when)
+# x [P, d], a layer's pool stacks and slots [P] as above, host: the layer's expert stacks where they lie (pinned
+# host memory on CUDA), eids [P] -> [P, d] float32: a pair with a slot from the pool, a miss read from the host
+# stack by its expert id (over the bus, inside the kernel: no copy, no host involvement).
+two_tier_expert_ffn = registry.op("two_tier_expert_ffn")

@@ -228,18 +228,27 @@ if triton is not None:
             return _q8_0_tile(row, xp, it * (KW // 32), K // 32, BN, KW // 32, EVEN)
 
     @triton.jit
-    def _glu_kernel(x, gate, up, slots, out, P, N, K, g_slot_bytes, u_slot_bytes, g_row_bytes, u_row_bytes,
-                    QG: tl.constexpr, QU: tl.constexpr, BN: tl.constexpr, KW: tl.constexpr, EVEN: tl.constexpr):
+    def _glu_kernel(x, gate, up, slots, hgate, hup, eids, out, P, N, K, g_slot_bytes, u_slot_bytes, g_row_bytes,
+                    u_row_bytes, QG: tl.constexpr, QU: tl.constexpr, BN: tl.constexpr, KW: tl.constexpr,
+                    EVEN: tl.constexpr, HOST: tl.constexpr):
         pid = tl.program_id(0)
         p = pid % P  # pairs vary fastest: pairs sharing a slot read its rows back to back (L2)
         n = (pid // P) * BN + tl.arange(0, BN)
         nm = n < N
         n = tl.minimum(n, N - 1).to(tl.int64)
         s = tl.load(slots + p).to(tl.int64)
+        gb = gate + s * g_slot_bytes
+        ub = up + s * u_slot_bytes
+        if HOST:  # a miss reads expert eids[p] where it lies in (mapped, pinned) host memory
+            if s < 0:
+                e = tl.load(eids + p).to(tl.int64)
+                gb = hgate + e * g_slot_bytes
+                ub = hup + e * u_slot_bytes
+                s = 0
         if s >= 0:
             xp = x + p * K
-            grow = gate + s * g_slot_bytes + n * g_row_bytes  # [BN]
-            urow = up + s * u_slot_bytes + n * u_row_bytes
+            grow = gb + n * g_row_bytes  # [BN]
+            urow = ub + n * u_row_bytes
             g = tl.zeros([BN], dtype=tl.float32)
             u = tl.zeros([BN], dtype=tl.float32)
             for it in range(0, tl.cdiv(K, KW)):  # both tiles of an iteration in flight together
@@ -250,9 +259,11 @@ if triton is not None:
             tl.store(out + p * N + n, tl.zeros([BN], dtype=tl.float32), mask=nm)
 
     @triton.jit
-    def _gemv_kernel(x, w, slots, out, P, N, K, slot_bytes, row_bytes, QT: tl.constexpr, BN: tl.constexpr,
-                     KW: tl.constexpr, EVEN: tl.constexpr, GATHER: tl.constexpr):
-        """out[p] = x[p] @ W.T for W = slot slots[p] of w (GATHER) or w itself; out in its own dtype."""
+    def _gemv_kernel(x, w, slots, hw, eids, out, P, N, K, slot_bytes, row_bytes, QT: tl.constexpr,
+                     BN: tl.constexpr, KW: tl.constexpr, EVEN: tl.constexpr, GATHER: tl.constexpr,
+                     HOST: tl.constexpr):
+        """out[p] = x[p] @ W.T for W = slot slots[p] of w (GATHER) or w itself; out in its own dtype. HOST: a
+        negative slot reads expert eids[p] of hw (the host store) instead of giving 0."""
         pid = tl.program_id(0)
         p = pid % P  # rows of x vary fastest: they read the same weight rows back to back (L2)
         n = (pid // P) * BN + tl.arange(0, BN)
@@ -262,8 +273,13 @@ if triton is not None:
             s = tl.load(slots + p).to(tl.int64)
         else:
             s = 0
+        base = w + s * slot_bytes
+        if HOST:
+            if s < 0:
+                base = hw + tl.load(eids + p).to(tl.int64) * slot_bytes
+                s = 0
         if s >= 0:
-            row = w + s * slot_bytes + n * row_bytes  # [BN]
+            row = base + n * row_bytes  # [BN]
             acc = tl.zeros([BN], dtype=tl.float32)
             for it in range(0, tl.cdiv(K, KW)):
                 acc += _tile_dot(row, x + p * K, it, K, QT, BN, KW, EVEN)
@@ -338,9 +354,11 @@ def plan(qtypes, N: int, K: int, batch: int, device: torch.device, block_n: int 
 
 
 def triton_expert_ffn(x: torch.Tensor, gate, up, down, slots: torch.Tensor, block_n: int | None = None,
-                      block_k: int | None = None) -> torch.Tensor:
-    """x [P, d], pools (QTensor [S, ff, d], [S, ff, d], [S, d, ff]), slots [P] (negative: output 0)
-    -> [P, d] float32."""
+                      block_k: int | None = None, host=None, eids: torch.Tensor | None = None) -> torch.Tensor:
+    """x [P, d], pools (QTensor [S, ff, d], [S, ff, d], [S, d, ff]), slots [P] (negative: output 0) -> [P, d]
+    float32. host: the layer's experts where they lie (QTensors [E, ...] of the pool's formats; on CUDA pinned
+    host memory, which the kernels read over the bus) and eids [P] each pair's expert: a negative slot then reads
+    expert eids[p] from there instead of giving 0."""
     P, d = x.shape
     ff = gate.shape[1]
     x = x.contiguous()
@@ -350,12 +368,17 @@ def triton_expert_ffn(x: torch.Tensor, gate, up, down, slots: torch.Tensor, bloc
     if P == 0:
         return y
     g, u, dn = gate.raw, up.raw, down.raw
+    if host is not None:
+        hg, hu, hd = (t.raw for t in host)
+        ids = eids.contiguous()
+    else:
+        hg, hu, hd, ids = g, u, dn, slots  # not read
     bn, kw, even, warps = plan((gate.qtype, up.qtype), ff, d, P, x.device, block_n, block_k)
     _glu_kernel[(P * triton.cdiv(ff, bn),)](
-        x, g, u, slots, a, P, ff, d, g[0].numel(), u[0].numel(), g.shape[-1], u.shape[-1],
-        QG=int(gate.qtype), QU=int(up.qtype), BN=bn, KW=kw, EVEN=even, num_warps=warps)
+        x, g, u, slots, hg, hu, ids, a, P, ff, d, g[0].numel(), u[0].numel(), g.shape[-1], u.shape[-1],
+        QG=int(gate.qtype), QU=int(up.qtype), BN=bn, KW=kw, EVEN=even, HOST=host is not None, num_warps=warps)
     bn, kw, even, warps = plan((down.qtype,), d, ff, P, x.device, block_n, block_k)
     _gemv_kernel[(P * triton.cdiv(d, bn),)](
-        a, dn, slots, y, P, d, ff, dn[0].numel(), dn.shape[-1], QT=int(down.qtype), BN=bn, KW=kw, EVEN=even,
-        GATHER=True, num_warps=warps)
+        a, dn, slots, hd, ids, y, P, d, ff, dn[0].numel(), dn.shape[-1], QT=int(down.qtype), BN=bn, KW=kw,
+        EVEN=even, GATHER=True, HOST=host is not None, num_warps=warps)
     return y

@@ -144,6 +144,19 @@ def gather_expert_ffn(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor
     return torch.where((slots >= 0).unsqueeze(1), y, 0.0)
 
 
+@reference("two_tier_expert_ffn")
+def two_tier_expert_ffn(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, slots: torch.Tensor,
+                        host: tuple[QTensor, QTensor, QTensor], eids: torch.Tensor) -> torch.Tensor:
+    """x [P, d], pools as gather_expert_ffn's, slots [P], host: the layer's experts where they lie ([E, ff, d],
+    [E, ff, d], [E, d, ff]), eids [P] each pair's expert -> [P, d] float32: a pair with a slot (>= 0) from the
+    pool, any other from the host stack by its expert id. (Computed where `host` lies and brought back: a
+    reference, not capturable on a GPU.)"""
+    y = torch_gather_ffn(x, gate, up, down, slots.clamp(min=0))
+    dev = host[0].raw.device
+    ym = torch_gather_ffn(x.to(dev), *host, eids.to(dev)).to(y.device)
+    return torch.where((slots >= 0).unsqueeze(1), y, ym)
+
+
 def torch_gather_ffn(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor,
                      slots: torch.Tensor, act=None, eids: torch.Tensor | None = None) -> torch.Tensor:
     """The batched torch gathered FFN; with `act` (strata.experts.resident.ExpertAct) each pair's biases, by

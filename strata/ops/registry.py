@@ -12,6 +12,8 @@ Nothing else registers kernels, and no caller checks for a kernel itself.
     one_query_attention reference.gqa_attention              decode_attention          (Triton split-K, CUDA)
     dequantize_blocks   reference.dequantize_blocks          dequant_triton            (Triton, CUDA)
     gather_expert_ffn   reference.gather_expert_ffn          expert_triton             (Triton, CUDA: Q4_K, Q8_0)
+    two_tier_expert_ffn reference.two_tier_expert_ffn        expert_triton             (Triton, CUDA; misses read
+                                                                                        from pinned host RAM)
     qmatmul             reference.qmatmul (float32)          by (device, format): quant.matmul's table, which
                                                              qgemv fills (Triton GEMV, CUDA: Q4_K, Q6_K, Q8_0)
 

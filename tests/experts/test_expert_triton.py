@@ -1,7 +1,8 @@
 """The fused Triton expert kernels, run in Triton's interpreter on the CPU against the torch grouped op.
 
 Covers misses (negative slots), mixed formats, a Q8_0 down projection whose K (96) leaves a partial block tile,
-N (ff = 96) not a multiple of the rows per program, and K in several iterations (forced block_k)."""
+N (ff = 96) not a multiple of the rows per program, K in several iterations (forced block_k), and misses read
+from a second stack by expert id (the host store: `host=`, `eids=`)."""
 
 from __future__ import annotations
 
@@ -41,6 +42,15 @@ SCRIPT = textwrap.dedent("""
         for i in (0, 2):
             rel = ((y[i] - ref[i]).norm() / ref[i].norm()).item()
             assert rel < 1e-5, (qg.name, qd.name, i, rel)
+        # misses read where the experts lie (the host store, by expert id) instead of giving zeros
+        hg, hu = (random_qtensor(qg, (4, ff, d), rng) for _ in range(2))
+        hd = random_qtensor(qd, (4, d, ff), rng)
+        eids = torch.tensor([2, 3, 1])
+        y = triton_expert_ffn(x, g, u, dn, slots, block_n=bn, block_k=bk, host=(hg, hu, hd), eids=eids)
+        refh = _torch_gather_ffn(x.float(), hg, hu, hd, eids)
+        for i, r in ((0, ref), (1, refh), (2, ref)):
+            rel = ((y[i] - r[i]).norm() / r[i].norm()).item()
+            assert rel < 1e-5, ("host", qg.name, qd.name, i, rel)
     print("ok")
 """)
 
@@ -49,3 +59,37 @@ def test_triton_kernels_match_the_torch_op_in_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qg,qd,d,ff", [("Q4_K", "Q4_K", 2048, 768), ("Q8_0", "Q6_K", 512, 256)])
+def test_cuda_misses_read_from_pinned_host_memory(qg, qd, d, ff):
+    """On the GPU the kernels read a missed expert from pinned host RAM (mapped over the bus), through the op
+    the direct decode path calls, and equal the torch reference; a pageable stack is left to the reference."""
+    import torch
+    from gguf import GGMLQuantizationType as Q
+
+    from strata.ops import registry
+    from strata.ops.expert_gather import _torch_gather_ffn, two_tier_expert_ffn
+    from strata.quant import random_qtensor
+    from strata.quant.qtensor import QTensor
+
+    dev = torch.device("cuda")
+    qg, qd = Q[qg], Q[qd]
+    pool = [random_qtensor(qg, (3, ff, d), 1, device=dev), random_qtensor(qg, (3, ff, d), 2, device=dev),
+            random_qtensor(qd, (3, d, ff), 3, device=dev)]
+    host = [random_qtensor(qg, (6, ff, d), 4), random_qtensor(qg, (6, ff, d), 5), random_qtensor(qd, (6, d, ff), 6)]
+    pinned = tuple(QTensor(t.raw.pin_memory(), t.qtype, t.shape) for t in host)
+    slots = torch.tensor([2, -1, 0, -1, -1], device=dev)
+    eids = torch.tensor([1, 5, 0, 2, 5], device=dev)
+    x = torch.randn(5, d, device=dev).bfloat16()
+    assert registry.op("two_tier_expert_ffn").pick(x, *pool, slots, pinned, eids).name == "triton"
+    assert registry.op("two_tier_expert_ffn").pick(x, *pool, slots, tuple(host), eids) is None
+    y = two_tier_expert_ffn(x, *pool, slots, pinned, eids)
+    hit = _torch_gather_ffn(x.float(), *pool, slots.clamp(min=0))
+    miss = _torch_gather_ffn(x.float(), *[QTensor(t.raw.to(dev), t.qtype, t.shape) for t in host], eids)
+    for i in range(5):
+        ref = hit[i] if slots[i] >= 0 else miss[i]
+        assert ((y[i] - ref).norm() / ref.norm()).item() < 1e-5, i
+    yr = two_tier_expert_ffn(x, *pool, slots, tuple(host), eids)  # the reference twin, pageable host stacks
+    assert ((yr - y).norm() / y.norm()).item() < 1e-3

@@ -1,0 +1,171 @@
+"""Graphed decode with misses read where they lie (`--decode-misses direct`) against the all-resident oracle.
+
+On the CPU the step runs eagerly and the torch twin reads missed experts from the store, so this checks the
+path's logic: every pair from exactly one of the pool or the store, the routing learnt between steps (counts,
+admissions, the map), several sequences in one step, verify steps in between. The GPU tests check the same
+through replayed graphs (one piece per step: no host hand-off) with the Triton kernel reading pinned host RAM.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from strata.config import EngineConfig, ExpertConfig
+from strata.engine.engine import Engine, Sequence
+from strata.engine.loader import load_model
+from strata.engine.sampler import SamplingParams
+from tests.experts.tiered_model import write_moe_gguf
+
+PROMPT = [5, 17, 3, 88, 41, 41, 9, 60, 2, 33, 71, 14]
+BATCH = [[(5 * i + 1) % 96 for i in range(n)] for n in (7, 30, 15)]
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    # Q8_0 experts: a format the fused GPU kernel reads (the CPU tests run the torch twin on it)
+    return write_moe_gguf(tmp_path_factory.mktemp("direct") / "moe.gguf", n_experts=8, k=2, expert_type=Q.Q8_0)
+
+
+def _engine(path, device: str, graphs: bool, n_slots: int = 1, **ex):
+    mode = ex.pop("mode", "tiered")
+    cfg = EngineConfig(model=str(path), device=device, dtype="float32", cuda_graphs=graphs,
+                       experts=ExpertConfig(mode=mode, **ex))
+    return Engine(load_model(str(path), cfg, with_tokenizer=False), n_slots=n_slots)
+
+
+def _logits(eng: Engine, n: int = 10) -> torch.Tensor:
+    """Greedy decode of n tokens after PROMPT through the engine's decode path; the logits of every step."""
+    from strata.kv.cache import Segment
+
+    m, out = eng.model, []
+    with torch.inference_mode():
+        logits = m.forward(torch.tensor(PROMPT, device=m.device), torch.arange(len(PROMPT), device=m.device),
+                           [Segment(0, 0, len(PROMPT))], eng.kv)
+        tok, pos = int(logits[-1].argmax()), len(PROMPT)
+        for _ in range(n):
+            logits = eng.graphs.step(tok, pos)
+            out.append(logits[-1].float().cpu().clone())
+            tok, pos = int(logits[-1].argmax()), pos + 1
+    return torch.stack(out)
+
+
+def _batch(eng: Engine, prompts, n: int = 10):
+    seqs = [Sequence(list(p), SamplingParams(temperature=0), n, set()) for p in prompts]
+    for s in seqs:
+        eng.add(s, reuse_prefix=False)
+    while any(not s.finished for s in seqs):
+        eng.step()
+    return [s.output for s in seqs]
+
+
+@pytest.fixture(scope="module")
+def reference(model_path):
+    return _logits(_engine(model_path, "cpu", True, mode="resident"))
+
+
+@pytest.mark.parametrize("slots", [0, 3, 8])
+def test_direct_decode_matches_resident(model_path, reference, slots):
+    eng = _engine(model_path, "cpu", True, slots=slots, cpu_plan="000", decode_misses="direct")
+    ex = eng.model.experts
+    out = _logits(eng)
+    assert ex.direct is not None and ex.tuner is None
+    assert (out - reference).abs().max().item() <= 1e-5
+    assert len(ex.direct.bufs) == 3 and not ex.graphed.bufs  # the hand-off path never ran
+    ex.direct.settle()  # the last step's routing
+    s = ex.stats
+    assert s.cpu == 0 and s.hits + s.pcie == s.lookups == s.tokens * 3 * 2
+    assert s.tokens == len(PROMPT) + 10
+    if slots == 0:
+        assert s.hits == 0 and s.swaps == 0
+    if slots == 8:  # every expert fits: the cache fills between steps and the last steps hit
+        assert s.hits > 0 and s.swaps > 0
+
+
+def test_direct_cache_learns_between_steps(model_path):
+    """Admissions decided between steps reach the device map: a repeated prompt hits more, and the bytes read
+    over the bus are counted as the PCIe lane's."""
+    eng = _engine(model_path, "cpu", True, slots=4, cpu_plan="000", decode_misses="direct")
+    ex = eng.model.experts
+    rates = []
+    for _ in range(3):
+        before = ex.stats.snapshot()
+        list(eng.generate(PROMPT, SamplingParams(temperature=0), 12))
+        ex.direct.settle()
+        d = ex.stats - before
+        rates.append(d.hit_rate)
+        assert d.pcie_bytes == 0 or d.pcie_bytes % ex.expert_bytes[ex.layer_ids[0]] == 0
+    assert rates[-1] > rates[0]
+    assert ex.policy.expert_map().max() >= 0
+
+
+@pytest.mark.parametrize("slots", [0, 2, 8])
+def test_direct_batch_of_sequences_matches_resident(model_path, slots):
+    ref = _batch(_engine(model_path, "cpu", False, n_slots=3, mode="resident"), BATCH)
+    eng = _engine(model_path, "cpu", True, n_slots=3, slots=slots, cpu_plan="000", decode_misses="direct")
+    assert _batch(eng, BATCH) == ref
+    ex = eng.model.experts
+    assert any(n == 3 for _, n in ex.direct.bufs), "no step decoded three sequences through the direct path"
+    ex.direct.settle()
+    s = ex.stats
+    assert s.hits + s.cpu + s.pcie == s.lookups == s.tokens * 3 * 2
+
+
+def test_direct_with_drafts_keeps_the_text(model_path):
+    """Verify steps (eager, several tokens, the plan's split) between direct single-token steps."""
+    prompt = PROMPT * 3
+    ref = list(_engine(model_path, "cpu", False, mode="resident").generate(prompt, SamplingParams(temperature=0), 40))
+    eng = _engine(model_path, "cpu", True, slots=3, cpu_plan="011", decode_misses="direct")
+    eng.draft_max = 4
+    assert list(eng.generate(prompt, SamplingParams(temperature=0), 40)) == ref
+    assert eng.last.draft_steps > 0 and eng.model.experts.direct.bufs
+
+
+def test_handoff_is_the_default(model_path):
+    eng = _engine(model_path, "cpu", True, slots=3, cpu_plan="000")
+    _logits(eng, 2)
+    ex = eng.model.experts
+    assert ex.direct is None and ex.graphed.bufs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("slots", [0, 3, 8])
+def test_cuda_direct_decode_is_one_graph_and_matches_resident(model_path, slots):
+    ref = _logits(_engine(model_path, "cuda", True, mode="resident"), 40)
+    eng = _engine(model_path, "cuda", True, slots=slots, cpu_plan="000", decode_misses="direct")
+    out = _logits(eng, 40)  # 12 + 40 tokens: the first window's graph replayed 39 times
+    assert ((out - ref).abs().max() / ref.abs().max()).item() <= 1e-5
+    ex = eng.model.experts
+    assert ex.direct is not None and ex.store.pinned
+    pieces = next(iter(eng.graphs.graphs.values()))[0]
+    assert len(pieces) == 1, "a direct decode step has no hand-off"
+    ex.direct.settle()
+    s = ex.stats
+    assert s.cpu == 0 and s.hits + s.pcie == s.lookups
+    if slots == 0:
+        assert s.hits == 0
+    if slots == 8:
+        assert s.hits > s.pcie and s.swaps > 0
+
+
+@pytest.mark.gpu
+def test_cuda_direct_batch_matches_resident(model_path):
+    ref = _batch(_engine(model_path, "cuda", False, n_slots=3, mode="resident"), BATCH)
+    eng = _engine(model_path, "cuda", True, n_slots=3, slots=2, cpu_plan="000", decode_misses="direct")
+    assert _batch(eng, BATCH) == ref
+    assert any(n == 3 for _, n in eng.model.experts.direct.bufs)
+
+
+@pytest.mark.gpu
+def test_cuda_direct_needs_a_pinned_store(model_path, caplog):
+    """--low-ram keeps the experts in the mapped file, which the GPU cannot read: one warning, the hand-off."""
+    with caplog.at_level(logging.WARNING, logger="strata"):
+        eng = _engine(model_path, "cuda", True, slots=3, cpu_plan="000", decode_misses="direct", low_ram=True)
+        ref = _logits(_engine(model_path, "cuda", True, mode="resident"), 4)
+        out = _logits(eng, 4)
+    assert eng.model.experts.direct is None
+    assert any("--decode-misses direct" in r.getMessage() for r in caplog.records)
+    assert ((out - ref).abs().max() / ref.abs().max()).item() <= 1e-5
