@@ -24,7 +24,7 @@ CPU_KERNELS = ("auto", "native", "int4", "ref")
 CACHE_POLICIES = ("lfu-decay", "lru")
 CACHE_LAYOUTS = ("uniform", "profile")
 EXPERT_ROUTINGS = ("model", "uniform")
-DECODE_MISSES = ("handoff", "direct")
+DECODE_MISSES = ("auto", "handoff", "direct")
 DTYPE_CHOICES = ("auto", *DTYPES)
 # KV cache types, llama.cpp's -ctk/-ctv names: a float dtype, or GGML blocks quantized on write and dequantized on
 # read (strata.kv.quant)
@@ -80,11 +80,12 @@ class ExpertConfig:
         "decode: predict the next MoE layer's experts with its router on this layer's input and start copying "
         "the uncached ones during this layer (off by default: it cost more host time than it hid)",
         flag="--expert-prefetch", dest="expert_prefetch"))
-    decode_misses: str = field(default="handoff", metadata=opt(
+    decode_misses: str = field(default="auto", metadata=opt(
         "how a graphed decode step serves missed experts. handoff: each MoE layer's routing goes to the host, "
         "which splits the misses between the CPU lane and PCIe copies into staging slots (--cpu-plan); direct: "
         "the expert kernel reads a missed expert's weights from pinned host RAM over the bus (no copy, no host "
-        "hand-off: the step is one graph) and the cache learns between steps", choices=DECODE_MISSES))
+        "hand-off: the step is one graph) and the cache learns between steps; auto: direct on a CUDA GPU when the "
+        "expert formats have its kernel, else handoff", choices=DECODE_MISSES))
     # a benchmark switch, not a user setting: it changes what the model says (strata.layers.moe.uniform_route)
     routing: str = field(default="model", metadata=opt(
         "BENCHMARKS ONLY: model (the router's choice), or uniform: every MoE layer sends each token to k distinct "

@@ -195,7 +195,10 @@ class DecodeGraphs:
             self.embeds[:b].copy_(self._rows_host[:b], non_blocking=True)
         key = (tuple(slots), self.window_for(max(positions)))
         if not self.cuda:
-            return self._forward(self._segments(key[1], key[0]))
+            out = self._forward(self._segments(key[1], key[0]))
+            if self.experts is not None:
+                self.experts.launched()
+            return out
         got = self.graphs.get(key)
         if got is not None:
             self.graphs.move_to_end(key)
@@ -204,15 +207,17 @@ class DecodeGraphs:
             self.experts.begin_step(self._context(b))
         if self.profiling:
             self._replay_timed(pieces)
-            return out
-        post = None
-        for g, fn, _ in pieces:
-            g.replay()
-            if post is not None:
-                post()
-                post = None
-            if fn is not None:
-                post = fn()
+        else:
+            post = None
+            for g, fn, _ in pieces:
+                g.replay()
+                if post is not None:
+                    post()
+                    post = None
+                if fn is not None:
+                    post = fn()
+        if self.experts is not None:
+            self.experts.launched()  # host work of the backend's that may overlap the step
         return out
 
     def _replay_timed(self, pieces) -> None:

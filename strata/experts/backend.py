@@ -154,6 +154,9 @@ class ExpertsBackend(Protocol):
     def begin_step(self, ctx: StepContext) -> None:
         """A step starts (before its first MoE layer; for a replayed graph, before the replay)."""
 
+    def launched(self) -> None:
+        """A graphed decode step's work is all queued (after its replay): host work that may overlap it."""
+
     def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
                 ctx: StepContext) -> torch.Tensor:
         """x [N, d], ids/w [N, k] -> [N, d]: the routed experts' outputs summed with their weights."""

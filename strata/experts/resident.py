@@ -144,6 +144,9 @@ class ResidentExperts:
     def begin_step(self, ctx) -> None:
         pass
 
+    def launched(self) -> None:
+        pass
+
     def begin_request(self) -> None:
         return None
 

@@ -155,10 +155,11 @@ class TieredExperts:
             self.plan = CpuPlan.parse(self.ex.cpu_plan, k)
         if self.lane is None and any(self.plan.shares):
             raise StrataError("internal: the CPU lane is off but the plan uses the CPU")
-        if self.ex.decode_misses == "direct":
+        if self._wants_direct():
             why = direct_supported(self)
             if why:
-                log.warning("strata: --decode-misses direct: %s; graphed decode hands misses to the host", why)
+                say = log.warning if self.ex.decode_misses == "direct" else log.info
+                say("strata: --decode-misses direct: %s; graphed decode hands misses to the host", why)
             else:  # decode plans do not apply (prefill chunks still split by the plan)
                 self.direct, self.tuner = DirectDecode(self), None
         log.info("strata: expert cache %s slots/layer (%.2f GiB), plan %s, CPU kernel %s", slots,
@@ -170,6 +171,11 @@ class TieredExperts:
             atexit.register(self.close)
         return self.vram_split
 
+    def _wants_direct(self) -> bool:
+        """--decode-misses direct, or auto on a CUDA GPU (misses read over the bus beat the per-layer hand-off
+        there: docs/BENCHMARKS.md)."""
+        return self.ex.decode_misses == "direct" or (self.ex.decode_misses == "auto" and self.cuda)
+
     def vram_bytes(self) -> int:
         """VRAM the expert cache holds (its slot pools and chunk buffers; 0 on a CPU, where they are in RAM)."""
         return self.cache.nbytes() if self.cache is not None and self.cuda else 0
@@ -178,7 +184,7 @@ class TieredExperts:
         """Decoding sequences one graphed step may take: within the grouped kernel's pair count, and without a
         CPU lane within the staging ring (every miss must then cross PCIe)."""
         n = max(1, PAIRS_MAX // max(k, 1))
-        if self.lane is None and not (self.ex.decode_misses == "direct" and not direct_supported(self)):
+        if self.lane is None and not (self._wants_direct() and not direct_supported(self)):
             n = min(n, max(1, (self._staging or staging_slots(k)) // max(k, 1)))
         return n
 
@@ -216,6 +222,8 @@ class TieredExperts:
     # --- requests and steps -----------------------------------------------------------------------------------
     def begin_request(self) -> ExpertStats:
         """Start counting a new request; returns the finished one's counts."""
+        if self.direct is not None:  # its last steps are counted when settled
+            self.direct.flush()
         done, self.request = self.request, ExpertStats()
         return done
 
@@ -230,6 +238,11 @@ class TieredExperts:
             self.direct.begin_step(ctx)
         if ctx.counting:
             self._begin_step(ctx)
+
+    def launched(self) -> None:
+        """A graphed decode step is queued: the direct path settles the previous one meanwhile."""
+        if self.direct is not None:
+            self.direct.launched()
 
     def _begin_step(self, ctx: StepContext) -> None:
         n_tokens = ctx.n_tokens

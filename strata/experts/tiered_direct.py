@@ -6,14 +6,18 @@ the expert kernel itself reads a missed expert's weights from the pinned host st
 address space, so one launch serves every pair of a layer, hits from the slot pool and misses from host RAM
 over the bus, and a decode step is one graph like a resident one:
 
-    per MoE layer (GPU)   slots = expert_map[layer][ids]; y = two_tier_expert_ffn(x, pool, slots, store, ids)
-                          ids copied to this layer's pinned buffer (a captured copy)
-    between steps (host)  for each layer: count hits / misses, the policy learns the routing and admits
-                          (copies on the side stream), finished copies become hits (expert_map uploaded)
+    per MoE layer (GPU)   slots = expert_map[layer][ids]; y = two_tier_expert_ffn(x, pool, slots, store, ids);
+                          ids and slots recorded in a device buffer [L, 2, N*k]
+    after the launch      the buffer copied to pinned host memory (one copy per step, two host buffers used in
+                          turn); then, while the GPU runs this step, the host settles the previous one: for each
+                          layer it counts hits and misses (as the kernel saw them: the recorded slots), the policy
+                          learns the routing and admits (copies on the side stream, after this step's reads),
+                          finished copies become hits (expert_map uploads, read from the next step on)
 
 A miss read over the bus costs more per byte than a DMA copy (docs/BENCHMARKS.md has both), but no layer waits
-for the host, and a layer whose experts all hit costs what a resident one does. The host's bookkeeping runs
-when the next step begins, after the engine has read the previous step's tokens (so its ids have landed).
+for the host, a layer whose experts all hit costs what a resident one does, and the host's bookkeeping overlaps
+the next step instead of lying between steps. The cache therefore learns one step later than on the hand-off
+path, which is harmless: it learns from counts decayed over many steps.
 
 On the CPU the same code runs eagerly with the torch twin reading the store (what CI tests against the
 all-resident oracle).
@@ -49,13 +53,15 @@ def supported(tiered) -> str:
     return ""
 
 
-class _Ids:
-    """One MoE layer's routed ids of a step of N tokens, as the host reads them between steps."""
+class _Record:
+    """A step's routing as the kernels saw it, for every MoE layer: device [L, 2, P] (ids, slots) and two pinned
+    host copies used in turn (one is read while the next step's copy lands in the other)."""
 
-    def __init__(self, P: int, cuda: bool):
-        self.ids_h = torch.zeros(P, dtype=torch.int64, pin_memory=cuda)
-        self.ids_np = self.ids_h.numpy()
-        self.map_h = torch.zeros(0, dtype=torch.int64, pin_memory=cuda)  # the expert_map row upload buffer
+    def __init__(self, L: int, P: int, device: torch.device, cuda: bool):
+        self.dev = torch.zeros(L, 2, P, dtype=torch.int64, device=device)
+        self.host = [torch.zeros(L, 2, P, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
+        self.np = [h.numpy() for h in self.host]
+        self.events: list = [None, None]
 
 
 class DirectDecode:
@@ -63,71 +69,110 @@ class DirectDecode:
 
     def __init__(self, tiered):
         self.t = tiered
-        self.bufs: dict[tuple[int, int], _Ids] = {}  # (layer index, tokens) -> buffers
-        self.outstanding: tuple[int, bool] | None = None  # (tokens, counting) of a step not yet settled
+        self.records: dict[int, _Record] = {}  # tokens per step -> its record buffers
+        self.map_h: dict[tuple[int, int], torch.Tensor] = {}  # (layer index, turn) -> expert_map row upload buffer
+        self.current: tuple[int, bool] | None = None  # (tokens, counting) of the step begun, not yet launched
+        self.previous: tuple[int, bool, int] | None = None  # (tokens, counting, host buffer) launched, unsettled
+        self.turn = 0
 
     def begin_step(self, ctx) -> None:
-        """A step begins: settle the last decode step's routing (its ids have landed: the engine read that step's
-        tokens), then expect this one's when it is a graphed decode step."""
-        self.settle()
+        """A step begins. One begun but never launched (a capture's warm-up) counts as launched now; a step that
+        is not a graphed decode one (a prefill, a verify step) first settles every launched step (it reads and
+        changes the cache itself)."""
+        if self.current is not None:
+            self.launched()
         N = ctx.n_tokens
         if ctx.graphed and N * self.t.k <= PAIRS_MAX:
-            self.outstanding = (N, ctx.counting)
+            self.current = (N, ctx.counting)
+        else:
+            self.settle()
+
+    def launched(self) -> None:
+        """The current step is queued: its record starts for the host, and the previous step is settled while
+        the GPU runs this one."""
+        if self.current is None:
+            return
+        N, counting = self.current
+        self.current = None
+        rec = self._record(N)
+        turn = self.turn
+        self.turn ^= 1
+        rec.host[turn].copy_(rec.dev, non_blocking=True)
+        if self.t.cuda:
+            ev = rec.events[turn] = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self.t.device))
+        self.settle()
+        self.previous = (N, counting, turn)
+
+    def _record(self, N: int) -> _Record:
+        rec = self.records.get(N)
+        if rec is None:
+            t = self.t
+            rec = self.records[N] = _Record(len(t.layer_ids), N * t.k, t.device, t.cuda)
+        return rec
 
     def forward(self, ctx, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """x [N, d], ids/w [N, k]: hits from the pool and misses from the store in one launch; ids to the host."""
+        """x [N, d], ids/w [N, k]: hits from the pool and misses from the store in one launch, recorded."""
         t = self.t
         N, k = ids.shape
         li = t.index[layer]
-        b = self.bufs.get((li, N))
-        if b is None:
-            b = self.bufs[(li, N)] = _Ids(N * k, t.cuda)
+        rec = self._record(N)
         flat = ids.view(-1)  # [N*k], pair p = token p // k, choice p % k
-        b.ids_h.copy_(flat, non_blocking=True)  # read by settle() once the step is over
         pool, ew = t.cache.pool_of[layer], t.store[layer]
         xs = x.repeat_interleave(k, dim=0) if N > 1 else x.expand(k, -1).contiguous()  # [N*k, d]
         slots = t.cache.map[li].index_select(0, flat)
+        rec.dev[li, 0].copy_(flat)
+        rec.dev[li, 1].copy_(slots)
         y = two_tier_expert_ffn(xs, pool.gate, pool.up, pool.down, slots, (ew.gate, ew.up, ew.down), flat)
         return combine(y.view(N, k, -1), w, x.dtype)
 
     def settle(self) -> None:
-        """The last step's bookkeeping, layer by layer: hits and misses counted as the device map had them,
-        the policy learns the routing and admits (copies on the side stream), finished copies become hits."""
-        if self.outstanding is None:
+        """The previous step's bookkeeping, layer by layer: hits and misses counted as its kernels saw them, the
+        policy learns the routing and admits (copies on the side stream), finished copies become hits."""
+        if self.previous is None:
             return
-        N, counting = self.outstanding
-        self.outstanding = None
+        N, counting, turn = self.previous
+        self.previous = None
         t = self.t
-        if t.cuda:
-            torch.cuda.current_stream(t.device).synchronize()  # (already idle: the step's tokens were read)
+        rec = self.records[N]
+        if rec.events[turn] is not None:
+            rec.events[turn].synchronize()  # (long done: the engine read that step's tokens)
+        data = rec.np[turn]  # [L, 2, P]
         pol, cache = t.policy, t.cache
         k = t.k
         for li, layer in enumerate(t.layer_ids):
-            b = self.bufs.get((li, N))
-            if b is None:
-                continue
-            ids_l = b.ids_np.tolist()
-            row = pol.hit_row(li)  # the host mirror: the device map as the step read it (uploads happen here)
-            missed = {e for e in ids_l if row[e] < 0}
-            n_miss = sum(1 for e in ids_l if row[e] < 0)
+            ids_l = data[li, 0].tolist()
+            slots_l = data[li, 1].tolist()
+            missed = {e for e, s in zip(ids_l, slots_l) if s < 0}
+            n_miss = sum(1 for s in slots_l if s < 0)
             if counting:
                 # bytes: each distinct missed expert once (what crossed the bus, as the PCIe lane counts)
                 t.count(N * k - n_miss, 0, n_miss, N, layer=layer, pcie_experts=len(missed))
             swaps = admit(pol, li, ids_l)
             if swaps:
-                cache.begin_copies()  # after the main stream's work so far (nothing reads the victims after it)
+                cache.begin_copies()  # after the main stream's work so far: the step in flight reads victims
                 for sw in swaps:
                     t.pending[li][sw.admit] = cache.copy(layer, sw.admit, cache.slot(layer, sw.slot))
                 if counting:
                     t.count(0, 0, 0, 0, swaps=len(swaps))
-            if t.poll(li, upload=False) or swaps:  # victims leave the map now, finished copies enter it
-                self._upload(li, layer, b)
+            if t.poll(li, upload=False) or swaps:  # victims leave the map, finished copies enter it
+                self._upload(li, layer, turn)
 
-    def _upload(self, li: int, layer: int, b: _Ids) -> None:
+    def flush(self) -> None:
+        """Settle everything launched (a request ends: its counts are complete)."""
+        if self.current is not None:
+            self.launched()
+        self.settle()
+
+    def _upload(self, li: int, layer: int, turn: int) -> None:
+        """expert_map[li] from the policy's row (on the main stream: steps queued after it read it). Uploads of
+        consecutive settles use the two buffers of a row in turn: the settle that reuses one has waited for an
+        event recorded after the upload that last read it."""
         t = self.t
         row = t.policy.expert_map()[li]
         base = t.cache.pool_of[layer].base[layer]
-        if b.map_h.numel() != row.shape[0]:
-            b.map_h = torch.empty(row.shape[0], dtype=torch.int64, pin_memory=t.cuda)
-        np.copyto(b.map_h.numpy(), np.where(row >= 0, row.astype(np.int64) + base, -1))
-        t.cache.map[li].copy_(b.map_h, non_blocking=True)
+        buf = self.map_h.get((li, turn))
+        if buf is None:
+            buf = self.map_h[(li, turn)] = torch.empty(row.shape[0], dtype=torch.int64, pin_memory=t.cuda)
+        np.copyto(buf.numpy(), np.where(row >= 0, row.astype(np.int64) + base, -1))
+        t.cache.map[li].copy_(buf, non_blocking=True)

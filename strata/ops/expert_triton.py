@@ -244,7 +244,7 @@ if triton is not None:
                 e = tl.load(eids + p).to(tl.int64)
                 gb = hgate + e * g_slot_bytes
                 ub = hup + e * u_slot_bytes
-                s = 0
+                s = s - s  # (keeps its int64 type: a Triton if-block may not retype it)
         if s >= 0:
             xp = x + p * K
             grow = gb + n * g_row_bytes  # [BN]
@@ -277,7 +277,7 @@ if triton is not None:
         if HOST:
             if s < 0:
                 base = hw + tl.load(eids + p).to(tl.int64) * slot_bytes
-                s = 0
+                s = s - s  # (keeps its int64 type: a Triton if-block may not retype it)
         if s >= 0:
             row = base + n * row_bytes  # [BN]
             acc = tl.zeros([BN], dtype=tl.float32)

@@ -190,6 +190,9 @@ class CountingBackend:
     def begin_step(self, ctx: StepContext):
         self.steps.append((ctx.phase, ctx.n_tokens, ctx.graphed))
 
+    def launched(self):
+        self.launches = getattr(self, "launches", 0) + 1
+
     def forward(self, layer, x, ids, w, ctx):
         self.calls += 1
         ew = self.layers[layer]

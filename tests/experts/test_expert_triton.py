@@ -91,5 +91,5 @@ def test_cuda_misses_read_from_pinned_host_memory(qg, qd, d, ff):
     for i in range(5):
         ref = hit[i] if slots[i] >= 0 else miss[i]
         assert ((y[i] - ref).norm() / ref.norm()).item() < 1e-5, i
-    yr = two_tier_expert_ffn(x, *pool, slots, tuple(host), eids)  # the reference twin, pageable host stacks
-    assert ((yr - y).norm() / y.norm()).item() < 1e-3
+    yr = two_tier_expert_ffn(x, *pool, slots, tuple(host), eids)  # the reference twin (bf16 matmuls), pageable
+    assert ((yr - y).norm() / y.norm()).item() < 2e-2

@@ -74,8 +74,8 @@ def test_direct_decode_matches_resident(model_path, reference, slots):
     out = _logits(eng)
     assert ex.direct is not None and ex.tuner is None
     assert (out - reference).abs().max().item() <= 1e-5
-    assert len(ex.direct.bufs) == 3 and not ex.graphed.bufs  # the hand-off path never ran
-    ex.direct.settle()  # the last step's routing
+    assert list(ex.direct.records) == [1] and not ex.graphed.bufs  # the hand-off path never ran
+    ex.direct.flush()  # the last step's routing
     s = ex.stats
     assert s.cpu == 0 and s.hits + s.pcie == s.lookups == s.tokens * 3 * 2
     assert s.tokens == len(PROMPT) + 10
@@ -94,7 +94,7 @@ def test_direct_cache_learns_between_steps(model_path):
     for _ in range(3):
         before = ex.stats.snapshot()
         list(eng.generate(PROMPT, SamplingParams(temperature=0), 12))
-        ex.direct.settle()
+        ex.direct.flush()
         d = ex.stats - before
         rates.append(d.hit_rate)
         assert d.pcie_bytes == 0 or d.pcie_bytes % ex.expert_bytes[ex.layer_ids[0]] == 0
@@ -108,8 +108,8 @@ def test_direct_batch_of_sequences_matches_resident(model_path, slots):
     eng = _engine(model_path, "cpu", True, n_slots=3, slots=slots, cpu_plan="000", decode_misses="direct")
     assert _batch(eng, BATCH) == ref
     ex = eng.model.experts
-    assert any(n == 3 for _, n in ex.direct.bufs), "no step decoded three sequences through the direct path"
-    ex.direct.settle()
+    assert 3 in ex.direct.records, "no step decoded three sequences through the direct path"
+    ex.direct.flush()
     s = ex.stats
     assert s.hits + s.cpu + s.pcie == s.lookups == s.tokens * 3 * 2
 
@@ -121,7 +121,7 @@ def test_direct_with_drafts_keeps_the_text(model_path):
     eng = _engine(model_path, "cpu", True, slots=3, cpu_plan="011", decode_misses="direct")
     eng.draft_max = 4
     assert list(eng.generate(prompt, SamplingParams(temperature=0), 40)) == ref
-    assert eng.last.draft_steps > 0 and eng.model.experts.direct.bufs
+    assert eng.last.draft_steps > 0 and eng.model.experts.direct.records
 
 
 def test_handoff_is_the_default(model_path):
@@ -142,7 +142,7 @@ def test_cuda_direct_decode_is_one_graph_and_matches_resident(model_path, slots)
     assert ex.direct is not None and ex.store.pinned
     pieces = next(iter(eng.graphs.graphs.values()))[0]
     assert len(pieces) == 1, "a direct decode step has no hand-off"
-    ex.direct.settle()
+    ex.direct.flush()
     s = ex.stats
     assert s.cpu == 0 and s.hits + s.pcie == s.lookups
     if slots == 0:
@@ -156,7 +156,7 @@ def test_cuda_direct_batch_matches_resident(model_path):
     ref = _batch(_engine(model_path, "cuda", False, n_slots=3, mode="resident"), BATCH)
     eng = _engine(model_path, "cuda", True, n_slots=3, slots=2, cpu_plan="000", decode_misses="direct")
     assert _batch(eng, BATCH) == ref
-    assert any(n == 3 for _, n in eng.model.experts.direct.bufs)
+    assert 3 in eng.model.experts.direct.records
 
 
 @pytest.mark.gpu

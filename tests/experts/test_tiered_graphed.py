@@ -119,6 +119,7 @@ def test_cache_fills_through_the_graphed_path(model_path):
 
 def _cuda_engine(path, graphs: bool, **ex):
     mode = ex.pop("mode", "tiered")
+    ex.setdefault("decode_misses", "handoff")  # the hand-off path (tests/experts/test_tiered_direct.py: direct)
     cfg = EngineConfig(model=str(path), device="cuda", dtype="float32", cuda_graphs=graphs,
                        experts=ExpertConfig(mode=mode, **ex))
     return Engine(load_model(str(path), cfg, with_tokenizer=False), n_slots=1)
@@ -131,7 +132,7 @@ def test_cuda_graphed_batch_matches_resident(model_path):
 
         mode = ex.pop("mode", "tiered")
         cfg = EngineConfig(model=str(model_path), device="cuda", dtype="float32", cuda_graphs=graphs,
-                           experts=ExpertConfig(mode=mode, **ex))
+                           experts=ExpertConfig(mode=mode, decode_misses="handoff", **ex))
         eng = Engine(load_model(str(model_path), cfg, with_tokenizer=False), n_slots=len(BATCH))
         seqs = [Sequence(list(p), SamplingParams(temperature=0), 10, set()) for p in BATCH]
         for s in seqs:
@@ -206,7 +207,7 @@ def test_cuda_drafts_between_graphed_steps_keep_the_text(model_path, plan, slots
     prompt = PROMPT * 3  # repeats itself: drafts are found
     ref = list(_cuda_engine(model_path, False, mode="resident").generate(prompt, SamplingParams(temperature=0), 40))
     cfg = EngineConfig(model=str(model_path), device="cuda", dtype="float32", cuda_graphs=True, draft_max=4,
-                       experts=ExpertConfig(mode="tiered", slots=slots, cpu_plan=plan))
+                       experts=ExpertConfig(mode="tiered", slots=slots, cpu_plan=plan, decode_misses="handoff"))
     eng = Engine(load_model(str(model_path), cfg, with_tokenizer=False), n_slots=1)
     out = list(eng.generate(prompt, SamplingParams(temperature=0), 40))
     assert out == ref
