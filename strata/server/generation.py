@@ -160,7 +160,7 @@ class Server:
         req = self.worker.submit(job)
         dec = self.tok.stream_decoder()
         stops = StopStrings(job.stop)
-        rs = self.splitter(job.reasoning, job.in_reasoning)
+        rs = self.splitter(job.reasoning, job.in_reasoning, calls=job.tools is not None)
         tc = ToolCallStream(self.tool_format, job.tools, enabled=job.tools is not None, forced=job.forced)
         n_calls = 0
         n_tok = 0  # token events seen: the index of the next one in seq.output (and seq.token_logprobs)

@@ -6,6 +6,8 @@ tokens is never shown to the client.
 
 from __future__ import annotations
 
+import re
+
 OPEN, CLOSE = "<think>", "</think>"
 
 
@@ -25,7 +27,8 @@ class ReasoningSplitter:
     counts: a `<think>` after answer text is answer text.
     """
 
-    def __init__(self, enabled: bool = True, in_reasoning: bool = False):
+    def __init__(self, enabled: bool = True, in_reasoning: bool = False, calls: bool = False):
+        # (calls: this format's tool calls are in the answer text itself; the harmony splitter needs to know)
         self.enabled = enabled
         self.in_reasoning = enabled and in_reasoning
         self._buf = ""
@@ -97,10 +100,17 @@ def split_reasoning(text: str, enabled: bool = True, in_reasoning: bool = False)
 
 # gpt-oss's harmony format: the output is messages, each `<|channel|>NAME<|message|>BODY<|end|>`, later ones
 # introduced by `<|start|>assistant`; the generation prompt ends with `<|start|>assistant`, so the first header
-# comes straight away. `analysis` is the reasoning, `final` (and any other channel) the answer.
+# comes straight away. `analysis` is the reasoning, `final` (and any other channel) the answer. A message whose
+# header names a recipient `to=functions.NAME` (before or after its channel) is a tool call: its body is the
+# arguments' JSON, ended by `<|call|>`.
 H_MESSAGE, H_CHANNEL = "<|message|>", "<|channel|>"
 H_ENDS = ("<|end|>", "<|return|>", "<|call|>", "<|start|>")
 REASONING_CHANNELS = frozenset({"analysis"})
+# a harmony tool call as the splitter hands it to the tool-call parser (strata.server.toolcalls, format
+# "harmony"): HARMONY_CALL + NAME + "\n" + ARGUMENTS + HARMONY_CALL_END. Private-use characters: no model text
+# contains them, so nothing the model writes can open or close such a block.
+HARMONY_CALL, HARMONY_CALL_END = "\ue000", "\ue001"
+_RECIPIENT = re.compile(r"to=([^\s<]+)")
 
 
 def uses_harmony(template: str | None) -> bool:
@@ -110,14 +120,17 @@ def uses_harmony(template: str | None) -> bool:
 
 class HarmonySplitter:
     """`ReasoningSplitter` for harmony output: (reasoning, content) pieces, the message headers and ends
-    dropped. Output that does not start with a header (`<|channel|>` or `<|start|>`) is all content.
-    With `enabled=False` everything (markers included) is content."""
+    dropped. Output that does not start with a header (`<|channel|>`, `<|start|>` or a recipient `to=`) is all
+    content. With `enabled=False` everything (markers included) is content. With `calls` (the request offers
+    tools), a message to `functions.NAME` goes to the content as a HARMONY_CALL block for the tool-call parser."""
 
-    def __init__(self, enabled: bool = True, in_reasoning: bool = False):
+    def __init__(self, enabled: bool = True, in_reasoning: bool = False, calls: bool = False):
         self.enabled = enabled
+        self.calls = calls
         self._buf = ""
         self._mode = "header"  # header | body | plain
         self._channel = ""
+        self._call = False  # the current message is a tool call
 
     def push(self, text: str) -> tuple[str, str]:
         if not self.enabled:
@@ -132,7 +145,7 @@ class HarmonySplitter:
                 break
             if self._mode == "header":
                 s = buf.lstrip()
-                if s and not (s.startswith("<|") or "<|".startswith(s)):
+                if s and not (s.startswith(("<|", "to=")) or "<|".startswith(s) or "to=".startswith(s)):
                     self._mode = "plain"  # no header: the model answered in plain text
                     continue
                 i = buf.find(H_MESSAGE)
@@ -142,23 +155,39 @@ class HarmonySplitter:
                 j = head.find(H_CHANNEL)
                 name = head[j + len(H_CHANNEL):] if j >= 0 else ""
                 self._channel = name.split("<|")[0].split()[0] if name.split() else ""
+                to = _RECIPIENT.search(head)
+                self._call = bool(self.calls and to and to.group(1).startswith("functions."))
+                if self._call:
+                    c.append(HARMONY_CALL + to.group(1)[len("functions."):] + "\n")
                 self._buf, self._mode = buf[i + len(H_MESSAGE):], "body"
                 continue
             cut = [(buf.find(m), m) for m in H_ENDS if m in buf]
             if cut:
                 i, m = min(cut)
-                (r if self._channel in REASONING_CHANNELS else c).append(buf[:i])
+                self._body(r, c, buf[:i])
+                if self._call:
+                    c.append(HARMONY_CALL_END)
+                    self._call = False
                 # `<|start|>` opens the next message's header; an end marker is dropped
                 self._buf, self._mode = (buf[i:] if m == "<|start|>" else buf[i + len(m):]), "header"
                 continue
             keep = max(partial_suffix(buf, m) for m in H_ENDS)
-            (r if self._channel in REASONING_CHANNELS else c).append(buf[: len(buf) - keep])
+            self._body(r, c, buf[: len(buf) - keep])
             self._buf = buf[len(buf) - keep:]
             break
         return "".join(r), "".join(c)
 
+    def _body(self, r: list, c: list, text: str) -> None:
+        (r if self._channel in REASONING_CHANNELS and not self._call else c).append(text)
+
     def flush(self) -> tuple[str, str]:
         buf, self._buf = self._buf, ""
+        if self._mode == "body":  # an end marker cut off by the end of the output is markup, not text
+            keep = max(partial_suffix(buf, m) for m in H_ENDS)
+            buf = buf[: len(buf) - keep]
+        if self._mode == "body" and self._call:  # ended by <|call|>, a stop token the text does not show
+            self._call = False
+            return "", buf + HARMONY_CALL_END
         if self._mode == "body" and self._channel in REASONING_CHANNELS:
             return buf, ""
         if self._mode == "header":

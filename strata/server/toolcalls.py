@@ -8,6 +8,11 @@ Formats (what the model writes):
 - ``deepseek``: ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```
   <｜tool▁call▁end｜>...<｜tool▁calls▁end｜>`` (V3; V3.1 drops ``function`` and the code fence)
 - ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}]`` or ``[TOOL_CALLS]NAME[ARGS]{...}``
+- ``glm`` (GLM-4.5/4.6): ``<tool_call>NAME\n<arg_key>KEY</arg_key>\n<arg_value>VALUE</arg_value>...</tool_call>``
+  (a value is JSON unless the tool's schema says string)
+- ``harmony`` (gpt-oss): a message ``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}
+  <|call|>``; the harmony splitter (strata.server.reasoning) hands it over as a block between two private-use
+  characters, ``NAME\n{...}``
 
 Markup never reaches the answer text: a block that opens but does not parse (broken, or cut off by max_tokens
 or a stop string) is left out of the text and counted in `ToolCallStream.dropped`; OpenAI's clients read
@@ -21,7 +26,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-from strata.server.reasoning import partial_suffix
+from strata.server.reasoning import HARMONY_CALL, HARMONY_CALL_END, partial_suffix, uses_harmony
 
 DS_CALLS_BEGIN, DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 DS_CALL_BEGIN, DS_CALL_END, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
@@ -53,12 +58,18 @@ FORMATS = {
     "qwen3_coder": ToolFormat("qwen3_coder", "<tool_call>", "</tool_call>"),
     "deepseek": ToolFormat("deepseek", DS_CALLS_BEGIN, DS_CALLS_END),
     "mistral": ToolFormat("mistral", "[TOOL_CALLS]", None),
+    "glm": ToolFormat("glm", "<tool_call>", "</tool_call>"),
+    "harmony": ToolFormat("harmony", HARMONY_CALL, HARMONY_CALL_END),
 }
 
 
 def detect_format(template_source: str | None) -> str:
     """The tool-call format a chat template teaches its model (hermes when the template says nothing)."""
     src = template_source or ""
+    if uses_harmony(src):
+        return "harmony"
+    if "<arg_key>" in src and "<arg_value>" in src:
+        return "glm"
     if "<function=" in src and "<parameter=" in src:
         return "qwen3_coder"
     if "tool▁calls▁begin" in src or "tool▁call▁begin" in src:
@@ -174,8 +185,46 @@ def _parse_mistral(body: str, tools) -> list[ParsedCall] | None:
     return calls or None
 
 
+def _typed(raw: str, kind) -> object:
+    """A parameter value written as text: the text itself for a string parameter, else its JSON value (the text
+    when it is not JSON)."""
+    if kind == "string":
+        return raw
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw
+
+
+_GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)(?:</arg_value>|$)", re.S)
+
+
+def _parse_glm(body: str, tools) -> list[ParsedCall] | None:
+    body = body.strip()
+    i = body.find("<arg_key>")
+    head, rest = (body, "") if i < 0 else (body[:i], body[i:])
+    name, _, tail = head.strip().partition("\n")
+    name = name.strip()
+    if not name or "<" in name:
+        return None
+    if tail.strip():  # some outputs give the arguments as one JSON object after the name
+        a = _json_args(tail.strip())
+        return [ParsedCall(name, a)] if a is not None and not rest else None
+    types = _param_types(tools, name)
+    args = {m.group(1).strip(): _typed(m.group(2), types.get(m.group(1).strip())) for m in _GLM_ARG.finditer(rest)}
+    if rest.strip() and not args:
+        return None
+    return [ParsedCall(name, json.dumps(args, ensure_ascii=False))]
+
+
+def _parse_harmony(body: str, tools) -> list[ParsedCall] | None:
+    name, _, args = body.partition("\n")
+    a = _json_args(args.strip() or "{}")
+    return [ParsedCall(name.strip(), a)] if name.strip() and a is not None else None
+
+
 PARSERS = {"hermes": _parse_hermes, "qwen3_coder": _parse_hermes, "deepseek": _parse_deepseek,
-           "mistral": _parse_mistral}
+           "mistral": _parse_mistral, "glm": _parse_glm, "harmony": _parse_harmony}
 
 
 def parse_block(fmt: str, body: str, tools: list[dict] | None = None) -> list[ParsedCall] | None:
@@ -313,6 +362,27 @@ def _lark_str(s: str) -> str:
     return json.dumps(s, ensure_ascii=False)
 
 
+def _chosen(tools: list[dict], only: str | None):
+    """(function, its parameters in call order: the required ones, else all; properties) of each tool offered."""
+    for t in tools:
+        f = t.get("function", t)
+        if only is not None and f["name"] != only:
+            continue
+        params = f.get("parameters") or {}
+        props = params.get("properties") or {}
+        req = [p for p in props if p in set(params.get("required") or [])] or list(props)
+        yield f, req, props
+
+
+def _value_rule(ps: dict) -> str:
+    """A parameter's value written as text: an enum's strings, a short string without markup, or JSON."""
+    if ps.get("type") == "string" and "enum" in ps:
+        return " | ".join(_lark_str(str(v)) for v in ps["enum"])
+    if ps.get("type") == "string":
+        return "/[^<]{0,200}/"
+    return _json_rule(closed(ps))
+
+
 def tool_grammar(fmt: str, tools: list[dict], only: str | None = None, lit=_lark_str, parallel: bool = True) -> str:
     """A Lark grammar whose sentences are one or more tool calls in `fmt`.
 
@@ -364,4 +434,25 @@ def tool_grammar(fmt: str, tools: list[dict], only: str | None = None, lit=_lark
     if fmt == "mistral":
         arr = {"type": "array", "items": sch, "minItems": 1, **({} if parallel else {"maxItems": 1})}
         return f"start: {lit('[TOOL_CALLS]')} body\nbody: {_json_rule(arr)}\n"
+    if fmt == "glm":
+        alts, rules = [], []
+        for k, (f, req, props) in enumerate(_chosen(tools, only)):
+            seq = [_lark_str(f["name"])]
+            for j, p in enumerate(req):
+                rules.append(f"v{k}_{j}: " + _value_rule(props[p] or {}))
+                seq.append(f"\"\\n\" {lit('<arg_key>')} {_lark_str(p)} {lit('</arg_key>')} \"\\n\" {lit('<arg_value>')} "
+                           f"v{k}_{j} {lit('</arg_value>')}")
+            alts.append(f"f{k}")
+            rules.append(f"f{k}: " + " ".join(seq))
+        return (f"start: call {more}\ncall: {lit('<tool_call>')} ({' | '.join(alts)}) \"\\n\" {lit('</tool_call>')}\n"
+                + "\n".join(rules) + "\n")
+    if fmt == "harmony":
+        # one call: `<|call|>` ends the generation (the client sends the result back for the next)
+        alts, rules = [], []
+        for k, (f, _, _) in enumerate(_chosen(tools, only)):
+            alts.append(f"c{k}")
+            rules.append(f"c{k}: {_lark_str('commentary to=functions.' + f['name'])} \" \" {lit('<|constrain|>')} "
+                         f"\"json\" {lit('<|message|>')} a{k}")
+            rules.append(f"a{k}: {_json_rule(closed(f.get('parameters') or {'type': 'object'}))}")
+        return (f"start: {lit('<|channel|>')} ({' | '.join(alts)}) {lit('<|call|>')}\n" + "\n".join(rules) + "\n")
     raise ValueError(f"no grammar for tool format {fmt}")

@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 
+from strata.server.reasoning import HARMONY_CALL, HARMONY_CALL_END, HarmonySplitter
 from strata.server.toolcalls import DS_CALL_BEGIN, DS_CALL_END, DS_CALLS_BEGIN, DS_CALLS_END, DS_SEP
 
 pytest.importorskip("llguidance")
@@ -25,7 +26,8 @@ TOOLS = [{"type": "function", "function": {
                    "required": ["city"]}}}]
 MSG = [{"role": "user", "content": "What is the weather in Paris?"}]
 # what a block of each format starts with, and fragments of it that must never be in `content`
-MARKUP = ("<tool_call", "</tool_call", "tool_call>", "[TOOL_CALLS", "｜", "<function=", "<parameter=", '"name"')
+MARKUP = ("<tool_call", "</tool_call", "tool_call>", "[TOOL_CALLS", "｜", "<function=", "<parameter=", '"name"',
+          "<arg_key", "arg_value>", "<|channel|>", "<|message|>", "to=functions", HARMONY_CALL, HARMONY_CALL_END)
 _http = httpx.Client(timeout=120)
 
 
@@ -131,19 +133,21 @@ def test_llamacpp_json_schema_field(server):
 
 # -- tool-call markup never reaches content -------------------------------------------------------------------------
 
-FORMATS = ["hermes", "qwen3_coder", "deepseek", "mistral"]
+FORMATS = ["hermes", "qwen3_coder", "deepseek", "mistral", "glm", "harmony"]
 
 
 @pytest.fixture
 def tool_format(server):
+    """The served model's tool format set to another (harmony: with gpt-oss's output splitter too)."""
     srv = server.state.server
-    old = srv.tool_format
+    old = srv.tool_format, srv.splitter
 
     def use(fmt):
         srv.tool_format = fmt
+        srv.splitter = HarmonySplitter if fmt == "harmony" else old[1]
 
     yield use
-    srv.tool_format = old
+    srv.tool_format, srv.splitter = old
 
 
 def _chat(oai, stream, **kw):
@@ -194,9 +198,14 @@ def _free_grammar(fmt: str) -> str:
         "deepseek": f"{DS_CALLS_BEGIN}{DS_CALL_BEGIN}function{DS_SEP}get_weather\n```json\n{args}\n```{DS_CALL_END}"
                     f"{DS_CALLS_END}",
         "mistral": f'[TOOL_CALLS][{{"name": "get_weather", "arguments": {args}}}]',
+        "glm": "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>",
+        # a final message, then the call message (its <|call|> ends the turn)
+        "harmony": f"<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
+                   f"<|message|>{args}<|call|>",
     }[fmt]
-    after = "" if fmt == "mistral" else " Done."
-    return "root ::= " + " ".join(json.dumps(x, ensure_ascii=False) for x in ("Sure. ", call, after) if x)
+    before = "<|channel|>final<|message|>Sure. " if fmt == "harmony" else "Sure. "
+    after = "" if fmt in ("mistral", "harmony") else " Done."
+    return "root ::= " + " ".join(json.dumps(x, ensure_ascii=False) for x in (before, call, after) if x)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -207,8 +216,11 @@ def test_free_call_markup_never_in_content(oai, tool_format, fmt, stream):
     content, calls, finish = _chat(oai, stream, tools=TOOLS, max_tokens=200, extra_body={"grammar": g})
     assert calls == [("get_weather", '{"city": "Paris"}')] and finish == "tool_calls", (content, calls)
     _no_markup(content)
-    assert content.split() == (["Sure."] if fmt == "mistral" else ["Sure.", "Done."])
-    for n in ((12,) if stream else (8, 20)):  # cut off inside the block
+    assert content.split() == (["Sure."] if fmt in ("mistral", "harmony") else ["Sure.", "Done."])
+    cuts = (12,) if stream else (8, 20)
+    if fmt == "harmony":  # its header comes first
+        cuts = (30,) if stream else (25, 40)
+    for n in cuts:  # cut off inside the block
         content, calls, finish = _chat(oai, stream, tools=TOOLS, max_tokens=n, extra_body={"grammar": g})
         _no_markup(content)
         assert finish == "length" and "Sure. ".startswith(content), (fmt, n, content)

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from strata.server.reasoning import ReasoningSplitter, split_reasoning
+from strata.server.reasoning import HARMONY_CALL, HARMONY_CALL_END, HarmonySplitter, ReasoningSplitter, split_reasoning
 from strata.server.generation import StopStrings
 from strata.server.toolcalls import (DS_CALL_BEGIN, DS_CALL_END, DS_CALLS_BEGIN, DS_CALLS_END, DS_SEP,
                                      ToolCallStream, detect_format, parse_tool_calls, tool_grammar)
@@ -29,6 +29,14 @@ CASES = {
                  f'{{"city": "Tokyo", "days": 1}}{DS_CALL_END}{DS_CALLS_END}'),
     "mistral": ('Let me check. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}, '
                 '{"name": "get_weather", "arguments": {"city": "Tokyo", "days": 1}}]'),
+    # GLM-4.5/4.6: a string value as it is, others as JSON (the template writes them so)
+    "glm": ("Let me check. <tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+            "<arg_key>days</arg_key>\n<arg_value>2</arg_value>\n</tool_call>\n<tool_call>get_weather\n"
+            "<arg_key>city</arg_key>\n<arg_value>Tokyo</arg_value>\n<arg_key>days</arg_key>\n<arg_value>1</arg_value>\n"
+            "</tool_call>"),
+    # gpt-oss: what the harmony splitter hands on for two call messages
+    "harmony": (f'Let me check. {HARMONY_CALL}get_weather\n{{"city": "Paris", "days": 2}}{HARMONY_CALL_END}'
+                f'{HARMONY_CALL}get_weather\n{{"city": "Tokyo", "days": 1}}{HARMONY_CALL_END}'),
 }
 EXPECTED = [("get_weather", {"city": "Paris", "days": 2}), ("get_weather", {"city": "Tokyo", "days": 1})]
 
@@ -56,7 +64,7 @@ def test_streamed_in_random_pieces(fmt, seed):
         t, c = s.push(p)
         text.append(t)
         calls += c
-        assert "<tool" not in "".join(text) and "[TOOL" not in "".join(text) and "｜" not in "".join(text)
+        assert not any(m in "".join(text) for m in MARKUP)
     t, c = s.flush()
     text.append(t)
     calls += c
@@ -85,7 +93,8 @@ def test_unfinished_block_at_the_end_is_not_text():
     assert calls == [] and text == "hi "
 
 
-MARKUP = ("<tool", "tool_call>", "[TOOL", "｜", "<function", "<parameter", '"name"', "[ARGS]")
+MARKUP = ("<tool", "tool_call>", "[TOOL", "｜", "<function", "<parameter", '"name"', "[ARGS]", "<arg_", "arg_key>",
+          HARMONY_CALL, HARMONY_CALL_END, "get_weather")
 
 
 @pytest.mark.parametrize("fmt", sorted(CASES))
@@ -151,6 +160,63 @@ def test_detect_format():
     assert detect_format(None) == "hermes"
 
 
+def test_detect_format_of_real_templates(llamacpp_models):
+    """GLM-4.6 and gpt-oss as their own repositories ship them (llama.cpp's copies of the real templates)."""
+    t = llamacpp_models / "templates"
+    assert detect_format((t / "GLM-4.6.jinja").read_text(encoding="utf-8")) == "glm"
+    assert detect_format((t / "openai-gpt-oss-120b.jinja").read_text(encoding="utf-8")) == "harmony"
+    assert detect_format((t / "Qwen-Qwen3-0.6B.jinja").read_text(encoding="utf-8")) == "hermes"
+
+
+def test_glm_values_follow_the_schema():
+    """A string parameter keeps its text even when it looks like JSON; others are JSON (text when not)."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "code": {"type": "string"}, "n": {"type": "integer"}, "opts": {"type": "object"}}}}}]
+    src = ("<tool_call>f\n<arg_key>code</arg_key>\n<arg_value>[1, 2]</arg_value>\n<arg_key>n</arg_key>\n"
+           "<arg_value>3</arg_value>\n<arg_key>opts</arg_key>\n<arg_value>{\"a\": true}</arg_value>\n</tool_call>")
+    _, calls = parse_tool_calls("glm", src, tools)
+    assert json.loads(calls[0].arguments) == {"code": "[1, 2]", "n": 3, "opts": {"a": True}}
+    _, calls = parse_tool_calls("glm", "<tool_call>f\n</tool_call>", tools)  # no arguments
+    assert calls[0].name == "f" and calls[0].arguments == "{}"
+    text, calls = parse_tool_calls("glm", "a <tool_call><arg_key>x</arg_key></tool_call> b", tools)  # no name
+    assert calls == [] and text == "a  b"
+
+
+HARMONY_OUT = ('<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>commentary '
+               'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris", "days": 2}<|call|>')
+
+
+@pytest.mark.parametrize("by_char", [False, True])
+@pytest.mark.parametrize("text", [
+    HARMONY_OUT,
+    HARMONY_OUT[:-len("<|call|>")],  # <|call|> is an end-of-generation token: the decoded text stops before it
+    # the header as gpt-oss's template writes it: the recipient before the channel
+    ' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris", "days": 2}<|call|>',
+])
+def test_harmony_calls_through_the_splitter(text, by_char):
+    """gpt-oss's call messages: the splitter keeps the analysis as reasoning and hands the call over; the
+    parser returns it with no markup in the text."""
+    rs, tc = HarmonySplitter(calls=True), ToolCallStream("harmony", TOOLS)
+    reasoning, content, calls = [], [], []
+    for piece in (list(text) if by_char else [text]) + [None]:
+        r, c = rs.push(piece) if piece is not None else rs.flush()
+        t, got = tc.push(c) if piece is not None else (lambda a, b: (a[0] + b[0], a[1] + b[1]))(tc.push(c), tc.flush())
+        reasoning.append(r)
+        content.append(t)
+        calls += got
+    assert "".join(content) == ""
+    assert "".join(reasoning) == ("Need weather." if text.startswith("<|channel|>analysis") else "")
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == EXPECTED[:1]
+
+
+def test_harmony_without_tools_is_text():
+    """A request without tools: a call message's body stays content, as before."""
+    rs = HarmonySplitter(calls=False)
+    r, c = rs.push(HARMONY_OUT)
+    r2, c2 = rs.flush()
+    assert (r + r2, c + c2) == ("Need weather.", '{"city": "Paris", "days": 2}')
+
+
 # -- reasoning ---------------------------------------------------------------------------------------------------
 
 
@@ -189,7 +255,7 @@ def test_stop_strings_across_pieces():
 # -- grammars through llguidance with the real vocabulary --------------------------------------------------------
 
 
-@pytest.mark.parametrize("fmt", ["hermes", "qwen3_coder", "deepseek", "mistral"])
+@pytest.mark.parametrize("fmt", ["hermes", "qwen3_coder", "deepseek", "mistral", "glm", "harmony"])
 def test_tool_grammar_accepts_the_formats_own_text(fmt, lm):
     """The grammar that forces a call accepts a call written in the format, and that text parses back."""
     llg = pytest.importorskip("llguidance")
@@ -205,11 +271,19 @@ def test_tool_grammar_accepts_the_formats_own_text(fmt, lm):
                        "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>",
         "deepseek": CASES["deepseek"].split("Let me check. ")[1].split(DS_CALL_BEGIN + "get_weather")[0] + DS_CALLS_END,
         "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}]',
+        "glm": "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n<arg_key>days</arg_key>"
+               "\n<arg_value>2</arg_value>\n</tool_call>",
+        "harmony": '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris", '
+                   '"days": 2}<|call|>',
     }
     m = llg.LLMatcher(g._lltok(), grammar, log_level=0)
     ids = lm.tokenizer.encode(texts[fmt], add_special=False)
     for t in ids:
         assert m.consume_token(t), (fmt, lm.tokenizer.decode([t]), m.get_error())
     assert m.is_accepting()
-    _, calls = parse_tool_calls(fmt, texts[fmt], TOOLS)
+    text = texts[fmt]
+    if fmt == "harmony":  # the splitter hands the message over first
+        rs = HarmonySplitter(calls=True)
+        text = rs.push(text)[1] + rs.flush()[1]
+    _, calls = parse_tool_calls(fmt, text, TOOLS)
     assert [(c.name, json.loads(c.arguments)) for c in calls] == EXPECTED[:1]
