@@ -212,6 +212,32 @@ class Engine:
         held = self.slot_tokens[slot]
         return n == len(held) < n_prompt and self._state_tokens.get(slot) == tuple(held)
 
+    def reusable_prefix(self, slot: int, prompt: list[int]) -> int:
+        """Tokens of `prompt` a free slot's content serves (a recurrent slot: all it holds, or none)."""
+        n = _common_prefix(self.slot_tokens[slot], prompt)
+        return n if self.recurrent is None or self._state_reusable(slot, n, len(prompt)) else 0
+
+    def slot_state(self, slot: int) -> dict | None:
+        """A free slot's recurrent state, copied to the host, when it is the state after the slot's whole content
+        (the conversation cache keeps it beside the KV rows); None otherwise, or for a model without one."""
+        if self.recurrent is None or self._state_tokens.get(slot) != tuple(self.slot_tokens[slot]):
+            return None
+        snap = self.recurrent.snapshot([slot])
+        return {k: {i: t.cpu() for i, t in snap[k].items()} for k in ("conv", "ssm")}
+
+    def load_slot(self, slot: int, tokens: list[int], state: dict | None = None) -> None:
+        """A free slot now holds `tokens` (their KV rows written by the caller) and, for a recurrent model, the
+        state after them (`slot_state`'s; None: no usable state, so no prefix of the slot is reused)."""
+        self.slot_tokens[slot] = list(tokens)
+        if self.recurrent is None:
+            return
+        if state is None:
+            self._state_tokens.pop(slot, None)
+            return
+        self.recurrent.restore({"slots": [slot], **state})
+        self._state_tokens[slot] = tuple(tokens)
+        self._state_bad.discard(slot)
+
     def release(self, seq: Sequence, reason: str | None = None) -> None:
         if reason and not seq.finished:
             seq.finished, seq.finish_reason = True, reason

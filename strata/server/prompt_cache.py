@@ -5,6 +5,10 @@ The engine already reuses the longest prefix that a free slot still holds. This 
 slot's content is overwritten by an unrelated prompt, its KV is copied to RAM (within a byte budget, least
 recently used evicted), and a prompt whose longest cached prefix lives in RAM gets it copied back into a free
 slot before the engine places it. Only the engine thread calls this (it touches the engine's KV).
+
+A model with recurrent layers (qwen3next's delta-net) folds its whole past into a state per slot: an entry then
+also keeps the state after its last token, and serves only a prompt that goes on past all of its tokens (the
+state of a shorter prefix cannot be read back from it), as the engine's own slot reuse does.
 """
 
 from __future__ import annotations
@@ -32,6 +36,14 @@ class Entry:
     k: list[list[torch.Tensor]]  # per layer, on the host, as the cache stores them (KVCache.save_rows)
     v: list[list[torch.Tensor]] | None
     nbytes: int
+    state: dict | None = None  # a recurrent model's state after the last token (Engine.slot_state)
+
+    def serves(self, prompt: list[int], recurrent: bool) -> int:
+        """Tokens of `prompt` this entry serves."""
+        n = common_prefix(self.tokens, prompt)
+        if recurrent:  # only its whole content, and the prompt must go on past it
+            return n if n == len(self.tokens) < len(prompt) and self.state is not None else 0
+        return n
 
 
 class PromptCache:
@@ -52,14 +64,20 @@ class PromptCache:
         if key in self.entries:
             self.entries.move_to_end(key)
             return
+        recurrent = engine.recurrent is not None
+        state = engine.slot_state(slot) if recurrent else None
+        if recurrent and state is None:
+            return  # the slot's state is not that of its tokens: its rows alone cannot be reused
         for other in self.entries.values():  # already held as the prefix of a longer entry
-            if len(other.tokens) >= n and other.tokens[:n] == toks:
+            if not recurrent and len(other.tokens) >= n and other.tokens[:n] == toks:
                 return
         kv = engine.kv
         # each layer's rows as stored (a quantized cache's blocks and scales, copied as they are)
         k = [kv.save_rows(layer, slot, n, "k") for layer in range(kv.n_layers)]
         v = [kv.save_rows(layer, slot, n, "v") for layer in range(kv.n_layers)] if kv.v is not None else None
         nbytes = sum(t.numel() * t.element_size() for rows in k + (v or []) for t in rows)
+        if state is not None:
+            nbytes += sum(t.numel() * t.element_size() for d in state.values() for t in d.values())
         if nbytes > self.budget:
             return
         # drop entries that are prefixes of this one (the conversation moved on)
@@ -68,7 +86,7 @@ class PromptCache:
         while self.used + nbytes > self.budget and self.entries:
             self._drop(next(iter(self.entries)))
             self.evictions += 1
-        self.entries[key] = Entry(list(toks), k, v, nbytes)
+        self.entries[key] = Entry(list(toks), k, v, nbytes, state)
         self.used += nbytes
         self.saves += 1
 
@@ -82,7 +100,7 @@ class PromptCache:
             kv.load_rows(layer, slot, n, e.k[layer], "k")
             if kv.v is not None and e.v is not None:
                 kv.load_rows(layer, slot, n, e.v[layer], "v")
-        engine.slot_tokens[slot] = list(e.tokens[:n])
+        engine.load_slot(slot, e.tokens[:n], e.state if n == len(e.tokens) else None)
         self.restores += 1
 
     # -- the one entry point -------------------------------------------------------------------------------------
@@ -90,18 +108,17 @@ class PromptCache:
         """Arrange the engine's free slots so that `engine.add` finds the longest cached prefix of `prompt`, and
         save whatever KV the chosen slot held that the new prompt will overwrite."""
         free = engine.free_slots
-        if not free or engine.recurrent is not None:
-            # a recurrent model's slot state is not in the KV rows copied here: restored rows would not be reused
-            # (strata.engine.engine.Engine._state_reusable), so keep no copies; the slots' own reuse still applies
+        if not free:
             return
+        recurrent = engine.recurrent is not None
         best, best_n = None, 0
         for s in free:
-            n = common_prefix(engine.slot_tokens[s], prompt)
+            n = engine.reusable_prefix(s, prompt)
             if n > best_n:
                 best, best_n = s, n
         ram, ram_n = None, 0
         for e in self.entries.values():
-            n = common_prefix(e.tokens, prompt)
+            n = e.serves(prompt, recurrent)
             if n > ram_n:
                 ram, ram_n = e, n
         if ram is not None and ram_n > best_n and ram_n >= MIN_TOKENS:

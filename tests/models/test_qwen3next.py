@@ -134,16 +134,45 @@ def _drafted(prompt, want, n):
     return s
 
 
-def test_conversation_cache_keeps_nothing_for_a_recurrent_model(lm):
+def test_conversation_cache_keeps_the_state_with_the_rows(lm):
+    """The RAM conversation cache on a recurrent model: a conversation pushed out of its slot by another keeps
+    its KV rows and the state after its last token; its next turn (the whole conversation so far, then more)
+    gets both back and reads only the new tokens, with the tokens of a cold run."""
     from strata.server.prompt_cache import PromptCache
 
     eng, cache = Engine(lm, n_slots=1, prefill_chunk=6), PromptCache(64)
     a, b = _prompt(20, seed=20), _prompt(20, seed=21)
-    for p in (a, b, a):
-        s = _seq(p, n=4)
+
+    def run(p, n=4):
+        s = _seq(p, n=n)
         cache.prepare(eng, s.prompt)
-        assert _run_all(eng, [s]) == [_alone(lm, p, 4)]
-    assert cache.saves == cache.restores == 0 and not cache.entries
+        out = _run_all(eng, [s])[0]
+        assert out == _alone(lm, p, n)
+        return s
+
+    run(a)
+    held = list(eng.slot_tokens[0])  # a and the replies the state absorbed (all but the last)
+    assert len(held) == 23
+    run(b)  # a goes to RAM, rows and state
+    assert cache.saves == 1 and next(iter(cache.entries.values())).state is not None
+    turn = run(held + _prompt(5, seed=22), n=6)
+    assert cache.restores == 1 and turn.cached == len(held)
+    # a prompt that leaves the conversation part-way cannot use the state: no restore, computed cold
+    run(b)
+    part = run(held[:15] + _prompt(5, seed=23))
+    assert cache.restores == 1 and part.cached == 0
+
+
+def test_conversation_cache_skips_a_slot_whose_state_is_not_its_tokens(lm):
+    """A slot changed behind the engine (its state no longer that of its tokens) is not saved."""
+    from strata.server.prompt_cache import PromptCache
+
+    eng, cache = Engine(lm, n_slots=1, prefill_chunk=6), PromptCache(64)
+    list(eng.generate(_prompt(20, seed=24), GREEDY, 4))
+    eng.slot_tokens[0] = list(_prompt(20, seed=25))
+    s = _seq(_prompt(20, seed=26), n=2)
+    cache.prepare(eng, s.prompt)
+    assert cache.saves == 0 and not cache.entries
 
 
 def test_drafts_give_plain_greedy_tokens(lm):
