@@ -198,6 +198,18 @@ def expert_weights(L: WeightLoader, i: int):
 
     cpu = torch.device("cpu")
     names = [f"blk.{i}.ffn_{p}_exps.weight" for p in ("gate", "up", "down")]
+    fused = f"blk.{i}.ffn_gate_up_exps.weight"
+    if not L.has(names[0]) and L.has(fused):
+        # llama.cpp's converter with --fuse-gate-up-exps: [E, 2 ff, d], each expert's gate rows then its up rows.
+        # Rows are whole blocks, so the halves are the two projections as stored (copied: the store, the slots and
+        # the kernels address an expert as one contiguous stack)
+        gu = L.q(fused, cpu)
+        E, ff2 = gu.shape[0], gu.shape[1]
+        if ff2 % 2:
+            raise StrataError(f"{L.g.paths[0].name}: {fused} has {ff2} rows per expert, not gate + up halves")
+        ff = ff2 // 2
+        gate, up = (QTensor(gu.raw[:, a:a + ff].contiguous(), gu.qtype, (E, ff, *gu.shape[2:])) for a in (0, ff))
+        return ExpertWeights(gate, up, L.q(names[2], cpu))
     if not L.has(names[0]) and L.has(f"blk.{i}.ffn_gate.0.weight"):
         raise StrataError(
             f"{L.g.paths[0].name}: experts stored one tensor per expert (an old GGUF layout); re-convert the model "

@@ -13,7 +13,7 @@ def rewrite(src: Path, dst: Path, fn: Callable[[str, np.ndarray, int, tuple], tu
             arch: str | None = None) -> Path:
     """fn(name, raw_bytes_or_array, qtype, torch_shape) -> (data, qtype) where data is what GGUFWriter takes:
     a float32 array of the logical shape (qtype F32) or uint8 raw blocks `[..., row_bytes]`; or None to leave the
-    tensor out."""
+    tensor out; or a list of (name, data, qtype): tensors written in its place (a fused pair, say).""" 
     r = gguf.GGUFReader(src)
     arch = arch or r.fields["general.architecture"].contents()
     w = gguf.GGUFWriter(str(dst), arch)
@@ -28,11 +28,12 @@ def rewrite(src: Path, dst: Path, fn: Callable[[str, np.ndarray, int, tuple], tu
         got = fn(t.name, np.asarray(t.data), int(t.tensor_type), shape)
         if got is None:
             continue
-        data, qt = got
-        if qt == gguf.GGMLQuantizationType.F32:
-            w.add_tensor(t.name, np.ascontiguousarray(data, dtype=np.float32).reshape(shape))
-        else:
-            w.add_tensor(t.name, np.ascontiguousarray(data), raw_dtype=gguf.GGMLQuantizationType(qt))
+        for name, data, qt in (got if isinstance(got, list) else [(t.name, *got)]):
+            if qt == gguf.GGMLQuantizationType.F32:
+                w.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32).reshape(
+                    shape if name == t.name else data.shape))
+            else:
+                w.add_tensor(name, np.ascontiguousarray(data), raw_dtype=gguf.GGMLQuantizationType(qt))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
