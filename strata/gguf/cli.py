@@ -8,8 +8,8 @@ from pathlib import Path
 from strata import StrataError
 
 # The synth presets (strata.gguf.synth.PRESETS), listed here so that `strata --help` imports nothing heavy.
-PRESET_NAMES = ("qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3", "mixtral-8x7b",
-                "tiny-qwen3moe", "tiny-deepseek", "tiny-mixtral")
+PRESET_NAMES = ("qwen3-30b-a3b", "glm-4.5-air", "qwen3-next-80b-a3b", "tiny-glm4moe", "tiny-qwen3next",
+                "qwen3-235b-a22b", "deepseek-v3", "mixtral-8x7b", "tiny-qwen3moe", "tiny-deepseek", "tiny-mixtral")
 CONVERT_TYPES = ("f32", "f16", "bf16", "q8_0")
 
 
@@ -36,14 +36,17 @@ def cmd_synth(args) -> int:
     from strata.quant.formats import as_qtype, check_supported
 
     get_preset(args.preset, args.layers)  # fail on a bad preset before anything is written
-    for flag in ("experts_type", "dense_type", "head_type"):
+    for flag in ("experts_type", "dense_type", "head_type", "experts_down_type", "shared_type"):
+        if getattr(args, flag) is None:
+            continue
         try:
             check_supported(as_qtype(getattr(args, flag)))
         except StrataError:
             raise StrataError(f"--{flag.replace('_', '-')} {getattr(args, flag)} is not a weight format strata "
                               f"runs ({type_names()})") from None
     r = synth(args.preset, args.out, args.experts_type, args.dense_type, args.head_type, seed=args.seed,
-              layers=args.layers, progress=not args.quiet)
+              layers=args.layers, progress=not args.quiet, experts_down_type=args.experts_down_type,
+              shared_type=args.shared_type)
     p = r["preset"]
     print(f"strata: wrote {args.out}: {p.about or p.name}{f' cut to {p.n_layers} layers' if args.layers else ''}, "
           f"{_gb(r['bytes'])} in {r['seconds']:.1f} s ({r['gbps']:.2f} GB/s)", file=sys.stderr)
@@ -86,6 +89,9 @@ def register(sub) -> None:
     p.add_argument("--dense-type", default="Q8_0", help="attention, dense FFN and shared experts (default Q8_0; "
                    "token embeddings are Q8_0 unless this is a float type)")
     p.add_argument("--head-type", default="Q6_K", help="output head (default Q6_K)")
+    p.add_argument("--experts-down-type", default=None, help="the routed experts' down projection (default: "
+                   "--experts-type; e.g. IQ3_XXS under IQ2_XXS gate/up, as 2-bit mixes store it)")
+    p.add_argument("--shared-type", default=None, help="shared experts (default: --dense-type)")
     p.add_argument("--seed", type=int, default=0, help="weights seed (same seed, same bytes)")
     p.add_argument("--layers", type=int, default=None, help="keep only the first N layers (smaller files)")
     p.add_argument("--no-report", action="store_true", help="skip the routing report")

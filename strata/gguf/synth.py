@@ -25,17 +25,17 @@ import re
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 from gguf import GGMLQuantizationType, LlamaFileType
 
 from strata import StrataError
+from strata.gguf.synth_report import (  # noqa: F401 (the routing report: callers import it from here too)
+    FRACTIONS, REPORT_CPU_MAX_BYTES, capture_routing, format_report, routing_report, routing_stats, sample_text,
+)
+from strata.gguf import synth_families
 from strata.gguf.writer import TensorSpec, write_streamed
 from strata.quant.formats import FLOAT_TYPES, SUPPORTED_TYPES, as_qtype, block_geometry, check_supported
-
-if TYPE_CHECKING:  # for the annotations only: the functions that use torch import it themselves
-    import torch
 
 Q = GGMLQuantizationType
 DATA = Path(__file__).resolve().parents[1] / "data"
@@ -54,7 +54,7 @@ NORM_NOISE = 0.02  # norm weights are 1 + N(0, this)
 @dataclass(frozen=True)
 class Preset:
     name: str
-    arch: str  # GGUF architecture: qwen3moe | llama | deepseek2
+    arch: str  # GGUF architecture: qwen3moe | llama | deepseek2 | glm4moe | qwen3next
     n_layers: int
     d_model: int
     n_heads: int
@@ -81,6 +81,15 @@ class Preset:
     gating: str = "softmax"
     routed_scale: float = 1.0
     yarn: tuple[float, int, float] | None = None  # (factor, original context, yarn_log_multiplier)
+    shared_ffn: int = 0  # the shared expert's FFN width when not n_shared x expert_ffn (qwen3next)
+    # qwen3next's gated delta-net layers: key / value heads and their dims, the causal conv's kernel, and one full
+    # attention layer every full_attn_interval
+    lin_k_heads: int = 0
+    lin_v_heads: int = 0
+    lin_k_dim: int = 0
+    lin_v_dim: int = 0
+    conv_kernel: int = 4
+    full_attn_interval: int = 4
     vocab_source: str = "tiny"  # qwen2 | llama-spm | deepseek-llm | tiny
     template: str = "qwen3"  # qwen3 | mixtral | deepseek-v3.1
     about: str = ""
@@ -95,8 +104,25 @@ _DEEPSEEK_V3 = Preset("deepseek-v3", "deepseek2", 61, 7168, 128, 128, 192, 12928
                       about="DeepSeek-V3: 61 layers (3 dense), 256 experts top-8 + 1 shared, MLA")
 _MIXTRAL = Preset("mixtral-8x7b", "llama", 32, 4096, 32, 8, 128, 32000, 32768, 14336, 8, 2, 14336, eps=1e-5,
                   vocab_source="llama-spm", template="mixtral", about="Mixtral-8x7B: 32 layers, 8 experts top-2")
+_GLM45_AIR = Preset("glm-4.5-air", "glm4moe", 46, 4096, 96, 8, 128, 151936, 131072, 10944, 128, 8, 1408, eps=1e-5,
+                    n_shared=1, first_dense=1, rope_dim=64, gating="sigmoid", vocab_source="qwen2",
+                    about="GLM-4.5-Air: 46 layers (1 dense), 128 experts top-8 + 1 shared (with Qwen3's vocabulary)")
+_QWEN3_NEXT = Preset("qwen3-next-80b-a3b", "qwen3next", 48, 2048, 16, 2, 256, 151936, 262144, 5120, 512, 10, 512,
+                     rope_theta=1e7, shared_ffn=512, rope_dim=64, lin_k_heads=16, lin_v_heads=32, lin_k_dim=128,
+                     lin_v_dim=128, vocab_source="qwen2",
+                     about="Qwen3-Next-80B-A3B: 48 layers (every 4th gated attention, the others gated delta-net), "
+                           "512 experts top-10 + 1 shared")
 PRESETS: dict[str, Preset] = {p.name: p for p in (
     _QWEN3_30B,
+    _GLM45_AIR,
+    _QWEN3_NEXT,
+    dataclasses.replace(_GLM45_AIR, name="tiny-glm4moe", n_layers=4, d_model=256, n_heads=4, n_kv_heads=2,
+                        head_dim=64, rope_dim=32, vocab=2048, ctx=32768, ffn=512, n_experts=16, k=4, expert_ffn=256,
+                        vocab_source="tiny", about="tiny GLM-4.5: 4 layers (1 dense), 16 experts top-4 + 1 shared"),
+    dataclasses.replace(_QWEN3_NEXT, name="tiny-qwen3next", n_layers=4, d_model=256, n_heads=4, n_kv_heads=2,
+                        head_dim=64, rope_dim=16, vocab=2048, ctx=32768, ffn=512, n_experts=16, k=4, expert_ffn=256,
+                        shared_ffn=256, lin_k_heads=2, lin_v_heads=4, lin_k_dim=64, lin_v_dim=64, vocab_source="tiny",
+                        about="tiny Qwen3-Next: 4 layers (1 gated attention), 16 experts top-4 + 1 shared"),
     dataclasses.replace(_QWEN3_30B, name="qwen3-235b-a22b", n_layers=94, d_model=4096, n_heads=64, ffn=12288,
                         expert_ffn=1536, about="Qwen3-235B-A22B: 94 layers, 128 experts top-8"),
     _DEEPSEEK_V3,
@@ -246,9 +272,14 @@ def _bias(seed: int, name: str, n: int):
     return lambda: (0.01 * _rng(seed, name).standard_normal(n)).astype(np.float32)
 
 
-def tensor_plan(p: Preset, experts_type="Q4_K", dense_type="Q8_0", head_type="Q6_K", seed: int = 0) -> list[TensorSpec]:
-    """Every tensor of the preset in file order, with its GGUF name, shape (torch order), type and init."""
+def tensor_plan(p: Preset, experts_type="Q4_K", dense_type="Q8_0", head_type="Q6_K", seed: int = 0,
+                experts_down_type=None, shared_type=None) -> list[TensorSpec]:
+    """Every tensor of the preset in file order, with its GGUF name, shape (torch order), type and init.
+    experts_down_type: the routed experts' down projection (default: experts_type); shared_type: the shared
+    experts (default: dense_type)."""
     et, dt, ht = (check_supported(as_qtype(t)) for t in (experts_type, dense_type, head_type))
+    et_down = check_supported(as_qtype(experts_down_type)) if experts_down_type else et
+    st = check_supported(as_qtype(shared_type)) if shared_type else dt
     d, specs = p.d_model, []
 
     def w(name, shape, qtype, gain=1.0, std=None):
@@ -266,6 +297,11 @@ def tensor_plan(p: Preset, experts_type="Q4_K", dense_type="Q8_0", head_type="Q6
     w("output.weight", (p.vocab, d), ht)
     for i in range(p.n_layers):
         b = f"blk.{i}."
+        if p.arch in synth_families.ARCHS:
+            synth_families.layer_tensors(
+                p, i, w, f32, lambda n, k: _norm(seed, n, k), lambda n, e, k: _router(seed, n, e, k),
+                lambda n, k: _bias(seed, n, k), dt, et, st, et_down, seed, BRANCH_OUT_GAIN)
+            continue
         f32(b + "attn_norm.weight", (d,), _norm(seed, b + "attn_norm", d))
         if p.arch == "deepseek2":
             hq = p.n_heads * (p.nope + p.rope_dim)
@@ -298,12 +334,12 @@ def tensor_plan(p: Preset, experts_type="Q4_K", dense_type="Q8_0", head_type="Q6
             f32(b + "exp_probs_b.bias", (E,), _bias(seed, b + "exp_probs_b", E))
         w(b + "ffn_gate_exps.weight", (E, f, d), et)
         w(b + "ffn_up_exps.weight", (E, f, d), et)
-        w(b + "ffn_down_exps.weight", (E, d, f), et, BRANCH_OUT_GAIN)
+        w(b + "ffn_down_exps.weight", (E, d, f), et_down, BRANCH_OUT_GAIN)
         if p.n_shared:
             fs = f * p.n_shared
-            w(b + "ffn_gate_shexp.weight", (fs, d), dt)
-            w(b + "ffn_up_shexp.weight", (fs, d), dt)
-            w(b + "ffn_down_shexp.weight", (d, fs), dt, BRANCH_OUT_GAIN)
+            w(b + "ffn_gate_shexp.weight", (fs, d), st)
+            w(b + "ffn_up_shexp.weight", (fs, d), st)
+            w(b + "ffn_down_shexp.weight", (d, fs), st, BRANCH_OUT_GAIN)
     return specs
 
 
@@ -335,7 +371,9 @@ def write_metadata(w, p: Preset, name: str, experts_type: Q, seed: int) -> None:
     w.add_vocab_size(p.vocab)
     w.add_expert_count(p.n_experts)
     w.add_expert_used_count(p.k)
-    if a == "qwen3moe":
+    if a in synth_families.ARCHS:
+        synth_families.write_metadata(w, p)
+    elif a == "qwen3moe":
         w.add_key_length(p.head_dim)
         w.add_value_length(p.head_dim)
         w.add_expert_feed_forward_length(p.expert_ffn)
@@ -367,7 +405,8 @@ def write_metadata(w, p: Preset, name: str, experts_type: Q, seed: int) -> None:
 
 
 def synth(preset: str, out: str | Path, experts_type="Q4_K", dense_type="Q8_0", head_type="Q6_K", seed: int = 0,
-          layers: int | None = None, name: str | None = None, progress: bool = True, data: bool = True) -> dict:
+          layers: int | None = None, name: str | None = None, progress: bool = True, data: bool = True,
+          experts_down_type=None, shared_type=None) -> dict:
     """Write a synthetic model. Returns the write statistics ({"bytes", "seconds", "gbps"}) and the preset.
 
     data=False writes a sparse file with every tensor's info but no weights (layout checks only).
@@ -378,7 +417,7 @@ def synth(preset: str, out: str | Path, experts_type="Q4_K", dense_type="Q8_0", 
 
     p = get_preset(preset, layers)
     et = check_supported(as_qtype(experts_type))
-    specs = tensor_plan(p, et, dense_type, head_type, seed)
+    specs = tensor_plan(p, et, dense_type, head_type, seed, experts_down_type, shared_type)
     w = gguf.GGUFWriter(None, p.arch)
     label = f" ({p.n_layers} layers)" if layers is not None else ""
     write_metadata(w, p, name or f"strata synthetic {p.name}{label} (random weights)", et, seed)
@@ -390,100 +429,3 @@ def synth(preset: str, out: str | Path, experts_type="Q4_K", dense_type="Q8_0", 
 def type_names() -> str:
     return ", ".join(t.name for t in sorted(SUPPORTED_TYPES, key=int))
 
-
-
-# ---- routing report -----------------------------------------------------------------------------------------
-
-REPORT_CPU_MAX_BYTES = 2 << 30  # on a CPU, larger models take minutes to run 640 tokens: skip the report
-FRACTIONS = (0.01, 0.05, 0.10, 0.25, 0.50)
-
-
-def sample_text() -> tuple[str, str]:
-    """(name, text): English prose and Python code from the standard library (textwrap.py)."""
-    import textwrap
-
-    path = Path(textwrap.__file__)
-    return path.name, path.read_text(encoding="utf-8")
-
-
-def routing_stats(ids: dict[int, "torch.Tensor"], n_experts: int, batch: int = 512) -> dict:
-    """Popularity and diversity of routing from the top-k ids of each MoE layer ({layer: [N, k]})."""
-    import torch
-
-    layers = sorted(ids)
-    share, curve = [], []
-    for layer in layers:
-        c = torch.bincount(ids[layer].reshape(-1), minlength=n_experts).sort(descending=True).values.double()
-        cum = c.cumsum(0) / c.sum()  # [E]: share of picks taken by the most popular 1, 2, ... experts
-        share.append([cum[max(1, round(f * n_experts)) - 1].item() for f in FRACTIONS])
-        curve.append([cum[max(1, round(q * n_experts / 10)) - 1].item() for q in range(1, 11)])
-    picks = {}
-    for layer in dict.fromkeys([layers[0], layers[len(layers) // 2], layers[-1]]):
-        x = ids[layer][:batch]  # [n, k]
-        n, k = x.shape
-        _, counts = torch.unique(x.sort(-1).values, dim=0, return_counts=True)
-        same = (counts * (counts - 1) // 2).sum().item()
-        reuse = (x[1:, :, None] == x[:-1, None, :]).any(-1).float().mean().item() if n > 1 else 0.0
-        picks[layer] = {"tokens": n, "distinct": int(x.unique().numel()),
-                        "pairs_differ": 1.0 - same / max(1, n * (n - 1) // 2), "reuse_prev": reuse}
-    return {"n_experts": n_experts, "k": int(ids[layers[0]].shape[1]), "n_layers": len(layers),
-            "n_tokens": int(ids[layers[0]].shape[0]),
-            "share": [sum(s[i] for s in share) / len(share) for i in range(len(FRACTIONS))],
-            "curve": [sum(c[i] for c in curve) / len(curve) for i in range(10)], "layers": picks}
-
-
-def capture_routing(lm, tokens: list[int]) -> dict[int, "torch.Tensor"]:
-    """Run strata's model on one prompt and return each MoE layer's top-k expert ids ({layer: [N, k]})."""
-    import torch
-
-    from strata.kv.cache import Segment
-
-    m = lm.model
-    if m.experts is None:
-        raise StrataError("the model has no MoE layers")
-    got: dict[int, torch.Tensor] = {}
-
-    def tap(layer, ids):
-        got[layer] = ids.detach().to("cpu")
-
-    with torch.inference_mode(), m.tap_routing(tap):
-        kv = m.new_kv_cache(1, len(tokens))
-        t = torch.tensor(tokens, device=m.device)
-        m.forward(t, torch.arange(len(tokens), device=m.device), [Segment(0, 0, len(tokens))], kv)
-    return got
-
-
-def routing_report(path: str | Path, n_tokens: int = 640, batch: int = 512, device: str | None = None) -> dict:
-    """Load the model with strata, run the sample text, and return `routing_stats` (plus the text's name)."""
-    from strata.config import EngineConfig
-    from strata.engine.loader import load_model
-
-    cfg = EngineConfig(model=str(path), ctx_size=n_tokens)
-    if device:
-        cfg.device = device
-    lm = load_model(str(path), cfg)
-    name, text = sample_text()
-    tokens = lm.tokenizer.encode(text)[:n_tokens]
-    stats = routing_stats(capture_routing(lm, tokens), lm.args.n_experts, batch)
-    stats["text"] = name
-    return stats
-
-
-def format_report(s: dict) -> str:
-    E, k = s["n_experts"], s["k"]
-    pct = " | ".join(f"top {f:.0%} {v:5.1%}" for f, v in zip(FRACTIONS, s["share"]))
-    lines = [f"routing over {s['n_tokens']} tokens of {s.get('text', 'text')}, {s['n_layers']} MoE layers, "
-             f"{E} experts, top-{k}:",
-             "  share of picks taken by the most popular experts (mean over layers; uniform routing: the same %):",
-             f"    {pct}",
-             "  cumulative share of picks by the most popular experts (+ = uniform routing):"]
-    for i, v in enumerate(s["curve"]):
-        cells = ["#" if j < round(v * 40) else " " for j in range(40)]
-        uni = round((i + 1) / 10 * 40) - 1
-        cells[uni] = "+"
-        lines.append(f"    top {(i + 1) * 10:3d}% [{''.join(cells)}] {v:5.1%}")
-    for layer, d in s["layers"].items():
-        lines.append(f"  layer {layer:3d}, {d['tokens']}-token batch: {d['distinct']}/{E} experts used, top-{k} sets "
-                     f"differ for {d['pairs_differ']:.1%} of token pairs, {d['reuse_prev']:.1%} of picks reused "
-                     f"from the previous token")
-    return "\n".join(lines)

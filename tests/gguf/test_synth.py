@@ -24,7 +24,7 @@ from strata.quant.formats import SUPPORTED_TYPES, block_geometry
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
-TINY = ("tiny-qwen3moe", "tiny-deepseek", "tiny-mixtral")
+TINY = ("tiny-qwen3moe", "tiny-deepseek", "tiny-mixtral", "tiny-glm4moe", "tiny-qwen3next")
 
 
 @pytest.fixture(scope="module")
@@ -109,8 +109,28 @@ def test_real_preset_parameter_count(preset, billions):
     assert n / 1e9 == pytest.approx(billions, rel=0.005)
 
 
+def test_hybrid_presets_parameter_count():
+    # GLM-4.5-Air (106B without its MTP block) and Qwen3-Next-80B-A3B; the synth files use Qwen3's vocabulary of
+    # 151,936 tokens for GLM's 151,552 (0.003B apart)
+    for preset, billions in (("glm-4.5-air", 106.85), ("qwen3-next-80b-a3b", 79.67)):
+        n = sum(math.prod(s.shape) for s in S.tensor_plan(S.PRESETS[preset]))
+        assert n / 1e9 == pytest.approx(billions, rel=0.005), preset
+
+
+def test_expert_mix_types(tmp_path):
+    """--experts-down-type and --shared-type: a 2-bit mix (IQ2_XXS gate/up, IQ3_XXS down, Q6_K shared)."""
+    f = tmp_path / "mix.gguf"
+    S.synth("tiny-glm4moe", f, experts_type="IQ2_XXS", experts_down_type="IQ3_XXS", shared_type="Q6_K",
+            dense_type="Q8_0", progress=False, data=False)
+    g = open_gguf(f)
+    t = {n: g.tensors[f"blk.1.{n}.weight"].qtype for n in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps",
+                                                              "ffn_gate_shexp", "ffn_down_shexp", "attn_q")}
+    assert t == {"ffn_gate_exps": Q.IQ2_XXS, "ffn_up_exps": Q.IQ2_XXS, "ffn_down_exps": Q.IQ3_XXS,
+                 "ffn_gate_shexp": Q.Q6_K, "ffn_down_shexp": Q.Q6_K, "attn_q": Q.Q8_0}
+
+
 @pytest.mark.parametrize("preset,layers", [("qwen3-30b-a3b", None), ("deepseek-v3", 4), ("mixtral-8x7b", 2),
-                                           ("qwen3-235b-a22b", 2)])
+                                           ("qwen3-235b-a22b", 2), ("glm-4.5-air", 3), ("qwen3-next-80b-a3b", 4)])
 def test_real_preset_layout(tmp_path, preset, layers):
     """The file as strata and gguf-py read it (header only: data=False writes a sparse file)."""
     from strata.models.registry import family_for
@@ -129,7 +149,7 @@ def test_real_preset_layout(tmp_path, preset, layers):
     assert (a.n_layers, a.d_model, a.n_heads, a.vocab_size, a.n_experts, a.n_experts_used) == \
         (p.n_layers, p.d_model, p.n_heads, p.vocab, p.n_experts, p.k)
     assert a.moe_layers == list(range(p.first_dense, p.n_layers))
-    if preset.startswith("qwen3"):
+    if preset in ("qwen3-30b-a3b", "qwen3-235b-a22b"):
         assert (a.n_kv_heads, a.head_dim, a.expert_ffn_dim, a.rope_theta, a.ctx_len) == (4, 128, p.expert_ffn, 1e6,
                                                                                          40960)
         assert g.tensors["blk.0.attn_q_norm.weight"].shape == (128,)
@@ -141,6 +161,17 @@ def test_real_preset_layout(tmp_path, preset, layers):
         assert a.rope_scaling.kind == "yarn" and a.rope_scaling.factor == 40
         assert g.tensors["blk.3.ffn_gate_exps.weight"].shape == (256, 2048, 7168)
         assert g.tensors["blk.0.ffn_gate.weight"].shape == (18432, 7168)
+    if preset == "glm-4.5-air":
+        assert (a.n_kv_heads, a.head_dim, a.rope_dim, a.first_dense_layers, a.n_shared_experts, a.gating) == \
+            (8, 128, 64, 1, 1, "sigmoid")
+        assert g.tensors["blk.0.attn_q.bias"].shape == (96 * 128,) and "blk.1.exp_probs_b.bias" in g.tensors
+        assert g.tensors["blk.1.ffn_gate_exps.weight"].shape == (128, 1408, 4096)
+    if preset == "qwen3-next-80b-a3b":
+        assert a.extra["full_attention"] == [3] and a.extra["linear"] == {"hk": 16, "hv": 32, "dk": 128, "kernel": 4,
+                                                                          "dv": 128}
+        assert g.tensors["blk.3.attn_q.weight"].shape == (2 * 16 * 256, 2048)  # query and gate per head
+        assert g.tensors["blk.0.attn_qkv.weight"].shape == (2 * 16 * 128 + 32 * 128, 2048)
+        assert g.tensors["blk.0.ffn_gate_exps.weight"].shape == (512, 512, 2048)
     if preset == "mixtral-8x7b":
         assert (a.n_kv_heads, a.ffn_dim, a.norm_eps) == (8, 14336, pytest.approx(1e-5))
         assert g.get("tokenizer.ggml.model") == "llama" and len(g.get("tokenizer.ggml.scores")) == 32000

@@ -22,10 +22,14 @@ export OUT="${OUT:-$PWD/scratch/out}"
 export MODEL="${MODEL:-scratch/b1.gguf}"
 mkdir -p "$OUT" scratch
 
+# PRESET and SYNTH_FLAGS choose another scenario's model, e.g. B2: MODEL=scratch/b2.gguf PRESET=qwen3-next-80b-a3b;
+# B3: MODEL=scratch/b3.gguf PRESET=glm-4.5-air SYNTH_FLAGS="--experts-type IQ2_XXS --experts-down-type IQ3_XXS
+# --dense-type Q6_K --shared-type Q6_K" (docs/BENCHMARKS.md, "Scenarios")
 b1_model() {
   [[ -f "$MODEL" ]] && return 0
   mkdir -p "$(dirname "$MODEL")"
-  python3 -m strata synth qwen3-30b-a3b "$MODEL" --no-report -q
+  # shellcheck disable=SC2086  # SYNTH_FLAGS is a word list
+  python3 -m strata synth "${PRESET:-qwen3-30b-a3b}" "$MODEL" --no-report -q ${SYNTH_FLAGS:-}
 }
 
 # one line describing the machine, for the logs that come back
