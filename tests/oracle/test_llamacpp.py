@@ -235,4 +235,3 @@ def test_q4_k_experts_close_to_llamacpp(zoo, tmp_path):
 
 def test_deepseek2_head_count_kv_is_llamacpps(zoo):
     assert gguf_value(zoo("deepseek_v3", "f32", as_converted=True), "deepseek2.attention.head_count_kv") == 1
-
