@@ -157,6 +157,10 @@ class ExpertsBackend(Protocol):
     def launched(self) -> None:
         """A graphed decode step's work is all queued (after its replay): host work that may overlap it."""
 
+    def cache_view(self) -> dict | None:
+        """Which experts sit in VRAM and how hot each is, for a live view ({layers, experts, layer_ids,
+        resident, heat}: flat row-major lists; heat None when nothing is rated)."""
+
     def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
                 ctx: StepContext) -> torch.Tensor:
         """x [N, d], ids/w [N, k] -> [N, d]: the routed experts' outputs summed with their weights."""

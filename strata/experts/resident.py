@@ -147,6 +147,12 @@ class ResidentExperts:
     def launched(self) -> None:
         pass
 
+    def cache_view(self) -> dict:
+        ids = sorted(self.layers)
+        E = self.layers[ids[0]].n_experts if ids else 0
+        return {"layers": len(ids), "experts": E, "layer_ids": ids, "resident": [1] * (len(ids) * E), "heat": None,
+                "slots_per_layer": E}
+
     def begin_request(self) -> None:
         return None
 

@@ -21,6 +21,7 @@ import logging
 import time
 from typing import Callable
 
+import numpy as np
 import torch
 
 from strata import StrataError
@@ -175,6 +176,22 @@ class TieredExperts:
         """--decode-misses direct, or auto on a CUDA GPU (misses read over the bus beat the per-layer hand-off
         there: docs/BENCHMARKS.md)."""
         return self.ex.decode_misses == "direct" or (self.ex.decode_misses == "auto" and self.cuda)
+
+    def cache_view(self) -> dict | None:
+        """What the expert cache holds, for a live view (the web monitor): per MoE layer and expert, whether it is
+        in a VRAM slot (`resident`, 0/1) and how hot the policy rates it (`heat`, 0..255 of the layer's hottest),
+        row-major [layers, experts]. Read from another thread without a lock: a torn row only shows a step late."""
+        if self.policy is None:
+            return None
+        L, E = len(self.layer_ids), self.n_experts
+        resident = (np.asarray(self.policy.expert_map()) >= 0).astype(np.uint8).reshape(-1).tolist()
+        heat = []
+        for li in range(L):
+            s = np.asarray(self.policy.scores(li), dtype=np.float64)
+            top = s.max() if s.size and s.max() > 0 else 1.0
+            heat += np.clip(s / top * 255, 0, 255).astype(np.uint8).tolist()
+        return {"layers": L, "experts": E, "layer_ids": list(self.layer_ids), "resident": resident, "heat": heat,
+                "slots_per_layer": self.policy.capacity(0)}
 
     def vram_bytes(self) -> int:
         """VRAM the expert cache holds (its slot pools and chunk buffers; 0 on a CPU, where they are in RAM)."""

@@ -85,10 +85,11 @@ def create_app(cfg: ServeConfig, load: Callable[[], object] | None = None, lm=No
 
     app.state.metrics = Metrics(cfg.model_id)
     _routes(app)
-    from strata.server import anthropic_api, openai_api
+    from strata.server import anthropic_api, openai_api, web
 
     app.include_router(openai_api.router)
     app.include_router(anthropic_api.router)
+    app.include_router(web.router)
     from strata.server.auth import AccessControl
 
     # the last one added runs first: access control, then error containment, then the routes

@@ -9,7 +9,7 @@ and, for "simple" requests, the browser does not ask the server first. The check
   agents) are not affected.
 - A CORS preflight (OPTIONS with Origin and Access-Control-Request-Method) from an allowed origin is answered
   here, before the key check: browsers never send credentials on a preflight, by design.
-- With an API key, every path but /health needs it: `Authorization: Bearer KEY` or `x-api-key: KEY`, compared
+- With an API key, every path but /health and the web pages' files (/, /monitor, /web/...) needs it: `Authorization: Bearer KEY` or `x-api-key: KEY`, compared
   in constant time.
 - Without a key, a request whose Host header is not loopback, the bound name, this machine's name or an IP
   address is refused: that is what a DNS-rebinding page sends (its own hostname, resolved to 127.0.0.1).
@@ -26,7 +26,9 @@ import socket
 from urllib.parse import urlsplit
 
 LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1", "localhost.localdomain", "ip6-localhost"}
-OPEN_PATHS = {"/health"}
+# the web pages and their files hold no data: they ask for the key and send it with every API call they make
+OPEN_PATHS = {"/health", "/", "/monitor"}
+OPEN_PREFIXES = ("/web/",)
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 BODY_METHODS = {"POST", "PUT", "PATCH"}
 DEFAULT_PORTS = {"http": 80, "https": 443}
@@ -129,7 +131,8 @@ class AccessControl:
                 return await _preflight(send, cors, headers.get("access-control-request-headers"))
             send = _with_headers(send, cors)
         if self.key is not None:
-            if scope.get("path") not in OPEN_PATHS and not self._key_ok(headers):
+            path = scope.get("path") or ""
+            if path not in OPEN_PATHS and not path.startswith(OPEN_PREFIXES) and not self._key_ok(headers):
                 return await _deny(send, 401, "authentication_error",
                                    "a valid API key is required (Authorization: Bearer KEY or x-api-key: KEY)")
         else:

@@ -1,0 +1,85 @@
+"""The web app: a chat page at `/` and a live monitor of the engine at `/monitor`.
+
+The pages are static files inside the package (strata/server/web/: HTML, CSS and plain JavaScript, nothing fetched
+from elsewhere at run time). They hold no data, so they are served without the API key; they ask for the key when
+the server has one (kept in the tab's sessionStorage) and send it with every API call. The monitor reads
+`/monitor/stream`: server-sent events, one snapshot a second (the engine's counters, slots, the VRAM split and,
+every other second, the expert cache's residency and heat), produced only while a page is connected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from pathlib import Path
+
+from fastapi import APIRouter, Request
+from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+
+WEB = Path(__file__).resolve().parent / "web"
+PERIOD_S = 1.0  # monitor snapshots per second: bounded whatever the page asks
+HEAT_EVERY = 2  # the heat map (the largest part) in every second snapshot
+TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
+         ".css": "text/css; charset=utf-8", ".svg": "image/svg+xml", ".txt": "text/plain; charset=utf-8"}
+_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]*$")
+
+router = APIRouter()
+
+
+def _file(name: str):
+    path = WEB / name
+    if not _NAME.match(name) or path.suffix not in TYPES or not path.is_file():
+        return JSONResponse({"error": {"message": f"no route GET /web/{name}", "type": "not_found_error",
+                                       "code": 404}}, status_code=404)
+    # no-cache: a page reloaded after an upgrade gets the new files (revalidated, not re-sent when unchanged)
+    return FileResponse(path, media_type=TYPES[path.suffix], headers={"Cache-Control": "no-cache"})
+
+
+@router.get("/", include_in_schema=False)
+async def chat_page():
+    return _file("index.html")
+
+
+@router.get("/monitor", include_in_schema=False)
+async def monitor_page():
+    return _file("monitor.html")
+
+
+@router.get("/web/{name}", include_in_schema=False)
+async def web_file(name: str):
+    return _file(name)
+
+
+def snapshot(app, heat: bool) -> dict:
+    """What the monitor shows now: the engine's counters (Metrics.as_json), the model, the VRAM split and, with
+    `heat`, the expert cache's residency and heat."""
+    st = app.state
+    if st.server is None:
+        if st.load_error:
+            return {"status": "error", "error": f"the model failed to load: {st.load_error}"}
+        return {"status": "loading"}
+    out = st.metrics.as_json()
+    out["status"] = "ok"
+    out["model"] = st.model_id
+    out["model_meta"] = {k: v for k, v in (st.model_meta or {}).items() if isinstance(v, (str, int, float, bool))}
+    split = st.server.worker.engine.vram_split
+    out["vram_split"] = split.as_dict() if split is not None else None
+    if heat:
+        experts = st.server.worker.engine.model.experts
+        out["cache"] = experts.cache_view() if experts is not None else None
+    return out
+
+
+@router.get("/monitor/stream", include_in_schema=False)
+async def monitor_stream(request: Request):
+    async def events():
+        n = 0
+        while not await request.is_disconnected():
+            snap = await asyncio.to_thread(snapshot, request.app, n % HEAT_EVERY == 0)
+            yield f"data: {json.dumps(snap, default=str)}\n\n"
+            n += 1
+            await asyncio.sleep(PERIOD_S)
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
