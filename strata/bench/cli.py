@@ -343,6 +343,18 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def peer_cache_types(args) -> tuple[str, str] | None:
+    """The KV cache types strata's server was given (-ctk / -ctv, or --kv-dtype naming one), for llama.cpp's
+    server the same: both engines then hold the same KV. None: neither was set (llama.cpp's default, f16)."""
+    base = getattr(args, "kv_dtype", "auto") or "auto"
+    k, v = getattr(args, "cache_type_k", None), getattr(args, "cache_type_v", None)
+    if k is None and v is None and base == "auto":
+        return None
+    # llama.cpp's names for the float types strata also spells out
+    fallback = "f16" if base == "auto" else {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}.get(base, base)
+    return k or fallback, v or fallback
+
+
 def _run_peer(peer: str, args, plan: Plan, model: str, model_ctx, synthetic, out_dir: Path, device: str) -> dict:
     from strata.bench.peers import hf, llamacpp
     from strata.bench.calibrate import physical_cores
@@ -366,8 +378,9 @@ def _run_peer(peer: str, args, plan: Plan, model: str, model_ctx, synthetic, out
                              f"{llamacpp.BUILD_BIN} (bench/peers/llamacpp.sh build, or --llama-server PATH)"}}
     n_cpu_moe = args.n_cpu_moe
     fit = None
+    kv_types = peer_cache_types(args)
     if n_cpu_moe is None and server_bin is not None and args.vram_gb is not None:
-        sizes = llamacpp.layer_sizes(model)
+        sizes = llamacpp.layer_sizes(model, kv_types or ("f16", "f16"))
         ctx = plan.long_ctx(model_ctx)
         n_cpu_moe, est = llamacpp.fit_n_cpu_moe(sizes, int(args.vram_gb * llamacpp.GiB), ctx)
         fit = {"n_cpu_moe": n_cpu_moe, "estimated_vram_bytes": est, "ctx": ctx}
@@ -375,7 +388,7 @@ def _run_peer(peer: str, args, plan: Plan, model: str, model_ctx, synthetic, out
 
     def start(parallel, ctx, log):
         return llamacpp.llamacpp_server(model, log, parallel=parallel, ctx=ctx, threads=threads, n_cpu_moe=n_cpu_moe,
-                                        binary=server_bin)
+                                        binary=server_bin, cache_types=kv_types)
 
     try:
         suites, srv = _run_started(args, plan, model, model_ctx, synthetic, out_dir, "llamacpp", start)

@@ -181,3 +181,21 @@ def test_a_fitted_peer_over_its_budget_runs_again_with_one_more_layer_on_the_cpu
     res = llamacpp.run_llama_bench(Path("llama-bench"), str(b1), budget_gib=8, lengths=[4096], gen=256, threads=4,
                                    n_cpu_moe=first, log=lambda m: None)
     assert res["n_cpu_moe"] == first and res["over_budget"] and len(runs) == 2
+
+
+def test_kv_cache_types_reach_the_peer(b1, tmp_path):
+    """-ctk/-ctv (or --kv-dtype q8_0) given to the bench: llama-server gets the same types, and its fit counts its
+    KV in them (q8_0: 34 bytes per 32 values, against f16's 64)."""
+    import argparse
+
+    from strata.bench.cli import peer_cache_types
+
+    ns = argparse.Namespace
+    assert peer_cache_types(ns(kv_dtype="auto", cache_type_k=None, cache_type_v=None)) is None
+    assert peer_cache_types(ns(kv_dtype="q8_0", cache_type_k=None, cache_type_v=None)) == ("q8_0", "q8_0")
+    assert peer_cache_types(ns(kv_dtype="bfloat16", cache_type_k="q4_0", cache_type_v=None)) == ("q4_0", "bf16")
+    f16, q8 = llamacpp.layer_sizes(b1), llamacpp.layer_sizes(b1, ("q8_0", "q8_0"))
+    assert q8.kv_bytes_per_token * 64 == f16.kv_bytes_per_token * 34
+    srv, how = llamacpp.llamacpp_server(str(b1), tmp_path / "log", parallel=1, ctx=1024, threads=2, n_cpu_moe=30,
+                                        binary=tmp_path / "llama-server", cache_types=("q8_0", "q8_0"))
+    assert "-ctk q8_0 -ctv q8_0" in how and "--n-cpu-moe 30" in how

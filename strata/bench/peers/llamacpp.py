@@ -52,7 +52,8 @@ class LayerSizes:
         return self.dense_gpu_bytes + on_gpu + self.kv_bytes_per_token * ctx + overhead
 
 
-def layer_sizes(model: str | Path) -> LayerSizes:
+def layer_sizes(model: str | Path, cache_types: tuple[str, str] = ("f16", "f16")) -> LayerSizes:
+    """The model's bytes as llama.cpp places them; the KV per token in `cache_types` (its -ctk, -ctv)."""
     from strata.hub.check import kv_bytes_per_token
     from strata.hub.local import resolve_model
     from strata.hub.verify import read_gguf_header
@@ -73,7 +74,7 @@ def layer_sizes(model: str | Path) -> LayerSizes:
                 dense += t.n_bytes
     if not experts:
         raise StrataError(f"{model}: no expert tensors (*_exps): not a MoE model, --n-cpu-moe does not apply")
-    return LayerSizes(n_layers, dense, host, experts, kv_bytes_per_token(first))
+    return LayerSizes(n_layers, dense, host, experts, kv_bytes_per_token(first, *cache_types))
 
 
 def fit_n_cpu_moe(sizes: LayerSizes, budget_bytes: int, ctx: int,
@@ -186,9 +187,10 @@ def run_llama_bench(binary: Path, model: str, *, budget_gib: float | None, lengt
 
 
 def llamacpp_server(model: str, log: Path, *, parallel: int, ctx: int, threads: int, n_cpu_moe: int | None = None,
-                    binary: Path | None = None, port: int | None = None) -> tuple[ServerProcess, str]:
+                    binary: Path | None = None, port: int | None = None,
+                    cache_types: tuple[str, str] | None = None) -> tuple[ServerProcess, str]:
     """(server process, description). `ctx` is per slot; llama.cpp splits -c among its slots, so it gets
-    ctx * parallel."""
+    ctx * parallel. cache_types: its -ctk / -ctv (None: its default, f16)."""
     port = port or free_port()
     if binary is not None:
         argv = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-ngl", "99", "-fa", "on",
@@ -196,6 +198,8 @@ def llamacpp_server(model: str, log: Path, *, parallel: int, ctx: int, threads: 
                 "--no-webui"]
         if n_cpu_moe:
             argv += ["--n-cpu-moe", str(n_cpu_moe)]
+        if cache_types:
+            argv += ["-ctk", cache_types[0], "-ctv", cache_types[1]]
         how = f"llama-server `{' '.join(argv[3:])}`"
     else:
         argv = [sys.executable, "-m", "strata.bench.peers.xllamacpp_server", "--model", str(model), "--port", str(port),
