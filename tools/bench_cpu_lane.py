@@ -17,7 +17,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from strata.experts import costs, cpu_native
+from strata.experts import costs
+from strata.ops import cpu_native
 from strata.experts.resident import ExpertWeights
 from strata.quant import random_qtensor
 from gguf import GGMLQuantizationType as Q
@@ -61,7 +62,8 @@ def bf16_gemv_gbps(ew: ExpertWeights, threads: int, n: int) -> float:
 def native_batched(ew: ExpertWeights, threads: int, n: int, per_call: int) -> tuple[float, float]:
     """(ms per expert, GB/s) of the native kernel taking `per_call` experts of one token per call (a decode
     token-layer's CPU share)."""
-    k = cpu_native.NativeExperts(ew.gate.raw, ew.up.raw, ew.down.raw, threads=threads)
+    k = cpu_native.NativeExperts(ew.gate.raw, ew.up.raw, ew.down.raw, threads=threads,
+                                 fmt_gate_up=ew.gate.qtype.name, fmt_down=ew.down.qtype.name)
     x = torch.randn(1, ew.gate.shape[-1])
     rows = np.zeros(per_call, dtype=np.int64)
     calls = [list(range(i, i + per_call)) for i in range(0, n - per_call + 1, per_call)]
@@ -88,23 +90,26 @@ def main() -> None:
     print(f"expert shape: gate/up [{a.ff}, {a.d}], down [{a.d}, {a.ff}]; {a.experts} experts cycled; "
           f"torch {torch.__version__}; {cores} threads available")
     rows = []
-    sets = {qt: experts(qt, a.experts, a.ff, a.d, seed=i) for i, qt in enumerate((Q.Q4_K, Q.Q4_0, Q.Q8_0))}
+    sets = {qt: experts(qt, a.experts, a.ff, a.d, seed=i)
+            for i, qt in enumerate((Q.Q4_K, Q.IQ4_XS, Q.Q4_0, Q.Q8_0))}
+    native = {Q.Q4_K, Q.IQ4_XS, Q.Q8_0}  # (the native kernel's formats; int4 repacks the 4/8-bit legacy ones)
     for th in threads:
         rows.append((th, "memory read (torch sum)", "-", 0.0, read_gbps(th)))
         rows.append((th, "bf16 GEMV, dequantized copy", "bf16", 0.0, bf16_gemv_gbps(sets[Q.Q4_K], th, min(a.experts, 8))))
         for qt, ew in sets.items():
             for dtype in (torch.bfloat16, torch.float32):
                 fast = dtype == torch.bfloat16
-                kernels = (["native", "int4"] if qt == Q.Q4_K else ["int4"]) if fast else ["ref"]
+                kernels = ((["native"] if qt in native else []) + (["int4"] if qt != Q.IQ4_XS else [])) if fast \
+                    else ["ref"]
                 for kernel in kernels:
                     if kernel == "native" and cpu_native.load() is None:
                         continue
                     n = a.experts if fast and kernel != "ref" else a.ref_experts
                     ms, gbps, kind = costs.cpu_bandwidth(ew, th, dtype=dtype, kernel=kernel, passes=2, n_experts=n)
                     rows.append((th, f"{qt.name} {str(dtype)[6:]} activations", kind, ms, gbps))
-                if qt == Q.Q4_K and fast and cpu_native.load() is not None:
+                if qt in (Q.Q4_K, Q.IQ4_XS) and fast and cpu_native.load() is not None:
                     ms, gbps = native_batched(ew, th, a.experts, 4)
-                    rows.append((th, "Q4_K, 4 experts per call", "native", ms, gbps))
+                    rows.append((th, f"{qt.name}, 4 experts per call", "native", ms, gbps))
     print(f"{'thr':>3}  {'what':<32} {'kernel':<6} {'ms/expert':>10} {'GB/s':>7}")
     for th, what, kind, ms, gbps in rows:
         print(f"{th:>3}  {what:<32} {kind:<6} {ms:>10.3f} {gbps:>7.2f}")

@@ -119,7 +119,7 @@ def load() -> ctypes.CDLL | None:
         return _lib
 
 
-FORMATS = {"Q4_K": 0, "Q6_K": 1, "Q8_0": 2}  # the kernel's format codes (FMT_Q4K, FMT_Q6K, FMT_Q80)
+FORMATS = {"Q4_K": 0, "Q6_K": 1, "Q8_0": 2, "IQ4_XS": 3}  # the kernel's format codes (FMT_Q4K, ..., FMT_IQ4XS)
 
 
 class NativeExperts:
