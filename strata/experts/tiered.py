@@ -163,8 +163,8 @@ class TieredExperts:
                 say("strata: --decode-misses direct: %s; graphed decode hands misses to the host", why)
             else:  # decode plans do not apply (prefill chunks still split by the plan)
                 self.direct, self.tuner = DirectDecode(self), None
-        log.info("strata: expert cache %s slots/layer (%.2f GiB), plan %s, CPU kernel %s", slots,
-                 self.cache.nbytes() / 2**30, self.plan,
+        log.info("strata: expert cache %s slots/layer (%.2f GiB), decode misses %s, plan %s, CPU kernel %s", slots,
+                 self.cache.nbytes() / 2**30, "read in place (direct)" if self.direct else "handed off", self.plan,
                  ",".join(sorted(set(self.lane.kernel.values()))) if self.lane else "-")
         if self.ex.expert_profile:
             self.load_profile(self.ex.expert_profile)
