@@ -91,23 +91,23 @@ def main() -> None:
           f"torch {torch.__version__}; {cores} threads available")
     rows = []
     sets = {qt: experts(qt, a.experts, a.ff, a.d, seed=i)
-            for i, qt in enumerate((Q.Q4_K, Q.IQ4_XS, Q.Q4_0, Q.Q8_0))}
-    native = {Q.Q4_K, Q.IQ4_XS, Q.Q8_0}  # (the native kernel's formats; int4 repacks the 4/8-bit legacy ones)
+            for i, qt in enumerate((Q.Q4_K, Q.IQ4_XS, Q.IQ2_XXS, Q.IQ3_XXS, Q.Q4_0, Q.Q8_0))}
+    native = {Q.Q4_K, Q.IQ4_XS, Q.IQ2_XXS, Q.IQ3_XXS, Q.Q8_0}  # (the native kernel's; int4 repacks Q4_0/Q8_0/Q4_K)
     for th in threads:
         rows.append((th, "memory read (torch sum)", "-", 0.0, read_gbps(th)))
         rows.append((th, "bf16 GEMV, dequantized copy", "bf16", 0.0, bf16_gemv_gbps(sets[Q.Q4_K], th, min(a.experts, 8))))
         for qt, ew in sets.items():
             for dtype in (torch.bfloat16, torch.float32):
                 fast = dtype == torch.bfloat16
-                kernels = ((["native"] if qt in native else []) + (["int4"] if qt != Q.IQ4_XS else [])) if fast \
-                    else ["ref"]
+                kernels = ((["native"] if qt in native else []) + (["int4"] if qt in (Q.Q4_K, Q.Q4_0, Q.Q8_0) else [])) \
+                    if fast else ["ref"]
                 for kernel in kernels:
                     if kernel == "native" and cpu_native.load() is None:
                         continue
                     n = a.experts if fast and kernel != "ref" else a.ref_experts
                     ms, gbps, kind = costs.cpu_bandwidth(ew, th, dtype=dtype, kernel=kernel, passes=2, n_experts=n)
                     rows.append((th, f"{qt.name} {str(dtype)[6:]} activations", kind, ms, gbps))
-                if qt in (Q.Q4_K, Q.IQ4_XS) and fast and cpu_native.load() is not None:
+                if qt in native - {Q.Q8_0} and fast and cpu_native.load() is not None:
                     ms, gbps = native_batched(ew, th, a.experts, 4)
                     rows.append((th, f"{qt.name}, 4 experts per call", "native", ms, gbps))
     print(f"{'thr':>3}  {'what':<32} {'kernel':<6} {'ms/expert':>10} {'GB/s':>7}")

@@ -143,12 +143,12 @@ def int4_supported(ew: ExpertWeights) -> bool:
     return all(t.shape[-1] % GROUP == 0 and t.shape[-2] % 64 == 0 for t in (ew.gate, ew.down))
 
 
-NATIVE_TYPES = frozenset({Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.IQ4_XS})
+NATIVE_TYPES = frozenset({Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.IQ4_XS, Q.IQ2_XXS, Q.IQ3_XXS})
 
 
 def native_supported(ew: ExpertWeights) -> bool:
-    """The native kernel takes this layer's experts: gate and up of one format, each projection Q4_K, Q6_K, Q8_0
-    or IQ4_XS, both dimensions multiples of 256 (the activations are quantized per 256)."""
+    """The native kernel takes this layer's experts: gate and up of one format, each projection Q4_K, Q6_K, Q8_0,
+    IQ4_XS, IQ2_XXS or IQ3_XXS, both dimensions multiples of 256 (the activations are quantized per 256)."""
     return (all(t.qtype in NATIVE_TYPES for t in (ew.gate, ew.up, ew.down)) and ew.gate.qtype == ew.up.qtype
             and ew.gate.shape[-1] % 256 == 0 and ew.down.shape[-1] % 256 == 0
             and all(t.raw.is_contiguous() for t in (ew.gate, ew.up, ew.down)))
@@ -224,7 +224,7 @@ class CpuLane:
                 why = cpu_native.unavailable() or "it did not load"
                 raise StrataError(f"--cpu-kernel native: the native CPU kernel is unavailable: {why}")
             elif kernel == "native" and not native_supported(ew):
-                raise StrataError(f"layer {i}: the native CPU kernel takes Q4_K/Q6_K/Q8_0/IQ4_XS experts with dimensions that are "
+                raise StrataError(f"layer {i}: the native CPU kernel takes Q4_K/Q6_K/Q8_0/IQ4_XS/IQ2_XXS/IQ3_XXS experts with dimensions that are "
                                   f"multiples of 256 and needs a C compiler (got {ew.gate.qtype.name}/"
                                   f"{ew.down.qtype.name}, {ew.gate.shape[1:]})")
             self.kernel[i] = want

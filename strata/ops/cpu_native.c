@@ -279,17 +279,98 @@ static float dot_iq4xs(const uint8_t *row, int nb, const int8_t *xq, const float
 #endif
 }
 
-enum { FMT_Q4K = 0, FMT_Q6K = 1, FMT_Q80 = 2, FMT_IQ4XS = 3 };
+/* IQ2_XXS (66 bytes / 256) and IQ3_XXS (98 bytes / 256) spell each group of 8 (IQ2) or 4 (IQ3) weights as an index
+   into a grid of unsigned magnitudes, with the signs of 8 weights as a 7-bit index into a sign table (the 8th sign
+   makes the count of minus signs even). The grids and the sign table are gguf-py's (strata_native_tables, called
+   once after loading): magnitudes times the sign-applied int8 activations go through maddubs as for Q4_K.
+   IQ2_XXS sub-block j: u32 a = 4 grid bytes, u32 b = 4 sign indices (7 bits each) and the scale s = b >> 28;
+   w = d * (2s + 1) / 8 * grid * sign. IQ3_XXS: 64 bytes of grid indices (8 a sub-block), then a u32 per
+   sub-block with the 4 sign indices and s; w = d * (2s + 1) / 4 * grid * sign. */
+static uint64_t IQ2XXS_GRID[256];  /* byte i: the magnitude of the entry's weight i */
+static uint32_t IQ3XXS_GRID[256];
+static uint64_t SIGNS64[128];      /* a sign index's 8 signs as bytes +1 (0x01) or -1 (0xFF) */
+
+void strata_native_tables(const uint8_t *iq2xxs_grid, const uint8_t *iq3xxs_grid, const uint8_t *ksigns) {
+    for (int i = 0; i < 256; i++) {
+        uint64_t g = 0; uint32_t h = 0;
+        for (int k = 0; k < 8; k++) g |= (uint64_t)iq2xxs_grid[8 * i + k] << (8 * k);
+        for (int k = 0; k < 4; k++) h |= (uint32_t)iq3xxs_grid[4 * i + k] << (8 * k);
+        IQ2XXS_GRID[i] = g; IQ3XXS_GRID[i] = h;
+    }
+    for (int i = 0; i < 128; i++) {
+        uint64_t s = 0;
+        for (int k = 0; k < 8; k++) s |= (uint64_t)((ksigns[i] >> k) & 1 ? 0xFF : 0x01) << (8 * k);
+        SIGNS64[i] = s;
+    }
+}
+
+static inline uint32_t u32le(const uint8_t *p) { uint32_t v; __builtin_memcpy(&v, p, 4); return v; }
+
+static float dot_iqxxs(int three, const uint8_t *row, int nb, const int8_t *xq, const float *xd) {
+    const int bb = three ? 98 : 66;
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 fsum = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = row + (long)b * bb, *q = blk + 2;
+        PREFETCH_AHEAD(blk, nb * bb, bb);
+        const float dd = f16(blk) * xd[b] * (three ? 0.25f : 0.125f);
+        for (int j = 0; j < 8; j++) {
+            uint32_t aux = three ? u32le(blk + 66 + 4 * j) : u32le(q + 8 * j + 4);
+            __m256i g;
+            if (three) {
+                const uint8_t *i8 = q + 8 * j;
+                g = _mm256_set_epi32((int)IQ3XXS_GRID[i8[7]], (int)IQ3XXS_GRID[i8[6]], (int)IQ3XXS_GRID[i8[5]],
+                                     (int)IQ3XXS_GRID[i8[4]], (int)IQ3XXS_GRID[i8[3]], (int)IQ3XXS_GRID[i8[2]],
+                                     (int)IQ3XXS_GRID[i8[1]], (int)IQ3XXS_GRID[i8[0]]);
+            } else {
+                uint32_t a = u32le(q + 8 * j);
+                g = _mm256_set_epi64x((long long)IQ2XXS_GRID[a >> 24], (long long)IQ2XXS_GRID[(a >> 16) & 255],
+                                      (long long)IQ2XXS_GRID[(a >> 8) & 255], (long long)IQ2XXS_GRID[a & 255]);
+            }
+            __m256i sg = _mm256_set_epi64x((long long)SIGNS64[(aux >> 21) & 127], (long long)SIGNS64[(aux >> 14) & 127],
+                                           (long long)SIGNS64[(aux >> 7) & 127], (long long)SIGNS64[aux & 127]);
+            __m256i x = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xq + 256 * b + 32 * j)), sg);
+            __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(g, x), ones);
+            fsum = _mm256_fmadd_ps(_mm256_set1_ps(dd * (float)(2 * (aux >> 28) + 1)), _mm256_cvtepi32_ps(p), fsum);
+        }
+    }
+    return hsum8(fsum);
+#else
+    float sum = 0.f;
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = row + (long)b * bb, *q = blk + 2;
+        for (int j = 0; j < 8; j++) {
+            uint32_t aux = three ? u32le(blk + 66 + 4 * j) : u32le(q + 8 * j + 4);
+            int32_t s = 0;
+            for (int l = 0; l < 4; l++) {  /* groups of 8 weights, one sign index each */
+                uint64_t sg = SIGNS64[(aux >> (7 * l)) & 127];
+                for (int k = 0; k < 8; k++) {
+                    int m = three ? (int)((IQ3XXS_GRID[q[8 * j + 2 * l + k / 4]] >> (8 * (k % 4))) & 255)
+                                  : (int)((IQ2XXS_GRID[q[8 * j + l]] >> (8 * k)) & 255);
+                    int sign = ((sg >> (8 * k)) & 255) == 0xFF ? -1 : 1;
+                    s += sign * m * xq[256 * b + 32 * j + 8 * l + k];
+                }
+            }
+            sum += f16(blk) * xd[b] * (three ? 0.25f : 0.125f) * (float)(2 * (aux >> 28) + 1) * (float)s;
+        }
+    }
+    return sum;
+#endif
+}
+
+enum { FMT_Q4K = 0, FMT_Q6K = 1, FMT_Q80 = 2, FMT_IQ4XS = 3, FMT_IQ2XXS = 4, FMT_IQ3XXS = 5 };
 
 static inline int row_bytes(int fmt, int K) {
-    if (fmt == FMT_Q80) return K / 32 * 34;
-    return K / 256 * (fmt == FMT_Q6K ? 210 : fmt == FMT_IQ4XS ? 136 : 144);
+    static const int per256[] = {144, 210, 0, 136, 66, 98};
+    return fmt == FMT_Q80 ? K / 32 * 34 : K / 256 * per256[fmt];
 }
 
 static inline float dot_row(int fmt, const uint8_t *row, int K, const int8_t *q, const float *qd,
                             const int32_t *qs, const int32_t *q16) {
     if (fmt == FMT_Q80) return dot_q8_0(row, K, q, qd);
     if (fmt == FMT_IQ4XS) return dot_iq4xs(row, K / 256, q, qd);
+    if (fmt == FMT_IQ2XXS || fmt == FMT_IQ3XXS) return dot_iqxxs(fmt == FMT_IQ3XXS, row, K / 256, q, qd);
     return fmt == FMT_Q6K ? dot_q6k(row, K / 256, q, qd, q16) : dot_q4k(row, K / 256, q, qd, qs);
 }
 

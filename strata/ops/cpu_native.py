@@ -99,6 +99,8 @@ def build(flags: list[str] | None = None) -> ctypes.CDLL | None:
     f.restype = None
     lib.strata_native_scratch.argtypes = [I, I, I]
     lib.strata_native_scratch.restype = ctypes.c_long
+    lib.strata_native_tables.argtypes = [P, P, P]
+    lib.strata_native_tables.restype = None
     return lib
 
 
@@ -116,10 +118,30 @@ def load() -> ctypes.CDLL | None:
         if not _tried:
             _tried = True
             _lib = build()
+            if _lib is not None:
+                _set_tables(_lib)
         return _lib
 
 
-FORMATS = {"Q4_K": 0, "Q6_K": 1, "Q8_0": 2, "IQ4_XS": 3}  # the kernel's format codes (FMT_Q4K, ..., FMT_IQ4XS)
+_TABLES: list = []  # the arrays the kernel's tables were filled from (kept for the process's life)
+
+
+def _set_tables(lib: ctypes.CDLL) -> None:
+    """The i-quant grids and sign table, from gguf-py (the reference dequantizer's own): the kernel copies them."""
+    import numpy as np
+    from gguf.quants import IQ2_XXS, IQ3_XXS
+
+    for cls in (IQ2_XXS, IQ3_XXS):
+        cls.init_grid()
+    g2 = np.ascontiguousarray(IQ2_XXS.grid.reshape(256, 8), dtype=np.uint8)
+    g3 = np.ascontiguousarray(IQ3_XXS.grid.reshape(256, 4), dtype=np.uint8)
+    signs = np.frombuffer(IQ2_XXS.ksigns, dtype=np.uint8).copy()
+    _TABLES[:] = [g2, g3, signs]
+    lib.strata_native_tables(*(ctypes.c_void_p(a.ctypes.data) for a in _TABLES))
+
+
+# the kernel's format codes (FMT_Q4K, ..., FMT_IQ3XXS)
+FORMATS = {"Q4_K": 0, "Q6_K": 1, "Q8_0": 2, "IQ4_XS": 3, "IQ2_XXS": 4, "IQ3_XXS": 5}
 
 
 class NativeExperts:

@@ -156,10 +156,11 @@ def test_native_kernel_matches_reference(q4k):
 
 
 @pytest.mark.parametrize("gu,dn", [(Q.Q6_K, Q.Q6_K), (Q.Q4_K, Q.Q6_K), (Q.Q8_0, Q.Q8_0), (Q.Q8_0, Q.Q6_K),
-                                   (Q.IQ4_XS, Q.IQ4_XS), (Q.IQ4_XS, Q.Q6_K)])
+                                   (Q.IQ4_XS, Q.IQ4_XS), (Q.IQ4_XS, Q.Q6_K), (Q.IQ2_XXS, Q.IQ3_XXS),
+                                   (Q.IQ3_XXS, Q.IQ3_XXS), (Q.IQ2_XXS, Q.IQ2_XXS)])
 def test_native_kernel_takes_q6_k_and_q8_0(gu, dn):
-    """Q6_K projections (the down projections of Q4_K_M files; all of a Q6_K file), Q8_0 ones and IQ4_XS ones
-    (the i-quant mixes' 4-bit format) against the reference."""
+    """Q6_K projections (the down projections of Q4_K_M files; all of a Q6_K file), Q8_0 ones and the i-quants
+    (IQ4_XS; IQ2_XXS gate/up with IQ3_XXS down, the 2-bit mixes' recipe) against the reference."""
     _native_or_skip()
     rng = np.random.default_rng(7)
     E, d, ff = 3, 512, 256
