@@ -309,12 +309,13 @@ static inline uint32_t u32le(const uint8_t *p) { uint32_t v; __builtin_memcpy(&v
 static float dot_iqxxs(int three, const uint8_t *row, int nb, const int8_t *xq, const float *xd) {
     const int bb = three ? 98 : 66;
 #if defined(__AVX2__) && defined(__FMA__)
-    const __m256i ones = _mm256_set1_epi16(1);
     __m256 fsum = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
         const uint8_t *blk = row + (long)b * bb, *q = blk + 2;
         PREFETCH_AHEAD(blk, nb * bb, bb);
-        const float dd = f16(blk) * xd[b] * (three ? 0.25f : 0.125f);
+        /* the sub-blocks' integer sums, each times its odd scale 2s + 1 (madd by the scale instead of by 1): one
+           conversion and one multiply by d a super-block; |sum| <= 8 * 31 * 16 * 2 * 62 * 127 fits an int32 */
+        __m256i sumi = _mm256_setzero_si256();
         for (int j = 0; j < 8; j++) {
             uint32_t aux = three ? u32le(blk + 66 + 4 * j) : u32le(q + 8 * j + 4);
             __m256i g;
@@ -331,9 +332,11 @@ static float dot_iqxxs(int three, const uint8_t *row, int nb, const int8_t *xq, 
             __m256i sg = _mm256_set_epi64x((long long)SIGNS64[(aux >> 21) & 127], (long long)SIGNS64[(aux >> 14) & 127],
                                            (long long)SIGNS64[(aux >> 7) & 127], (long long)SIGNS64[aux & 127]);
             __m256i x = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xq + 256 * b + 32 * j)), sg);
-            __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(g, x), ones);
-            fsum = _mm256_fmadd_ps(_mm256_set1_ps(dd * (float)(2 * (aux >> 28) + 1)), _mm256_cvtepi32_ps(p), fsum);
+            __m256i ls = _mm256_set1_epi16((short)(2 * (aux >> 28) + 1));
+            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(g, x), ls));
         }
+        fsum = _mm256_fmadd_ps(_mm256_set1_ps(f16(blk) * xd[b] * (three ? 0.25f : 0.125f)),
+                               _mm256_cvtepi32_ps(sumi), fsum);
     }
     return hsum8(fsum);
 #else
