@@ -25,6 +25,7 @@ CACHE_POLICIES = ("lfu-decay", "lru")
 CACHE_LAYOUTS = ("uniform", "profile")
 EXPERT_ROUTINGS = ("model", "uniform")
 DECODE_MISSES = ("auto", "handoff", "direct")
+DRAFT_SOURCES = ("auto", "ngram", "mtp")
 DTYPE_CHOICES = ("auto", *DTYPES)
 # KV cache types, llama.cpp's -ctk/-ctv names: a float dtype, or GGML blocks quantized on write and dequantized on
 # read (strata.kv.quant)
@@ -140,6 +141,9 @@ class EngineConfig:
         "speculative decoding with n-gram drafts: at most N tokens guessed from earlier in the context and "
         "verified in one forward per step (0: off; exact for any sampler; pays where text repeats its context, "
         "as code edits do)"))
+    draft_source: str = field(default="auto", metadata=opt(
+        "where drafts come from: ngram (earlier in the context), mtp (the model's own multi-token-prediction block: "
+        "GLM-4.5/4.6's nextn), auto (mtp when the model has the block, else ngram)", choices=DRAFT_SOURCES))
     draft_ngram_min: int = field(default=2, metadata=opt("shortest n-gram a draft is looked up by"))
     draft_ngram_max: int = field(default=4, metadata=opt("longest n-gram a draft is looked up by, tried first"))
     experts: ExpertConfig = field(default_factory=ExpertConfig)

@@ -65,6 +65,8 @@ class Engine:
         cfg = lm.cfg
         self.draft_max = getattr(cfg, "draft_max", 0)
         self.draft_ngram = (getattr(cfg, "draft_ngram_min", 2), getattr(cfg, "draft_ngram_max", 4))
+        self.mtp = self._mtp_drafter(getattr(cfg, "draft_source", "auto"))
+        self._hidden: torch.Tensor | None = None  # the last eager step's hidden states (MTP drafts read them)
         self.free_slots = list(range(self.n_slots))
         self.running: list[Sequence] = []
         self.failed: list[Sequence] = []  # failed in their own part of a step (take_failed), still in `running`
@@ -81,10 +83,25 @@ class Engine:
             k = max(1, lm.args.n_experts_used or 1)
             limit = experts.max_graph_batch(k) if experts is not None else DECODE_PAIRS // k
             self.graph_batch = max(1, min(self.n_slots, limit))
+        if graphs and self.mtp is not None:  # every step feeds the MTP block the trunk's hidden states: eager
+            graphs = False
         if graphs:
             from strata.engine.graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self.model, self.kv, slot=0, max_batch=self.graph_batch)
+
+    def _mtp_drafter(self, source: str):
+        """The MTP drafter (strata.engine.mtp) when drafts come from the model's MTP block, else None."""
+        blocks = getattr(self.model, "nextn", None) or []
+        if source == "mtp" and not blocks:
+            raise StrataError("--draft-source mtp: this model has no multi-token-prediction block")
+        if not self.draft_max or source == "ngram" or not blocks:
+            return None
+        from strata.engine.mtp import MtpDrafter
+        from strata.models.mtp import MtpHead
+
+        log.info("strata: drafts from the model's MTP block (layer %d)", blocks[0].layer)
+        return MtpDrafter(MtpHead(self.model, blocks[0], self.max_ctx), self.n_slots, self.max_ctx)
 
     def _vram_left(self) -> int:
         """Bytes of VRAM the prefill chunk and the expert cache share: free VRAM (or --vram-gb less what the device
@@ -180,6 +197,8 @@ class Engine:
             seq.finished, seq.finish_reason = True, reason
         if seq.experts_at_first is not None and seq.experts_decode is None:
             seq.experts_decode = self.expert_stats - seq.experts_at_first
+        if self.mtp is not None:
+            self.mtp.forget(seq)
         if seq in self.running:
             self.running.remove(seq)
             self.free_slots.append(seq.slot)
@@ -198,7 +217,14 @@ class Engine:
         if logits is None:
             return self.step()  # out of memory in a prefill chunk: the same work again in smaller chunks
         picks = self._draw(plan, logits)
-        return self._postprocess(picks, self._logprobs(picks, logits)) if picks else []
+        out = self._postprocess(picks, self._logprobs(picks, logits)) if picks else []
+        if self.mtp is not None and self._hidden is not None:  # the MTP block reads what this step settled
+            at = 0
+            for s, seg in zip(plan.owners, plan.segs):
+                if not s.finished:
+                    self.mtp.observe(s, self._hidden[at:at + seg.n], seg.start)
+                at += seg.n
+        return out
 
     def _schedule(self) -> "_StepPlan":
         """At most one prefill chunk, then one token (with its drafts, if any) of every generating sequence."""
@@ -257,8 +283,11 @@ class Engine:
         snap = None
         if self.recurrent is not None and plan.prefill is not None and self.prefill_chunk > 256:
             snap = self.recurrent.snapshot([seg.slot for seg in segs])
+        hidden = [] if self.mtp is not None else None
         try:
-            return self.model.forward(t, p, segs, self.kv, rows=plan.rows, ctx=ctx)  # [len(segs) or len(rows), V]
+            logits = self.model.forward(t, p, segs, self.kv, rows=plan.rows, ctx=ctx, hidden_out=hidden)
+            self._hidden = hidden[0] if hidden else None
+            return logits  # [len(segs) or len(rows), V]
         except torch.OutOfMemoryError:
             self._out_of_memory(plan.prefill)
             if snap is not None:
@@ -387,6 +416,8 @@ class Engine:
         if s.draft_pause > 0:
             s.draft_pause -= 1
             return []
+        if self.mtp is not None:
+            return self.mtp.draft(s, room)
         if s.drafter is None:
             s.drafter = NgramDrafter(*self.draft_ngram)
         s.drafter.sync(s.prompt, s.output)

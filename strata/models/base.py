@@ -143,11 +143,13 @@ class CausalLM:
 
     def forward(self, tokens: torch.Tensor, pos: torch.Tensor, segments: list[Segment], kv: KVCache,
                 all_logits: bool = False, rows: list[int] | None = None,
-                ctx: StepContext | None = None, embeds: torch.Tensor | None = None) -> torch.Tensor:
+                ctx: StepContext | None = None, embeds: torch.Tensor | None = None,
+                hidden_out: list | None = None) -> torch.Tensor:
         """tokens, pos [N] -> logits [N, V] (all_logits), [len(rows), V] (rows: indices into the N tokens, e.g.
         every position of a speculative verify segment) or [len(segments), V] (each segment's last token).
         ctx: the step as its runner sees it (default: read from the segments). embeds: the tokens' input rows
-        [N, d] already looked up (a captured step whose embedding table is on the host)."""
+        [N, d] already looked up (a captured step whose embedding table is on the host). hidden_out: a list that
+        gets the last block's output for every token [N, d] (before the output norm: what an MTP block reads)."""
         if ctx is None:
             ctx = self.step_context(segments, int(tokens.shape[0]))
         if self._route_taps:
@@ -171,6 +173,8 @@ class CausalLM:
             prof.span("dense_other", t)
         for blk in self.blocks:
             x = blk(x, pos, segments, kv, ctx)
+        if hidden_out is not None:
+            hidden_out.append(x)
         t = prof.mark() if prof else None
         if rows is not None:
             x = x.index_select(0, torch.tensor(rows, device=x.device))

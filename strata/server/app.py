@@ -232,6 +232,7 @@ def _routes(app: FastAPI) -> None:
                 "temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repeat_penalty": 1.0,
                 "presence_penalty": 0.0, "frequency_penalty": 0.0, "cache_prompt": True,
                 "speculative.n_max": srv.worker.engine.draft_max,
+                "speculative.source": "mtp" if srv.worker.engine.mtp is not None else "ngram",
                 "speculative.n_min": 0}},
             "total_slots": srv.worker.engine.n_slots,
             "model_alias": srv.model_id,

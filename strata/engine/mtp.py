@@ -1,0 +1,65 @@
+"""Drafts from the model's own multi-token-prediction block (`--draft-source mtp`; strata.models.mtp.MtpHead).
+
+After each step the block reads what the trunk computed for each drafting sequence: for every position i the step
+settled (prompt positions, and of a verify segment the ones that stood), the trunk's hidden state h[i] and the
+token at i + 1 — now known, the token just drawn included. That writes the block's own KV cache at those positions
+(with the true hidden states: rows a chain of drafts wrote there before are replaced) and leaves, for the last
+position p, its prediction of the token at p + 2. The next step feeds the token at p + 1 (the one just drawn) and
+the drafts: the first is that prediction; each further one runs the block once more at the next position, on its
+own previous output for h and the draft before it for the token (the chain). The trunk verifies them in one
+forward as it does n-gram drafts (strata.engine.spec): exact for any sampler, whatever the drafts' quality.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from strata.kv.cache import Segment
+
+
+class MtpDrafter:
+    """Per engine: the MTP head, its KV cache (one layer, the engine's slots and context) and, per sequence, the
+    block's last prediction (logits row, output row, position)."""
+
+    def __init__(self, head, n_slots: int, max_ctx: int):
+        self.head = head
+        self.kv = head.new_kv_cache(n_slots, max_ctx)
+        self.last: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # sequence id -> (logits, h, position)
+        self.proposed = self.runs = 0
+
+    def observe(self, s, hidden: torch.Tensor, start: int) -> None:
+        """The trunk ran positions start .. start + len(hidden) - 1 of sequence s (rows of `hidden` [n, d]); those
+        before s.pos stand. Runs the block over them (where the token after is known) and keeps its last
+        prediction."""
+        ctx = s.context()
+        n = min(hidden.shape[0], s.pos - start, len(ctx) - 1 - start)
+        if n <= 0:
+            return
+        dev = self.head.device
+        toks = torch.tensor(ctx[start + 1:start + 1 + n], device=dev)
+        pos = torch.arange(start, start + n, device=dev)
+        logits, out = self.head.forward(hidden[:n], toks, pos, Segment(s.slot, start, n), self.kv)
+        self.runs += 1
+        self.last[s.id] = (logits[-1], out[-1], start + n - 1)
+
+    def draft(self, s, room: int) -> list[int]:
+        """Up to `room` tokens to follow s's last token: the block's prediction, then the chain."""
+        got = self.last.get(s.id)
+        if got is None or room <= 0:
+            return []
+        logits, h, p = got
+        if p != s.pos - 1:  # not the prediction from the position before the token to be fed (stale)
+            return []
+        out = [int(logits.argmax())]
+        dev = self.head.device
+        while len(out) < room:
+            at = p + len(out)
+            lg, hh = self.head.forward(h[None], torch.tensor([out[-1]], device=dev), torch.tensor([at], device=dev),
+                                       Segment(s.slot, at, 1), self.kv)
+            h = hh[0]
+            out.append(int(lg[0].argmax()))
+        self.proposed += len(out)
+        return out
+
+    def forget(self, s) -> None:
+        self.last.pop(s.id, None)

@@ -1,0 +1,91 @@
+"""A model's multi-token-prediction block as a draft model (glm4moe's `nextn` block, as llama.cpp's converter stores it).
+
+The block predicts the token after next. For position i it takes the trunk's last hidden state h_i (before the
+output norm) and the embedding of the token at i + 1:
+
+    x = eh_proj(concat(enorm(embed(t[i+1])), hnorm(h[i])))          [n, d]
+    x = a transformer block (attention over its own KV cache, post-attention norm, MoE + shared expert)
+    logits = head(shared_head_norm(x))                               -> t[i+2]
+
+(llama.cpp's GLM-4.5 MTP graph, b11434: the same order and norms; its optional embed/head/norm tensors fall back
+to the trunk's.) The block's output x also stands in for the trunk's h[i+1] when drafts are chained. Its experts
+are resident on the compute device (one layer's worth); its KV cache is a one-layer cache of its own.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from strata.experts.resident import ExpertWeights, ResidentExperts
+from strata.kv.cache import KVCache, Segment
+from strata.layers.attention import GQAttention
+from strata.layers.ffn import SwiGLU
+from strata.layers.moe import MoE, Routing
+from strata.layers.norm import rms_norm
+from strata.layers.rotary import Rotary
+from strata.quant import dequantize, qmatmul
+
+
+class MtpHead:
+    """model: the trunk (a CausalLM with `nextn` blocks); block: one NextNLayer; max_ctx: positions its KV holds."""
+
+    def __init__(self, model, block, max_ctx: int):
+        args, dev = model.args, model.device
+        self.model, self.args, self.device, self.dtype = model, args, dev, model.dtype
+        t = block.tensors
+
+        def q(name):
+            return t[name].to(dev)
+
+        def f(name):
+            w = t[name]
+            return w.dequantize(torch.float32).reshape(w.shape).to(dev)
+
+        self.eh_proj = q("nextn.eh_proj.weight")  # [d, 2d]
+        self.enorm, self.hnorm = f("nextn.enorm.weight"), f("nextn.hnorm.weight")
+        self.embed = t.get("nextn.embed_tokens.weight") or model.embed  # rows looked up where the table lies
+        self.head = q("nextn.shared_head_head.weight") if "nextn.shared_head_head.weight" in t else model.head
+        self.head_norm = (f("nextn.shared_head_norm.weight") if "nextn.shared_head_norm.weight" in t
+                          else model.out_norm)
+        w = {n: q(n + ".weight") for n in ("attn_q", "attn_k", "attn_v", "attn_output")}
+        for n in ("attn_q", "attn_k", "attn_v"):
+            if n + ".bias" in t:
+                w[n + ".bias"] = f(n + ".bias")
+        if "attn_q_norm.weight" in t:
+            w["attn_q_norm"], w["attn_k_norm"] = f("attn_q_norm.weight"), f("attn_k_norm.weight")
+        rotary = Rotary(args.rope_dim or args.head_dim, args.rope_theta, "neox", max_ctx, args.rope_scaling)
+        self.attn = GQAttention(0, args, w, rotary)  # layer 0 of its own KV cache
+        self.attn_norm, self.ffn_norm = f("attn_norm.weight"), f("post_attention_norm.weight")
+        routing = Routing(args.n_experts, args.n_experts_used, args.gating, norm_topk=args.norm_topk,
+                          scale=args.routed_scale, n_groups=args.n_groups, topk_groups=args.topk_groups)
+        shared = None
+        if "ffn_gate_shexp.weight" in t:
+            shared = SwiGLU(q("ffn_gate_shexp.weight"), q("ffn_up_shexp.weight"), q("ffn_down_shexp.weight"))
+        layer = block.layer
+        self.moe = MoE(layer, routing, q("ffn_gate_inp.weight"), None,
+                       bias=f("exp_probs_b.bias") if "exp_probs_b.bias" in t else None, shared=shared)
+        experts = ExpertWeights(t["ffn_gate_exps.weight"], t["ffn_up_exps.weight"], t["ffn_down_exps.weight"])
+        self.moe.experts = ResidentExperts({layer: experts.to(dev)})
+        self.eps = args.norm_eps
+        self.k_shape, self.v_shape = GQAttention.cache_shapes(args)
+
+    def new_kv_cache(self, n_slots: int, max_ctx: int, dtype: torch.dtype | None = None) -> KVCache:
+        return KVCache(1, n_slots, max_ctx, self.k_shape, self.v_shape, dtype or self.dtype, self.device)
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        e = self.embed
+        rows = e.raw.index_select(0, tokens.to(e.raw.device)).to(self.device)
+        return dequantize(rows, e.qtype, (rows.shape[0], e.shape[-1])).to(self.dtype)
+
+    def forward(self, h: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor, seg: Segment,
+                kv: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [n, d]: the trunk's (or a previous block output's) hidden states at positions pos [n] (contiguous, in
+        seg's slot); tokens [n]: the tokens at pos + 1 -> (logits [n, V] float32 for the tokens at pos + 2, the
+        block's output [n, d])."""
+        e = rms_norm(self._embed(tokens), self.enorm, self.eps)
+        x = qmatmul(torch.cat([e, rms_norm(h.to(self.dtype), self.hnorm, self.eps)], -1), self.eh_proj)
+        x = x + self.attn(rms_norm(x, self.attn_norm, self.eps), pos, [seg], kv)
+        ctx = self.model.step_context([seg], int(tokens.shape[0]))
+        x = x + self.moe(rms_norm(x, self.ffn_norm, self.eps), ctx)
+        logits = qmatmul(rms_norm(x, self.head_norm, self.eps), self.head).float()
+        return logits, x

@@ -1,0 +1,114 @@
+"""Drafts from the model's own MTP block (glm4moe's nextn, `--draft-source mtp`): the block's math against a direct
+torch computation of llama.cpp's GLM MTP graph from the same stored weights, and the engine's output against plain
+decoding (the oracle: identical greedy text; sampled text the model's sampler allows), with several sequences,
+tiered experts and a stop inside a draft. The tiny model's block has random weights: its drafts are mostly wrong,
+which exercises the rollback; a test that forces right drafts checks they are taken."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from strata import StrataError
+from strata.config import EngineConfig, ExpertConfig
+from strata.engine.engine import Engine, Sequence
+from strata.engine.loader import load_model
+from strata.engine.sampler import SamplingParams
+from strata.kv.cache import Segment
+
+GREEDY = SamplingParams(temperature=0)
+
+
+@pytest.fixture(scope="module")
+def path(hf_and_gguf):
+    return hf_and_gguf("glm4moe")[1]
+
+
+def _engine(path, draft_max=0, source="auto", n_slots=1, experts=None):
+    cfg = EngineConfig(model=str(path), device="cpu", dtype="float32", ctx_size=256, draft_max=draft_max,
+                       draft_source=source, experts=experts or ExpertConfig())
+    return Engine(load_model(str(path), cfg, with_tokenizer=False), n_slots=n_slots)
+
+
+def _prompt(n, seed):
+    return torch.randint(3, 900, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_block_math_is_llamacpps_graph(path):
+    """eh_proj(concat(enorm(embed(t)), hnorm(h))) -> attention block -> MoE block -> shared head, written out in
+    float32 from the GGUF's tensors (attention over the block's own cache; here two positions)."""
+    eng = _engine(path, 3, "mtp")
+    head, m = eng.mtp.head, eng.model
+    h = torch.randn(2, m.args.d_model, generator=torch.Generator().manual_seed(0))
+    toks, pos = torch.tensor([17, 5]), torch.tensor([0, 1])
+    got, x_out = head.forward(h, toks, pos, Segment(0, 0, 2), head.new_kv_cache(1, 8))
+
+    def rms(x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + m.args.norm_eps) * w
+
+    e = head.embed.dequantize(torch.float32).reshape(head.embed.shape)[toks]
+    eh = head.eh_proj.dequantize(torch.float32).reshape(head.eh_proj.shape)
+    x = torch.cat([rms(e, head.enorm), rms(h, head.hnorm)], -1) @ eh.T
+    x = x + head.attn(rms(x, head.attn_norm), pos, [Segment(0, 0, 2)], head.new_kv_cache(1, 8))
+    x = x + head.moe(rms(x, head.ffn_norm), m.step_context([Segment(0, 0, 2)], 2))
+    hd = head.head.dequantize(torch.float32).reshape(head.head.shape)
+    want = rms(x, head.head_norm) @ hd.T
+    assert torch.allclose(got, want, atol=1e-4) and torch.allclose(x_out, x, atol=1e-5)
+    # the block's own tensors, not the trunk's last layer's
+    assert head.eh_proj.shape == (m.args.d_model, 2 * m.args.d_model)
+
+
+def test_greedy_text_is_the_same_with_mtp_drafts(path):
+    prompt = _prompt(30, 1)
+    ref = list(_engine(path).generate(prompt, GREEDY, 40))
+    eng = _engine(path, 3, "mtp")
+    assert eng.mtp is not None and eng.graphs is None
+    out = list(eng.generate(prompt, GREEDY, 40))
+    seq = eng.last
+    assert out == ref
+    assert seq.draft_steps > 0 and seq.draft_n > 0 and eng.mtp.runs > 0
+    assert seq.draft_n >= seq.draft_accepted
+
+
+def test_right_drafts_stand(path, monkeypatch):
+    """Drafts equal to the greedy continuation are all taken (the verify step emits them and one more)."""
+    prompt = _prompt(30, 2)
+    ref = list(_engine(path).generate(prompt, GREEDY, 30))
+    eng = _engine(path, 3, "mtp")
+    real = eng.mtp.draft
+
+    def known(s, room):
+        got = real(s, room)  # (the block still runs: its KV stays written)
+        at = len(s.output)
+        return ref[at:at + len(got)] if got else []
+
+    monkeypatch.setattr(eng.mtp, "draft", known)
+    out = list(eng.generate(prompt, GREEDY, 30))
+    seq = eng.last
+    assert out == ref and seq.draft_accepted == seq.draft_n > 0
+    assert seq.draft_steps < 30 / 2  # several tokens a step
+
+
+def test_sampled_and_several_sequences_and_tiered(path):
+    prompts = [_prompt(20, 3), _prompt(33, 4)]
+    plain = _engine(path, n_slots=2)
+    ref = [list(plain.generate(p, GREEDY, 20)) for p in prompts]
+    eng = _engine(path, 4, "mtp", n_slots=2, experts=ExpertConfig(mode="tiered", slots=3, cpu_plan="0111"))
+    seqs = [Sequence(list(p), GREEDY, 20, set()) for p in prompts]
+    for s in seqs:
+        eng.add(s)
+    while any(not s.finished for s in seqs):
+        eng.step()
+    assert [s.output for s in seqs] == ref and all(s.draft_steps > 0 for s in seqs)
+    # sampled: the same draws as without drafts (the verify step draws each position with the sequence's generator)
+    sp = SamplingParams(temperature=0.9, top_k=1, seed=5)
+    assert list(_engine(path, 3, "mtp").generate(prompts[0], sp, 20)) == ref[0]
+
+
+def test_sources(path, hf_and_gguf):
+    assert _engine(path, 3).mtp is not None  # auto: the model has the block
+    assert _engine(path, 3, "ngram").mtp is None
+    assert _engine(path, 0, "mtp").mtp is None  # drafting off
+    _, plain = hf_and_gguf("qwen3moe")
+    with pytest.raises(StrataError, match="no multi-token-prediction block"):
+        _engine(plain, 3, "mtp")
