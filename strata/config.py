@@ -144,6 +144,8 @@ class EngineConfig:
     draft_source: str = field(default="auto", metadata=opt(
         "where drafts come from: ngram (earlier in the context), mtp (the model's own multi-token-prediction block: "
         "GLM-4.5/4.6's nextn), auto (mtp when the model has the block, else ngram)", choices=DRAFT_SOURCES))
+    draft_p_min: float = field(default=0.0, metadata=opt(
+        "MTP drafts: stop the chain at a draft the block gives less than this probability (0: never)"))
     draft_ngram_min: int = field(default=2, metadata=opt("shortest n-gram a draft is looked up by"))
     draft_ngram_max: int = field(default=4, metadata=opt("longest n-gram a draft is looked up by, tried first"))
     experts: ExpertConfig = field(default_factory=ExpertConfig)

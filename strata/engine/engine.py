@@ -101,7 +101,8 @@ class Engine:
         from strata.models.mtp import MtpHead
 
         log.info("strata: drafts from the model's MTP block (layer %d)", blocks[0].layer)
-        return MtpDrafter(MtpHead(self.model, blocks[0], self.max_ctx), self.n_slots, self.max_ctx)
+        return MtpDrafter(MtpHead(self.model, blocks[0], self.max_ctx + 2), self.n_slots, self.max_ctx,
+                          getattr(self.lm.cfg, "draft_p_min", 0.0))
 
     def _vram_left(self) -> int:
         """Bytes of VRAM the prefill chunk and the expert cache share: free VRAM (or --vram-gb less what the device

@@ -2,9 +2,11 @@
 
 After each step the block reads what the trunk computed for each drafting sequence: for every position i the step
 settled (prompt positions, and of a verify segment the ones that stood), the trunk's hidden state h[i] and the
-token at i + 1 — now known, the token just drawn included. That writes the block's own KV cache at those positions
-(with the true hidden states: rows a chain of drafts wrote there before are replaced) and leaves, for the last
-position p, its prediction of the token at p + 2. The next step feeds the token at p + 1 (the one just drawn) and
+token at i + 1 — now known, the token just drawn included. The pair sits at the block's position i + 1 (the
+embedded token's, as llama.cpp's MTP driver places it). That writes the block's own KV cache there (with the true
+hidden states: rows a chain of drafts wrote before are replaced) and leaves, for the last position p, its
+prediction of the token at p + 2. A draft whose probability under the block falls below --draft-p-min ends the
+chain (none at all if the first does). The next step feeds the token at p + 1 (the one just drawn) and
 the drafts: the first is that prediction; each further one runs the block once more at the next position, on its
 own previous output for h and the draft before it for the token (the chain). The trunk verifies them in one
 forward as it does n-gram drafts (strata.engine.spec): exact for any sampler, whatever the drafts' quality.
@@ -21,9 +23,9 @@ class MtpDrafter:
     """Per engine: the MTP head, its KV cache (one layer, the engine's slots and context) and, per sequence, the
     block's last prediction (logits row, output row, position)."""
 
-    def __init__(self, head, n_slots: int, max_ctx: int):
-        self.head = head
-        self.kv = head.new_kv_cache(n_slots, max_ctx)
+    def __init__(self, head, n_slots: int, max_ctx: int, p_min: float = 0.0):
+        self.head, self.p_min = head, float(p_min)
+        self.kv = head.new_kv_cache(n_slots, max_ctx + 2)  # (its rows sit one past the trunk's)
         self.last: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # sequence id -> (logits, h, position)
         self.proposed = self.runs = 0
 
@@ -37,8 +39,8 @@ class MtpDrafter:
             return
         dev = self.head.device
         toks = torch.tensor(ctx[start + 1:start + 1 + n], device=dev)
-        pos = torch.arange(start, start + n, device=dev)
-        logits, out = self.head.forward(hidden[:n], toks, pos, Segment(s.slot, start, n), self.kv)
+        pos = torch.arange(start + 1, start + 1 + n, device=dev)
+        logits, out = self.head.forward(hidden[:n], toks, pos, Segment(s.slot, start + 1, n), self.kv)
         self.runs += 1
         self.last[s.id] = (logits[-1], out[-1], start + n - 1)
 
@@ -50,14 +52,19 @@ class MtpDrafter:
         logits, h, p = got
         if p != s.pos - 1:  # not the prediction from the position before the token to be fed (stale)
             return []
-        out = [int(logits.argmax())]
+        out: list[int] = []
         dev = self.head.device
-        while len(out) < room:
-            at = p + len(out)
+        while True:
+            prob, tok = torch.softmax(logits.float(), -1).max(-1)
+            if self.p_min > 0 and float(prob) < self.p_min:
+                break
+            out.append(int(tok))
+            if len(out) >= room:
+                break
+            at = p + 1 + len(out)  # the block's position of the draft just made (the token it embeds)
             lg, hh = self.head.forward(h[None], torch.tensor([out[-1]], device=dev), torch.tensor([at], device=dev),
                                        Segment(s.slot, at, 1), self.kv)
-            h = hh[0]
-            out.append(int(lg[0].argmax()))
+            logits, h = lg[0], hh[0]
         self.proposed += len(out)
         return out
 

@@ -112,3 +112,13 @@ def test_sources(path, hf_and_gguf):
     _, plain = hf_and_gguf("qwen3moe")
     with pytest.raises(StrataError, match="no multi-token-prediction block"):
         _engine(plain, 3, "mtp")
+
+
+def test_p_min_ends_the_chain(path):
+    """--draft-p-min: a draft the block rates below it ends the chain (1.0: no draft ever stands the floor)."""
+    prompt = _prompt(30, 6)
+    ref = list(_engine(path).generate(prompt, GREEDY, 16))
+    cfg = EngineConfig(model=str(path), device="cpu", dtype="float32", ctx_size=256, draft_max=4,
+                       draft_source="mtp", draft_p_min=1.0)
+    eng = Engine(load_model(str(path), cfg, with_tokenizer=False), n_slots=1)
+    assert list(eng.generate(prompt, GREEDY, 16)) == ref and eng.last.draft_n == 0 and eng.mtp.runs > 0
