@@ -24,7 +24,7 @@ CPU_KERNELS = ("auto", "native", "int4", "ref")
 CACHE_POLICIES = ("lfu-decay", "lru")
 CACHE_LAYOUTS = ("uniform", "profile")
 EXPERT_ROUTINGS = ("model", "uniform")
-DECODE_MISSES = ("auto", "handoff", "direct")
+DECODE_MISSES = ("auto", "handoff", "direct", "staged")
 DRAFT_SOURCES = ("auto", "ngram", "mtp")
 DTYPE_CHOICES = ("auto", *DTYPES)
 # KV cache types, llama.cpp's -ctk/-ctv names: a float dtype, or GGML blocks quantized on write and dequantized on
@@ -85,7 +85,7 @@ class ExpertConfig:
         "how a graphed decode step serves missed experts. handoff: each MoE layer's routing goes to the host, "
         "which splits the misses between the CPU lane and PCIe copies into staging slots (--cpu-plan); direct: "
         "the expert kernel reads a missed expert's weights from pinned host RAM over the bus (no copy, no host "
-        "hand-off: the step is one graph) and the cache learns between steps; auto: direct on a CUDA GPU when the "
+        "hand-off: the step is one graph) and the cache learns between steps; staged: as direct, but a kernel first copies each distinct missed expert of a layer into a VRAM staging slot (an expert several sequences share crosses the bus once); auto: direct on a CUDA GPU when the "
         "expert formats have its kernel, else handoff", choices=DECODE_MISSES))
     # a benchmark switch, not a user setting: it changes what the model says (strata.layers.moe.uniform_route)
     routing: str = field(default="model", metadata=opt(

@@ -55,6 +55,9 @@ def main() -> int:
     ap.add_argument("--trace-decode", type=int, default=0, metavar="N",
                     help="also trace N decode steps under torch.profiler (after the timed runs): kernels per step "
                          "and per layer, GPU busy / idle time, copies (tools/trace_timeline.py's summary)")
+    ap.add_argument("--parallel", type=int, default=1, metavar="N",
+                    help="N sequences decode together (N slots, one step for all, as `strata serve --parallel N` "
+                         "with N busy clients): aggregate tok/s, step time, distinct misses per step")
     ap.add_argument("--label", default="")
     ap.add_argument("--salt", type=int, default=0,
                     help="vary the prompts (a routing profile recorded on one salt, measured on another)")
@@ -69,7 +72,7 @@ def main() -> int:
     t0 = time.perf_counter()
     lm = load_model(a.model, cfg)
     load_s = time.perf_counter() - t0
-    eng = Engine(lm, n_slots=1)
+    eng = Engine(lm, n_slots=max(1, a.parallel))
     dev = lm.model.device
     experts = lm.model.experts
     combos = [(p or None, None) for p in a.sweep_plans.split(",") if p] or [(None, None)]
@@ -86,7 +89,7 @@ def main() -> int:
             experts.tuner = None  # a plan set by hand stays
         if th:
             torch.set_num_threads(th)
-        measure(a, lm, eng, experts, dev, label, load_s)
+        (measure_parallel if a.parallel > 1 else measure)(a, lm, eng, experts, dev, label, load_s)
     if callable(getattr(experts, "close", None)):
         experts.close()  # writes --expert-profile-save
     return 0
@@ -264,6 +267,66 @@ def measure(a, lm, eng, experts, dev, label, load_s) -> None:
     if a.profile and callable(rep):
         ms = 1e3 / res["decode_tok_s"]["median"] if decode else None
         print(rep(ms), file=sys.stderr)
+
+
+def measure_parallel(a, lm, eng, experts, dev, label, load_s) -> None:
+    """--parallel N: N fresh prompts prefilled, then decoded together (one step serves all N) until all finish;
+    1 warm-up round then --runs measured ones. Aggregate tok/s over the rounds' decode wall time."""
+    N = a.parallel
+    res = {"label": label, "parallel": N, "load_s": round(load_s, 1), "device": str(dev),
+           "graph_batch": eng.graph_batch}
+    if getattr(experts, "cache", None) is not None:
+        res.update(slots_per_layer=experts.cache.slots, cache_gib=round(experts.cache.nbytes() / 2**30, 2))
+    agg, steps_ms, per_seq = [], [], []
+    st = getattr(experts, "stats", None)
+    stats = None
+    for r in range(a.runs + 1):
+        seqs = []
+        for i in range(N):
+            ids = make_prompt(lm.tokenizer, a.prompt_tokens, salt=(r * N + i) * 7919 + 13 + a.salt)
+            sp = SamplingParams(temperature=a.temperature, seed=1000 + r * N + i) if a.temperature \
+                else SamplingParams(temperature=0)
+            s = Sequence(ids, sp, a.gen, set())
+            eng.add(s, reuse_prefix=False)
+            seqs.append(s)
+        while not all(s.output for s in seqs):  # every prompt prefilled (the first tokens drawn)
+            eng.step()
+        sync(dev)
+        before = st.snapshot() if st is not None else None
+        n0 = sum(len(s.output) for s in seqs)
+        t0 = t_prev = time.perf_counter()
+        run_steps = []
+        while not all(s.finished for s in seqs):
+            eng.step()
+            t_now = time.perf_counter()
+            run_steps.append((t_now - t_prev) * 1e3)
+            t_prev = t_now
+        sync(dev)
+        wall = time.perf_counter() - t0
+        if r == 0:
+            continue
+        steps_ms += run_steps
+        agg.append((sum(len(s.output) for s in seqs) - n0) / wall)
+        per_seq += [(len(s.output) - 1) / (s.predicted_ms / 1e3) for s in seqs]
+        if before is not None:
+            d = st - before
+            stats = d if stats is None else stats + d
+    res["aggregate_tok_s"] = {"median": round(statistics.median(agg), 2), "min": round(min(agg), 2),
+                              "max": round(max(agg), 2)}
+    res["per_sequence_tok_s"] = round(statistics.median(per_seq), 2)
+    q = statistics.quantiles(steps_ms, n=100, method="inclusive") if len(steps_ms) >= 2 else steps_ms * 99
+    res["step_ms"] = {"mean": round(statistics.fmean(steps_ms), 3), "p50": round(q[49], 3),
+                      "p90": round(q[89], 3), "max": round(max(steps_ms), 3), "steps": len(steps_ms)}
+    if stats is not None:
+        res["experts_decode"] = stats.as_dict()
+    if eng.graphs is not None:
+        res["graphs_captured"] = len(eng.graphs.graphs)
+    if dev.type == "cuda":
+        res["max_vram_gib"] = round(torch.cuda.max_memory_allocated(dev) / 2**30, 2)
+    print(json.dumps(res), flush=True)
+    rep = getattr(experts, "profile_report", None)
+    if a.profile and callable(rep):
+        print(rep(None), file=sys.stderr)
 
 
 def trace_decode(a, lm, eng, n: int) -> dict:

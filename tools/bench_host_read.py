@@ -11,6 +11,9 @@ host in the loop. This times `strata.ops.expert_triton.triton_expert_ffn` for P 
     hbm    the experts in device memory (a cache hit)
     host   the same kernel on the pinned host copy (every pair a miss read over PCIe)
     copy   cudaMemcpyAsync of the P experts into device slots, then the kernel on them (the staging lane)
+    stage  `stage_misses` (a kernel copying each distinct missed expert from pinned host RAM into a device slot,
+           decided on the device), then the kernel on the slots; "dup" rows route the P pairs to P/3 distinct
+           experts (several sequences sharing misses), which host reads once per pair and stage once per expert
 
 and prints us per call and GB/s of expert bytes, checking each result against the torch reference.
 """
@@ -28,6 +31,7 @@ sys.path.insert(0, ".")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
 from strata.ops import expert_triton  # noqa: E402
+from strata.ops.host_stage import triton_stage_misses  # noqa: E402
 from strata.ops.expert_gather import _torch_gather_ffn  # noqa: E402
 from strata.quant import random_qtensor  # noqa: E402
 from strata.quant.qtensor import QTensor  # noqa: E402
@@ -94,6 +98,23 @@ def main() -> int:
             t = graph_time([(lambda s=s, w=w: expert_triton.triton_expert_ffn(x, *w, s)) for s in sets], a.reps)
             t /= len(sets)
             print(f"P={P:<3} {name:<5} {t * 1e6:9.1f} us/call  {P * per_expert / t / 1e9:7.1f} GB/s  err {err:.1e}")
+        miss = torch.full((P,), -1, dtype=torch.long, device=dev)
+
+        def stage_then(s, w=stage):
+            sl = triton_stage_misses(miss, s, host, w, 0, P)
+            return expert_triton.triton_expert_ffn(x, *w, sl)
+
+        for name, ss in (("stage", sets), ("dup", [s[torch.arange(P, device=dev) % max(1, P // 3)] for s in sets])):
+            y = stage_then(ss[0])
+            r = _torch_gather_ffn(x.float(), *devw, ss[0])
+            err = ((y - r).norm() / r.norm()).item()
+            ok &= err < 1e-5
+            t = graph_time([(lambda s=s: stage_then(s)) for s in ss], a.reps) / len(ss)
+            th = graph_time([(lambda s=s: expert_triton.triton_expert_ffn(x, *devw, miss, host=host, eids=s))
+                             for s in ss], a.reps) / len(ss) if name == "dup" else None
+            extra = f"   (host reads of the same pairs: {th * 1e6:.1f} us)" if th else ""
+            print(f"P={P:<3} {name:<5} {t * 1e6:9.1f} us/call  {P * per_expert / t / 1e9:7.1f} GB/s of pairs  "
+                  f"err {err:.1e}{extra}")
         cpu_sets = [s.cpu() for s in sets]
 
         def copy_then(s_cpu):

@@ -123,6 +123,8 @@ class TieredExperts:
         staging = self._staging or staging_slots(k)
         if self.ex.prefetch_next:  # a layer's own stream, the next layer's prefetch and its own: 3k in flight
             staging = max(staging, 4 * k)
+        if self.ex.decode_misses == "staged" and self.cuda:  # a batch step's distinct misses (more read in place)
+            staging = max(staging, 4 * k)
         slots, chunk, self.vram_split = budget_slots(self.ex, self.store, self.device, staging, act_bytes)
         L, E = len(self.layer_ids), self.n_experts
         if self.ex.cache_layout == "profile":  # the same bytes, spread over the layers as the profile routes
@@ -159,12 +161,13 @@ class TieredExperts:
         if self._wants_direct():
             why = direct_supported(self)
             if why:
-                say = log.warning if self.ex.decode_misses == "direct" else log.info
+                say = log.warning if self.ex.decode_misses in ("direct", "staged") else log.info
                 say("strata: --decode-misses direct: %s; graphed decode hands misses to the host", why)
             else:  # decode plans do not apply (prefill chunks still split by the plan)
-                self.direct, self.tuner = DirectDecode(self), None
+                self.direct, self.tuner = DirectDecode(self, stage=self.ex.decode_misses == "staged"), None
         log.info("strata: expert cache %s slots/layer (%.2f GiB), decode misses %s, plan %s, CPU kernel %s", slots,
-                 self.cache.nbytes() / 2**30, "read in place (direct)" if self.direct else "handed off", self.plan,
+                 self.cache.nbytes() / 2**30, ("staged by the GPU (staged)" if self.direct.stage else "read in place (direct)")
+                 if self.direct else "handed off", self.plan,
                  ",".join(sorted(set(self.lane.kernel.values()))) if self.lane else "-")
         if self.ex.expert_profile:
             self.load_profile(self.ex.expert_profile)
@@ -175,7 +178,7 @@ class TieredExperts:
     def _wants_direct(self) -> bool:
         """--decode-misses direct, or auto on a CUDA GPU (misses read over the bus beat the per-layer hand-off
         there: docs/BENCHMARKS.md)."""
-        return self.ex.decode_misses == "direct" or (self.ex.decode_misses == "auto" and self.cuda)
+        return self.ex.decode_misses in ("direct", "staged") or (self.ex.decode_misses == "auto" and self.cuda)
 
     def cache_view(self) -> dict | None:
         """What the expert cache holds, for a live view (the web monitor): per MoE layer and expert, whether it is

@@ -33,7 +33,10 @@ import torch
 from strata.experts.pipeline import admit
 from strata.experts.resident import combine
 from strata.experts.tiered_eager import PAIRS_MAX
+from strata.ops import registry
 from strata.ops.expert_gather import two_tier_expert_ffn, two_tier_fast
+
+stage_misses = registry.op("stage_misses")
 
 log = logging.getLogger("strata")
 
@@ -67,8 +70,9 @@ class _Record:
 class DirectDecode:
     """The one-graph decode path of a TieredExperts backend (`tiered`)."""
 
-    def __init__(self, tiered):
+    def __init__(self, tiered, stage: bool = False):
         self.t = tiered
+        self.stage = stage  # distinct misses first copied into staging slots by a kernel (--decode-misses staged)
         self.records: dict[int, _Record] = {}  # tokens per step -> its record buffers
         self.map_h: dict[tuple[int, int], torch.Tensor] = {}  # (layer index, turn) -> expert_map row upload buffer
         self.current: tuple[int, bool] | None = None  # (tokens, counting) of the step begun, not yet launched
@@ -123,7 +127,10 @@ class DirectDecode:
         slots = t.cache.map[li].index_select(0, flat)
         rec.dev[li, 0].copy_(flat)
         rec.dev[li, 1].copy_(slots)
-        y = two_tier_expert_ffn(xs, pool.gate, pool.up, pool.down, slots, (ew.gate, ew.up, ew.down), flat)
+        host = (ew.gate, ew.up, ew.down)
+        if self.stage:  # (beyond the staging slots, misses are still read in place)
+            slots = stage_misses(slots, flat, host, (pool.gate, pool.up, pool.down), pool.stage_base, pool.staging)
+        y = two_tier_expert_ffn(xs, pool.gate, pool.up, pool.down, slots, host, flat)
         return combine(y.view(N, k, -1), w, x.dtype)
 
     def settle(self) -> None:

@@ -157,6 +157,26 @@ def two_tier_expert_ffn(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTens
     return torch.where((slots >= 0).unsqueeze(1), y, ym)
 
 
+@reference("stage_misses")
+def stage_misses(slots: torch.Tensor, eids: torch.Tensor, host, pool, base: int, n: int) -> torch.Tensor:
+    """slots [P] (negative: a miss), eids [P], host / pool: three expert stacks each ([E, ...] where the experts
+    lie, [S, ...] the slot pool) -> slots [P]: the distinct missed experts, numbered in order of first
+    occurrence, the first n copied into pool slots base .. base+n-1 and their pairs pointed there."""
+    out = slots.clone()
+    order: dict[int, int] = {}
+    for p, (s, e) in enumerate(zip(slots.tolist(), eids.tolist())):
+        if s >= 0:
+            continue
+        j = order.setdefault(e, len(order))
+        if j < n:
+            out[p] = base + j
+    for e, j in order.items():
+        if j < n:
+            for src, dst in zip(host, pool):
+                dst.raw[base + j].copy_(src.raw[e])
+    return out
+
+
 def torch_gather_ffn(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor,
                      slots: torch.Tensor, act=None, eids: torch.Tensor | None = None) -> torch.Tensor:
     """The batched torch gathered FFN; with `act` (strata.experts.resident.ExpertAct) each pair's biases, by

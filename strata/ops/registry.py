@@ -14,6 +14,8 @@ Nothing else registers kernels, and no caller checks for a kernel itself.
     gather_expert_ffn   reference.gather_expert_ffn          expert_triton             (Triton, CUDA: Q4_K, Q8_0)
     two_tier_expert_ffn reference.two_tier_expert_ffn        expert_triton             (Triton, CUDA; misses read
                                                                                         from pinned host RAM)
+    stage_misses        reference.stage_misses               host_stage                (Triton, CUDA: distinct
+                                                                                        misses into staging slots)
     qmatmul             reference.qmatmul (float32)          by (device, format): quant.matmul's table, which
                                                              qgemv fills (Triton GEMV, CUDA: Q4_K, Q6_K, Q8_0)
 
@@ -40,6 +42,7 @@ KERNEL_MODULES = (
     "strata.ops.dequant_triton",
     "strata.ops.expert_gather",
     "strata.ops.qgemv",
+    "strata.ops.host_stage",
 )
 
 

@@ -102,10 +102,11 @@ def test_direct_cache_learns_between_steps(model_path):
     assert ex.policy.expert_map().max() >= 0
 
 
+@pytest.mark.parametrize("mode", ["direct", "staged"])
 @pytest.mark.parametrize("slots", [0, 2, 8])
-def test_direct_batch_of_sequences_matches_resident(model_path, slots):
+def test_direct_batch_of_sequences_matches_resident(model_path, slots, mode):
     ref = _batch(_engine(model_path, "cpu", False, n_slots=3, mode="resident"), BATCH)
-    eng = _engine(model_path, "cpu", True, n_slots=3, slots=slots, cpu_plan="000", decode_misses="direct")
+    eng = _engine(model_path, "cpu", True, n_slots=3, slots=slots, cpu_plan="000", decode_misses=mode)
     assert _batch(eng, BATCH) == ref
     ex = eng.model.experts
     assert 3 in ex.direct.records, "no step decoded three sequences through the direct path"
@@ -132,10 +133,11 @@ def test_handoff_is_the_default(model_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["direct", "staged"])
 @pytest.mark.parametrize("slots", [0, 3, 8])
-def test_cuda_direct_decode_is_one_graph_and_matches_resident(model_path, slots):
+def test_cuda_direct_decode_is_one_graph_and_matches_resident(model_path, slots, mode):
     ref = _logits(_engine(model_path, "cuda", True, mode="resident"), 40)
-    eng = _engine(model_path, "cuda", True, slots=slots, cpu_plan="000", decode_misses="direct")
+    eng = _engine(model_path, "cuda", True, slots=slots, cpu_plan="000", decode_misses=mode)
     out = _logits(eng, 40)  # 12 + 40 tokens: the first window's graph replayed 39 times
     assert ((out - ref).abs().max() / ref.abs().max()).item() <= 1e-5
     ex = eng.model.experts
@@ -152,9 +154,10 @@ def test_cuda_direct_decode_is_one_graph_and_matches_resident(model_path, slots)
 
 
 @pytest.mark.gpu
-def test_cuda_direct_batch_matches_resident(model_path):
+@pytest.mark.parametrize("mode", ["direct", "staged"])
+def test_cuda_direct_batch_matches_resident(model_path, mode):
     ref = _batch(_engine(model_path, "cuda", False, n_slots=3, mode="resident"), BATCH)
-    eng = _engine(model_path, "cuda", True, n_slots=3, slots=2, cpu_plan="000", decode_misses="direct")
+    eng = _engine(model_path, "cuda", True, n_slots=3, slots=2, cpu_plan="000", decode_misses=mode)
     assert _batch(eng, BATCH) == ref
     assert 3 in eng.model.experts.direct.records
 

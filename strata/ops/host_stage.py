@@ -1,0 +1,107 @@
+"""Missed experts staged from pinned host RAM into VRAM slots by a kernel, inside a captured decode step.
+
+A decode step of several sequences routes many of them to the same expert, and a kernel reading misses in place
+(`two_tier_expert_ffn`) reads such an expert over the bus once per pair that uses it. Here one launch first
+copies each DISTINCT missed expert of a layer into a staging slot of the layer's pool (gate, up and down rows,
+raw bytes: any format), and the pairs' slots are rewritten to point at it; the fused expert kernel then reads
+only VRAM. Everything is decided on the device (no host in the loop, static shapes: capturable):
+
+    slots [P] (negative: a miss), eids [P] each pair's expert
+    distinct missed experts, numbered j = 0, 1, ... in order of first occurrence
+    j < n:   host[e_j] -> pool[base + j] (three tensors), and its pairs' slots := base + j
+    j >= n:  the pairs stay misses (the caller's kernel reads them in place)
+
+Reference twin: `strata.ops.reference.stage_misses` (torch). The Triton kernel is tested in the interpreter on
+the CPU and on the GPU (tests/ops/test_host_stage.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from strata.ops import registry
+
+try:  # Triton is optional: without it the torch twin runs
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+WORDS = 2048  # u32 words one program copies (8 KB: enough bytes in flight per program for a bus read)
+
+
+def available() -> bool:
+    return triton is not None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _stage_kernel(slots, eids, out, h0, h1, h2, p0, p1, p2, w0, w1, w2, P, base, n,
+                      PB: tl.constexpr, BLOCK: tl.constexpr):
+        j = tl.program_id(0)  # the staging slot (distinct missed expert number j)
+        c = tl.program_id(1)  # the chunk of words of a tensor
+        t = tl.program_id(2)  # gate, up, down
+        i = tl.arange(0, PB)
+        im = i < P
+        s = tl.load(slots + i, mask=im, other=0)
+        e = tl.load(eids + i, mask=im, other=-1)
+        miss = im & (s < 0)
+        # leader: a miss whose expert no earlier miss has; rank: its number among the leaders
+        same = (e[:, None] == e[None, :]) & miss[:, None] & miss[None, :] & (i[None, :] < i[:, None])
+        lead = miss & (tl.sum(same.to(tl.int32), axis=1) == 0)
+        rank = tl.cumsum(lead.to(tl.int32), axis=0) - 1
+        if (j == 0) & (c == 0) & (t == 0):  # one program rewrites the slots
+            # pair p's number: the rank of the leader of its expert
+            first = (e[:, None] == e[None, :]) & lead[None, :]  # [p, q]: q leads p's expert
+            rp = tl.sum(tl.where(first, rank[None, :], 0), axis=1)
+            tl.store(out + i, tl.where(miss & (rp < n), base + rp, s), mask=im)
+        mine = lead & (rank == j)
+        if j < n:
+            if tl.sum(mine.to(tl.int32), axis=0) > 0:
+                ex = tl.sum(tl.where(mine, e, 0), axis=0).to(tl.int64)
+                if t == 0:
+                    src, dst, W = h0, p0, w0
+                elif t == 1:
+                    src, dst, W = h1, p1, w1
+                else:
+                    src, dst, W = h2, p2, w2
+                off = c.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+                m = off < W
+                v = tl.load(src + ex * W + off, mask=m, other=0)
+                tl.store(dst + (base + j).to(tl.int64) * W + off, v, mask=m)
+
+
+def _words(raw: torch.Tensor) -> torch.Tensor:
+    """A stack's bytes as u32 words [n, words of one expert] (int32 view: the copy moves bits)."""
+    return raw.view(raw.shape[0], -1).view(torch.int32)
+
+
+def triton_stage_misses(slots: torch.Tensor, eids: torch.Tensor, host, pool, base: int, n: int) -> torch.Tensor:
+    P = slots.shape[0]
+    out = torch.empty_like(slots)
+    if P == 0:
+        return out
+    h = [_words(t.raw) for t in host]
+    p = [_words(t.raw) for t in pool]
+    W = [x.shape[1] for x in h]
+    chunks = triton.cdiv(max(W), WORDS)
+    _stage_kernel[(max(1, min(n, P)), chunks, 3)](
+        slots, eids, out, h[0], h[1], h[2], p[0], p[1], p[2], W[0], W[1], W[2], P, base, n,
+        PB=triton.next_power_of_2(P), BLOCK=WORDS, num_warps=4)
+    return out
+
+
+def _when(slots, eids, host, pool, base, n) -> bool:
+    # words: every stack's expert a whole number of u32 words, 4-byte aligned (the raw stacks are)
+    return (triton is not None and slots.is_cuda and slots.shape[0] <= 128
+            and all(t.raw[0].numel() % 4 == 0 and t.raw.is_contiguous() and t.raw.data_ptr() % 4 == 0
+                    for t in (*host, *pool)))
+
+
+registry.op("stage_misses").register("triton", triton_stage_misses, _when)
+# slots [P] int64 (negative: a miss), eids [P] int64, host: the layer's expert stacks where they lie (QTensors [E,
+# ...], pinned on CUDA), pool: the pool's stacks (QTensors [S, ...]), base/n: the staging slots base .. base+n ->
+# slots [P]: each distinct missed expert (first n, in order of first occurrence) copied into a staging slot and its
+# pairs pointed at it; the rest unchanged.
+stage_misses = registry.op("stage_misses")
