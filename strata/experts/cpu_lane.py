@@ -29,6 +29,7 @@ calls the lane, so both run at once.
 from __future__ import annotations
 
 import logging
+import sys
 
 import numpy as np
 import torch
@@ -261,7 +262,8 @@ class CpuLane:
         if progress:
             from tqdm import tqdm
 
-            bar = tqdm(total=len(todo), unit="expert", desc="strata: repacking experts for the CPU", leave=False)
+            bar = tqdm(total=len(todo), unit="expert", desc="strata: repacking experts for the CPU", leave=False,
+                       mininterval=0.1 if sys.stderr.isatty() else 15)  # a log file gets a line now and then
 
         def one(item):
             i, e = item

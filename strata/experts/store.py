@@ -9,6 +9,7 @@ OS may drop them again). Never a dequantized copy.
 from __future__ import annotations
 
 import logging
+import sys
 
 import torch
 
@@ -81,7 +82,8 @@ class ExpertStore:
         if progress:
             from tqdm import tqdm
 
-            bar = tqdm(total=total, unit="B", unit_scale=True, desc="strata: pinning experts", leave=False)
+            bar = tqdm(total=total, unit="B", unit_scale=True, desc="strata: pinning experts", leave=False,
+                       mininterval=0.1 if sys.stderr.isatty() else 15)  # a log file gets a line now and then
         out = {}
         try:
             for i, ew in layers.items():

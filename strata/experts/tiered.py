@@ -123,7 +123,8 @@ class TieredExperts:
         staging = self._staging or staging_slots(k)
         if self.ex.prefetch_next:  # a layer's own stream, the next layer's prefetch and its own: 3k in flight
             staging = max(staging, 4 * k)
-        if self.ex.decode_misses == "staged" and self.cuda:  # a batch step's distinct misses (more read in place)
+        if self._wants_direct() and self.ex.decode_misses != "direct" and self.cuda:  # staged: a batch step's
+            # distinct misses (any more are read in place)
             staging = max(staging, 4 * k)
         slots, chunk, self.vram_split = budget_slots(self.ex, self.store, self.device, staging, act_bytes)
         L, E = len(self.layer_ids), self.n_experts
@@ -164,7 +165,7 @@ class TieredExperts:
                 say = log.warning if self.ex.decode_misses in ("direct", "staged") else log.info
                 say("strata: --decode-misses direct: %s; graphed decode hands misses to the host", why)
             else:  # decode plans do not apply (prefill chunks still split by the plan)
-                self.direct, self.tuner = DirectDecode(self, stage=self.ex.decode_misses == "staged"), None
+                self.direct, self.tuner = DirectDecode(self, stage=self.ex.decode_misses != "direct"), None
         log.info("strata: expert cache %s slots/layer (%.2f GiB), decode misses %s, plan %s, CPU kernel %s", slots,
                  self.cache.nbytes() / 2**30, ("staged by the GPU (staged)" if self.direct.stage else "read in place (direct)")
                  if self.direct else "handed off", self.plan,
@@ -176,8 +177,8 @@ class TieredExperts:
         return self.vram_split
 
     def _wants_direct(self) -> bool:
-        """--decode-misses direct, or auto on a CUDA GPU (misses read over the bus beat the per-layer hand-off
-        there: docs/BENCHMARKS.md)."""
+        """--decode-misses direct or staged, or auto on a CUDA GPU (= staged: misses staged by a kernel beat both
+        the per-layer hand-off and reads in place there: docs/BENCHMARKS.md)."""
         return self.ex.decode_misses in ("direct", "staged") or (self.ex.decode_misses == "auto" and self.cuda)
 
     def cache_view(self) -> dict | None:
