@@ -19,8 +19,9 @@ import torch
 from strata import StrataError
 from strata.engine.loader import LoadedModel
 from strata.engine.request import Request
-from strata.engine.sequence import Sequence  # (the engine's sequence; callers import it from here too)
 from strata.engine.sampler import SamplingParams, sample, token_logprobs
+from strata.engine.sequence import Sequence  # (the engine's sequence; callers import it from here too)
+from strata.engine.slots import compact
 from strata.engine.spec import NgramDrafter, accept
 from strata.experts.sizing import VramSplit, prefill_bytes_per_token, prefill_chunk_for, prefill_left
 from strata.kv.cache import Segment
@@ -265,6 +266,9 @@ class Engine:
     def _forward(self, plan: "_StepPlan") -> torch.Tensor | None:
         segs, toks, poss = plan.segs, plan.toks, plan.poss
         if self.graphs is not None and plan.prefill is None and not plan.drafts and 0 < len(segs) <= self.graph_batch:
+            if self.n_slots > 1:  # the sequences moved into slots 0 .. b-1, in slot order: one capture per b
+                compact(self, plan)  # (the plan's owners and segments reordered alike: logits rows follow)
+                segs, toks, poss = plan.segs, plan.toks, plan.poss
             slots = [seg.slot for seg in segs]
             try:
                 return self.graphs.step_batch(toks, poss, slots)  # [B, V] from replayed graphs

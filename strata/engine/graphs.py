@@ -169,6 +169,27 @@ class DecodeGraphs:
             self.graphs.popitem(last=False)
 
     @torch.inference_mode()
+    def prepare(self, windows: list[int], deadline: float | None = None) -> int:
+        """Capture the steps of 1 .. max_batch sequences in slots 0 .. b-1 (where the engine keeps decoding
+        sequences) for each window, smallest first, until `deadline` (time.perf_counter()); the server does this
+        before it says ready, so no request waits for a capture of a short context. The steps write K/V rows at
+        position 0 of those slots: call it while no slot holds anything worth keeping. Returns the count captured."""
+        if not self.cuda:
+            return 0
+        n = 0
+        self.pos.zero_()
+        self.tok.zero_()
+        for w in sorted(set(min(int(w), self.kv.max_ctx) for w in windows)):
+            for b in range(1, self.max_batch + 1):
+                if (deadline is not None and time.perf_counter() > deadline) or len(self.graphs) >= MAX_CAPTURES:
+                    return n
+                key = (tuple(range(b)), w)
+                if key not in self.graphs:
+                    self._capture(key)
+                    n += 1
+        return n
+
+    @torch.inference_mode()
     def step(self, token: int, pos: int) -> torch.Tensor:
         """Logits [1, V] for `token` at `pos` of this slot (its K/V written into the cache)."""
         return self.step_batch([token], [pos], [self.slot])

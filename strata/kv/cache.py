@@ -156,6 +156,23 @@ class KVCache:
                 else:
                     bufs[layer][dst_slot, :n] = bufs[layer][src_slot, :n]
 
+    def swap_slots(self, a: int, b: int, n: int) -> None:
+        """Exchange what two slots hold in their first n positions (every layer, K and V, as stored): the engine
+        moves decoding sequences into the lowest slots, so captured decode steps are keyed by a count, not by a
+        set of slots. Device copies through one layer's temporary at a time."""
+        if a == b or n <= 0:
+            return
+        n = min(n, self.max_ctx)
+        for layer in range(self.n_layers):
+            for bufs in (self.k, self.v):
+                if bufs is None:
+                    continue
+                buf = bufs[layer]
+                for t in ((buf.qs, buf.d) if isinstance(buf, QuantRows) else (buf,)):
+                    tmp = t[a, :n].clone()
+                    t[a, :n] = t[b, :n]
+                    t[b, :n] = tmp
+
     def save_rows(self, layer: int, slot: int, n: int, which: str = "k") -> list[torch.Tensor]:
         """Host copies of what a slot's first n positions store for K (or V), as stored (a quantized type's
         blocks and scales, not dequantized): the conversation cache's entries."""

@@ -50,6 +50,12 @@ class RecurrentState:
             k1 = self.conv[i].shape[1]
             self.conv[i][slot].copy_(inputs[n : n + k1])  # the last K-1 inputs up to token n - 1
 
+    def swap(self, a: int, b: int) -> None:
+        """Exchange two slots' states (KVCache.swap_slots' counterpart)."""
+        for d in (self.conv, self.ssm):
+            for t in d.values():
+                t[[a, b]] = t[[b, a]]
+
     def snapshot(self, slots: list[int] | None = None) -> dict:
         """A copy of the given slots' state (all slots: None), for `restore` after work that must not count (a
         CUDA-graph warm-up, a forward that ran out of memory half-way)."""
@@ -79,3 +85,8 @@ class HybridCache(KVCache):
     @property
     def nbytes(self) -> int:
         return super().nbytes + self.recurrent.nbytes
+
+    def swap_slots(self, a: int, b: int, n: int) -> None:
+        super().swap_slots(a, b, n)
+        if a != b:
+            self.recurrent.swap(a, b)

@@ -22,6 +22,8 @@ log = logging.getLogger("strata.server")
 
 WARMUP_PROMPT_CHARS = 1600  # a few hundred tokens: decode steps attend over a context, as a request's do
 WARMUP_TOKENS = 256  # per warm-up generation (the tuner's trials span several)
+CAPTURE_WINDOWS = (256, 512, 1024, 2048, 4096)  # decode windows captured for every batch size before ready
+CAPTURE_S = 30.0  # at most this long capturing (longer contexts capture when a request first reaches them)
 TUNE_TEMPERATURE = 0.8
 
 
@@ -53,6 +55,12 @@ def warm_up(engine, tokenizer, say: Callable[[str], None], tune_s: float) -> dic
         out["tuned"] = experts.end_tuning()
         how = "stopped at the time bound, best measured" if bounded else "tuned"
         say(f"CPU/PCIe plan {how}: {out['tuned']} ({out['steps']} decode steps)")
+    graphs = getattr(engine, "graphs", None)
+    if graphs is not None and graphs.cuda:
+        t1 = time.perf_counter()
+        n = graphs.prepare(list(CAPTURE_WINDOWS), deadline=t1 + CAPTURE_S)
+        say(f"captured {n} decode steps (1-{engine.graph_batch} sequences) in {time.perf_counter() - t1:.1f} s")
+        out["captured"] = n
     # the warm-up's text is nobody's conversation: no slot keeps it, no request's counts include it
     engine.slot_tokens = {s: [] for s in range(engine.n_slots)}
     if experts is not None:
