@@ -165,6 +165,7 @@ class DirectDecode:
             if t.poll(li, upload=False) or swaps:  # victims leave the map, finished copies enter it
                 self._upload(li, layer, turn)
 
+    @torch.inference_mode()  # (the record buffers are inference tensors; a request may end outside the mode)
     def flush(self) -> None:
         """Settle everything launched (a request ends: its counts are complete)."""
         if self.current is not None:
