@@ -165,7 +165,8 @@ class TieredExperts:
                 say = log.warning if self.ex.decode_misses in ("direct", "staged") else log.info
                 say("strata: --decode-misses direct: %s; graphed decode hands misses to the host", why)
             else:  # decode plans do not apply (prefill chunks still split by the plan)
-                self.direct, self.tuner = DirectDecode(self, stage=self.ex.decode_misses != "direct"), None
+                stage = self.ex.decode_misses != "direct" and (not self.cuda or self._stageable())
+                self.direct, self.tuner = DirectDecode(self, stage=stage), None
         log.info("strata: expert cache %s slots/layer (%.2f GiB), decode misses %s, plan %s, CPU kernel %s", slots,
                  self.cache.nbytes() / 2**30, ("staged by the GPU (staged)" if self.direct.stage else "read in place (direct)")
                  if self.direct else "handed off", self.plan,
@@ -175,6 +176,17 @@ class TieredExperts:
         if self.ex.expert_profile_save:
             atexit.register(self.close)
         return self.vram_split
+
+    def _stageable(self) -> bool:
+        """Every layer's expert stacks and its pool can be staged by the copy kernel (else misses are read in
+        place: the torch twin of the copy cannot run inside a captured step)."""
+        from strata.ops.expert_gather import stage_fast
+
+        for layer in self.layer_ids:
+            ew, pool = self.store[layer], self.cache.pool_of[layer]
+            if not stage_fast((ew.gate, ew.up, ew.down, pool.gate, pool.up, pool.down)):
+                return False
+        return True
 
     def _wants_direct(self) -> bool:
         """--decode-misses direct or staged, or auto on a CUDA GPU (= staged: misses staged by a kernel beat both

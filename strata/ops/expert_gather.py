@@ -58,6 +58,14 @@ def two_tier_fast(gate: QTensor, up: QTensor, down: QTensor) -> bool:
     return expert_triton.supports(gate, up, down)
 
 
+def stage_fast(stacks) -> bool:
+    """Whether `stage_misses`'s copy kernel takes these stacks (checked before a GPU decode path stages misses
+    inside a captured step, where the op's torch twin cannot run)."""
+    from strata.ops.host_stage import stageable
+
+    return stageable(stacks)
+
+
 def _two_tier_triton(x, gate, up, down, slots, host, eids):
     return expert_triton.triton_expert_ffn(x, gate, up, down, slots, host=host, eids=eids)
 

@@ -1,4 +1,5 @@
-"""Fused expert FFN over a slot pool in Triton: Q4_K / Q6_K / Q8_0 blocks read straight from the slots, no
+"""Fused expert FFN over a slot pool in Triton: Q4_K / Q6_K / Q8_0 blocks (and the lookup formats IQ2_XXS,
+IQ3_XXS, IQ4_XS, MXFP4, whose tiles are in `strata.ops.iquant_triton`) read straight from the slots, no
 dequantized copy, two launches per MoE layer. The same tile functions serve the dense decode GEMV
 (`strata.ops.qgemv`).
 
@@ -39,9 +40,12 @@ sums differs from the dequantize-then-matmul reference only by float32 rounding)
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 from gguf import GGMLQuantizationType
+
+from strata.ops import iquant_triton
 
 Q = GGMLQuantizationType
 
@@ -51,7 +55,7 @@ try:  # Triton is optional: without it (or without a GPU) the torch grouped path
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
-SUPPORTED = frozenset({Q.Q4_K, Q.Q6_K, Q.Q8_0})
+SUPPORTED = frozenset({Q.Q4_K, Q.Q6_K, Q.Q8_0, *iquant_triton.FORMATS})
 KW_MAX = 2048  # weights of a row per loop iteration (a Qwen3 row of 2048 in one go)
 ROWS_MAX = 16  # rows per program
 WARPS_PER_SM = 8  # fewer rows per program until a launch has this many warps per SM (2 per scheduler)
@@ -60,7 +64,9 @@ WARPS_PER_SM = 8  # fewer rows per program until a launch has this many warps pe
 # per-tile work (addresses, scales, x) up to ~128-160 registers, no spills. At these points a tile costs
 # ~8-10 (Q4_K), ~8.5-10 (Q8_0), ~11-13 (Q6_K) instructions per weight; the kernels this replaced took
 # ~20 (Q8_0), ~35 (Q6_K), ~50 (Q4_K) in loops of one block per row.
-TILE = {Q.Q4_K: (16384, 128), Q.Q8_0: (8192, 128), Q.Q6_K: (8192, 128)}
+TILE = {Q.Q4_K: (16384, 128), Q.Q8_0: (8192, 128), Q.Q6_K: (8192, 128),
+        # the lookup-table formats (strata.ops.iquant_triton): one gathered codebook value per weight (not tuned)
+        Q.IQ4_XS: (8192, 64), Q.IQ2_XXS: (4096, 64), Q.IQ3_XXS: (4096, 64), Q.MXFP4: (4096, 64)}
 
 
 def available() -> bool:
@@ -217,18 +223,26 @@ if triton is not None:
         return tl.sum(tl.sum(tl.sum(part, axis=1), axis=1), axis=1)
 
     @triton.jit
-    def _tile_dot(row, xp, it, K, QT: tl.constexpr, BN: tl.constexpr, KW: tl.constexpr, EVEN: tl.constexpr):
+    def _tile_dot(row, xp, tab, it, K, QT: tl.constexpr, BN: tl.constexpr, KW: tl.constexpr, EVEN: tl.constexpr):
         """Iteration `it` (weights it*KW .. it*KW+KW of K) of BN rows (byte pointers) against x -> [BN].
-        EVEN: KW divides K (no tile has blocks past the row's end)."""
+        EVEN: KW divides K (no tile has blocks past the row's end). tab: the lookup formats' codebooks."""
         if QT == 12:  # Q4_K
             return _q4k_tile(row, xp, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
         elif QT == 14:  # Q6_K
             return _q6k_tile(row, xp, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
+        elif QT == 23:  # IQ4_XS
+            return iquant_triton.iq4xs_tile(row, xp, tab, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
+        elif QT == 16:  # IQ2_XXS
+            return iquant_triton.iq2xxs_tile(row, xp, tab, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
+        elif QT == 18:  # IQ3_XXS
+            return iquant_triton.iq3xxs_tile(row, xp, tab, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
+        elif QT == 39:  # MXFP4
+            return iquant_triton.mxfp4_tile(row, xp, tab, it * (KW // 32), K // 32, BN, KW // 32, EVEN)
         else:  # Q8_0
             return _q8_0_tile(row, xp, it * (KW // 32), K // 32, BN, KW // 32, EVEN)
 
     @triton.jit
-    def _glu_kernel(x, gate, up, slots, hgate, hup, eids, out, P, N, K, g_slot_bytes, u_slot_bytes, g_row_bytes,
+    def _glu_kernel(x, gate, up, slots, hgate, hup, eids, tab, out, P, N, K, g_slot_bytes, u_slot_bytes, g_row_bytes,
                     u_row_bytes, QG: tl.constexpr, QU: tl.constexpr, BN: tl.constexpr, KW: tl.constexpr,
                     EVEN: tl.constexpr, HOST: tl.constexpr):
         pid = tl.program_id(0)
@@ -252,14 +266,14 @@ if triton is not None:
             g = tl.zeros([BN], dtype=tl.float32)
             u = tl.zeros([BN], dtype=tl.float32)
             for it in range(0, tl.cdiv(K, KW)):  # both tiles of an iteration in flight together
-                g += _tile_dot(grow, xp, it, K, QG, BN, KW, EVEN)
-                u += _tile_dot(urow, xp, it, K, QU, BN, KW, EVEN)
+                g += _tile_dot(grow, xp, tab, it, K, QG, BN, KW, EVEN)
+                u += _tile_dot(urow, xp, tab, it, K, QU, BN, KW, EVEN)
             tl.store(out + p * N + n, g / (1.0 + tl.exp(-g)) * u, mask=nm)
         else:  # a miss: no weight is read
             tl.store(out + p * N + n, tl.zeros([BN], dtype=tl.float32), mask=nm)
 
     @triton.jit
-    def _gemv_kernel(x, w, slots, hw, eids, out, P, N, K, slot_bytes, row_bytes, QT: tl.constexpr,
+    def _gemv_kernel(x, w, slots, hw, eids, tab, out, P, N, K, slot_bytes, row_bytes, QT: tl.constexpr,
                      BN: tl.constexpr, KW: tl.constexpr, EVEN: tl.constexpr, GATHER: tl.constexpr,
                      HOST: tl.constexpr):
         """out[p] = x[p] @ W.T for W = slot slots[p] of w (GATHER) or w itself; out in its own dtype. HOST: a
@@ -282,15 +296,23 @@ if triton is not None:
             row = base + n * row_bytes  # [BN]
             acc = tl.zeros([BN], dtype=tl.float32)
             for it in range(0, tl.cdiv(K, KW)):
-                acc += _tile_dot(row, x + p * K, it, K, QT, BN, KW, EVEN)
+                acc += _tile_dot(row, x + p * K, tab, it, K, QT, BN, KW, EVEN)
             tl.store(out + p * N + n, acc.to(out.dtype.element_ty), mask=nm)
         else:
             tl.store(out + p * N + n, tl.zeros([BN], dtype=out.dtype.element_ty), mask=nm)
 
 
 def block_len(qtype) -> int:
-    """Weights per block of a supported format (Q4_K and Q6_K: 256, Q8_0: 32)."""
-    return 256 if qtype in (Q.Q4_K, Q.Q6_K) else 32
+    """Weights per block of a supported format (the K- and i-quants: 256, Q8_0 and MXFP4: 32)."""
+    return 32 if qtype in (Q.Q8_0, Q.MXFP4) else 256
+
+
+def codebooks_for(qtypes, other: torch.Tensor) -> torch.Tensor:
+    """What the kernels' `tab` argument points to: the lookup formats' codebooks on `other`'s device when one of
+    `qtypes` reads them, else `other` itself (never read: no table is built, nothing is copied)."""
+    if any(qt in iquant_triton.FORMATS for qt in qtypes):
+        return iquant_triton.table(other.device)
+    return other
 
 
 def aligned(raw: torch.Tensor) -> bool:
@@ -298,12 +320,21 @@ def aligned(raw: torch.Tensor) -> bool:
     return raw.is_contiguous() and raw.data_ptr() % 4 == 0
 
 
+# The lookup formats' tiles are checked against their torch twins in Triton's interpreter; compiled for a GPU they
+# are taken only once the GPU tests have run them (tests/experts/test_expert_triton.py, which turns this on).
+# Until then a GPU keeps the torch path for those formats (dequantize, then matmul).
+LOOKUP_ON_GPU = False
+
+
 def supports(gate, up, down) -> bool:
     """Triton is importable and the pool's formats have kernels (K a whole number of blocks)."""
     if triton is None:
         return False
+    lookup_ok = LOOKUP_ON_GPU or os.environ.get("TRITON_INTERPRET") == "1"
     for t in (gate, up, down):
         if t.qtype not in SUPPORTED or t.shape[-1] % block_len(t.qtype) or not aligned(t.raw):
+            return False
+        if t.qtype in iquant_triton.FORMATS and not lookup_ok:
             return False
     return True
 
@@ -373,12 +404,13 @@ def triton_expert_ffn(x: torch.Tensor, gate, up, down, slots: torch.Tensor, bloc
         ids = eids.contiguous()
     else:
         hg, hu, hd, ids = g, u, dn, slots  # not read
+    tab = codebooks_for((gate.qtype, up.qtype, down.qtype), a)
     bn, kw, even, warps = plan((gate.qtype, up.qtype), ff, d, P, x.device, block_n, block_k)
     _glu_kernel[(P * triton.cdiv(ff, bn),)](
-        x, g, u, slots, hg, hu, ids, a, P, ff, d, g[0].numel(), u[0].numel(), g.shape[-1], u.shape[-1],
+        x, g, u, slots, hg, hu, ids, tab, a, P, ff, d, g[0].numel(), u[0].numel(), g.shape[-1], u.shape[-1],
         QG=int(gate.qtype), QU=int(up.qtype), BN=bn, KW=kw, EVEN=even, HOST=host is not None, num_warps=warps)
     bn, kw, even, warps = plan((down.qtype,), d, ff, P, x.device, block_n, block_k)
     _gemv_kernel[(P * triton.cdiv(d, bn),)](
-        a, dn, slots, hd, ids, y, P, d, ff, dn[0].numel(), dn.shape[-1], QT=int(down.qtype), BN=bn, KW=kw,
+        a, dn, slots, hd, ids, tab, y, P, d, ff, dn[0].numel(), dn.shape[-1], QT=int(down.qtype), BN=bn, KW=kw,
         EVEN=even, GATHER=True, HOST=host is not None, num_warps=warps)
     return y

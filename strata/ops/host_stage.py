@@ -92,11 +92,15 @@ def triton_stage_misses(slots: torch.Tensor, eids: torch.Tensor, host, pool, bas
     return out
 
 
+def stageable(stacks) -> bool:
+    """Whether the kernel copies these stacks' experts (each a whole number of u32 words, 4-byte aligned): a GPU
+    decode path checks this before it stages misses inside a captured step, where the torch twin cannot run."""
+    return triton is not None and all(t.raw[0].numel() % 4 == 0 and t.raw.is_contiguous()
+                                      and t.raw.data_ptr() % 4 == 0 for t in stacks)
+
+
 def _when(slots, eids, host, pool, base, n) -> bool:
-    # words: every stack's expert a whole number of u32 words, 4-byte aligned (the raw stacks are)
-    return (triton is not None and slots.is_cuda and slots.shape[0] <= 128
-            and all(t.raw[0].numel() % 4 == 0 and t.raw.is_contiguous() and t.raw.data_ptr() % 4 == 0
-                    for t in (*host, *pool)))
+    return slots.is_cuda and slots.shape[0] <= 128 and stageable((*host, *pool))
 
 
 registry.op("stage_misses").register("triton", triton_stage_misses, _when)

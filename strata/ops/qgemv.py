@@ -33,8 +33,9 @@ def _gemv(x2d: torch.Tensor, w: QTensor, block_n: int | None = None, block_k: in
         return out
     bn, kw, even, warps = expert_triton.plan((w.qtype,), N, K, T, x2d.device, block_n, block_k)
     expert_triton._gemv_kernel[(T * expert_triton.triton.cdiv(N, bn),)](
-        x2d, raw, out, raw, out, out, T, N, K, raw.numel(), raw.shape[-1], QT=int(w.qtype), BN=bn, KW=kw,
-        EVEN=even, GATHER=False, HOST=False, num_warps=warps)  # slots, hw, eids unused without GATHER/HOST
+        x2d, raw, out, raw, out, expert_triton.codebooks_for((w.qtype,), out), out, T, N, K, raw.numel(),
+        raw.shape[-1], QT=int(w.qtype), BN=bn, KW=kw, EVEN=even, GATHER=False, HOST=False,
+        num_warps=warps)  # slots, hw, eids unused without GATHER/HOST
     return out
 
 

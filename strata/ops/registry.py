@@ -11,7 +11,8 @@ Nothing else registers kernels, and no caller checks for a kernel itself.
     qk_norm_rope        reference.qk_norm_rope               fused.qk_norm_rope        (Triton, CUDA)
     one_query_attention reference.gqa_attention              decode_attention          (Triton split-K, CUDA)
     dequantize_blocks   reference.dequantize_blocks          dequant_triton            (Triton, CUDA)
-    gather_expert_ffn   reference.gather_expert_ffn          expert_triton             (Triton, CUDA: Q4_K, Q8_0)
+    gather_expert_ffn   reference.gather_expert_ffn          expert_triton             (Triton, CUDA: Q4_K, Q6_K, Q8_0,
+                                                                                        IQ2_XXS, IQ3_XXS, IQ4_XS, MXFP4)
     two_tier_expert_ffn reference.two_tier_expert_ffn        expert_triton             (Triton, CUDA; misses read
                                                                                         from pinned host RAM)
     stage_misses        reference.stage_misses               host_stage                (Triton, CUDA: distinct

@@ -1,6 +1,7 @@
 """The fused Triton expert kernels, run in Triton's interpreter on the CPU against the torch grouped op.
 
-Covers misses (negative slots), mixed formats, a Q8_0 down projection whose K (96) leaves a partial block tile,
+Covers misses (negative slots), mixed formats (the K-quants, Q8_0, and the lookup formats IQ2_XXS, IQ3_XXS,
+IQ4_XS, MXFP4), Q8_0 and MXFP4 down projections whose K (96) leaves a partial block tile,
 N (ff = 96) not a multiple of the rows per program, K in several iterations (forced block_k), and misses read
 from a second stack by expert id (the host store: `host=`, `eids=`)."""
 
@@ -26,8 +27,12 @@ SCRIPT = textwrap.dedent("""
     # block_n = 64: few programs (the interpreter is slow); one case takes the planner's choice
     for qg, qd, d, ff, bn, bk in ((Q.Q4_K, Q.Q4_K, 256, 256, 64, None), (Q.Q4_K, Q.Q8_0, 256, 96, 64, None),
                                   (Q.Q6_K, Q.Q6_K, 256, 256, 64, None), (Q.Q8_0, Q.Q6_K, 64, 256, None, None),
-                                  (Q.Q4_K, Q.Q6_K, 512, 256, 64, 256)):
-        if qd == Q.Q8_0:
+                                  (Q.Q4_K, Q.Q6_K, 512, 256, 64, 256),
+                                  # the lookup-table formats (strata.ops.iquant_triton): an MXFP4 down whose K
+                                  # (96) leaves a partial tile, an i-quant gate read in two iterations
+                                  (Q.IQ4_XS, Q.IQ3_XXS, 256, 256, 64, None), (Q.IQ2_XXS, Q.IQ4_XS, 512, 256, 64, 256),
+                                  (Q.MXFP4, Q.MXFP4, 64, 96, 64, None), (Q.IQ3_XXS, Q.IQ2_XXS, 256, 256, None, None)):
+        if qd in (Q.Q8_0, Q.MXFP4):
             assert plan((qd,), d, ff, 3, cpu, bn, bk)[2] is False, "the down tile must have masked blocks"
         if bk:
             assert plan((qg, qg), ff, d, 3, cpu, bn, bk)[1] < d, "several iterations"
@@ -62,8 +67,9 @@ def test_triton_kernels_match_the_torch_op_in_the_interpreter():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("qg,qd,d,ff", [("Q4_K", "Q4_K", 2048, 768), ("Q8_0", "Q6_K", 512, 256)])
-def test_cuda_misses_read_from_pinned_host_memory(qg, qd, d, ff):
+@pytest.mark.parametrize("qg,qd,d,ff", [("Q4_K", "Q4_K", 2048, 768), ("Q8_0", "Q6_K", 512, 256),
+                                        ("IQ2_XXS", "IQ3_XXS", 2048, 768), ("IQ4_XS", "MXFP4", 512, 288)])
+def test_cuda_misses_read_from_pinned_host_memory(qg, qd, d, ff, monkeypatch):
     """On the GPU the kernels read a missed expert from pinned host RAM (mapped over the bus), through the op
     the direct decode path calls, and equal the torch reference; a pageable stack is left to the reference."""
     import torch
@@ -74,6 +80,9 @@ def test_cuda_misses_read_from_pinned_host_memory(qg, qd, d, ff):
     from strata.quant import random_qtensor
     from strata.quant.qtensor import QTensor
 
+    from strata.ops import expert_triton
+
+    monkeypatch.setattr(expert_triton, "LOOKUP_ON_GPU", True)  # the lookup formats' tiles, compiled
     dev = torch.device("cuda")
     qg, qd = Q[qg], Q[qd]
     pool = [random_qtensor(qg, (3, ff, d), 1, device=dev), random_qtensor(qg, (3, ff, d), 2, device=dev),

@@ -1,0 +1,180 @@
+"""Triton tiles of the lookup-table formats for the fused expert kernels and the decode GEMV
+(`strata.ops.expert_triton`): IQ2_XXS, IQ3_XXS, IQ4_XS (the i-quants of the seeds' GLM / Qwen mixes) and MXFP4
+(gpt-oss's experts), read in place from the GGML blocks, no dequantized copy.
+
+Each tile takes BN rows (byte pointers) of NB consecutive blocks, decodes them in registers and returns the BN dot
+products with x, like the K-quant tiles beside them. The formats' codebooks (gguf-py's grids, sign patterns and
+non-linear value tables, `strata.quant.iquants.table`) sit in one small float32 tensor on the device (`table`),
+gathered from by index (a few KB: it stays in L1). Block layouts, as gguf-py dequantizes them:
+
+    IQ4_XS   136 bytes / 256: f16 d, u16 of 8 x 2 high scale bits, 4 bytes of 8 x 4 low scale bits, 128 bytes of
+             4-bit indices (sub-block ib: bytes 16 ib .. 16 ib + 15, low nibbles its weights 0-15, high 16-31);
+             weight = d (scale - 32) iq4nl[index]
+    IQ2_XXS   66 bytes / 256: f16 d, per sub-block of 32 two u32: 4 grid indices (bytes, 8 weights each), and
+             4 x 7-bit sign indices + a 4-bit scale s; weight = d (0.5 + s) / 4 * grid[index][j] * sign
+    IQ3_XXS   98 bytes / 256: f16 d, 64 grid index bytes (4 weights each), 8 u32 of 4 x 7-bit sign indices + a
+             4-bit scale; weight = d (0.5 + s) / 2 * grid[index][j] * sign
+    MXFP4     17 bytes / 32: an E8M0 exponent byte e, 16 bytes of 4-bit codes (low nibbles weights 0-15);
+             weight = 2^(e - 128) * mxfp4[code] (gguf-py's doubled table; subnormal scales for e < 2)
+
+The 66- and 98-byte blocks are only 2-byte aligned, so their u32 fields are read as two u16. Reference twins: the
+torch dequantizers of `strata.quant.iquants` (tests/experts/test_expert_triton.py runs these tiles in Triton's
+interpreter against them). Speed on a GPU is not yet measured (docs/BENCHMARKS.md says what is).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from gguf import GGMLQuantizationType
+
+Q = GGMLQuantizationType
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+# offsets (in floats) of each codebook in the table
+T_IQ4NL, T_MXFP4, T_KSIGNS, T_IQ2XXS, T_IQ3XXS = 0, 16, 32, 32 + 128 * 8, 32 + 128 * 8 + 256 * 8
+T_SIZE = T_IQ3XXS + 256 * 4
+FORMATS = {Q.IQ2_XXS: 66, Q.IQ3_XXS: 98, Q.IQ4_XS: 136, Q.MXFP4: 17}  # bytes per block
+_TABLES: dict[torch.device, torch.Tensor] = {}
+_LOCK = threading.Lock()
+
+
+def table(device: torch.device) -> torch.Tensor:
+    """The codebooks of every format here, one float32 tensor on `device` (built once per device: the first call
+    must not happen inside a CUDA graph capture; a capture's warm-up forwards make it)."""
+    t = _TABLES.get(device)
+    if t is None:
+        from strata.quant.iquants import table as gguf_table
+
+        with _LOCK:
+            t = _TABLES.get(device)
+            if t is None:
+                parts = [gguf_table(n, torch.device("cpu")).reshape(-1) for n in ("iq4nl", "mxfp4", "ksigns",
+                                                                                   "IQ2_XXS", "IQ3_XXS")]
+                t = torch.cat(parts).to(torch.float32)
+                assert t.numel() == T_SIZE, t.numel()
+                t = _TABLES[device] = t.to(device)
+    return t
+
+
+if triton is not None:
+
+    @triton.jit
+    def _u16(p, m):
+        """The little-endian u16 at 2-byte aligned byte pointers p, as int32 (0 where m is false)."""
+        return tl.load(p.to(tl.pointer_type(tl.uint16)), mask=m, other=0).to(tl.int32)
+
+    @triton.jit
+    def _f16v(p, m):
+        return tl.load(p.to(tl.pointer_type(tl.float16)), mask=m, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _blocks(b0, nsb, NB: tl.constexpr, EVEN: tl.constexpr):
+        sb = (b0 + tl.arange(0, NB)).to(tl.int64)
+        if EVEN:
+            sm = tl.full([NB], 1, tl.int1)
+        else:
+            sm = sb < nsb
+        return sb, sm
+
+    @triton.jit
+    def iq4xs_tile(row, xp, tab, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
+        ib = tl.arange(0, 8)
+        j = tl.arange(0, 16)
+        sb, sm = _blocks(b0, nsb, NB, EVEN)
+        m2 = sm[None, :]
+        m3 = m2[:, :, None]
+        blk = row[:, None] + sb[None, :] * 136  # [BN, NB]
+        d = _f16v(blk, m2)
+        sh = _u16(blk + 2, m2)  # [BN, NB] 8 x 2 high scale bits
+        slb = tl.load(blk[:, :, None] + 4 + (ib // 2).to(tl.int64)[None, None, :], mask=m3, other=0).to(tl.int32)
+        ls = ((slb >> (4 * (ib % 2))[None, None, :]) & 15) | (((sh[:, :, None] >> (2 * ib)[None, None, :]) & 3) << 4)
+        dl = d[:, :, None] * (ls - 32).to(tl.float32)  # [BN, NB, 8]
+        qo = (16 * ib)[:, None].to(tl.int64) + j[None, :].to(tl.int64)  # [8, 16]
+        q = tl.load(blk[:, :, None, None] + 8 + qo[None, None], mask=m3[:, :, :, None], other=0,
+                    eviction_policy="evict_first").to(tl.int32)  # [BN, NB, 8, 16]
+        lo = tl.load(tab + T_IQ4NL + (q & 15))
+        hi = tl.load(tab + T_IQ4NL + (q >> 4))
+        xo = sb[:, None, None] * 256 + (32 * ib)[None, :, None].to(tl.int64) + j[None, None, :].to(tl.int64)
+        xm = sm[:, None, None]
+        xl = tl.load(xp + xo, mask=xm, other=0.0).to(tl.float32)  # [NB, 8, 16]
+        xh = tl.load(xp + xo + 16, mask=xm, other=0.0).to(tl.float32)
+        part = tl.sum(lo * xl[None] + hi * xh[None], axis=3) * dl  # [BN, NB, 8]
+        return tl.sum(tl.sum(part, axis=2), axis=1)
+
+    @triton.jit
+    def iq2xxs_tile(row, xp, tab, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
+        ib = tl.arange(0, 8).to(tl.int64)
+        lg = tl.arange(0, 4)
+        j = tl.arange(0, 8)
+        sb, sm = _blocks(b0, nsb, NB, EVEN)
+        m2 = sm[None, :]
+        m3 = m2[:, :, None]
+        m4 = m3[:, :, :, None]
+        blk = row[:, None] + sb[None, :] * 66
+        d = _f16v(blk, m2)
+        w = blk[:, :, None] + 2 + 8 * ib[None, None, :]  # [BN, NB, 8] the sub-block's two u32
+        w1 = (_u16(w + 4, m3) | (_u16(w + 6, m3) << 16)).to(tl.uint32)  # sign indices and scale
+        db = d[:, :, None] * (0.5 + (w1 >> 28).to(tl.float32)) * 0.25  # [BN, NB, 8]
+        gi = tl.load(w[:, :, :, None] + lg.to(tl.int64)[None, None, None, :], mask=m4, other=0,
+                     eviction_policy="evict_first").to(tl.int32)  # [BN, NB, 8, 4] grid indices
+        si = ((w1[:, :, :, None] >> (7 * lg).to(tl.uint32)[None, None, None, :]) & 127).to(tl.int32)
+        grid = tl.load(tab + T_IQ2XXS + gi[:, :, :, :, None] * 8 + j[None, None, None, None, :])
+        sg = tl.load(tab + T_KSIGNS + si[:, :, :, :, None] * 8 + j[None, None, None, None, :])
+        xo = (sb[:, None, None, None] * 256 + 32 * ib[None, :, None, None] + (8 * lg).to(tl.int64)[None, None, :, None]
+              + j.to(tl.int64)[None, None, None, :])  # [NB, 8, 4, 8]
+        x = tl.load(xp + xo, mask=sm[:, None, None, None], other=0.0).to(tl.float32)
+        part = tl.sum(tl.sum(grid * sg * x[None], axis=4), axis=3) * db  # [BN, NB, 8]
+        return tl.sum(tl.sum(part, axis=2), axis=1)
+
+    @triton.jit
+    def iq3xxs_tile(row, xp, tab, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
+        ib = tl.arange(0, 8).to(tl.int64)
+        lg = tl.arange(0, 4)
+        j = tl.arange(0, 8)
+        sb, sm = _blocks(b0, nsb, NB, EVEN)
+        m2 = sm[None, :]
+        m3 = m2[:, :, None]
+        blk = row[:, None] + sb[None, :] * 98
+        d = _f16v(blk, m2)
+        sp = blk[:, :, None] + 66 + 4 * ib[None, None, :]  # [BN, NB, 8] the sub-block's u32
+        sc = (_u16(sp, m3) | (_u16(sp + 2, m3) << 16)).to(tl.uint32)
+        db = d[:, :, None] * (0.5 + (sc >> 28).to(tl.float32)) * 0.5
+        si = ((sc[:, :, :, None] >> (7 * lg).to(tl.uint32)[None, None, None, :]) & 127).to(tl.int32)
+        # index byte of weight (ib, l, j): 2 + 8 ib + 2 l + j // 4, value j % 4 of its grid entry
+        io = (2 * lg[:, None] + j[None, :] // 4).to(tl.int64)  # [4, 8]
+        gi = tl.load(blk[:, :, None, None, None] + 2 + 8 * ib[None, None, :, None, None] + io[None, None, None],
+                     mask=m3[:, :, :, None, None], other=0, eviction_policy="evict_first").to(tl.int32)
+        grid = tl.load(tab + T_IQ3XXS + gi * 4 + (j % 4)[None, None, None, None, :])  # [BN, NB, 8, 4, 8]
+        sg = tl.load(tab + T_KSIGNS + si[:, :, :, :, None] * 8 + j[None, None, None, None, :])
+        xo = (sb[:, None, None, None] * 256 + 32 * ib[None, :, None, None] + (8 * lg).to(tl.int64)[None, None, :, None]
+              + j.to(tl.int64)[None, None, None, :])
+        x = tl.load(xp + xo, mask=sm[:, None, None, None], other=0.0).to(tl.float32)
+        part = tl.sum(tl.sum(grid * sg * x[None], axis=4), axis=3) * db
+        return tl.sum(tl.sum(part, axis=2), axis=1)
+
+    @triton.jit
+    def mxfp4_tile(row, xp, tab, b0, nblk, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
+        j = tl.arange(0, 16)
+        sb, sm = _blocks(b0, nblk, NB, EVEN)
+        m2 = sm[None, :]
+        blk = row[:, None] + sb[None, :] * 17  # [BN, NB]
+        e = tl.load(blk, mask=m2, other=0).to(tl.int32)
+        # 2^(e - 128) from its bits (ggml_e8m0_to_fp32_half): subnormal below e = 2
+        bits = tl.where(e < 2, 0x00200000 << tl.minimum(e, 1), (tl.maximum(e, 1) - 1) << 23)
+        dv = bits.to(tl.float32, bitcast=True)
+        q = tl.load(blk[:, :, None] + 1 + j.to(tl.int64)[None, None, :], mask=m2[:, :, None], other=0,
+                    eviction_policy="evict_first").to(tl.int32)  # [BN, NB, 16]
+        lo = tl.load(tab + T_MXFP4 + (q & 15))
+        hi = tl.load(tab + T_MXFP4 + (q >> 4))
+        xo = sb[:, None] * 32 + j.to(tl.int64)[None, :]  # [NB, 16]
+        xl = tl.load(xp + xo, mask=sm[:, None], other=0.0).to(tl.float32)
+        xh = tl.load(xp + xo + 16, mask=sm[:, None], other=0.0).to(tl.float32)
+        part = tl.sum(lo * xl[None] + hi * xh[None], axis=2) * dv  # [BN, NB]
+        return tl.sum(part, axis=1)
