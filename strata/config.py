@@ -86,7 +86,8 @@ class ExpertConfig:
         "which splits the misses between the CPU lane and PCIe copies into staging slots (--cpu-plan); direct: "
         "the expert kernel reads a missed expert's weights from pinned host RAM over the bus (no copy, no host "
         "hand-off: the step is one graph) and the cache learns between steps; staged: as direct, but a kernel first copies each distinct missed expert of a layer into a VRAM staging slot (an expert several sequences share crosses the bus once; a copy kernel also moves more bytes per second than the fused kernel's reads); auto: staged on a CUDA GPU when "
-        "the expert formats have the fused kernel, else handoff", choices=DECODE_MISSES))
+        "the expert formats have the fused kernel, unless the measured costs (strata calibrate) say this "
+        "machine's CPU lane beats its link (then handoff, with the CPU taking a share); else handoff", choices=DECODE_MISSES))
     # a benchmark switch, not a user setting: it changes what the model says (strata.layers.moe.uniform_route)
     routing: str = field(default="model", metadata=opt(
         "BENCHMARKS ONLY: model (the router's choice), or uniform: every MoE layer sends each token to k distinct "

@@ -145,6 +145,26 @@ def decode_lanes_ms(
     return cpu_lane, gpu_lane
 
 
+HANDOFF_MARGIN = 0.9  # the hand-off must be expected this much faster than staging to be chosen by `auto`
+
+
+def decode_path(costs: CostModel, plan: "CpuPlan", k: int, misses: int | None = None) -> tuple[str, float, float]:
+    """`--decode-misses auto` on a GPU: ("staged" or "handoff", staged ms, hand-off ms) for a token-layer with
+    `misses` misses (default half of k: a tight budget on text that routes widely).
+
+    Staged (one graph, no host): the misses cross the link, then all k pairs are computed. Hand-off: the host
+    splits the misses by `plan` between the CPU lane and PCIe copies (decode_lanes_ms), plus a round trip every
+    layer (cpu_overhead_ms: a token's activations to the host and back). The hand-off is chosen only when the
+    plan gives the CPU a share and it is clearly faster: a machine whose CPU reads RAM faster than its link
+    (PCIe 4.0 beside DDR5), never one whose link outruns its cores."""
+    m = max(1, min(k, k // 2 if misses is None else int(misses)))
+    staged = m * costs.pcie_ms_per_expert + k * costs.gpu_ms_per_expert
+    cpu = plan.shares[m] if m < len(plan.shares) else 0
+    handoff = max(costs.decode_lanes_ms(k, m, cpu)) + (0.0 if cpu else costs.cpu_overhead_ms)
+    choice = "handoff" if cpu > 0 and handoff < HANDOFF_MARGIN * staged else "staged"
+    return choice, staged, handoff
+
+
 class CpuPlan:
     """How many of a token-layer's misses the CPU computes, for each miss count 0..k."""
 

@@ -29,7 +29,7 @@ from strata.config import EngineConfig, alloc_cap_enabled
 from strata.experts.backend import StepContext, StepProfiler
 from strata.experts.cache import ExpertCache, budget_slots, cap_to_budget
 from strata.experts.cpu_lane import CpuLane
-from strata.experts.plan import CostModel, CpuPlan
+from strata.experts.plan import CostModel, CpuPlan, decode_path
 from strata.experts.policy import CachePolicy, make_policy
 from strata.experts.profile import RoutingProfile, layer_slots, warm_policy
 from strata.experts.resident import ExpertWeights
@@ -67,6 +67,7 @@ class TieredExperts:
         self.cuda = self.device.type == "cuda"
         self.progress = progress
         self._staging = staging
+        self._handoff_chosen = False  # `auto` found the hand-off faster on this machine (plan.decode_path)
         self._make_policy = policy
         self.store = ExpertStore(layers, pin=None if self.cuda else False, low_ram=self.ex.low_ram, progress=progress)
         self.layer_ids = self.store.layer_ids
@@ -159,6 +160,13 @@ class TieredExperts:
             self.plan = CpuPlan.parse(self.ex.cpu_plan, k)
         if self.lane is None and any(self.plan.shares):
             raise StrataError("internal: the CPU lane is off but the plan uses the CPU")
+        if self.ex.decode_misses == "auto" and self.cuda and self.costs is not None and self.lane is not None:
+            path, staged_ms, handoff_ms = decode_path(self.costs, self.plan, k)
+            if path == "handoff":  # this machine's CPU lane beats its link: the host splits the misses
+                log.info("strata: decode misses handed off: the CPU lane takes %d of %d misses (cost model: %.3f "
+                         "ms a token-layer, %.3f staged)", self.plan.shares[max(1, k // 2)], max(1, k // 2),
+                         handoff_ms, staged_ms)
+                self._handoff_chosen = True
         if self._wants_direct():
             why = direct_supported(self)
             if why:
@@ -191,7 +199,8 @@ class TieredExperts:
     def _wants_direct(self) -> bool:
         """--decode-misses direct or staged, or auto on a CUDA GPU (= staged: misses staged by a kernel beat both
         the per-layer hand-off and reads in place there: docs/BENCHMARKS.md)."""
-        return self.ex.decode_misses in ("direct", "staged") or (self.ex.decode_misses == "auto" and self.cuda)
+        return self.ex.decode_misses in ("direct", "staged") or (
+            self.ex.decode_misses == "auto" and self.cuda and not self._handoff_chosen)
 
     def cache_view(self) -> dict | None:
         """What the expert cache holds, for a live view (the web monitor): per MoE layer and expert, whether it is

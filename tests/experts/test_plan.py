@@ -248,3 +248,30 @@ def test_split_rows_equals_choose_per_row(plan):
         stream.update(p.choose(ids[t][miss[t]].tolist(), scores)[1])
     cpu = set(ids[miss].tolist()) - stream
     assert p.split_rows(ids, miss, scores) == (cpu, stream)
+
+
+def test_decode_path_stages_unless_the_cpu_lane_clearly_wins():
+    from strata.experts.plan import CostModel, CpuPlan, decode_path
+
+    k = 8
+    # a fast link beside a CPU that reads experts slower than it: every miss crosses the link, in the graph
+    fast_link = CostModel(cpu_ms_per_expert=0.25, pcie_ms_per_expert=0.065, gpu_ms_per_expert=0.01,
+                          cpu_overhead_ms=0.03)
+    path, staged, handoff = decode_path(fast_link, fast_link.cpu_plan(k), k)
+    assert path == "staged" and staged == pytest.approx(4 * 0.065 + 8 * 0.01)
+    # PCIe 4.0 beside DDR5: the CPU lane computes a share faster than the link moves it
+    slow_link = CostModel(cpu_ms_per_expert=0.06, pcie_ms_per_expert=0.12, gpu_ms_per_expert=0.01,
+                          cpu_overhead_ms=0.03)
+    plan = slow_link.cpu_plan(k)
+    path, staged, handoff = decode_path(slow_link, plan, k)
+    assert plan.shares[4] > 0 and path == "handoff" and handoff < 0.9 * staged
+    # the same machine with a plan set by hand that keeps the CPU idle: nothing to gain from handing off
+    assert decode_path(slow_link, CpuPlan([0] * (k + 1)), k)[0] == "staged"
+    # the published RTX 4090 + Ryzen 9950X costs: its CPU lane beats its link by 3x
+    desktop = CostModel(cpu_ms_per_expert=CPU_MS, pcie_ms_per_expert=PCIE_MS, gpu_ms_per_expert=GPU_MS)
+    assert decode_path(desktop, desktop.cpu_plan(k), k)[0] == "handoff"
+    # a CPU share that saves less than the margin does not pay for leaving the graph: one miss, the CPU a hair
+    # faster than the link once its hand-off is counted
+    near = CostModel(cpu_ms_per_expert=0.06, pcie_ms_per_expert=0.1, gpu_ms_per_expert=0.0, cpu_overhead_ms=0.035)
+    p, s, h = decode_path(near, near.cpu_plan(k), k, misses=1)
+    assert near.cpu_plan(k).shares[1] == 1 and h == pytest.approx(0.095) and p == "staged"
