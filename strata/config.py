@@ -209,6 +209,11 @@ def env(name: str, default: str | None = None) -> str | None:
     return os.environ.get(name, default)
 
 
+def triton_interpreting() -> bool:
+    """Triton runs its kernels in its interpreter on the CPU (TRITON_INTERPRET=1: the kernel tests' oracle mode)."""
+    return env("TRITON_INTERPRET") == "1"
+
+
 def env_number(name: str, kind=float):
     """A numeric variable, None when unset; a bad value is one clear error naming the variable."""
     v = env(name)

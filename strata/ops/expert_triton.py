@@ -40,11 +40,11 @@ sums differs from the dequantize-then-matmul reference only by float32 rounding)
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 from gguf import GGMLQuantizationType
 
+from strata.config import triton_interpreting
 from strata.ops import iquant_triton
 
 Q = GGMLQuantizationType
@@ -330,7 +330,7 @@ def supports(gate, up, down) -> bool:
     """Triton is importable and the pool's formats have kernels (K a whole number of blocks)."""
     if triton is None:
         return False
-    lookup_ok = LOOKUP_ON_GPU or os.environ.get("TRITON_INTERPRET") == "1"
+    lookup_ok = LOOKUP_ON_GPU or triton_interpreting()
     for t in (gate, up, down):
         if t.qtype not in SUPPORTED or t.shape[-1] % block_len(t.qtype) or not aligned(t.raw):
             return False
