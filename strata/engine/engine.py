@@ -78,18 +78,22 @@ class Engine:
         # the grouped kernel's pair count), captured once per set of slots and attention window.
         graphs = lm.cfg.cuda_graphs if lm.cfg.cuda_graphs is not None else self.device.type == "cuda"
         self.graph_batch = 1
-        if graphs and self.n_slots > 1:
+        graph_tokens = 1  # tokens one graphed step may carry (a verify step's drafts included)
+        if graphs:
             from strata.experts.resident import DECODE_PAIRS
 
             k = max(1, lm.args.n_experts_used or 1)
-            limit = experts.max_graph_batch(k) if experts is not None else DECODE_PAIRS // k
-            self.graph_batch = max(1, min(self.n_slots, limit))
+            graph_tokens = max(1, experts.max_graph_batch(k) if experts is not None else DECODE_PAIRS // k)
+            self.graph_batch = max(1, min(self.n_slots, graph_tokens))
+            if self.recurrent is not None:  # (a verify step keeps each token's recurrent state: eager)
+                graph_tokens = self.graph_batch
         if graphs and self.mtp is not None:  # every step feeds the MTP block the trunk's hidden states: eager
             graphs = False
         if graphs:
             from strata.engine.graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(self.model, self.kv, slot=0, max_batch=self.graph_batch)
+            self.graphs = DecodeGraphs(self.model, self.kv, slot=0, max_batch=self.graph_batch,
+                                       max_tokens=graph_tokens)
 
     def _mtp_drafter(self, source: str):
         """The MTP drafter (strata.engine.mtp) when drafts come from the model's MTP block, else None."""
@@ -265,15 +269,19 @@ class Engine:
 
     def _forward(self, plan: "_StepPlan") -> torch.Tensor | None:
         segs, toks, poss = plan.segs, plan.toks, plan.poss
-        if self.graphs is not None and plan.prefill is None and not plan.drafts and 0 < len(segs) <= self.graph_batch:
+        T = segs[0].n if segs else 0  # a verify step is graphed when every sequence verifies as many tokens
+        if self.graphs is not None and plan.prefill is None and 0 < len(segs) <= self.graph_batch \
+                and all(seg.n == T for seg in segs) and len(toks) <= self.graphs.max_tokens \
+                and (not plan.drafts or max(seg.end for seg in segs) <= self.max_ctx):
             if self.n_slots > 1:  # the sequences moved into slots 0 .. b-1, in slot order: one capture per b
                 compact(self, plan)  # (the plan's owners and segments reordered alike: logits rows follow)
                 segs, toks, poss = plan.segs, plan.toks, plan.poss
             slots = [seg.slot for seg in segs]
-            try:
-                return self.graphs.step_batch(toks, poss, slots)  # [B, V] from replayed graphs
+            starts = [seg.start for seg in segs]
+            try:  # [B, V], or a verify step's [B * T, V] (its rows: every position), from replayed graphs
+                return self.graphs.step_batch(toks, starts, slots, T)
             except Exception as e:  # a model whose step cannot be captured still runs, eagerly
-                if self.graphs.cuda and not self.graphs.captured(poss, slots):
+                if self.graphs.cuda and not self.graphs.captured(starts, slots, T):
                     log.warning("strata: CUDA graph capture failed (%s: %s); decoding without graphs",
                                 type(e).__name__, e)
                     self.graphs = None

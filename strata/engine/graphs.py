@@ -90,11 +90,14 @@ class DecodeGraphs:
     """Captured decode steps of `max_batch` sequences at most (one token each), keyed by their KV slots and the
     attention window. slot: the default slot of `step` (one sequence)."""
 
-    def __init__(self, model, kv: KVCache, slot: int = 0, max_batch: int = 1):
+    def __init__(self, model, kv: KVCache, slot: int = 0, max_batch: int = 1, max_tokens: int | None = None):
         self.model, self.kv, self.slot, self.max_batch = model, kv, slot, max_batch
+        # tokens one step may carry in all (a verify step: T tokens of each of its sequences)
+        self.max_tokens = max(max_batch, int(max_tokens or 0))
         dev = model.device
-        self.tok = torch.zeros(max_batch, dtype=torch.long, device=dev)  # static inputs
-        self.pos = torch.zeros(max_batch, dtype=torch.long, device=dev)
+        n = self.max_tokens
+        self.tok = torch.zeros(n, dtype=torch.long, device=dev)  # static inputs
+        self.pos = torch.zeros(n, dtype=torch.long, device=dev)
         self.cuda = dev.type == "cuda"
         # an embedding table on the host cannot be read inside a graph: the step's rows (still quantized, a few KB)
         # are gathered on the host into a pinned buffer and copied into `embeds` before each replay; the graph
@@ -102,8 +105,8 @@ class DecodeGraphs:
         self.embeds = self._rows_host = None
         if model.host_embed:
             row_bytes = model.embed.raw.shape[-1]
-            self.embeds = torch.zeros(max_batch, row_bytes, dtype=torch.uint8, device=dev)
-            self._rows_host = torch.zeros(max_batch, row_bytes, dtype=torch.uint8, pin_memory=self.cuda)
+            self.embeds = torch.zeros(n, row_bytes, dtype=torch.uint8, device=dev)
+            self._rows_host = torch.zeros(n, row_bytes, dtype=torch.uint8, pin_memory=self.cuda)
         self.rec = PieceRecorder()
         self.experts = model.experts  # an ExpertsBackend, or None for a dense model
         # (slots, window) -> (pieces, logits), least recently used first
@@ -119,22 +122,29 @@ class DecodeGraphs:
             w *= 2
         return min(w, self.kv.max_ctx)
 
-    def _segments(self, window: int, slots: tuple[int, ...]) -> list[Segment]:
-        return [Segment(s, 0, 1, pos_t=self.pos[i:i + 1], window=window) for i, s in enumerate(slots)]
+    def _segments(self, window: int, slots: tuple[int, ...], T: int = 1) -> list[Segment]:
+        """T tokens of each slot's sequence (T > 1: a verify step), positions on the device."""
+        return [Segment(s, 0, T, pos_t=self.pos[i * T:(i + 1) * T], window=window) for i, s in enumerate(slots)]
 
     def _context(self, b: int, live: bool = True, counting: bool = True) -> StepContext:
         return StepContext(n_tokens=b, phase="decode", recorder=self.rec, graphs=True, live=live, counting=counting,
                            profiler=self.profiler)
 
     def _forward(self, segs, live: bool = True, counting: bool = True):
-        b = len(segs)
-        ctx = self._context(b, live, counting)
-        embeds = self.model.embed_rows(self.embeds[:b]) if self.embeds is not None else None
-        return self.model.forward(self.tok[:b], self.pos[:b], segs, self.kv, ctx=ctx, embeds=embeds)
+        n = sum(seg.n for seg in segs)
+        ctx = self._context(n, live, counting)
+        embeds = self.model.embed_rows(self.embeds[:n]) if self.embeds is not None else None
+        # a verify step scores every position (its logits rows in segment order), a decode step its one token
+        return self.model.forward(self.tok[:n], self.pos[:n], segs, self.kv, ctx=ctx, embeds=embeds,
+                                  all_logits=n > len(segs))
+
+    @staticmethod
+    def _key(slots, window: int, T: int = 1) -> tuple:
+        return (tuple(slots), window) if T == 1 else (tuple(slots), window, T)
 
     def _capture(self, key: tuple):
-        slots, window = key
-        segs = self._segments(window, slots)
+        slots, window = key[0], key[1]
+        segs = self._segments(window, slots, key[2] if len(key) > 2 else 1)
         side = torch.cuda.Stream(self.model.device)
         side.wait_stream(torch.cuda.current_stream())
         # a recurrent state (strata.kv.recurrent) is not rewritten but advanced by a forward: the warm-up's
@@ -194,29 +204,35 @@ class DecodeGraphs:
         """Logits [1, V] for `token` at `pos` of this slot (its K/V written into the cache)."""
         return self.step_batch([token], [pos], [self.slot])
 
-    def captured(self, positions: list[int], slots: list[int]) -> bool:
-        return (tuple(slots), self.window_for(max(positions))) in self.graphs
+    def captured(self, positions: list[int], slots: list[int], T: int = 1) -> bool:
+        return self._key(slots, self.window_for(max(positions) + T - 1), T) in self.graphs
 
     @torch.inference_mode()
-    def step_batch(self, tokens: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
+    def step_batch(self, tokens: list[int], positions: list[int], slots: list[int], T: int = 1) -> torch.Tensor:
         """Logits [B, V] for one token of each of B sequences (token, position, KV slot); one captured graph
-        set per (slots, window), the window covering the furthest position (the others are masked)."""
-        b = len(tokens)
-        if not 0 < b <= self.max_batch or len(positions) != b or len(slots) != b:
-            raise ValueError(f"a graphed decode step takes 1..{self.max_batch} sequences, got {b}")
-        if b == 1:
+        set per (slots, window), the window covering the furthest position (the others are masked).
+
+        T > 1, a verify step: `tokens` holds T tokens of each sequence (B * T, sequence after sequence) and
+        `positions` each sequence's first position; logits [B * T, V], every position's. One graph set per
+        (slots, window, T): each query sees the keys up to its own position (the window's mask per query)."""
+        b = len(slots)
+        n = b * T
+        if not 0 < b <= self.max_batch or n > self.max_tokens or len(positions) != b or len(tokens) != n:
+            raise ValueError(f"a graphed step takes 1..{self.max_batch} sequences and {self.max_tokens} tokens, "
+                             f"got {b} x {T}")
+        if n == 1:
             self.tok[:1].fill_(tokens[0])
             self.pos[:1].fill_(positions[0])
         else:
-            self.tok[:b].copy_(torch.tensor(tokens))
-            self.pos[:b].copy_(torch.tensor(positions))
+            self.tok[:n].copy_(torch.tensor(tokens))
+            self.pos[:n].copy_(torch.tensor([p + j for p in positions for j in range(T)]))
         if self.embeds is not None:  # the rows gathered on the host, one small copy (the last step's is done:
             # its logits were read)
-            torch.index_select(self.model.embed.raw, 0, torch.tensor(tokens), out=self._rows_host[:b])
-            self.embeds[:b].copy_(self._rows_host[:b], non_blocking=True)
-        key = (tuple(slots), self.window_for(max(positions)))
+            torch.index_select(self.model.embed.raw, 0, torch.tensor(tokens), out=self._rows_host[:n])
+            self.embeds[:n].copy_(self._rows_host[:n], non_blocking=True)
+        key = self._key(slots, self.window_for(max(positions) + T - 1), T)
         if not self.cuda:
-            out = self._forward(self._segments(key[1], key[0]))
+            out = self._forward(self._segments(key[1], key[0], T))
             if self.experts is not None:
                 self.experts.launched()
             return out
@@ -225,7 +241,7 @@ class DecodeGraphs:
             self.graphs.move_to_end(key)
         pieces, out = got or self._capture(key)
         if self.experts is not None:
-            self.experts.begin_step(self._context(b))
+            self.experts.begin_step(self._context(n))
         if self.profiling:
             self._replay_timed(pieces)
         else:

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 
 def compact(engine, plan) -> None:
-    """Move the plan's sequences (a pure decode step, one token each) into slots 0 .. b-1 and sort its segments by
-    slot (owners, segments, tokens and positions alike)."""
+    """Move the plan's sequences (a decode or verify step: no prefill) into slots 0 .. b-1 and sort its segments
+    by slot (owners, segments, tokens, positions and the rows drawn from alike)."""
     b = len(plan.segs)
     held = {seg.slot for seg in plan.segs}
     targets = sorted(set(range(b)) - held)
@@ -31,10 +31,22 @@ def compact(engine, plan) -> None:
     order = sorted(range(b), key=lambda i: plan.segs[i].slot)
     if order == list(range(b)):
         return
+    at, spans = 0, []  # each segment's run of the flattened tokens (a verify segment has several)
+    for seg in plan.segs:
+        spans.append((at, at + seg.n))
+        at += seg.n
+    rows = None
+    if plan.rows is not None:  # the rows drawn from, as offsets within each segment's run
+        rows = [[r - a for r in plan.rows if a <= r < e] for a, e in spans]
     plan.segs = [plan.segs[i] for i in order]
     plan.owners = [plan.owners[i] for i in order]
-    plan.toks = [plan.toks[i] for i in order]
-    plan.poss = [plan.poss[i] for i in order]
+    plan.toks = [t for i in order for t in plan.toks[spans[i][0]:spans[i][1]]]
+    plan.poss = [p for i in order for p in plan.poss[spans[i][0]:spans[i][1]]]
+    if rows is not None:
+        plan.rows, at = [], 0
+        for i in order:
+            plan.rows += [at + r for r in rows[i]]
+            at += spans[i][1] - spans[i][0]
 
 
 def _exchange(engine, a: int, b: int, by_slot: dict) -> None:

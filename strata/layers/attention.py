@@ -43,11 +43,12 @@ def _arange(n: int, device: torch.device) -> torch.Tensor:
 
 
 def _window_mask(window: int, pos_t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[1, window] additive mask in the query's dtype: 0 up to the device-side position, -inf beyond. (Given a
-    boolean mask, SDPA would spend three more kernels a call turning it into this.) Built from device tensors
-    and Python scalars only: a CPU tensor operand would be a host copy, which CUDA-graph capture forbids."""
-    m = torch.zeros(window, dtype=dtype, device=pos_t.device)
-    return m.masked_fill_(_arange(window, pos_t.device) > pos_t, float("-inf")).unsqueeze(0)
+    """[n, window] additive mask in the query's dtype for the n queries at the device-side positions pos_t [n]: 0
+    up to each query's position, -inf beyond (n > 1: a verify step's causal mask). (Given a boolean mask, SDPA
+    would spend three more kernels a call turning it into this.) Built from device tensors and Python scalars
+    only: a CPU tensor operand would be a host copy, which CUDA-graph capture forbids."""
+    m = torch.zeros(pos_t.shape[0], window, dtype=dtype, device=pos_t.device)
+    return m.masked_fill_(_arange(window, pos_t.device)[None, :] > pos_t[:, None], float("-inf"))
 
 
 def _causal_mask(seg: Segment, device) -> torch.Tensor | None:
@@ -157,13 +158,14 @@ class SinkAttention(GQAttention):
         return first, m.masked_fill_(~seen, float("-inf"))
 
     def _static_mask(self, window: int, pos_t: torch.Tensor) -> torch.Tensor:
-        """[1, window] for a static decode step (device tensors only: capturable): past pos_t, and for a sliding
-        layer before its window, -inf."""
-        ar = _arange(window, pos_t.device)
-        off = ar > pos_t
+        """[n, window] for a static step's n queries at pos_t [n] (device tensors only: capturable): past each
+        query's position, and for a sliding layer before its window, -inf."""
+        ar = _arange(window, pos_t.device)[None, :]
+        pt = pos_t[:, None]
+        off = ar > pt
         if self.sliding:
-            off |= ar <= pos_t - self.sliding
-        return torch.zeros(window, dtype=torch.float32, device=pos_t.device).masked_fill_(off, float("-inf"))[None]
+            off |= ar <= pt - self.sliding
+        return torch.zeros(off.shape, dtype=torch.float32, device=pos_t.device).masked_fill_(off, float("-inf"))
 
     def __call__(self, x: torch.Tensor, pos: torch.Tensor, segments: list[Segment], kv: KVCache) -> torch.Tensor:
         n = x.shape[0]

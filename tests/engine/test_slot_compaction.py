@@ -26,9 +26,9 @@ def _staggered(eng: Engine, prompts, lens, seen: list):
     """Sequences join while others decode and leave at different times (as a server's slots do)."""
     real = eng.graphs.step_batch
 
-    def spy(toks, poss, slots):
+    def spy(toks, poss, slots, T=1):
         seen.append(tuple(slots))
-        return real(toks, poss, slots)
+        return real(toks, poss, slots, T)
 
     eng.graphs.step_batch = spy
     waiting = [Sequence(list(p), SamplingParams(temperature=0), n, set()) for p, n in zip(prompts, lens)]
