@@ -21,6 +21,7 @@ from strata.engine.loader import LoadedModel
 from strata.engine.request import Request
 from strata.engine.sampler import SamplingParams, sample, token_logprobs
 from strata.engine.sequence import Sequence  # (the engine's sequence; callers import it from here too)
+from strata.engine.slots import common_prefix as _common_prefix
 from strata.engine.slots import compact
 from strata.engine.spec import NgramDrafter, accept
 from strata.experts.sizing import VramSplit, prefill_bytes_per_token, prefill_chunk_for, prefill_left
@@ -87,13 +88,12 @@ class Engine:
             self.graph_batch = max(1, min(self.n_slots, graph_tokens))
             if self.recurrent is not None:  # (a verify step keeps each token's recurrent state: eager)
                 graph_tokens = self.graph_batch
-        if graphs and self.mtp is not None:  # every step feeds the MTP block the trunk's hidden states: eager
-            graphs = False
         if graphs:
             from strata.engine.graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self.model, self.kv, slot=0, max_batch=self.graph_batch,
                                        max_tokens=graph_tokens)
+            self.graphs.want_hidden = self.mtp is not None  # every step feeds the MTP block the trunk's states
 
     def _mtp_drafter(self, source: str):
         """The MTP drafter (strata.engine.mtp) when drafts come from the model's MTP block, else None."""
@@ -279,7 +279,9 @@ class Engine:
             slots = [seg.slot for seg in segs]
             starts = [seg.start for seg in segs]
             try:  # [B, V], or a verify step's [B * T, V] (its rows: every position), from replayed graphs
-                return self.graphs.step_batch(toks, starts, slots, T)
+                out = self.graphs.step_batch(toks, starts, slots, T)
+                self._hidden = self.graphs.last_hidden
+                return out
             except Exception as e:  # a model whose step cannot be captured still runs, eagerly
                 if self.graphs.cuda and not self.graphs.captured(starts, slots, T):
                     log.warning("strata: CUDA graph capture failed (%s: %s); decoding without graphs",
@@ -470,14 +472,6 @@ class Engine:
                 raise StrataError(f"generation failed: {seq.error}")
         finally:
             self.release(seq, "abort")
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 @dataclass

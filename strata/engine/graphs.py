@@ -108,6 +108,10 @@ class DecodeGraphs:
             self.embeds = torch.zeros(n, row_bytes, dtype=torch.uint8, device=dev)
             self._rows_host = torch.zeros(n, row_bytes, dtype=torch.uint8, pin_memory=self.cuda)
         self.rec = PieceRecorder()
+        # the trunk's last hidden states of every token of the step, kept for a reader after it (an MTP drafter):
+        # a graph's output like its logits, valid until the next replay
+        self.want_hidden = False
+        self.last_hidden: torch.Tensor | None = None
         self.experts = model.experts  # an ExpertsBackend, or None for a dense model
         # (slots, window) -> (pieces, logits), least recently used first
         self.graphs: OrderedDict[tuple, tuple[list, torch.Tensor]] = OrderedDict()
@@ -135,8 +139,11 @@ class DecodeGraphs:
         ctx = self._context(n, live, counting)
         embeds = self.model.embed_rows(self.embeds[:n]) if self.embeds is not None else None
         # a verify step scores every position (its logits rows in segment order), a decode step its one token
-        return self.model.forward(self.tok[:n], self.pos[:n], segs, self.kv, ctx=ctx, embeds=embeds,
-                                  all_logits=n > len(segs))
+        hidden = [] if self.want_hidden else None
+        out = self.model.forward(self.tok[:n], self.pos[:n], segs, self.kv, ctx=ctx, embeds=embeds,
+                                 all_logits=n > len(segs), hidden_out=hidden)
+        self.last_hidden = hidden[0] if hidden else None
+        return out
 
     @staticmethod
     def _key(slots, window: int, T: int = 1) -> tuple:
@@ -167,8 +174,9 @@ class DecodeGraphs:
                 raise
             pieces = self.rec.finish()
         torch.cuda.current_stream().wait_stream(side)
-        self.remember(key, (pieces, out))
-        return pieces, out
+        entry = (pieces, out, self.last_hidden)
+        self.remember(key, entry)
+        return entry
 
     def remember(self, key: tuple, entry) -> None:
         """Keep a captured set, dropping the least recently used beyond MAX_CAPTURES (its memory pool is freed
@@ -239,7 +247,9 @@ class DecodeGraphs:
         got = self.graphs.get(key)
         if got is not None:
             self.graphs.move_to_end(key)
-        pieces, out = got or self._capture(key)
+        entry = got or self._capture(key)
+        pieces, out = entry[0], entry[1]
+        self.last_hidden = entry[2] if len(entry) > 2 else None
         if self.experts is not None:
             self.experts.begin_step(self._context(n))
         if self.profiling:

@@ -55,6 +55,8 @@ def _exchange(engine, a: int, b: int, by_slot: dict) -> None:
     toks = engine.slot_tokens
     n = max(len(toks[a]), len(toks[b]), sa.pos + 1 if sa else 0, sb.pos + 1 if sb else 0)
     engine.kv.swap_slots(a, b, min(n, engine.max_ctx))
+    if engine.mtp is not None:  # the MTP block's own cache rows sit one past the trunk's
+        engine.mtp.kv.swap_slots(a, b, min(n + 2, engine.mtp.kv.max_ctx))
     toks[a], toks[b] = toks[b], toks[a]
     st = engine._state_tokens
     va, vb = st.pop(a, None), st.pop(b, None)
@@ -84,3 +86,12 @@ def _exchange(engine, a: int, b: int, by_slot: dict) -> None:
         by_slot[b] = sa
     if sb is not None:
         by_slot[a] = sb
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two token lists share (what a slot's KV serves of a new prompt)."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

@@ -24,9 +24,9 @@ def path(hf_and_gguf):
     return hf_and_gguf("glm4moe")[1]
 
 
-def _engine(path, draft_max=0, source="auto", n_slots=1, experts=None):
+def _engine(path, draft_max=0, source="auto", n_slots=1, experts=None, graphs=None):
     cfg = EngineConfig(model=str(path), device="cpu", dtype="float32", ctx_size=256, draft_max=draft_max,
-                       draft_source=source, experts=experts or ExpertConfig())
+                       draft_source=source, experts=experts or ExpertConfig(), cuda_graphs=graphs)
     return Engine(load_model(str(path), cfg, with_tokenizer=False), n_slots=n_slots)
 
 
@@ -122,3 +122,56 @@ def test_p_min_ends_the_chain(path):
                        draft_source="mtp", draft_p_min=1.0)
     eng = Engine(load_model(str(path), cfg, with_tokenizer=False), n_slots=1)
     assert list(eng.generate(prompt, GREEDY, 16)) == ref and eng.last.draft_n == 0 and eng.mtp.runs > 0
+
+
+def test_mtp_drafts_through_the_static_path(path):
+    """With graphs (here the static path run eagerly on the CPU) every step still feeds the block the trunk's
+    hidden states (a graph output), verify steps go through the static path, and sequences that move to the
+    lowest slots take their block's cache rows with them: the text equals plain decoding."""
+    prompts = [_prompt(20, 3), _prompt(33, 4), _prompt(27, 5)]
+    plain = _engine(path)
+    refs = [list(plain.generate(p, GREEDY, n)) for p, n in zip(prompts, (6, 20, 14))]
+    eng = _engine(path, 4, "mtp", n_slots=3, graphs=True)
+    assert eng.graphs is not None and eng.mtp is not None and eng.graphs.want_hidden
+    calls, real = [], eng.graphs.step_batch
+
+    def spy(toks, starts, slots, T=1):
+        calls.append((tuple(slots), T))
+        return real(toks, starts, slots, T)
+
+    eng.graphs.step_batch = spy
+    seqs = [Sequence(list(p), GREEDY, n, set()) for p, n in zip(prompts, (6, 20, 14))]
+    for s in seqs[:2]:
+        eng.add(s)
+    steps = 0
+    while any(not s.finished for s in seqs):
+        eng.step()
+        steps += 1
+        for s in seqs[:2]:
+            if s.finished and s in eng.running:
+                eng.release(s)  # slot 0 frees: the third sequence takes it, the second must move down
+        if steps == 3:
+            eng.add(seqs[2])
+    assert [s.output for s in seqs] == refs
+    assert all(s.draft_steps > 0 for s in seqs[1:])
+    # alone, a sequence's verify steps are static ones (several sequences verify eagerly unless their drafts are
+    # equally long)
+    assert list(eng.generate(prompts[1], GREEDY, 20)) == refs[1]
+    assert any(T > 1 for _, T in calls)
+
+
+def test_a_moved_sequence_takes_its_block_cache_rows(path):
+    from strata.engine.slots import _exchange
+
+    eng = _engine(path, 4, "mtp", n_slots=3, graphs=True)
+    s = Sequence(_prompt(20, 3), GREEDY, 8, set())
+    eng.add(s)
+    while not s.output:
+        eng.step()
+    a, b = s.slot, 2
+    rows = eng.mtp.kv.k[0][a, :s.pos + 1].clone()
+    trunk = eng.kv.k[0][a, :s.pos].clone()
+    assert rows.abs().sum() > 0
+    _exchange(eng, a, b, {x.slot: x for x in eng.running})
+    assert s.slot == b and b not in eng.free_slots and a in eng.free_slots
+    assert torch.equal(eng.mtp.kv.k[0][b, :s.pos + 1], rows) and torch.equal(eng.kv.k[0][b, :s.pos], trunk)
