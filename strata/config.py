@@ -149,6 +149,12 @@ class EngineConfig:
         "MTP drafts: stop the chain at a draft the block gives less than this probability (0: never)"))
     draft_ngram_min: int = field(default=2, metadata=opt("shortest n-gram a draft is looked up by"))
     draft_ngram_max: int = field(default=4, metadata=opt("longest n-gram a draft is looked up by, tried first"))
+    pipeline_parallel_size: int = field(default=1, metadata=opt(
+        "split the model's layers over N processes (pipeline stages; on CUDA one GPU each, NCCL between them, "
+        "gloo on CPUs): each holds its layers' weights, KV cache and expert cache; started here, or one process "
+        "per stage by torchrun across machines", short="-pp"))
+    layer_split: str = field(default="auto", metadata=opt(
+        "layers per pipeline stage: auto (as equal as possible) or comma-separated counts, one per stage"))
     experts: ExpertConfig = field(default_factory=ExpertConfig)
 
     def validate(self) -> None:
@@ -160,6 +166,11 @@ class EngineConfig:
         if self.draft_max < 0 or not 1 <= self.draft_ngram_min <= self.draft_ngram_max:
             raise StrataError("--draft-max must be >= 0 and 1 <= --draft-ngram-min <= --draft-ngram-max "
                               f"(got {self.draft_max}, {self.draft_ngram_min}, {self.draft_ngram_max})")
+        if self.pipeline_parallel_size < 1:
+            raise StrataError(f"--pipeline-parallel-size must be >= 1, got {self.pipeline_parallel_size}")
+        if self.pipeline_parallel_size > 1 and self.draft_max:
+            raise StrataError("--draft-max: speculative decoding does not run across pipeline stages yet "
+                              "(--pipeline-parallel-size > 1)")
         self.experts.validate()
 
     @property
@@ -207,6 +218,17 @@ class EngineConfig:
 def env(name: str, default: str | None = None) -> str | None:
     """The one place strata reads environment variables; prefer the named accessors below."""
     return os.environ.get(name, default)
+
+
+def launcher_ranks() -> tuple[int, int, int] | None:
+    """(rank, world size, local rank) set by torchrun (or another torch.distributed launcher) for a process that is
+    one of several, else None."""
+    size = env_number("WORLD_SIZE", int)
+    if size is None or size <= 1:
+        return None
+    rank = env_number("RANK", int) or 0
+    local = env_number("LOCAL_RANK", int)
+    return rank, size, rank if local is None else local
 
 
 def triton_interpreting() -> bool:

@@ -56,7 +56,9 @@ def load_from_args(args):
     _apply_saved_calibration(path, cfg)
     t0 = time.perf_counter()
     print(f"strata: loading {path}", file=sys.stderr)
-    lm = load_model(path, cfg)
+    from strata.engine.pipeline import open_pipeline
+
+    lm = open_pipeline(path, cfg) or load_model(path, cfg)
     print(f"strata: loaded {lm.gguf.arch} ({lm.args.n_layers} layers, {lm.args.n_experts} experts) in "
           f"{time.perf_counter() - t0:.1f}s on {cfg.device}", file=sys.stderr)
     return lm

@@ -48,10 +48,12 @@ class KVCache:
 
     def __init__(self, n_layers: int, n_slots: int, max_ctx: int, k_shape: tuple[int, ...],
                  v_shape: tuple[int, ...] | None, dtype: torch.dtype, device: torch.device | str,
-                 k_type: "torch.dtype | str | None" = None, v_type: "torch.dtype | str | None" = None):
+                 k_type: "torch.dtype | str | None" = None, v_type: "torch.dtype | str | None" = None,
+                 layers=None):
         """`dtype`: the dtype of what reads return (a plain cache's storage). k_type / v_type: how K and V are
         stored, when not in `dtype`: another torch dtype, or a quantized type of strata.kv.quant ("q8_0", read
-        back dequantized to `dtype`)."""
+        back dequantized to `dtype`). layers: the layer indices this process holds (a pipeline stage's; None:
+        all): the others get no buffer."""
         self.n_layers, self.n_slots, self.max_ctx = n_layers, n_slots, max_ctx
         self.dtype, self.device = dtype, torch.device(device)
         self.k_type, self.v_type = _stored(k_type, dtype), _stored(v_type, dtype)
@@ -59,8 +61,10 @@ class KVCache:
         # K or V stored otherwise than in `dtype`: each buffer says how it is written and read. Not so (the
         # default), the plain tensor path below runs unchanged
         self._typed = self.k_type != dtype or (v_shape is not None and self.v_type != dtype)
-        self.k = [self._buffer(k_shape, self.k_type) for _ in range(n_layers)]
-        self.v = [self._buffer(v_shape, self.v_type) for _ in range(n_layers)] if v_shape is not None else None
+        own = set(range(n_layers)) if layers is None else set(layers)
+        self.k = [self._buffer(k_shape, self.k_type) if i in own else None for i in range(n_layers)]
+        self.v = [self._buffer(v_shape, self.v_type) if i in own else None
+                  for i in range(n_layers)] if v_shape is not None else None
         if self.quantized:
             names = [t if isinstance(t, str) else str(t).removeprefix("torch.") for t in (self.k_type, self.v_type)]
             log.info("strata: KV cache K %s, V %s: attention reads the quantized rows dequantized by torch ops "
@@ -77,10 +81,11 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        per = self._nbytes(self.k[0])
-        if self.v is not None:
-            per += self._nbytes(self.v[0])
-        return per * self.n_layers
+        n = 0
+        for bufs in (self.k, self.v):
+            if bufs is not None:
+                n += sum(self._nbytes(b) for b in bufs if b is not None)
+        return n
 
     @staticmethod
     def bytes_per_token(n_layers: int, k_shape, v_shape, dtype: torch.dtype, k_type=None, v_type=None) -> int:
@@ -149,7 +154,7 @@ class KVCache:
         """Copy the first n positions of one slot to another (conversation cache restore)."""
         for layer in range(self.n_layers):
             for bufs in (self.k, self.v):
-                if bufs is None:
+                if bufs is None or bufs[layer] is None:
                     continue
                 if isinstance(bufs[layer], QuantRows):
                     bufs[layer].copy_prefix(src_slot, dst_slot, n)
@@ -165,7 +170,7 @@ class KVCache:
         n = min(n, self.max_ctx)
         for layer in range(self.n_layers):
             for bufs in (self.k, self.v):
-                if bufs is None:
+                if bufs is None or bufs[layer] is None:
                     continue
                 buf = bufs[layer]
                 for t in ((buf.qs, buf.d) if isinstance(buf, QuantRows) else (buf,)):

@@ -78,8 +78,8 @@ class HybridCache(KVCache):
     with the recurrent layers' state beside it."""
 
     def __init__(self, n_layers: int, n_slots: int, max_ctx: int, k_shape, v_shape, dtype, device,
-                 recurrent: RecurrentState, k_type=None, v_type=None):
-        super().__init__(n_layers, n_slots, max_ctx, k_shape, v_shape, dtype, device, k_type, v_type)
+                 recurrent: RecurrentState, k_type=None, v_type=None, layers=None):
+        super().__init__(n_layers, n_slots, max_ctx, k_shape, v_shape, dtype, device, k_type, v_type, layers)
         self.recurrent = recurrent
 
     @property

@@ -7,6 +7,8 @@ and FFN modules; nothing here branches on the family.
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import re
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -21,12 +23,27 @@ from strata.layers.norm import rms_norm
 from strata.quant import QTensor, dequantize, qmatmul
 
 
+# The layers this process computes when the model is split over pipeline stages (strata.engine.pipeline), None:
+# all. Set around a family's build: a weight of another stage's layer stays mapped in the file (no device copy,
+# no RAM: its pages are never touched), and only this stage's experts reach the experts backend.
+STAGE_LAYERS: contextvars.ContextVar[frozenset[int] | None] = contextvars.ContextVar("stage_layers", default=None)
+_LAYER = re.compile(r"blk\.(\d+)\.")
+
+
 class WeightLoader:
     """Hands out GGUF tensors by name and remembers which were used, so that nothing is silently ignored."""
 
     def __init__(self, g: GGUFModel, device: torch.device):
         self.g, self.device = g, device
         self.used: set[str] = set()
+        self.stage = STAGE_LAYERS.get()
+
+    def owned(self, name: str) -> bool:
+        """Whether this process computes the layer the tensor belongs to (a tensor of no layer: yes)."""
+        if self.stage is None:
+            return True
+        m = _LAYER.match(name)
+        return m is None or int(m.group(1)) in self.stage
 
     def has(self, name: str) -> bool:
         return name in self.g.tensors
@@ -41,6 +58,8 @@ class WeightLoader:
         self.used.add(name)
         qt = QTensor.from_raw(t.raw(), t.qtype, t.shape)
         dev = self.device if device is None else device
+        if not self.owned(name):
+            return qt  # another stage's layer: left mapped
         return qt if dev.type == "cpu" else qt.to(dev)
 
     def f(self, name: str, required: bool = True) -> torch.Tensor | None:
@@ -97,6 +116,7 @@ class CausalLM:
         # takes its input rows in a device buffer, filled before each replay (strata.engine.graphs)
         self.host_embed = False
         self._route_taps: list[Callable[[int, torch.Tensor], None]] = []
+        self.stage_layers: frozenset[int] | None = STAGE_LAYERS.get()  # a pipeline stage's blocks (None: all)
 
     @contextlib.contextmanager
     def tap_routing(self, fn: Callable[[int, torch.Tensor], None]) -> Iterator[None]:
@@ -125,7 +145,7 @@ class CausalLM:
                      v_type=None) -> KVCache:
         """k_type / v_type: how K and V are stored when not in `dtype` (strata.kv.cache.KVCache)."""
         return KVCache(len(self.blocks), n_slots, max_ctx, self.cache_spec.k_shape, self.cache_spec.v_shape,
-                       dtype or self.dtype, self.device, k_type, v_type)
+                       dtype or self.dtype, self.device, k_type, v_type, layers=self.stage_layers)
 
     def kv_bytes_per_token(self, dtype: torch.dtype | None = None, k_type=None, v_type=None) -> int:
         return KVCache.bytes_per_token(len(self.blocks), self.cache_spec.k_shape, self.cache_spec.v_shape,
@@ -171,8 +191,7 @@ class CausalLM:
         x = self.embed_tokens(tokens) if embeds is None else embeds
         if prof:
             prof.span("dense_other", t)
-        for blk in self.blocks:
-            x = blk(x, pos, segments, kv, ctx)
+        x = self.run_blocks(x, pos, segments, kv, ctx)
         if hidden_out is not None:
             hidden_out.append(x)
         t = prof.mark() if prof else None
@@ -181,11 +200,23 @@ class CausalLM:
         elif not all_logits and any(seg.n != 1 for seg in segments):  # (all-decode: already one row each)
             last = torch.tensor(_last_indices(segments), device=x.device)
             x = x.index_select(0, last)
-        x = rms_norm(x, self.out_norm, self.args.norm_eps)
-        logits = qmatmul(x, self.head).float()
+        logits = self.logits(x)
         if prof:
             prof.span("dense_other", t)
         return logits
+
+    def run_blocks(self, x: torch.Tensor, pos: torch.Tensor, segments: list[Segment], kv: KVCache,
+                   ctx: StepContext) -> torch.Tensor:
+        """The blocks this process computes (a pipeline stage's range, else all) over hidden states x [N, d]."""
+        own = self.stage_layers
+        for i, blk in enumerate(self.blocks):
+            if own is None or i in own:
+                x = blk(x, pos, segments, kv, ctx)
+        return x
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The output norm and head over the last block's hidden states [R, d] -> float32 [R, V]."""
+        return qmatmul(rms_norm(x, self.out_norm, self.args.norm_eps), self.head).float()
 
 
 def _last_indices(segments: list[Segment]) -> list[int]:
@@ -258,11 +289,13 @@ def finish_model(L: WeightLoader, args, blocks, experts: dict, cache_spec: Cache
     embed = L.q("token_embd.weight")
     head = L.q("output.weight", required=False) or embed
     out_norm = L.f("output_norm.weight")
+    if L.stage is not None:  # a pipeline stage places and caches its own layers' experts only
+        experts = {i: w for i, w in experts.items() if i in L.stage}
     backend = make_experts(experts) if experts else None
     for b in blocks:
         if isinstance(b.ffn, MoE):
             b.ffn.experts = backend
     if backend is not None:  # a backend may predict the next layer's routing with its router
-        backend.set_routers({b.ffn.layer: b.ffn for b in blocks if isinstance(b.ffn, MoE)})
+        backend.set_routers({b.ffn.layer: b.ffn for b in blocks if isinstance(b.ffn, MoE) and L.owned(f"blk.{b.ffn.layer}.")})
     L.finish()
     return (lm_class or CausalLM)(args, embed, blocks, out_norm, head, cache_spec, L.device, dtype, experts=backend)

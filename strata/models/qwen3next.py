@@ -94,9 +94,12 @@ class HybridLM(CausalLM):
 
     def new_kv_cache(self, n_slots: int, max_ctx: int, dtype: torch.dtype | None = None, k_type=None,
                      v_type=None) -> KVCache:
-        rec = RecurrentState(self.recurrent_layers, n_slots, *self.state_shapes, device=self.device)
+        own = self.stage_layers  # a pipeline stage keeps the state and KV of its own layers only
+        rec = RecurrentState([i for i in self.recurrent_layers if own is None or i in own], n_slots,
+                             *self.state_shapes, device=self.device)
+        kv_own = None if own is None else [j for j, i in enumerate(self.attn_layers) if i in own]
         return HybridCache(len(self.attn_layers), n_slots, max_ctx, self.cache_spec.k_shape, self.cache_spec.v_shape,
-                           dtype or self.dtype, self.device, rec, k_type, v_type)
+                           dtype or self.dtype, self.device, rec, k_type, v_type, layers=kv_own)
 
     def kv_bytes_per_token(self, dtype: torch.dtype | None = None, k_type=None, v_type=None) -> int:
         return KVCache.bytes_per_token(len(self.attn_layers), self.cache_spec.k_shape, self.cache_spec.v_shape,

@@ -125,7 +125,10 @@ def _start_engine(app: FastAPI, cfg: ServeConfig, lm, say) -> object:
         # no warm-up traffic to tune on: keep the cost model's plan rather than try plans inside requests
         say(f"CPU/PCIe plan from the cost model (no warm-up): {engine.model.experts.end_tuning()}")
     metrics = app.state.metrics
-    cache = PromptCache(cfg.prompt_cache_mib)
+    pipelined = getattr(engine.model, "stage", None) is not None  # (strata.engine.pipeline)
+    if pipelined and cfg.prompt_cache_mib:
+        say("conversation cache in RAM off: it does not save KV rows across pipeline stages yet")
+    cache = PromptCache(0 if pipelined else cfg.prompt_cache_mib)
     metrics.prompt_cache = cache
     worker = EngineWorker(engine, cache, metrics, fault_after_tokens=cfg.fault_after_tokens)
     metrics.worker = worker
@@ -218,6 +221,8 @@ def _routes(app: FastAPI) -> None:
             return JSONResponse({"status": "loading", "error": {"code": 503, "message": "Loading model",
                                                                 "type": "unavailable_error"}}, status_code=503)
         w = st.server.worker
+        if w.broken:
+            return _error(503, w.broken, "unavailable_error")
         return {"status": "ok", "model": st.model_id, "slots_idle": len(w.engine.free_slots),
                 "slots_processing": w.n_running, "requests_waiting": w.n_waiting}
 

@@ -65,6 +65,8 @@ class EngineWorker:
         self._ids = 0
         self.state = "idle"  # idle | reading | generating
         self.last_step_ms = 0.0
+        # why the engine can serve no more (a pipeline stage died: its collectives are out of step), None: fine
+        self.broken: str | None = None
         self._thread = threading.Thread(target=self._run, name="strata-engine", daemon=True)
 
     def start(self) -> None:
@@ -79,6 +81,10 @@ class EngineWorker:
     # -- called from the server ----------------------------------------------------------------------------------
     def submit(self, job: Job) -> Ticket:
         """Queue `job` (from a coroutine: events go to the running loop); its ticket carries the events."""
+        if self.broken:
+            from strata.server.protocol import APIError
+
+            raise APIError(503, self.broken)
         req = Ticket(job, asyncio.get_running_loop())
         with self._cv:
             self._ids += 1
@@ -137,6 +143,8 @@ class EngineWorker:
                 out = self.engine.step()
             except Exception as e:  # a failing step fails its requests, never the server
                 log.exception("engine step failed")
+                if getattr(self.engine.model, "stage", None) is not None:  # a pipeline cannot resume mid-step
+                    self.broken = f"a pipeline stage failed ({type(e).__name__}: {e}); restart the server"
                 for seq in list(self.engine.running):
                     self.engine.release(seq, "error")
                     req = self.active.pop(seq.id, None)
