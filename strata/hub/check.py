@@ -147,6 +147,54 @@ def model_footprint(paths: list[Path], cache_type_k: str = KV_CACHE_TYPE,
     )
 
 
+def stage_footprints(paths: list[Path], size: int, spec: str = "auto", cache_type_k: str = KV_CACHE_TYPE,
+                     cache_type_v: str = KV_CACHE_TYPE) -> list[tuple[range, ModelFootprint]]:
+    """Each pipeline stage's share of the model (`--pipeline-parallel-size size --layer-split spec`): the tensors
+    of its layers counted exactly, the input embedding with the first stage, the output norm and head with the
+    last (a tied head: both), its KV and recurrent state by its share of the layers."""
+    from strata.engine.layer_split import layer_split
+
+    whole = model_footprint(paths, cache_type_k, cache_type_v)
+    headers = [read_gguf_header(p) for p in paths]
+    n_layers = int(headers[0].arch_value("block_count", 0) or 0) - int(
+        headers[0].arch_value("nextn_predict_layers", 0) or 0)
+    splits = layer_split(n_layers, size, spec)
+    layer_bytes: dict[int, list[int]] = {}  # layer -> [all bytes, expert bytes]
+    other: dict[str, int] = {}  # tensors of no layer, by name
+    for h in headers:
+        for t in h.tensors:
+            m = _LAYER.match(t.name)
+            if m is None:
+                other[t.name] = t.n_bytes
+                continue
+            i = int(m.group(1))
+            if i >= n_layers:
+                continue  # an MTP block beyond the trunk: never on a GPU
+            b = layer_bytes.setdefault(i, [0, 0])
+            b[0] += t.n_bytes
+            if "_exps" in t.name:
+                b[1] += t.n_bytes
+    tied = "output.weight" not in other
+    out = []
+    for r, layers in enumerate(splits):
+        first, last = r == 0, r == len(splits) - 1
+        own = [layer_bytes.get(i, [0, 0]) for i in layers]
+        expert = sum(b[1] for b in own)
+        total = sum(b[0] for b in own)
+        embed = other.get("token_embd.weight", 0) if first or (last and tied) else 0
+        total += embed + sum(v for k, v in other.items() if k != "token_embd.weight" and last)
+        share = len(layers) / max(n_layers, 1)
+        out.append((layers, ModelFootprint(
+            files=whole.files, architecture=whole.architecture, total_bytes=total, dense_bytes=total - expert,
+            expert_bytes=expert, n_expert=whole.n_expert if expert else 0, n_expert_used=whole.n_expert_used,
+            n_moe_layers=sum(1 for b in own if b[1]), slot_bytes=whole.slot_bytes,
+            kv_bytes_per_token=int(round(whole.kv_bytes_per_token * share)),
+            context_length=whole.context_length, d_model=whole.d_model,
+            embed_bytes=embed if not tied and first else 0,
+            state_bytes_per_slot=int(round(whole.state_bytes_per_slot * share)))))
+    return out
+
+
 @dataclass
 class Fit:
     mode: str  # "gpu" (dense + KV on the GPU, experts in RAM) or "cpu" (everything in RAM)

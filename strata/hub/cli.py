@@ -54,6 +54,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     for short, flag, what in (("-ctk", "--cache-type-k", "K (MLA: the latent)"), ("-ctv", "--cache-type-v", "V")):
         c.add_argument(short, flag, default="f16", choices=tuple(KV_TYPE_BLOCKS),
                        help=f"KV cache type of {what} to plan for, as the engine's flag (default f16)")
+    c.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1,
+                   help="judge the model split over N pipeline stages (each stage's layers, VRAM and slots; stage r "
+                        "on GPU r, each with --vram-gb)")
+    c.add_argument("--layer-split", default="auto", help="layers per stage: auto or comma-separated counts")
     c.add_argument("--json", action="store_true", help="machine-readable output")
     c.set_defaults(func=cmd_check)
 
@@ -168,6 +172,8 @@ def cmd_check(args: argparse.Namespace) -> int:
         fp = model_footprint(paths, args.cache_type_k, args.cache_type_v)
         budget = int(args.vram_gb * GiB) if args.vram_gb is not None else None
         verdict = fit(fp, machine, args.ctx_size, budget)
+    if fp is not None and args.pipeline_parallel_size > 1:
+        return _check_split(args, paths, machine)
     if args.json:
         out = {"machine": asdict(machine), "warnings": machine.warnings()}
         if fp is not None:
@@ -179,6 +185,43 @@ def cmd_check(args: argparse.Namespace) -> int:
     else:
         _print_report(machine, fp, verdict)
     return 0 if verdict is None or verdict.ok else 1
+
+
+def _check_split(args, paths, machine) -> int:
+    """`strata check -pp N`: the verdict of each stage (stage r on GPU r, or the --vram-gb budget each)."""
+    from strata.hub.check import GiB, fit, stage_footprints
+
+    stages = stage_footprints(paths, args.pipeline_parallel_size, args.layer_split, args.cache_type_k,
+                              args.cache_type_v)
+    rows = []
+    for r, (layers, sfp) in enumerate(stages):
+        if args.vram_gb is not None:
+            budget = int(args.vram_gb * GiB)
+        elif r < len(machine.gpus):
+            budget = machine.gpus[r].vram_free
+        else:
+            budget = None
+        v = fit(sfp, machine, args.ctx_size, budget)
+        rows.append((r, layers, sfp, v))
+    # RAM: the stages of one machine share it (every stage pins its own layers' experts)
+    ok = all(v.ok for *_, v in rows)
+    if args.json:
+        print(json.dumps({"stages": [{"stage": r, "layers": [layers.start, layers.stop - 1], "model": asdict(sfp),
+                                      "fit": {**asdict(v), "vram_split": v.vram_split.as_dict()
+                                              if v.vram_split is not None else None}}
+                                     for r, layers, sfp, v in rows], "ok": ok}, indent=2))
+        return 0 if ok else 1
+    print(f"pipeline of {len(rows)} stages:")
+    for r, layers, sfp, v in rows:
+        where = f"VRAM needs {_g(v.vram_needed)} + slots of {_g(v.vram_budget)}" if v.mode == "gpu" else "CPU"
+        slots = f", {v.slots} expert slots a layer ({v.slots_share:.0%})" if sfp.n_expert and v.mode == "gpu" else ""
+        print(f"  stage {r}: layers {layers.start}-{layers.stop - 1}: dense {_g(sfp.dense_bytes)}, experts "
+              f"{_g(sfp.expert_bytes)} in RAM, KV {_g(v.kv_bytes)}; {where}{slots}: "
+              f"{'fits' if v.ok else 'does not fit'}")
+        for reason in v.reasons:
+            print(f"    {reason}")
+    print("verdict: it runs" if ok else "verdict: a stage does not fit")
+    return 0 if ok else 1
 
 
 def _g(n: int | None) -> str:

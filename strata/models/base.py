@@ -286,8 +286,14 @@ def finish_model(L: WeightLoader, args, blocks, experts: dict, cache_spec: Cache
                  lm_class: type | None = None):
     """Embeddings, final norm, head; attach the experts backend to every MoE block; check all tensors used.
     lm_class: a CausalLM subclass taking the same arguments (default CausalLM)."""
-    embed = L.q("token_embd.weight")
-    head = L.q("output.weight", required=False) or embed
+    if L.stage is not None:  # a pipeline stage: the embedding on the first, the head on the last (else mapped)
+        first, last = 0 in L.stage, args.n_layers - 1 in L.stage
+        tied = not L.has("output.weight")
+        embed = L.q("token_embd.weight", None if first or (last and tied) else torch.device("cpu"))
+        head = L.q("output.weight", None if last else torch.device("cpu"), required=False) or embed
+    else:
+        embed = L.q("token_embd.weight")
+        head = L.q("output.weight", required=False) or embed
     out_norm = L.f("output_norm.weight")
     if L.stage is not None:  # a pipeline stage places and caches its own layers' experts only
         experts = {i: w for i, w in experts.items() if i in L.stage}

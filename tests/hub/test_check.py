@@ -299,3 +299,28 @@ def test_kv_bytes_follow_the_cache_types():
     mla = _header(block_count=61, embedding_length=7168, **{"attention.head_count": 128,
                                                             "attention.kv_lora_rank": 512, "rope.dimension_count": 64})
     assert kv_bytes_per_token(mla, "q8_0", "f16") == 61 * 18 * 34  # the latent follows -ctk
+
+
+def test_a_pipeline_split_is_judged_per_stage(tmp_path, capsys):
+    """`strata check -pp 2`: each stage's layers counted exactly (the embedding with the first, the head and norm
+    with the last), the KV by its share of the layers, one verdict per stage; a bad split is one line."""
+    from strata.hub.check import stage_footprints
+
+    m = _moe_gguf(tmp_path / "m.gguf")
+    whole = model_footprint([m])
+    (l0, s0), (l1, s1) = stage_footprints([m], 2)
+    assert (l0, l1) == (range(0, 1), range(1, 2))
+    assert s0.expert_bytes + s1.expert_bytes == whole.expert_bytes and s0.n_moe_layers == s1.n_moe_layers == 1
+    embed, norm = 32 * 16 * 4, 16 * 4
+    layer = 16 * 16 * 4 + 4 * 16 * 4
+    # tied head (no output.weight): the embedding is on both ends
+    assert s0.dense_bytes == layer + embed and s1.dense_bytes == layer + embed + norm
+    assert s0.kv_bytes_per_token + s1.kv_bytes_per_token == whole.kv_bytes_per_token
+    assert main(["check", "-m", str(m), "--vram-gb", "4", "-c", "1024", "-pp", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ok"] and [s["layers"] for s in out["stages"]] == [[0, 0], [1, 1]]
+    assert all(s["fit"]["slots"] == 4 for s in out["stages"])
+    assert main(["check", "-m", str(m), "--vram-gb", "0.5", "-pp", "2"]) == 1
+    assert "stage 1: layers 1-1" in capsys.readouterr().out
+    assert main(["check", "-m", str(m), "-pp", "2", "--layer-split", "2,1"]) != 0
+    assert "--layer-split 2,1" in capsys.readouterr().err
