@@ -8,9 +8,10 @@ stay mapped in the GGUF file, untouched. Between stages only the hidden states o
 d_model] in the compute dtype; hybrid layers' state stays where it is); the last stage sends the logits back.
 
 Rank 0 is the driver: it runs the engine (scheduling, sampling, the server) and stands in for the model
-(`PipelineModel.forward`). Each step it broadcasts the step's header (positions, segments, which rows to score),
-embeds the tokens, runs its layers and sends the hidden states on; every other rank waits in `serve` for headers,
-receives, runs its layers and sends on. Collectives: gloo on CPUs, NCCL between GPUs (torch.distributed picks
+(`PipelineModel.forward`). Each step it sends the step's header (positions, segments, which rows to score) down
+the pipeline, embeds the tokens, runs its layers and sends the hidden states on; every other rank waits in `serve`
+for headers, passes each on, receives, runs its layers and sends on. A step of several sequences is cut into
+micro-batches (up to one per stage), sent without waiting, so that every stage works on one of them at once. Collectives: gloo on CPUs, NCCL between GPUs (torch.distributed picks
 the transport; nothing here is home-made).
 
 Launch: on one machine the driver starts the other stages itself (`launch_local`: spawned processes, a rendezvous
@@ -20,7 +21,7 @@ command and the others serve. A stage that fails or dies is reported by the coll
 connection on the other ranks (an error, never a hang past `TIMEOUT_S`).
 
 Not yet through the pipeline: CUDA graphs (steps run eagerly), speculative drafts and the conversation cache's
-saved rows (refused with one line), and in-flight micro-batching (the running sequences are one batch).
+saved rows (refused with one line).
 """
 
 from __future__ import annotations
@@ -162,6 +163,46 @@ def _recv(shape, dtype, device, src: int) -> torch.Tensor:
     return t
 
 
+def _send_header(h: dict, dst: int, device: torch.device, pending: list | None = None) -> None:
+    """A step's header to the next stage: its length, then its pickled bytes (p2p, so that a stage can be sent the
+    next micro-batch while it still computes the last: a collective would wait for every rank). pending: post
+    the sends without waiting (their handles and buffers kept there)."""
+    import pickle
+
+    data = torch.frombuffer(bytearray(pickle.dumps(h)), dtype=torch.uint8).to(device)
+    n = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    if pending is None:
+        dist.send(n, dst)
+        dist.send(data, dst)
+    else:
+        pending += [(dist.isend(n, dst), n), (dist.isend(data, dst), data)]
+
+
+def _recv_header(src: int, device: torch.device) -> dict:
+    import pickle
+
+    n = _recv((1,), torch.int64, device, src)
+    data = _recv((int(n.item()),), torch.uint8, device, src)
+    return pickle.loads(data.cpu().numpy().tobytes())
+
+
+def micro_batches(segments: list[Segment], parts: int) -> list[tuple[int, int]]:
+    """The step's segments cut into at most `parts` runs of consecutive segments with about equal token counts:
+    (first segment, end) pairs. A stage computes one run while the next stage computes the run before."""
+    n = len(segments)
+    parts = max(1, min(parts, n))
+    total = sum(s.n for s in segments)
+    out, first, acc = [], 0, 0
+    for i, s in enumerate(segments):
+        acc += s.n
+        left = parts - len(out) - 1  # runs still to start after this one
+        if left and acc >= total * (len(out) + 1) / parts and n - i - 1 >= left:
+            out.append((first, i + 1))
+            first = i + 1
+    out.append((first, n))
+    return out
+
+
 class PipelineModel:
     """The model as rank 0's engine sees it: forward() runs the whole pipeline; everything else is this stage's
     model (its device, experts backend, KV cache of its layers, step contexts)."""
@@ -181,54 +222,78 @@ class PipelineModel:
 
     def forward(self, tokens: torch.Tensor, pos: torch.Tensor, segments: list[Segment], kv, all_logits: bool = False,
                 rows: list[int] | None = None, ctx=None, embeds=None, hidden_out=None) -> torch.Tensor:
+        """The step through every stage. Several sequences are cut into micro-batches (one per stage at most):
+        while stage 1 computes the first, stage 0 computes the second, and so on down the pipeline; each
+        micro-batch's logits come back in order and are joined as one forward's would be."""
         if embeds is not None or hidden_out is not None:
             raise StrataError("pipeline parallel: input rows given by the caller and hidden-state outputs (MTP "
                               "drafts) are not supported across stages")
-        st = self.stage
-        h = {"op": "forward", "pos": pos.tolist(), "segs": [(s.slot, s.start, s.n) for s in segments],
-             "rows": rows, "all": all_logits, "phase": ctx.phase if ctx is not None else None}
-        if st.size > 1:
-            dist.broadcast_object_list([h], src=0)
-        out = _stage_forward(self.inner, st, h, kv, None, tokens, ctx)
-        if st.last:
-            return out
-        _send(out.to(self.inner.dtype), 1)
-        return _recv((_rows(h), self.vocab), torch.float32, self.inner.device, st.size - 1)
+        st, dev = self.stage, self.inner.device
+        if st.size == 1:
+            h = self._header(pos.tolist(), segments, rows, all_logits, ctx)
+            return _stage_forward(self.inner, st, h, kv, None, tokens, ctx)
+        runs = micro_batches(segments, st.size) if rows is None else [(0, len(segments))]
+        starts, at = [], 0
+        for seg in segments:
+            starts.append(at)
+            at += seg.n
+        starts.append(at)
+        pending: list = []  # sends in flight (handles and their buffers)
+        headers = []
+        for a, b in runs:
+            lo, hi = starts[a], starts[b]
+            h = self._header(pos[lo:hi].tolist(), segments[a:b], rows, all_logits, ctx if len(runs) == 1 else None)
+            headers.append(h)
+            _send_header(h, 1, dev, pending)
+            out = _stage_forward(self.inner, st, h, kv, None, tokens[lo:hi], ctx if len(runs) == 1 else None)
+            out = out.to(self.inner.dtype).contiguous()
+            pending.append((dist.isend(out, 1), out))
+        logits = [_recv((_rows(h), self.vocab), torch.float32, dev, st.size - 1) for h in headers]
+        for work, _ in pending:
+            work.wait()
+        return logits[0] if len(logits) == 1 else torch.cat(logits)
+
+    @staticmethod
+    def _header(pos: list[int], segments, rows, all_logits: bool, ctx) -> dict:
+        return {"op": "forward", "pos": pos, "segs": [(s.slot, s.start, s.n) for s in segments], "rows": rows,
+                "all": all_logits, "phase": ctx.phase if ctx is not None else None}
 
     def kv_op(self, name: str, *args) -> None:
         """A KV cache operation (swap_slots, copy_prefix) on every stage's cache."""
         if self.stage.size > 1:
-            dist.broadcast_object_list([{"op": "kv", "name": name, "args": list(args)}], src=0)
+            _send_header({"op": "kv", "name": name, "args": list(args)}, 1, self.inner.device)
         getattr(self.kv, name)(*args)
 
     def shutdown(self) -> None:
         """Tell the other stages to leave `serve` (rank 0, once)."""
         if self.stage.size > 1 and dist.is_initialized():
             try:
-                dist.broadcast_object_list([{"op": "stop"}], src=0)
+                _send_header({"op": "stop"}, 1, self.inner.device)
             finally:
                 dist.destroy_process_group()
 
 
 def serve(lm, n_slots: int) -> None:
-    """A stage other than rank 0: hold its layers' KV cache and answer the driver's headers until it says stop."""
+    """A stage other than rank 0: hold its layers' KV cache and answer what comes down the pipeline (each header
+    passed on to the next stage first) until the driver says stop."""
     pm: PipelineModel = lm.model
     model, st = pm.inner, pm.stage
+    dev = model.device
     cfg = lm.cfg
     kv = model.new_kv_cache(n_slots, lm.max_ctx, cfg.torch_kv_dtype, *getattr(cfg, "kv_cache_types", (None, None)))
     if model.experts is not None and model.experts.sizes_cache:
         model.experts.setup(lm.args.n_experts_used)
     with torch.inference_mode():
         while True:
-            box = [None]
-            dist.broadcast_object_list(box, src=0)
-            h = box[0]
+            h = _recv_header(st.rank - 1, dev)
+            if not st.last:
+                _send_header(h, st.rank + 1, dev)
             if h["op"] == "stop":
                 break
             if h["op"] == "kv":
                 getattr(kv, h["name"])(*h["args"])
                 continue
-            x = _recv((len(h["pos"]), pm.d_model), model.dtype, model.device, st.rank - 1)
+            x = _recv((len(h["pos"]), pm.d_model), model.dtype, dev, st.rank - 1)
             out = _stage_forward(model, st, h, kv, x, None)
             _send(out if st.last else out.to(model.dtype), 0 if st.last else st.rank + 1)
     dist.destroy_process_group()

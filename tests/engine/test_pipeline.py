@@ -86,3 +86,66 @@ def test_a_stage_that_dies_is_an_error_not_a_hang(hf_and_gguf):
 
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_torchrun_starts_the_stages(tmp_path):
+    """The same command under torchrun (one process per stage, its rank from the environment, a rendezvous on
+    loopback as across machines): rank 0 prints the text of a single process, the other rank serves and exits."""
+    import os
+    import subprocess
+    import sys
+
+    from strata.engine.pipeline import free_port
+    from strata.models.default import default_model_path
+
+    torchrun = [sys.executable, "-m", "torch.distributed.run"]  # what the torchrun command runs
+    model = str(default_model_path(warn=False))
+    args = ["-m", "strata", "generate", "-m", model, "-p", "def fib(n):", "-n", "12", "--temperature", "0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    one = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300, env=env)
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = subprocess.run([*torchrun, "--nproc-per-node", "2", "--master-port", str(free_port()), *args],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert two.stdout == one.stdout and one.stdout.strip()
+    assert "pipeline of 2 stages (stage 0: layers 0-3 on cpu, stage 1: layers 4-7 on cpu)" in two.stderr
+
+
+def test_micro_batches_cut_by_tokens():
+    from strata.engine.pipeline import micro_batches
+
+    segs = [Segment(i, 0, n) for i, n in enumerate([1, 1, 1, 1])]
+    assert micro_batches(segs, 2) == [(0, 2), (2, 4)]
+    assert micro_batches(segs, 3) == [(0, 2), (2, 3), (3, 4)] or micro_batches(segs, 3) == [(0, 1), (1, 2), (2, 4)]
+    assert micro_batches(segs, 8) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert micro_batches(segs[:1], 4) == [(0, 1)]
+    mixed = [Segment(0, 0, 500), Segment(1, 9, 1), Segment(2, 7, 1)]
+    runs = micro_batches(mixed, 2)
+    assert runs[0] == (0, 1) and runs[-1][1] == 3 and len(runs) == 2
+
+
+def test_several_sequences_in_micro_batches_equal_one_process(hf_and_gguf):
+    """Three sequences decoding (and one prefilling) at once over 2 and 3 stages: each step is cut into
+    micro-batches that stages compute at the same time; every text equals the single process's."""
+    from strata.engine.engine import Sequence
+
+    path = hf_and_gguf("qwen3moe")[1]
+    prompts = [torch.randint(3, 1000, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (9, 23, 15)]
+    cfg = EngineConfig(model=str(path), device="cpu", dtype="float32", ctx_size=256, draft_source="ngram")
+    single = Engine(load_model(str(path), cfg, with_tokenizer=False), n_slots=3)
+
+    def run(eng):
+        seqs = [Sequence(list(p), GREEDY, n, set()) for p, n in zip(prompts, (7, 12, 5))]
+        for s in seqs:
+            eng.add(s)
+        while any(not s.finished for s in seqs):
+            eng.step()
+        return [s.output for s in seqs]
+
+    ref = run(single)
+    for size in (2, 3):
+        pipe = LocalPipeline(str(path), EngineConfig(**{**cfg.__dict__, "pipeline_parallel_size": size}), n_slots=3)
+        try:
+            assert run(Engine(pipe.lm, n_slots=3)) == ref, size
+        finally:
+            pipe.close()
