@@ -78,9 +78,18 @@ def kv_bytes_per_token(h: GGUFHeader, cache_type_k: str = "f16", cache_type_v: s
     if isinstance(n_kv, list):  # per-layer counts; 0 marks a layer without attention (recurrent/SSM)
         kv_heads_total = sum(int(x) for x in n_kv)
     else:
-        interval = int(h.arch_value("full_attention_interval", 1) or 1)  # hybrids: 1 attention layer in N
-        kv_heads_total = int(n_kv) * (n_layer // interval)
+        kv_heads_total = int(n_kv) * (n_layer - _recurrent_count(h, n_layer, 1))
     return kv_heads_total * (kv_row_bytes(k_len, cache_type_k) + kv_row_bytes(v_len, cache_type_v))
+
+
+def _recurrent_count(h: GGUFHeader, n_layer: int, default_interval: int) -> int:
+    """Recurrent (not attention) layers of a hybrid: llama.cpp's per-layer `attention.recurrent_layers` flags, or
+    all but every `full_attention_interval`-th layer (older files)."""
+    flags = h.arch_value("attention.recurrent_layers")
+    if isinstance(flags, list):
+        return sum(1 for f in flags[:n_layer] if f)
+    interval = int(h.arch_value("full_attention_interval", default_interval) or default_interval)
+    return n_layer - n_layer // interval
 
 
 def state_bytes_per_slot(h: GGUFHeader) -> int:
@@ -93,8 +102,7 @@ def state_bytes_per_slot(h: GGUFHeader) -> int:
         return 0
     hk, hv, dk, inner, kernel = (int(v) for v in vals)
     n_layer = int(h.arch_value("block_count", 0) or 0)
-    interval = int(h.arch_value("full_attention_interval", 4) or 4)
-    n_recurrent = n_layer - n_layer // interval
+    n_recurrent = _recurrent_count(h, n_layer, 4)
     per_layer = (kernel - 1) * (2 * hk * dk + inner) + hv * dk * (inner // hv)
     return n_recurrent * per_layer * 4
 

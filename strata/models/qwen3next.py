@@ -1,6 +1,8 @@
 """Qwen3-Next (Qwen3-Next-80B-A3B): a hybrid of gated delta-net linear attention and gated full attention.
 
-Layer i is full attention when (i + 1) % full_attention_interval == 0, else a recurrent gated delta-net layer
+Layer i is full attention when `attention.recurrent_layers[i]` is false (llama.cpp's current converter writes that
+array), else, in older files, when (i + 1) % full_attention_interval == 0; every other layer is a recurrent gated
+delta-net layer
 (strata.layers.deltanet) whose state lives per KV slot beside the KV cache (strata.kv.recurrent). Full attention
 is GQA with per-head Q/K RMSNorm, NEOX rotary over the first `rope.dimension_count` dims of each head (partial
 rotary), and an output gate: the Q projection yields [query, gate] per head and the attention output is scaled by
@@ -42,10 +44,18 @@ def load_args(g: GGUFModel):
         raise StrataError(f"{g.arch}: {dims['hv']} value heads do not divide into {dims['hk']} key heads, or the "
                           f"inner size {dims['inner']} into the value heads")
     dims["dv"] = dims.pop("inner") // dims["hv"]
+    args.extra["linear"] = dims
+    recurrent = g.arch_get("attention.recurrent_layers")
+    if recurrent is not None:  # llama.cpp's current converter: which layers are recurrent, one flag a layer
+        flags = [bool(v) for v in recurrent]
+        if len(flags) < args.n_layers:
+            raise StrataError(f"{g.arch}.attention.recurrent_layers has {len(flags)} entries for {args.n_layers} "
+                              "layers")
+        args.extra["full_attention"] = [i for i in range(args.n_layers) if not flags[i]]
+        return args
     interval = int(g.arch_get("full_attention_interval", 4))
     if interval < 1:
         raise StrataError(f"{g.arch}.full_attention_interval must be >= 1 (got {interval})")
-    args.extra["linear"] = dims
     args.extra["full_attention"] = [i for i in range(args.n_layers) if (i + 1) % interval == 0]
     return args
 
