@@ -276,13 +276,14 @@ class PipelineModel:
 def serve(lm, n_slots: int) -> None:
     """A stage other than rank 0: hold its layers' KV cache and answer what comes down the pipeline (each header
     passed on to the next stage first) until the driver says stop."""
+    from strata.engine.engine import Engine
+
     pm: PipelineModel = lm.model
     model, st = pm.inner, pm.stage
     dev = model.device
-    cfg = lm.cfg
-    kv = model.new_kv_cache(n_slots, lm.max_ctx, cfg.torch_kv_dtype, *getattr(cfg, "kv_cache_types", (None, None)))
-    if model.experts is not None and model.experts.sizes_cache:
-        model.experts.setup(lm.args.n_experts_used)
+    # the engine's own set-up of a model: this stage's KV cache, then its expert cache sized from what the budget
+    # leaves beside it and a prefill chunk's activations, as on the driver (it schedules nothing here)
+    kv = Engine(lm, n_slots=n_slots).kv
     with torch.inference_mode():
         while True:
             h = _recv_header(st.rank - 1, dev)
@@ -323,6 +324,10 @@ class LocalPipeline:
         import torch.multiprocessing as mp
 
         size = cfg.pipeline_parallel_size
+        if cfg.device.startswith("cuda") and torch.cuda.device_count() < size:
+            raise StrataError(f"--pipeline-parallel-size {size} on CUDA needs {size} GPUs on this machine (one a "
+                              f"stage), found {torch.cuda.device_count()}; across machines, start the stages "
+                              "with torchrun")
         self.init_method = f"tcp://127.0.0.1:{free_port()}"
         ctx = mp.get_context("spawn")
         self.procs = [ctx.Process(target=_stage_main, args=(path, cfg, r, size, self.init_method, n_slots,
