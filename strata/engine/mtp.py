@@ -3,7 +3,8 @@
 After each step the block reads what the trunk computed for each drafting sequence: for every position i the step
 settled (prompt positions, and of a verify segment the ones that stood), the trunk's hidden state h[i] and the
 token at i + 1 — now known, the token just drawn included. The pair sits at the block's position i + 1 (the
-embedded token's, as llama.cpp's MTP driver places it). That writes the block's own KV cache there (with the true
+embedded token's, as llama.cpp's MTP driver places it; its rotary position), in row i of the block's cache, so
+that the rows the block attends over are all written ones (llama.cpp's cache masks cells never written). That writes the block's own KV cache there (with the true
 hidden states: rows a chain of drafts wrote before are replaced) and leaves, for the last position p, its
 prediction of the token at p + 2. A draft whose probability under the block falls below --draft-p-min ends the
 chain (none at all if the first does). The next step feeds the token at p + 1 (the one just drawn) and
@@ -40,7 +41,9 @@ class MtpDrafter:
         dev = self.head.device
         toks = torch.tensor(ctx[start + 1:start + 1 + n], device=dev)
         pos = torch.arange(start + 1, start + 1 + n, device=dev)
-        logits, out = self.head.forward(hidden[:n], toks, pos, Segment(s.slot, start + 1, n), self.kv)
+        # the pair (h[i], token i + 1) at the block's position i + 1, in its cache's row i: rows from 0 up are all
+        # written, so attention over them sees no unwritten row (llama.cpp masks cells never written)
+        logits, out = self.head.forward(hidden[:n], toks, pos, Segment(s.slot, start, n), self.kv)
         self.runs += 1
         self.last[s.id] = (logits[-1], out[-1], start + n - 1)
 
@@ -63,7 +66,7 @@ class MtpDrafter:
                 break
             at = p + 1 + len(out)  # the block's position of the draft just made (the token it embeds)
             lg, hh = self.head.forward(h[None], torch.tensor([out[-1]], device=dev), torch.tensor([at], device=dev),
-                                       Segment(s.slot, at, 1), self.kv)
+                                       Segment(s.slot, at - 1, 1), self.kv)
             logits, h = lg[0], hh[0]
         self.proposed += len(out)
         return out

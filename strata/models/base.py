@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import torch
@@ -99,6 +99,26 @@ class Block:
         out = h + self.ffn(rms_norm(h, self.ffn_norm, self.eps))
         prof.span("dense_other", t)
         return out
+
+
+@dataclass
+class NextNLayer:
+    """One MTP block as stored: `tensors` maps the names below `blk.{layer}.` (`attn_q.weight`,
+    `ffn_gate_exps.weight`, `nextn.eh_proj.weight`, ...) to weights in their stored format, on the host.
+    Absent optional tensors fall back to the trunk's (token_embd, output, output_norm), as in llama.cpp."""
+
+    layer: int  # its GGUF block index (the trunk has blocks 0..layer-1 when it is the first)
+    tensors: dict[str, QTensor] = field(default_factory=dict)
+
+    def __getitem__(self, name: str) -> QTensor:
+        return self.tensors[name]
+
+    def get(self, name: str) -> QTensor | None:
+        return self.tensors.get(name)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.raw.numel() * t.raw.element_size() for t in self.tensors.values())
 
 
 @dataclass

@@ -15,7 +15,6 @@ forward runs the trunk only and its KV cache has trunk layers only.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 
 import torch
 
@@ -25,8 +24,8 @@ from strata.layers.attention import GQAttention
 from strata.layers.moe import Routing
 from strata.layers.rotary import Rotary
 from strata.models.args import read_args
+from strata.models.base import NextNLayer  # noqa: F401 - (where callers found it)
 from strata.models.base import Block, CacheSpec, WeightLoader, build_ffn, finish_model, gqa_weights
-from strata.quant import QTensor
 
 log = logging.getLogger("strata")
 
@@ -34,24 +33,6 @@ NEXTN_REQUIRED = ("nextn.eh_proj.weight", "nextn.enorm.weight", "nextn.hnorm.wei
 NEXTN_OPTIONAL = ("nextn.embed_tokens.weight", "nextn.shared_head_head.weight", "nextn.shared_head_norm.weight")
 
 
-@dataclass
-class NextNLayer:
-    """One MTP block as stored: `tensors` maps the names below `blk.{layer}.` (`attn_q.weight`,
-    `ffn_gate_exps.weight`, `nextn.eh_proj.weight`, ...) to weights in their stored format, on the host.
-    Absent optional tensors fall back to the trunk's (token_embd, output, output_norm), as in llama.cpp."""
-
-    layer: int  # its GGUF block index (the trunk has blocks 0..layer-1 when it is the first)
-    tensors: dict[str, QTensor] = field(default_factory=dict)
-
-    def __getitem__(self, name: str) -> QTensor:
-        return self.tensors[name]
-
-    def get(self, name: str) -> QTensor | None:
-        return self.tensors.get(name)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.raw.numel() * t.raw.element_size() for t in self.tensors.values())
 
 
 def load_args(g: GGUFModel):

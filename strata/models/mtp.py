@@ -1,4 +1,5 @@
-"""A model's multi-token-prediction block as a draft model (glm4moe's `nextn` block, as llama.cpp's converter stores it).
+"""A model's multi-token-prediction block as a draft model (glm4moe's `nextn` block and qwen3next's MTP block, as
+llama.cpp's converter stores them).
 
 The block predicts the token after next. For position i it takes the trunk's last hidden state h_i (before the
 output norm) and the embedding of the token at i + 1:
@@ -7,8 +8,8 @@ output norm) and the embedding of the token at i + 1:
     x = a transformer block (attention over its own KV cache, post-attention norm, MoE + shared expert)
     logits = head(shared_head_norm(x))                               -> t[i+2]
 
-(llama.cpp's GLM-4.5 MTP graph, b11434: the same order and norms; its optional embed/head/norm tensors fall back
-to the trunk's.) The block's output x also stands in for the trunk's h[i+1] when drafts are chained. Its experts
+(llama.cpp's GLM-4.5 and Qwen3-Next MTP graphs, b11434: the same order and norms, the block's attention the
+family's own — Qwen3-Next's gated one; optional embed/head/norm tensors fall back to the trunk's.) The block's output x also stands in for the trunk's h[i+1] when drafts are chained. Its experts
 are resident on the compute device (one layer's worth); its KV cache is a one-layer cache of its own.
 """
 
@@ -54,16 +55,20 @@ class MtpHead:
         if "attn_q_norm.weight" in t:
             w["attn_q_norm"], w["attn_k_norm"] = f("attn_q_norm.weight"), f("attn_k_norm.weight")
         rotary = Rotary(args.rope_dim or args.head_dim, args.rope_theta, "neox", max_ctx, args.rope_scaling)
-        self.attn = GQAttention(0, args, w, rotary)  # layer 0 of its own KV cache
+        # the family's attention (qwen3next: gated), layer 0 of the block's own KV cache
+        self.attn = getattr(model, "mtp_attention", GQAttention)(0, args, w, rotary)
         self.attn_norm, self.ffn_norm = f("attn_norm.weight"), f("post_attention_norm.weight")
-        routing = Routing(args.n_experts, args.n_experts_used, args.gating, norm_topk=args.norm_topk,
-                          scale=args.routed_scale, n_groups=args.n_groups, topk_groups=args.topk_groups)
+        # the trunk's routing (the block is one of its layers)
+        routing = next((b.ffn.routing for b in model.blocks if isinstance(b.ffn, MoE)), None) or Routing(
+            args.n_experts, args.n_experts_used, args.gating, norm_topk=args.norm_topk, scale=args.routed_scale,
+            n_groups=args.n_groups, topk_groups=args.topk_groups)
         shared = None
         if "ffn_gate_shexp.weight" in t:
             shared = SwiGLU(q("ffn_gate_shexp.weight"), q("ffn_up_shexp.weight"), q("ffn_down_shexp.weight"))
         layer = block.layer
         self.moe = MoE(layer, routing, q("ffn_gate_inp.weight"), None,
-                       bias=f("exp_probs_b.bias") if "exp_probs_b.bias" in t else None, shared=shared)
+                       bias=f("exp_probs_b.bias") if "exp_probs_b.bias" in t else None, shared=shared,
+                       shared_gate=q("ffn_gate_inp_shexp.weight") if "ffn_gate_inp_shexp.weight" in t else None)
         experts = ExpertWeights(t["ffn_gate_exps.weight"], t["ffn_up_exps.weight"], t["ffn_down_exps.weight"])
         self.moe.experts = ResidentExperts({layer: experts.to(dev)})
         self.eps = args.norm_eps

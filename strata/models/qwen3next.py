@@ -26,7 +26,7 @@ from strata.layers.deltanet import GatedDeltaNet, legacy_split
 from strata.layers.moe import Routing
 from strata.layers.rotary import Rotary
 from strata.models.args import read_args
-from strata.models.base import Block, CacheSpec, CausalLM, WeightLoader, build_ffn, finish_model
+from strata.models.base import Block, CacheSpec, CausalLM, NextNLayer, WeightLoader, build_ffn, finish_model
 from strata.quant import qmatmul
 
 
@@ -45,6 +45,13 @@ def load_args(g: GGUFModel):
                           f"inner size {dims['inner']} into the value heads")
     dims["dv"] = dims.pop("inner") // dims["hv"]
     args.extra["linear"] = dims
+    # llama.cpp's converter appends the checkpoint's MTP block after the trunk (block_count counts it)
+    nextn = int(g.arch_get("nextn_predict_layers", 0) or 0)
+    if not 0 <= nextn < args.n_layers:
+        raise StrataError(f"{g.paths[0].name}: {g.arch}.nextn_predict_layers = {nextn} does not fit "
+                          f"block_count = {args.n_layers}")
+    args.n_layers -= nextn
+    args.extra["nextn_layers"] = nextn
     recurrent = g.arch_get("attention.recurrent_layers")
     if recurrent is not None:  # llama.cpp's current converter: which layers are recurrent, one flag a layer
         flags = [bool(v) for v in recurrent]
@@ -95,6 +102,8 @@ class GatedAttention:
 
 class HybridLM(CausalLM):
     """A causal LM whose KV cache covers its attention layers only, with the recurrent layers' state beside it."""
+
+    mtp_attention = GatedAttention  # its MTP block's attention (strata.models.mtp.MtpHead)
 
     def __init__(self, args, *rest, **kw):
         super().__init__(args, *rest, **kw)
@@ -153,5 +162,29 @@ def build(g: GGUFModel, cfg, make_experts, max_ctx: int, args=None):
         ffn = build_ffn(L, args, i, routing, experts)
         blocks.append(Block(L.f(p + "attn_norm.weight"), attn, L.f(p + "post_attention_norm.weight"), ffn,
                             args.norm_eps))
+    nextn = [b for b in (_nextn_layer(L, i) for i in range(args.n_layers, args.n_layers + args.extra["nextn_layers"]))
+             if b is not None]
     spec = CacheSpec((args.n_kv_heads, args.head_dim), (args.n_kv_heads, args.head_dim))
-    return finish_model(L, args, blocks, experts, spec, cfg.torch_dtype, make_experts, lm_class=HybridLM)
+    model = finish_model(L, args, blocks, experts, spec, cfg.torch_dtype, make_experts, lm_class=HybridLM)
+    model.nextn = nextn
+    return model
+
+
+MTP_REQUIRED = ("nextn.eh_proj.weight", "nextn.enorm.weight", "nextn.hnorm.weight", "attn_norm.weight",
+                "post_attention_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
+                "attn_q_norm.weight", "attn_k_norm.weight", "ffn_gate_inp.weight", "ffn_down_exps.weight")
+
+
+def _nextn_layer(L: WeightLoader, i: int) -> NextNLayer | None:
+    """The MTP block at GGUF block i (a gated full-attention layer with the MoE, and the nextn projections), every
+    tensor of it kept in host RAM for `--draft-source mtp`; None when the file holds none of it (llama.cpp can
+    write the MTP block to a file of its own, or leave it out: --no-mtp)."""
+    p = f"blk.{i}."
+    names = [n for n in L.g.tensors if n.startswith(p)]
+    if not names:
+        return None
+    for n in MTP_REQUIRED:
+        if p + n not in L.g.tensors:
+            raise StrataError(f"{L.g.paths[0].name}: tensor {p + n} is missing (needed by the MTP block)")
+    cpu = torch.device("cpu")
+    return NextNLayer(i, {n[len(p):]: L.q(n, cpu) for n in sorted(names)})

@@ -175,3 +175,16 @@ def test_a_moved_sequence_takes_its_block_cache_rows(path):
     _exchange(eng, a, b, {x.slot: x for x in eng.running})
     assert s.slot == b and b not in eng.free_slots and a in eng.free_slots
     assert torch.equal(eng.mtp.kv.k[0][b, :s.pos + 1], rows) and torch.equal(eng.kv.k[0][b, :s.pos], trunk)
+
+
+def test_the_blocks_cache_has_no_unwritten_row_below_its_last(path):
+    """The pair (h[i], token i + 1) sits at rotary position i + 1 in row i: after the prompt the block's rows 0 ..
+    P - 1 are written, and nothing past them (a row left unwritten below would be attended as a zero key)."""
+    eng = _engine(path, 3, "mtp")
+    prompt = _prompt(20, 3)
+    s = Sequence(list(prompt), GREEDY, 2, set())
+    eng.add(s)
+    while not s.output:
+        eng.step()
+    rows = eng.mtp.kv.k[0][s.slot].abs().flatten(1).sum(-1)
+    assert bool((rows[:len(prompt)] > 0).all()) and not bool(rows[len(prompt):].any())
