@@ -6,7 +6,6 @@ drafting with it leaves the greedy text unchanged. Skipped without llama.cpp's s
 
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
 import sys
