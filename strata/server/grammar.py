@@ -90,8 +90,11 @@ class Grammars:
         return json.dumps(text, ensure_ascii=False)
 
     def json_schema(self, schema: dict) -> str:
-        return llguidance.LLMatcher.grammar_from_json_schema(
-            schema, overrides={"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "})
+        try:
+            return llguidance.LLMatcher.grammar_from_json_schema(
+                schema, overrides={"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "})
+        except (ValueError, TypeError, OverflowError) as e:  # a schema it cannot take (an integer past 64 bits...)
+            raise bad_request(f"json_schema: {str(e).splitlines()[0][:300] if str(e) else type(e).__name__}") from None
 
     def lark(self, src: str) -> str:
         return llguidance.LLMatcher.grammar_from_lark(src)

@@ -87,6 +87,10 @@ def _deep(n: int) -> dict:
     ({"grammar": 'root ::= "a"', "response_format": {"type": "json_object"}}, "both constrain"),
     ({"grammar": 'root ::= "a"', "json_schema": {"type": "object"}}, "both constrain"),
     ({"json_schema": {"type": "frobnicate"}}, "json_schema"),
+    # an integer past 64 bits inside a schema (found by the fuzz campaign: it was a 500)
+    ({"json_schema": {"N": [False, 6164657337406113.0, -1180591620717411303423]}}, "json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "integer",
+                                                                            "maximum": 2 ** 70}}}}, "json_schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
      "response_format"),
     ({"grammar": 'root ::= "a"', "tools": TOOLS, "tool_choice": "required"}, "forces a tool call"),
