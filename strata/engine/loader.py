@@ -91,6 +91,8 @@ def load_model(path: str, cfg: EngineConfig | None = None, with_tokenizer: bool 
             log.warning("strata: WARNING: --expert-routing %s: every MoE layer ignores its router and sends each "
                         "token to %d random experts of %d: the output is NOT the model's (benchmarks of the expert "
                         "cache's worst case only)", cfg.experts.routing, args.n_experts_used, args.n_experts)
+    if cfg.torch_device.type == "cuda":
+        _say_slow_formats(g)
     lm = LoadedModel(model, g, args, cfg, max_ctx)
     if with_tokenizer and "tokenizer.ggml.model" in g.metadata:
         from strata.gguf.chat_template import ChatTemplate
@@ -100,6 +102,36 @@ def load_model(path: str, cfg: EngineConfig | None = None, with_tokenizer: bool 
         if g.get("tokenizer.chat_template"):
             lm.template = ChatTemplate.from_metadata(g.metadata)
     return lm
+
+
+def _say_slow_formats(g: GGUFModel) -> None:
+    """One warning per weight format that has no fused GPU kernel (it runs on the reference path: dequantized in
+    chunks, then a matmul, each call), so a slow model is never slow silently."""
+    from strata.ops import registry
+    from strata.ops.expert_gather import expert_formats_fast
+    from strata.quant.matmul import KERNELS
+
+    registry.load()
+    dense: dict[str, int] = {}
+    experts: dict[str, int] = {}
+    from gguf import GGMLQuantizationType
+
+    for name, t in g.tensors.items():
+        try:
+            qt = GGMLQuantizationType(t.qtype)
+        except ValueError:  # (a type strata does not know was refused with its own error already)
+            continue
+        if len(t.shape) < 2 or qt.name in ("F32", "F16", "BF16"):
+            continue  # (float weights go through torch's own matmul)
+        if "_exps" in name:
+            if not expert_formats_fast((qt,)):
+                experts[qt.name] = experts.get(qt.name, 0) + 1
+        elif ("cuda", qt) not in KERNELS and "token_embd" not in name:
+            dense[qt.name] = dense.get(qt.name, 0) + 1
+    for what, found in (("expert", experts), ("dense", dense)):
+        for fmt, n in sorted(found.items()):
+            log.warning("strata: %d %s tensors in %s have no fused GPU kernel: they run dequantized, then multiplied "
+                        "(slower than the formats that have one)", n, what, fmt)
 
 
 def _host_embed(cfg: EngineConfig, model) -> bool:

@@ -58,6 +58,14 @@ def two_tier_fast(gate: QTensor, up: QTensor, down: QTensor) -> bool:
     return expert_triton.supports(gate, up, down)
 
 
+def expert_formats_fast(qtypes) -> bool:
+    """Whether the fused expert kernel reads these formats on a GPU (a load-time check: one warning per format
+    that runs on the reference path)."""
+    return expert_triton.available() and all(
+        qt in expert_triton.SUPPORTED and (qt not in expert_triton.iquant_triton.FORMATS
+                                           or expert_triton.LOOKUP_ON_GPU) for qt in qtypes)
+
+
 def stage_fast(stacks) -> bool:
     """Whether `stage_misses`'s copy kernel takes these stacks (checked before a GPU decode path stages misses
     inside a captured step, where the op's torch twin cannot run)."""
