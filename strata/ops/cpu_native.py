@@ -101,6 +101,7 @@ def build(flags: list[str] | None = None) -> ctypes.CDLL | None:
     lib.strata_native_scratch.restype = ctypes.c_long
     lib.strata_native_tables.argtypes = [P, P, P]
     lib.strata_native_tables.restype = None
+    _set_tables(lib)  # every build (the portable one of the tests too) gets the i-quant tables
     return lib
 
 
@@ -118,8 +119,6 @@ def load() -> ctypes.CDLL | None:
         if not _tried:
             _tried = True
             _lib = build()
-            if _lib is not None:
-                _set_tables(_lib)
         return _lib
 
 

@@ -197,7 +197,8 @@ def test_native_kernel_unavailable_falls_back(q4k, monkeypatch):
         CpuLane({0: q4k}, kernel="native", dtype=torch.bfloat16)
 
 
-@pytest.mark.parametrize("gu,dn", [(Q.Q4_K, Q.Q4_K), (Q.Q4_K, Q.Q6_K), (Q.Q8_0, Q.Q8_0)])
+@pytest.mark.parametrize("gu,dn", [(Q.Q4_K, Q.Q4_K), (Q.Q4_K, Q.Q6_K), (Q.Q8_0, Q.Q8_0), (Q.IQ2_XXS, Q.IQ3_XXS),
+                                   (Q.IQ4_XS, Q.IQ4_XS)])
 def test_native_kernel_portable_path(gu, dn):
     """The kernel built without -march=native (no AVX2: the plain C loops other CPUs run) against the reference
     and against the machine's build."""
