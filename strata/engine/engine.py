@@ -272,6 +272,7 @@ class Engine:
         T = segs[0].n if segs else 0  # a verify step is graphed when every sequence verifies as many tokens
         if self.graphs is not None and plan.prefill is None and 0 < len(segs) <= self.graph_batch \
                 and all(seg.n == T for seg in segs) and len(toks) <= self.graphs.max_tokens \
+                and (T == 1 or self.graphs.verify) \
                 and (not plan.drafts or max(seg.end for seg in segs) <= self.max_ctx):
             if self.n_slots > 1:  # the sequences moved into slots 0 .. b-1, in slot order: one capture per b
                 compact(self, plan)  # (the plan's owners and segments reordered alike: logits rows follow)
@@ -283,7 +284,11 @@ class Engine:
                 self._hidden = self.graphs.last_hidden
                 return out
             except Exception as e:  # a model whose step cannot be captured still runs, eagerly
-                if self.graphs.cuda and not self.graphs.captured(starts, slots, T):
+                if self.graphs.cuda and T > 1 and not self.graphs.captured(starts, slots, T):
+                    log.warning("strata: capturing a verify step failed (%s: %s); verify steps run eagerly",
+                                type(e).__name__, e)
+                    self.graphs.verify = False  # (decode steps keep their graphs)
+                elif self.graphs.cuda and not self.graphs.captured(starts, slots, T):
                     log.warning("strata: CUDA graph capture failed (%s: %s); decoding without graphs",
                                 type(e).__name__, e)
                     self.graphs = None

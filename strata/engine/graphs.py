@@ -94,6 +94,7 @@ class DecodeGraphs:
         self.model, self.kv, self.slot, self.max_batch = model, kv, slot, max_batch
         # tokens one step may carry in all (a verify step: T tokens of each of its sequences)
         self.max_tokens = max(max_batch, int(max_tokens or 0))
+        self.verify = True  # verify steps (T > 1 tokens a sequence) captured too; off after a failed capture
         dev = model.device
         n = self.max_tokens
         self.tok = torch.zeros(n, dtype=torch.long, device=dev)  # static inputs

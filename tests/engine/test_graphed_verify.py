@@ -123,3 +123,27 @@ def test_cuda_verify_steps_are_captured_and_keep_the_text(hf_and_gguf, experts):
     out = list(eng.generate(prompt, SamplingParams(temperature=0), 40))
     assert out == ref and eng.last.draft_accepted > 0
     assert any(len(key) == 3 and key[2] > 1 for key in eng.graphs.graphs), "no verify step was captured"
+
+
+def test_a_verify_step_that_cannot_be_captured_runs_eagerly_and_decode_keeps_its_graphs(hf_and_gguf, monkeypatch):
+    """A failed capture of a T-token step turns verify graphs off (one warning), not graphs altogether."""
+    _, path = hf_and_gguf("qwen3moe")
+    prompt = _prompt(1000, seed=1)
+    ref = list(_engine(path, 0, False).generate(prompt, SamplingParams(temperature=0), 30))
+    eng = _engine(path, 6, True)
+    real = eng.graphs.step_batch
+
+    def failing(toks, starts, slots, T=1):
+        if T > 1:
+            raise RuntimeError("capture failed")
+        eng.graphs.cuda = False  # (the static path of this CPU)
+        try:
+            return real(toks, starts, slots, T)
+        finally:
+            eng.graphs.cuda = True
+
+    eng.graphs.step_batch = failing
+    monkeypatch.setattr(eng.graphs, "cuda", True)  # (the failure path is a CUDA one)
+    monkeypatch.setattr(eng.graphs, "captured", lambda *a: False)
+    assert list(eng.generate(prompt, SamplingParams(temperature=0), 30)) == ref
+    assert eng.graphs is not None and eng.graphs.verify is False and eng.last.draft_steps > 0
