@@ -11,17 +11,17 @@ Rank 0 is the driver: it runs the engine (scheduling, sampling, the server) and 
 (`PipelineModel.forward`). Each step it sends the step's header (positions, segments, which rows to score) down
 the pipeline, embeds the tokens, runs its layers and sends the hidden states on; every other rank waits in `serve`
 for headers, passes each on, receives, runs its layers and sends on. A step of several sequences is cut into
-micro-batches (up to one per stage), sent without waiting, so that every stage works on one of them at once. Collectives: gloo on CPUs, NCCL between GPUs (torch.distributed picks
-the transport; nothing here is home-made).
+micro-batches (up to one per stage), sent without waiting, so that every stage works on one of them at once.
+Transport: torch.distributed's point-to-point sends, gloo on CPUs and NCCL between GPUs (nothing home-made).
 
-Launch: on one machine the driver starts the other stages itself (`launch_local`: spawned processes, a rendezvous
+Launch: on one machine the driver starts the other stages itself (`LocalPipeline`: spawned processes, a rendezvous
 on a free loopback port). Across machines, torchrun starts one process per stage with its environment (RANK,
 WORLD_SIZE, MASTER_ADDR, MASTER_PORT; `--nnodes`, `--rdzv-endpoint`): `stage_from_env` finds it, rank 0 runs the
 command and the others serve. A stage that fails or dies is reported by the collectives' timeout or the closed
 connection on the other ranks (an error, never a hang past `TIMEOUT_S`).
 
-Not yet through the pipeline: CUDA graphs (steps run eagerly), speculative drafts and the conversation cache's
-saved rows (refused with one line).
+Not yet through the pipeline: CUDA graphs (steps run eagerly), speculative drafts (refused with one line) and the
+conversation cache's saved rows (the server turns it off, saying so).
 """
 
 from __future__ import annotations
