@@ -65,6 +65,9 @@ class _Record:
         self.host = [torch.zeros(L, 2, P, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
         self.np = [h.numpy() for h in self.host]
         self.events: list = [None, None]
+        # the layers a step of this size runs (set as the forward passes them, in capture or eagerly; a replay
+        # runs the same): a layer of the backend's outside the trunk (an MTP block's) has no rows to settle
+        self.layers: set[int] = set()
 
 
 class DirectDecode:
@@ -121,6 +124,7 @@ class DirectDecode:
         N, k = ids.shape
         li = t.index[layer]
         rec = self._record(N)
+        rec.layers.add(li)
         flat = ids.view(-1)  # [N*k], pair p = token p // k, choice p % k
         pool, ew = t.cache.pool_of[layer], t.store[layer]
         xs = x.repeat_interleave(k, dim=0) if N > 1 else x.expand(k, -1).contiguous()  # [N*k, d]
@@ -148,6 +152,8 @@ class DirectDecode:
         pol, cache = t.policy, t.cache
         k = t.k
         for li, layer in enumerate(t.layer_ids):
+            if li not in rec.layers:
+                continue
             ids_l = data[li, 0].tolist()
             slots_l = data[li, 1].tolist()
             missed = {e for e, s in zip(ids_l, slots_l) if s < 0}

@@ -302,6 +302,19 @@ def build_ffn(L: WeightLoader, args, i: int, routing, experts_out: dict):
                shared_gate=L.q(p + "ffn_gate_inp_shexp.weight", required=False))
 
 
+def mtp_experts_tiered(cfg, nextn: list, experts: dict) -> None:
+    """With tiered experts and drafts from the MTP block asked for, the block's experts join the trunk's backend
+    (its pinned store and VRAM cache, one more layer under the same budget) instead of sitting whole on the device
+    outside the budget: `experts` gains them, keyed by the block's GGUF index."""
+    if not nextn or not cfg.experts.tiered() or not getattr(cfg, "draft_max", 0) \
+            or getattr(cfg, "draft_source", "auto") == "ngram":
+        return
+    from strata.experts.resident import ExpertWeights
+
+    for b in nextn[:1]:  # (the drafter runs the first block)
+        experts[b.layer] = ExpertWeights(b["ffn_gate_exps.weight"], b["ffn_up_exps.weight"], b["ffn_down_exps.weight"])
+
+
 def finish_model(L: WeightLoader, args, blocks, experts: dict, cache_spec: CacheSpec, dtype, make_experts,
                  lm_class: type | None = None):
     """Embeddings, final norm, head; attach the experts backend to every MoE block; check all tensors used.

@@ -24,7 +24,7 @@ from strata.layers.attention import GQAttention
 from strata.layers.moe import Routing
 from strata.layers.rotary import Rotary
 from strata.models.args import read_args
-from strata.models.base import NextNLayer  # noqa: F401 - (where callers found it)
+from strata.models.base import NextNLayer, mtp_experts_tiered  # noqa: F401 - (NextNLayer: where callers found it)
 from strata.models.base import Block, CacheSpec, WeightLoader, build_ffn, finish_model, gqa_weights
 
 log = logging.getLogger("strata")
@@ -120,6 +120,7 @@ def build(g: GGUFModel, cfg, make_experts, max_ctx: int, args=None):
     for b in nextn:
         log.info("strata: MTP block %d kept on the host (%.1f MiB, mapped from the file), not run by the forward", b.layer,
                  b.nbytes / 2**20)
+    mtp_experts_tiered(cfg, nextn, experts)
     k, v = GQAttention.cache_shapes(args)
     model = finish_model(L, args, blocks, experts, CacheSpec(k, v), cfg.torch_dtype, make_experts)
     model.nextn = nextn

@@ -10,7 +10,8 @@ output norm) and the embedding of the token at i + 1:
 
 (llama.cpp's GLM-4.5 and Qwen3-Next MTP graphs, b11434: the same order and norms, the block's attention the
 family's own — Qwen3-Next's gated one; optional embed/head/norm tensors fall back to the trunk's.) The block's output x also stands in for the trunk's h[i+1] when drafts are chained. Its experts
-are resident on the compute device (one layer's worth); its KV cache is a one-layer cache of its own.
+go through the trunk's tiered backend as one more layer when the model's experts are tiered (within the VRAM
+budget), else they are resident on the compute device; its KV cache is a one-layer cache of its own.
 """
 
 from __future__ import annotations
@@ -69,8 +70,12 @@ class MtpHead:
         self.moe = MoE(layer, routing, q("ffn_gate_inp.weight"), None,
                        bias=f("exp_probs_b.bias") if "exp_probs_b.bias" in t else None, shared=shared,
                        shared_gate=q("ffn_gate_inp_shexp.weight") if "ffn_gate_inp_shexp.weight" in t else None)
-        experts = ExpertWeights(t["ffn_gate_exps.weight"], t["ffn_up_exps.weight"], t["ffn_down_exps.weight"])
-        self.moe.experts = ResidentExperts({layer: experts.to(dev)})
+        backend = model.experts
+        if backend is not None and layer in getattr(backend, "index", {}):
+            self.moe.experts = backend  # the trunk's tiered backend holds the block's experts as one more layer
+        else:
+            experts = ExpertWeights(t["ffn_gate_exps.weight"], t["ffn_up_exps.weight"], t["ffn_down_exps.weight"])
+            self.moe.experts = ResidentExperts({layer: experts.to(dev)})
         self.eps = args.norm_eps
         self.k_shape, self.v_shape = GQAttention.cache_shapes(args)
 

@@ -26,7 +26,8 @@ from strata.layers.deltanet import GatedDeltaNet, legacy_split
 from strata.layers.moe import Routing
 from strata.layers.rotary import Rotary
 from strata.models.args import read_args
-from strata.models.base import Block, CacheSpec, CausalLM, NextNLayer, WeightLoader, build_ffn, finish_model
+from strata.models.base import (Block, CacheSpec, CausalLM, NextNLayer, WeightLoader, build_ffn, finish_model,
+                                mtp_experts_tiered)
 from strata.quant import qmatmul
 
 
@@ -164,6 +165,7 @@ def build(g: GGUFModel, cfg, make_experts, max_ctx: int, args=None):
                             args.norm_eps))
     nextn = [b for b in (_nextn_layer(L, i) for i in range(args.n_layers, args.n_layers + args.extra["nextn_layers"]))
              if b is not None]
+    mtp_experts_tiered(cfg, nextn, experts)
     spec = CacheSpec((args.n_kv_heads, args.head_dim), (args.n_kv_heads, args.head_dim))
     model = finish_model(L, args, blocks, experts, spec, cfg.torch_dtype, make_experts, lm_class=HybridLM)
     model.nextn = nextn

@@ -188,3 +188,25 @@ def test_the_blocks_cache_has_no_unwritten_row_below_its_last(path):
         eng.step()
     rows = eng.mtp.kv.k[0][s.slot].abs().flatten(1).sum(-1)
     assert bool((rows[:len(prompt)] > 0).all()) and not bool(rows[len(prompt):].any())
+
+
+@pytest.mark.parametrize("misses", ["handoff", "direct"])
+def test_the_blocks_experts_go_through_the_tiers(path, misses):
+    """With tiered experts the MTP block's experts are one more layer of the trunk's backend (its store, its VRAM
+    cache, its counts), not a resident copy outside the budget; the text is still plain decoding's."""
+    from strata.experts.resident import ResidentExperts
+
+    prompt = _prompt(30, 1)
+    ref = list(_engine(path).generate(prompt, GREEDY, 24))
+    ex = ExpertConfig(mode="tiered", slots=2, cpu_plan="0111", decode_misses=misses)
+    eng = _engine(path, 3, "mtp", experts=ex, graphs=True)
+    backend = eng.model.experts
+    layer = eng.model.nextn[0].layer
+    assert layer in backend.index and eng.mtp.head.moe.experts is backend
+    assert not isinstance(eng.mtp.head.moe.experts, ResidentExperts)
+    assert list(eng.generate(prompt, GREEDY, 24)) == ref
+    assert eng.last.draft_steps > 0
+    if backend.direct is not None:
+        backend.direct.flush()
+    s = backend.stats
+    assert s.hits + s.cpu + s.pcie == s.lookups  # (the block's lookups counted with the trunk's)
