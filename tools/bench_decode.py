@@ -227,7 +227,15 @@ def measure(a, lm, eng, experts, dev, label, load_s) -> None:
                 sync(dev)
                 return seq.prompt_n / (seq.prompt_ms / 1e3)
 
+            if dev.type == "cuda":  # the prefill's own peak: what a chunk's activations take above the held bytes
+                sync(dev)
+                held = torch.cuda.memory_allocated(dev)
+                torch.cuda.reset_peak_memory_stats(dev)
             runs = [long_prefill() for _ in range(max(1, a.prefill_runs))]
+            if dev.type == "cuda":
+                res["prefill_peak_gib"] = {
+                    "allocated_above_held": round((torch.cuda.max_memory_allocated(dev) - held) / 2**30, 3),
+                    "reserved_above_held": round((torch.cuda.max_memory_reserved(dev) - held) / 2**30, 3)}
             res["prefill_long"] = {"tokens": len(ids), "tok_s": round(statistics.median(runs), 1),
                                    "runs": [round(r, 1) for r in runs]}
             if pre0 is not None:

@@ -1,6 +1,8 @@
 """GPU micro-benchmark of the decode kernels that read quantized weights in place (CUDA only, < 60 s).
 
     python tools/bench_kernels.py [--reps 50] [--peak-tbs 4.8]
+    python tools/bench_kernels.py --sweep        # every launch shape (BN, KW, warps) of each decode kernel
+
 
 Times `strata.ops.qgemv._gemv` (the CUDA qmatmul for Q8_0 / Q4_K / Q6_K) at T = 1 for the Qwen3-30B-A3B decode
 shapes, and `strata.ops.expert_triton.triton_expert_ffn` for P = 8 Q4_K experts (768 x 2048) gathered from a
@@ -106,16 +108,97 @@ def bench_experts(reps: int, peak: float) -> bool:
     return report(f"expert ffn Q4_K P={P} {ff}x{d} /{S}", t, nbytes, plan, err, 1e-5, peak)
 
 
+def _launch_gemv(x, w, out, bn, kw, warps, slots=None):
+    N, K = (w.shape[-2], w.shape[-1])
+    raw = w.raw
+    P = x.shape[0]
+    gather = slots is not None
+    tab = expert_triton.codebooks_for((w.qtype,), out)
+    expert_triton._gemv_kernel[(P * expert_triton.triton.cdiv(N, bn),)](
+        x, raw, slots if gather else raw, raw, out, tab, out, P, N, K, raw[0].numel() if gather else raw.numel(),
+        raw.shape[-1], QT=int(w.qtype), BN=bn, KW=kw, EVEN=K % kw == 0, GATHER=gather, HOST=False,
+        num_warps=warps)
+
+
+def _launch_glu(x, gate, up, a, slots, bn, kw, warps):
+    P, d = x.shape
+    ff = gate.shape[1]
+    g, u = gate.raw, up.raw
+    tab = expert_triton.codebooks_for((gate.qtype, up.qtype), a)
+    expert_triton._glu_kernel[(P * expert_triton.triton.cdiv(ff, bn),)](
+        x, g, u, slots, g, u, slots, tab, a, P, ff, d, g[0].numel(), u[0].numel(), g.shape[-1], u.shape[-1],
+        QG=int(gate.qtype), QU=int(up.qtype), BN=bn, KW=kw, EVEN=d % kw == 0, HOST=False, num_warps=warps)
+
+
+def sweep(reps: int, peak: float) -> None:
+    """Every (BN, KW, warps) of each B1 decode kernel, fastest first, beside the plan's own choice."""
+    dev = torch.device("cuda")
+    S, P, d, ff = 64, 8, 2048, 768
+    cases = []
+    for qt, N, K in [(Q.Q8_0, 4096, 2048), (Q.Q8_0, 512, 2048), (Q.Q8_0, 2048, 4096), (Q.Q6_K, 151936, 2048),
+                     (Q.Q4_K, 4096, 2048)]:
+        w = random_qtensor(qt, (N, K), rng=N, scale=0.02, device=dev)
+        copies = [w] + [QTensor(w.raw.clone(), qt, w.shape) for _ in range(min(63, COLD_BYTES // w.raw.numel()))]
+        x = torch.randn(1, K, device=dev).bfloat16()
+        out = torch.empty(1, N, device=dev, dtype=torch.bfloat16)
+        nbytes = w.raw.numel()
+        cases.append((f"gemv {qt.name} {N}x{K}", K, nbytes, expert_triton.plan((qt,), N, K, 1, dev),
+                      lambda bn, kw, wp, copies=copies, x=x, out=out: [
+                          (lambda c=c: _launch_gemv(x, c, out, bn, kw, wp)) for c in copies]))
+    gate, up = (random_qtensor(Q.Q4_K, (S, ff, d), rng=s, device=dev) for s in (1, 2))
+    down = random_qtensor(Q.Q4_K, (S, d, ff), rng=3, device=dev)
+    xe = torch.randn(P, d, device=dev).bfloat16()
+    a = torch.randn(P, ff, device=dev)
+    y = torch.empty(P, d, device=dev)
+    gen = torch.Generator().manual_seed(0)
+    slot_sets = [torch.randperm(S, generator=gen)[:P].to(dev) for _ in range(MIN_CALLS)]
+    per = gate.raw[0].numel()
+    cases.append((f"glu Q4_K P={P} {ff}x{d}", d, 2 * P * per, expert_triton.plan((Q.Q4_K, Q.Q4_K), ff, d, P, dev),
+                  lambda bn, kw, wp: [(lambda s=s: _launch_glu(xe, gate, up, a, s, bn, kw, wp)) for s in slot_sets]))
+    cases.append((f"down Q4_K P={P} {d}x{ff}", ff, P * down.raw[0].numel(), expert_triton.plan((Q.Q4_K,), d, ff, P, dev),
+                  lambda bn, kw, wp: [(lambda s=s: _launch_gemv(a, down, y, bn, kw, wp, s)) for s in slot_sets]))
+    for name, K, nbytes, plan, make in cases:
+        rows = []
+        for bn in (1, 2, 4, 8, 16):
+            for kw in (256, 512, 1024, 2048):
+                if kw > max(256, triton_next_pow2(K)):
+                    continue
+                for wp in (1, 2, 4, 8):
+                    try:
+                        t = time_graph(make(bn, kw, wp), reps)
+                    except Exception as e:  # noqa: BLE001 - a shape the compiler refuses is a row, not a stop
+                        print(f"  {name} BN={bn} KW={kw} warps={wp}: {type(e).__name__}", flush=True)
+                        continue
+                    rows.append((t, bn, kw, wp))
+        rows.sort()
+        mine = next((r for r in rows if (r[1], r[2], r[3]) == (plan[0], plan[1], plan[3])), None)
+        print(f"{name}: plan {plan} " + (f"{mine[0] * 1e6:.1f} us" if mine else "(not swept)"), flush=True)
+        for t, bn, kw, wp in rows[:6]:
+            gbs = nbytes / t / 1e9
+            print(f"   BN={bn:<2} KW={kw:<4} warps={wp}  {t * 1e6:7.1f} us  {gbs:6.0f} GB/s {100 * gbs / (peak * 1e3):5.1f}%",
+                  flush=True)
+        torch.cuda.empty_cache()
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << (int(n) - 1).bit_length()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--peak-tbs", type=float, default=4.8, help="HBM peak the percentages refer to (TB/s)")
+    ap.add_argument("--sweep", action="store_true", help="time every launch shape of each kernel instead")
     a = ap.parse_args()
     if not torch.cuda.is_available() or not expert_triton.available():
         print("bench_kernels: needs a CUDA GPU and Triton", file=sys.stderr)
         return 1
     t0 = time.perf_counter()
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {expert_triton.triton.__version__}")
+    if a.sweep:
+        sweep(min(a.reps, 20), a.peak_tbs)
+        print(f"total {time.perf_counter() - t0:.1f} s")
+        return 0
     ok = True
     for qt in (Q.Q8_0, Q.Q4_K, Q.Q6_K):
         for N, K in GEMV_SHAPES:

@@ -54,6 +54,7 @@ def load(path: str) -> list[dict]:
 def summarize(events: list[dict]) -> dict:
     kern, copy, syncs = [], [], defaultdict(float)
     names: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
     copied = n_kernels = n_copies = 0
     for ev in events:
         if ev.get("ph") != "X" or "dur" not in ev:
@@ -62,6 +63,7 @@ def summarize(events: list[dict]) -> dict:
         if cat == "kernel":
             kern.append((s, s + d))
             names[ev["name"]] += d
+            counts[ev["name"]] += 1
             n_kernels += 1
         elif cat == "gpu_memcpy":
             if "HtoD" in ev["name"]:
@@ -97,6 +99,9 @@ def summarize(events: list[dict]) -> dict:
         "link_gb_s": round(copied / 1e9 / (_length(c) * 1e-6), 1) if c else None,
         "host_sync_ms": {n: round(v * ms, 2) for n, v in syncs.items()},
         "top_kernels_ms": {n[:70]: round(v * ms, 2) for n, v in sorted(names.items(), key=lambda x: -x[1])[:12]},
+        # every kernel name: (launches, total ms), most time first -- with a known step and layer count this is
+        # the per-layer kernel list
+        "kernels": {n[:90]: [counts[n], round(v * ms, 3)] for n, v in sorted(names.items(), key=lambda x: -x[1])},
     }
 
 

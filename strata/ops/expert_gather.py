@@ -63,7 +63,7 @@ def expert_formats_fast(qtypes) -> bool:
     that runs on the reference path)."""
     return expert_triton.available() and all(
         qt in expert_triton.SUPPORTED and (qt not in expert_triton.iquant_triton.FORMATS
-                                           or expert_triton.LOOKUP_ON_GPU) for qt in qtypes)
+                                           or qt in expert_triton.LOOKUP_ON_GPU) for qt in qtypes)
 
 
 def stage_fast(stacks) -> bool:

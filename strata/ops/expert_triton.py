@@ -320,21 +320,22 @@ def aligned(raw: torch.Tensor) -> bool:
     return raw.is_contiguous() and raw.data_ptr() % 4 == 0
 
 
-# The lookup formats' tiles are checked against their torch twins in Triton's interpreter; compiled for a GPU they
-# are taken only once the GPU tests have run them (tests/experts/test_expert_triton.py, which turns this on).
-# Until then a GPU keeps the torch path for those formats (dequantize, then matmul).
-LOOKUP_ON_GPU = False
+# The lookup formats' tiles are checked against their torch twins in Triton's interpreter; compiled for a GPU a
+# format's tile is taken only once the GPU tests have passed it (tests/experts/test_expert_triton.py). IQ4_XS and
+# MXFP4 have; the IQ2_XXS / IQ3_XXS tiles compute wrong sums on an H200 (Triton 3.6) while the interpreter agrees
+# with the reference, so a GPU keeps the torch path for those two (dequantize, then matmul).
+LOOKUP_ON_GPU = frozenset({Q.IQ4_XS, Q.MXFP4})
 
 
 def supports(gate, up, down) -> bool:
     """Triton is importable and the pool's formats have kernels (K a whole number of blocks)."""
     if triton is None:
         return False
-    lookup_ok = LOOKUP_ON_GPU or triton_interpreting()
+    interp = triton_interpreting()
     for t in (gate, up, down):
         if t.qtype not in SUPPORTED or t.shape[-1] % block_len(t.qtype) or not aligned(t.raw):
             return False
-        if t.qtype in iquant_triton.FORMATS and not lookup_ok:
+        if t.qtype in iquant_triton.FORMATS and not (interp or t.qtype in LOOKUP_ON_GPU):
             return False
     return True
 

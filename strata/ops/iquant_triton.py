@@ -64,6 +64,10 @@ def table(device: torch.device) -> torch.Tensor:
 
 
 if triton is not None:
+    # the offsets as Triton constants: a compiled kernel may read a global only when it is a constexpr (the
+    # interpreter on the CPU reads any global, so only a GPU catches this)
+    C_IQ4NL, C_MXFP4, C_KSIGNS, C_IQ2XXS, C_IQ3XXS = (tl.constexpr(v) for v in (T_IQ4NL, T_MXFP4, T_KSIGNS,
+                                                                                 T_IQ2XXS, T_IQ3XXS))
 
     @triton.jit
     def _u16(p, m):
@@ -99,8 +103,8 @@ if triton is not None:
         qo = (16 * ib)[:, None].to(tl.int64) + j[None, :].to(tl.int64)  # [8, 16]
         q = tl.load(blk[:, :, None, None] + 8 + qo[None, None], mask=m3[:, :, :, None], other=0,
                     eviction_policy="evict_first").to(tl.int32)  # [BN, NB, 8, 16]
-        lo = tl.load(tab + T_IQ4NL + (q & 15))
-        hi = tl.load(tab + T_IQ4NL + (q >> 4))
+        lo = tl.load(tab + C_IQ4NL + (q & 15))
+        hi = tl.load(tab + C_IQ4NL + (q >> 4))
         xo = sb[:, None, None] * 256 + (32 * ib)[None, :, None].to(tl.int64) + j[None, None, :].to(tl.int64)
         xm = sm[:, None, None]
         xl = tl.load(xp + xo, mask=xm, other=0.0).to(tl.float32)  # [NB, 8, 16]
@@ -125,8 +129,8 @@ if triton is not None:
         gi = tl.load(w[:, :, :, None] + lg.to(tl.int64)[None, None, None, :], mask=m4, other=0,
                      eviction_policy="evict_first").to(tl.int32)  # [BN, NB, 8, 4] grid indices
         si = ((w1[:, :, :, None] >> (7 * lg).to(tl.uint32)[None, None, None, :]) & 127).to(tl.int32)
-        grid = tl.load(tab + T_IQ2XXS + gi[:, :, :, :, None] * 8 + j[None, None, None, None, :])
-        sg = tl.load(tab + T_KSIGNS + si[:, :, :, :, None] * 8 + j[None, None, None, None, :])
+        grid = tl.load(tab + C_IQ2XXS + gi[:, :, :, :, None] * 8 + j[None, None, None, None, :])
+        sg = tl.load(tab + C_KSIGNS + si[:, :, :, :, None] * 8 + j[None, None, None, None, :])
         xo = (sb[:, None, None, None] * 256 + 32 * ib[None, :, None, None] + (8 * lg).to(tl.int64)[None, None, :, None]
               + j.to(tl.int64)[None, None, None, :])  # [NB, 8, 4, 8]
         x = tl.load(xp + xo, mask=sm[:, None, None, None], other=0.0).to(tl.float32)
@@ -151,8 +155,8 @@ if triton is not None:
         io = (2 * lg[:, None] + j[None, :] // 4).to(tl.int64)  # [4, 8]
         gi = tl.load(blk[:, :, None, None, None] + 2 + 8 * ib[None, None, :, None, None] + io[None, None, None],
                      mask=m3[:, :, :, None, None], other=0, eviction_policy="evict_first").to(tl.int32)
-        grid = tl.load(tab + T_IQ3XXS + gi * 4 + (j % 4)[None, None, None, None, :])  # [BN, NB, 8, 4, 8]
-        sg = tl.load(tab + T_KSIGNS + si[:, :, :, :, None] * 8 + j[None, None, None, None, :])
+        grid = tl.load(tab + C_IQ3XXS + gi * 4 + (j % 4)[None, None, None, None, :])  # [BN, NB, 8, 4, 8]
+        sg = tl.load(tab + C_KSIGNS + si[:, :, :, :, None] * 8 + j[None, None, None, None, :])
         xo = (sb[:, None, None, None] * 256 + 32 * ib[None, :, None, None] + (8 * lg).to(tl.int64)[None, None, :, None]
               + j.to(tl.int64)[None, None, None, :])
         x = tl.load(xp + xo, mask=sm[:, None, None, None], other=0.0).to(tl.float32)
@@ -171,8 +175,8 @@ if triton is not None:
         dv = bits.to(tl.float32, bitcast=True)
         q = tl.load(blk[:, :, None] + 1 + j.to(tl.int64)[None, None, :], mask=m2[:, :, None], other=0,
                     eviction_policy="evict_first").to(tl.int32)  # [BN, NB, 16]
-        lo = tl.load(tab + T_MXFP4 + (q & 15))
-        hi = tl.load(tab + T_MXFP4 + (q >> 4))
+        lo = tl.load(tab + C_MXFP4 + (q & 15))
+        hi = tl.load(tab + C_MXFP4 + (q >> 4))
         xo = sb[:, None] * 32 + j.to(tl.int64)[None, :]  # [NB, 16]
         xl = tl.load(xp + xo, mask=sm[:, None], other=0.0).to(tl.float32)
         xh = tl.load(xp + xo + 16, mask=sm[:, None], other=0.0).to(tl.float32)

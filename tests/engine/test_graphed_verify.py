@@ -106,7 +106,7 @@ def test_graphed_verify_with_several_sequences_and_sampling(hf_and_gguf, monkeyp
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("experts", [None, ExpertConfig(mode="tiered", slots=1, cpu_plan="00", decode_misses="staged")])
+@pytest.mark.parametrize("experts", [None, ExpertConfig(mode="tiered", slots=1, cpu_plan="000", decode_misses="staged")])
 def test_cuda_verify_steps_are_captured_and_keep_the_text(hf_and_gguf, experts):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")

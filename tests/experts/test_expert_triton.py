@@ -68,7 +68,11 @@ def test_triton_kernels_match_the_torch_op_in_the_interpreter():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("qg,qd,d,ff", [("Q4_K", "Q4_K", 2048, 768), ("Q8_0", "Q6_K", 512, 256),
-                                        ("IQ2_XXS", "IQ3_XXS", 2048, 768), ("IQ4_XS", "MXFP4", 512, 288)])
+                                        pytest.param("IQ2_XXS", "IQ3_XXS", 2048, 768, marks=pytest.mark.xfail(
+                                            reason="the IQ2_XXS / IQ3_XXS tiles compute wrong sums when compiled for "
+                                                   "a GPU (the interpreter agrees with the reference); kept off "
+                                                   "GPUs by expert_triton.LOOKUP_ON_GPU", strict=False)),
+                                        ("IQ4_XS", "MXFP4", 512, 288)])
 def test_cuda_misses_read_from_pinned_host_memory(qg, qd, d, ff, monkeypatch):
     """On the GPU the kernels read a missed expert from pinned host RAM (mapped over the bus), through the op
     the direct decode path calls, and equal the torch reference; a pageable stack is left to the reference."""
@@ -82,7 +86,8 @@ def test_cuda_misses_read_from_pinned_host_memory(qg, qd, d, ff, monkeypatch):
 
     from strata.ops import expert_triton
 
-    monkeypatch.setattr(expert_triton, "LOOKUP_ON_GPU", True)  # the lookup formats' tiles, compiled
+    # the lookup formats' tiles, compiled (IQ2_XXS / IQ3_XXS too: their case is expected to fail until fixed)
+    monkeypatch.setattr(expert_triton, "LOOKUP_ON_GPU", frozenset(expert_triton.iquant_triton.FORMATS))
     dev = torch.device("cuda")
     qg, qd = Q[qg], Q[qd]
     pool = [random_qtensor(qg, (3, ff, d), 1, device=dev), random_qtensor(qg, (3, ff, d), 2, device=dev),
