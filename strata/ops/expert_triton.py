@@ -20,12 +20,11 @@ weight = d * scale * (q - 32). Q8_0 block (34 bytes / 32 weights): f16 d, 32 int
 Why the kernels look as they do. A decode GEMV reads each weight byte once, so it needs many bytes in flight
 (latency) and few instructions per weight (on an H200, ~33 T thread-instructions/s against 8.5 T Q4_K
 weights/s at 4.8 TB/s):
-- One loop iteration of a program decodes a whole [BN rows, KW weights] tile (KW up to 2048: a Qwen3 row in
-  one go; KW divides K when it can, so tiles need no masks), not one block per row: 2-8 KB of quants per
-  program in flight at once, ~64-128 weights per thread.
-- `plan` picks BN and the warps per program per format (TILE), then halves BN until a launch has
-  WARPS_PER_SM warps per SM (a 512-row weight gets 1-row programs, a 150K-row head 2-4-row ones); the grid
-  is flat (pid = row block * P + p), so no grid axis limit binds.
+- One loop iteration of a program decodes a whole [BN rows, KW weights] tile (KW divides K when it can, so
+  tiles need no masks), not one block per row: several KB of quants per program in flight at once.
+- `plan` gives each program one warp and 512 weights a row per iteration, then halves BN (from 8 rows) until
+  a launch has PROGRAMS_PER_SM programs per SM (a 512-row weight gets 1-row programs, a 150K-row head 8-row
+  ones); the grid is flat (pid = row block * P + p), so no grid axis limit binds.
 - f16 scales and the Q4_K scale words are single aligned loads (the byte pointer cast to f16 / u32); the Q4_K
   quants are 16-byte loads of u32 words; offsets are int64 so the compiler folds them into immediates.
 - The Q4_K 6-bit scales and mins are decoded from three u32 words with 4-byte-wide bit operations
@@ -56,14 +55,14 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
 SUPPORTED = frozenset({Q.Q4_K, Q.Q6_K, Q.Q8_0, *iquant_triton.FORMATS})
-KW_MAX = 2048  # weights of a row per loop iteration (a Qwen3 row of 2048 in one go)
-ROWS_MAX = 16  # rows per program
-WARPS_PER_SM = 8  # fewer rows per program until a launch has this many warps per SM (2 per scheduler)
-# Per format: weights one program decodes per iteration (all weights it reads), and per thread. Chosen from
-# the sm_90 code Triton 3.6 / 3.9 emit (compiled offline, cuobjdump): more weights per thread amortize the
-# per-tile work (addresses, scales, x) up to ~128-160 registers, no spills. At these points a tile costs
-# ~8-10 (Q4_K), ~8.5-10 (Q8_0), ~11-13 (Q6_K) instructions per weight; the kernels this replaced took
-# ~20 (Q8_0), ~35 (Q6_K), ~50 (Q4_K) in loops of one block per row.
+KW_MAX = 2048  # weights of a row per loop iteration, at most (block_k may ask up to this)
+KW_DECODE = 512  # weights of a row per iteration by default
+ROWS_MAX = 8  # rows per program
+PROGRAMS_PER_SM = 8  # fewer rows per program until a launch has this many (one-warp) programs per SM
+# Per format: at most this many weights one program decodes per iteration (all weights it reads), and per
+# thread (TILE[qt][1], kept for reference). From the sm_90 code Triton 3.6 / 3.9 emit (cuobjdump): a tile costs
+# ~8-10 (Q4_K), ~8.5-10 (Q8_0), ~11-13 (Q6_K) instructions per weight; the kernels this replaced took ~20 (Q8_0),
+# ~35 (Q6_K), ~50 (Q4_K) in loops of one block per row.
 TILE = {Q.Q4_K: (16384, 128), Q.Q8_0: (8192, 128), Q.Q6_K: (8192, 128),
         # the lookup-table formats (strata.ops.iquant_triton): one gathered codebook value per weight (not tuned)
         Q.IQ4_XS: (8192, 64), Q.IQ2_XXS: (4096, 64), Q.IQ3_XXS: (4096, 64), Q.MXFP4: (4096, 64)}
@@ -350,39 +349,33 @@ def plan(qtypes, N: int, K: int, batch: int, device: torch.device, block_n: int 
     """(BN rows per program, KW weights per iteration, EVEN: KW divides K, num_warps) for a launch over
     `batch` x N rows of the weights `qtypes` (one, or gate and up read together).
 
-    KW: the largest power of two dividing K, up to KW_MAX (no masks); if that is small (K = 96: 32), the next
-    power of two >= K, with the blocks past K masked. BN fills TILE (at most ROWS_MAX), then halves until the
-    launch has WARPS_PER_SM warps per SM (the interpreter on the CPU counts as one SM); num_warps gives each
-    thread ~TILE's per-thread weights. block_n / block_k override (powers of two; block_k a multiple of the
-    block length).
+    One warp per program, KW_DECODE weights of a row per iteration (the largest power of two dividing K up to
+    that, so tiles need no masks; if that is small (K = 96: 32), the next power of two >= K, the blocks past K
+    masked), ROWS_MAX rows halved until the launch has PROGRAMS_PER_SM programs per SM (the interpreter on the
+    CPU counts as one SM) and the tile is within the format's TILE. Measured over every (BN, KW, warps) of the
+    Qwen3-30B-A3B decode shapes on an H200 (`tools/bench_kernels.py --sweep`): one-warp programs with 256-512
+    weights a row per iteration were the fastest or within 15% of it for every shape, where the earlier rule
+    (multi-warp programs, whole 2048-weight rows per iteration) took up to 1.75x as long (the expert GLU,
+    the LM head). block_n / block_k override (powers of two; block_k a multiple of the block length).
     """
     qb = max(block_len(qt) for qt in qtypes)
-    kw = min(KW_MAX, K & -K)
+    kw = min(KW_DECODE, K & -K)
     if kw < min(K, 256):
         kw = min(KW_MAX, triton.next_power_of_2(K))
     kw = max(kw, qb)
     if block_k:
         kw = block_k
-    tile, per_thread = min(TILE[qt] for qt in qtypes)
+    tile = min(TILE[qt][0] for qt in qtypes)
     weights = kw * len(qtypes)  # per row and iteration
-
-    def warps(bn: int) -> int:  # ~per_thread weights per thread, 1 to 4 warps
-        n = 1
-        while n < 4 and 2 * n * 32 * per_thread <= bn * weights:
-            n *= 2
-        return n
-
     if block_n:
         bn = block_n
     else:
-        bn = 1
-        while bn < ROWS_MAX and 2 * bn * weights <= tile:
-            bn *= 2
+        bn = ROWS_MAX
         sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
             if device.type == "cuda" else 1
-        while bn > 1 and batch * triton.cdiv(N, bn) * warps(bn) < WARPS_PER_SM * sms:
+        while bn > 1 and (bn * weights > tile or batch * triton.cdiv(N, bn) < PROGRAMS_PER_SM * sms):
             bn //= 2
-    return bn, kw, K % kw == 0, warps(bn)
+    return bn, kw, K % kw == 0, 1
 
 
 def triton_expert_ffn(x: torch.Tensor, gate, up, down, slots: torch.Tensor, block_n: int | None = None,
