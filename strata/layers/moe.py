@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from strata.layers.ffn import SwiGLU
+from strata.ops import registry
 from strata.quant import QTensor, qmatmul
 
 
@@ -34,6 +35,8 @@ def route(logits: torch.Tensor, r: Routing, bias: torch.Tensor | None = None) ->
     if r.gating == "softmax_weight":  # gpt-oss: choose on the logits, weigh the chosen k by their own softmax
         top = logits.topk(r.k, dim=-1)
         return top.indices, torch.softmax(top.values, dim=-1) * r.scale
+    if r.n_groups == 1:  # one op (one launch on a GPU): scores, the biased choice, top-k, renormalized weights
+        return registry.op("route_topk")(logits, r.k, r.gating == "sigmoid", r.norm_topk, r.scale, bias)
     probs = torch.softmax(logits, dim=-1) if r.gating == "softmax" else torch.sigmoid(logits)
     choose = probs + bias if bias is not None else probs  # the correction bias steers choice, not weights
     if r.n_groups > 1:

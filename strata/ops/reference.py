@@ -129,6 +129,23 @@ reference("dequantize_blocks")(dequantize_blocks_torch)
 reference("qmatmul")(reference_qmatmul)
 
 
+@reference("route_topk")
+def route_topk(logits: torch.Tensor, k: int, sigmoid: bool, norm: bool, scale: float,
+               bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A router's choice: logits [N, E] float32 -> (ids [N, k] int64, weights [N, k] float32). Scores are the
+    softmax (or sigmoid) of the logits; `bias` [E] is added for the choice only; the chosen scores are
+    renormalized to sum 1 (norm; + 1e-20 under sigmoid) and multiplied by `scale`."""
+    probs = torch.sigmoid(logits) if sigmoid else torch.softmax(logits, dim=-1)
+    choose = probs + bias if bias is not None else probs
+    ids = choose.topk(k, dim=-1).indices
+    w = probs.gather(1, ids)
+    if norm:
+        w = w / (w.sum(-1, keepdim=True) + (1e-20 if sigmoid else 0.0))
+    if scale != 1.0:
+        w = w * scale
+    return ids, w
+
+
 def _gather(w: QTensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Experts at `slots` of a stacked QTensor [S, out, in] -> [P, out, in] in dtype."""
     raw = w.raw.index_select(0, slots)  # [P, out, row_bytes]

@@ -44,6 +44,7 @@ KERNEL_MODULES = (
     "strata.ops.expert_gather",
     "strata.ops.qgemv",
     "strata.ops.host_stage",
+    "strata.ops.route",
 )
 
 
