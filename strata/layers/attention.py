@@ -80,6 +80,32 @@ def _as_dtype(ks: torch.Tensor, vs: torch.Tensor | None, dtype: torch.dtype):
     return ks, vs
 
 
+FUSE_QKV_ON = ("cuda",)  # device types whose attention weights are fused (tests add "cpu")
+
+
+def _fuse_qkv(wq: QTensor, wk: QTensor, wv: QTensor, biases) -> tuple[QTensor | None, list[int]]:
+    """On a GPU, the q, k and v projections of one format as one weight (their rows one after another): a decode
+    step then reads them in one GEMV launch instead of three (each launch of a small GEMV costs a few
+    microseconds whatever its size). Not on a CPU, where the weights stay mapped from the file, nor across
+    formats (a Q4_K_M file's attn_v is often Q6_K), nor with some biases but not all."""
+    ws = (wq, wk, wv)
+    if any(w is None or len(w.shape) != 2 for w in ws) or wq.raw.device.type not in FUSE_QKV_ON:
+        return None, []
+    if len({w.qtype for w in ws}) != 1 or len({w.shape[1] for w in ws}) != 1 or len({b is None for b in biases}) != 1:
+        return None, []
+    sizes = [w.shape[0] for w in ws]
+    raw = torch.cat([w.raw.reshape(w.shape[0], -1) for w in ws])
+    return QTensor(raw, wq.qtype, (sum(sizes), wq.shape[1])), sizes
+
+
+def _row_views(w: QTensor, sizes: list[int]) -> list[QTensor]:
+    out, a = [], 0
+    for n in sizes:
+        out.append(QTensor(w.raw[a:a + n], w.qtype, (n, w.shape[1])))
+        a += n
+    return out
+
+
 def _linear(x: torch.Tensor, w: QTensor, b: torch.Tensor | None) -> torch.Tensor:
     y = qmatmul(x, w)
     return y + b.to(y.dtype) if b is not None else y
@@ -97,10 +123,22 @@ class GQAttention:
         self.q_norm, self.k_norm = w.get("attn_q_norm"), w.get("attn_k_norm")
         self.scale = 1.0 / math.sqrt(self.hd)
         self._cast_biases: dict[torch.dtype, tuple] = {}
+        self.wqkv, self.qkv_sizes = _fuse_qkv(self.wq, self.wk, self.wv, (self.bq, self.bk, self.bv))
+        if self.wqkv is not None:  # the three become row views of the one copy (no second copy kept)
+            self.wq, self.wk, self.wv = _row_views(self.wqkv, self.qkv_sizes)
 
     @staticmethod
     def cache_shapes(args) -> tuple[tuple[int, ...], tuple[int, ...]]:
         return (args.n_kv_heads, args.head_dim), (args.n_kv_heads, args.v_head_dim)
+
+    def _project(self, x: torch.Tensor, bq, bk, bv) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [n, d] -> q, k, v [n, *] (views of one output when the weights are fused)."""
+        if self.wqkv is None:
+            return _linear(x, self.wq, bq), _linear(x, self.wk, bk), _linear(x, self.wv, bv)
+        y = qmatmul(x, self.wqkv)
+        if bq is not None:
+            y = y + torch.cat([bq, bk, bv])
+        return y.split(self.qkv_sizes, dim=-1)
 
     def _biases(self, dtype: torch.dtype) -> tuple:
         # cast once per activation dtype, not in every step (a cast is a kernel)
@@ -114,9 +152,10 @@ class GQAttention:
     def __call__(self, x: torch.Tensor, pos: torch.Tensor, segments: list[Segment], kv: KVCache) -> torch.Tensor:
         n = x.shape[0]
         bq, bk, bv = self._biases(x.dtype)
-        q = _linear(x, self.wq, bq).view(n, self.n_heads, self.hd)
-        k = _linear(x, self.wk, bk).view(n, self.n_kv, self.hd)
-        v = _linear(x, self.wv, bv).view(n, self.n_kv, self.vd)
+        q, k, v = self._project(x, bq, bk, bv)
+        q = q.view(n, self.n_heads, self.hd)
+        k = k.view(n, self.n_kv, self.hd)
+        v = v.view(n, self.n_kv, self.vd)
         q, k = self.rotary.qk(q, k, pos, self.q_norm, self.k_norm, self.eps)  # one launch on CUDA
         outs, i = [], 0
         for seg in segments:
@@ -170,9 +209,10 @@ class SinkAttention(GQAttention):
     def __call__(self, x: torch.Tensor, pos: torch.Tensor, segments: list[Segment], kv: KVCache) -> torch.Tensor:
         n = x.shape[0]
         bq, bk, bv = self._biases(x.dtype)
-        q = _linear(x, self.wq, bq).view(n, self.n_heads, self.hd)
-        k = _linear(x, self.wk, bk).view(n, self.n_kv, self.hd)
-        v = _linear(x, self.wv, bv).view(n, self.n_kv, self.vd)
+        q, k, v = self._project(x, bq, bk, bv)
+        q = q.view(n, self.n_heads, self.hd)
+        k = k.view(n, self.n_kv, self.hd)
+        v = v.view(n, self.n_kv, self.vd)
         q, k = self.rotary.qk(q, k, pos)
         sinks = self.sinks if self.sinks.device == x.device else self.sinks.to(x.device)
         outs, i = [], 0
