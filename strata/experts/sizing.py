@@ -36,13 +36,15 @@ PREFILL_TARGET = 4096  # tokens: the prefill chunk a GPU's expert cache leaves r
 
 
 def prefill_bytes_per_token(d_model: int, k: int) -> int:
-    """VRAM one token of a prefill chunk takes on a GPU while a layer runs: its k expert pairs' inputs (bf16),
-    float32 outputs and FFN intermediates, the attention and norm temporaries, the dequantized weight chunks'
-    share, and the allocator's rounding of all that. Measured on the H200 machine (B1: hidden 2048, top-8): a 4K
-    chunk took torch's reserved memory 1.54 GiB above the weights, KV and expert cache (allocated: 1.2 GiB);
-    d·(12k + 96) gives 393 KB a token, 1.54 GiB. Less room made the 4K prefill slower under the budget's cap
-    (5,167 tok/s; 6,746 with ~0.3 GiB more), as torch then returns and re-maps memory inside the chunk."""
-    return int(d_model) * (12 * max(1, int(k)) + 96)
+    """VRAM one token of a prefill chunk takes on a GPU while a layer runs: its k expert pairs' float32 outputs
+    (4·k·d, alive through the layer's MoE), their bf16 inputs, outputs and FFN intermediates in the grouped
+    batches, the dequantized weight chunks' share (strata.ops.moe_prefill bounds both per batch), the attention
+    and norm temporaries, and the allocator's rounding of all that: d·(6k + 48), 197 KB a token of B1 (hidden
+    2048, top-8), 0.77 GiB for a 4K chunk. (With 256 MiB batches, a whole batch's output widened to float32 at
+    once and the choices combined in one product, a 4K chunk had taken 1.54 GiB reserved above the weights, KV
+    and expert cache.) Less room than a chunk takes makes the prefill slower under the budget's cap, as torch
+    then returns and re-maps memory inside the chunk."""
+    return int(d_model) * (6 * max(1, int(k)) + 48)
 
 
 def prefill_chunk_for(left_bytes: int, bytes_per_token: int) -> int:

@@ -29,10 +29,15 @@ from strata.quant.dequant import dequantize_flat
 # Bytes of dequantized weights per projection per batch (one projection's [G, out, in] is alive at a time).
 # The GPU wants few, large batches (launches bound it); the CPU wants batches that stay in its caches: with
 # 256 MiB a 64-expert layer ran ~2x slower than the per-expert loop on a 2-core machine, with 4 MiB as fast.
-WEIGHT_BYTES = 256 << 20
+WEIGHT_BYTES = 128 << 20
 CPU_WEIGHT_BYTES = 4 << 20
 # Bytes of padded activations per batch ([G, Tmax, max(d, ff)] in x's dtype, a few of them alive at a time).
-ACT_BYTES = 256 << 20
+# These two bound a prefill chunk's VRAM beside the expert cache (strata.experts.sizing.prefill_bytes_per_token):
+# at 256 MiB each a 4K chunk of a Qwen3-30B-A3B layer peaked at 1.27 GiB above the weights.
+ACT_BYTES = 128 << 20
+# Rows of a batch's output widened to float32 at a time on their way into y (the float32 copy of a whole batch
+# was the largest temporary of a chunk)
+WIDEN_ROWS = 8192
 PAD_SHAPES: bool | None = None  # round batch shapes up (None: on CUDA only)
 
 
@@ -136,5 +141,7 @@ def grouped_expert_ffn(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTenso
         w = _dequant(down, experts, dtype)  # [G, d, ff]
         out = torch.bmm(h, w.transpose(1, 2))  # [G, T, d]
         del w, h
-        y.index_copy_(0, pair.reshape(-1), out.reshape(G * T, d).float())
+        pair, out = pair.reshape(-1), out.reshape(G * T, d)
+        for r in range(0, G * T, WIDEN_ROWS):
+            y.index_copy_(0, pair[r:r + WIDEN_ROWS], out[r:r + WIDEN_ROWS].float())
     return y[:P].view(N, k, d)
