@@ -132,6 +132,10 @@ class EngineConfig:
     cuda_graphs: bool | None = field(default=None, metadata=opt(
         "replay decode steps as CUDA graphs (default: on with a CUDA device; with --parallel N a step decodes "
         "the generating sequences together)"))
+    decode_ahead: bool = field(default=True, metadata=opt(
+        "with CUDA graphs, launch each decode step before the host reads the previous step's tokens (the GPU "
+        "takes the sampled tokens from its own memory): the host's work between steps overlaps the GPU's. Taken "
+        "when every decoding sequence samples without penalties, log-probabilities, grammars or drafts"))
     host_embed: bool | None = field(default=None, metadata=opt(
         "keep the input embedding table in host RAM (a decode step gathers its rows there and copies one row per "
         "token; the table's VRAM goes to the expert cache). Default: on with tiered experts on a GPU under "

@@ -17,13 +17,14 @@ from typing import Iterator
 import torch
 
 from strata import StrataError
+from strata.engine.ahead import Ahead
 from strata.engine.loader import LoadedModel
 from strata.engine.request import Request
 from strata.engine.sampler import SamplingParams, sample, token_logprobs
 from strata.engine.sequence import Sequence  # (the engine's sequence; callers import it from here too)
 from strata.engine.slots import common_prefix as _common_prefix
 from strata.engine.slots import compact
-from strata.engine.spec import NgramDrafter, accept
+from strata.engine.spec import accept, draft_for
 from strata.experts.sizing import VramSplit, prefill_bytes_per_token, prefill_chunk_for, prefill_left
 from strata.kv.cache import Segment
 
@@ -94,6 +95,7 @@ class Engine:
             self.graphs = DecodeGraphs(self.model, self.kv, slot=0, max_batch=self.graph_batch,
                                        max_tokens=graph_tokens)
             self.graphs.want_hidden = self.mtp is not None  # every step feeds the MTP block the trunk's states
+        self.ahead = Ahead(self) if Ahead.usable(self) else None  # decode steps launched one ahead (ahead.py)
 
     def _mtp_drafter(self, source: str):
         """The MTP drafter (strata.engine.mtp) when drafts come from the model's MTP block, else None."""
@@ -216,6 +218,8 @@ class Engine:
     def step(self) -> list[tuple[Sequence, int]]:
         """Run one forward; returns (sequence, new token) for every token produced (a verify step of speculative
         decoding gives a sequence several)."""
+        if self.ahead is not None and self.ahead.pending is not None:
+            return self.ahead.collect()  # the step launched ahead (it may launch the next one)
         if not self.running:
             return []
         plan = self._schedule()
@@ -223,6 +227,8 @@ class Engine:
         if logits is None:
             return self.step()  # out of memory in a prefill chunk: the same work again in smaller chunks
         picks = self._draw(plan, logits)
+        if self.ahead is not None and picks:
+            self.ahead.after_draw(plan, picks)  # the next step queued before this one's tokens are read
         out = self._postprocess(picks, self._logprobs(picks, logits)) if picks else []
         if self.mtp is not None and self._hidden is not None:  # the MTP block reads what this step settled
             at = 0
@@ -281,7 +287,7 @@ class Engine:
             starts = [seg.start for seg in segs]
             try:  # [B, V], or a verify step's [B * T, V] (its rows: every position), from replayed graphs
                 out = self.graphs.step_batch(toks, starts, slots, T)
-                self._hidden = self.graphs.last_hidden
+                self._hidden, plan.graphed = self.graphs.last_hidden, True
                 return out
             except Exception as e:  # a model whose step cannot be captured still runs, eagerly
                 if self.graphs.cuda and T > 1 and not self.graphs.captured(starts, slots, T):
@@ -371,8 +377,10 @@ class Engine:
             out[s.id], at = flat[at:at + g.numel()], at + g.numel()
         return out
 
-    def _postprocess(self, picks: list, lps: dict[int, list[float]] | None = None) -> list[tuple[Sequence, int]]:
-        values = torch.stack([x for p in picks for x in p[3]]).tolist()  # the one host read per step
+    def _postprocess(self, picks: list, lps: dict[int, list[float]] | None = None,
+                     values: list[int] | None = None) -> list[tuple[Sequence, int]]:
+        if values is None:  # (a step launched ahead has read its tokens already)
+            values = torch.stack([x for p in picks for x in p[3]]).tolist()  # the one host read per step
         now = time.perf_counter()
         out = []
         v = 0
@@ -426,22 +434,7 @@ class Engine:
         return got[:a + 1]
 
     def _draft(self, s: Sequence) -> list[int]:
-        """Draft tokens for a decoding sequence: up to --draft-max, within its max_tokens and the context; none
-        for a sequence whose logits pass through a processor (a grammar's state follows each accepted token) or
-        that reports log-probabilities (one row per step)."""
-        limit = self.draft_max if s.draft_max is None else s.draft_max
-        room = min(s.draft_len or limit, limit, s.max_tokens - len(s.output) - 1, self.max_ctx - 1 - s.pos)
-        if room <= 0 or s.logits_processor is not None or s.logprobs is not None:
-            return []
-        if s.draft_pause > 0:
-            s.draft_pause -= 1
-            return []
-        if self.mtp is not None:
-            return self.mtp.draft(s, room)
-        if s.drafter is None:
-            s.drafter = NgramDrafter(*self.draft_ngram)
-        s.drafter.sync(s.prompt, s.output)
-        return s.drafter.draft(room)
+        return draft_for(self, s)  # (strata.engine.spec)
 
     def _out_of_memory(self, prefill) -> None:
         """The device ran out within its budget. A prefill chunk's activations are the one large, elastic part:
@@ -490,6 +483,7 @@ class _StepPlan:
     owners: list[Sequence] = field(default_factory=list)
     drafts: dict[int, list[int]] = field(default_factory=dict)  # sequence id -> its draft tokens
     rows: list[int] | None = None  # with drafts: the positions whose logits are drawn from
+    graphed: bool = False  # the step replayed captured graphs
 
     def add(self, s: Sequence, pos: int, toks: list[int]) -> None:
         self.segs.append(Segment(s.slot, pos, len(toks)))

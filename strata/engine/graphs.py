@@ -217,19 +217,31 @@ class DecodeGraphs:
         return self._key(slots, self.window_for(max(positions) + T - 1), T) in self.graphs
 
     @torch.inference_mode()
-    def step_batch(self, tokens: list[int], positions: list[int], slots: list[int], T: int = 1) -> torch.Tensor:
+    def step_batch(self, tokens: list[int] | torch.Tensor, positions: list[int], slots: list[int],
+                   T: int = 1) -> torch.Tensor:
         """Logits [B, V] for one token of each of B sequences (token, position, KV slot); one captured graph
         set per (slots, window), the window covering the furthest position (the others are masked).
 
         T > 1, a verify step: `tokens` holds T tokens of each sequence (B * T, sequence after sequence) and
         `positions` each sequence's first position; logits [B * T, V], every position's. One graph set per
-        (slots, window, T): each query sees the keys up to its own position (the window's mask per query)."""
+        (slots, window, T): each query sees the keys up to its own position (the window's mask per query).
+        `tokens` may be a device tensor [n] (tokens sampled by the previous step, not yet read by the host): the
+        step then follows a one-token step of the same sequences in the same order, and their device positions
+        advance by one there (a copy from host memory could wait for the stream); a table of embeddings on the host
+        needs the tokens on the host."""
         b = len(slots)
         n = b * T
         if not 0 < b <= self.max_batch or n > self.max_tokens or len(positions) != b or len(tokens) != n:
             raise ValueError(f"a graphed step takes 1..{self.max_batch} sequences and {self.max_tokens} tokens, "
                              f"got {b} x {T}")
-        if n == 1:
+        if isinstance(tokens, torch.Tensor):
+            if self.embeds is not None:
+                raise ValueError("a step's tokens must be on the host when the embedding table is")
+            if T != 1:
+                raise ValueError("device tokens follow a one-token step")
+            self.tok[:n].copy_(tokens.view(-1), non_blocking=True)
+            self.pos[:n].add_(1)
+        elif n == 1:
             self.tok[:1].fill_(tokens[0])
             self.pos[:1].fill_(positions[0])
         else:

@@ -67,3 +67,23 @@ def accept(drafts: list[int], drawn: list[int]) -> int:
     while a < len(drafts) and drafts[a] == drawn[a]:
         a += 1
     return a
+
+
+def draft_for(engine, s) -> list[int]:
+    """Draft tokens for a decoding sequence of `engine` (strata.engine.engine.Engine): up to --draft-max, within
+    its max_tokens and the context; none for a sequence whose logits pass through a processor (a grammar's state
+    follows each accepted token) or that reports log-probabilities (one row per step). From the model's MTP block
+    when the engine drafts with it, else from the context's n-grams."""
+    limit = engine.draft_max if s.draft_max is None else s.draft_max
+    room = min(s.draft_len or limit, limit, s.max_tokens - len(s.output) - 1, engine.max_ctx - 1 - s.pos)
+    if room <= 0 or s.logits_processor is not None or s.logprobs is not None:
+        return []
+    if s.draft_pause > 0:
+        s.draft_pause -= 1
+        return []
+    if engine.mtp is not None:
+        return engine.mtp.draft(s, room)
+    if s.drafter is None:
+        s.drafter = NgramDrafter(*engine.draft_ngram)
+    s.drafter.sync(s.prompt, s.output)
+    return s.drafter.draft(room)

@@ -1,0 +1,116 @@
+"""Decode one step ahead: the next decode step is launched before the host reads this step's tokens.
+
+A graphed decode step leaves the GPU idle while the host reads the sampled tokens, appends them, checks stops and
+launches the next replay (a few hundred microseconds of Python per step, a sizeable share of a step when the
+model is resident). Here, once a plain decode step's tokens are drawn (on the device), the next step is launched
+at once with those tokens as its input (copied device to device into the graph's token buffer, its positions
+advanced by one on the device) and its own tokens drawn; only then does the host wait for the first step's
+tokens, handing the GPU the next step to run meanwhile. The following `Engine.step()` takes that step's tokens
+(launching the one after it first, when it can), so a steady decode always has one step in flight.
+
+A launched step is a guess that its sequences go on. One that stops at the token read next (a stop token, a
+stop string found by the server, an abort) drops its ahead token: the token is never read, and the K/V row it
+wrote, one past the sequence's end, is not in the slot's record (`Engine.slot_tokens`), so nothing reuses it.
+The sampled draw uses the sequence's own generator exactly as a plain step would, so seeded text is unchanged.
+
+Taken only when nothing needs the host between the steps: every running sequence is decoding in the step (none
+waits for its prompt), none asks for log-probabilities, a grammar, drafts or repetition penalties (whose window
+holds the token not yet read), each has room for two more tokens, the decode graphs read token ids on the
+device (not an embedding table in host RAM), and the model keeps no recurrent state or MTP block (their state
+would absorb the dropped token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from strata.engine.sampler import sample
+
+
+@dataclass
+class _Pending:
+    seqs: list  # the sequences, in the step's (slot) order
+    drawn: list  # per sequence, its drawn token (0-d device tensor)
+    host: torch.Tensor  # the drawn tokens, copied to host memory
+    ready: object  # event after that copy (None on a CPU)
+
+
+def _plain(s, eng) -> bool:
+    p = s.params
+    return (s.logprobs is None and s.logits_processor is None and not eng.draft_max and not s.draft_max
+            and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty)
+
+
+class Ahead:
+    def __init__(self, engine):
+        self.eng = engine
+        self.pending: _Pending | None = None
+        self.launched = 0  # steps launched ahead (cumulative)
+        self.dropped = 0  # ahead tokens dropped because their sequence stopped
+
+    @staticmethod
+    def usable(engine) -> bool:
+        g = engine.graphs
+        return (g is not None and g.embeds is None and engine.recurrent is None and engine.mtp is None
+                and getattr(engine.lm.cfg, "decode_ahead", True))
+
+    def _can(self, seqs: list) -> bool:
+        eng = self.eng
+        if not seqs or len(seqs) > eng.graph_batch or eng.graphs is None:
+            return False
+        if len(eng.running) != len(seqs) or any(s not in eng.running for s in seqs):
+            return False  # a new prompt waits (or a sequence left): the scheduler takes the next step
+        return all(not s.finished and s.prompt_done and _plain(s, eng) and len(s.output) + 2 <= s.max_tokens
+                   and s.pos + 2 < eng.max_ctx for s in seqs)
+
+    def after_draw(self, plan, picks) -> None:
+        """Right after a step's tokens are drawn (before the host reads them): launch the next step when the step
+        was a plain graphed decode step of every running sequence."""
+        if self.pending is not None or plan.prefill is not None or plan.drafts:
+            return
+        if any(seg.n != 1 for seg in plan.segs) or len(picks) != len(plan.owners):
+            return
+        if [p[0] for p in picks] != plan.owners or any(len(p[3]) != 1 for p in picks):
+            return
+        if not getattr(plan, "graphed", False):
+            return
+        self._launch(plan.owners, [p[3][0] for p in picks])
+
+    def _launch(self, seqs: list, toks: list) -> None:
+        """seqs' next step (their tokens `toks` still on the device, each at its sequence's position s.pos)."""
+        if not self._can(seqs):
+            return
+        eng = self.eng
+        logits = eng.graphs.step_batch(torch.stack(toks), [s.pos for s in seqs], [s.slot for s in seqs])
+        drawn = [sample(logits[i], s.params, None, s.generator) for i, s in enumerate(seqs)]
+        vals = torch.stack(drawn)
+        cuda = vals.is_cuda
+        host = torch.empty(len(drawn), dtype=torch.long, pin_memory=cuda)
+        host.copy_(vals, non_blocking=cuda)
+        ready = None
+        if cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+        self.pending = _Pending(list(seqs), drawn, host, ready)
+        self.launched += 1
+
+    def collect(self) -> list:
+        """The launched step's tokens as `Engine.step` returns them, launching the step after it first when it
+        can. Sequences that stopped since the launch drop their token."""
+        eng, p = self.eng, self.pending
+        self.pending = None
+        live = [s for s in p.seqs if s in eng.running and not s.finished]
+        self.dropped += len(p.seqs) - len(live)
+        for s in live:  # the step consumed each one's last token, at its position
+            s.pos += 1
+            eng.slot_tokens[s.slot].append(s.output[-1])
+        if len(live) == len(p.seqs):
+            self._launch(live, p.drawn)  # before the host waits for p's tokens
+        if p.ready is not None:
+            p.ready.synchronize()
+        values = p.host.tolist()
+        picks = [(s, [], [], [p.drawn[i]], None) for i, s in enumerate(p.seqs) if s in live]
+        vals = [v for i, v in enumerate(values) if p.seqs[i] in live]
+        return eng._postprocess(picks, None, vals) if picks else []

@@ -1,0 +1,98 @@
+"""Decode steps launched one ahead (strata.engine.ahead): the same text as steps launched one at a time, for
+greedy and seeded sampling, stop tokens, max_tokens, staggered sequences on several slots, an abort while a step
+is in flight, and prefix reuse after a sequence that dropped its ahead token. On the CPU the static (graph) path
+runs eagerly, so every launch and drop happens as on a GPU, without the overlap."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from strata.config import EngineConfig
+from strata.engine.engine import Engine, Sequence
+from strata.engine.loader import load_model
+from strata.engine.sampler import SamplingParams
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 1001, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def models(hf_and_gguf):
+    _, path = hf_and_gguf("qwen3moe")
+
+    def lm(ahead: bool):
+        cfg = EngineConfig(device="cpu", dtype="float32", cuda_graphs=True, decode_ahead=ahead)
+        return load_model(str(path), cfg, with_tokenizer=False)
+
+    return lm(True), lm(False)
+
+
+def test_one_sequence_gives_the_same_text(models):
+    on, off = models
+    for sp in (SamplingParams(temperature=0), SamplingParams(temperature=0.9, seed=11, top_k=0, top_p=1.0, min_p=0),
+               SamplingParams(temperature=0.7, seed=5)):
+        a, b = Engine(on, n_slots=1), Engine(off, n_slots=1)
+        assert a.ahead is not None and b.ahead is None
+        got = list(a.generate(_prompt(20, 1), sp, 24))
+        assert got == list(b.generate(_prompt(20, 1), sp, 24)) and len(got) == 24
+        assert a.ahead.launched >= 20  # every step after the first was launched ahead (but the last)
+
+
+def test_stop_token_and_reuse_of_the_slot(models):
+    on, off = models
+    prompt = _prompt(16, 2)
+    ref = list(Engine(off, n_slots=1).generate(prompt, SamplingParams(temperature=0), 30))
+    stop = ref[9]
+    a, b = Engine(on, n_slots=1), Engine(off, n_slots=1)
+    got = list(a.generate(prompt, SamplingParams(temperature=0), 30, {stop}))
+    assert got == list(b.generate(prompt, SamplingParams(temperature=0), 30, {stop})) == ref[:ref.index(stop) + 1]
+    assert a.slot_tokens == b.slot_tokens  # the dropped ahead token is not in the slot's record
+    # the next request shares the whole conversation: its prefix comes from the slot, and the text is unchanged
+    follow = prompt + got + _prompt(5, 3)
+    assert list(a.generate(follow, SamplingParams(temperature=0), 12)) == \
+        list(b.generate(follow, SamplingParams(temperature=0), 12))
+    assert a.last.cached == b.last.cached > len(prompt)
+    assert a.ahead.dropped >= 1
+
+
+def test_staggered_sequences_and_an_abort(models):
+    on, off = models
+    prompts = [_prompt(10 + 7 * i, 10 + i) for i in range(5)]
+    lens = [18, 7, 25, 12, 9]
+
+    def run(lm):
+        eng = Engine(lm, n_slots=3)
+        waiting = [Sequence(list(p), SamplingParams(temperature=0), n, set()) for p, n in zip(prompts, lens)]
+        running, done, step = [], [], 0
+        while waiting or running:
+            if waiting and eng.free_slots and step % 4 == 0:
+                s = waiting.pop(0)
+                eng.add(s, reuse_prefix=True)
+                running.append(s)
+            eng.step()
+            if step == 9 and running:  # a client goes away mid-generation (a step may be in flight)
+                gone = running[0]
+                eng.release(gone, "abort")
+            for s in [s for s in running if s.finished]:
+                eng.release(s)
+                running.remove(s)
+                done.append(s)
+            step += 1
+        return eng, {tuple(s.prompt): (s.output, s.finish_reason) for s in done}
+
+    ea, got = run(on)
+    _, want = run(off)
+    assert got == want
+    assert ea.ahead.launched > 10
+
+
+def test_not_taken_when_the_host_needs_the_token(models):
+    """Penalties read the tokens so far; log-probabilities are read per step: those sequences step one by one."""
+    on, off = models
+    sp = SamplingParams(temperature=0, repetition_penalty=1.3)
+    a = Engine(on, n_slots=1)
+    assert list(a.generate(_prompt(12, 4), sp, 15)) == list(Engine(off, n_slots=1).generate(_prompt(12, 4), sp, 15))
+    assert a.ahead.launched == 0
+    assert not EngineConfig(decode_ahead=False).decode_ahead
