@@ -15,9 +15,9 @@ The sampled draw uses the sequence's own generator exactly as a plain step would
 
 Taken only when nothing needs the host between the steps: every running sequence is decoding in the step (none
 waits for its prompt), none asks for log-probabilities, a grammar, drafts or repetition penalties (whose window
-holds the token not yet read), each has room for two more tokens, the decode graphs read token ids on the
-device (not an embedding table in host RAM), and the model keeps no recurrent state or MTP block (their state
-would absorb the dropped token).
+holds the token not yet read), each has room for two more tokens, and the model keeps no recurrent state or MTP
+block (their state would absorb the dropped token). An embedding table in host RAM is read by the graph itself
+from the token ids in device memory (strata.ops.host_rows).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class Ahead:
     @staticmethod
     def usable(engine) -> bool:
         g = engine.graphs
-        return (g is not None and g.embeds is None and engine.recurrent is None and engine.mtp is None
+        return (g is not None and engine.recurrent is None and engine.mtp is None
                 and getattr(engine.lm.cfg, "decode_ahead", True))
 
     def _can(self, seqs: list) -> bool:

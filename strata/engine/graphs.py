@@ -33,6 +33,7 @@ import torch
 
 from strata.experts.backend import StepContext
 from strata.kv.cache import KVCache, Segment
+from strata.ops import registry
 
 MIN_WINDOW = 256
 MAX_CAPTURES = 32  # captured sets kept (least recently used dropped): slot combinations x windows can be many
@@ -100,14 +101,10 @@ class DecodeGraphs:
         self.tok = torch.zeros(n, dtype=torch.long, device=dev)  # static inputs
         self.pos = torch.zeros(n, dtype=torch.long, device=dev)
         self.cuda = dev.type == "cuda"
-        # an embedding table on the host cannot be read inside a graph: the step's rows (still quantized, a few KB)
-        # are gathered on the host into a pinned buffer and copied into `embeds` before each replay; the graph
-        # dequantizes them
-        self.embeds = self._rows_host = None
-        if model.host_embed:
-            row_bytes = model.embed.raw.shape[-1]
-            self.embeds = torch.zeros(n, row_bytes, dtype=torch.uint8, device=dev)
-            self._rows_host = torch.zeros(n, row_bytes, dtype=torch.uint8, pin_memory=self.cuda)
+        # an embedding table in (pinned) host RAM: the step's rows, still quantized (a few KB), are read over the
+        # bus inside the graph by a kernel taking the token ids in device memory (strata.ops.host_rows), and
+        # dequantized on the GPU
+        self.host_rows = bool(model.host_embed)
         self.rec = PieceRecorder()
         # the trunk's last hidden states of every token of the step, kept for a reader after it (an MTP drafter):
         # a graph's output like its logits, valid until the next replay
@@ -138,7 +135,9 @@ class DecodeGraphs:
     def _forward(self, segs, live: bool = True, counting: bool = True):
         n = sum(seg.n for seg in segs)
         ctx = self._context(n, live, counting)
-        embeds = self.model.embed_rows(self.embeds[:n]) if self.embeds is not None else None
+        embeds = None
+        if self.host_rows:
+            embeds = self.model.embed_rows(registry.op("gather_rows")(self.model.embed.raw, self.tok[:n]))
         # a verify step scores every position (its logits rows in segment order), a decode step its one token
         hidden = [] if self.want_hidden else None
         out = self.model.forward(self.tok[:n], self.pos[:n], segs, self.kv, ctx=ctx, embeds=embeds,
@@ -227,16 +226,13 @@ class DecodeGraphs:
         (slots, window, T): each query sees the keys up to its own position (the window's mask per query).
         `tokens` may be a device tensor [n] (tokens sampled by the previous step, not yet read by the host): the
         step then follows a one-token step of the same sequences in the same order, and their device positions
-        advance by one there (a copy from host memory could wait for the stream); a table of embeddings on the host
-        needs the tokens on the host."""
+        advance by one there (a copy from host memory could wait for the stream)."""
         b = len(slots)
         n = b * T
         if not 0 < b <= self.max_batch or n > self.max_tokens or len(positions) != b or len(tokens) != n:
             raise ValueError(f"a graphed step takes 1..{self.max_batch} sequences and {self.max_tokens} tokens, "
                              f"got {b} x {T}")
         if isinstance(tokens, torch.Tensor):
-            if self.embeds is not None:
-                raise ValueError("a step's tokens must be on the host when the embedding table is")
             if T != 1:
                 raise ValueError("device tokens follow a one-token step")
             self.tok[:n].copy_(tokens.view(-1), non_blocking=True)
@@ -247,10 +243,6 @@ class DecodeGraphs:
         else:
             self.tok[:n].copy_(torch.tensor(tokens))
             self.pos[:n].copy_(torch.tensor([p + j for p in positions for j in range(T)]))
-        if self.embeds is not None:  # the rows gathered on the host, one small copy (the last step's is done:
-            # its logits were read)
-            torch.index_select(self.model.embed.raw, 0, torch.tensor(tokens), out=self._rows_host[:n])
-            self.embeds[:n].copy_(self._rows_host[:n], non_blocking=True)
         key = self._key(slots, self.window_for(max(positions) + T - 1), T)
         if not self.cuda:
             out = self._forward(self._segments(key[1], key[0], T))

@@ -149,7 +149,10 @@ def embed_on_host(model, g) -> None:
     from strata.quant import QTensor
 
     t = g.tensors["token_embd.weight"]
-    model.embed = QTensor.from_raw(t.raw(), t.qtype, t.shape)
+    raw = t.raw()
+    if model.device.type == "cuda":  # pinned: a decode step's graph reads its rows over the bus (ops.host_rows)
+        raw = torch.empty(raw.shape, dtype=raw.dtype, pin_memory=True).copy_(raw)
+    model.embed = QTensor.from_raw(raw, t.qtype, t.shape)
     model.host_embed = True
     if model.device.type == "cuda":
         torch.cuda.empty_cache()

@@ -129,6 +129,12 @@ reference("dequantize_blocks")(dequantize_blocks_torch)
 reference("qmatmul")(reference_qmatmul)
 
 
+@reference("gather_rows")
+def gather_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` [n] of `table` [V, B] (where it lies) -> [n, B] on the ids' device."""
+    return table.index_select(0, ids.to(table.device)).to(ids.device)
+
+
 @reference("route_topk")
 def route_topk(logits: torch.Tensor, k: int, sigmoid: bool, norm: bool, scale: float,
                bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -45,6 +45,7 @@ KERNEL_MODULES = (
     "strata.ops.qgemv",
     "strata.ops.host_stage",
     "strata.ops.route",
+    "strata.ops.host_rows",
 )
 
 

@@ -1,6 +1,7 @@
 """The input embedding table in host RAM (`--host-embed`, on by default for tiered experts under a VRAM budget):
-eager steps gather their rows on the host, captured decode steps take them in a device buffer filled before each
-replay. Both must decode exactly what the table on the compute device does."""
+eager steps gather their rows on the host, captured decode steps read them inside the graph from the token ids in
+device memory (strata.ops.host_rows; pinned host RAM on a GPU), so decode steps can be launched ahead. Both must
+decode exactly what the table on the compute device does."""
 
 from __future__ import annotations
 
@@ -39,8 +40,8 @@ def test_host_rows_decode_like_the_table_on_the_device(model_path, graphs):
     ref, _ = _tokens(model_path, "cpu", graphs, False, mode="tiered", slots=3, cpu_plan="012")
     got, eng = _tokens(model_path, "cpu", graphs, True, mode="tiered", slots=3, cpu_plan="012")
     assert eng.model.host_embed and got == ref
-    if graphs:  # the static step took its rows from the buffer the host fills
-        assert eng.graphs is not None and eng.graphs.embeds is not None
+    if graphs:  # the static step read its rows itself, and steps were launched ahead
+        assert eng.graphs is not None and eng.graphs.host_rows and eng.ahead.launched > 0
 
 
 def test_default_follows_the_budget(model_path):
@@ -63,5 +64,7 @@ def test_cuda_host_embed_equals_device_embed(model_path, graphs):
     assert torch.cuda.is_available()
     ref, _ = _tokens(model_path, "cuda", graphs, False, mode="tiered", slots=3, cpu_plan="012")
     got, eng = _tokens(model_path, "cuda", graphs, True, mode="tiered", slots=3, cpu_plan="012")
-    assert eng.model.embed.raw.device.type == "cpu" and got == ref
+    assert eng.model.embed.raw.device.type == "cpu" and eng.model.embed.raw.is_pinned() and got == ref
+    if graphs:
+        assert eng.ahead is not None and eng.ahead.launched > 0
 
