@@ -39,12 +39,13 @@ def prefill_bytes_per_token(d_model: int, k: int) -> int:
     """VRAM one token of a prefill chunk takes on a GPU while a layer runs: its k expert pairs' float32 outputs
     (4·k·d, alive through the layer's MoE), their bf16 inputs, outputs and FFN intermediates in the grouped
     batches, the dequantized weight chunks' share (strata.ops.moe_prefill bounds both per batch), the attention
-    and norm temporaries, and the allocator's rounding of all that: d·(6k + 48), 197 KB a token of B1 (hidden
-    2048, top-8), 0.77 GiB for a 4K chunk. (With 256 MiB batches, a whole batch's output widened to float32 at
+    and norm temporaries, and the allocator's rounding of all that: d·(7k + 60), 238 KB a token of B1 (hidden
+    2048, top-8), 0.91 GiB for a 4K chunk, as measured there (torch's reserved memory 0.909 GiB above what was
+    held before the prompt; allocated 0.80). (With 256 MiB batches, a whole batch's output widened to float32 at
     once and the choices combined in one product, a 4K chunk had taken 1.54 GiB reserved above the weights, KV
     and expert cache.) Less room than a chunk takes makes the prefill slower under the budget's cap, as torch
     then returns and re-maps memory inside the chunk."""
-    return int(d_model) * (6 * max(1, int(k)) + 48)
+    return int(d_model) * (7 * max(1, int(k)) + 60)
 
 
 def prefill_chunk_for(left_bytes: int, bytes_per_token: int) -> int:

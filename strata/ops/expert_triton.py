@@ -345,7 +345,7 @@ def _sm_count(index: int) -> int:
 
 
 def plan(qtypes, N: int, K: int, batch: int, device: torch.device, block_n: int | None = None,
-         block_k: int | None = None) -> tuple[int, int, bool, int]:
+         block_k: int | None = None, host: bool = False) -> tuple[int, int, bool, int]:
     """(BN rows per program, KW weights per iteration, EVEN: KW divides K, num_warps) for a launch over
     `batch` x N rows of the weights `qtypes` (one, or gate and up read together).
 
@@ -357,7 +357,13 @@ def plan(qtypes, N: int, K: int, batch: int, device: torch.device, block_n: int 
     weights a row per iteration were the fastest or within 15% of it for every shape, where the earlier rule
     (multi-warp programs, whole 2048-weight rows per iteration) took up to 1.75x as long (the expert GLU,
     the LM head). block_n / block_k override (powers of two; block_k a multiple of the block length).
+
+    host: the launch may read missed experts from pinned host RAM over the bus, where a program needs many more
+    bytes in flight than in HBM: the wide tiles (`_plan_wide`) measured faster there (B1 at 8 GiB, in process:
+    0.05 ms a miss with them, 0.135 with one-warp programs).
     """
+    if host:
+        return _plan_wide(qtypes, N, K, batch, device, block_n, block_k)
     qb = max(block_len(qt) for qt in qtypes)
     kw = min(KW_DECODE, K & -K)
     if kw < min(K, 256):
@@ -376,6 +382,42 @@ def plan(qtypes, N: int, K: int, batch: int, device: torch.device, block_n: int 
         while bn > 1 and (bn * weights > tile or batch * triton.cdiv(N, bn) < PROGRAMS_PER_SM * sms):
             bn //= 2
     return bn, kw, K % kw == 0, 1
+
+
+WIDE_KW_MAX, WIDE_ROWS_MAX, WIDE_WARPS_PER_SM = 2048, 16, 8
+
+
+def _plan_wide(qtypes, N: int, K: int, batch: int, device: torch.device, block_n: int | None,
+               block_k: int | None) -> tuple[int, int, bool, int]:
+    """Whole rows (up to WIDE_KW_MAX weights) per iteration, rows filling the format's TILE, then halved until the
+    launch has WIDE_WARPS_PER_SM warps per SM; warps give each thread ~TILE's per-thread weights (1 to 4)."""
+    qb = max(block_len(qt) for qt in qtypes)
+    kw = min(WIDE_KW_MAX, K & -K)
+    if kw < min(K, 256):
+        kw = min(WIDE_KW_MAX, triton.next_power_of_2(K))
+    kw = max(kw, qb)
+    if block_k:
+        kw = block_k
+    tile, per_thread = min(TILE[qt] for qt in qtypes)
+    weights = kw * len(qtypes)
+
+    def warps(bn: int) -> int:
+        n = 1
+        while n < 4 and 2 * n * 32 * per_thread <= bn * weights:
+            n *= 2
+        return n
+
+    if block_n:
+        bn = block_n
+    else:
+        bn = 1
+        while bn < WIDE_ROWS_MAX and 2 * bn * weights <= tile:
+            bn *= 2
+        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+            if device.type == "cuda" else 1
+        while bn > 1 and batch * triton.cdiv(N, bn) * warps(bn) < WIDE_WARPS_PER_SM * sms:
+            bn //= 2
+    return bn, kw, K % kw == 0, warps(bn)
 
 
 def triton_expert_ffn(x: torch.Tensor, gate, up, down, slots: torch.Tensor, block_n: int | None = None,
@@ -399,11 +441,11 @@ def triton_expert_ffn(x: torch.Tensor, gate, up, down, slots: torch.Tensor, bloc
     else:
         hg, hu, hd, ids = g, u, dn, slots  # not read
     tab = codebooks_for((gate.qtype, up.qtype, down.qtype), a)
-    bn, kw, even, warps = plan((gate.qtype, up.qtype), ff, d, P, x.device, block_n, block_k)
+    bn, kw, even, warps = plan((gate.qtype, up.qtype), ff, d, P, x.device, block_n, block_k, host is not None)
     _glu_kernel[(P * triton.cdiv(ff, bn),)](
         x, g, u, slots, hg, hu, ids, tab, a, P, ff, d, g[0].numel(), u[0].numel(), g.shape[-1], u.shape[-1],
         QG=int(gate.qtype), QU=int(up.qtype), BN=bn, KW=kw, EVEN=even, HOST=host is not None, num_warps=warps)
-    bn, kw, even, warps = plan((down.qtype,), d, ff, P, x.device, block_n, block_k)
+    bn, kw, even, warps = plan((down.qtype,), d, ff, P, x.device, block_n, block_k, host is not None)
     _gemv_kernel[(P * triton.cdiv(d, bn),)](
         a, dn, slots, hd, ids, tab, y, P, d, ff, dn[0].numel(), dn.shape[-1], QT=int(down.qtype), BN=bn, KW=kw,
         EVEN=even, GATHER=True, HOST=host is not None, num_warps=warps)

@@ -155,19 +155,19 @@ def test_fit_gpu():
 
 def test_fit_gpu_leaves_room_for_a_prefill_chunk():
     """As the engine on a GPU: a 4096-token prefill chunk's activations come out of the budget (hidden 2048,
-    top-8: 197 KB a token, 0.77 GiB), so a 4K prompt streams each uncached expert once."""
+    top-8: 238 KB a token, 0.91 GiB), so a 4K prompt streams each uncached expert once."""
     import dataclasses
 
     from strata.experts.sizing import PREFILL_TARGET, prefill_bytes_per_token
 
     q = dataclasses.replace(QWEN, d_model=2048)
-    assert prefill_bytes_per_token(2048, 8) == 2048 * 96 and PREFILL_TARGET == 4096
+    assert prefill_bytes_per_token(2048, 8) == 2048 * 116 and PREFILL_TARGET == 4096
     f0, f = fit(QWEN, _machine(vram_free=8 * GiB), ctx=8192), fit(q, _machine(vram_free=8 * GiB), ctx=8192)
     from strata.experts.sizing import prefill_chunk_for
 
-    chunk = prefill_chunk_for(8 * GiB - f0.vram_needed, 2048 * 96)  # a third of what is left holds 4096 tokens
-    assert chunk == 4096 and f.vram_needed - f0.vram_needed == chunk * 2048 * 96
-    assert (f.prefill_chunk, f.prefill_bytes) == (chunk, chunk * 2048 * 96)
+    chunk = prefill_chunk_for(8 * GiB - f0.vram_needed, 2048 * 116)  # a third of what is left holds 4096 tokens
+    assert chunk == 4096 and f.vram_needed - f0.vram_needed == chunk * 2048 * 116
+    assert (f.prefill_chunk, f.prefill_bytes) == (chunk, chunk * 2048 * 116)
     assert f.slots < f0.slots
     short = fit(q, _machine(), 8192, vram_budget=2 * GiB)
     assert not short.ok and "256-token prefill chunk" in short.reasons[0]

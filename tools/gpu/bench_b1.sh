@@ -27,6 +27,8 @@
 #   NAME         the run folder's name [b1-<BUDGET>gib-vs-llamacpp]
 #   MODEL        the GGUF file [scratch/b1.gguf, made when missing]
 #   TIMEOUT      seconds for the bench itself [540]; JOBS for the llama.cpp build [16]
+#   PEER         llamacpp [default], or none: strata alone (no llama.cpp build needed; `run` only, after the
+#                model exists: `source tools/gpu/setup.sh; b1_model`)
 #   OUT          where results go (set by the device tool) [scratch/out]
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -50,7 +52,12 @@ prepare() {
 
 run() {
   [[ -f "$MODEL" ]] || { echo "bench_b1.sh: no $MODEL: run '$0 prepare' first (on this warm machine)" >&2; return 1; }
-  [[ -x "$SERVER_BIN" ]] || { echo "bench_b1.sh: no $SERVER_BIN: run '$0 prepare' first" >&2; return 1; }
+  local vs=(--vs llamacpp)
+  if [[ "${PEER:-llamacpp}" == none ]]; then
+    vs=()
+  else
+    [[ -x "$SERVER_BIN" ]] || { echo "bench_b1.sh: no $SERVER_BIN: run '$0 prepare' first" >&2; return 1; }
+  fi
   local budget=(--vram-gb "$BUDGET")
   [[ "$BUDGET" == 0 ]] && budget=(--experts resident)
   local work="scratch/bench-runs"
@@ -58,7 +65,7 @@ run() {
   machine_line | tee "$OUT/machine.txt"
   # shellcheck disable=SC2086  # SUITES is a word list
   timeout "${TIMEOUT:-540}" python3 -m strata bench ${SUITES:-sweep concurrency} -m "$MODEL" --device cuda \
-    "${budget[@]}" --vs llamacpp --temperature "${TEMPERATURE:-0.8}" --workers "${WORKERS:-1,4}" \
+    "${budget[@]}" "${vs[@]}" --temperature "${TEMPERATURE:-0.8}" --workers "${WORKERS:-1,4}" \
     --lengths "${LENGTHS:-1K,4K}" --runs "${RUNS:-3}" --gen "${GEN:-128}" --name "$NAME" --out "$work" "$@" \
     > "$OUT/bench.log" 2>&1
   local rc=$?
