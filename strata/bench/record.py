@@ -142,9 +142,33 @@ def gpu_memory_used() -> int | None:
     return None
 
 
+class _Nvml:
+    """NVML opened once for a poller (nvmlInit per reading costs milliseconds of driver work, repeated ten times a
+    second beside the servers being timed); None when the library or the driver is missing."""
+
+    def __init__(self):
+        import pynvml
+
+        pynvml.nvmlInit()
+        self.nv = pynvml
+        self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+
+    def used(self) -> int:
+        return sum(int(self.nv.nvmlDeviceGetMemoryInfo(h).used) for h in self.handles)
+
+    def close(self) -> None:
+        self.nv.nvmlShutdown()
+
+
+# Without NVML the poller runs nvidia-smi, a process start and a driver query each time: at most once a second
+# (the peak of a server's VRAM is a plateau it holds for the whole run; a tighter poll only loads the machine)
+SMI_INTERVAL = 1.0
+
+
 class VramPeak:
     """The peak VRAM in use while the block runs (polled), and what was in use before it: `peak - baseline` is
-    what the block's processes took. Both None on machines without an NVIDIA GPU."""
+    what the block's processes took. Both None on machines without an NVIDIA GPU. NVML stays open while it polls;
+    without it, nvidia-smi runs at most every SMI_INTERVAL seconds."""
 
     def __init__(self, interval: float = 0.1):
         self.interval = interval
@@ -152,6 +176,7 @@ class VramPeak:
         self.max_used: int | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._nvml: _Nvml | None = None
 
     @property
     def peak(self) -> int | None:
@@ -160,14 +185,27 @@ class VramPeak:
             return None
         return self.max_used - (self.baseline or 0)
 
+    def _read(self) -> int | None:
+        if self._nvml is not None:
+            try:
+                return self._nvml.used()
+            except Exception:  # noqa: BLE001 - the driver went away: nvidia-smi from now on
+                self._nvml = None
+        return gpu_memory_used()
+
     def _poll(self) -> None:
-        while not self._stop.wait(self.interval):
-            used = gpu_memory_used()
+        wait = self.interval if self._nvml is not None else max(self.interval, SMI_INTERVAL)
+        while not self._stop.wait(wait):
+            used = self._read()
             if used is not None:
                 self.max_used = max(self.max_used or 0, used)
 
     def __enter__(self) -> "VramPeak":
-        self.baseline = gpu_memory_used()
+        try:
+            self._nvml = _Nvml()
+        except Exception:  # noqa: BLE001 - no NVML: gpu_memory_used's nvidia-smi
+            self._nvml = None
+        self.baseline = self._read()
         if self.baseline is not None:
             self.max_used = self.baseline
             self._thread = threading.Thread(target=self._poll, daemon=True, name="strata-vram-peak")
@@ -178,3 +216,9 @@ class VramPeak:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        if self._nvml is not None:
+            try:
+                self._nvml.close()
+            except Exception:  # noqa: BLE001 - shutting down a library that is going away anyway
+                pass
+            self._nvml = None

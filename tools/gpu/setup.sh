@@ -1,8 +1,9 @@
 # Sourced (never run) by the scripts beside it, from the repository root, on the GPU machine.
 #
 # That machine has torch, triton, numpy, tokenizers, jinja2, httpx, pytest ... but no package index and not the
-# server stack or gguf: carry them as wheels in .whl/ (git-ignored; `../shared/device/wheels.sh` fetches them
-# here), and they are installed into /tmp/site at the start of every command. Also carry peers/src for the
+# server stack or gguf: carry them as wheels in .whl/ (git-ignored; `../shared/device/wheels.sh nvidia-ml-py`
+# fetches them here: with nvidia-ml-py `strata bench` reads VRAM through NVML instead of starting nvidia-smi beside
+# the servers it times), and they are installed into /tmp/site at the start of every command. Also carry peers/src for the
 # llama.cpp peer (bench/peers/llamacpp.sh fetch, or pack for the ~5 MB pruned copy). A working tree over the
 # 64 MiB a command carries: move strata/data/strata-tiny.gguf out of it first.
 #
