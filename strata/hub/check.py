@@ -252,7 +252,8 @@ def fit(fp: ModelFootprint, machine: MachineInfo, ctx: int = 0, vram_budget: int
                              per_slot=fp.expert_bytes // fp.n_expert,  # one expert in every layer
                              n_experts=fp.n_expert, prefill_chunk=chunk)
     vram_needed = held + VRAM_RESERVE + staging + prefill
-    ram_needed = fp.expert_bytes + RAM_HEADROOM
+    # the experts pinned, and the input embedding pinned beside them when it is served from host RAM
+    ram_needed = fp.expert_bytes + (fp.embed_bytes if fp.n_expert else 0) + RAM_HEADROOM
     spare = vram_budget - vram_needed
     slots = split.slots if split is not None else 0
     share = slots / fp.n_expert if fp.n_expert else 1.0
