@@ -41,6 +41,14 @@ class ServeConfig:
     fault_after_tokens: int | None = None  # tests only: see strata.config.fault_after_tokens_for_tests
 
 
+def _decode_steps(engine) -> dict:
+    """How decode steps run: replayed graphs, launched one ahead (strata.engine.ahead), and how many so far."""
+    ahead = getattr(engine, "ahead", None)
+    return {"graphs": getattr(engine, "graphs", None) is not None, "ahead": ahead is not None,
+            "launched_ahead": ahead.launched if ahead is not None else 0,
+            "ahead_dropped": ahead.dropped if ahead is not None else 0}
+
+
 def create_app(cfg: ServeConfig, load: Callable[[], object] | None = None, lm=None,
                narrate: Callable[[str], None] | None = None,
                on_error: Callable[[BaseException], None] | None = None) -> FastAPI:
@@ -250,6 +258,7 @@ def _routes(app: FastAPI) -> None:
             "structured_output": request.app.state.model_meta.get("structured_output"),
             "tool_call_format": srv.tool_format,
             "vram_split": request.app.state.metrics.settings.get("vram_split"),
+            "decode_steps": _decode_steps(srv.worker.engine),
         }
 
     @app.get("/slots")

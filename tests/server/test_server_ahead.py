@@ -55,8 +55,12 @@ def test_server_text_is_the_same_with_steps_launched_ahead(lm):
         assert eng.ahead is not None
         got = _run(s.url)
         launched = eng.ahead.launched
+        steps = httpx.get(s.url + "/props").json()["decode_steps"]
+        assert steps["graphs"] and steps["ahead"] and steps["launched_ahead"] == launched
+        assert steps["ahead_dropped"] >= 1  # the stop strings and the client that went away
     with serve(_lm(lm, False), parallel=3) as s:
         assert s.state.server.worker.engine.ahead is None
         want = _run(s.url)
+        assert not httpx.get(s.url + "/props").json()["decode_steps"]["ahead"]
     assert got == want
     assert launched > 20
