@@ -75,6 +75,16 @@ if triton is not None:
         return tl.load(p.to(tl.pointer_type(tl.uint16)), mask=m, other=0).to(tl.int32)
 
     @triton.jit
+    def _u32h(p, m):
+        """The little-endian u32 at 2-byte aligned byte pointers p, from its two halves, as uint32. Assembled in
+        uint32: an int32 `hi << 16` overflows into the sign bit, which compiled code may treat as undefined
+        (the interpreter wraps it, so only a GPU would show it)."""
+        q = p.to(tl.pointer_type(tl.uint16))
+        lo = tl.load(q, mask=m, other=0).to(tl.uint32)
+        hi = tl.load(q + 1, mask=m, other=0).to(tl.uint32)
+        return lo | (hi << 16)
+
+    @triton.jit
     def _f16v(p, m):
         return tl.load(p.to(tl.pointer_type(tl.float16)), mask=m, other=0.0).to(tl.float32)
 
@@ -124,7 +134,7 @@ if triton is not None:
         blk = row[:, None] + sb[None, :] * 66
         d = _f16v(blk, m2)
         w = blk[:, :, None] + 2 + 8 * ib[None, None, :]  # [BN, NB, 8] the sub-block's two u32
-        w1 = (_u16(w + 4, m3) | (_u16(w + 6, m3) << 16)).to(tl.uint32)  # sign indices and scale
+        w1 = _u32h(w + 4, m3)  # sign indices and scale
         db = d[:, :, None] * (0.5 + (w1 >> 28).to(tl.float32)) * 0.25  # [BN, NB, 8]
         gi = tl.load(w[:, :, :, None] + lg.to(tl.int64)[None, None, None, :], mask=m4, other=0,
                      eviction_policy="evict_first").to(tl.int32)  # [BN, NB, 8, 4] grid indices
@@ -148,7 +158,7 @@ if triton is not None:
         blk = row[:, None] + sb[None, :] * 98
         d = _f16v(blk, m2)
         sp = blk[:, :, None] + 66 + 4 * ib[None, None, :]  # [BN, NB, 8] the sub-block's u32
-        sc = (_u16(sp, m3) | (_u16(sp + 2, m3) << 16)).to(tl.uint32)
+        sc = _u32h(sp, m3)
         db = d[:, :, None] * (0.5 + (sc >> 28).to(tl.float32)) * 0.5
         si = ((sc[:, :, :, None] >> (7 * lg).to(tl.uint32)[None, None, None, :]) & 127).to(tl.int32)
         # index byte of weight (ib, l, j): 2 + 8 ib + 2 l + j // 4, value j % 4 of its grid entry
