@@ -360,18 +360,12 @@ def plan(qtypes, N: int, K: int, batch: int, device: torch.device, block_n: int 
     the LM head). block_n / block_k override (powers of two; block_k a multiple of the block length).
 
     host: the launch may read missed experts from pinned host RAM over the bus, where a program needs many more
-    bytes in flight than in HBM: the wide tiles (`_plan_wide`) measured faster there (B1 at 8 GiB, in process:
-    0.05 ms a miss with them, 0.135 with one-warp programs).
+    bytes in flight than in HBM: such launches keep the wide tiles they were measured with (`_plan_wide`; the
+    sweep above timed VRAM reads only).
     """
     if host:
         return _plan_wide(qtypes, N, K, batch, device, block_n, block_k)
-    qb = max(block_len(qt) for qt in qtypes)
-    kw = min(KW_DECODE, K & -K)
-    if kw < min(K, 256):
-        kw = min(KW_MAX, triton.next_power_of_2(K))
-    kw = max(kw, qb)
-    if block_k:
-        kw = block_k
+    kw = _kw(qtypes, K, KW_DECODE, block_k)
     tile = min(TILE[qt][0] for qt in qtypes)
     weights = kw * len(qtypes)  # per row and iteration
     if block_n:
@@ -388,17 +382,22 @@ def plan(qtypes, N: int, K: int, batch: int, device: torch.device, block_n: int 
 WIDE_KW_MAX, WIDE_ROWS_MAX, WIDE_WARPS_PER_SM = 2048, 16, 8
 
 
+def _kw(qtypes, K: int, most: int, block_k: int | None) -> int:
+    """Weights of a row per iteration: the largest power of two dividing K up to `most` (no masks); if that is
+    small (K = 96: 32), the next power of two >= K (up to KW_MAX), the blocks past K masked; block_k overrides."""
+    if block_k:
+        return block_k
+    kw = min(most, K & -K)
+    if kw < min(K, 256):
+        kw = min(KW_MAX, triton.next_power_of_2(K))
+    return max(kw, max(block_len(qt) for qt in qtypes))
+
+
 def _plan_wide(qtypes, N: int, K: int, batch: int, device: torch.device, block_n: int | None,
                block_k: int | None) -> tuple[int, int, bool, int]:
     """Whole rows (up to WIDE_KW_MAX weights) per iteration, rows filling the format's TILE, then halved until the
     launch has WIDE_WARPS_PER_SM warps per SM; warps give each thread ~TILE's per-thread weights (1 to 4)."""
-    qb = max(block_len(qt) for qt in qtypes)
-    kw = min(WIDE_KW_MAX, K & -K)
-    if kw < min(K, 256):
-        kw = min(WIDE_KW_MAX, triton.next_power_of_2(K))
-    kw = max(kw, qb)
-    if block_k:
-        kw = block_k
+    kw = _kw(qtypes, K, WIDE_KW_MAX, block_k)
     tile, per_thread = min(TILE[qt] for qt in qtypes)
     weights = kw * len(qtypes)
 
