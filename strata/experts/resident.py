@@ -205,7 +205,8 @@ class ResidentExperts:
             return combine(expert_loop(ew, x, ids), w, x.dtype)
         from strata.ops.moe_prefill import grouped_expert_ffn
 
-        return combine(grouped_expert_ffn(x, ew.gate, ew.up, ew.down, ids), w, x.dtype)
+        # every expert resident: no budget shared with a cache, the larger batches
+        return combine(grouped_expert_ffn(x, ew.gate, ew.up, ew.down, ids, roomy=True), w, x.dtype)
 
 
 def expert_loop(ew: ExpertWeights, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
