@@ -15,8 +15,9 @@ The sampled draw uses the sequence's own generator exactly as a plain step would
 
 Taken only when nothing needs the host between the steps: every running sequence is decoding in the step (none
 waits for its prompt), none asks for log-probabilities, a grammar, drafts or repetition penalties (whose window
-holds the token not yet read), each has room for two more tokens, and the model keeps no recurrent state or MTP
-block (their state would absorb the dropped token). An embedding table in host RAM is read by the graph itself
+holds the token not yet read), each has room for two more tokens, the model keeps no recurrent state or MTP
+block (their state would absorb the dropped token), and no CPU/PCIe plan is being tuned (the tuner fits each
+step's time to that step's misses, which a step in flight would blur). An embedding table in host RAM is read by the graph itself
 from the token ids in device memory (strata.ops.host_rows).
 """
 
@@ -62,6 +63,9 @@ class Ahead:
             return False
         if len(eng.running) != len(seqs) or any(s not in eng.running for s in seqs):
             return False  # a new prompt waits (or a sequence left): the scheduler takes the next step
+        experts = eng.model.experts
+        if experts is not None and experts.tuning():
+            return False  # the plan tuner fits each step's time to that step's misses: steps one at a time
         return all(not s.finished and s.prompt_done and _plain(s, eng) and len(s.output) + 2 <= s.max_tokens
                    and s.pos + 2 < eng.max_ctx for s in seqs)
 

@@ -98,6 +98,23 @@ def test_not_taken_when_the_host_needs_the_token(models):
     assert not EngineConfig(decode_ahead=False).decode_ahead
 
 
+def test_not_taken_while_a_plan_is_tuned(hf_and_gguf):
+    """The plan tuner fits each decode step's time to its misses: while it runs, steps go one at a time."""
+    from strata.config import ExpertConfig
+
+    _, path = hf_and_gguf("qwen3moe")
+    cfg = EngineConfig(device="cpu", dtype="float32", cuda_graphs=True,
+                       experts=ExpertConfig(mode="tiered", slots=2, cpu_plan="011"))
+    eng = Engine(load_model(str(path), cfg, with_tokenizer=False), n_slots=1)
+    tuning = [True]
+    eng.model.experts.tuning = lambda: tuning[0]
+    list(eng.generate(_prompt(10, 9), SamplingParams(temperature=0), 12))
+    assert eng.ahead is not None and eng.ahead.launched == 0
+    tuning[0] = False
+    list(eng.generate(_prompt(10, 9), SamplingParams(temperature=0), 12))
+    assert eng.ahead.launched > 5
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("experts", [None, dict(mode="tiered", slots=1, cpu_plan="000", decode_misses="staged")])
 def test_cuda_steps_launched_ahead_keep_the_text(hf_and_gguf, experts):
