@@ -146,6 +146,12 @@ def decode_lanes_ms(
 
 
 HANDOFF_MARGIN = 0.9  # the hand-off must be expected this much faster than staging to be chosen by `auto`
+# What leaving the one-graph step costs a token-layer beyond its lanes: the graph cut in pieces around the host's
+# turn, the host's planning, DMA copies instead of the staging kernel. Measured on the H200 machine (B1, 8 GiB,
+# PCIe only on both paths): the hand-off path's token took 21.0 ms where the staged one took 14.4 ms for the same
+# misses, 0.14 ms a token-layer. Without it `auto` picked the hand-off there (the lanes alone looked ~20% faster),
+# and decode ran at ~2/3 of the staged rate.
+HANDOFF_STEP_MS = 0.14
 
 
 def decode_path(costs: CostModel, plan: "CpuPlan", k: int, misses: int | None = None) -> tuple[str, float, float]:
@@ -154,13 +160,14 @@ def decode_path(costs: CostModel, plan: "CpuPlan", k: int, misses: int | None = 
 
     Staged (one graph, no host): the misses cross the link, then all k pairs are computed. Hand-off: the host
     splits the misses by `plan` between the CPU lane and PCIe copies (decode_lanes_ms), plus a round trip every
-    layer (cpu_overhead_ms: a token's activations to the host and back). The hand-off is chosen only when the
+    layer (cpu_overhead_ms: a token's activations to the host and back) and the cost of the graph's pieces
+    (HANDOFF_STEP_MS). The hand-off is chosen only when the
     plan gives the CPU a share and it is clearly faster: a machine whose CPU reads RAM faster than its link
     (PCIe 4.0 beside DDR5), never one whose link outruns its cores."""
     m = max(1, min(k, k // 2 if misses is None else int(misses)))
     staged = m * costs.pcie_ms_per_expert + k * costs.gpu_ms_per_expert
     cpu = plan.shares[m] if m < len(plan.shares) else 0
-    handoff = max(costs.decode_lanes_ms(k, m, cpu)) + (0.0 if cpu else costs.cpu_overhead_ms)
+    handoff = max(costs.decode_lanes_ms(k, m, cpu)) + (0.0 if cpu else costs.cpu_overhead_ms) + HANDOFF_STEP_MS
     choice = "handoff" if cpu > 0 and handoff < HANDOFF_MARGIN * staged else "staged"
     return choice, staged, handoff
 

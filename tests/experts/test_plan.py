@@ -251,7 +251,7 @@ def test_split_rows_equals_choose_per_row(plan):
 
 
 def test_decode_path_stages_unless_the_cpu_lane_clearly_wins():
-    from strata.experts.plan import CostModel, CpuPlan, decode_path
+    from strata.experts.plan import HANDOFF_STEP_MS, CostModel, CpuPlan, decode_path
 
     k = 8
     # a fast link beside a CPU that reads experts slower than it: every miss crosses the link, in the graph
@@ -274,4 +274,11 @@ def test_decode_path_stages_unless_the_cpu_lane_clearly_wins():
     # faster than the link once its hand-off is counted
     near = CostModel(cpu_ms_per_expert=0.06, pcie_ms_per_expert=0.1, gpu_ms_per_expert=0.0, cpu_overhead_ms=0.035)
     p, s, h = decode_path(near, near.cpu_plan(k), k, misses=1)
-    assert near.cpu_plan(k).shares[1] == 1 and h == pytest.approx(0.095) and p == "staged"
+    assert near.cpu_plan(k).shares[1] == 1 and h == pytest.approx(0.095 + HANDOFF_STEP_MS) and p == "staged"
+    # costs like the H200 machine's (a Gen5 link beside 16 cores; B1's experts): the lanes alone look faster than
+    # staging, but the hand-off's pieces cost more than they save (measured there: 21.0 ms a token handed off
+    # with every miss on the link, 14.4 ms staged)
+    h200 = CostModel(cpu_ms_per_expert=0.07, pcie_ms_per_expert=0.062, gpu_ms_per_expert=0.004, cpu_overhead_ms=0.05)
+    p, s, h = decode_path(h200, h200.cpu_plan(k), k)
+    lanes = max(h200.decode_lanes_ms(k, 4, h200.cpu_plan(k).shares[4]))
+    assert h200.cpu_plan(k).shares[4] > 0 and lanes < 0.9 * s and p == "staged"
