@@ -185,6 +185,17 @@ class TieredExperts:
             atexit.register(self.close)
         return self.vram_split
 
+    @property
+    def decode_misses_path(self) -> str | None:
+        """How graphed decode steps take their misses: "staged" (copied by a kernel inside the step), "direct"
+        (read in place over the bus) or "handoff" (the host splits them between the CPU lane and PCIe copies);
+        None before the backend is set up."""
+        if self.cache is None:
+            return None
+        if self.direct is not None:
+            return "staged" if self.direct.stage else "direct"
+        return "handoff"
+
     def _stageable(self) -> bool:
         """Every layer's expert stacks and its pool can be staged by the copy kernel (else misses are read in
         place: the torch twin of the copy cannot run inside a captured step)."""

@@ -44,7 +44,9 @@ class ServeConfig:
 def _decode_steps(engine) -> dict:
     """How decode steps run: replayed graphs, launched one ahead (strata.engine.ahead), and how many so far."""
     ahead = getattr(engine, "ahead", None)
+    experts = getattr(engine.model, "experts", None)
     return {"graphs": getattr(engine, "graphs", None) is not None, "ahead": ahead is not None,
+            "misses": getattr(experts, "decode_misses_path", None),
             "launched_ahead": ahead.launched if ahead is not None else 0,
             "ahead_dropped": ahead.dropped if ahead is not None else 0}
 

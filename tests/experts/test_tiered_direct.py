@@ -172,3 +172,11 @@ def test_cuda_direct_needs_a_pinned_store(model_path, caplog):
     assert eng.model.experts.direct is None
     assert any("--decode-misses direct" in r.getMessage() for r in caplog.records)
     assert ((out - ref).abs().max() / ref.abs().max()).item() <= 1e-5
+
+
+@pytest.mark.parametrize("misses,want", [("staged", "staged"), ("direct", "direct"), ("handoff", "handoff")])
+def test_the_backend_says_which_decode_path_it_took(model_path, misses, want):
+    """What /props reports as decode_steps.misses (the path a run took is visible without reading its logs)."""
+    eng = _engine(model_path, "cpu", True, slots=2, cpu_plan="000", decode_misses=misses)
+    list(eng.generate(PROMPT, SamplingParams(temperature=0), 3))
+    assert eng.model.experts.decode_misses_path == want
