@@ -263,6 +263,8 @@ def _run_started(args, plan: Plan, model: str, model_ctx: int | None, synthetic,
                 suites.update(run_suites(client, plan, names, synthetic, tag=label))
                 after = client.metrics() or {}
                 info["experts_total_after"] = after.get("experts")
+                # how its decode steps ran (graphs, launched ahead, the misses' path): strata's /props only
+                info["decode_steps"] = client.props().get("decode_steps")
                 if after.get("profile"):  # the per-token time breakdown (a server run with --profile)
                     info["profile"] = after["profile"]
             finally:

@@ -211,6 +211,12 @@ def markdown(results: dict) -> str:
                  f"; flags: `{' '.join(srv.get('flags') or []) or '(defaults)'}`")
     if srv.get("settings"):
         lines.append(f"- settings: {json.dumps(srv['settings'], sort_keys=True)}")
+    steps = [(ph.get("suites"), (ph.get("server") or {}).get("decode_steps")) for ph in srv.get("phases", [])]
+    steps = [(names, d) for names, d in steps if d]
+    if steps:
+        lines.append("- decode steps: " + "; ".join(
+            f"{'+'.join(names or [])}: misses {d.get('misses') or '-'}, graphs {'on' if d.get('graphs') else 'off'}, "
+            f"{d.get('launched_ahead', 0)} launched ahead ({d.get('ahead_dropped', 0)} dropped)" for names, d in steps))
     lines.append(_requests_line(results))
     for prof in _profiles(srv):
         lines += ["", f"Per-token time breakdown ({prof.get('tokens')} tokens, the server's --profile):", ""]
