@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from strata.ops import registry
 from strata.quant import QTensor, qmatmul
 
 log = logging.getLogger("strata")
@@ -95,20 +96,10 @@ def gather_pairs(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, slo
     return torch.where((slots >= 0).unsqueeze(1), y, 0.0)
 
 
-COMBINE_ELEMENTS = 1 << 24  # (token, choice, dim) products formed at a time: a prefill chunk's are summed in parts
-
-
 def combine(y: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """y [N, k, d] per-choice expert outputs, w [N, k] -> [N, d], summed in routing order in float32 (a large N
-    in slices of tokens: the products are a float32 temporary as large as y)."""
-    N, k, d = y.shape
-    step = max(1, COMBINE_ELEMENTS // max(k * d, 1))
-    if N <= step:
-        return (y.float() * w.unsqueeze(-1).float()).sum(1).to(dtype)
-    out = torch.empty(N, d, dtype=dtype, device=y.device)
-    for a in range(0, N, step):
-        out[a:a + step] = (y[a:a + step].float() * w[a:a + step].unsqueeze(-1).float()).sum(1)
-    return out
+    """y [N, k, d] per-choice expert outputs, w [N, k] -> [N, d], summed in routing order in float32 (the op
+    `combine_choices`: one launch on a GPU once tested there, else torch's product and sum)."""
+    return registry.op("combine_choices")(y, w, dtype)
 
 
 DECODE_PAIRS = 64  # up to this many (token, expert) pairs the grouped kernel beats per-expert GEMMs

@@ -129,6 +129,23 @@ reference("dequantize_blocks")(dequantize_blocks_torch)
 reference("qmatmul")(reference_qmatmul)
 
 
+COMBINE_ELEMENTS = 1 << 24  # (token, choice, dim) products formed at a time: a prefill chunk's are summed in parts
+
+
+@reference("combine_choices")
+def combine_choices(y: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """y [N, k, d] per-choice expert outputs, w [N, k] -> [N, d] in dtype, summed in float32 (a large N in slices
+    of tokens: the products are a float32 temporary as large as y)."""
+    N, k, d = y.shape
+    step = max(1, COMBINE_ELEMENTS // max(k * d, 1))
+    if N <= step:
+        return (y.float() * w.unsqueeze(-1).float()).sum(1).to(dtype)
+    out = torch.empty(N, d, dtype=dtype, device=y.device)
+    for a in range(0, N, step):
+        out[a:a + step] = (y[a:a + step].float() * w[a:a + step].unsqueeze(-1).float()).sum(1)
+    return out
+
+
 @reference("gather_rows")
 def gather_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` [n] of `table` [V, B] (where it lies) -> [n, B] on the ids' device."""

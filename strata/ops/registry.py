@@ -46,6 +46,7 @@ KERNEL_MODULES = (
     "strata.ops.host_stage",
     "strata.ops.route",
     "strata.ops.host_rows",
+    "strata.ops.combine",
 )
 
 

@@ -16,6 +16,7 @@ OPS = ("rms_norm", "qk_norm_rope", "one_query_attention", "dequantize_blocks", "
 # modules that hold kernels: only strata/ops itself imports them
 KERNELS = {"strata.ops.fused", "strata.ops.decode_attention", "strata.ops.dequant_triton", "strata.ops.expert_triton",
            "strata.ops.qgemv", "strata.ops.host_stage", "strata.ops.route", "strata.ops.host_rows",
+           "strata.ops.combine",
            "strata.ops.iquant_triton"}
 ROOT = Path(__file__).parents[2] / "strata"
 
