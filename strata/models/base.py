@@ -19,7 +19,7 @@ from strata.experts.backend import StepContext
 from strata.gguf.reader import GGUFModel
 from strata.kv.cache import KVCache, Segment
 from strata.layers.moe import MoE
-from strata.layers.norm import rms_norm
+from strata.layers.norm import add_rms_norm, rms_norm
 from strata.quant import QTensor, dequantize, qmatmul
 
 
@@ -85,9 +85,9 @@ class Block:
 
     def __call__(self, x, pos, segments, kv, ctx: StepContext):
         prof = ctx.profiler
-        if prof is None:
-            h = x + self.attn(rms_norm(x, self.attn_norm, self.eps), pos, segments, kv)
-            n = rms_norm(h, self.ffn_norm, self.eps)
+        if prof is None:  # the residual add and the FFN's norm are one op (one launch on a GPU)
+            h, n = add_rms_norm(x, self.attn(rms_norm(x, self.attn_norm, self.eps), pos, segments, kv),
+                                 self.ffn_norm, self.eps)
             return h + (self.ffn(n, ctx) if self.moe else self.ffn(n))
         # --profile: spans on the GPU stream (events), resolved once per step
         t = prof.mark()

@@ -68,6 +68,29 @@ if triton is not None:
                 tl.store(yr + offs, (x * r * w).to(Y.dtype.element_ty), mask=m)
 
     @triton.jit
+    def _add_rms_norm_kernel(X, A, W, H, Y, D, eps, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        m = offs < D
+        # the residual sum in float32, rounded to the activation dtype as torch's add does (bfloat16 by hand on
+        # the bits, round to nearest even: Triton's interpreter rounds bf16 differently from the GPU), then
+        # normalized from the rounded value
+        s = tl.load(X + row * D + offs, mask=m, other=0.0).to(tl.float32) \
+            + tl.load(A + row * D + offs, mask=m, other=0.0).to(tl.float32)
+        if H.dtype.element_ty == tl.bfloat16:
+            bits = s.to(tl.uint32, bitcast=True)
+            r16 = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16)
+            tl.store(H.to(tl.pointer_type(tl.uint16)) + row * D + offs, r16, mask=m)
+            hf = (r16.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        else:
+            h = s.to(H.dtype.element_ty)
+            tl.store(H + row * D + offs, h, mask=m)
+            hf = h.to(tl.float32)
+        r = tl.rsqrt(tl.sum(hf * hf, axis=0) / D + eps)
+        w = tl.load(W + offs, mask=m, other=0.0).to(tl.float32)
+        tl.store(Y + row * D + offs, (hf * r * w).to(Y.dtype.element_ty), mask=m)
+
+    @triton.jit
     def _norm_rope_tile(src, dst, W, cos_row, sin_row, h0, H, sh, D, eps, ROT: tl.constexpr,
                         HAS_NORM: tl.constexpr, NEOX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
         """Heads h0 .. h0+BLOCK_H of one token: src points at its head 0 (head stride sh), dst at its contiguous
@@ -138,6 +161,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return y.view(x.shape)
 
 
+def add_rms_norm(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, eps: float):
+    """h = x + a (the residual stream, in x's dtype) and rms_norm(h, weight, eps), in one launch: -> (h, y)."""
+    D = x.shape[-1]
+    x2, a2 = x.reshape(-1, D), a.reshape(-1, D)
+    h, y = torch.empty_like(x2), torch.empty_like(x2)
+    if x2.shape[0]:
+        block = triton.next_power_of_2(D)
+        _add_rms_norm_kernel[(x2.shape[0],)](x2, a2, weight.contiguous(), h, y, D, float(eps), BLOCK=block,
+                                             num_warps=min(max(block // 256, 1), 8))
+    return h.view(x.shape), y.view(x.shape)
+
+
+# the residual add fused into the next RMSNorm is taken on a GPU once its GPU test has passed there (the
+# interpreter does not catch what only compiled code does); until then its twin runs (torch's add, then rms_norm)
+ADD_NORM_GPU_TESTED = False
+
+
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor | None, pos: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor, rot: int, neox: bool, q_norm: torch.Tensor | None = None,
                  k_norm: torch.Tensor | None = None, eps: float = 0.0):
@@ -176,4 +216,8 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor | None, pos: torch.Tensor, cos
 
 # the kernels' seats in the registry (strata.ops.registry): `use_for` is looked up at each call
 registry.op("rms_norm").register("triton", rms_norm, lambda x, weight, eps: use_for(x))
+registry.op("add_rms_norm").register(
+    "triton", add_rms_norm,
+    lambda x, a, weight, eps: (ADD_NORM_GPU_TESTED and use_for(x) and x.dtype == a.dtype and x.is_contiguous()
+                               and a.is_contiguous() and x.shape == a.shape and x.shape[-1] <= MAX_ONE_PASS))
 registry.op("qk_norm_rope").register("triton", qk_norm_rope, lambda q, *args, **kw: use_for(q) and q.dim() == 3)

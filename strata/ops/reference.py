@@ -29,6 +29,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (y * weight.float()).to(x.dtype)
 
 
+@reference("add_rms_norm")
+def add_rms_norm(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(h, y): the residual h = x + a and the op rms_norm of it (the fused one-row kernel where it runs)."""
+    from strata.ops.registry import op
+
+    h = x + a
+    return h, op("rms_norm")(h, weight, eps)
+
+
 def rope(x: torch.Tensor, pos: torch.Tensor, cos_t: torch.Tensor, sin_t: torch.Tensor, dim: int,
          neox: bool) -> torch.Tensor:
     """x [N, H, D]: the first `dim` of D rotated by the tables' rows at pos [N] (neox: halves; else adjacent

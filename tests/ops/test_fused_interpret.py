@@ -155,3 +155,36 @@ def test_fused_rope_replays_in_a_cuda_graph_at_new_positions():
         rk = r.rotate(rms_norm_ref(k, kn, 1e-6), pos)
         assert ((qo.float() - rq.float()).abs().max() / rq.float().abs().max()).item() <= 2 ** -7, p
         assert ((ko.float() - rk.float()).abs().max() / rk.float().abs().max()).item() <= 2 ** -7, p
+
+
+ADD_NORM = textwrap.dedent("""
+    import torch
+    from strata.ops import fused, reference
+
+    def check_add_rms_norm(dev):
+        g = torch.Generator().manual_seed(2)
+        for shape, dtype in (((3, 64), torch.float32), ((2, 2048), torch.bfloat16), ((1, 5, 130), torch.bfloat16)):
+            x = (torch.randn(shape, generator=g) * 3).to(dev, dtype)
+            a = torch.randn(shape, generator=g).to(dev, dtype)
+            w = (torch.rand(shape[-1], generator=g) + 0.5).to(dev)
+            h, y = fused.add_rms_norm(x, a, w, 1e-6)
+            rh, ry = reference.add_rms_norm(x, a, w, 1e-6)
+            assert torch.equal(h, rh), shape  # the residual exactly as torch's add rounds it
+            err = ((y.float() - ry.float()).abs().max() / ry.float().abs().max()).item()
+            assert y.dtype == dtype and err <= (2e-6 if dtype == torch.float32 else 2 ** -7), (shape, err)
+        print("ok")
+""")
+
+
+def test_add_rms_norm_matches_its_twin_in_the_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    r = subprocess.run([sys.executable, "-c", ADD_NORM + "\ncheck_add_rms_norm('cpu')\n"], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+@pytest.mark.gpu
+def test_add_rms_norm_on_cuda():
+    ns: dict = {}
+    exec(ADD_NORM, ns)
+    ns["check_add_rms_norm"]("cuda")
