@@ -111,6 +111,8 @@ class DecodeGraphs:
         self.want_hidden = False
         self.last_hidden: torch.Tensor | None = None
         self.experts = model.experts  # an ExpertsBackend, or None for a dense model
+        # the backend's decode path as captured (a tiered backend may leave the hand-off once its plan is tuned)
+        self.epoch = getattr(self.experts, "path_epoch", 0)
         # (slots, window) -> (pieces, logits), least recently used first
         self.graphs: OrderedDict[tuple, tuple[list, torch.Tensor]] = OrderedDict()
         self.profiler = self.experts.profiler if self.experts is not None else None
@@ -194,6 +196,7 @@ class DecodeGraphs:
         position 0 of those slots: call it while no slot holds anything worth keeping. Returns the count captured."""
         if not self.cuda:
             return 0
+        self._sync_path()
         n = 0
         self.pos.zero_()
         self.tok.zero_()
@@ -212,7 +215,15 @@ class DecodeGraphs:
         """Logits [1, V] for `token` at `pos` of this slot (its K/V written into the cache)."""
         return self.step_batch([token], [pos], [self.slot])
 
+    def _sync_path(self) -> None:
+        """Drop the captures when the backend's decode path changed since they were made (they hold its pieces)."""
+        epoch = getattr(self.experts, "path_epoch", 0)
+        if epoch != self.epoch:
+            self.graphs.clear()
+            self.epoch = epoch
+
     def captured(self, positions: list[int], slots: list[int], T: int = 1) -> bool:
+        self._sync_path()
         return self._key(slots, self.window_for(max(positions) + T - 1), T) in self.graphs
 
     @torch.inference_mode()
@@ -244,6 +255,7 @@ class DecodeGraphs:
             self.tok[:n].copy_(torch.tensor(tokens))
             self.pos[:n].copy_(torch.tensor([p + j for p in positions for j in range(T)]))
         key = self._key(slots, self.window_for(max(positions) + T - 1), T)
+        self._sync_path()
         if not self.cuda:
             out = self._forward(self._segments(key[1], key[0], T))
             if self.experts is not None:

@@ -172,6 +172,32 @@ def decode_path(costs: CostModel, plan: "CpuPlan", k: int, misses: int | None = 
     return choice, staged, handoff
 
 
+def handoff_overhead_ms(costs: CostModel | None) -> float:
+    """What the hand-off path costs a token-layer beyond the staged path when both send every miss over PCIe:
+    the round trip of the activations (cpu_overhead_ms) and the graph's pieces (HANDOFF_STEP_MS)."""
+    return (costs.cpu_overhead_ms if costs is not None else 0.0) + HANDOFF_STEP_MS
+
+
+def handoff_after_tuning(tuner, n_layers: int, costs: CostModel | None) -> tuple[bool, str]:
+    """After the plan tuner's trials (strata.experts.tuner.PlanTuner, run on the hand-off path): (whether the
+    hand-off stays, why). The staged path's step is estimated from the all-PCIe trial less the hand-off's own
+    overhead on every layer; the hand-off stays only when a plan that gives the CPU a share beat that by the
+    margin `auto` asks of it (HANDOFF_MARGIN). Without an all-PCIe trial that was timed, the hand-off stays."""
+    scores = tuner.scores()
+    plans = [getattr(c, "plan", c) for c in tuner.candidates]
+    zero = [i for i, p in enumerate(plans) if not any(p.shares) and scores[i] != float("inf")]
+    if not zero:
+        return True, "no all-PCIe trial was timed"
+    pcie_ms = min(scores[i] for i in zero) * 1e3
+    staged_ms = max(pcie_ms - n_layers * handoff_overhead_ms(costs), 0.0)
+    best = min(range(len(scores)), key=lambda i: scores[i])
+    best_ms = scores[best] * 1e3
+    text = (f"best hand-off plan {tuner.candidates[best]} {best_ms:.2f} ms a token, all-PCIe {pcie_ms:.2f}, "
+            f"staged estimated {staged_ms:.2f}")
+    stay = any(plans[best].shares) and best_ms < HANDOFF_MARGIN * staged_ms
+    return stay, text
+
+
 class CpuPlan:
     """How many of a token-layer's misses the CPU computes, for each miss count 0..k."""
 

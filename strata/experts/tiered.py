@@ -29,7 +29,7 @@ from strata.config import EngineConfig, alloc_cap_enabled
 from strata.experts.backend import StepContext, StepProfiler
 from strata.experts.cache import ExpertCache, budget_slots, cap_to_budget
 from strata.experts.cpu_lane import CpuLane
-from strata.experts.plan import CostModel, CpuPlan, decode_path
+from strata.experts.plan import CostModel, CpuPlan, decode_path, handoff_after_tuning
 from strata.experts.policy import CachePolicy, make_policy
 from strata.experts.profile import RoutingProfile, layer_slots, warm_policy
 from strata.experts.resident import ExpertWeights
@@ -68,6 +68,10 @@ class TieredExperts:
         self.progress = progress
         self._staging = staging
         self._handoff_chosen = False  # `auto` found the hand-off faster on this machine (plan.decode_path)
+        # bumped when the decode path changes after captures may exist (the tuner's verdict): graphs recapture
+        self.path_epoch = 0
+        self._to_direct: str | None = None  # the tuner's verdict for the staged path, taken at the next step
+        self.path_reason = ""  # why the decode path changed (or stayed) after the tuner's trials
         self._make_policy = policy
         self.store = ExpertStore(layers, pin=None if self.cuda else False, low_ram=self.ex.low_ram, progress=progress)
         self.layer_ids = self.store.layer_ids
@@ -168,13 +172,7 @@ class TieredExperts:
                          handoff_ms, staged_ms)
                 self._handoff_chosen = True
         if self._wants_direct():
-            why = direct_supported(self)
-            if why:
-                say = log.warning if self.ex.decode_misses in ("direct", "staged") else log.info
-                say("strata: --decode-misses direct: %s; graphed decode hands misses to the host", why)
-            else:  # decode plans do not apply (prefill chunks still split by the plan)
-                stage = self.ex.decode_misses != "direct" and (not self.cuda or self._stageable())
-                self.direct, self.tuner = DirectDecode(self, stage=stage), None
+            self._enable_direct()
         log.info("strata: expert cache %s slots/layer (%.2f GiB), decode misses %s, plan %s, CPU kernel %s", slots,
                  self.cache.nbytes() / 2**30, ("staged by the GPU (staged)" if self.direct.stage else "read in place (direct)")
                  if self.direct else "handed off", self.plan,
@@ -184,6 +182,38 @@ class TieredExperts:
         if self.ex.expert_profile_save:
             atexit.register(self.close)
         return self.vram_split
+
+    def _enable_direct(self) -> bool:
+        """The one-graph decode path (misses staged by a kernel, or read in place with --decode-misses direct);
+        False when this model or store cannot take it (the hand-off stays)."""
+        why = direct_supported(self)
+        if why:
+            say = log.warning if self.ex.decode_misses in ("direct", "staged") else log.info
+            say("strata: --decode-misses direct: %s; graphed decode hands misses to the host", why)
+            return False
+        # decode plans do not apply (prefill chunks still split by the plan)
+        stage = self.ex.decode_misses != "direct" and (not self.cuda or self._stageable())
+        self.direct = DirectDecode(self, stage=stage)
+        if self.tuner is not None and not self.tuner.done:
+            self.tuner = None
+        return True
+
+    def _tuned(self) -> None:
+        """The plan tuner has chosen. Under `--decode-misses auto` the hand-off was taken because the cost model
+        expected the CPU lane to pay; the trials measured it. The staged path moves the same misses over PCIe
+        without leaving the graph, so it costs what the all-PCIe trial cost less the hand-off's own share
+        (plan.handoff_overhead_ms a layer): the hand-off stays only if its best plan still beats that clearly."""
+        if not (self._handoff_chosen and self.ex.decode_misses == "auto"):  # (chosen on a GPU only)
+            return
+        stay, why = handoff_after_tuning(self.tuner, len(self.layer_ids), self.costs)
+        self.path_reason = ("hand-off kept: " if stay else "staged after the trials: ") + why
+        if stay:
+            log.info("strata: decode misses stay handed off: %s", why)
+            return
+        # taken at the next step's start (begin_step), never inside a step the hand-off already runs; decode
+        # graphs see the new epoch and capture that next step anew
+        self._to_direct = why
+        self.path_epoch += 1
 
     @property
     def decode_misses_path(self) -> str | None:
@@ -285,6 +315,11 @@ class TieredExperts:
         if self.cache is None:  # set up by the first MoE layer (k is known there); the step begins then
             self._deferred = ctx
             return
+        if self._to_direct is not None:
+            why, self._to_direct = self._to_direct, None
+            if self._enable_direct():
+                self._handoff_chosen = False
+                log.info("strata: decode misses staged by the GPU from now on: %s", why)
         if ctx.graphed:
             self.graphed.new_step()
         if self.direct is not None:  # the last step's routing is learnt before the policy ages
@@ -304,6 +339,8 @@ class TieredExperts:
                 misses = self.stats.cpu + self.stats.pcie  # the previous step's are all counted by now
                 self._apply(self.tuner.step(time.perf_counter(), misses - self._tuner_misses))
                 self._tuner_misses = misses
+                if self.tuner.done:
+                    self._tuned()
             else:
                 self.tuner.interrupt()
         self.policy.tick()
@@ -341,8 +378,10 @@ class TieredExperts:
     def end_tuning(self) -> str:
         if self.tuner is None:
             return ""
-        self.tuner.finish_now()
-        self._apply(self.tuner.plan)
+        if not self.tuner.done:
+            self.tuner.finish_now()
+            self._apply(self.tuner.plan)
+            self._tuned()
         return str(self.tuner.chosen)
 
     def profile_report(self, measured_ms: float | None = None) -> str:

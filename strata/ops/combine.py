@@ -5,8 +5,8 @@ product, the sum over choices, the cast to the activation dtype) in every MoE la
 of d) sums its k rows in routing order in float32. Reference twin: `strata.ops.reference.combine_choices` (the
 float32 product and sum torch computes). Tested in Triton's interpreter (tests/ops/test_combine_interpret.py).
 
-GPU_TESTED: the kernel is taken on a GPU only once its GPU test has passed there (the interpreter does not catch
-what only compiled code does); until then the twin runs.
+GPU_TESTED: the kernel is taken on a GPU since its GPU test passed there (the interpreter does not catch what only
+compiled code does); False puts the twin back.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ try:  # Triton is optional: without it the torch twin runs
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
-GPU_TESTED = False
+GPU_TESTED = True
 BLOCK_D = 1024
 
 

@@ -173,9 +173,9 @@ def add_rms_norm(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, eps: fl
     return h.view(x.shape), y.view(x.shape)
 
 
-# the residual add fused into the next RMSNorm is taken on a GPU once its GPU test has passed there (the
-# interpreter does not catch what only compiled code does); until then its twin runs (torch's add, then rms_norm)
-ADD_NORM_GPU_TESTED = False
+# the residual add fused into the next RMSNorm, taken on a GPU since its GPU test passed there (the
+# interpreter does not catch what only compiled code does); False puts its twin back (torch's add, then rms_norm)
+ADD_NORM_GPU_TESTED = True
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor | None, pos: torch.Tensor, cos: torch.Tensor,

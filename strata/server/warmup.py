@@ -61,6 +61,10 @@ def warm_up(engine, tokenizer, say: Callable[[str], None], tune_s: float) -> dic
         n = graphs.prepare(list(CAPTURE_WINDOWS), deadline=t1 + CAPTURE_S)
         say(f"captured {n} decode steps (1-{engine.graph_batch} sequences) in {time.perf_counter() - t1:.1f} s")
         out["captured"] = n
+    path = getattr(experts, "decode_misses_path", None)
+    if path is not None:  # (a tuned hand-off may have moved to the staged path at the captures' first step)
+        why = getattr(experts, "path_reason", "")
+        say(f"decode misses: {path}" + (f" ({why})" if why else ""))
     # the warm-up's text is nobody's conversation: no slot keeps it, no request's counts include it
     engine.slot_tokens = {s: [] for s in range(engine.n_slots)}
     if experts is not None:

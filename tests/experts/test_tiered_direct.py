@@ -180,3 +180,59 @@ def test_the_backend_says_which_decode_path_it_took(model_path, misses, want):
     eng = _engine(model_path, "cpu", True, slots=2, cpu_plan="000", decode_misses=misses)
     list(eng.generate(PROMPT, SamplingParams(temperature=0), 3))
     assert eng.model.experts.decode_misses_path == want
+
+
+def _leaves_the_handoff(model_path, device: str, monkeypatch, n: int = 24):
+    """A backend on the hand-off (as `auto` takes it where the cost model expects the CPU lane to pay) whose plan
+    tuner then measures that it does not: the next step on, misses are staged, the graphs captured anew, the text
+    the resident oracle's."""
+    from strata.experts import tiered
+    from strata.experts.plan import CpuPlan
+    from strata.experts.tuner import PlanTuner
+
+    verdicts = []
+
+    def verdict(tuner, n_layers, costs):
+        verdicts.append(tuner.chosen)
+        return False, "all-PCIe was fastest"
+
+    monkeypatch.setattr(tiered, "handoff_after_tuning", verdict)
+    ref = _logits(_engine(model_path, device, True, mode="resident"), n)
+    eng = _engine(model_path, device, True, slots=3, cpu_plan="011", decode_misses="auto")
+    ex = eng.model.experts
+    ex._handoff_chosen = True
+    ex.tuner = PlanTuner([CpuPlan.parse("011"), CpuPlan.all_pcie(2)], trial=2, rounds=1, warmup=0)
+    out = _logits(eng, n)
+    assert len(verdicts) == 1 and ex.tuner.done
+    assert ex.decode_misses_path == "staged" and ex.direct is not None and ex.path_epoch == 1
+    assert eng.graphs.epoch == 1
+    assert ((out - ref).abs().max() / ref.abs().max()).item() <= 1e-5
+    return eng
+
+
+def test_the_tuner_verdict_moves_the_handoff_to_staged(model_path, monkeypatch):
+    eng = _leaves_the_handoff(model_path, "cpu", monkeypatch)
+    assert eng.model.experts.direct.records  # the last steps went through the direct path's records
+
+
+def test_a_tuner_verdict_for_the_handoff_keeps_it(model_path, monkeypatch):
+    from strata.experts import tiered
+    from strata.experts.plan import CpuPlan
+    from strata.experts.tuner import PlanTuner
+
+    monkeypatch.setattr(tiered, "handoff_after_tuning", lambda *a: (True, "the CPU lane pays"))
+    eng = _engine(model_path, "cpu", True, slots=3, cpu_plan="011", decode_misses="auto")
+    ex = eng.model.experts
+    ex._handoff_chosen = True
+    ex.tuner = PlanTuner([CpuPlan.parse("011"), CpuPlan.all_pcie(2)], trial=2, rounds=1, warmup=0)
+    _logits(eng, 16)
+    assert ex.tuner.done and ex.decode_misses_path == "handoff" and ex.path_epoch == 0
+
+
+@pytest.mark.gpu
+def test_cuda_tuner_verdict_recaptures_the_step_without_the_handoff(model_path, monkeypatch):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    eng = _leaves_the_handoff(model_path, "cuda", monkeypatch, n=40)
+    pieces = next(iter(eng.graphs.graphs.values()))[0]
+    assert len(eng.graphs.graphs) == 1 and len(pieces) == 1, "captured anew as one graph: no hand-off"
