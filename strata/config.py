@@ -79,7 +79,8 @@ class ExpertConfig:
                                                          flag="--expert-slots", dest="expert_slots"))
     prefetch_next: bool = field(default=False, metadata=opt(
         "decode: predict the next MoE layer's experts with its router on this layer's input and start copying "
-        "the uncached ones during this layer (off by default: it cost more host time than it hid)",
+        "the uncached ones during this layer; on the staged path a side stream inside the step copies them (no "
+        "host work), on the hand-off path the host does (there it cost more host time than it hid)",
         flag="--expert-prefetch", dest="expert_prefetch"))
     decode_misses: str = field(default="auto", metadata=opt(
         "how a graphed decode step serves missed experts. handoff: each MoE layer's routing goes to the host, "

@@ -26,6 +26,7 @@ all-resident oracle).
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 
 import numpy as np
 import torch
@@ -57,12 +58,14 @@ def supported(tiered) -> str:
 
 
 class _Record:
-    """A step's routing as the kernels saw it, for every MoE layer: device [L, 2, P] (ids, slots) and two pinned
-    host copies used in turn (one is read while the next step's copy lands in the other)."""
+    """A step's routing as the kernels saw it, for every MoE layer: device [L, 3, P] (ids, slots, and the
+    experts a prefetch staged for the layer, -1 padded) and two pinned host copies used in turn (one is read while
+    the next step's copy lands in the other)."""
 
     def __init__(self, L: int, P: int, device: torch.device, cuda: bool):
-        self.dev = torch.zeros(L, 2, P, dtype=torch.int64, device=device)
-        self.host = [torch.zeros(L, 2, P, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
+        self.dev = torch.zeros(L, 3, P, dtype=torch.int64, device=device)
+        self.dev[:, 2].fill_(-1)
+        self.host = [torch.zeros(L, 3, P, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
         self.np = [h.numpy() for h in self.host]
         self.events: list = [None, None]
         # the layers a step of this size runs (set as the forward passes them, in capture or eagerly; a replay
@@ -81,6 +84,15 @@ class DirectDecode:
         self.current: tuple[int, bool] | None = None  # (tokens, counting) of the step begun, not yet launched
         self.previous: tuple[int, bool, int] | None = None  # (tokens, counting, host buffer) launched, unsettled
         self.turn = 0
+        # --expert-prefetch on the staged path: at each MoE layer of a one-token step, the next MoE layer's router
+        # on this layer's input predicts its experts, and a side stream stages the predicted misses into that
+        # layer's half of a prefetch region while this layer computes; pmap[layer index][expert] is where a
+        # prefetched expert waits (-1: not prefetched this step)
+        self.prefetch = bool(stage and tiered.ex.prefetch_next)
+        self.pmap: torch.Tensor | None = None
+        self.side = torch.cuda.Stream(tiered.device) if self.prefetch and tiered.cuda else None
+        self._issued = -1  # the layer index this step's last prefetch was for
+        self._hold: torch.Tensor | None = None
 
     def begin_step(self, ctx) -> None:
         """A step begins. One begun but never launched (a capture's warm-up) counts as launched now; a step that
@@ -89,6 +101,7 @@ class DirectDecode:
         if self.current is not None:
             self.launched()
         N = ctx.n_tokens
+        self._issued = -1
         if ctx.graphed and N * self.t.k <= PAIRS_MAX:
             self.current = (N, ctx.counting)
         else:
@@ -130,12 +143,54 @@ class DirectDecode:
         xs = x.repeat_interleave(k, dim=0) if N > 1 else x.expand(k, -1).contiguous()  # [N*k, d]
         slots = t.cache.map[li].index_select(0, flat)
         rec.dev[li, 0].copy_(flat)
-        rec.dev[li, 1].copy_(slots)
+        rec.dev[li, 1].copy_(slots)  # (the cache's view: a prefetched expert still counts as a miss)
         host = (ew.gate, ew.up, ew.down)
+        stacks = (pool.gate, pool.up, pool.down)
+        n_stage = pool.staging
+        ahead = self.prefetch and N == 1 and pool.staging >= 3 * k
+        if ahead:
+            n_stage = pool.staging - 2 * k  # the last 2k slots: the prefetch regions of odd and even layers
+            if self._issued == li:  # the previous layer staged this one's predicted misses: wait, then use them
+                if self.side is not None:
+                    torch.cuda.current_stream(t.device).wait_stream(self.side)
+                self._hold = None  # (main-stream work from here on is ordered after the side stream's reads)
+                slots = torch.where(slots >= 0, slots, self.pmap[li].index_select(0, flat))
+            else:  # (the first MoE layer: nothing predicted for it)
+                rec.dev[li, 2].fill_(-1)
         if self.stage:  # (beyond the staging slots, misses are still read in place)
-            slots = stage_misses(slots, flat, host, (pool.gate, pool.up, pool.down), pool.stage_base, pool.staging)
+            slots = stage_misses(slots, flat, host, stacks, pool.stage_base, n_stage)
+        nxt = t.next_moe.get(layer) if ahead else None
+        if nxt is not None and nxt.layer in t.index:
+            self._prefetch(t.index[nxt.layer], nxt, x, rec)
         y = two_tier_expert_ffn(xs, pool.gate, pool.up, pool.down, slots, host, flat)
         return combine(y.view(N, k, -1), w, x.dtype)
+
+    def _prefetch(self, nl: int, moe, x: torch.Tensor, rec: "_Record") -> None:
+        """Stage the next MoE layer's (index nl) predicted misses into its prefetch region, on the side stream
+        (after this layer's routing and its staging, on the main stream so far: the region's last reader, the
+        layer two before, is queued before them)."""
+        t = self.t
+        k = t.k
+        if self.pmap is None:
+            self.pmap = torch.full((len(t.layer_ids), t.n_experts), -1, dtype=torch.int64, device=t.device)
+        layer = t.layer_ids[nl]
+        pool, ew = t.cache.pool_of[layer], t.store[layer]
+        region = pool.stage_base + pool.staging - 2 * k + (nl % 2) * k
+        main = torch.cuda.current_stream(t.device) if self.side is not None else None
+        if main is not None:
+            self.side.wait_stream(main)
+        with torch.cuda.stream(self.side) if main is not None else nullcontext():
+            pid = moe.route_ids(x).view(-1)  # [k] distinct experts of the one token
+            s_n = t.cache.map[nl].index_select(0, pid)
+            out = stage_misses(s_n, pid, (ew.gate, ew.up, ew.down), (pool.gate, pool.up, pool.down), region, k)
+            staged = torch.where(s_n < 0, out, torch.full_like(out, -1))
+            self.pmap[nl].fill_(-1)
+            self.pmap[nl].index_copy_(0, pid, staged)
+            rec.dev[nl, 2, :k].copy_(torch.where(s_n < 0, pid, torch.full_like(pid, -1)))
+        self._issued = nl
+        # x was made on the main stream: held until the next layer joins the side stream, so that its memory is
+        # not handed to main-stream work the side stream's reads could still overlap
+        self._hold = x
 
     def settle(self) -> None:
         """The previous step's bookkeeping, layer by layer: hits and misses counted as its kernels saw them, the
@@ -158,9 +213,14 @@ class DirectDecode:
             slots_l = data[li, 1].tolist()
             missed = {e for e, s in zip(ids_l, slots_l) if s < 0}
             n_miss = sum(1 for s in slots_l if s < 0)
+            pre = {e for e in data[li, 2].tolist() if e >= 0}  # staged ahead by the previous layer's prediction
             if counting:
-                # bytes: each distinct missed expert once (what crossed the bus, as the PCIe lane counts)
-                t.count(N * k - n_miss, 0, n_miss, N, layer=layer, pcie_experts=len(missed))
+                # bytes: each distinct missed expert once (what crossed the bus, as the PCIe lane counts), and the
+                # prefetched experts the layer did not use (they crossed it too)
+                t.count(N * k - n_miss, 0, n_miss, N, layer=layer, pcie_experts=len(missed | pre))
+                if pre:
+                    t.prefetch_issued += len(pre)
+                    t.prefetch_used += len(pre & missed)
             swaps = admit(pol, li, ids_l)
             if swaps:
                 cache.begin_copies()  # after the main stream's work so far: the step in flight reads victims

@@ -1,0 +1,87 @@
+"""--expert-prefetch on the staged decode path: at each MoE layer of a one-token step the next MoE layer's router
+predicts its experts from this layer's input, and its predicted misses are staged ahead (a side stream on a GPU)
+into a prefetch region of the staging ring; the next layer reads them from there. Checked against the resident
+oracle (the prediction may be wrong: every pair must still come from exactly one right place), with the counts
+of what was prefetched and used. On the CPU the same code runs eagerly with the torch twin of the copy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from strata.engine.sampler import SamplingParams
+from tests.experts.test_tiered_direct import BATCH, PROMPT, _batch, _engine, _logits
+from tests.experts.tiered_model import write_moe_gguf
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    # four MoE layers: predictions for layers 1..3 (odd and even prefetch regions both used)
+    return write_moe_gguf(tmp_path_factory.mktemp("prefetch") / "moe.gguf", n_experts=8, k=2, n_layers=4,
+                          expert_type=Q.Q8_0)
+
+
+@pytest.mark.parametrize("slots", [0, 3])
+def test_prefetched_misses_give_the_resident_logits(model_path, slots):
+    ref = _logits(_engine(model_path, "cpu", True, mode="resident"), 16)
+    eng = _engine(model_path, "cpu", True, slots=slots, cpu_plan="000", decode_misses="staged",
+                  prefetch_next=True)
+    out = _logits(eng, 16)
+    assert ((out - ref).abs().max() / ref.abs().max()).item() <= 1e-5
+    ex = eng.model.experts
+    ex.direct.flush()
+    assert ex.direct.prefetch and ex.prefetch_issued > 0
+    assert 0 <= ex.prefetch_used <= ex.prefetch_issued
+    if slots == 0:  # nothing is cached: every predicted expert is staged, 16 steps x 3 layers x k
+        assert ex.prefetch_issued == 16 * 3 * 2
+
+
+def test_a_wrong_prediction_is_harmless(model_path, monkeypatch):
+    """Predictions unrelated to the routing (always the last two experts): the layer's own misses are staged as
+    without prefetch, and the prefetched experts are used only where the routing happened to pick them."""
+    from strata.layers.moe import MoE
+
+    ref = _logits(_engine(model_path, "cpu", True, mode="resident"), 8)
+    real = MoE.route_ids
+
+    def wrong(self, x):
+        ids = real(self, x)
+        return torch.tensor([[6, 7]], device=ids.device).expand_as(ids).contiguous()
+
+    monkeypatch.setattr(MoE, "route_ids", wrong)
+    eng = _engine(model_path, "cpu", True, slots=0, cpu_plan="000", decode_misses="staged", prefetch_next=True)
+    out = _logits(eng, 8)
+    assert ((out - ref).abs().max() / ref.abs().max()).item() <= 1e-5
+    ex = eng.model.experts
+    ex.direct.flush()
+    assert ex.prefetch_issued == 8 * 3 * 2 and ex.prefetch_used < ex.prefetch_issued // 2
+
+
+def test_batches_and_text_unchanged(model_path):
+    """Steps of several sequences take no prefetch (one-token steps do); the text is the resident one."""
+    ref = _batch(_engine(model_path, "cpu", False, n_slots=3, mode="resident"), BATCH)
+    eng = _engine(model_path, "cpu", True, n_slots=3, slots=2, cpu_plan="000", decode_misses="staged",
+                  prefetch_next=True)
+    assert _batch(eng, BATCH) == ref
+    one = _engine(model_path, "cpu", True, slots=2, cpu_plan="000", decode_misses="staged", prefetch_next=True)
+    plain = _engine(model_path, "cpu", False, mode="resident")
+    sp = SamplingParams(temperature=0)
+    assert list(one.generate(PROMPT, sp, 20)) == list(plain.generate(PROMPT, sp, 20))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("slots", [0, 3])
+def test_cuda_prefetch_is_one_graph_and_matches_resident(model_path, slots):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    ref = _logits(_engine(model_path, "cuda", True, mode="resident"), 40)
+    eng = _engine(model_path, "cuda", True, slots=slots, cpu_plan="000", decode_misses="staged",
+                  prefetch_next=True)
+    out = _logits(eng, 40)
+    assert ((out - ref).abs().max() / ref.abs().max()).item() <= 1e-5
+    pieces = next(iter(eng.graphs.graphs.values()))[0]
+    assert len(pieces) == 1, "the prefetch's side stream joins inside the one graph"
+    ex = eng.model.experts
+    ex.direct.flush()
+    assert ex.direct.side is not None and ex.prefetch_issued > 0
