@@ -219,6 +219,8 @@ class DecodeGraphs:
         """Drop the captures when the backend's decode path changed since they were made (they hold its pieces)."""
         epoch = getattr(self.experts, "path_epoch", 0)
         if epoch != self.epoch:
+            if self.cuda:  # (once: the old path's last replay and its copies finish before its graphs go)
+                torch.cuda.synchronize(self.model.device)
             self.graphs.clear()
             self.epoch = epoch
 
