@@ -82,6 +82,10 @@ class ExpertConfig:
         "the uncached ones during this layer; on the staged path a side stream inside the step copies them (no "
         "host work), on the hand-off path the host does (there it cost more host time than it hid)",
         flag="--expert-prefetch", dest="expert_prefetch"))
+    prefetch_programs: int = field(default=16, metadata=opt(
+        "with --expert-prefetch on the staged path: programs the side stream's copy kernel runs (each looping over "
+        "its share of the copies), so the layer's own kernels keep the other SMs; 0: one program per copy part",
+        flag="--expert-prefetch-programs", dest="expert_prefetch_programs"))
     decode_misses: str = field(default="auto", metadata=opt(
         "how a graphed decode step serves missed experts. handoff: each MoE layer's routing goes to the host, "
         "which splits the misses between the CPU lane and PCIe copies into staging slots (--cpu-plan); direct: "
@@ -105,6 +109,8 @@ class ExpertConfig:
         check_choices(self)
         if self.vram_gb is not None and self.vram_gb <= 0:
             raise StrataError("--vram-gb must be positive")
+        if self.prefetch_programs < 0:
+            raise StrataError(f"--expert-prefetch-programs must be >= 0, got {self.prefetch_programs}")
 
 
 @dataclass

@@ -182,7 +182,8 @@ class DirectDecode:
         with torch.cuda.stream(self.side) if main is not None else nullcontext():
             pid = moe.route_ids(x).view(-1)  # [k] distinct experts of the one token
             s_n = t.cache.map[nl].index_select(0, pid)
-            out = stage_misses(s_n, pid, (ew.gate, ew.up, ew.down), (pool.gate, pool.up, pool.down), region, k)
+            out = stage_misses(s_n, pid, (ew.gate, ew.up, ew.down), (pool.gate, pool.up, pool.down), region, k,
+                               programs=t.ex.prefetch_programs)
             staged = torch.where(s_n < 0, out, torch.full_like(out, -1))
             self.pmap[nl].fill_(-1)
             self.pmap[nl].index_copy_(0, pid, staged)

@@ -37,25 +37,30 @@ def available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _stage_kernel(slots, eids, out, h0, h1, h2, p0, p1, p2, w0, w1, w2, P, base, n,
-                      PB: tl.constexpr, BLOCK: tl.constexpr):
-        j = tl.program_id(0)  # the staging slot (distinct missed expert number j)
-        c = tl.program_id(1)  # the chunk of words of a tensor
-        t = tl.program_id(2)  # gate, up, down
+    def _leaders(slots, eids, P, PB: tl.constexpr):
+        """Each pair's slot and expert, which pairs miss, which lead (the first miss of their expert) and the
+        leaders' numbers (in order of first occurrence)."""
         i = tl.arange(0, PB)
         im = i < P
         s = tl.load(slots + i, mask=im, other=0)
         e = tl.load(eids + i, mask=im, other=-1)
         miss = im & (s < 0)
-        # leader: a miss whose expert no earlier miss has; rank: its number among the leaders
         same = (e[:, None] == e[None, :]) & miss[:, None] & miss[None, :] & (i[None, :] < i[:, None])
         lead = miss & (tl.sum(same.to(tl.int32), axis=1) == 0)
         rank = tl.cumsum(lead.to(tl.int32), axis=0) - 1
-        if (j == 0) & (c == 0) & (t == 0):  # one program rewrites the slots
-            # pair p's number: the rank of the leader of its expert
-            first = (e[:, None] == e[None, :]) & lead[None, :]  # [p, q]: q leads p's expert
-            rp = tl.sum(tl.where(first, rank[None, :], 0), axis=1)
-            tl.store(out + i, tl.where(miss & (rp < n), base + rp, s), mask=im)
+        return i, im, s, e, miss, lead, rank
+
+    @triton.jit
+    def _rewrite(out, i, im, s, e, miss, lead, rank, base, n):
+        # pair p's number: the rank of the leader of its expert
+        first = (e[:, None] == e[None, :]) & lead[None, :]  # [p, q]: q leads p's expert
+        rp = tl.sum(tl.where(first, rank[None, :], 0), axis=1)
+        tl.store(out + i, tl.where(miss & (rp < n), base + rp, s), mask=im)
+
+    @triton.jit
+    def _copy_part(j, c, t, e, lead, rank, h0, h1, h2, p0, p1, p2, w0, w1, w2, base, n, BLOCK: tl.constexpr):
+        """Words c*BLOCK .. of tensor t (gate, up, down) of the j-th distinct missed expert into staging slot
+        base + j (nothing when there is no j-th, or j >= n)."""
         mine = lead & (rank == j)
         if j < n:
             if tl.sum(mine.to(tl.int32), axis=0) > 0:
@@ -71,13 +76,40 @@ if triton is not None:
                 v = tl.load(src + ex * W + off, mask=m, other=0)
                 tl.store(dst + (base + j).to(tl.int64) * W + off, v, mask=m)
 
+    @triton.jit
+    def _stage_kernel(slots, eids, out, h0, h1, h2, p0, p1, p2, w0, w1, w2, P, base, n,
+                      PB: tl.constexpr, BLOCK: tl.constexpr):
+        j = tl.program_id(0)  # the staging slot (distinct missed expert number j)
+        c = tl.program_id(1)  # the chunk of words of a tensor
+        t = tl.program_id(2)  # gate, up, down
+        i, im, s, e, miss, lead, rank = _leaders(slots, eids, P, PB)
+        if (j == 0) & (c == 0) & (t == 0):  # one program rewrites the slots
+            _rewrite(out, i, im, s, e, miss, lead, rank, base, n)
+        _copy_part(j, c, t, e, lead, rank, h0, h1, h2, p0, p1, p2, w0, w1, w2, base, n, BLOCK)
+
+    @triton.jit
+    def _stage_loop_kernel(slots, eids, out, h0, h1, h2, p0, p1, p2, w0, w1, w2, P, base, n, chunks, items,
+                           PB: tl.constexpr, BLOCK: tl.constexpr, PROGRAMS: tl.constexpr):
+        """The same copies by PROGRAMS programs, each looping over the (expert, chunk, tensor) parts: a launch
+        that leaves the other SMs to work running beside it (a prefetch on a side stream)."""
+        pid = tl.program_id(0)
+        i, im, s, e, miss, lead, rank = _leaders(slots, eids, P, PB)
+        if pid == 0:
+            _rewrite(out, i, im, s, e, miss, lead, rank, base, n)
+        for w in range(pid, items, PROGRAMS):
+            t = w % 3
+            c = (w // 3) % chunks
+            j = w // (3 * chunks)
+            _copy_part(j, c, t, e, lead, rank, h0, h1, h2, p0, p1, p2, w0, w1, w2, base, n, BLOCK)
+
 
 def _words(raw: torch.Tensor) -> torch.Tensor:
     """A stack's bytes as u32 words [n, words of one expert] (int32 view: the copy moves bits)."""
     return raw.view(raw.shape[0], -1).view(torch.int32)
 
 
-def triton_stage_misses(slots: torch.Tensor, eids: torch.Tensor, host, pool, base: int, n: int) -> torch.Tensor:
+def triton_stage_misses(slots: torch.Tensor, eids: torch.Tensor, host, pool, base: int, n: int,
+                        programs: int = 0) -> torch.Tensor:
     P = slots.shape[0]
     out = torch.empty_like(slots)
     if P == 0:
@@ -86,9 +118,13 @@ def triton_stage_misses(slots: torch.Tensor, eids: torch.Tensor, host, pool, bas
     p = [_words(t.raw) for t in pool]
     W = [x.shape[1] for x in h]
     chunks = triton.cdiv(max(W), WORDS)
-    _stage_kernel[(max(1, min(n, P)), chunks, 3)](
-        slots, eids, out, h[0], h[1], h[2], p[0], p[1], p[2], W[0], W[1], W[2], P, base, n,
-        PB=triton.next_power_of_2(P), BLOCK=WORDS, num_warps=4)
+    args = (slots, eids, out, h[0], h[1], h[2], p[0], p[1], p[2], W[0], W[1], W[2], P, base, n)
+    js = max(1, min(n, P))
+    if programs > 0:  # a bounded grid, each program looping over its share of the parts
+        _stage_loop_kernel[(programs,)](*args, chunks, js * chunks * 3, PB=triton.next_power_of_2(P),
+                                        BLOCK=WORDS, PROGRAMS=programs, num_warps=4)
+    else:
+        _stage_kernel[(js, chunks, 3)](*args, PB=triton.next_power_of_2(P), BLOCK=WORDS, num_warps=4)
     return out
 
 
@@ -99,7 +135,7 @@ def stageable(stacks) -> bool:
                                       and t.raw.data_ptr() % 4 == 0 for t in stacks)
 
 
-def _when(slots, eids, host, pool, base, n) -> bool:
+def _when(slots, eids, host, pool, base, n, programs: int = 0) -> bool:
     return slots.is_cuda and slots.shape[0] <= 128 and stageable((*host, *pool))
 
 
@@ -107,5 +143,6 @@ registry.op("stage_misses").register("triton", triton_stage_misses, _when)
 # slots [P] int64 (negative: a miss), eids [P] int64, host: the layer's expert stacks where they lie (QTensors [E,
 # ...], pinned on CUDA), pool: the pool's stacks (QTensors [S, ...]), base/n: the staging slots base .. base+n ->
 # slots [P]: each distinct missed expert (first n, in order of first occurrence) copied into a staging slot and its
-# pairs pointed at it; the rest unchanged.
+# pairs pointed at it; the rest unchanged. programs > 0 (keyword): the copies by that many programs looping over
+# the parts (a launch beside other work: the decode prefetch), else one program per part.
 stage_misses = registry.op("stage_misses")

@@ -207,10 +207,12 @@ def two_tier_expert_ffn(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTens
 
 
 @reference("stage_misses")
-def stage_misses(slots: torch.Tensor, eids: torch.Tensor, host, pool, base: int, n: int) -> torch.Tensor:
+def stage_misses(slots: torch.Tensor, eids: torch.Tensor, host, pool, base: int, n: int,
+                 programs: int = 0) -> torch.Tensor:
     """slots [P] (negative: a miss), eids [P], host / pool: three expert stacks each ([E, ...] where the experts
     lie, [S, ...] the slot pool) -> slots [P]: the distinct missed experts, numbered in order of first
-    occurrence, the first n copied into pool slots base .. base+n-1 and their pairs pointed there."""
+    occurrence, the first n copied into pool slots base .. base+n-1 and their pairs pointed there. (programs:
+    how the kernel spreads the copies; nothing here.)"""
     out = slots.clone()
     order: dict[int, int] = {}
     for p, (s, e) in enumerate(zip(slots.tolist(), eids.tolist())):

@@ -71,13 +71,13 @@ def test_batches_and_text_unchanged(model_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("slots", [0, 3])
-def test_cuda_prefetch_is_one_graph_and_matches_resident(model_path, slots):
+@pytest.mark.parametrize("slots,programs", [(0, 16), (3, 16), (3, 0), (0, 1)])
+def test_cuda_prefetch_is_one_graph_and_matches_resident(model_path, slots, programs):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     ref = _logits(_engine(model_path, "cuda", True, mode="resident"), 40)
     eng = _engine(model_path, "cuda", True, slots=slots, cpu_plan="000", decode_misses="staged",
-                  prefetch_next=True)
+                  prefetch_next=True, prefetch_programs=programs)
     out = _logits(eng, 40)
     assert ((out - ref).abs().max() / ref.abs().max()).item() <= 1e-5
     pieces = next(iter(eng.graphs.graphs.values()))[0]
@@ -85,3 +85,11 @@ def test_cuda_prefetch_is_one_graph_and_matches_resident(model_path, slots):
     ex = eng.model.experts
     ex.direct.flush()
     assert ex.direct.side is not None and ex.prefetch_issued > 0
+
+
+def test_a_negative_program_count_is_refused():
+    from strata import StrataError
+    from strata.config import ExpertConfig
+
+    with pytest.raises(StrataError, match="--expert-prefetch-programs must be >= 0"):
+        ExpertConfig(prefetch_programs=-1).validate()

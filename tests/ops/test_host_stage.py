@@ -2,7 +2,8 @@
 
 The Triton kernel runs in Triton's interpreter on the CPU (and on the GPU where there is one) against the torch
 twin: the rewritten slots, the bytes that land in the staging slots, a repeated expert staged once, more distinct
-misses than staging slots (the rest stay misses), hits untouched, and the slots beyond the staged ones unwritten."""
+misses than staging slots (the rest stay misses), hits untouched, and the slots beyond the staged ones unwritten;
+with one program per part and with a bounded grid of programs looping over the parts."""
 
 from __future__ import annotations
 
@@ -45,10 +46,12 @@ SCRIPT = textwrap.dedent("""
         ref = stage_misses(s.cpu(), e.cpu(), [QTensor(t.raw.cpu(), t.qtype, t.shape) for t in host], pr, base, n)
         assert any(t.raw.any() for t in pr) or all(v >= 0 for v in slots), "the twin staged nothing"
         pr = [t.raw for t in pr]
-        got = triton_stage_misses(s, e, host, pt, base, n)
-        assert got.cpu().tolist() == ref.tolist(), (slots, eids, got.tolist(), ref.tolist())
-        for a, b in zip(pt, pr):
-            assert torch.equal(a.raw.cpu(), b), (slots, eids)
+        for programs in (0, 1, 2, 5):  # one program per part; a bounded grid looping over the parts
+            pt = pools()
+            got = triton_stage_misses(s, e, host, pt, base, n, programs=programs)
+            assert got.cpu().tolist() == ref.tolist(), (slots, eids, programs, got.tolist(), ref.tolist())
+            for a, b in zip(pt, pr):
+                assert torch.equal(a.raw.cpu(), b), (slots, eids, programs)
     print("ok")
 """)
 
