@@ -122,11 +122,17 @@ if triton is not None:
         part = tl.sum(lo * xl[None] + hi * xh[None], axis=3) * dl  # [BN, NB, 8]
         return tl.sum(tl.sum(part, axis=2), axis=1)
 
+    # IQ2_XXS and IQ3_XXS decode a sub-block's 32 weights as one axis t = 8 l + j (l: the sub-block's four
+    # groups of 8, each with its own sign index) in [BN, NB, 8, 32] tensors, the rank of the IQ4_XS tile, which
+    # compiles right on the H200 (their first tiles had a fifth axis for j: exact in the interpreter, wrong sums
+    # compiled)
+
     @triton.jit
     def iq2xxs_tile(row, xp, tab, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
         ib = tl.arange(0, 8).to(tl.int64)
-        lg = tl.arange(0, 4)
-        j = tl.arange(0, 8)
+        t = tl.arange(0, 32)
+        lg = t // 8  # the weight's group (its grid index byte and sign index)
+        j = t % 8  # its place in the group's grid entry
         sb, sm = _blocks(b0, nsb, NB, EVEN)
         m2 = sm[None, :]
         m3 = m2[:, :, None]
@@ -137,40 +143,39 @@ if triton is not None:
         w1 = _u32h(w + 4, m3)  # sign indices and scale
         db = d[:, :, None] * (0.5 + (w1 >> 28).to(tl.float32)) * 0.25  # [BN, NB, 8]
         gi = tl.load(w[:, :, :, None] + lg.to(tl.int64)[None, None, None, :], mask=m4, other=0,
-                     eviction_policy="evict_first").to(tl.int32)  # [BN, NB, 8, 4] grid indices
+                     eviction_policy="evict_first").to(tl.int32)  # [BN, NB, 8, 32] each weight's grid index
         si = ((w1[:, :, :, None] >> (7 * lg).to(tl.uint32)[None, None, None, :]) & 127).to(tl.int32)
-        grid = tl.load(tab + C_IQ2XXS + gi[:, :, :, :, None] * 8 + j[None, None, None, None, :])
-        sg = tl.load(tab + C_KSIGNS + si[:, :, :, :, None] * 8 + j[None, None, None, None, :])
-        xo = (sb[:, None, None, None] * 256 + 32 * ib[None, :, None, None] + (8 * lg).to(tl.int64)[None, None, :, None]
-              + j.to(tl.int64)[None, None, None, :])  # [NB, 8, 4, 8]
-        x = tl.load(xp + xo, mask=sm[:, None, None, None], other=0.0).to(tl.float32)
-        part = tl.sum(tl.sum(grid * sg * x[None], axis=4), axis=3) * db  # [BN, NB, 8]
+        grid = tl.load(tab + C_IQ2XXS + gi * 8 + j[None, None, None, :])
+        sg = tl.load(tab + C_KSIGNS + si * 8 + j[None, None, None, :])
+        xo = sb[:, None, None] * 256 + 32 * ib[None, :, None] + t.to(tl.int64)[None, None, :]  # [NB, 8, 32]
+        x = tl.load(xp + xo, mask=sm[:, None, None], other=0.0).to(tl.float32)
+        part = tl.sum(grid * sg * x[None], axis=3) * db  # [BN, NB, 8]
         return tl.sum(tl.sum(part, axis=2), axis=1)
 
     @triton.jit
     def iq3xxs_tile(row, xp, tab, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
         ib = tl.arange(0, 8).to(tl.int64)
-        lg = tl.arange(0, 4)
-        j = tl.arange(0, 8)
+        t = tl.arange(0, 32)
+        lg = t // 8
+        j = t % 8
         sb, sm = _blocks(b0, nsb, NB, EVEN)
         m2 = sm[None, :]
         m3 = m2[:, :, None]
+        m4 = m3[:, :, :, None]
         blk = row[:, None] + sb[None, :] * 98
         d = _f16v(blk, m2)
         sp = blk[:, :, None] + 66 + 4 * ib[None, None, :]  # [BN, NB, 8] the sub-block's u32
         sc = _u32h(sp, m3)
         db = d[:, :, None] * (0.5 + (sc >> 28).to(tl.float32)) * 0.5
         si = ((sc[:, :, :, None] >> (7 * lg).to(tl.uint32)[None, None, None, :]) & 127).to(tl.int32)
-        # index byte of weight (ib, l, j): 2 + 8 ib + 2 l + j // 4, value j % 4 of its grid entry
-        io = (2 * lg[:, None] + j[None, :] // 4).to(tl.int64)  # [4, 8]
-        gi = tl.load(blk[:, :, None, None, None] + 2 + 8 * ib[None, None, :, None, None] + io[None, None, None],
-                     mask=m3[:, :, :, None, None], other=0, eviction_policy="evict_first").to(tl.int32)
-        grid = tl.load(tab + C_IQ3XXS + gi * 4 + (j % 4)[None, None, None, None, :])  # [BN, NB, 8, 4, 8]
-        sg = tl.load(tab + C_KSIGNS + si[:, :, :, :, None] * 8 + j[None, None, None, None, :])
-        xo = (sb[:, None, None, None] * 256 + 32 * ib[None, :, None, None] + (8 * lg).to(tl.int64)[None, None, :, None]
-              + j.to(tl.int64)[None, None, None, :])
-        x = tl.load(xp + xo, mask=sm[:, None, None, None], other=0.0).to(tl.float32)
-        part = tl.sum(tl.sum(grid * sg * x[None], axis=4), axis=3) * db
+        # weight t of sub-block ib: index byte 2 + 8 ib + t // 4 (= 2 l + j // 4), value t % 4 of its grid entry
+        gi = tl.load(blk[:, :, None, None] + 2 + 8 * ib[None, None, :, None] + (t // 4).to(tl.int64)[None, None, None, :],
+                     mask=m4, other=0, eviction_policy="evict_first").to(tl.int32)  # [BN, NB, 8, 32]
+        grid = tl.load(tab + C_IQ3XXS + gi * 4 + (t % 4)[None, None, None, :])
+        sg = tl.load(tab + C_KSIGNS + si * 8 + j[None, None, None, :])
+        xo = sb[:, None, None] * 256 + 32 * ib[None, :, None] + t.to(tl.int64)[None, None, :]
+        x = tl.load(xp + xo, mask=sm[:, None, None], other=0.0).to(tl.float32)
+        part = tl.sum(grid * sg * x[None], axis=3) * db
         return tl.sum(tl.sum(part, axis=2), axis=1)
 
     @triton.jit
