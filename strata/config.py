@@ -73,7 +73,8 @@ class ExpertConfig:
     expert_profile: str | None = field(default=None, metadata=opt("routing profile to fill the cache from"))
     expert_profile_save: str | None = field(default=None, metadata=opt(
         "write the learned routing profile here on exit"))
-    profile: bool = field(default=False, metadata=opt("print the per-token time breakdown"))
+    profile: bool = field(default=False, metadata=opt(
+        "print the per-token time breakdown and what a decode step launches (kernels per step and per layer)"))
     # explicit slot count per layer (overrides the budget; tests and sweeps)
     slots: int | None = field(default=None, metadata=opt("expert cache slots per layer (overrides the budget)",
                                                          flag="--expert-slots", dest="expert_slots"))

@@ -148,6 +148,16 @@ def _report(seq, engine) -> None:
         print(r, file=sys.stderr)
 
 
+def _census(engine, ids: list[int]) -> None:
+    """--profile: what a decode step launches, per step and per layer (strata.engine.census)."""
+    from strata.engine.census import decode_census, render
+
+    if engine.max_ctx - len(ids) < 16:
+        print("strata: no room in the context for the decode census", file=sys.stderr)
+        return
+    print(render(decode_census(engine, ids, steps=8)), file=sys.stderr)
+
+
 def cmd_generate(args) -> int:
     from strata.engine.engine import Engine
 
@@ -171,6 +181,8 @@ def cmd_generate(args) -> int:
     seq = _stream(engine, tok, ids, sampling_from_args(args), args.n_predict)
     sys.stdout.write("\n")
     _report(seq, engine)
+    if lm.cfg.experts.profile:
+        _census(engine, ids)
     return 0
 
 
