@@ -222,6 +222,8 @@ class DecodeGraphs:
             if self.cuda:  # (once: the old path's last replay and its copies finish before its graphs go)
                 torch.cuda.synchronize(self.model.device)
             self.graphs.clear()
+            if self.cuda:  # their pools' memory goes back now, not by a free inside the next capture
+                torch.cuda.empty_cache()
             self.epoch = epoch
 
     def captured(self, positions: list[int], slots: list[int], T: int = 1) -> bool:
