@@ -87,6 +87,10 @@ class ExpertConfig:
         "with --expert-prefetch on the staged path: programs the side stream's copy kernel runs (each looping over "
         "its share of the copies), so the layer's own kernels keep the other SMs; 0: one program per copy part",
         flag="--expert-prefetch-programs", dest="expert_prefetch_programs"))
+    chunk_loan: str = field(default="auto", metadata=opt(
+        "the prefill chunk buffers lent to the expert cache as extra slots between prompts (a prompt borrows them "
+        "back, their experts forgotten; decode refills them): on, off, or auto (on for a GPU where tested)",
+        flag="--chunk-buffer-loan", dest="chunk_buffer_loan", choices=("auto", "on", "off")))
     decode_misses: str = field(default="auto", metadata=opt(
         "how a graphed decode step serves missed experts. handoff: each MoE layer's routing goes to the host, "
         "which splits the misses between the CPU lane and PCIe copies into staging slots (--cpu-plan); direct: "

@@ -124,6 +124,7 @@ class SlotPool:
     down: QTensor
     stage_base: int  # first staging slot
     staging: int
+    loan_base: int = 0  # first row of the chunk buffers when they lie in the pool (lent between prompts)
     base: dict[int, int] = field(default_factory=dict)  # layer -> first slot
     stage_next: int = 0  # ring position
 
@@ -204,13 +205,17 @@ class ExpertCache:
     """The slot pools, the device expert_map and the copy machinery for `store`'s layers."""
 
     def __init__(self, store: ExpertStore, slots: int | list[int], staging: int, device: torch.device,
-                 chunk_experts: int = 0):
-        """slots: per layer, one count for all (uniform) or a list in `store.layer_ids` order."""
+                 chunk_experts: int = 0, loan: bool = False):
+        """slots: per layer, one count for all (uniform) or a list in `store.layer_ids` order. loan: the prefill
+        chunk buffers lie in the pool, past the staging ring, and are lent to the layers as extra slots between
+        prompts (`loan_slots`; a chunk step borrows them back: TieredExperts.borrow)."""
         per = [int(slots)] * len(store.layer_ids) if isinstance(slots, (int, np.integer)) else [int(v) for v in slots]
         if len(per) != len(store.layer_ids) or min(per, default=0) < 0 or staging < 1:
             raise StrataError(f"expert cache needs slots >= 0 for each of {len(store.layer_ids)} layers and staging "
                               f">= 1 (got {slots}, {staging})")
         self.store, self.staging, self.device = store, staging, device
+        self.loan = bool(loan)
+        self.lent = self.loan  # the chunk buffers' rows are the layers' extra slots now (not a chunk's)
         self.layer_slots = dict(zip(store.layer_ids, per))  # layer -> its slots
         self.slots = per[0] if len(set(per)) == 1 else per  # an int when uniform
         # experts per prefill chunk buffer (0: sized from the store alone)
@@ -235,21 +240,31 @@ class ExpertCache:
         self.pools: list[SlotPool] = []
         self._chunk_stage: dict[tuple, ChunkStage] = {}  # weight signature -> prefill chunk buffers
         self.pool_of: dict[int, SlotPool] = {}
+        # the chunk buffers' slots in the pool (loan) and each layer's share of them as extra cache slots
+        self.ring = sizing.chunk_ring(self.chunk_experts, chunk_ring_size())  # (buffers, experts each)
+        self.loan_slots: dict[int, int] = {i: 0 for i in self.layer_ids}
+        self.rows: dict[int, np.ndarray] = {}  # layer -> the pool row of each of its slots (lent ones last)
         try:
             for sig, layers in groups.items():
                 cached = sum(self.layer_slots[i] for i in layers)
-                n = cached + staging
+                lent = self.ring[0] * self.ring[1] if loan else 0
+                n = cached + staging + lent
                 ew = store[layers[0]]
                 ts = [QTensor(torch.zeros((n, *t.raw.shape[1:]), dtype=torch.uint8, device=device), t.qtype,
                               (n, *t.shape[1:])) for t in (ew.gate, ew.up, ew.down)]
-                pool = SlotPool(sig, *ts, stage_base=cached, staging=staging)
+                pool = SlotPool(sig, *ts, stage_base=cached, staging=staging, loan_base=cached + staging)
+                share = min(lent // len(layers), store.n_experts) if lent else 0
                 base = 0
-                for i in layers:
+                for j, i in enumerate(layers):
                     pool.base[i] = base
-                    base += self.layer_slots[i]
+                    own = self.layer_slots[i]
+                    self.loan_slots[i] = max(0, min(share, store.n_experts - own))
+                    self.rows[i] = np.concatenate([base + np.arange(own, dtype=np.int64), pool.loan_base + j * share
+                                                   + np.arange(self.loan_slots[i], dtype=np.int64)])
+                    base += own
                     self.pool_of[i] = pool
                 self.pools.append(pool)
-                if self.cuda:  # allocated with the cache, so the budget holds them from the start
+                if self.cuda or loan:  # allocated with the cache, so the budget holds them from the start
                     self._chunk_stage[sig] = self._alloc_stage(layers[0])
         except torch.OutOfMemoryError:
             need = (sum(per) + staging * len(groups)) * store.expert_nbytes()
@@ -264,14 +279,21 @@ class ExpertCache:
         self.prefetch_used = 0  # ... and of those, computed from there
 
     def nbytes(self) -> int:
-        return sum(p.nbytes() for p in self.pools) + sum(st.nbytes() for st in self._chunk_stage.values())
+        # (lent chunk buffers are rows of the pools)
+        return sum(p.nbytes() for p in self.pools) + (0 if self.loan else sum(st.nbytes() for st in
+                                                                             self._chunk_stage.values()))
 
     # --- the map ----------------------------------------------------------------------------------------------
+    def pool_rows(self, layer: int, row: np.ndarray) -> np.ndarray:
+        """A policy row (slot within the layer, -1) as pool rows (int64, -1 kept)."""
+        rows = self.rows[layer]
+        if not rows.size:  # no slots: every expert misses
+            return np.full(np.shape(row), -1, dtype=np.int64)
+        return np.where(row >= 0, rows[np.clip(row, 0, rows.size - 1)], -1)
+
     def upload_map(self, li: int, row: np.ndarray) -> None:
         """Set expert_map[li] from the host policy's row (slot within the layer, -1) on the main stream."""
-        layer = self.layer_ids[li]
-        base = self.pool_of[layer].base[layer]
-        r = np.where(row >= 0, row.astype(np.int64) + base, -1)
+        r = self.pool_rows(self.layer_ids[li], row)
         t = torch.from_numpy(r)
         if self.cuda:
             # a fresh pinned buffer from torch's caching host allocator, not reused before the copy ran
@@ -280,7 +302,7 @@ class ExpertCache:
             self.map[li].copy_(t)
 
     def slot(self, layer: int, slot_in_layer: int) -> int:
-        return self.pool_of[layer].base[layer] + slot_in_layer
+        return int(self.rows[layer][slot_in_layer])
 
     # --- copies -----------------------------------------------------------------------------------------------
     def begin_copies(self) -> None:
@@ -401,7 +423,13 @@ class ExpertCache:
 
     def _alloc_stage(self, layer: int) -> ChunkStage:
         ew = self.store[layer]
-        ring, n = sizing.chunk_ring(self.chunk_experts, chunk_ring_size())  # benchmarks compare ring sizes
+        ring, n = self.ring  # benchmarks compare ring sizes
+        pool = self.pool_of[layer]
+        if self.loan:
+            # the buffers are the pool's lent rows (views: what a chunk writes there, the cache forgets)
+            bufs = [tuple(QTensor(t.raw[pool.loan_base + r * n:pool.loan_base + (r + 1) * n], t.qtype, (n, *t.shape[1:]))
+                          for t in (pool.gate, pool.up, pool.down)) for r in range(ring)]
+            return ChunkStage(n, bufs)
         bufs = [tuple(QTensor(torch.zeros((n, *t.raw.shape[1:]), dtype=torch.uint8, device=self.device), t.qtype,
                               (n, *t.shape[1:])) for t in (ew.gate, ew.up, ew.down)) for _ in range(ring)]
         return ChunkStage(n, bufs)

@@ -76,6 +76,34 @@ class SlotPolicy:
     def capacity(self, layer: int) -> int:
         return self._caps[layer]
 
+    def set_capacity(self, layer: int, cap: int) -> list[int]:
+        """Grow the layer to `cap` slots (the new ones empty) or shrink it: the slots from `cap` on leave, their
+        ready experts stop being hits and their pending copies are forgotten (returned: the caller drops their
+        events; a later mark_ready of one would be refused). The slots that stay are untouched."""
+        if not 0 <= cap <= self.n_experts:
+            raise ValueError(f"slots per layer must be within 0..{self.n_experts}, got {cap}")
+        old = self._caps[layer]
+        row, ready, where = self._slot_expert[layer], self._slot_ready[layer], self._where[layer]
+        dropped: list[int] = []
+        if cap < old:
+            for slot in range(cap, old):
+                e = row[slot]
+                if e < 0:
+                    self._n_free[layer] -= 1
+                    continue
+                if ready[slot]:
+                    self._set_ready(layer, e, -1)
+                else:
+                    dropped.append(e)
+                where[e] = -1
+            del row[cap:], ready[cap:]
+        else:
+            row.extend([-1] * (cap - old))
+            ready.extend([False] * (cap - old))
+            self._n_free[layer] += cap - old
+        self._caps[layer] = cap
+        return dropped
+
     def resident(self, layer: int) -> dict[int, int]:
         """Experts whose copy finished, expert -> slot."""
         row = self._slot_expert[layer]

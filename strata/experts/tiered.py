@@ -43,6 +43,11 @@ from strata.experts.tuner import LaneSetting, PlanTuner, lane_candidates
 
 log = logging.getLogger("strata")
 
+# The chunk buffers lent to the cache between prompts (--chunk-buffer-loan auto) are taken on a GPU once the GPU
+# test of the loan (tests/experts/test_chunk_loan.py) has passed there; until then auto keeps them apart on GPUs.
+LOAN_GPU_TESTED = False
+
+
 def _all_cpu_zero(text: str) -> bool:
     t = text.replace(",", "").strip()
     return bool(t) and set(t) == {"0"}
@@ -72,6 +77,7 @@ class TieredExperts:
         self.path_epoch = 0
         self._to_direct: str | None = None  # the tuner's verdict for the staged path, taken at the next step
         self.path_reason = ""  # why the decode path changed (or stayed) after the tuner's trials
+        self.loans = 0  # prompts that borrowed the lent chunk buffers back
         self._make_policy = policy
         self.store = ExpertStore(layers, pin=None if self.cuda else False, low_ram=self.ex.low_ram, progress=progress)
         self.layer_ids = self.store.layer_ids
@@ -140,7 +146,10 @@ class TieredExperts:
             prof = RoutingProfile.load(self.ex.expert_profile, L, E)
             sizes = [self.store.expert_nbytes(i) for i in self.layer_ids]
             slots = layer_slots(prof.counts, sum(slots * b for b in sizes), sizes)
-        self.cache = ExpertCache(self.store, slots, staging, self.device, chunk_experts=chunk)
+        self.cache = ExpertCache(self.store, slots, staging, self.device, chunk_experts=chunk, loan=self._loan_wanted())
+        # the policy's slots per layer: its own and, between prompts, its share of the lent chunk buffers
+        caps = [self.cache.layer_slots[i] + self.cache.loan_slots[i] for i in self.layer_ids]
+        slots = caps[0] if len(set(caps)) == 1 else caps
         if self.cuda and self.ex.vram_gb is not None and alloc_cap_enabled():
             cap = cap_to_budget(self.device, self.ex.vram_gb)
             log.info("strata: torch's allocator held to %.2f GiB of the %g GiB budget", cap, self.ex.vram_gb)
@@ -174,6 +183,10 @@ class TieredExperts:
                 self._handoff_chosen = True
         if self._wants_direct():
             self._enable_direct()
+        if self.cache.loan:
+            log.info("strata: the prefill chunk buffers (%d experts) lent to the cache between prompts: %s more slots "
+                     "a layer while decoding", self.cache.ring[0] * self.cache.ring[1],
+                     self.cache.loan_slots[self.layer_ids[0]])
         log.info("strata: expert cache %s slots/layer (%.2f GiB), decode misses %s, plan %s, CPU kernel %s", slots,
                  self.cache.nbytes() / 2**30, ("staged by the GPU (staged)" if self.direct.stage else "read in place (direct)")
                  if self.direct else "handed off", self.plan,
@@ -325,8 +338,41 @@ class TieredExperts:
             self.graphed.new_step()
         if self.direct is not None:  # the last step's routing is learnt before the policy ages
             self.direct.begin_step(ctx)
+        if self.cache.loan:  # after the direct path has settled what it launched (its admissions)
+            self._loan_turn(ctx)
         if ctx.counting:
             self._begin_step(ctx)
+
+    def _loan_turn(self, ctx: StepContext) -> None:
+        """The chunk buffers lie in the pool and are the layers' extra slots between prompts: a step that may
+        stream through them (a chunk: more pairs than a decode step computes from the map) borrows them back,
+        their experts forgotten; the next plain decode step gives them back, empty, for the cache to refill."""
+        big = ctx.n_tokens * max(self.k, 1) > PAIRS_MAX if self.cuda else ctx.phase != "decode"
+        cache = self.cache
+        if big and cache.lent:
+            for li, layer in enumerate(self.layer_ids):
+                if cache.loan_slots[layer]:
+                    for e in self.policy.set_capacity(li, cache.layer_slots[layer]):
+                        self.pending[li].pop(e, None)  # a copy into a lent row: forgotten (waited for below)
+                    cache.upload_map(li, self.policy.expert_map()[li])
+            if self.cuda:  # (once a prompt) copies into those rows and their readers finish before a chunk's
+                torch.cuda.synchronize(self.device)
+            cache.lent = False
+            self.loans += 1
+        elif not big and ctx.phase == "decode" and not cache.lent:
+            if self.cuda:  # (once a prompt) the chunk's reads and copies finish before admissions land there
+                torch.cuda.synchronize(self.device)
+            for st in cache._chunk_stage.values():
+                st.pending = None
+            for li, layer in enumerate(self.layer_ids):
+                if cache.loan_slots[layer]:
+                    self.policy.set_capacity(li, cache.layer_slots[layer] + cache.loan_slots[layer])
+            cache.lent = True
+
+    def _loan_wanted(self) -> bool:
+        """--chunk-buffer-loan: on, off, or auto (on for a GPU once its GPU test has passed: LOAN_GPU_TESTED)."""
+        want = self.ex.chunk_loan
+        return want == "on" or (want == "auto" and self.cuda and LOAN_GPU_TESTED)
 
     def launched(self) -> None:
         """A graphed decode step is queued: the direct path settles the previous one meanwhile."""

@@ -246,9 +246,8 @@ class GraphedDecode:
         t = self.t
         row = t.policy.expert_map()[li]
         layer = t.layer_ids[li]
-        base = t.cache.pool_of[layer].base[layer]
         if b.map_h.numel() != row.shape[0]:
             b.map_h = torch.empty(row.shape[0], dtype=torch.int64, pin_memory=t.cuda)
         m = b.map_h.numpy()
-        np.copyto(m, np.where(row >= 0, row.astype(np.int64) + base, -1))
+        np.copyto(m, t.cache.pool_rows(layer, row))
         t.cache.map[li].copy_(b.map_h, non_blocking=True)

@@ -245,9 +245,8 @@ class DirectDecode:
         event recorded after the upload that last read it."""
         t = self.t
         row = t.policy.expert_map()[li]
-        base = t.cache.pool_of[layer].base[layer]
         buf = self.map_h.get((li, turn))
         if buf is None:
             buf = self.map_h[(li, turn)] = torch.empty(row.shape[0], dtype=torch.int64, pin_memory=t.cuda)
-        np.copyto(buf.numpy(), np.where(row >= 0, row.astype(np.int64) + base, -1))
+        np.copyto(buf.numpy(), t.cache.pool_rows(layer, row))
         t.cache.map[li].copy_(buf, non_blocking=True)

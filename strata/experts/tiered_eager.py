@@ -100,14 +100,15 @@ class EagerLayer:
         self._flat = ids_np.reshape(-1)
         # a chunk: y gets a spare row past the pairs (grouped calls write their padding there), and the streamed
         # experts go through the chunk buffers
-        self._chunk = y is None and self._grouped_chunks()
+        # (not while the chunk buffers are lent to the cache: a decode step, which never needs them)
+        self._chunk = y is None and self._grouped_chunks() and not cache.lent
         grouped = None
         if y is None:
             y = torch.zeros(N * k + 1, d, dtype=torch.float32, device=x.device)
             if self._grouped_chunks() and (not t.cuda or int(hit.sum()) > PAIRS_MAX):
                 # the GPU idles from the routing's host sync to this launch: each pair's slot straight from the
                 # map row, no grouping on the way
-                sid = np.where(row >= 0, cache.slot(layer, 0) + row.astype(np.int64), -1)[ids_np].reshape(-1)
+                sid = cache.pool_rows(layer, row)[ids_np].reshape(-1)
                 self._grouped_sid(pool.gate, pool.up, pool.down, x, sid, y)
             else:
                 grouped = [(e, p // k, p) for e, p in by_expert(ids_np.reshape(-1))]

@@ -287,6 +287,59 @@ def test_invariants_under_random_traffic(name, ops):
             assert {e: int(emap[e]) for e in np.flatnonzero(emap >= 0)} == res
 
 
+@pytest.mark.parametrize("name", ["lfu-decay", "lru"])
+def test_capacity_shrinks_and_grows(name):
+    """Slots lent away (the prefill's chunk buffers borrow a layer's top slots) and given back empty."""
+    p = make_policy(name, 1, 16, 5, swap_budget=None)
+    p.initial_fill({0: [0, 1, 2]})  # slots 0-2 ready, 3-4 empty
+    p.tick()
+    p.observe(0, [7, 8])
+    sw = p.plan_swaps(0)
+    p.commit(0, sw)
+    assert sorted(s.slot for s in sw) == [3, 4]
+    p.mark_ready(0, sw[0].admit)  # one copy done, one pending
+    pending = sw[1].admit
+    assert p.set_capacity(0, 2) == [pending]  # slot 2 (ready: 2), 3, 4 leave
+    assert p.capacity(0) == 2 and p.resident(0) == {0: 0, 1: 1} and p.pending(0) == {}
+    assert not p.is_hit(0, 2) and p.expert_map()[0, 2] == -1 and p.expert_map()[0, sw[0].admit] == -1
+    with pytest.raises(ValueError, match="not pending"):
+        p.mark_ready(0, pending)
+    assert p.set_capacity(0, 4) == []
+    assert p.capacity(0) == 4 and p.resident(0) == {0: 0, 1: 1}
+    p.tick()
+    p.observe(0, [9, 10])
+    sw = p.plan_swaps(0)
+    assert sorted(s.slot for s in sw) == [2, 3] and all(s.evict is None for s in sw)  # the given-back slots
+    with pytest.raises(ValueError):
+        p.set_capacity(0, 17)
+
+
+@given(
+    st.sampled_from(["lfu-decay", "lru"]),
+    st.lists(st.tuples(st.lists(st.integers(0, 11), max_size=6), st.booleans(), st.integers(-1, 6)), max_size=60),
+)
+def test_invariants_with_capacity_changes(name, ops):
+    p = make_policy(name, 1, 12, 4, swap_budget=2)
+    for ids, finish, cap in ops:
+        p.tick()
+        if cap >= 0:
+            p.set_capacity(0, cap)
+        p.observe(0, ids)
+        swaps = p.plan_swaps(0)
+        p.commit(0, swaps)
+        if finish:
+            for e in list(p.pending(0)):
+                p.mark_ready(0, e)
+        res, pend = p.resident(0), p.pending(0)
+        slots = list(res.values()) + list(pend.values())
+        assert len(slots) == len(set(slots)) and all(0 <= s < p.capacity(0) for s in slots)
+        assert not set(res) & set(pend)
+        emap = p.expert_map()[0]
+        assert {e: int(emap[e]) for e in np.flatnonzero(emap >= 0)} == res
+        free = sum(1 for sl in range(p.capacity(0)) if sl not in slots)
+        assert p._n_free[0] == free
+
+
 # --- simulation: a Zipf-like routing trace over a Qwen3-30B-A3B-sized model ----------------------
 
 L, E, K, SLOTS = 48, 128, 8, 38  # 38 of 128 slots: a 30% cache
