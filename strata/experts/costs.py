@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import logging
 import os
 import platform
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -219,8 +221,8 @@ def measure_cost_model(weights: ExpertWeights, device: torch.device, dtype: torc
     )
 
 
-def cost_model_for(backend) -> CostModel:
-    """The backend's costs: this machine's cached measurement for its expert shape, else measured now and cached."""
+def _cost_key(backend) -> tuple[str, str, Path]:
+    """(machine, expert shape and lane, the cost model's cache file) of a backend."""
     layer = backend.layer_ids[0]
     ew = backend.store[layer]
     lane = backend.lane
@@ -228,6 +230,48 @@ def cost_model_for(backend) -> CostModel:
     kernel = lane.kernel[layer] if lane is not None else "none"
     machine, model = machine_id(backend.device), model_id(ew, backend.dtype, threads, kernel)
     path = cache_dir() / "costs" / (hashlib.sha256(f"{machine}\n{model}".encode()).hexdigest()[:24] + ".json")
+    return machine, model, path
+
+
+def save_verdict(backend, path: str, plan: str, why: str) -> Path | None:
+    """Keep what the plan tuner's trials found on this machine for this expert shape (`path`: "staged" or
+    "handoff", the plan kept, why), beside the cost model: later loads take it instead of trying plans again
+    (delete the file to try them again). Returns the file, None if it could not be written."""
+    machine, model, cm_path = _cost_key(backend)
+    out = cm_path.with_suffix(".verdict.json")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"machine": machine, "model": model, "path": path, "plan": plan, "why": why},
+                                  indent=1))
+    except OSError as e:
+        log.warning("strata: could not keep the plan trials' verdict in %s: %s", out, e)
+        return None
+    return out
+
+
+def load_verdict(backend) -> dict | None:
+    """The saved verdict of the plan tuner's trials for this machine and expert shape (save_verdict), or None."""
+    machine, model, cm_path = _cost_key(backend)
+    f = cm_path.with_suffix(".verdict.json")
+    if not f.exists():
+        return None
+    try:
+        v = json.loads(f.read_text())
+        if v.get("machine") == machine and v.get("model") == model and v.get("path") in ("staged", "handoff"):
+            v["file"] = str(f)
+            return v
+    except (OSError, ValueError) as e:  # a damaged entry: the trials run again
+        log.warning("strata: ignoring the saved plan verdict %s: %s", f, e)
+    return None
+
+
+def cost_model_for(backend) -> CostModel:
+    """The backend's costs: this machine's cached measurement for its expert shape, else measured now and cached."""
+    layer = backend.layer_ids[0]
+    ew = backend.store[layer]
+    lane = backend.lane
+    threads = lane.threads if lane is not None else torch.get_num_threads()
+    machine, model, path = _cost_key(backend)
     if path.exists():
         try:
             cm = CostModel.load(path)

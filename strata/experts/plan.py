@@ -178,6 +178,9 @@ def handoff_overhead_ms(costs: CostModel | None) -> float:
     return (costs.cpu_overhead_ms if costs is not None else 0.0) + HANDOFF_STEP_MS
 
 
+NO_PCIE_TRIAL = "no all-PCIe trial was timed"
+
+
 def handoff_after_tuning(tuner, n_layers: int, costs: CostModel | None) -> tuple[bool, str]:
     """After the plan tuner's trials (strata.experts.tuner.PlanTuner, run on the hand-off path): (whether the
     hand-off stays, why). The staged path's step is estimated from the all-PCIe trial less the hand-off's own
@@ -187,7 +190,7 @@ def handoff_after_tuning(tuner, n_layers: int, costs: CostModel | None) -> tuple
     plans = [getattr(c, "plan", c) for c in tuner.candidates]
     zero = [i for i, p in enumerate(plans) if not any(p.shares) and scores[i] != float("inf")]
     if not zero:
-        return True, "no all-PCIe trial was timed"
+        return True, NO_PCIE_TRIAL
     pcie_ms = min(scores[i] for i in zero) * 1e3
     staged_ms = max(pcie_ms - n_layers * handoff_overhead_ms(costs), 0.0)
     best = min(range(len(scores)), key=lambda i: scores[i])

@@ -29,7 +29,7 @@ from strata.config import EngineConfig, alloc_cap_enabled
 from strata.experts.backend import StepContext, StepProfiler
 from strata.experts.cache import ExpertCache, budget_slots, cap_to_budget
 from strata.experts.cpu_lane import CpuLane
-from strata.experts.plan import CostModel, CpuPlan, decode_path, handoff_after_tuning
+from strata.experts.plan import NO_PCIE_TRIAL, CostModel, CpuPlan, decode_path, handoff_after_tuning
 from strata.experts.policy import CachePolicy, make_policy
 from strata.experts.profile import RoutingProfile, layer_slots, warm_policy
 from strata.experts.resident import ExpertWeights
@@ -38,15 +38,11 @@ from strata.experts.stats import ExpertStats, StepProfile
 from strata.experts.store import ExpertStore
 from strata.experts.tiered_decode import GraphedDecode
 from strata.experts.tiered_direct import DirectDecode, supported as direct_supported
+from strata.experts.loan import loan_tested, loan_turn
 from strata.experts.tiered_eager import PAIRS_MAX, EagerLayer
 from strata.experts.tuner import LaneSetting, PlanTuner, lane_candidates
 
 log = logging.getLogger("strata")
-
-# The chunk buffers lent to the cache between prompts (--chunk-buffer-loan auto) are taken on a GPU once the GPU
-# test of the loan (tests/experts/test_chunk_loan.py) has passed there; until then auto keeps them apart on GPUs.
-LOAN_GPU_TESTED = False
-
 
 def _all_cpu_zero(text: str) -> bool:
     t = text.replace(",", "").strip()
@@ -166,15 +162,21 @@ class TieredExperts:
 
                 self.costs = cost_model_for(self)
             self.plan = self.costs.cpu_plan(k)
-            if self.ex.plan_tune and self.cuda and self.lane is not None:
+            saved = self._saved_verdict(k)
+            if saved is None and self.ex.plan_tune and self.cuda and self.lane is not None:
                 # the model's plan, then what the first decode steps measure (strata.experts.tuner)
                 native = "native" in self.lane.kernel.values()
                 self.tuner = PlanTuner(lane_candidates(self.plan, k, self.lane.threads, native), trial=20, rounds=2)
         else:
+            saved = None
             self.plan = CpuPlan.parse(self.ex.cpu_plan, k)
         if self.lane is None and any(self.plan.shares):
             raise StrataError("internal: the CPU lane is off but the plan uses the CPU")
-        if self.ex.decode_misses == "auto" and self.cuda and self.costs is not None and self.lane is not None:
+        if saved is not None:  # an earlier run's trials on this machine decided (strata.experts.costs.save_verdict)
+            self._handoff_chosen = saved["path"] == "handoff" and self.ex.decode_misses == "auto"
+            self.path_reason = f"from the trials of an earlier run ({saved['file']}): {saved.get('why', '')}"
+            log.info("strata: decode misses %s, plan %s, %s", saved["path"], self.plan, self.path_reason)
+        elif self.ex.decode_misses == "auto" and self.cuda and self.costs is not None and self.lane is not None:
             path, staged_ms, handoff_ms = decode_path(self.costs, self.plan, k)
             if path == "handoff":  # this machine's CPU lane beats its link: the host splits the misses
                 log.info("strata: decode misses handed off: the CPU lane takes %d of %d misses (cost model: %.3f "
@@ -212,6 +214,22 @@ class TieredExperts:
             self.tuner = None
         return True
 
+    def _saved_verdict(self, k: int) -> dict | None:
+        """An earlier run's verdict of the plan trials on this machine for these experts (a GPU under
+        `--decode-misses auto`), its plan applied; None when there is none (or it does not fit this model)."""
+        if not (self.cuda and self.ex.decode_misses == "auto" and self.ex.plan_tune and self.lane is not None):
+            return None
+        from strata.experts.costs import load_verdict
+
+        saved = load_verdict(self)
+        if saved is None:
+            return None
+        try:
+            self.plan = CpuPlan.parse(saved["plan"], k)
+        except (StrataError, KeyError, TypeError):
+            return None
+        return saved
+
     def _tuned(self) -> None:
         """The plan tuner has chosen. Under `--decode-misses auto` the hand-off was taken because the cost model
         expected the CPU lane to pay; the trials measured it. The staged path moves the same misses over PCIe
@@ -221,6 +239,11 @@ class TieredExperts:
             return
         stay, why = handoff_after_tuning(self.tuner, len(self.layer_ids), self.costs)
         self.path_reason = ("hand-off kept: " if stay else "staged after the trials: ") + why
+        if why != NO_PCIE_TRIAL:  # the trials measured both: later runs on this machine start from the verdict
+            from strata.experts.costs import save_verdict
+
+            chosen = self.tuner.chosen
+            save_verdict(self, "handoff" if stay else "staged", str(getattr(chosen, "plan", chosen)), why)
         if stay:
             log.info("strata: decode misses stay handed off: %s", why)
             return
@@ -339,40 +362,14 @@ class TieredExperts:
         if self.direct is not None:  # the last step's routing is learnt before the policy ages
             self.direct.begin_step(ctx)
         if self.cache.loan:  # after the direct path has settled what it launched (its admissions)
-            self._loan_turn(ctx)
+            loan_turn(self, ctx)
         if ctx.counting:
             self._begin_step(ctx)
 
-    def _loan_turn(self, ctx: StepContext) -> None:
-        """The chunk buffers lie in the pool and are the layers' extra slots between prompts: a step that may
-        stream through them (a chunk: more pairs than a decode step computes from the map) borrows them back,
-        their experts forgotten; the next plain decode step gives them back, empty, for the cache to refill."""
-        big = ctx.n_tokens * max(self.k, 1) > PAIRS_MAX if self.cuda else ctx.phase != "decode"
-        cache = self.cache
-        if big and cache.lent:
-            for li, layer in enumerate(self.layer_ids):
-                if cache.loan_slots[layer]:
-                    for e in self.policy.set_capacity(li, cache.layer_slots[layer]):
-                        self.pending[li].pop(e, None)  # a copy into a lent row: forgotten (waited for below)
-                    cache.upload_map(li, self.policy.expert_map()[li])
-            if self.cuda:  # (once a prompt) copies into those rows and their readers finish before a chunk's
-                torch.cuda.synchronize(self.device)
-            cache.lent = False
-            self.loans += 1
-        elif not big and ctx.phase == "decode" and not cache.lent:
-            if self.cuda:  # (once a prompt) the chunk's reads and copies finish before admissions land there
-                torch.cuda.synchronize(self.device)
-            for st in cache._chunk_stage.values():
-                st.pending = None
-            for li, layer in enumerate(self.layer_ids):
-                if cache.loan_slots[layer]:
-                    self.policy.set_capacity(li, cache.layer_slots[layer] + cache.loan_slots[layer])
-            cache.lent = True
-
     def _loan_wanted(self) -> bool:
-        """--chunk-buffer-loan: on, off, or auto (on for a GPU once its GPU test has passed: LOAN_GPU_TESTED)."""
+        """--chunk-buffer-loan: on, off, or auto (on for a GPU once its GPU test has passed: loan.GPU_TESTED)."""
         want = self.ex.chunk_loan
-        return want == "on" or (want == "auto" and self.cuda and LOAN_GPU_TESTED)
+        return want == "on" or (want == "auto" and self.cuda and loan_tested())
 
     def launched(self) -> None:
         """A graphed decode step is queued: the direct path settles the previous one meanwhile."""

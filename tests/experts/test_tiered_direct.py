@@ -182,7 +182,7 @@ def test_the_backend_says_which_decode_path_it_took(model_path, misses, want):
     assert eng.model.experts.decode_misses_path == want
 
 
-def _leaves_the_handoff(model_path, device: str, monkeypatch, n: int = 24):
+def _leaves_the_handoff(model_path, device: str, monkeypatch, cache_dir, n: int = 24):
     """A backend on the hand-off (as `auto` takes it where the cost model expects the CPU lane to pay) whose plan
     tuner then measures that it does not: the next step on, misses are staged, the graphs captured anew, the text
     the resident oracle's."""
@@ -197,6 +197,7 @@ def _leaves_the_handoff(model_path, device: str, monkeypatch, n: int = 24):
         return False, "all-PCIe was fastest"
 
     monkeypatch.setattr(tiered, "handoff_after_tuning", verdict)
+    monkeypatch.setenv("STRATA_CACHE_DIR", str(cache_dir))
     ref = _logits(_engine(model_path, device, True, mode="resident"), n)
     eng = _engine(model_path, device, True, slots=3, cpu_plan="011", decode_misses="auto")
     ex = eng.model.experts
@@ -210,9 +211,36 @@ def _leaves_the_handoff(model_path, device: str, monkeypatch, n: int = 24):
     return eng
 
 
-def test_the_tuner_verdict_moves_the_handoff_to_staged(model_path, monkeypatch):
-    eng = _leaves_the_handoff(model_path, "cpu", monkeypatch)
-    assert eng.model.experts.direct.records  # the last steps went through the direct path's records
+def test_the_tuner_verdict_moves_the_handoff_to_staged(model_path, monkeypatch, tmp_path):
+    from strata.experts.costs import load_verdict
+
+    eng = _leaves_the_handoff(model_path, "cpu", monkeypatch, tmp_path)
+    ex = eng.model.experts
+    assert ex.direct.records  # the last steps went through the direct path's records
+    saved = load_verdict(ex)  # kept for the next run on this machine
+    assert saved is not None and saved["path"] == "staged" and saved["why"] == "all-PCIe was fastest"
+    assert saved["plan"] == str(ex.tuner.chosen)
+
+
+def test_a_saved_verdict_is_this_machine_and_shape_only(model_path, monkeypatch, tmp_path, caplog):
+    from strata.experts.costs import load_verdict, save_verdict
+
+    monkeypatch.setenv("STRATA_CACHE_DIR", str(tmp_path))
+    eng = _engine(model_path, "cpu", True, slots=3, cpu_plan="011")
+    _logits(eng, 1)
+    ex = eng.model.experts
+    assert load_verdict(ex) is None
+    f = save_verdict(ex, "handoff", "011", "the CPU lane pays")
+    assert f is not None and f.parent == tmp_path / "costs"
+    v = load_verdict(ex)
+    assert v["path"] == "handoff" and v["plan"] == "011"
+    ex.lane.set_threads(ex.lane.threads + 1)  # another lane: another shape key
+    assert load_verdict(ex) is None
+    ex.lane.set_threads(ex.lane.threads - 1)
+    f.write_text("{not json")
+    with caplog.at_level(logging.WARNING, logger="strata"):
+        assert load_verdict(ex) is None
+    assert any("ignoring the saved plan verdict" in r.getMessage() for r in caplog.records)
 
 
 def test_a_tuner_verdict_for_the_handoff_keeps_it(model_path, monkeypatch):
@@ -230,9 +258,14 @@ def test_a_tuner_verdict_for_the_handoff_keeps_it(model_path, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_cuda_tuner_verdict_recaptures_the_step_without_the_handoff(model_path, monkeypatch):
+def test_cuda_tuner_verdict_recaptures_the_step_without_the_handoff(model_path, monkeypatch, tmp_path):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    eng = _leaves_the_handoff(model_path, "cuda", monkeypatch, n=40)
+    eng = _leaves_the_handoff(model_path, "cuda", monkeypatch, tmp_path, n=40)
     pieces = next(iter(eng.graphs.graphs.values()))[0]
     assert len(eng.graphs.graphs) == 1 and len(pieces) == 1, "captured anew as one graph: no hand-off"
+    # the next run on this machine starts on the staged path from the saved verdict: no trials
+    again = _engine(model_path, "cuda", True, slots=3, cpu_plan="auto", decode_misses="auto")
+    ex = again.model.experts
+    _logits(again, 4)
+    assert ex.tuner is None and ex.decode_misses_path == "staged" and "earlier run" in ex.path_reason
