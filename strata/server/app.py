@@ -47,6 +47,9 @@ def _decode_steps(engine) -> dict:
     experts = getattr(engine.model, "experts", None)
     return {"graphs": getattr(engine, "graphs", None) is not None, "ahead": ahead is not None,
             "misses": getattr(experts, "decode_misses_path", None),
+            "misses_why": getattr(experts, "path_reason", "") or None,  # (the plan trials' verdict, when one ran)
+            "chunk_buffer_loans": getattr(experts, "loans", 0) if getattr(getattr(experts, "cache", None), "loan",
+                                                                          False) else None,
             "launched_ahead": ahead.launched if ahead is not None else 0,
             "ahead_dropped": ahead.dropped if ahead is not None else 0}
 

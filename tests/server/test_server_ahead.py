@@ -58,6 +58,8 @@ def test_server_text_is_the_same_with_steps_launched_ahead(lm):
         steps = httpx.get(s.url + "/props").json()["decode_steps"]
         assert steps["graphs"] and steps["ahead"] and steps["launched_ahead"] == launched
         assert steps["ahead_dropped"] >= 1  # the stop strings and the client that went away
+        # a dense model: no expert path, no verdict, no loan
+        assert steps["misses"] is None and steps["misses_why"] is None and steps["chunk_buffer_loans"] is None
     with serve(_lm(lm, False), parallel=3) as s:
         assert s.state.server.worker.engine.ahead is None
         want = _run(s.url)
