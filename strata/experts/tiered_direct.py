@@ -157,18 +157,18 @@ class DirectDecode:
                 slots = torch.where(slots >= 0, slots, self.pmap[li].index_select(0, flat))
             else:  # (the first MoE layer: nothing predicted for it)
                 rec.dev[li, 2].fill_(-1)
+        nxt = t.next_moe.get(layer) if ahead else None
+        if nxt is not None and nxt.layer in t.index:  # forked before this layer's own copies: the bus stays busy
+            self._prefetch(t.index[nxt.layer], nxt, x, rec)  # through this layer's compute
         if self.stage:  # (beyond the staging slots, misses are still read in place)
             slots = stage_misses(slots, flat, host, stacks, pool.stage_base, n_stage)
-        nxt = t.next_moe.get(layer) if ahead else None
-        if nxt is not None and nxt.layer in t.index:
-            self._prefetch(t.index[nxt.layer], nxt, x, rec)
         y = two_tier_expert_ffn(xs, pool.gate, pool.up, pool.down, slots, host, flat)
         return combine(y.view(N, k, -1), w, x.dtype)
 
     def _prefetch(self, nl: int, moe, x: torch.Tensor, rec: "_Record") -> None:
         """Stage the next MoE layer's (index nl) predicted misses into its prefetch region, on the side stream
-        (after this layer's routing and its staging, on the main stream so far: the region's last reader, the
-        layer two before, is queued before them)."""
+        (after this layer's routing, on the main stream so far: the region's last reader, the layer two before, is
+        queued before it)."""
         t = self.t
         k = t.k
         if self.pmap is None:
