@@ -238,3 +238,15 @@ def test_bench_refuses_a_setting_out_of_range(tmp_path, capsys, flag, value, mes
     rc = main(["bench", "sweep", "--url", "http://127.0.0.1:9", "--out", str(tmp_path), flag, value])
     assert rc != 0
     assert message in capsys.readouterr().err
+
+
+def test_the_report_says_how_decode_steps_ran_and_why():
+    from strata.bench.report import markdown
+
+    steps = {"graphs": True, "ahead": True, "misses": "staged", "launched_ahead": 40, "ahead_dropped": 1,
+             "misses_why": "staged after the trials: best hand-off plan 000000000@16 23.00 ms a token",
+             "chunk_buffer_loans": 3}
+    md = markdown({"name": "x", "date": "d", "temperature": 0,
+                   "server": {"url": "u", "phases": [{"suites": ["sweep"], "server": {"decode_steps": steps}}]}})
+    assert "sweep: misses staged, graphs on, 40 launched ahead (1 dropped), chunk buffers borrowed back 3 times" in md
+    assert "- decode misses' path: staged after the trials: best hand-off plan" in md
