@@ -59,16 +59,27 @@ def _causal_mask(seg: Segment, device) -> torch.Tensor | None:
     return k <= q  # [n, L]
 
 
-def _cache_step(kv: KVCache, layer: int, seg: Segment, k: torch.Tensor, v: torch.Tensor | None):
+def _cache_step(kv: KVCache, layer: int, seg: Segment, k: torch.Tensor, v: torch.Tensor | None,
+                want_mask: bool = True):
     """Write a segment's K/V and return (keys, values, mask) to attend over: the slot's prefix, or for a
-    static-shape decode segment the fixed window masked beyond the device-side position."""
+    static-shape decode segment the fixed window masked beyond the device-side position (None without
+    `want_mask`: a caller that may not need it builds it itself, see _one_query)."""
     if seg.window:
         kv.write_at(layer, seg.slot, seg.pos_t, k, v)
         ks, vs = kv.read_window(layer, seg.slot, seg.window)
-        return ks, vs, _window_mask(seg.window, seg.pos_t, k.dtype)
+        return ks, vs, (_window_mask(seg.window, seg.pos_t, k.dtype) if want_mask else None)
     kv.write(layer, seg, k, v)
     ks, vs = kv.read(layer, seg)
     return ks, vs, _causal_mask(seg, k.device)
+
+
+def _one_query(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, seg: Segment, scale: float,
+               mask_dtype: torch.dtype) -> torch.Tensor:
+    """A static decode step's one query [1, H, D] over its window: the split kernel reads the position on the
+    device and needs no mask, so the window's mask (three launches a layer) is built only for the reference."""
+    if _ONE_QUERY.pick(q, ks, vs, None, seg.pos_t, scale) is not None:
+        return _ONE_QUERY(q, ks, vs, None, seg.pos_t, scale)
+    return _ONE_QUERY(q, ks, vs, _window_mask(seg.window, seg.pos_t, mask_dtype), seg.pos_t, scale)
 
 
 def _as_dtype(ks: torch.Tensor, vs: torch.Tensor | None, dtype: torch.dtype):
@@ -159,10 +170,12 @@ class GQAttention:
         q, k = self.rotary.qk(q, k, pos, self.q_norm, self.k_norm, self.eps)  # one launch on CUDA
         outs, i = [], 0
         for seg in segments:
-            ks, vs, mask = _cache_step(kv, self.layer, seg, k[i : i + seg.n], v[i : i + seg.n])  # [L, Hkv, D]
+            one = bool(seg.window) and seg.n == 1  # a static decode step's query: split over the keys on a GPU
+            ks, vs, mask = _cache_step(kv, self.layer, seg, k[i : i + seg.n], v[i : i + seg.n],
+                                       want_mask=not one)  # [L, Hkv, D]
             ks, vs = _as_dtype(ks, vs, x.dtype)  # (a cache in another dtype than the activations)
-            if seg.window and seg.n == 1:  # a static decode step's query: split over the keys on a GPU
-                outs.append(_ONE_QUERY(q[i : i + 1], ks, vs, mask, seg.pos_t, self.scale))
+            if one:
+                outs.append(_one_query(q[i : i + 1], ks, vs, seg, self.scale, k.dtype))
             else:
                 outs.append(_gqa(q[i : i + seg.n], ks, vs, mask, self.scale))  # [n, H, Dv]
             i += seg.n

@@ -21,7 +21,7 @@ from strata import StrataError
 from strata.gguf.reader import GGUFModel
 from strata.kv.cache import KVCache, Segment
 from strata.kv.recurrent import HybridCache, RecurrentState
-from strata.layers.attention import _ONE_QUERY, _as_dtype, _cache_step, _gqa, _linear
+from strata.layers.attention import _as_dtype, _cache_step, _gqa, _linear, _one_query
 from strata.layers.deltanet import GatedDeltaNet, legacy_split
 from strata.layers.moe import Routing
 from strata.layers.rotary import Rotary
@@ -89,10 +89,11 @@ class GatedAttention:
         q, k = self.rotary.qk(q, k, pos, self.q_norm, self.k_norm, self.eps)
         outs, i = [], 0
         for seg in segments:
-            ks, vs, mask = _cache_step(kv, self.layer, seg, k[i : i + seg.n], v[i : i + seg.n])
+            one = bool(seg.window) and seg.n == 1
+            ks, vs, mask = _cache_step(kv, self.layer, seg, k[i : i + seg.n], v[i : i + seg.n], want_mask=not one)
             ks, vs = _as_dtype(ks, vs, x.dtype)
-            if seg.window and seg.n == 1:
-                outs.append(_ONE_QUERY(q[i : i + 1], ks, vs, mask, seg.pos_t, self.scale))
+            if one:
+                outs.append(_one_query(q[i : i + 1], ks, vs, seg, self.scale, k.dtype))
             else:
                 outs.append(_gqa(q[i : i + seg.n], ks, vs, mask, self.scale))
             i += seg.n
