@@ -187,7 +187,7 @@ class ResidentExperts:
             # "slot pool" is all experts): a constant number of launches and no host sync.
             from strata.ops.expert_gather import gather_expert_ffn
 
-            y = gather_expert_ffn(x.repeat_interleave(k, 0), ew.gate, ew.up, ew.down, ids.reshape(-1))
+            y = gather_expert_ffn(x, ew.gate, ew.up, ew.down, ids.reshape(-1), repeat=k)
             return combine(y.view(n, k, -1), w, x.dtype)
         # A chunk on the GPU: pairs sorted by expert, experts in batches of batched matmuls (a constant number
         # of launches per batch). On the CPU the per-expert loop through qmatmul stays: it is the reference

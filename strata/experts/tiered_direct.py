@@ -140,7 +140,6 @@ class DirectDecode:
         rec.layers.add(li)
         flat = ids.view(-1)  # [N*k], pair p = token p // k, choice p % k
         pool, ew = t.cache.pool_of[layer], t.store[layer]
-        xs = x.repeat_interleave(k, dim=0) if N > 1 else x.expand(k, -1).contiguous()  # [N*k, d]
         slots = t.cache.map[li].index_select(0, flat)
         rec.dev[li, 0].copy_(flat)
         rec.dev[li, 1].copy_(slots)  # (the cache's view: a prefetched expert still counts as a miss)
@@ -162,7 +161,7 @@ class DirectDecode:
             self._prefetch(t.index[nxt.layer], nxt, x, rec)  # through this layer's compute
         if self.stage:  # (beyond the staging slots, misses are still read in place)
             slots = stage_misses(slots, flat, host, stacks, pool.stage_base, n_stage)
-        y = two_tier_expert_ffn(xs, pool.gate, pool.up, pool.down, slots, host, flat)
+        y = two_tier_expert_ffn(x, pool.gate, pool.up, pool.down, slots, host, flat, repeat=k)  # (pair p: row p // k)
         return combine(y.view(N, k, -1), w, x.dtype)
 
     def _prefetch(self, nl: int, moe, x: torch.Tensor, rec: "_Record") -> None:

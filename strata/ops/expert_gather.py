@@ -21,13 +21,15 @@ from strata.ops.reference import torch_gather_ffn as _torch_gather_ffn  # noqa: 
 from strata.quant import QTensor
 
 
-def _triton_when(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, slots: torch.Tensor) -> bool:
+def _triton_when(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, slots: torch.Tensor,
+                 repeat: int = 1) -> bool:
     return x.is_cuda and expert_triton.supports(gate, up, down)
 
 
 registry.op("gather_expert_ffn").register("triton", expert_triton.triton_expert_ffn, _triton_when)
 # x [P, d], pools [S, ff, d] / [S, ff, d] / [S, d, ff], slots [P] int64 (negative: a miss, output 0) -> [P, d]
-# float32. On CUDA, formats with a fused Triton kernel (Q4_K, Q8_0) take it: two launches.
+# float32. On CUDA, formats with a fused Triton kernel (Q4_K, Q8_0) take it: two launches. repeat=r (keyword): x
+# holds P / r rows, pair p reading row p // r (a token's k choices without a repeated copy of x).
 gather_expert_ffn = registry.op("gather_expert_ffn")
 
 
@@ -46,7 +48,7 @@ def _pinned(t: torch.Tensor) -> bool:
 
 
 def _two_tier_when(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, slots: torch.Tensor, host,
-                   eids: torch.Tensor) -> bool:
+                   eids: torch.Tensor, repeat: int = 1) -> bool:
     # the host stack must be mapped into the GPU's address space (pinned) for the kernel to read it over the bus
     return (x.is_cuda and expert_triton.supports(gate, up, down) and expert_triton.supports(*host)
             and all(_pinned(t.raw) for t in host))
@@ -74,12 +76,12 @@ def stage_fast(stacks) -> bool:
     return stageable(stacks)
 
 
-def _two_tier_triton(x, gate, up, down, slots, host, eids):
-    return expert_triton.triton_expert_ffn(x, gate, up, down, slots, host=host, eids=eids)
+def _two_tier_triton(x, gate, up, down, slots, host, eids, repeat: int = 1):
+    return expert_triton.triton_expert_ffn(x, gate, up, down, slots, host=host, eids=eids, repeat=repeat)
 
 
 registry.op("two_tier_expert_ffn").register("triton", _two_tier_triton, _two_tier_when)
 # x [P, d], a layer's pool stacks and slots [P] as above, host: the layer's expert stacks where they lie (pinned
 # host memory on CUDA), eids [P] -> [P, d] float32: a pair with a slot from the pool, a miss read from the host
-# stack by its expert id (over the bus, inside the kernel: no copy, no host involvement).
+# stack by its expert id (over the bus, inside the kernel: no copy, no host involvement). repeat as above.
 two_tier_expert_ffn = registry.op("two_tier_expert_ffn")

@@ -241,8 +241,8 @@ if triton is not None:
             return _q8_0_tile(row, xp, it * (KW // 32), K // 32, BN, KW // 32, EVEN)
 
     @triton.jit
-    def _glu_kernel(x, gate, up, slots, hgate, hup, eids, tab, out, P, N, K, g_slot_bytes, u_slot_bytes, g_row_bytes,
-                    u_row_bytes, QG: tl.constexpr, QU: tl.constexpr, BN: tl.constexpr, KW: tl.constexpr,
+    def _glu_kernel(x, gate, up, slots, hgate, hup, eids, tab, out, P, N, K, R, g_slot_bytes, u_slot_bytes,
+                    g_row_bytes, u_row_bytes, QG: tl.constexpr, QU: tl.constexpr, BN: tl.constexpr, KW: tl.constexpr,
                     EVEN: tl.constexpr, HOST: tl.constexpr):
         pid = tl.program_id(0)
         p = pid % P  # pairs vary fastest: pairs sharing a slot read its rows back to back (L2)
@@ -259,7 +259,7 @@ if triton is not None:
                 ub = hup + e * u_slot_bytes
                 s = s - s  # (keeps its int64 type: a Triton if-block may not retype it)
         if s >= 0:
-            xp = x + p * K
+            xp = x + (p // R) * K  # R pairs a row of x (a token's k choices read its one row)
             grow = gb + n * g_row_bytes  # [BN]
             urow = ub + n * u_row_bytes
             g = tl.zeros([BN], dtype=tl.float32)
@@ -421,12 +421,16 @@ def _plan_wide(qtypes, N: int, K: int, batch: int, device: torch.device, block_n
 
 
 def triton_expert_ffn(x: torch.Tensor, gate, up, down, slots: torch.Tensor, block_n: int | None = None,
-                      block_k: int | None = None, host=None, eids: torch.Tensor | None = None) -> torch.Tensor:
-    """x [P, d], pools (QTensor [S, ff, d], [S, ff, d], [S, d, ff]), slots [P] (negative: output 0) -> [P, d]
-    float32. host: the layer's experts where they lie (QTensors [E, ...] of the pool's formats; on CUDA pinned
-    host memory, which the kernels read over the bus) and eids [P] each pair's expert: a negative slot then reads
-    expert eids[p] from there instead of giving 0."""
-    P, d = x.shape
+                      block_k: int | None = None, host=None, eids: torch.Tensor | None = None,
+                      repeat: int = 1) -> torch.Tensor:
+    """x [P / repeat, d] (pair p reads row p // repeat: a token's k choices need no repeated copy), pools (QTensor
+    [S, ff, d], [S, ff, d], [S, d, ff]), slots [P] (negative: output 0) -> [P, d] float32. host: the layer's
+    experts where they lie (QTensors [E, ...] of the pool's formats; on CUDA pinned host memory, which the
+    kernels read over the bus) and eids [P] each pair's expert: a negative slot then reads expert eids[p] from
+    there instead of giving 0."""
+    P, d = slots.shape[0], x.shape[1]
+    if x.shape[0] * repeat != P:
+        raise ValueError(f"{x.shape[0]} rows of x x {repeat} pairs a row != {P} slots")
     ff = gate.shape[1]
     x = x.contiguous()
     slots = slots.contiguous()
@@ -443,7 +447,7 @@ def triton_expert_ffn(x: torch.Tensor, gate, up, down, slots: torch.Tensor, bloc
     tab = codebooks_for((gate.qtype, up.qtype, down.qtype), a)
     bn, kw, even, warps = plan((gate.qtype, up.qtype), ff, d, P, x.device, block_n, block_k, host is not None)
     _glu_kernel[(P * triton.cdiv(ff, bn),)](
-        x, g, u, slots, hg, hu, ids, tab, a, P, ff, d, g[0].numel(), u[0].numel(), g.shape[-1], u.shape[-1],
+        x, g, u, slots, hg, hu, ids, tab, a, P, ff, d, repeat, g[0].numel(), u[0].numel(), g.shape[-1], u.shape[-1],
         QG=int(gate.qtype), QU=int(up.qtype), BN=bn, KW=kw, EVEN=even, HOST=host is not None, num_warps=warps)
     bn, kw, even, warps = plan((down.qtype,), d, ff, P, x.device, block_n, block_k, host is not None)
     _gemv_kernel[(P * triton.cdiv(d, bn),)](

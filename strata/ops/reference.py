@@ -186,20 +186,25 @@ def _gather(w: QTensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
 
 @reference("gather_expert_ffn")
 def gather_expert_ffn(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor,
-                      slots: torch.Tensor) -> torch.Tensor:
-    """x [P, d], pools [S, ff, d] / [S, ff, d] / [S, d, ff], slots [P] int64 (negative: a miss, output 0)
-    -> [P, d] float32: the pairs' experts gathered, dequantized and multiplied in batches (torch)."""
+                      slots: torch.Tensor, repeat: int = 1) -> torch.Tensor:
+    """x [P, d] (or [P / repeat, d]: pair p reads row p // repeat), pools [S, ff, d] / [S, ff, d] / [S, d, ff],
+    slots [P] int64 (negative: a miss, output 0) -> [P, d] float32: the pairs' experts gathered, dequantized and
+    multiplied in batches (torch)."""
+    if repeat > 1:
+        x = x.repeat_interleave(repeat, 0)
     y = torch_gather_ffn(x, gate, up, down, slots.clamp(min=0))
     return torch.where((slots >= 0).unsqueeze(1), y, 0.0)
 
 
 @reference("two_tier_expert_ffn")
 def two_tier_expert_ffn(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, slots: torch.Tensor,
-                        host: tuple[QTensor, QTensor, QTensor], eids: torch.Tensor) -> torch.Tensor:
+                        host: tuple[QTensor, QTensor, QTensor], eids: torch.Tensor, repeat: int = 1) -> torch.Tensor:
     """x [P, d], pools as gather_expert_ffn's, slots [P], host: the layer's experts where they lie ([E, ff, d],
     [E, ff, d], [E, d, ff]), eids [P] each pair's expert -> [P, d] float32: a pair with a slot (>= 0) from the
     pool, any other from the host stack by its expert id. (Computed where `host` lies and brought back: a
-    reference, not capturable on a GPU.)"""
+    reference, not capturable on a GPU.) repeat: as gather_expert_ffn's."""
+    if repeat > 1:
+        x = x.repeat_interleave(repeat, 0)
     y = torch_gather_ffn(x, gate, up, down, slots.clamp(min=0))
     dev = host[0].raw.device
     ym = torch_gather_ffn(x.to(dev), *host, eids.to(dev)).to(y.device)

@@ -56,6 +56,14 @@ SCRIPT = textwrap.dedent("""
         for i, r in ((0, ref), (1, refh), (2, ref)):
             rel = ((y[i] - r[i]).norm() / r[i].norm()).item()
             assert rel < 1e-5, ("host", qg.name, qd.name, i, rel)
+        # a token's choices read its one row of x (repeat=2: pairs 0, 1 row 0; pairs 2, 3 row 1), no copy made
+        slots4 = torch.tensor([1, -1, 0, 1])
+        y = triton_expert_ffn(x[:2], g, u, dn, slots4, block_n=bn, block_k=bk, repeat=2)
+        ref4 = _torch_gather_ffn(x[:2].float().repeat_interleave(2, 0), g, u, dn, slots4.clamp(min=0))
+        assert torch.equal(y[1], torch.zeros(d))
+        for i in (0, 2, 3):
+            rel = ((y[i] - ref4[i]).norm() / ref4[i].norm()).item()
+            assert rel < 1e-5, ("repeat", qg.name, qd.name, i, rel)
     print("ok")
 """)
 
