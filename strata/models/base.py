@@ -83,12 +83,22 @@ class Block:
         self.attn_norm, self.attn, self.ffn_norm, self.ffn, self.eps = attn_norm, attn, ffn_norm, ffn, eps
         self.moe = isinstance(ffn, MoE)  # an MoE block takes the step context (its experts backend needs it)
 
+    def step(self, x, delta, pos, segments, kv, ctx: StepContext):
+        """x + delta through the block, delta being the previous block's output not yet added (None: x is whole):
+        (h, out) with this block's own output `out` left unadded, so that each residual add is one launch with
+        the RMSNorm after it (add_rms_norm: the attention's norm here, the FFN's below) on a GPU."""
+        if delta is None:
+            a = rms_norm(x, self.attn_norm, self.eps)
+        else:
+            x, a = add_rms_norm(x, delta, self.attn_norm, self.eps)
+        h, n = add_rms_norm(x, self.attn(a, pos, segments, kv), self.ffn_norm, self.eps)
+        return h, (self.ffn(n, ctx) if self.moe else self.ffn(n))
+
     def __call__(self, x, pos, segments, kv, ctx: StepContext):
         prof = ctx.profiler
-        if prof is None:  # the residual add and the FFN's norm are one op (one launch on a GPU)
-            h, n = add_rms_norm(x, self.attn(rms_norm(x, self.attn_norm, self.eps), pos, segments, kv),
-                                 self.ffn_norm, self.eps)
-            return h + (self.ffn(n, ctx) if self.moe else self.ffn(n))
+        if prof is None:
+            h, out = self.step(x, None, pos, segments, kv, ctx)
+            return h + out
         # --profile: spans on the GPU stream (events), resolved once per step
         t = prof.mark()
         h = x + self.attn(rms_norm(x, self.attn_norm, self.eps), pos, segments, kv)
@@ -229,10 +239,16 @@ class CausalLM:
                    ctx: StepContext) -> torch.Tensor:
         """The blocks this process computes (a pipeline stage's range, else all) over hidden states x [N, d]."""
         own = self.stage_layers
+        if ctx.profiler is not None:  # --profile times each block whole
+            for i, blk in enumerate(self.blocks):
+                if own is None or i in own:
+                    x = blk(x, pos, segments, kv, ctx)
+            return x
+        delta = None  # the last block's output, added with the next block's norm (Block.step)
         for i, blk in enumerate(self.blocks):
             if own is None or i in own:
-                x = blk(x, pos, segments, kv, ctx)
-        return x
+                x, delta = blk.step(x, delta, pos, segments, kv, ctx)
+        return x if delta is None else x + delta
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The output norm and head over the last block's hidden states [R, d] -> float32 [R, V]."""
