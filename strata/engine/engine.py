@@ -145,6 +145,8 @@ class Engine:
         self.check_fits(len(seq.prompt), seq.max_tokens)
         if not self.free_slots:
             raise StrataError("no free slot")
+        if not self.running and self.model.experts is not None:
+            self.model.experts.at_rest()  # nothing decoding: a decided path change may be taken
         best, best_n = self.free_slots[0], 0
         if reuse_prefix:
             for s in self.free_slots:

@@ -165,6 +165,10 @@ class ExpertsBackend(Protocol):
                 ctx: StepContext) -> torch.Tensor:
         """x [N, d], ids/w [N, k] -> [N, d]: the routed experts' outputs summed with their weights."""
 
+    def at_rest(self) -> None:
+        """No sequence is decoding (the engine is about to take one while idle): work that must not run inside
+        a generation may run from the next step on."""
+
     def begin_request(self) -> ExpertStats | None:
         """Start counting a new request; returns the finished one's counts."""
 

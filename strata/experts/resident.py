@@ -155,6 +155,9 @@ class ResidentExperts:
         return {"layers": len(ids), "experts": E, "layer_ids": ids, "resident": [1] * (len(ids) * E), "heat": None,
                 "slots_per_layer": E}
 
+    def at_rest(self) -> None:
+        pass
+
     def begin_request(self) -> None:
         return None
 

@@ -71,7 +71,8 @@ class TieredExperts:
         self._handoff_chosen = False  # `auto` found the hand-off faster on this machine (plan.decode_path)
         # bumped when the decode path changes after captures may exist (the tuner's verdict): graphs recapture
         self.path_epoch = 0
-        self._to_direct: str | None = None  # the tuner's verdict for the staged path, taken at the next step
+        self._to_direct: str | None = None  # the tuner's verdict for the staged path, taken when at rest
+        self._switch_ready = False  # at_rest() came after the verdict: the next step switches
         self.path_reason = ""  # why the decode path changed (or stayed) after the tuner's trials
         self.loans = 0  # prompts that borrowed the lent chunk buffers back
         self._make_policy = policy
@@ -247,10 +248,10 @@ class TieredExperts:
         if stay:
             log.info("strata: decode misses stay handed off: %s", why)
             return
-        # taken at the next step's start (begin_step), never inside a step the hand-off already runs; decode
-        # graphs see the new epoch and capture that next step anew
+        # taken once the engine is at rest (at_rest: no sequence decoding, e.g. before a request or after the
+        # server's warm-up), at the next step's start: decode graphs see the new epoch and capture anew then,
+        # never in the middle of a generation the hand-off's graphs are running
         self._to_direct = why
-        self.path_epoch += 1
 
     @property
     def decode_misses_path(self) -> str | None:
@@ -340,6 +341,13 @@ class TieredExperts:
             self.save_profile()
 
     # --- requests and steps -----------------------------------------------------------------------------------
+    def at_rest(self) -> None:
+        """No sequence is decoding (the engine takes a request while idle; the server's warm-up ended): a path
+        change the plan trials decided is taken from the next step on."""
+        if self._to_direct is not None and not self._switch_ready:
+            self._switch_ready = True
+            self.path_epoch += 1
+
     def begin_request(self) -> ExpertStats:
         """Start counting a new request; returns the finished one's counts."""
         if self.direct is not None:  # its last steps are counted when settled
@@ -352,8 +360,8 @@ class TieredExperts:
         if self.cache is None:  # set up by the first MoE layer (k is known there); the step begins then
             self._deferred = ctx
             return
-        if self._to_direct is not None:
-            why, self._to_direct = self._to_direct, None
+        if self._to_direct is not None and self._switch_ready:
+            why, self._to_direct, self._switch_ready = self._to_direct, None, False
             if self._enable_direct():
                 self._handoff_chosen = False
                 log.info("strata: decode misses staged by the GPU from now on: %s", why)
@@ -426,6 +434,7 @@ class TieredExperts:
             self.tuner.finish_now()
             self._apply(self.tuner.plan)
             self._tuned()
+        self.at_rest()  # (called between requests: the server's warm-up, or before any)
         return str(self.tuner.chosen)
 
     def profile_report(self, measured_ms: float | None = None) -> str:

@@ -207,6 +207,9 @@ class CountingBackend:
                 y[t, j] = expert_ffn(x[t:t + 1], ew.gate[e], ew.up[e], ew.down[e]).float()[0]
         return combine(y, w, x.dtype)
 
+    def at_rest(self):
+        pass
+
     def begin_request(self):
         return None
 

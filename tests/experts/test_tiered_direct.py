@@ -184,8 +184,9 @@ def test_the_backend_says_which_decode_path_it_took(model_path, misses, want):
 
 def _leaves_the_handoff(model_path, device: str, monkeypatch, cache_dir, n: int = 24):
     """A backend on the hand-off (as `auto` takes it where the cost model expects the CPU lane to pay) whose plan
-    tuner then measures that it does not: the next step on, misses are staged, the graphs captured anew, the text
-    the resident oracle's."""
+    tuner then measures that it does not: the generation that ran the trials ends on the hand-off; once the engine
+    is at rest (as before its next request) misses are staged, the graphs captured anew, the text the resident
+    oracle's throughout."""
     from strata.experts import tiered
     from strata.experts.plan import CpuPlan
     from strata.experts.tuner import PlanTuner
@@ -205,10 +206,35 @@ def _leaves_the_handoff(model_path, device: str, monkeypatch, cache_dir, n: int 
     ex.tuner = PlanTuner([CpuPlan.parse("011"), CpuPlan.all_pcie(2)], trial=2, rounds=1, warmup=0)
     out = _logits(eng, n)
     assert len(verdicts) == 1 and ex.tuner.done
+    assert ex.decode_misses_path == "handoff" and ex.path_epoch == 0  # not inside the generation that tuned
+    assert ((out - ref).abs().max() / ref.abs().max()).item() <= 1e-5
+    ex.at_rest()
+    out = _logits(eng, n)
     assert ex.decode_misses_path == "staged" and ex.direct is not None and ex.path_epoch == 1
     assert eng.graphs.epoch == 1
     assert ((out - ref).abs().max() / ref.abs().max()).item() <= 1e-5
     return eng
+
+
+def test_the_engine_takes_the_verdict_before_its_next_request(model_path, monkeypatch, tmp_path):
+    """Through Engine.generate: the request that ran the trials keeps the hand-off; the next one, taken while
+    nothing decodes, runs staged; both texts the resident one."""
+    from strata.experts import tiered
+    from strata.experts.plan import CpuPlan
+    from strata.experts.tuner import PlanTuner
+
+    monkeypatch.setattr(tiered, "handoff_after_tuning", lambda *a: (False, "all-PCIe was fastest"))
+    monkeypatch.setenv("STRATA_CACHE_DIR", str(tmp_path))
+    sp = SamplingParams(temperature=0)
+    ref = list(_engine(model_path, "cpu", True, mode="resident").generate(PROMPT, sp, 24))
+    eng = _engine(model_path, "cpu", True, slots=3, cpu_plan="011", decode_misses="auto")
+    ex = eng.model.experts
+    ex._handoff_chosen = True
+    ex.tuner = PlanTuner([CpuPlan.parse("011"), CpuPlan.all_pcie(2)], trial=2, rounds=1, warmup=0)
+    assert list(eng.generate(PROMPT, sp, 24)) == ref
+    assert ex.tuner.done and ex.decode_misses_path == "handoff"
+    assert list(eng.generate(PROMPT, sp, 24)) == ref
+    assert ex.decode_misses_path == "staged"
 
 
 def test_the_tuner_verdict_moves_the_handoff_to_staged(model_path, monkeypatch, tmp_path):
