@@ -1,8 +1,8 @@
 """The engine: sequences in KV slots, one forward per step mixing a prefill chunk with batched decodes.
 
-`step()` = schedule -> run -> postprocess. A step takes at most one prefill chunk (`prefill_chunk` tokens of one
-sequence still reading its prompt) plus one token of every sequence that is generating, flattened into one
-forward; each segment's last logits are sampled. Continuous batching falls out: sequences join and leave
+`step()` = schedule -> run -> postprocess. A step takes at most one prefill chunk (`prefill_chunk` tokens of the
+sequences still reading their prompts, in arrival order) plus one token of every sequence that is generating,
+flattened into one forward; each segment's last logits are sampled. Continuous batching falls out: sequences join and leave
 between steps. Greedy output of a sequence does not depend on what it is batched with (attention runs per
 segment; every other op is row-wise).
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
@@ -25,8 +24,8 @@ from strata.engine.sequence import Sequence  # (the engine's sequence; callers i
 from strata.engine.slots import common_prefix as _common_prefix
 from strata.engine.slots import compact
 from strata.engine.spec import accept, draft_for
+from strata.engine.step_plan import StepPlan
 from strata.experts.sizing import VramSplit, prefill_bytes_per_token, prefill_chunk_for, prefill_left
-from strata.kv.cache import Segment
 
 log = logging.getLogger("strata")
 
@@ -240,13 +239,22 @@ class Engine:
                 at += seg.n
         return out
 
-    def _schedule(self) -> "_StepPlan":
-        """At most one prefill chunk, then one token (with its drafts, if any) of every generating sequence."""
-        plan = _StepPlan(prefill=next((s for s in self.running if not s.prompt_done), None))
-        pf = plan.prefill
-        if pf is not None:
-            n = min(self.prefill_chunk, len(pf.prompt) - pf.pos)
+    def _schedule(self) -> "StepPlan":
+        """One prefill chunk, then one token (with its drafts, if any) of every generating sequence. The chunk's
+        `prefill_chunk` tokens are filled from the prompts waiting, in arrival order (a prompt's next piece each):
+        prompts that arrive together share one chunk, so a budgeted model streams each missed expert once for all
+        of them, not once per prompt."""
+        plan = StepPlan()
+        room = self.prefill_chunk
+        for pf in self.running:
+            if room <= 0:
+                break
+            if pf.prompt_done:
+                continue
+            n = min(room, len(pf.prompt) - pf.pos)
+            plan.prefill = plan.prefill or pf
             plan.add(pf, pf.pos, pf.prompt[pf.pos : pf.pos + n])
+            room -= n
         for s in self.running:
             if s.prompt_done and not s.finished:
                 d = self._draft(s) if self.draft_max or s.draft_max else []
@@ -260,7 +268,7 @@ class Engine:
                 at += seg.n
         return plan
 
-    def _run(self, plan: "_StepPlan") -> torch.Tensor | None:
+    def _run(self, plan: "StepPlan") -> torch.Tensor | None:
         """The step's forward: replayed graphs for plain decode steps, else eager. None after running out of memory
         in a prefill chunk (the chunk was halved: KV rows are simply rewritten)."""
         if self.recurrent is not None:
@@ -275,7 +283,7 @@ class Engine:
             if self.recurrent is not None:
                 self.recurrent.track = set()
 
-    def _forward(self, plan: "_StepPlan") -> torch.Tensor | None:
+    def _forward(self, plan: "StepPlan") -> torch.Tensor | None:
         segs, toks, poss = plan.segs, plan.toks, plan.poss
         T = segs[0].n if segs else 0  # a verify step is graphed when every sequence verifies as many tokens
         if self.graphs is not None and plan.prefill is None and 0 < len(segs) <= self.graph_batch \
@@ -304,7 +312,8 @@ class Engine:
                     raise
         t = torch.tensor(toks, device=self.device)
         p = torch.tensor(poss, device=self.device)
-        phase = "decode" if plan.prefill is None else "prefill" if len(segs) == 1 else "mixed"
+        phase = "decode" if plan.prefill is None else "prefill" if all(not s.prompt_done for s in plan.owners) \
+            else "mixed"
         ctx = self.model.step_context(segs, len(toks), phase=phase, graphs=self.graphs is not None)
         # a prefill chunk that runs out of memory is run again in smaller chunks: a recurrent state must first be
         # put back as it was (its layers before the failure had already folded the chunk in)
@@ -322,7 +331,7 @@ class Engine:
                 self.recurrent.restore(snap)
             return None
 
-    def _draw(self, plan: "_StepPlan", logits: torch.Tensor) -> list:
+    def _draw(self, plan: "StepPlan", logits: torch.Tensor) -> list:
         """Advance what the forward consumed and draw each sequence's token(s), on the device: [(sequence, its
         drafts, the segment's tokens, the tokens drawn at its rows, the logits row of a single draw)]."""
         picks = []
@@ -473,22 +482,3 @@ class Engine:
         finally:
             self.release(seq, "abort")
 
-
-@dataclass
-class _StepPlan:
-    """One step's flattened batch: segments with their tokens and positions, whose they are, and the drafts."""
-
-    prefill: Sequence | None = None
-    segs: list[Segment] = field(default_factory=list)
-    toks: list[int] = field(default_factory=list)
-    poss: list[int] = field(default_factory=list)
-    owners: list[Sequence] = field(default_factory=list)
-    drafts: dict[int, list[int]] = field(default_factory=dict)  # sequence id -> its draft tokens
-    rows: list[int] | None = None  # with drafts: the positions whose logits are drawn from
-    graphed: bool = False  # the step replayed captured graphs
-
-    def add(self, s: Sequence, pos: int, toks: list[int]) -> None:
-        self.segs.append(Segment(s.slot, pos, len(toks)))
-        self.toks += toks
-        self.poss += range(pos, pos + len(toks))
-        self.owners.append(s)
