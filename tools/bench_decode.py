@@ -262,7 +262,7 @@ def measure(a, lm, eng, experts, dev, label, load_s) -> None:
         res["decode_trace"] = trace_decode(a, lm, eng, a.trace_decode)
     if getattr(experts, "cache", None) is not None:
         res["admitted_from_staging"] = experts.cache.promoted  # cumulative: swaps that needed no PCIe copy
-        if experts.ex.prefetch_next:  # cumulative: next-layer experts copied ahead, and routed to when they came
+        if experts.prefetch_issued:  # cumulative: next-layer experts copied ahead, and routed to when they came
             res["prefetch_next"] = {"issued": experts.prefetch_issued, "used": experts.prefetch_used}
     if getattr(experts, "tuner", None) is not None:
         res["plan_tuner"] = experts.tuner.report()

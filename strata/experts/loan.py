@@ -14,8 +14,8 @@ import torch
 
 from strata.experts.tiered_eager import PAIRS_MAX
 
-# auto takes the loan on a GPU once its GPU test (tests/experts/test_chunk_loan.py) has passed there
-GPU_TESTED = False
+# auto takes the loan on a GPU: its GPU test (tests/experts/test_chunk_loan.py) has passed there
+GPU_TESTED = True
 
 
 def loan_tested() -> bool:

@@ -132,9 +132,9 @@ class TieredExperts:
         if self.ex.prefetch_next:  # a layer's own stream, the next layer's prefetch and its own: 3k in flight
             staging = max(staging, 4 * k)
         if self._wants_direct() and self.ex.decode_misses != "direct" and self.cuda:  # staged: a batch step's
-            # distinct misses (any more are read in place); with --expert-prefetch 2k more, the next layer's
-            # predicted misses (odd and even layers' regions)
-            staging = max(staging, (6 if self.ex.prefetch_next else 4) * k)
+            # distinct misses (any more are read in place); with the next-layer prefetch (on unless
+            # --no-expert-prefetch) 2k more, the next layer's predicted misses (odd and even layers' regions)
+            staging = max(staging, (4 if self.ex.prefetch_next is False else 6) * k)
         slots, chunk, self.vram_split = budget_slots(self.ex, self.store, self.device, staging, act_bytes)
         L, E = len(self.layer_ids), self.n_experts
         if self.ex.cache_layout == "profile":  # the same bytes, spread over the layers as the profile routes

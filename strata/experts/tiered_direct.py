@@ -88,7 +88,7 @@ class DirectDecode:
         # on this layer's input predicts its experts, and a side stream stages the predicted misses into that
         # layer's half of a prefetch region while this layer computes; pmap[layer index][expert] is where a
         # prefetched expert waits (-1: not prefetched this step)
-        self.prefetch = bool(stage and tiered.ex.prefetch_next)
+        self.prefetch = bool(stage and tiered.ex.prefetch_next is not False)  # (None: on for the staged path)
         self.pmap: torch.Tensor | None = None
         self.side = torch.cuda.Stream(tiered.device) if self.prefetch and tiered.cuda else None
         self._issued = -1  # the layer index this step's last prefetch was for

@@ -320,11 +320,10 @@ def aligned(raw: torch.Tensor) -> bool:
 
 
 # The lookup formats' tiles are checked against their torch twins in Triton's interpreter; compiled for a GPU a
-# format's tile is taken only once the GPU tests have passed it (tests/experts/test_expert_triton.py). IQ4_XS and
-# MXFP4 have; the IQ2_XXS / IQ3_XXS tiles computed wrong sums on an H200 (Triton 3.6) while the interpreter agreed
-# with the reference, so a GPU keeps the torch path for those two (dequantize, then matmul). (Their scale words were
-# assembled with an int32 shift into the sign bit, now done in uint32; add them here once their GPU test passes.)
-LOOKUP_ON_GPU = frozenset({Q.IQ4_XS, Q.MXFP4})
+# format's tile is taken only once the GPU tests have passed it (tests/experts/test_expert_triton.py). (The IQ2_XXS /
+# IQ3_XXS tiles once computed wrong sums compiled while the interpreter agreed: written in rank-4 tensors, with their
+# scale words assembled in uint32, they pass on an H200.)
+LOOKUP_ON_GPU = frozenset({Q.IQ4_XS, Q.MXFP4, Q.IQ2_XXS, Q.IQ3_XXS})
 
 
 def supports(gate, up, down) -> bool:

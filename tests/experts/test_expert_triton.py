@@ -76,11 +76,7 @@ def test_triton_kernels_match_the_torch_op_in_the_interpreter():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("qg,qd,d,ff", [("Q4_K", "Q4_K", 2048, 768), ("Q8_0", "Q6_K", 512, 256),
-                                        pytest.param("IQ2_XXS", "IQ3_XXS", 2048, 768, marks=pytest.mark.xfail(
-                                            reason="the IQ2_XXS / IQ3_XXS tiles computed wrong sums when compiled "
-                                                   "for a GPU (the interpreter agrees with the reference); rewritten "
-                                                   "in rank-4 tensors since, not GPU-run; kept off GPUs by "
-                                                   "expert_triton.LOOKUP_ON_GPU until this passes", strict=False)),
+                                        ("IQ2_XXS", "IQ3_XXS", 2048, 768),
                                         ("IQ4_XS", "MXFP4", 512, 288)])
 def test_cuda_misses_read_from_pinned_host_memory(qg, qd, d, ff, monkeypatch):
     """On the GPU the kernels read a missed expert from pinned host RAM (mapped over the bus), through the op
@@ -95,7 +91,7 @@ def test_cuda_misses_read_from_pinned_host_memory(qg, qd, d, ff, monkeypatch):
 
     from strata.ops import expert_triton
 
-    # the lookup formats' tiles, compiled (IQ2_XXS / IQ3_XXS too: their case is expected to fail until fixed)
+    # the lookup formats' tiles, compiled
     monkeypatch.setattr(expert_triton, "LOOKUP_ON_GPU", frozenset(expert_triton.iquant_triton.FORMATS))
     dev = torch.device("cuda")
     qg, qd = Q[qg], Q[qd]

@@ -200,9 +200,15 @@ def _leaves_the_handoff(model_path, device: str, monkeypatch, cache_dir, n: int 
     monkeypatch.setattr(tiered, "handoff_after_tuning", verdict)
     monkeypatch.setenv("STRATA_CACHE_DIR", str(cache_dir))
     ref = _logits(_engine(model_path, device, True, mode="resident"), n)
+    # set up on the hand-off as `auto` is where the cost model expects the CPU lane to pay (a GPU engine sets its
+    # backend up when it is made, with an explicit plan and no cost model: staged unless told otherwise)
+    real = tiered.TieredExperts._wants_direct
+    monkeypatch.setattr(tiered.TieredExperts, "_wants_direct", lambda self: False)
     eng = _engine(model_path, device, True, slots=3, cpu_plan="011", decode_misses="auto")
+    monkeypatch.setattr(tiered.TieredExperts, "_wants_direct", real)
     ex = eng.model.experts
     ex._handoff_chosen = True
+    assert ex.decode_misses_path in (None, "handoff")
     ex.tuner = PlanTuner([CpuPlan.parse("011"), CpuPlan.all_pcie(2)], trial=2, rounds=1, warmup=0)
     out = _logits(eng, n)
     assert len(verdicts) == 1 and ex.tuner.done
