@@ -375,7 +375,7 @@ class TieredExperts:
             self._begin_step(ctx)
 
     def _loan_wanted(self) -> bool:
-        """--chunk-buffer-loan: on, off, or auto (on for a GPU once its GPU test has passed: loan.GPU_TESTED)."""
+        """--chunk-buffer-loan: on, off, or auto (on for a GPU: its GPU test has passed there, loan.GPU_TESTED)."""
         want = self.ex.chunk_loan
         return want == "on" or (want == "auto" and self.cuda and loan_tested())
 

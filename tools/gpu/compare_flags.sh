@@ -43,7 +43,7 @@ for round in $(seq "${ROUNDS:-2}"); do
     label="${flags:-(defaults)}"
     timeout "${TIMEOUT:-240}" python3 tools/bench_decode.py -m "$MODEL" "${budget[@]}" "${common[@]}" \
       --prompt-tokens "${PROMPT:-1024}" --gen "${GEN:-128}" --runs "${RUNS:-3}" \
-      --temperature "${TEMPERATURE:-0.8}" "${pre[@]}" --label "$label" "${extra[@]}" \
+      --temperature "${TEMPERATURE:-0.8}" "${pre[@]}" --label="$label" "${extra[@]}" \
       >> "$OUT/flags.jsonl" 2>> "$OUT/flags.txt" || echo "compare_flags.sh: '$label' round $round failed (see flags.txt)" | tee -a "$OUT/flags.txt"
   done
 done
