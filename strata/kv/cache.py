@@ -67,8 +67,8 @@ class KVCache:
                   for i in range(n_layers)] if v_shape is not None else None
         if self.quantized:
             names = [t if isinstance(t, str) else str(t).removeprefix("torch.") for t in (self.k_type, self.v_type)]
-            log.info("strata: KV cache K %s, V %s: attention reads the quantized rows dequantized by torch ops "
-                     "(no fused kernel reads the blocks yet)", *names)
+            log.info("strata: KV cache K %s, V %s: a GPU decode step's attention reads the blocks in place where its "
+                     "kernel runs (strata.ops.decode_attention_kv), else dequantized by torch ops", *names)
 
     def _buffer(self, shape, kind):
         if _is_quant(kind):
@@ -149,6 +149,14 @@ class KVCache:
         k = self.k[layer][slot, :n]
         v = self.v[layer][slot, :n] if self.v is not None else None
         return k, v
+
+    def read_window_blocks(self, layer: int, slot: int, n: int):
+        """A slot's first n positions as stored: tensor views of a plain K or V, strata.kv.quant.Blocks of a
+        quantized one (for a kernel that reads the blocks in place: strata.ops.decode_attention_kv)."""
+        def view(buf):
+            return buf.window(slot, n) if isinstance(buf, QuantRows) else buf[slot, :n]
+
+        return view(self.k[layer]), (view(self.v[layer]) if self.v is not None else None)
 
     def copy_prefix(self, src_slot: int, dst_slot: int, n: int) -> None:
         """Copy the first n positions of one slot to another (conversation cache restore)."""

@@ -23,6 +23,8 @@ and a dequantized read of a fixed window are capturable in a CUDA graph.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 BLOCK = 32
@@ -114,6 +116,22 @@ def dequantize(qs: torch.Tensor, d: torch.Tensor, kind: str, dim: int, dtype: to
     return x if dim == nb * BLOCK else x[..., :dim]  # a padded last block: its zeros are not keys
 
 
+@dataclass(frozen=True)
+class Blocks:
+    """A window of quantized rows as stored, for a kernel that reads the blocks itself
+    (strata.ops.decode_attention_kv): qs [L, *lead, nb * block_bytes] uint8, d [L, *lead, nb] f16, the type, the
+    row's width and the rotation the rows were quantized under (None: none)."""
+
+    qs: torch.Tensor
+    d: torch.Tensor
+    kind: str
+    dim: int
+    h: torch.Tensor | None = None
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize(self.qs, self.d, self.kind, self.dim, dtype, self.h)
+
+
 class QuantRows:
     """One layer's K (or V) cache in blocks: qs [n_slots, max_ctx, *lead, nb * block_bytes] uint8 and
     d [n_slots, max_ctx, *lead, nb] f16, where the row shape is (*lead, dim)."""
@@ -153,6 +171,10 @@ class QuantRows:
     def read(self, slot: int, n: int, dtype: torch.dtype) -> torch.Tensor:
         """The first n positions of a slot, dequantized: [n, *lead, dim]."""
         return dequantize(self.qs[slot, :n], self.d[slot, :n], self.kind, self.dim, dtype, self.h)
+
+    def window(self, slot: int, n: int) -> Blocks:
+        """The first n positions of a slot as stored (views, not dequantized)."""
+        return Blocks(self.qs[slot, :n], self.d[slot, :n], self.kind, self.dim, self.h)
 
     def rows(self, slot: int, n: int, device) -> list[torch.Tensor]:
         """Copies of the stored blocks of a slot's first n positions (the conversation cache keeps them as is)."""

@@ -25,6 +25,7 @@ _ARANGES: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
 _ONE_QUERY = registry.op("one_query_attention")
+_ONE_QUERY_BLOCKS = registry.op("one_query_attention_blocks")
 
 def _capturing(t: torch.Tensor) -> bool:
     # a tensor made inside a CUDA-graph capture holds nothing until the graph replays: cache only eager ones
@@ -80,6 +81,17 @@ def _one_query(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, seg: Segment
     if _ONE_QUERY.pick(q, ks, vs, None, seg.pos_t, scale) is not None:
         return _ONE_QUERY(q, ks, vs, None, seg.pos_t, scale)
     return _ONE_QUERY(q, ks, vs, _window_mask(seg.window, seg.pos_t, mask_dtype), seg.pos_t, scale)
+
+
+def _one_query_blocks(kv: KVCache, layer: int, seg: Segment, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      scale: float) -> torch.Tensor | None:
+    """A static decode step's query over a quantized KV cache, read where it lies (q8_0/q4_0 blocks, not a
+    dequantized copy of the window) by the kernel that takes it; None where none does (nothing written then)."""
+    kb, vb = kv.read_window_blocks(layer, seg.slot, seg.window)
+    if vb is None or _ONE_QUERY_BLOCKS.pick(q, kb, vb, seg.pos_t, scale) is None:
+        return None
+    kv.write_at(layer, seg.slot, seg.pos_t, k, v)
+    return _ONE_QUERY_BLOCKS(q, kb, vb, seg.pos_t, scale)
 
 
 def _as_dtype(ks: torch.Tensor, vs: torch.Tensor | None, dtype: torch.dtype):
@@ -171,6 +183,12 @@ class GQAttention:
         outs, i = [], 0
         for seg in segments:
             one = bool(seg.window) and seg.n == 1  # a static decode step's query: split over the keys on a GPU
+            if one and kv.quantized:
+                o = _one_query_blocks(kv, self.layer, seg, q[i : i + 1], k[i : i + 1], v[i : i + 1], self.scale)
+                if o is not None:
+                    outs.append(o)
+                    i += 1
+                    continue
             ks, vs, mask = _cache_step(kv, self.layer, seg, k[i : i + seg.n], v[i : i + seg.n],
                                        want_mask=not one)  # [L, Hkv, D]
             ks, vs = _as_dtype(ks, vs, x.dtype)  # (a cache in another dtype than the activations)

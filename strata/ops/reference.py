@@ -102,6 +102,20 @@ def one_query_attention(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, mas
     return gqa_attention(q, ks, vs, mask, scale)
 
 
+@reference("one_query_attention_blocks")
+def one_query_blocks(q: torch.Tensor, ks, vs, pos_t: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query q [1, H, D] of a static decode step against a window whose K and V are tensor views or
+    strata.kv.quant.Blocks: both dequantized to q's dtype, keys past the device-side position pos_t [1] masked
+    -> [1, H, Dv]."""
+    from strata.kv.quant import Blocks
+
+    ks, vs = (x.dequantize(q.dtype) if isinstance(x, Blocks) else x.to(q.dtype) for x in (ks, vs))
+    L = ks.shape[0]
+    mask = torch.zeros(1, L, dtype=q.dtype, device=q.device)
+    mask.masked_fill_(torch.arange(L, device=q.device)[None, :] > pos_t[:, None], float("-inf"))
+    return gqa_attention(q, ks, vs, mask, scale)
+
+
 # Score elements per batch of query rows in `sink_attention` (bounds its [Hkv, G, n, L] temporaries)
 SINK_SCORES = 1 << 25
 

@@ -10,6 +10,8 @@ Nothing else registers kernels, and no caller checks for a kernel itself.
     rms_norm            reference.rms_norm                   fused.rms_norm            (Triton, CUDA)
     qk_norm_rope        reference.qk_norm_rope               fused.qk_norm_rope        (Triton, CUDA)
     one_query_attention reference.gqa_attention              decode_attention          (Triton split-K, CUDA)
+    one_query_attention_blocks  reference.one_query_blocks   decode_attention_kv       (Triton split-K reading
+                                                                                        q8_0/q4_0 KV blocks, CUDA)
     dequantize_blocks   reference.dequantize_blocks          dequant_triton            (Triton, CUDA)
     gather_expert_ffn   reference.gather_expert_ffn          expert_triton             (Triton, CUDA: Q4_K, Q6_K, Q8_0,
                                                                                         IQ2_XXS, IQ3_XXS, IQ4_XS, MXFP4)
@@ -40,6 +42,7 @@ from typing import Callable
 KERNEL_MODULES = (
     "strata.ops.fused",
     "strata.ops.decode_attention",
+    "strata.ops.decode_attention_kv",
     "strata.ops.dequant_triton",
     "strata.ops.expert_gather",
     "strata.ops.qgemv",

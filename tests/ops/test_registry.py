@@ -11,10 +11,11 @@ import torch
 
 from strata.ops import registry
 
-OPS = ("rms_norm", "qk_norm_rope", "one_query_attention", "dequantize_blocks", "gather_expert_ffn", "qmatmul",
+OPS = ("rms_norm", "qk_norm_rope", "one_query_attention", "one_query_attention_blocks", "dequantize_blocks", "gather_expert_ffn", "qmatmul",
        "two_tier_expert_ffn", "stage_misses")
 # modules that hold kernels: only strata/ops itself imports them
-KERNELS = {"strata.ops.fused", "strata.ops.decode_attention", "strata.ops.dequant_triton", "strata.ops.expert_triton",
+KERNELS = {"strata.ops.fused", "strata.ops.decode_attention", "strata.ops.decode_attention_kv",
+           "strata.ops.dequant_triton", "strata.ops.expert_triton",
            "strata.ops.qgemv", "strata.ops.host_stage", "strata.ops.route", "strata.ops.host_rows",
            "strata.ops.combine",
            "strata.ops.iquant_triton"}
