@@ -17,6 +17,7 @@ import torch
 
 from strata import StrataError
 from strata.engine.ahead import Ahead
+from strata.engine.draft_cost import DraftCost
 from strata.engine.loader import LoadedModel
 from strata.engine.request import Request
 from strata.engine.sampler import SamplingParams, sample, token_logprobs
@@ -67,6 +68,9 @@ class Engine:
         cfg = lm.cfg
         self.draft_max = getattr(cfg, "draft_max", 0)
         self.draft_ngram = (getattr(cfg, "draft_ngram_min", 2), getattr(cfg, "draft_ngram_max", 4))
+        # what a step of T tokens of one sequence costs here, so drafts are made only where they pay
+        # (strata.engine.draft_cost; None: the drafters' own lengths)
+        self.draft_cost: DraftCost | None = DraftCost()
         self.mtp = self._mtp_drafter(getattr(cfg, "draft_source", "auto"))
         self._hidden: torch.Tensor | None = None  # the last eager step's hidden states (MTP drafts read them)
         self.free_slots = list(range(self.n_slots))
@@ -223,6 +227,7 @@ class Engine:
             return self.ahead.collect()  # the step launched ahead (it may launch the next one)
         if not self.running:
             return []
+        t0 = time.perf_counter()
         plan = self._schedule()
         logits = self._run(plan)
         if logits is None:
@@ -231,6 +236,8 @@ class Engine:
         if self.ahead is not None and picks:
             self.ahead.after_draw(plan, picks)  # the next step queued before this one's tokens are read
         out = self._postprocess(picks, self._logprobs(picks, logits)) if picks else []
+        if self.draft_cost is not None and plan.prefill is None and len(plan.segs) == 1:
+            self.draft_cost.record(plan.segs[0].n, (time.perf_counter() - t0) * 1e3)
         if self.mtp is not None and self._hidden is not None:  # the MTP block reads what this step settled
             at = 0
             for s, seg in zip(plan.owners, plan.segs):
@@ -425,6 +432,7 @@ class Engine:
         """A verify segment's outcome: the drafts that equal the drawn tokens stand, then the first drawn token that
         differs (or the bonus token after them all). Advances the sequence by what stands; returns its new tokens."""
         a = accept(d, got)
+        s.draft_acc.add(len(d), a)
         s.draft_steps += 1
         s.draft_n += len(d)
         s.draft_accepted += a

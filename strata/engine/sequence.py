@@ -10,6 +10,7 @@ from typing import Callable
 import torch
 
 from strata.engine.request import Request, request_fields
+from strata.engine.draft_cost import Acceptance
 from strata.engine.spec import NgramDrafter
 from strata.experts.stats import ExpertStats
 
@@ -34,6 +35,8 @@ class Sequence(Request):
     draft_len: int = 0  # this sequence's next draft length (adapted to how many drafts stood lately; 0: not set)
     draft_pause: int = 0  # steps left without drafts (after drafts of which none stood)
     draft_backoff: int = 0  # the next pause's length: doubles while whole drafts fail, 0 once one stands
+    # how often this sequence's drafts stand (strata.engine.draft_cost): with the step costs, how many pay
+    draft_acc: Acceptance = field(default_factory=Acceptance)
     draft_steps: int = 0
     draft_n: int = 0
     draft_accepted: int = 0

@@ -14,6 +14,8 @@ the model's distribution given the tokens before it — with greedy sampling, th
 
 from __future__ import annotations
 
+from strata.engine.draft_cost import choose
+
 
 class NgramDrafter:
     """An index of a sequence's context (prompt + output) by its n-grams, n_min <= n <= n_max: for each n-gram,
@@ -80,6 +82,10 @@ def draft_for(engine, s) -> list[int]:
         return []
     if s.draft_pause > 0:
         s.draft_pause -= 1
+        return []
+    # as many as pay at this sequence's acceptance, with verify steps costing what they were measured to
+    room = choose(getattr(engine, "draft_cost", None), s.draft_acc, room)
+    if room <= 0:
         return []
     if engine.mtp is not None:
         return engine.mtp.draft(s, room)

@@ -1,0 +1,109 @@
+"""How many tokens to draft, from what a step of T tokens costs on this machine and how often drafts stand.
+
+A verify step of T = 1 + m tokens gives, when each draft stands with probability p given the ones before it stood,
+E(m) = 1 + p + ... + p^m = (1 - p^(m+1)) / (1 - p) tokens. Whether that pays depends on the step's cost: on a
+small model on a CPU a step of 8 tokens costs about what a step of 1 does (compute-bound, weights read once),
+and drafting pays at any acceptance; under a VRAM budget each drafted token brings its own missed experts (B1 at
+8 GiB: a step of 4 tokens costs 3.2x one, docs/BENCHMARKS.md), and drafting loses unless nearly every draft
+stands. So the engine measures: steps of one sequence are timed by their token count, `cost(T)` is the line
+fitted through them, and a sequence drafts the m (up to what its n-gram or MTP drafter offers) that maximizes
+E(m) / cost(1 + m); m = 0 is a plain step. Its p is the decayed count of drafts that stood over those tried
+(a draft after a rejected one is never tried: the geometric model's estimate).
+
+Until both plain and verify steps have been timed the drafters' own adaptation decides (as before); a sequence
+whose drafts the cost rules out still tries one every `EXPLORE` steps, so a change in the text (an agent starting
+to re-emit a file it was given) is noticed. Pure Python: strata.engine.spec applies it, tests/engine checks it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+WINDOW = 64  # recent timed steps kept per token count
+MIN_PLAIN = 4  # timed one-token steps before the fit is trusted
+MIN_VERIFY = 4  # timed verify steps before the fit is trusted
+EXPLORE = 16  # a sequence kept from drafting tries a draft once in this many steps
+DECAY = 0.9  # weight of the past in a sequence's acceptance counts
+
+
+class DraftCost:
+    """Step times by token count (one sequence per step), and the draft length that pays."""
+
+    def __init__(self):
+        self.times: dict[int, deque] = {}
+
+    def record(self, tokens: int, ms: float) -> None:
+        if tokens >= 1 and ms > 0:
+            self.times.setdefault(tokens, deque(maxlen=WINDOW)).append(ms)
+
+    def line(self) -> tuple[float, float] | None:
+        """(ms of a one-token step, ms per further token): a least-squares line through the medians of each
+        token count, None until enough plain and verify steps are timed."""
+        plain = self.times.get(1, ())
+        verify = {t: v for t, v in self.times.items() if t > 1}
+        if len(plain) < MIN_PLAIN or sum(len(v) for v in verify.values()) < MIN_VERIFY:
+            return None
+        pts = [(t, sorted(v)[len(v) // 2]) for t, v in self.times.items() if v]
+        n = len(pts)
+        mt = sum(t for t, _ in pts) / n
+        mc = sum(c for _, c in pts) / n
+        var = sum((t - mt) ** 2 for t, _ in pts)
+        slope = max(0.0, sum((t - mt) * (c - mc) for t, c in pts) / var) if var > 0 else 0.0
+        base = max(1e-6, mc - slope * (mt - 1))
+        return base, slope
+
+    def best(self, p: float, offered: int) -> int | None:
+        """The number of drafts, 0..offered, with the most tokens per ms at acceptance p; None: not known yet."""
+        fit = self.line()
+        if fit is None:
+            return None
+        base, slope = fit
+        best_m, best_rate = 0, 1.0 / base
+        for m in range(1, offered + 1):
+            rate = expected_tokens(p, m) / (base + slope * m)
+            if rate > best_rate * 1.0001:
+                best_m, best_rate = m, rate
+        return best_m
+
+
+def expected_tokens(p: float, m: int) -> float:
+    """Tokens a verify step of m drafts gives when each stands with probability p (the drawn token included)."""
+    p = min(max(p, 0.0), 1.0)
+    return float(m + 1) if p >= 1.0 else (1 - p ** (m + 1)) / (1 - p)
+
+
+class Acceptance:
+    """A sequence's decayed counts of drafts that stood and drafts tried."""
+
+    __slots__ = ("stood", "tried", "skipped")
+
+    def __init__(self):
+        self.stood = 0.0
+        self.tried = 0.0
+        self.skipped = 0  # steps without a draft since the cost last ruled drafts out
+
+    def add(self, drafted: int, accepted: int) -> None:
+        """A verify step with `drafted` drafts, of which the first `accepted` stood (the one after them, if any,
+        was tried and failed; those after it were never tried)."""
+        self.stood = DECAY * self.stood + accepted
+        self.tried = DECAY * self.tried + accepted + (1 if accepted < drafted else 0)
+
+    @property
+    def p(self) -> float:
+        return self.stood / self.tried if self.tried > 0 else 0.5
+
+
+def choose(cost: DraftCost | None, acc: Acceptance, offered: int) -> int:
+    """How many of the `offered` drafts to verify (0: a plain step)."""
+    if cost is None or offered <= 0:
+        return offered
+    m = cost.best(acc.p, offered)
+    if m is None:  # not yet timed: the drafter's own length
+        return offered
+    if m == 0:
+        acc.skipped += 1
+        if acc.skipped % EXPLORE == 0:  # a look now and then: the text may have started to repeat its context
+            return offered
+        return 0
+    acc.skipped = 0
+    return m
