@@ -306,40 +306,144 @@ void strata_native_tables(const uint8_t *iq2xxs_grid, const uint8_t *iq3xxs_grid
 
 static inline uint32_t u32le(const uint8_t *p) { uint32_t v; __builtin_memcpy(&v, p, 4); return v; }
 
-static float dot_iqxxs(int three, const uint8_t *row, int nb, const int8_t *xq, const float *xd) {
-    const int bb = three ? 98 : 66;
 #if defined(__AVX2__) && defined(__FMA__)
+/* four 8-byte table entries as one vector, entry k at bytes 8k..8k+7 (scalar loads: gathers are slower on Zen) */
+static inline __m256i tab4x64(const uint64_t *t, uint32_t i0, uint32_t i1, uint32_t i2, uint32_t i3) {
+    __m128i lo = _mm_insert_epi64(_mm_loadl_epi64((const __m128i *)(t + i0)), (long long)t[i1], 1);
+    __m128i hi = _mm_insert_epi64(_mm_loadl_epi64((const __m128i *)(t + i2)), (long long)t[i3], 1);
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+}
+
+/* the 32 signs of a sub-block from its u32 of sign indices (7 bits each) */
+static inline __m256i signs32(uint32_t aux) {
+    return tab4x64(SIGNS64, aux & 127, (aux >> 7) & 127, (aux >> 14) & 127, (aux >> 21) & 127);
+}
+
+/* one sub-block: grid magnitudes g times the sign-applied activations, times the odd scale 2s + 1 */
+static inline __m256i iq_sub(__m256i g, uint32_t aux, const int8_t *x) {
+    __m256i xs = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)x), signs32(aux));
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(g, xs), _mm256_set1_epi16((short)(2 * (aux >> 28) + 1)));
+}
+
+static inline __m256i iq2_grid(uint64_t a) {  /* the 4 grid indices in a's low bytes */
+    return tab4x64(IQ2XXS_GRID, a & 255, (a >> 8) & 255, (a >> 16) & 255, (a >> 24) & 255);
+}
+
+static inline __m256i iq3_grid(const uint8_t *i8) {
+    __m128i lo = _mm_cvtsi32_si128((int)IQ3XXS_GRID[i8[0]]), hi = _mm_cvtsi32_si128((int)IQ3XXS_GRID[i8[4]]);
+    lo = _mm_insert_epi32(lo, (int)IQ3XXS_GRID[i8[1]], 1); hi = _mm_insert_epi32(hi, (int)IQ3XXS_GRID[i8[5]], 1);
+    lo = _mm_insert_epi32(lo, (int)IQ3XXS_GRID[i8[2]], 2); hi = _mm_insert_epi32(hi, (int)IQ3XXS_GRID[i8[6]], 2);
+    lo = _mm_insert_epi32(lo, (int)IQ3XXS_GRID[i8[3]], 3); hi = _mm_insert_epi32(hi, (int)IQ3XXS_GRID[i8[7]], 3);
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+}
+
+/* The sub-blocks' integer sums, each times its odd scale 2s + 1 (madd by the scale instead of by 1): one
+   conversion and one multiply by d a super-block; |sum| <= 8 * 31 * 16 * 2 * 62 * 127 fits an int32. Two
+   sub-blocks a step into two accumulators, so the two chains of table loads and products overlap. */
+#if defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VBMI__) && defined(__AVX512BITALG__)
+/* With AVX-512 the signs and scales of a super-block's 8 sub-blocks come from its 8 sign words at once: a
+   multishift cuts each word's four 7-bit sign indices into bytes, the 8th sign is the byte's parity (popcount),
+   and each sub-block then negates its activations under a 32-bit mask (two instructions instead of four table
+   loads, their inserts and a sign). The scales 2s + 1, as int16 pairs, are read back as broadcasts. */
+static inline void iq_signs_scales(__m256i aux, uint32_t *sg, uint32_t *ls) {
+    const __m256i ctrl = _mm256_set1_epi64x(0x352E2720150E0700LL);  /* bit offsets 0,7,14,21, 32,39,46,53 */
+    __m256i m = _mm256_and_si256(_mm256_multishift_epi64_epi8(ctrl, aux), _mm256_set1_epi8(0x7F));
+    __m256i par = _mm256_slli_epi16(_mm256_popcnt_epi8(m), 7);
+    _mm256_store_si256((__m256i *)sg, _mm256_ternarylogic_epi32(m, par, _mm256_set1_epi8((char)0x80), 0xF8));
+    __m256i l = _mm256_or_si256(_mm256_slli_epi32(_mm256_srli_epi32(aux, 28), 1), _mm256_set1_epi32(1));
+    _mm256_store_si256((__m256i *)ls, _mm256_or_si256(l, _mm256_slli_epi32(l, 16)));
+}
+
+static inline __m256i iq_sub_k(__m256i g, uint32_t sg, uint32_t ls, const int8_t *x) {
+    __m256i xv = _mm256_loadu_si256((const __m256i *)x);
+    __m256i xs = _mm256_mask_sub_epi8(xv, _cvtu32_mask32(sg), _mm256_setzero_si256(), xv);
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(g, xs), _mm256_set1_epi32((int)ls));
+}
+
+static float dot_iq2xxs(const uint8_t *row, int nb, const int8_t *xq, const float *xd) {
     __m256 fsum = _mm256_setzero_ps();
+    uint32_t sg[8] __attribute__((aligned(32))), ls[8] __attribute__((aligned(32)));
+    const __m256i odd = _mm256_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15);
     for (int b = 0; b < nb; b++) {
-        const uint8_t *blk = row + (long)b * bb, *q = blk + 2;
-        PREFETCH_AHEAD(blk, nb * bb, bb);
-        /* the sub-blocks' integer sums, each times its odd scale 2s + 1 (madd by the scale instead of by 1): one
-           conversion and one multiply by d a super-block; |sum| <= 8 * 31 * 16 * 2 * 62 * 127 fits an int32 */
-        __m256i sumi = _mm256_setzero_si256();
-        for (int j = 0; j < 8; j++) {
-            uint32_t aux = three ? u32le(blk + 66 + 4 * j) : u32le(q + 8 * j + 4);
-            __m256i g;
-            if (three) {
-                const uint8_t *i8 = q + 8 * j;
-                g = _mm256_set_epi32((int)IQ3XXS_GRID[i8[7]], (int)IQ3XXS_GRID[i8[6]], (int)IQ3XXS_GRID[i8[5]],
-                                     (int)IQ3XXS_GRID[i8[4]], (int)IQ3XXS_GRID[i8[3]], (int)IQ3XXS_GRID[i8[2]],
-                                     (int)IQ3XXS_GRID[i8[1]], (int)IQ3XXS_GRID[i8[0]]);
-            } else {
-                uint32_t a = u32le(q + 8 * j);
-                g = _mm256_set_epi64x((long long)IQ2XXS_GRID[a >> 24], (long long)IQ2XXS_GRID[(a >> 16) & 255],
-                                      (long long)IQ2XXS_GRID[(a >> 8) & 255], (long long)IQ2XXS_GRID[a & 255]);
-            }
-            __m256i sg = _mm256_set_epi64x((long long)SIGNS64[(aux >> 21) & 127], (long long)SIGNS64[(aux >> 14) & 127],
-                                           (long long)SIGNS64[(aux >> 7) & 127], (long long)SIGNS64[aux & 127]);
-            __m256i x = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xq + 256 * b + 32 * j)), sg);
-            __m256i ls = _mm256_set1_epi16((short)(2 * (aux >> 28) + 1));
-            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(g, x), ls));
+        const uint8_t *blk = row + (long)b * 66, *q = blk + 2;
+        PREFETCH_AHEAD(blk, nb * 66, 66);
+        const int8_t *x = xq + 256 * b;
+        /* sub-block j: 4 grid indices, then its u32 of signs and scale (the odd u32s) */
+        iq_signs_scales(_mm512_castsi512_si256(_mm512_permutexvar_epi32(_mm512_castsi256_si512(odd),
+                                                                        _mm512_loadu_si512(q))), sg, ls);
+        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j += 2) {
+            s0 = _mm256_add_epi32(s0, iq_sub_k(iq2_grid(u32le(q + 8 * j)), sg[j], ls[j], x + 32 * j));
+            s1 = _mm256_add_epi32(s1, iq_sub_k(iq2_grid(u32le(q + 8 * j + 8)), sg[j + 1], ls[j + 1], x + 32 * j + 32));
         }
-        fsum = _mm256_fmadd_ps(_mm256_set1_ps(f16(blk) * xd[b] * (three ? 0.25f : 0.125f)),
-                               _mm256_cvtepi32_ps(sumi), fsum);
+        fsum = _mm256_fmadd_ps(_mm256_set1_ps(f16(blk) * xd[b] * 0.125f),
+                               _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), fsum);
     }
     return hsum8(fsum);
+}
+
+static float dot_iq3xxs(const uint8_t *row, int nb, const int8_t *xq, const float *xd) {
+    __m256 fsum = _mm256_setzero_ps();
+    uint32_t sg[8] __attribute__((aligned(32))), ls[8] __attribute__((aligned(32)));
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = row + (long)b * 98, *q = blk + 2;
+        PREFETCH_AHEAD(blk, nb * 98, 98);
+        const int8_t *x = xq + 256 * b;
+        iq_signs_scales(_mm256_loadu_si256((const __m256i *)(blk + 66)), sg, ls);
+        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j += 2) {
+            s0 = _mm256_add_epi32(s0, iq_sub_k(iq3_grid(q + 8 * j), sg[j], ls[j], x + 32 * j));
+            s1 = _mm256_add_epi32(s1, iq_sub_k(iq3_grid(q + 8 * j + 8), sg[j + 1], ls[j + 1], x + 32 * j + 32));
+        }
+        fsum = _mm256_fmadd_ps(_mm256_set1_ps(f16(blk) * xd[b] * 0.25f),
+                               _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), fsum);
+    }
+    return hsum8(fsum);
+}
 #else
+static float dot_iq2xxs(const uint8_t *row, int nb, const int8_t *xq, const float *xd) {
+    __m256 fsum = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = row + (long)b * 66, *q = blk + 2;
+        PREFETCH_AHEAD(blk, nb * 66, 66);
+        const int8_t *x = xq + 256 * b;
+        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j += 2) {
+            uint64_t w0, w1;  /* a sub-block: 4 grid indices, then the u32 of signs and scale */
+            __builtin_memcpy(&w0, q + 8 * j, 8); __builtin_memcpy(&w1, q + 8 * j + 8, 8);
+            s0 = _mm256_add_epi32(s0, iq_sub(iq2_grid(w0), (uint32_t)(w0 >> 32), x + 32 * j));
+            s1 = _mm256_add_epi32(s1, iq_sub(iq2_grid(w1), (uint32_t)(w1 >> 32), x + 32 * j + 32));
+        }
+        fsum = _mm256_fmadd_ps(_mm256_set1_ps(f16(blk) * xd[b] * 0.125f),
+                               _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), fsum);
+    }
+    return hsum8(fsum);
+}
+
+static float dot_iq3xxs(const uint8_t *row, int nb, const int8_t *xq, const float *xd) {
+    __m256 fsum = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = row + (long)b * 98, *q = blk + 2;
+        PREFETCH_AHEAD(blk, nb * 98, 98);
+        const int8_t *x = xq + 256 * b;
+        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j += 2) {
+            s0 = _mm256_add_epi32(s0, iq_sub(iq3_grid(q + 8 * j), u32le(blk + 66 + 4 * j), x + 32 * j));
+            s1 = _mm256_add_epi32(s1, iq_sub(iq3_grid(q + 8 * j + 8), u32le(blk + 70 + 4 * j), x + 32 * j + 32));
+        }
+        fsum = _mm256_fmadd_ps(_mm256_set1_ps(f16(blk) * xd[b] * 0.25f),
+                               _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), fsum);
+    }
+    return hsum8(fsum);
+}
+#endif
+#endif
+
+static float dot_iqxxs(int three, const uint8_t *row, int nb, const int8_t *xq, const float *xd) {
+#if defined(__AVX2__) && defined(__FMA__)
+    return three ? dot_iq3xxs(row, nb, xq, xd) : dot_iq2xxs(row, nb, xq, xd);
+#else
+    const int bb = three ? 98 : 66;
     float sum = 0.f;
     for (int b = 0; b < nb; b++) {
         const uint8_t *blk = row + (long)b * bb, *q = blk + 2;
