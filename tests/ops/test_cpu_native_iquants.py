@@ -1,5 +1,6 @@
 """The IQ2_XXS / IQ3_XXS dot products of the native CPU kernel: the AVX-512 path (grid lookups by byte permutes,
-masked signs; where the CPU has VBMI and BITALG), the AVX2 path and the plain C loops must give the same integer sums, so the same outputs."""
+masked signs; where the CPU has VBMI and BITALG), the AVX2 path and the plain C loops must give the same integer
+sums, so the same outputs."""
 
 from __future__ import annotations
 
