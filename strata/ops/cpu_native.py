@@ -1,6 +1,7 @@
 """A native CPU kernel for the CPU lane: Q4_K / Q6_K / Q8_0 experts read in place, int8 dot products (AVX2).
 
-The C source is `cpu_native.c` beside this file. torch's fused `_weight_int4pack_mm_for_cpu` reads its repacked
+The C source is `cpu_native.c` beside this file, with the i-quant dot products in `cpu_native_iq.h` (included:
+one compilation unit). torch's fused `_weight_int4pack_mm_for_cpu` reads its repacked
 copy well below what the cores can read (one token's GEMV: fork/join and wake-up per call dominate; the measured
 rates are in docs/BENCHMARKS.md), and it needs a second, repacked copy of every expert in RAM. This kernel
 reads the GGUF blocks where they lie (the store's pinned or mapped bytes: no copy), the way llama.cpp's CPU path
@@ -41,6 +42,7 @@ from strata.config import c_compiler
 log = logging.getLogger("strata")
 
 SOURCE_FILE = pathlib.Path(__file__).with_name("cpu_native.c")  # shipped as package data (pyproject.toml)
+HEADER_FILES = (SOURCE_FILE.with_name("cpu_native_iq.h"),)  # the headers it includes, likewise
 
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 _lib = None
@@ -52,6 +54,11 @@ _lock = threading.Lock()
 def source() -> str:
     """The kernel's C source."""
     return SOURCE_FILE.read_text(encoding="utf-8")
+
+
+def headers() -> dict[str, str]:
+    """The headers the source includes, by file name: the build writes them beside the source it compiles."""
+    return {h.name: h.read_text(encoding="utf-8") for h in HEADER_FILES}
 
 
 def _cache_dir() -> pathlib.Path:
@@ -70,8 +77,9 @@ def build(flags: list[str] | None = None) -> ctypes.CDLL | None:
         _why = "no C compiler found (install cc or gcc, or set CC)"
         log.info("strata: %s; the CPU lane uses torch's kernels", _why)
         return None
-    code = source()
-    tag = hashlib.sha256((code + " ".join(flags) + cc).encode()).hexdigest()[:16]
+    code, hdrs = source(), headers()
+    # a changed header changes the build as much as a changed source
+    tag = hashlib.sha256((code + "".join(hdrs.values()) + " ".join(flags) + cc).encode()).hexdigest()[:16]
     path = _cache_dir() / f"experts-{tag}.so"
     try:
         if not path.exists():
@@ -79,6 +87,8 @@ def build(flags: list[str] | None = None) -> ctypes.CDLL | None:
             with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
                 src = pathlib.Path(tmp) / "experts.c"
                 src.write_text(code)
+                for name, text in hdrs.items():  # #include "..." resolves beside the source
+                    (pathlib.Path(tmp) / name).write_text(text)
                 so = pathlib.Path(tmp) / "experts.so"
                 r = subprocess.run([cc, *flags, str(src), "-o", str(so), "-lm"], capture_output=True, text=True,
                                    timeout=120)

@@ -16,7 +16,10 @@ def test_the_source_is_a_file_shipped_as_package_data():
     assert native.SOURCE_FILE.name == "cpu_native.c" and native.SOURCE_FILE.is_file()
     assert "strata_native_experts" in native.source()
     pyproject = (Path(__file__).parents[2] / "pyproject.toml").read_text()
-    assert '"ops/*.c"' in pyproject.split("[tool.setuptools.package-data]")[1].split("\n[")[0]
+    shipped = pyproject.split("[tool.setuptools.package-data]")[1].split("\n[")[0]
+    assert '"ops/*.c"' in shipped and '"ops/*.h"' in shipped
+    for h in native.HEADER_FILES:  # the headers the source includes ship beside it
+        assert h.is_file() and h.suffix == ".h" and f'#include "{h.name}"' in native.source()
 
 
 def test_no_compiler_is_one_clear_line(monkeypatch, tmp_path):
@@ -47,3 +50,16 @@ def test_the_build_is_cached_and_reused(monkeypatch, tmp_path):
     stamp = built[0].stat().st_mtime_ns
     assert native.build() is not None  # the cached build: not compiled again
     assert list((tmp_path / "native").glob("experts-*.so")) == built and built[0].stat().st_mtime_ns == stamp
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="needs a C compiler")
+def test_a_changed_header_is_a_new_build(monkeypatch, tmp_path):
+    monkeypatch.setenv("STRATA_CACHE_DIR", str(tmp_path / "cache"))
+    assert native.build() is not None
+    changed = []
+    for h in native.HEADER_FILES:
+        (tmp_path / h.name).write_text(h.read_text() + "\n/* changed */\n")
+        changed.append(tmp_path / h.name)
+    monkeypatch.setattr(native, "HEADER_FILES", tuple(changed))
+    assert native.build() is not None
+    assert len(list((tmp_path / "cache" / "native").glob("experts-*.so"))) == 2

@@ -1,0 +1,268 @@
+/* The IQ2_XXS / IQ3_XXS dot products of cpu_native.c, which includes this header where they are used (one
+   compilation unit: f16, hsum8 and PREFETCH_AHEAD come from there). */
+
+/* IQ2_XXS (66 bytes / 256) and IQ3_XXS (98 bytes / 256) spell each group of 8 (IQ2) or 4 (IQ3) weights as an index
+   into a grid of unsigned magnitudes, with the signs of 8 weights as a 7-bit index into a sign table (the 8th sign
+   makes the count of minus signs even). The grids and the sign table are gguf-py's (strata_native_tables, called
+   once after loading): magnitudes times the sign-applied int8 activations go through maddubs as for Q4_K.
+   IQ2_XXS sub-block j: u32 a = 4 grid bytes, u32 b = 4 sign indices (7 bits each) and the scale s = b >> 28;
+   w = d * (2s + 1) / 8 * grid * sign. IQ3_XXS: 64 bytes of grid indices (8 a sub-block), then a u32 per
+   sub-block with the 4 sign indices and s; w = d * (2s + 1) / 4 * grid * sign. */
+static uint64_t IQ2XXS_GRID[256];  /* byte i: the magnitude of the entry's weight i */
+static uint32_t IQ3XXS_GRID[256];
+static uint64_t SIGNS64[128];      /* a sign index's 8 signs as bytes +1 (0x01) or -1 (0xFF) */
+/* IQ3_XXS's grid split by byte: IQ3_PLANE[p][i] = byte p of entry i (four 256-byte tables for byte permutes), and
+   the permute that interleaves planes 0 and 1 (or 2 and 3) of 32 entries into 16-bit pairs so that a word unpack
+   of the two results puts each entry's 4 bytes in weight order (per 128-bit lane L, words 0-3 hold entries
+   4L..4L+3 and words 4-7 entries 16+4L..16+4L+3) */
+static uint8_t IQ3_PLANE[4][256] __attribute__((aligned(64)));
+static uint8_t IQ3_PAIR[64] __attribute__((aligned(64)));
+/* IQ2_XXS's grid has three magnitudes (8, 25, 43): IQ2_CODES[h][i] packs entry i's bytes 4h..4h+3 as 2-bit codes
+   (byte 4h+k in bits 2k, 2k+1), and IQ2_MAG[v] is the magnitude of code v & 3 (a 64-entry byte permute) */
+static uint8_t IQ2_CODES[2][256] __attribute__((aligned(64)));
+static uint8_t IQ2_MAG[64] __attribute__((aligned(64)));
+/* IQ2_PAIR: byte permute of the two code lookups into words (entry e's low, high codes); IQ2_REP: word permute
+   that repeats word k in qword k */
+static uint8_t IQ2_PAIR[64] __attribute__((aligned(64)));
+static uint16_t IQ2_REP[32] __attribute__((aligned(64)));
+
+void strata_native_tables(const uint8_t *iq2xxs_grid, const uint8_t *iq3xxs_grid, const uint8_t *ksigns) {
+    for (int i = 0; i < 256; i++) {
+        uint64_t g = 0; uint32_t h = 0;
+        for (int k = 0; k < 8; k++) g |= (uint64_t)iq2xxs_grid[8 * i + k] << (8 * k);
+        for (int k = 0; k < 4; k++) h |= (uint32_t)iq3xxs_grid[4 * i + k] << (8 * k);
+        IQ2XXS_GRID[i] = g; IQ3XXS_GRID[i] = h;
+    }
+    for (int i = 0; i < 128; i++) {
+        uint64_t s = 0;
+        for (int k = 0; k < 8; k++) s |= (uint64_t)((ksigns[i] >> k) & 1 ? 0xFF : 0x01) << (8 * k);
+        SIGNS64[i] = s;
+    }
+    for (int p = 0; p < 4; p++)
+        for (int i = 0; i < 256; i++) IQ3_PLANE[p][i] = iq3xxs_grid[4 * i + p];
+    for (int b = 0; b < 64; b++) {
+        int w = b / 2, L = w / 8, k = w % 8, e = k < 4 ? 4 * L + k : 16 + 4 * L + k - 4;
+        IQ3_PAIR[b] = (uint8_t)(e + 64 * (b % 2));
+    }
+    const uint8_t mags[3] = {8, 25, 43};
+    for (int v = 0; v < 64; v++) IQ2_MAG[v] = (v & 3) < 3 ? mags[v & 3] : 0;
+    for (int b = 0; b < 64; b++) IQ2_PAIR[b] = (uint8_t)(b / 2 + 64 * (b % 2));
+    for (int w = 0; w < 32; w++) IQ2_REP[w] = (uint16_t)(w / 4);
+    for (int i = 0; i < 256; i++)
+        for (int h = 0; h < 2; h++) {
+            uint8_t c = 0;
+            for (int k = 0; k < 4; k++) {
+                uint8_t m = iq2xxs_grid[8 * i + 4 * h + k];
+                c |= (uint8_t)((m == 8 ? 0 : m == 25 ? 1 : 2) << (2 * k));
+            }
+            IQ2_CODES[h][i] = c;
+        }
+}
+
+static inline uint32_t u32le(const uint8_t *p) { uint32_t v; __builtin_memcpy(&v, p, 4); return v; }
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* four 8-byte table entries as one vector, entry k at bytes 8k..8k+7 (scalar loads: gathers are slower on Zen) */
+static inline __m256i tab4x64(const uint64_t *t, uint32_t i0, uint32_t i1, uint32_t i2, uint32_t i3) {
+    __m128i lo = _mm_insert_epi64(_mm_loadl_epi64((const __m128i *)(t + i0)), (long long)t[i1], 1);
+    __m128i hi = _mm_insert_epi64(_mm_loadl_epi64((const __m128i *)(t + i2)), (long long)t[i3], 1);
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+}
+
+/* the 32 signs of a sub-block from its u32 of sign indices (7 bits each) */
+static inline __m256i signs32(uint32_t aux) {
+    return tab4x64(SIGNS64, aux & 127, (aux >> 7) & 127, (aux >> 14) & 127, (aux >> 21) & 127);
+}
+
+/* one sub-block: grid magnitudes g times the sign-applied activations, times the odd scale 2s + 1 */
+static inline __m256i iq_sub(__m256i g, uint32_t aux, const int8_t *x) {
+    __m256i xs = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)x), signs32(aux));
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(g, xs), _mm256_set1_epi16((short)(2 * (aux >> 28) + 1)));
+}
+
+static inline __m256i iq2_grid(uint64_t a) {  /* the 4 grid indices in a's low bytes */
+    return tab4x64(IQ2XXS_GRID, a & 255, (a >> 8) & 255, (a >> 16) & 255, (a >> 24) & 255);
+}
+
+static inline __m256i iq3_grid(const uint8_t *i8) {
+    __m128i lo = _mm_cvtsi32_si128((int)IQ3XXS_GRID[i8[0]]), hi = _mm_cvtsi32_si128((int)IQ3XXS_GRID[i8[4]]);
+    lo = _mm_insert_epi32(lo, (int)IQ3XXS_GRID[i8[1]], 1); hi = _mm_insert_epi32(hi, (int)IQ3XXS_GRID[i8[5]], 1);
+    lo = _mm_insert_epi32(lo, (int)IQ3XXS_GRID[i8[2]], 2); hi = _mm_insert_epi32(hi, (int)IQ3XXS_GRID[i8[6]], 2);
+    lo = _mm_insert_epi32(lo, (int)IQ3XXS_GRID[i8[3]], 3); hi = _mm_insert_epi32(hi, (int)IQ3XXS_GRID[i8[7]], 3);
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+}
+
+/* The sub-blocks' integer sums, each times its odd scale 2s + 1 (madd by the scale instead of by 1): one
+   conversion and one multiply by d a super-block; |sum| <= 8 * 31 * 16 * 2 * 62 * 127 fits an int32. Two
+   sub-blocks a step into two accumulators, so the two chains of table loads and products overlap. */
+#if defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VBMI__) && defined(__AVX512BITALG__)
+/* With AVX-512 the signs and scales of a super-block's 8 sub-blocks come from its 8 sign words at once: a
+   multishift cuts each word's four 7-bit sign indices into bytes, the 8th sign is the byte's parity (popcount),
+   and each sub-block then negates its activations under a 32-bit mask (two instructions instead of four table
+   loads, their inserts and a sign). The scales 2s + 1, as int16 pairs, are read back as broadcasts. */
+static inline void iq_signs_scales(__m256i aux, uint32_t *sg, uint32_t *ls) {
+    const __m256i ctrl = _mm256_set1_epi64x(0x352E2720150E0700LL);  /* bit offsets 0,7,14,21, 32,39,46,53 */
+    __m256i m = _mm256_and_si256(_mm256_multishift_epi64_epi8(ctrl, aux), _mm256_set1_epi8(0x7F));
+    __m256i par = _mm256_slli_epi16(_mm256_popcnt_epi8(m), 7);
+    _mm256_store_si256((__m256i *)sg, _mm256_ternarylogic_epi32(m, par, _mm256_set1_epi8((char)0x80), 0xF8));
+    __m256i l = _mm256_or_si256(_mm256_slli_epi32(_mm256_srli_epi32(aux, 28), 1), _mm256_set1_epi32(1));
+    _mm256_store_si256((__m256i *)ls, _mm256_or_si256(l, _mm256_slli_epi32(l, 16)));
+}
+
+static inline __m256i iq_sub_k(__m256i g, uint32_t sg, uint32_t ls, const int8_t *x) {
+    __m256i xv = _mm256_loadu_si256((const __m256i *)x);
+    __m256i xs = _mm256_mask_sub_epi8(xv, _cvtu32_mask32(sg), _mm256_setzero_si256(), xv);
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(g, xs), _mm256_set1_epi32((int)ls));
+}
+
+/* IQ2_XXS a super-block at a time in 512-bit registers: its 32 grid indices look up their entries' 2-bit codes
+   (byte permutes of the two code tables), a word permute puts entry 8m+k's 16 code bits in qword k, a multishift
+   cuts them into one code per byte and a byte permute turns codes into magnitudes; then two sub-blocks a step. */
+static float dot_iq2xxs(const uint8_t *row, int nb, const int8_t *xq, const float *xd) {
+    __m256 fsum = _mm256_setzero_ps();
+    uint32_t sg[8] __attribute__((aligned(32))), ls[8] __attribute__((aligned(32)));
+    __m512i t[2][4];
+    for (int h = 0; h < 2; h++)
+        for (int c = 0; c < 4; c++) t[h][c] = _mm512_load_si512(IQ2_CODES[h] + 64 * c);
+    const __m512i mag = _mm512_load_si512(IQ2_MAG);
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14);
+    const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 1, 3, 5, 7, 9, 11, 13, 15);
+    const __m512i pair = _mm512_load_si512(IQ2_PAIR), rep = _mm512_load_si512(IQ2_REP);
+    const __m512i shifts = _mm512_set1_epi64(0x0E0C0A0806040200LL);
+    const __m512i half = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = row + (long)b * 66, *q = blk + 2;
+        PREFETCH_AHEAD(blk, nb * 66, 66);
+        const int8_t *x = xq + 256 * b;
+        const __m512i qv = _mm512_loadu_si512(q);
+        /* sub-block j: 4 grid indices (the even u32s), then its u32 of signs and scale (the odd ones) */
+        const __m512i idx = _mm512_permutexvar_epi32(even, qv);
+        const __mmask64 top = _mm512_movepi8_mask(idx);
+        __m512i lo = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(t[0][0], idx, t[0][1]),
+                                            _mm512_permutex2var_epi8(t[0][2], idx, t[0][3]));
+        __m512i hi = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(t[1][0], idx, t[1][1]),
+                                            _mm512_permutex2var_epi8(t[1][2], idx, t[1][3]));
+        const __m512i codes = _mm512_permutex2var_epi8(lo, pair, hi);  /* word e: entry e's 16 code bits */
+        iq_signs_scales(_mm512_castsi512_si256(_mm512_permutexvar_epi32(odd, qv)), sg, ls);
+        const __m512i l8 = _mm512_castsi256_si512(_mm256_load_si256((const __m256i *)ls));
+        __m512i s = _mm512_setzero_si512();
+        for (int m = 0; m < 4; m++) {  /* sub-blocks 2m, 2m+1: entries 8m..8m+7 */
+            __m512i w = _mm512_permutexvar_epi16(_mm512_add_epi16(rep, _mm512_set1_epi16((short)(8 * m))), codes);
+            uint64_t k; __builtin_memcpy(&k, sg + 2 * m, 8);
+            __m512i xv = _mm512_loadu_si512(x + 64 * m);
+            __m512i xs = _mm512_mask_sub_epi8(xv, _cvtu64_mask64(k), _mm512_setzero_si512(), xv);
+            __m512i g = _mm512_permutexvar_epi8(_mm512_multishift_epi64_epi8(shifts, w), mag);
+            __m512i sc = _mm512_permutexvar_epi32(_mm512_add_epi32(half, _mm512_set1_epi32(2 * m)), l8);
+            s = _mm512_add_epi32(s, _mm512_madd_epi16(_mm512_maddubs_epi16(g, xs), sc));
+        }
+        __m256i sumi = _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
+        fsum = _mm256_fmadd_ps(_mm256_set1_ps(f16(blk) * xd[b] * 0.125f), _mm256_cvtepi32_ps(sumi), fsum);
+    }
+    return hsum8(fsum);
+}
+
+/* IQ3_XXS a super-block at a time in 512-bit registers: its 64 grid indices through byte permutes of the four
+   planes (two 128-entry permutes and a blend on the index's top bit each), interleaved into weight order, then
+   two sub-blocks a step. */
+static float dot_iq3xxs(const uint8_t *row, int nb, const int8_t *xq, const float *xd) {
+    __m256 fsum = _mm256_setzero_ps();
+    uint32_t sg[8] __attribute__((aligned(32))), ls[8] __attribute__((aligned(32)));
+    __m512i t[4][4];
+    for (int p = 0; p < 4; p++)
+        for (int h = 0; h < 4; h++) t[p][h] = _mm512_load_si512(IQ3_PLANE[p] + 64 * h);
+    const __m512i pair_lo = _mm512_load_si512(IQ3_PAIR), pair_hi = _mm512_add_epi8(pair_lo, _mm512_set1_epi8(32));
+    const __m512i half = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = row + (long)b * 98;
+        PREFETCH_AHEAD(blk, nb * 98, 98);
+        const int8_t *x = xq + 256 * b;
+        const __m512i idx = _mm512_loadu_si512(blk + 2);
+        const __mmask64 top = _mm512_movepi8_mask(idx);
+        __m512i r[4];
+        for (int p = 0; p < 4; p++)
+            r[p] = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(t[p][0], idx, t[p][1]),
+                                          _mm512_permutex2var_epi8(t[p][2], idx, t[p][3]));
+        __m512i u01l = _mm512_permutex2var_epi8(r[0], pair_lo, r[1]), u23l = _mm512_permutex2var_epi8(r[2], pair_lo, r[3]);
+        __m512i u01h = _mm512_permutex2var_epi8(r[0], pair_hi, r[1]), u23h = _mm512_permutex2var_epi8(r[2], pair_hi, r[3]);
+        __m512i g[4] = {_mm512_unpacklo_epi16(u01l, u23l), _mm512_unpackhi_epi16(u01l, u23l),
+                        _mm512_unpacklo_epi16(u01h, u23h), _mm512_unpackhi_epi16(u01h, u23h)};
+        iq_signs_scales(_mm256_loadu_si256((const __m256i *)(blk + 66)), sg, ls);
+        const __m512i l8 = _mm512_castsi256_si512(_mm256_load_si256((const __m256i *)ls));
+        __m512i s = _mm512_setzero_si512();
+        for (int m = 0; m < 4; m++) {  /* sub-blocks 2m, 2m+1 */
+            uint64_t k; __builtin_memcpy(&k, sg + 2 * m, 8);
+            __m512i xv = _mm512_loadu_si512(x + 64 * m);
+            __m512i xs = _mm512_mask_sub_epi8(xv, _cvtu64_mask64(k), _mm512_setzero_si512(), xv);
+            __m512i sc = _mm512_permutexvar_epi32(_mm512_add_epi32(half, _mm512_set1_epi32(2 * m)), l8);
+            s = _mm512_add_epi32(s, _mm512_madd_epi16(_mm512_maddubs_epi16(g[m], xs), sc));
+        }
+        __m256i sumi = _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
+        fsum = _mm256_fmadd_ps(_mm256_set1_ps(f16(blk) * xd[b] * 0.25f), _mm256_cvtepi32_ps(sumi), fsum);
+    }
+    return hsum8(fsum);
+}
+#else
+static float dot_iq2xxs(const uint8_t *row, int nb, const int8_t *xq, const float *xd) {
+    __m256 fsum = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = row + (long)b * 66, *q = blk + 2;
+        PREFETCH_AHEAD(blk, nb * 66, 66);
+        const int8_t *x = xq + 256 * b;
+        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j += 2) {
+            uint64_t w0, w1;  /* a sub-block: 4 grid indices, then the u32 of signs and scale */
+            __builtin_memcpy(&w0, q + 8 * j, 8); __builtin_memcpy(&w1, q + 8 * j + 8, 8);
+            s0 = _mm256_add_epi32(s0, iq_sub(iq2_grid(w0), (uint32_t)(w0 >> 32), x + 32 * j));
+            s1 = _mm256_add_epi32(s1, iq_sub(iq2_grid(w1), (uint32_t)(w1 >> 32), x + 32 * j + 32));
+        }
+        fsum = _mm256_fmadd_ps(_mm256_set1_ps(f16(blk) * xd[b] * 0.125f),
+                               _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), fsum);
+    }
+    return hsum8(fsum);
+}
+
+static float dot_iq3xxs(const uint8_t *row, int nb, const int8_t *xq, const float *xd) {
+    __m256 fsum = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = row + (long)b * 98, *q = blk + 2;
+        PREFETCH_AHEAD(blk, nb * 98, 98);
+        const int8_t *x = xq + 256 * b;
+        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j += 2) {
+            s0 = _mm256_add_epi32(s0, iq_sub(iq3_grid(q + 8 * j), u32le(blk + 66 + 4 * j), x + 32 * j));
+            s1 = _mm256_add_epi32(s1, iq_sub(iq3_grid(q + 8 * j + 8), u32le(blk + 70 + 4 * j), x + 32 * j + 32));
+        }
+        fsum = _mm256_fmadd_ps(_mm256_set1_ps(f16(blk) * xd[b] * 0.25f),
+                               _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), fsum);
+    }
+    return hsum8(fsum);
+}
+#endif
+#endif
+
+static float dot_iqxxs(int three, const uint8_t *row, int nb, const int8_t *xq, const float *xd) {
+#if defined(__AVX2__) && defined(__FMA__)
+    return three ? dot_iq3xxs(row, nb, xq, xd) : dot_iq2xxs(row, nb, xq, xd);
+#else
+    const int bb = three ? 98 : 66;
+    float sum = 0.f;
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = row + (long)b * bb, *q = blk + 2;
+        for (int j = 0; j < 8; j++) {
+            uint32_t aux = three ? u32le(blk + 66 + 4 * j) : u32le(q + 8 * j + 4);
+            int32_t s = 0;
+            for (int l = 0; l < 4; l++) {  /* groups of 8 weights, one sign index each */
+                uint64_t sg = SIGNS64[(aux >> (7 * l)) & 127];
+                for (int k = 0; k < 8; k++) {
+                    int m = three ? (int)((IQ3XXS_GRID[q[8 * j + 2 * l + k / 4]] >> (8 * (k % 4))) & 255)
+                                  : (int)((IQ2XXS_GRID[q[8 * j + l]] >> (8 * k)) & 255);
+                    int sign = ((sg >> (8 * k)) & 255) == 0xFF ? -1 : 1;
+                    s += sign * m * xq[256 * b + 32 * j + 8 * l + k];
+                }
+            }
+            sum += f16(blk) * xd[b] * (three ? 0.25f : 0.125f) * (float)(2 * (aux >> 28) + 1) * (float)s;
+        }
+    }
+    return sum;
+#endif
+}
