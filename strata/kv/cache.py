@@ -61,6 +61,8 @@ class KVCache:
         # K or V stored otherwise than in `dtype`: each buffer says how it is written and read. Not so (the
         # default), the plain tensor path below runs unchanged
         self._typed = self.k_type != dtype or (v_shape is not None and self.v_type != dtype)
+        # K and V stored as plain tensors [slots, positions, ...] in `dtype` (a kernel may write rows itself)
+        self.plain = not self._typed and v_shape is not None
         own = set(range(n_layers)) if layers is None else set(layers)
         self.k = [self._buffer(k_shape, self.k_type) if i in own else None for i in range(n_layers)]
         self.v = [self._buffer(v_shape, self.v_type) if i in own else None

@@ -179,10 +179,22 @@ class GQAttention:
         q = q.view(n, self.n_heads, self.hd)
         k = k.view(n, self.n_kv, self.hd)
         v = v.view(n, self.n_kv, self.vd)
-        q, k = self.rotary.qk(q, k, pos, self.q_norm, self.k_norm, self.eps)  # one launch on CUDA
+        written = False  # a decode step of sequences in slots 0 .. n-1 of a plain cache: K/V written by the rotary
+        if kv.plain and len(segments) == n and all(s.window and s.n == 1 and s.slot == j for j, s in enumerate(segments)):
+            qo = self.rotary.qk_into_cache(q, k, v, pos, self.q_norm, self.k_norm, self.eps, kv.k[self.layer],
+                                           kv.v[self.layer])
+            if qo is not None:
+                q, written = qo, True
+        if not written:
+            q, k = self.rotary.qk(q, k, pos, self.q_norm, self.k_norm, self.eps)  # one launch on CUDA
         outs, i = [], 0
         for seg in segments:
             one = bool(seg.window) and seg.n == 1  # a static decode step's query: split over the keys on a GPU
+            if written:
+                ks, vs = _as_dtype(*kv.read_window(self.layer, seg.slot, seg.window), x.dtype)
+                outs.append(_one_query(q[i : i + 1], ks, vs, seg, self.scale, x.dtype))
+                i += 1
+                continue
             if one and kv.quantized:
                 o = _one_query_blocks(kv, self.layer, seg, q[i : i + 1], k[i : i + 1], v[i : i + 1], self.scale)
                 if o is not None:

@@ -16,6 +16,7 @@ from strata.ops import registry
 from strata.ops.reference import rope
 
 _QK_NORM_ROPE = registry.op("qk_norm_rope")
+_QK_NORM_ROPE_KV = registry.op("qk_norm_rope_kv")
 
 
 @dataclass
@@ -94,6 +95,17 @@ class Rotary:
         On CUDA one Triton launch for both (instead of ~38 torch kernels)."""
         cos_t, sin_t = self._tables(q.device)
         return _QK_NORM_ROPE(q, k, pos, cos_t, sin_t, self.dim, self.style == "neox", q_norm, k_norm, eps)
+
+    def qk_into_cache(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+                      q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor | None:
+        """A decode step's q' from `qk`, with k' and v written into a layer's cache [slots, positions, ...] at
+        (slot t, pos[t]) for token t in the same launch; None (nothing done) where no kernel takes it."""
+        cos_t, sin_t = self._tables(q.device)
+        args = (q, k, v, pos, cos_t, sin_t, self.dim, self.style == "neox", q_norm, k_norm, eps, k_cache, v_cache)
+        if _QK_NORM_ROPE_KV.pick(*args) is None:
+            return None
+        return _QK_NORM_ROPE_KV(*args)
 
     def rotate(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """The torch twin of the fused rotary (CPU path and test oracle)."""

@@ -8,7 +8,10 @@ small); torch spends ~8 kernels on one RMSNorm (casts, pow, mean, add, rsqrt, tw
 - `qk_norm_rope`: per-head RMSNorm (optional, Qwen3's q_norm / k_norm) then rotary (neox or norm pair order,
   partial `rot < head_dim`) of q and of k in one launch, the position read from the device `pos` tensor (no host
   value: CUDA-graph capture works). Reference twin: `strata.ops.reference.qk_norm_rope`.
-  Like the twin, the normalized row is rounded to the activation dtype before it is rotated.
+  Like the twin, the normalized row is rounded to the activation dtype before it is rotated. Given the layer's KV
+  cache (op `qk_norm_rope_kv`, a decode step's sequences in slots 0 .. N-1 of a plain cache), the same launch
+  writes k' and v into it at each token's position: the step's two index_copy_ launches a layer are gone.
+  Reference twin: `strata.ops.reference.qk_norm_rope_kv`.
 
 Tests run the kernels in Triton's interpreter on the CPU against the twins (tests/ops/test_fused_interpret.py).
 """
@@ -128,21 +131,32 @@ if triton is not None:
 
     @triton.jit
     def _qk_norm_rope_kernel(Q, K, QO, KO, QW, KW, POS, COS, SIN, HQ, HK, D, sqn, sqh, skn, skh, eps,
+                             V, VO, HV, DV, svn, svh, sko_t, sko_p, svo_t, svo_p,
                              ROT: tl.constexpr, HAS_NORM: tl.constexpr, NEOX: tl.constexpr,
-                             BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-        # grid (N, head blocks of q then of k): program (t, b) does BLOCK_H heads of token t
+                             BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+        # grid (N, head blocks of q, then of k, then of v): program (t, b) does BLOCK_H heads of token t. k's rows
+        # go to KO + t * sko_t + pos * sko_p (a contiguous output: sko_t = HK * D, sko_p = 0; a decode step's KV
+        # cache, token t in slot t: the slot's and the position's strides), v's rows likewise, copied (HV = 0: none)
         t = tl.program_id(0).to(tl.int64)
         b = tl.program_id(1)
         nq = tl.cdiv(HQ, BLOCK_H)
+        nk = tl.cdiv(HK, BLOCK_H)
         p = tl.load(POS + t).to(tl.int64)
         cos_row = COS + p * (ROT // 2)
         sin_row = SIN + p * (ROT // 2)
         if b < nq:
             _norm_rope_tile(Q + t * sqn, QO + t * HQ * D, QW, cos_row, sin_row, b * BLOCK_H, HQ, sqh, D, eps,
                             ROT, HAS_NORM, NEOX, BLOCK_H, BLOCK_D)
+        elif b < nq + nk:
+            _norm_rope_tile(K + t * skn, KO + t * sko_t + p * sko_p, KW, cos_row, sin_row, (b - nq) * BLOCK_H, HK,
+                            skh, D, eps, ROT, HAS_NORM, NEOX, BLOCK_H, BLOCK_D)
         else:
-            _norm_rope_tile(K + t * skn, KO + t * HK * D, KW, cos_row, sin_row, (b - nq) * BLOCK_H, HK, skh, D,
-                            eps, ROT, HAS_NORM, NEOX, BLOCK_H, BLOCK_D)
+            heads = (b - nq - nk) * BLOCK_H + tl.arange(0, BLOCK_H)
+            offs = tl.arange(0, BLOCK_DV)
+            m = (heads < HV)[:, None] & (offs < DV)[None, :]
+            x = tl.load(V + t * svn + heads[:, None] * svh + offs[None, :], mask=m, other=0.0)
+            dst = VO + t * svo_t + p * svo_p
+            tl.store(dst + heads[:, None] * DV + offs[None, :], x.to(dst.dtype.element_ty), mask=m)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -176,14 +190,22 @@ def add_rms_norm(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, eps: fl
 # the residual add fused into the next RMSNorm, taken on a GPU since its GPU test passed there (the
 # interpreter does not catch what only compiled code does); False puts its twin back (torch's add, then rms_norm)
 ADD_NORM_GPU_TESTED = True
+# the decode step's K/V rows written into the cache by qk_norm_rope itself (qk_norm_rope_kv): taken on a GPU once its
+# GPU test (tests/ops/test_fused_interpret.py, marked gpu) has passed there; the interpreter tests check it on the CPU
+KV_FOLD_GPU_TESTED = False
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor | None, pos: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor, rot: int, neox: bool, q_norm: torch.Tensor | None = None,
-                 k_norm: torch.Tensor | None = None, eps: float = 0.0):
+                 k_norm: torch.Tensor | None = None, eps: float = 0.0, v: torch.Tensor | None = None,
+                 k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None):
     """q [N, Hq, D], k [N, Hk, D] or None, pos [N] (device), cos/sin [S, rot/2] float32 tables
     -> (q', k') contiguous in their own dtypes: per-head RMSNorm with q_norm/k_norm [D] when given, then
-    rotary of the first `rot` dims at each token's position. One launch for both."""
+    rotary of the first `rot` dims at each token's position. One launch for both.
+
+    With k_cache/v_cache (a layer's cache [slots, positions, Hk, D] and [.., Hk, Dv], token t of slot t: a decode
+    step's sequences in slots 0 .. N-1) k' and v go straight into the cache at each token's position, in the same
+    launch (no index_copy_ after it): returns (q', None)."""
     N, HQ, D = q.shape
     if rot % 2 or rot > D:
         raise ValueError(f"rotary dims {rot} must be even and at most the head dim {D}")
@@ -197,21 +219,39 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor | None, pos: torch.Tensor, cos
     if k is not None and (k.shape[0] != N or k.shape[2] != D):
         raise ValueError(f"qk_norm_rope: q {tuple(q.shape)} and k {tuple(k.shape)} disagree")
     qo = torch.empty(N, HQ, D, dtype=q.dtype, device=q.device)
-    ko = torch.empty(N, HK, D, dtype=kk.dtype, device=q.device) if k is not None else None
+    into = k_cache is not None
+    if into and (k is None or v is None or v_cache is None or k_cache.shape[2:] != k.shape[1:]
+                 or v_cache.shape[2:] != v.shape[1:] or k_cache.shape[0] < N or v_cache.shape[0] < N
+                 or k_cache.stride(-1) != 1 or k_cache.stride(-2) != D or v_cache.stride(-1) != 1
+                 or v_cache.stride(-2) != v.shape[2] or v.stride(-1) != 1):
+        raise ValueError("qk_norm_rope: k, v and their caches disagree")
+    ko = k_cache if into else (torch.empty(N, HK, D, dtype=kk.dtype, device=q.device) if k is not None else None)
     if N == 0:
-        return qo, ko
+        return qo, (None if into else ko)
     pos = pos.to(q.device)
     qw = q_norm.contiguous() if has_norm else q
     kw = (k_norm.contiguous() if k_norm is not None else qw) if has_norm else q
     block = triton.next_power_of_2(D)
+    HV, DV = (v.shape[1], v.shape[2]) if into else (0, 1)
     bh = min(triton.next_power_of_2(max(HQ, HK)), max(TILE // block, 1))  # heads per program
-    grid = (N, triton.cdiv(HQ, bh) + triton.cdiv(HK, bh))
+    grid = (N, triton.cdiv(HQ, bh) + triton.cdiv(HK, bh) + triton.cdiv(HV, bh))
+    vv, vo = (v, v_cache) if into else (q, qo)
     _qk_norm_rope_kernel[grid](
         q, kk, qo, ko if ko is not None else qo, qw, kw, pos, cos, sin, HQ, HK, D,
         q.stride(0), q.stride(1), kk.stride(0), kk.stride(1), float(eps),
-        ROT=rot, HAS_NORM=has_norm, NEOX=neox, BLOCK_H=bh, BLOCK_D=block, num_warps=4 if bh * block >= 2048 else 2,
+        vv, vo, HV, DV, vv.stride(0), vv.stride(1),
+        ko.stride(0) if into else HK * D, ko.stride(1) if into else 0,
+        vo.stride(0) if into else 0, vo.stride(1) if into else 0,
+        ROT=rot, HAS_NORM=has_norm, NEOX=neox, BLOCK_H=bh, BLOCK_D=block,
+        BLOCK_DV=triton.next_power_of_2(DV), num_warps=4 if bh * block >= 2048 else 2,
     )
-    return qo, ko
+    return qo, (None if into else ko)
+
+
+def qk_norm_rope_kv(q, k, v, pos, cos, sin, rot, neox, q_norm, k_norm, eps, k_cache, v_cache) -> torch.Tensor:
+    """The op `qk_norm_rope_kv` (reference twin: strata.ops.reference.qk_norm_rope_kv): q' returned, k' and v
+    written into the caches at (slot t, pos[t]) in the same launch."""
+    return qk_norm_rope(q, k, pos, cos, sin, rot, neox, q_norm, k_norm, eps, v, k_cache, v_cache)[0]
 
 
 # the kernels' seats in the registry (strata.ops.registry): `use_for` is looked up at each call
@@ -221,3 +261,7 @@ registry.op("add_rms_norm").register(
     lambda x, a, weight, eps: (ADD_NORM_GPU_TESTED and use_for(x) and x.dtype == a.dtype and x.is_contiguous()
                                and a.is_contiguous() and x.shape == a.shape and x.shape[-1] <= MAX_ONE_PASS))
 registry.op("qk_norm_rope").register("triton", qk_norm_rope, lambda q, *args, **kw: use_for(q) and q.dim() == 3)
+registry.op("qk_norm_rope_kv").register(
+    "triton", qk_norm_rope_kv,
+    lambda q, k, v, pos, cos, sin, rot, neox, q_norm, k_norm, eps, k_cache, v_cache: (
+        KV_FOLD_GPU_TESTED and use_for(q) and q.dim() == 3 and k_cache.dtype == k.dtype and v_cache.dtype == v.dtype))

@@ -67,6 +67,18 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor | None, pos: torch.Tensor, cos
     return rope(q, pos, cos_t, sin_t, dim, neox), (rope(k, pos, cos_t, sin_t, dim, neox) if k is not None else None)
 
 
+@reference("qk_norm_rope_kv")
+def qk_norm_rope_kv(q, k, v, pos, cos_t, sin_t, dim: int, neox: bool, q_norm, k_norm, eps: float,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    """qk_norm_rope, then token t's k' and v written into k_cache / v_cache [slots, positions, ...] at (slot t,
+    pos[t]) (a decode step's sequences in slots 0 .. N-1); returns q'."""
+    qo, ko = qk_norm_rope(q, k, pos, cos_t, sin_t, dim, neox, q_norm, k_norm, eps)
+    t = torch.arange(q.shape[0], device=q.device)
+    k_cache.index_put_((t, pos), ko.to(k_cache.dtype))
+    v_cache.index_put_((t, pos), v.to(v_cache.dtype))
+    return qo
+
+
 def gqa_attention(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, mask: torch.Tensor | None,
                   scale: float) -> torch.Tensor:
     """One segment: q [n, H, D] against ks [L, Hkv, D], vs [L, Hkv, Dv] -> [n, H, Dv] (a view where possible)."""

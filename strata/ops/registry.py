@@ -9,6 +9,8 @@ Nothing else registers kernels, and no caller checks for a kernel itself.
     op                  reference twin                       kernels
     rms_norm            reference.rms_norm                   fused.rms_norm            (Triton, CUDA)
     qk_norm_rope        reference.qk_norm_rope               fused.qk_norm_rope        (Triton, CUDA)
+    qk_norm_rope_kv     reference.qk_norm_rope_kv            fused.qk_norm_rope_kv     (Triton, CUDA: k', v into
+                                                                                        the KV cache as well)
     one_query_attention reference.gqa_attention              decode_attention          (Triton split-K, CUDA)
     one_query_attention_blocks  reference.one_query_blocks   decode_attention_kv       (Triton split-K reading
                                                                                         q8_0/q4_0 KV blocks, CUDA)

@@ -20,6 +20,7 @@ CASES = textwrap.dedent("""
     from strata.layers.rotary import Rotary
     from strata.models.args import RopeScaling
     from strata.ops import fused
+    from strata.ops.reference import qk_norm_rope_kv as qk_norm_rope_kv_ref
 
     TOL = {torch.float32: 2e-6, torch.bfloat16: 2 ** -7}  # of the largest |value|: float32 rounding, 1 bf16 ulp
 
@@ -75,6 +76,23 @@ CASES = textwrap.dedent("""
                 qa, none = fused.qk_norm_rope(q, None, pos, cos, sin, rot, style == "neox")
                 assert none is None
                 close(qa, r.rotate(q, pos), dtype, ("q alone",) + what)
+                # a decode step's k' and v written into the layer's cache at (slot t, pos[t]) in the same launch
+                v = qkv[:, (hq + hk) * D :].view(n, hk, D)
+                kc = torch.zeros(n + 1, 300, hk, D, dtype=dtype).to(dev)
+                vc = torch.zeros(n + 1, 300, hk, D, dtype=dtype).to(dev)
+                qf, none = fused.qk_norm_rope(q, k, pos, cos, sin, rot, style == "neox", qn, kn, 1e-6, v, kc, vc)
+                assert none is None
+                close(qf, rq, dtype, ("q, k into the cache",) + what)
+                for t in range(n):
+                    close(kc[t, pos[t]], rk[t], dtype, ("k in the cache",) + what)
+                    assert torch.equal(vc[t, pos[t]], v[t]), what
+                    kc[t, pos[t]] = 0
+                    vc[t, pos[t]] = 0
+                assert not kc.any() and not vc.any(), ("written elsewhere",) + what
+                kr, vr = torch.zeros_like(kc), torch.zeros_like(vc)
+                qr = qk_norm_rope_kv_ref(q, k, v, pos, cos, sin, rot, style == "neox", qn, kn, 1e-6, kr, vr)
+                close(qr, rq, dtype, ("twin",) + what)
+                assert torch.equal(vr[torch.arange(n), pos], v), what
 """)
 
 # The interpreter truncates float32 -> bfloat16 where compiled Triton rounds to nearest even (its default for
