@@ -89,6 +89,9 @@ class DirectDecode:
         # layer's half of a prefetch region while this layer computes; pmap[layer index][expert] is where a
         # prefetched expert waits (-1: not prefetched this step)
         self.prefetch = bool(stage and tiered.ex.prefetch_next is not False)  # (None: on for the staged path)
+        # steps of several sequences prefetch too (the first k of their predicted misses) only when asked for
+        # explicitly (--expert-prefetch): measured to pay for one-token steps only so far
+        self.prefetch_batches = self.prefetch and tiered.ex.prefetch_next is True
         self.pmap: torch.Tensor | None = None
         self.side = torch.cuda.Stream(tiered.device) if self.prefetch and tiered.cuda else None
         self._issued = -1  # the layer index this step's last prefetch was for
@@ -146,7 +149,7 @@ class DirectDecode:
         host = (ew.gate, ew.up, ew.down)
         stacks = (pool.gate, pool.up, pool.down)
         n_stage = pool.staging
-        ahead = self.prefetch and N == 1 and pool.staging >= 3 * k
+        ahead = self.prefetch and (N == 1 or self.prefetch_batches) and pool.staging >= 3 * k
         if ahead:
             n_stage = pool.staging - 2 * k  # the last 2k slots: the prefetch regions of odd and even layers
             if self._issued == li:  # the previous layer staged this one's predicted misses: wait, then use them
@@ -179,14 +182,16 @@ class DirectDecode:
         if main is not None:
             self.side.wait_stream(main)
         with torch.cuda.stream(self.side) if main is not None else nullcontext():
-            pid = moe.route_ids(x).view(-1)  # [k] distinct experts of the one token
+            # [N * k] the tokens' predicted experts; the first k distinct misses among them fit the region (a
+            # one-token step: all of them), the rest are left to the layer's own staging
+            pid = moe.route_ids(x).view(-1)
             s_n = t.cache.map[nl].index_select(0, pid)
             out = stage_misses(s_n, pid, (ew.gate, ew.up, ew.down), (pool.gate, pool.up, pool.down), region, k,
                                programs=t.ex.prefetch_programs)
-            staged = torch.where(s_n < 0, out, torch.full_like(out, -1))
+            staged = torch.where(s_n < 0, out, torch.full_like(out, -1))  # (a miss past the k: still negative)
             self.pmap[nl].fill_(-1)
             self.pmap[nl].index_copy_(0, pid, staged)
-            rec.dev[nl, 2, :k].copy_(torch.where(s_n < 0, pid, torch.full_like(pid, -1)))
+            rec.dev[nl, 2, :pid.numel()].copy_(torch.where(staged >= 0, pid, torch.full_like(pid, -1)))
         self._issued = nl
         # x was made on the main stream: held until the next layer joins the side stream, so that its memory is
         # not handed to main-stream work the side stream's reads could still overlap

@@ -58,13 +58,22 @@ def test_a_wrong_prediction_is_harmless(model_path, monkeypatch):
     assert ex.prefetch_issued == 8 * 3 * 2 and ex.prefetch_used < ex.prefetch_issued // 2
 
 
-def test_batches_and_text_unchanged(model_path):
-    """Steps of several sequences take no prefetch (one-token steps do); the text is the resident one."""
+@pytest.mark.parametrize("flag", [None, True])
+def test_batches_and_text_unchanged(model_path, flag):
+    """Steps of several sequences prefetch (the first k of their predicted misses) only when --expert-prefetch is
+    given (by default one-token steps do); the text is the resident one either way."""
     ref = _batch(_engine(model_path, "cpu", False, n_slots=3, mode="resident"), BATCH)
     eng = _engine(model_path, "cpu", True, n_slots=3, slots=2, cpu_plan="000", decode_misses="staged",
-                  prefetch_next=True)
+                  prefetch_next=flag)
     assert _batch(eng, BATCH) == ref
-    one = _engine(model_path, "cpu", True, slots=2, cpu_plan="000", decode_misses="staged", prefetch_next=True)
+    ex = eng.model.experts
+    ex.direct.flush()
+    assert ex.direct.prefetch and ex.direct.prefetch_batches == bool(flag)
+    if flag:  # three sequences decode together throughout (their prompts were read in one chunk)
+        assert ex.prefetch_issued > 0 and ex.prefetch_used <= ex.prefetch_issued
+    else:
+        assert ex.prefetch_issued == 0
+    one = _engine(model_path, "cpu", True, slots=2, cpu_plan="000", decode_misses="staged", prefetch_next=flag)
     plain = _engine(model_path, "cpu", False, mode="resident")
     sp = SamplingParams(temperature=0)
     assert list(one.generate(PROMPT, sp, 20)) == list(plain.generate(PROMPT, sp, 20))
@@ -85,6 +94,21 @@ def test_cuda_prefetch_is_one_graph_and_matches_resident(model_path, slots, prog
     ex = eng.model.experts
     ex.direct.flush()
     assert ex.direct.side is not None and ex.prefetch_issued > 0
+
+
+@pytest.mark.gpu
+def test_cuda_batch_prefetch_matches_resident(model_path):
+    """Three sequences decoding together in graphed steps, their predicted misses prefetched (--expert-prefetch
+    given): the resident text."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    ref = _batch(_engine(model_path, "cuda", False, n_slots=3, mode="resident"), BATCH, 24)
+    eng = _engine(model_path, "cuda", True, n_slots=3, slots=2, cpu_plan="000", decode_misses="staged",
+                  prefetch_next=True)
+    assert _batch(eng, BATCH, 24) == ref
+    ex = eng.model.experts
+    ex.direct.flush()
+    assert ex.direct.prefetch_batches and ex.prefetch_issued > 0
 
 
 def test_a_negative_program_count_is_refused():
