@@ -11,20 +11,20 @@
 static uint64_t IQ2XXS_GRID[256];  /* byte i: the magnitude of the entry's weight i */
 static uint32_t IQ3XXS_GRID[256];
 static uint64_t SIGNS64[128];      /* a sign index's 8 signs as bytes +1 (0x01) or -1 (0xFF) */
-/* IQ3_XXS's grid split by byte: IQ3_PLANE[p][i] = byte p of entry i (four 256-byte tables for byte permutes), and
-   the permute that interleaves planes 0 and 1 (or 2 and 3) of 32 entries into 16-bit pairs so that a word unpack
-   of the two results puts each entry's 4 bytes in weight order (per 128-bit lane L, words 0-3 hold entries
-   4L..4L+3 and words 4-7 entries 16+4L..16+4L+3) */
-static uint8_t IQ3_PLANE[4][256] __attribute__((aligned(64)));
-static uint8_t IQ3_PAIR[64] __attribute__((aligned(64)));
 /* IQ2_XXS's grid has three magnitudes (8, 25, 43): IQ2_CODES[h][i] packs entry i's bytes 4h..4h+3 as 2-bit codes
    (byte 4h+k in bits 2k, 2k+1), and IQ2_MAG[v] is the magnitude of code v & 3 (a 64-entry byte permute) */
 static uint8_t IQ2_CODES[2][256] __attribute__((aligned(64)));
 static uint8_t IQ2_MAG[64] __attribute__((aligned(64)));
-/* IQ2_PAIR: byte permute of the two code lookups into words (entry e's low, high codes); IQ2_REP: word permute
-   that repeats word k in qword k */
+/* IQ2_PAIR: byte permute of the two code lookups (of the super-block's 64 bytes) into words (entry e's low,
+   high codes), entry 8m + q in word 4q + m: a multishift of word m of every qword then cuts the codes of entries 8m..8m+7, in order */
 static uint8_t IQ2_PAIR[64] __attribute__((aligned(64)));
-static uint16_t IQ2_REP[32] __attribute__((aligned(64)));
+/* IQ3_XXS's grid as 4-bit codes, c = (m - 4) / 8 for the magnitudes 4..52 and 15 for 62, so that
+   m = 4 ^ 8 c0 ^ 16 c1 ^ 32 c2 ^ 2 c3 (an affine map of the code's bits): IQ3_CODES[h][i] = the codes of entry i's
+   bytes 2h, 2h+1; IQ3_CPAIR pairs them into words, entries 16i + 2q + {0, 1} in words 4q + 2i + {0, 1} (i = 0, 1;
+   +32 for the second half) */
+static uint8_t IQ3_CODES[2][256] __attribute__((aligned(64)));
+static uint8_t IQ3_CPAIR[64] __attribute__((aligned(64)));
+static uint8_t IQ3_MAG[64] __attribute__((aligned(64)));  /* the magnitude of code v & 15 (a byte permute) */
 
 void strata_native_tables(const uint8_t *iq2xxs_grid, const uint8_t *iq3xxs_grid, const uint8_t *ksigns) {
     for (int i = 0; i < 256; i++) {
@@ -38,16 +38,26 @@ void strata_native_tables(const uint8_t *iq2xxs_grid, const uint8_t *iq3xxs_grid
         for (int k = 0; k < 8; k++) s |= (uint64_t)((ksigns[i] >> k) & 1 ? 0xFF : 0x01) << (8 * k);
         SIGNS64[i] = s;
     }
-    for (int p = 0; p < 4; p++)
-        for (int i = 0; i < 256; i++) IQ3_PLANE[p][i] = iq3xxs_grid[4 * i + p];
-    for (int b = 0; b < 64; b++) {
-        int w = b / 2, L = w / 8, k = w % 8, e = k < 4 ? 4 * L + k : 16 + 4 * L + k - 4;
-        IQ3_PAIR[b] = (uint8_t)(e + 64 * (b % 2));
-    }
+    for (int v = 0; v < 64; v++) IQ3_MAG[v] = (v & 15) == 15 ? 62 : (v & 15) < 7 ? 4 + 8 * (v & 15) : 0;
     const uint8_t mags[3] = {8, 25, 43};
     for (int v = 0; v < 64; v++) IQ2_MAG[v] = (v & 3) < 3 ? mags[v & 3] : 0;
-    for (int b = 0; b < 64; b++) IQ2_PAIR[b] = (uint8_t)(b / 2 + 64 * (b % 2));
-    for (int w = 0; w < 32; w++) IQ2_REP[w] = (uint16_t)(w / 4);
+    for (int i = 0; i < 256; i++)
+        for (int h = 0; h < 2; h++) {
+            uint8_t c = 0;
+            for (int k = 0; k < 2; k++) {
+                uint8_t m = iq3xxs_grid[4 * i + 2 * h + k];
+                c |= (uint8_t)((m == 62 ? 15 : (m - 4) / 8) << (4 * k));
+            }
+            IQ3_CODES[h][i] = c;
+        }
+    for (int b = 0; b < 64; b++) {
+        int w = b / 2, q = w / 4, e = 16 * (w % 4 / 2) + 2 * q + w % 2;
+        IQ3_CPAIR[b] = (uint8_t)(e + 64 * (b % 2));
+    }
+    for (int b = 0; b < 64; b++) {
+        int e = 8 * (b / 2 % 4) + b / 8;  /* at byte 8 (e / 4) + e % 4 of the super-block's 64 bytes */
+        IQ2_PAIR[b] = (uint8_t)(8 * (e / 4) + e % 4 + 64 * (b % 2));
+    }
     for (int i = 0; i < 256; i++)
         for (int h = 0; h < 2; h++) {
             uint8_t c = 0;
@@ -109,15 +119,19 @@ static inline void iq_signs_scales(__m256i aux, uint32_t *sg, uint32_t *ls) {
     _mm256_store_si256((__m256i *)ls, _mm256_or_si256(l, _mm256_slli_epi32(l, 16)));
 }
 
-static inline __m256i iq_sub_k(__m256i g, uint32_t sg, uint32_t ls, const int8_t *x) {
-    __m256i xv = _mm256_loadu_si256((const __m256i *)x);
-    __m256i xs = _mm256_mask_sub_epi8(xv, _cvtu32_mask32(sg), _mm256_setzero_si256(), xv);
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(g, xs), _mm256_set1_epi32((int)ls));
+/* s + the pairwise products of the int16 p and sc, summed into int32 (one instruction with VNNI) */
+static inline __m512i iq_madd_add(__m512i s, __m512i p, __m512i sc) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpwssd_epi32(s, p, sc);
+#else
+    return _mm512_add_epi32(s, _mm512_madd_epi16(p, sc));
+#endif
 }
 
 /* IQ2_XXS a super-block at a time in 512-bit registers: its 32 grid indices look up their entries' 2-bit codes
-   (byte permutes of the two code tables), a word permute puts entry 8m+k's 16 code bits in qword k, a multishift
-   cuts them into one code per byte and a byte permute turns codes into magnitudes; then two sub-blocks a step. */
+   (byte permutes of the two code tables), paired into words so that a multishift of word m of each qword cuts
+   entries 8m..8m+7 into one code per byte, and an affine map (or a byte permute) turns codes into magnitudes; then
+   two sub-blocks a step. */
 static float dot_iq2xxs(const uint8_t *row, int nb, const int8_t *xq, const float *xd) {
     __m256 fsum = _mm256_setzero_ps();
     uint32_t sg[8] __attribute__((aligned(32))), ls[8] __attribute__((aligned(32)));
@@ -125,35 +139,42 @@ static float dot_iq2xxs(const uint8_t *row, int nb, const int8_t *xq, const floa
     for (int h = 0; h < 2; h++)
         for (int c = 0; c < 4; c++) t[h][c] = _mm512_load_si512(IQ2_CODES[h] + 64 * c);
     const __m512i mag = _mm512_load_si512(IQ2_MAG);
-    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14);
     const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 1, 3, 5, 7, 9, 11, 13, 15);
-    const __m512i pair = _mm512_load_si512(IQ2_PAIR), rep = _mm512_load_si512(IQ2_REP);
-    const __m512i shifts = _mm512_set1_epi64(0x0E0C0A0806040200LL);
+    const __m512i pair = _mm512_load_si512(IQ2_PAIR);
+    const __m512i shifts = _mm512_set1_epi64(0x0E0C0A0806040200LL);  /* + 16m: word m */
     const __m512i half = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    (void)mag;
     for (int b = 0; b < nb; b++) {
+        const int8_t *x = xq + 256 * b;
         const uint8_t *blk = row + (long)b * 66, *q = blk + 2;
         PREFETCH_AHEAD(blk, nb * 66, 66);
-        const int8_t *x = xq + 256 * b;
         const __m512i qv = _mm512_loadu_si512(q);
-        /* sub-block j: 4 grid indices (the even u32s), then its u32 of signs and scale (the odd ones) */
-        const __m512i idx = _mm512_permutexvar_epi32(even, qv);
+        /* sub-block j: 4 grid indices (the even u32s), then its u32 of signs and scale (the odd ones); the lookups
+           run on all 64 bytes and the pairing keeps the indices' */
+        const __m512i idx = qv;
         const __mmask64 top = _mm512_movepi8_mask(idx);
         __m512i lo = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(t[0][0], idx, t[0][1]),
                                             _mm512_permutex2var_epi8(t[0][2], idx, t[0][3]));
         __m512i hi = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(t[1][0], idx, t[1][1]),
                                             _mm512_permutex2var_epi8(t[1][2], idx, t[1][3]));
-        const __m512i codes = _mm512_permutex2var_epi8(lo, pair, hi);  /* word e: entry e's 16 code bits */
+        const __m512i codes = _mm512_permutex2var_epi8(lo, pair, hi);  /* word 4q + m: entry 8m + q's codes */
         iq_signs_scales(_mm512_castsi512_si256(_mm512_permutexvar_epi32(odd, qv)), sg, ls);
         const __m512i l8 = _mm512_castsi256_si512(_mm256_load_si256((const __m256i *)ls));
         __m512i s = _mm512_setzero_si512();
         for (int m = 0; m < 4; m++) {  /* sub-blocks 2m, 2m+1: entries 8m..8m+7 */
-            __m512i w = _mm512_permutexvar_epi16(_mm512_add_epi16(rep, _mm512_set1_epi16((short)(8 * m))), codes);
             uint64_t k; __builtin_memcpy(&k, sg + 2 * m, 8);
             __m512i xv = _mm512_loadu_si512(x + 64 * m);
             __m512i xs = _mm512_mask_sub_epi8(xv, _cvtu64_mask64(k), _mm512_setzero_si512(), xv);
-            __m512i g = _mm512_permutexvar_epi8(_mm512_multishift_epi64_epi8(shifts, w), mag);
+            __m512i cut = _mm512_multishift_epi64_epi8(_mm512_add_epi8(shifts, _mm512_set1_epi8((char)(16 * m))),
+                                                       codes);
+#if defined(__GFNI__)
+            /* magnitude = 8 ^ 17 c0 ^ 35 c1 of the code's bits c0, c1 (the byte's other bits ignored) */
+            __m512i g = _mm512_gf2p8affine_epi64_epi8(cut, _mm512_set1_epi64(0x0302000001020000LL), 8);
+#else
+            __m512i g = _mm512_permutexvar_epi8(cut, mag);
+#endif
             __m512i sc = _mm512_permutexvar_epi32(_mm512_add_epi32(half, _mm512_set1_epi32(2 * m)), l8);
-            s = _mm512_add_epi32(s, _mm512_madd_epi16(_mm512_maddubs_epi16(g, xs), sc));
+            s = iq_madd_add(s, _mm512_maddubs_epi16(g, xs), sc);
         }
         __m256i sumi = _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
         fsum = _mm256_fmadd_ps(_mm256_set1_ps(f16(blk) * xd[b] * 0.125f), _mm256_cvtepi32_ps(sumi), fsum);
@@ -161,31 +182,42 @@ static float dot_iq2xxs(const uint8_t *row, int nb, const int8_t *xq, const floa
     return hsum8(fsum);
 }
 
-/* IQ3_XXS a super-block at a time in 512-bit registers: its 64 grid indices through byte permutes of the four
-   planes (two 128-entry permutes and a blend on the index's top bit each), interleaved into weight order, then
-   two sub-blocks a step. */
+/* IQ3_XXS a super-block at a time in 512-bit registers: its 64 grid indices look up their entries' 4-bit codes
+   (byte permutes of the two code tables, two 128-entry permutes and a blend on the index's top bit each), paired
+   into words so that a multishift cuts 16 entries' codes into one a byte, in weight order, and an affine map (or
+   a byte permute) turns codes into magnitudes; then two sub-blocks a step. */
 static float dot_iq3xxs(const uint8_t *row, int nb, const int8_t *xq, const float *xd) {
     __m256 fsum = _mm256_setzero_ps();
     uint32_t sg[8] __attribute__((aligned(32))), ls[8] __attribute__((aligned(32)));
-    __m512i t[4][4];
-    for (int p = 0; p < 4; p++)
-        for (int h = 0; h < 4; h++) t[p][h] = _mm512_load_si512(IQ3_PLANE[p] + 64 * h);
-    const __m512i pair_lo = _mm512_load_si512(IQ3_PAIR), pair_hi = _mm512_add_epi8(pair_lo, _mm512_set1_epi8(32));
+    __m512i t[2][4];
+    for (int h = 0; h < 2; h++)
+        for (int c = 0; c < 4; c++) t[h][c] = _mm512_load_si512(IQ3_CODES[h] + 64 * c);
+    const __m512i pair0 = _mm512_load_si512(IQ3_CPAIR), pair1 = _mm512_add_epi8(pair0, _mm512_set1_epi8(32));
+    const __m512i shifts = _mm512_set1_epi64(0x1C1814100C080400LL);  /* + 32i: words 2i, 2i+1 */
+    const __m512i mag3 = _mm512_load_si512(IQ3_MAG);
+    (void)mag3;
     const __m512i half = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
     for (int b = 0; b < nb; b++) {
+        const int8_t *x = xq + 256 * b;
         const uint8_t *blk = row + (long)b * 98;
         PREFETCH_AHEAD(blk, nb * 98, 98);
-        const int8_t *x = xq + 256 * b;
         const __m512i idx = _mm512_loadu_si512(blk + 2);
         const __mmask64 top = _mm512_movepi8_mask(idx);
-        __m512i r[4];
-        for (int p = 0; p < 4; p++)
-            r[p] = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(t[p][0], idx, t[p][1]),
-                                          _mm512_permutex2var_epi8(t[p][2], idx, t[p][3]));
-        __m512i u01l = _mm512_permutex2var_epi8(r[0], pair_lo, r[1]), u23l = _mm512_permutex2var_epi8(r[2], pair_lo, r[3]);
-        __m512i u01h = _mm512_permutex2var_epi8(r[0], pair_hi, r[1]), u23h = _mm512_permutex2var_epi8(r[2], pair_hi, r[3]);
-        __m512i g[4] = {_mm512_unpacklo_epi16(u01l, u23l), _mm512_unpackhi_epi16(u01l, u23l),
-                        _mm512_unpacklo_epi16(u01h, u23h), _mm512_unpackhi_epi16(u01h, u23h)};
+        __m512i lo = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(t[0][0], idx, t[0][1]),
+                                            _mm512_permutex2var_epi8(t[0][2], idx, t[0][3]));
+        __m512i hi = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(t[1][0], idx, t[1][1]),
+                                            _mm512_permutex2var_epi8(t[1][2], idx, t[1][3]));
+        const __m512i codes[2] = {_mm512_permutex2var_epi8(lo, pair0, hi), _mm512_permutex2var_epi8(lo, pair1, hi)};
+        __m512i g[4];
+        for (int m = 0; m < 4; m++) {  /* weights 64m..64m+63: entries 16m..16m+15, 2 a qword */
+            __m512i cut = _mm512_multishift_epi64_epi8(_mm512_add_epi8(shifts, _mm512_set1_epi8((char)(32 * (m % 2)))),
+                                                       codes[m / 2]);
+#if defined(__GFNI__)
+            g[m] = _mm512_gf2p8affine_epi64_epi8(cut, _mm512_set1_epi64(0x0008000102040000LL), 4);
+#else
+            g[m] = _mm512_permutexvar_epi8(cut, mag3);
+#endif
+        }
         iq_signs_scales(_mm256_loadu_si256((const __m256i *)(blk + 66)), sg, ls);
         const __m512i l8 = _mm512_castsi256_si512(_mm256_load_si256((const __m256i *)ls));
         __m512i s = _mm512_setzero_si512();
@@ -194,13 +226,14 @@ static float dot_iq3xxs(const uint8_t *row, int nb, const int8_t *xq, const floa
             __m512i xv = _mm512_loadu_si512(x + 64 * m);
             __m512i xs = _mm512_mask_sub_epi8(xv, _cvtu64_mask64(k), _mm512_setzero_si512(), xv);
             __m512i sc = _mm512_permutexvar_epi32(_mm512_add_epi32(half, _mm512_set1_epi32(2 * m)), l8);
-            s = _mm512_add_epi32(s, _mm512_madd_epi16(_mm512_maddubs_epi16(g[m], xs), sc));
+            s = iq_madd_add(s, _mm512_maddubs_epi16(g[m], xs), sc);
         }
         __m256i sumi = _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
         fsum = _mm256_fmadd_ps(_mm256_set1_ps(f16(blk) * xd[b] * 0.25f), _mm256_cvtepi32_ps(sumi), fsum);
     }
     return hsum8(fsum);
 }
+
 #else
 static float dot_iq2xxs(const uint8_t *row, int nb, const int8_t *xq, const float *xd) {
     __m256 fsum = _mm256_setzero_ps();
@@ -266,3 +299,4 @@ static float dot_iqxxs(int three, const uint8_t *row, int nb, const int8_t *xq, 
     return sum;
 #endif
 }
+
