@@ -64,8 +64,7 @@ def expert_formats_fast(qtypes) -> bool:
     """Whether the fused expert kernel reads these formats on a GPU (a load-time check: one warning per format
     that runs on the reference path)."""
     return expert_triton.available() and all(
-        qt in expert_triton.SUPPORTED and (qt not in expert_triton.iquant_triton.FORMATS
-                                           or qt in expert_triton.LOOKUP_ON_GPU) for qt in qtypes)
+        qt in expert_triton.LOOKUP_ON_GPU or qt in expert_triton.K_ON_GPU for qt in qtypes)
 
 
 def stage_fast(stacks) -> bool:

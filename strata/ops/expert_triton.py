@@ -1,4 +1,4 @@
-"""Fused expert FFN over a slot pool in Triton: Q4_K / Q6_K / Q8_0 blocks (and the lookup formats IQ2_XXS,
+"""Fused expert FFN over a slot pool in Triton: Q4_K / Q5_K / Q6_K / Q8_0 blocks (and the lookup formats IQ2_XXS,
 IQ3_XXS, IQ4_XS, MXFP4, whose tiles are in `strata.ops.iquant_triton`) read straight from the slots, no
 dequantized copy, two launches per MoE layer. The same tile functions serve the dense decode GEMV
 (`strata.ops.qgemv`).
@@ -11,11 +11,8 @@ blocks in registers and accumulates in float32:
     kernel 2:  y[p] = a[p] @ down[slot].T                                  [P, d]
 
 Reference twin: `strata.ops.expert_gather.gather_expert_ffn` (tests run these kernels in Triton's
-interpreter on the CPU; see tests/experts/test_expert_triton.py). Q4_K block (144 bytes / 256 weights): f16 d,
-f16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles (byte c of the 128: low nibble = weight
-64*(c//32) + c%32, high nibble = that + 32). Q6_K block (210 bytes / 256 weights): 128 bytes ql of low
-nibbles, 64 bytes qh of 2-bit high parts, 16 int8 scales (one per 16 weights), f16 d;
-weight = d * scale * (q - 32). Q8_0 block (34 bytes / 32 weights): f16 d, 32 int8.
+interpreter on the CPU; see tests/experts/test_expert_triton.py). The tiles that decode each format's blocks are in
+`strata.ops.kquant_triton` (Q8_0 and the K-quants, with their block layouts) and `strata.ops.iquant_triton`.
 
 Why the kernels look as they do. A decode GEMV reads each weight byte once, so it needs many bytes in flight
 (latency) and few instructions per weight (on an H200, ~33 T thread-instructions/s against 8.5 T Q4_K
@@ -54,7 +51,7 @@ try:  # Triton is optional: without it (or without a GPU) the torch grouped path
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
-SUPPORTED = frozenset({Q.Q4_K, Q.Q6_K, Q.Q8_0, *iquant_triton.FORMATS})
+SUPPORTED = frozenset({Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, *iquant_triton.FORMATS})
 KW_MAX = 2048  # weights of a row per loop iteration, at most (block_k may ask up to this)
 KW_DECODE = 512  # weights of a row per iteration by default
 ROWS_MAX = 8  # rows per program
@@ -63,7 +60,7 @@ PROGRAMS_PER_SM = 8  # fewer rows per program until a launch has this many (one-
 # thread (TILE[qt][1], kept for reference). From the sm_90 code Triton 3.6 / 3.9 emit (cuobjdump): a tile costs
 # ~8-10 (Q4_K), ~8.5-10 (Q8_0), ~11-13 (Q6_K) instructions per weight; the kernels this replaced took ~20 (Q8_0),
 # ~35 (Q6_K), ~50 (Q4_K) in loops of one block per row.
-TILE = {Q.Q4_K: (16384, 128), Q.Q8_0: (8192, 128), Q.Q6_K: (8192, 128),
+TILE = {Q.Q4_K: (16384, 128), Q.Q5_K: (8192, 128), Q.Q8_0: (8192, 128), Q.Q6_K: (8192, 128),
         # the lookup-table formats (strata.ops.iquant_triton): one gathered codebook value per weight (not tuned)
         Q.IQ4_XS: (8192, 64), Q.IQ2_XXS: (4096, 64), Q.IQ3_XXS: (4096, 64), Q.MXFP4: (4096, 64)}
 
@@ -73,162 +70,18 @@ def available() -> bool:
 
 
 if triton is not None:
-
-    @triton.jit
-    def _f16(p, m):
-        """The f16 at 2-byte aligned byte pointers p as float32 (0 where m is false)."""
-        return tl.load(p.to(tl.pointer_type(tl.float16)), mask=m, other=0.0).to(tl.float32)
-
-    @triton.jit
-    def _u32(p, m):
-        """The little-endian u32 at 4-byte aligned byte pointers p (0 where m is false)."""
-        return tl.load(p.to(tl.pointer_type(tl.uint32)), mask=m, other=0)
-
-    @triton.jit
-    def _q8_0_tile(row, xp, b0, nblk, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
-        """Blocks b0 .. b0+NB (those < nblk) of BN rows of Q8_0 blocks (row: [BN] byte pointers) against x
-        (xp: pointer to K floats) -> [BN] float32.
-
-        The 32 quants of a block are read as 16 byte pairs [.., 16, 2]: a thread holds a pair (its 2-byte load),
-        sums it, scales the pair by d and accumulates over blocks in registers; lanes are reduced once at the end.
-        """
-        k = tl.arange(0, 2).to(tl.int64)
-        c = (2 * tl.arange(0, 16).to(tl.int64))[:, None] + k[None, :]  # [16, 2] quant index in the block
-        j = (b0 + tl.arange(0, NB)).to(tl.int64)  # [NB] block index (int64: addresses fold into immediates)
-        if EVEN:
-            jm = tl.full([NB], 1, tl.int1)
-        else:
-            jm = j < nblk
-        blk = row[:, None] + j[None, :] * 34  # [BN, NB] byte pointers to the blocks
-        d = _f16(blk, jm[None, :])  # [BN, NB]
-        q = tl.load(blk[:, :, None, None] + 2 + c[None, None], mask=jm[None, :, None, None], other=0,
-                    eviction_policy="evict_first")  # [BN, NB, 16, 2] the int8 as bytes
-        xv = tl.load(xp + j[:, None, None] * 32 + c[None], mask=jm[:, None, None], other=0.0).to(tl.float32)
-        # the sign-extended int8 plus the bits of 1.5 * 2^23 is the float 1.5 * 2^23 + q (exact)
-        qs = (q.to(tl.int8, bitcast=True).to(tl.int32) + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
-        t = tl.sum(qs * xv[None], axis=3) * d[:, :, None]  # [BN, NB, 16]
-        return tl.sum(tl.sum(t, axis=1), axis=1)
-
-    @triton.jit
-    def _q4k_tile(row, xp, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
-        """Superblocks b0 .. b0+NB (those < nsb) of BN rows of Q4_K blocks against x -> [BN] float32.
-
-        The 128 quant bytes are read as u32 words [.., 4 groups, 8 words] (16-byte loads). Byte k of a word holds
-        lane 4w + k of its group: low nibble = sub-block 2g, high nibble = 2g + 1. A nibble is turned into a float
-        where it lies: (W & 0xF << 8k) | 0x4B000000 is the float 2^23 + q * 256^k (bytes 2 and 3 are first moved
-        down two bytes, one shift per word), so one logic op and one add per weight; the power of two goes into x.
-        """
-        g = tl.arange(0, 4)
-        g64 = g.to(tl.int64)
-        wd = tl.arange(0, 8).to(tl.int64)
-        sb = (b0 + tl.arange(0, NB)).to(tl.int64)  # [NB] superblock index
-        if EVEN:
-            sm = tl.full([NB], 1, tl.int1)
-        else:
-            sm = sb < nsb
-        m2 = sm[None, :]
-        blk = row[:, None] + sb[None, :] * 144  # [BN, NB]
-        d = _f16(blk, m2)[:, :, None]  # [BN, NB, 1]
-        dmin = _f16(blk + 2, m2)[:, :, None]
-        s0 = _u32(blk + 4, m2)  # [BN, NB] scale bytes 0-3
-        s1 = _u32(blk + 8, m2)  # 4-7
-        s2 = _u32(blk + 12, m2)  # 8-11
-        # 6-bit scale / min of sub-block j, byte j % 4 of a word (llama.cpp's get_scale_min_k4, 4 at a time):
-        # j < 4: s[j] & 63, s[j+4] & 63; j >= 4: (s[j+4] & 15) | (s[j-4] >> 6) << 4, (s[j+4] >> 4) | (s[j] >> 6) << 4
-        sc_a = s0 & 0x3F3F3F3F
-        mn_a = s1 & 0x3F3F3F3F
-        sc_b = (s2 & 0x0F0F0F0F) | ((s0 >> 2) & 0x30303030)
-        mn_b = ((s2 >> 4) & 0x0F0F0F0F) | ((s1 >> 2) & 0x30303030)
-        first = (g < 2)[None, None, :]  # groups 0, 1 hold sub-blocks 0-3 (word a), groups 2, 3 sub-blocks 4-7
-        sh = (16 * (g % 2))[None, None, :]  # [1, 1, 4] shift of sub-block 2g's byte in its word
-        scw = tl.where(first, sc_a[:, :, None], sc_b[:, :, None])  # [BN, NB, 4]
-        mnw = tl.where(first, mn_a[:, :, None], mn_b[:, :, None])
-        a_lo = d * ((scw >> sh) & 63).to(tl.float32)  # [BN, NB, 4] d * scale of sub-block 2g
-        a_hi = d * ((scw >> (sh + 8)) & 63).to(tl.float32)  # of sub-block 2g+1
-        b_lo = dmin * ((mnw >> sh) & 63).to(tl.float32)
-        b_hi = dmin * ((mnw >> (sh + 8)) & 63).to(tl.float32)
-        qp = (blk + 16).to(tl.pointer_type(tl.uint32))  # [BN, NB] word pointers to the quants
-        W = tl.load(qp[:, :, None, None] + (8 * g64)[None, None, :, None] + wd[None, None, None, :],
-                    mask=m2[:, :, None, None], other=0, eviction_policy="evict_first")  # [BN, NB, 4, 8]
-        xo = sb[:, None, None] * 256 + (64 * g64)[None, :, None] + 4 * wd[None, None, :]  # [NB, 4, 8] lane 4w
-        xm = sm[:, None, None]
-        dl = tl.zeros([BN, NB, 4, 8], dtype=tl.float32)  # sum over the word's 4 lanes of q * x, sub-block 2g
-        dh = tl.zeros([BN, NB, 4, 8], dtype=tl.float32)  # the same for sub-block 2g+1
-        sl = tl.zeros([NB, 4, 8], dtype=tl.float32)  # sum of x, shared by the rows
-        shs = tl.zeros([NB, 4, 8], dtype=tl.float32)
-        for kq in tl.static_range(4):
-            # bytes 2, 3 moved to 0, 1 (a high nibble must stay below bit 23), OR-ed with the exponent bits once
-            Wk = (W >> (16 * (kq // 2))) | 0x4B000000
-            sft = 8 * (kq % 2)  # bit position of the byte in Wk
-            xl = tl.load(xp + xo + kq, mask=xm, other=0.0).to(tl.float32)  # [NB, 4, 8]
-            xh = tl.load(xp + xo + (kq + 32), mask=xm, other=0.0).to(tl.float32)
-            sl += xl
-            shs += xh
-            # one AND with a single immediate per weight (no second constant held in a register)
-            lo = (Wk & ((15 << sft) | 0x4B000000)).to(tl.float32, bitcast=True) - 8388608.0  # q * 2^sft
-            hi = (Wk & ((240 << sft) | 0x4B000000)).to(tl.float32, bitcast=True) - 8388608.0  # q * 2^(sft+4)
-            dl += lo * (xl * (1.0 / (1 << sft)))[None]
-            dh += hi * (xh * (1.0 / (16 << sft)))[None]
-        sl3 = tl.sum(sl, axis=2)[None]  # [1, NB, 4]
-        sh3 = tl.sum(shs, axis=2)[None]
-        part = a_lo * tl.sum(dl, axis=3) + a_hi * tl.sum(dh, axis=3) - (b_lo * sl3 + b_hi * sh3)  # [BN, NB, 4]
-        return tl.sum(tl.sum(part, axis=2), axis=1)
-
-    @triton.jit
-    def _q6k_tile(row, xp, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
-        """Superblocks b0 .. b0+NB (those < nsb) of BN rows of Q6_K blocks against x -> [BN] float32.
-
-        ql byte c = 64h + 32j + l (llama.cpp's dequantize_row_q6_K): low nibble = weight 128h + 32j + l, high
-        nibble = that + 64; their 2 high bits sit in qh byte 32h + l at bits 2j and 2j + 4. Here c = 16G + 2w + k
-        (G = 4h + 2j + half, l = 16 half + 2w + k): a thread holds the byte pair k. The low nibble's scale (one per
-        16 weights) is G + 4h, the high nibble's G + 4h + 4. T = qh << (4 - 2j) puts the low nibble's 2 bits at
-        bits 4-5 and the high nibble's at bits 8-9, next to (ql & 0xF) and (ql & 0xF0): two logic ops make each
-        6-bit value in place (the high one times 16).
-        """
-        G = tl.arange(0, 8)
-        h = G // 4
-        jj = (G // 2) % 2
-        half = G % 2
-        wk = (2 * tl.arange(0, 8))[:, None] + tl.arange(0, 2)[None, :]  # [8, 2] byte within the 16 of G
-        sb = (b0 + tl.arange(0, NB)).to(tl.int64)
-        if EVEN:
-            sm = tl.full([NB], 1, tl.int1)
-        else:
-            sm = sb < nsb
-        m2 = sm[None, :]
-        blk = row[:, None] + sb[None, :] * 210  # [BN, NB]
-        d = _f16(blk + 208, m2)[:, :, None]  # [BN, NB, 1]
-        sidx = (G + 4 * h).to(tl.int64)[None, None, :]  # [1, 1, 8] scale of the low nibbles of G
-        m3 = m2[:, :, None]
-        sc_lo = d * tl.load(blk[:, :, None] + 192 + sidx, mask=m3, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-        sc_hi = d * tl.load(blk[:, :, None] + 196 + sidx, mask=m3, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-        qlo = ((16 * G)[:, None, None] + wk[None]).to(tl.int64)  # [8, 8, 2] ql byte
-        qho = (128 + (32 * h + 16 * half)[:, None, None] + wk[None]).to(tl.int64)  # its qh byte
-        m5 = m2[:, :, None, None, None]
-        b5 = blk[:, :, None, None, None]
-        ql = tl.load(b5 + qlo[None, None], mask=m5, other=0, eviction_policy="evict_first").to(tl.int32)
-        qh = tl.load(b5 + qho[None, None], mask=m5, other=0, eviction_policy="evict_first").to(tl.int32)
-        T = qh << (4 - 2 * jj)[None, None, :, None, None]  # [BN, NB, 8, 8, 2]
-        lo = ((ql & 15) | (T & 0x30) | 0x4B000000).to(tl.float32, bitcast=True) - 8388640.0  # q - 32
-        hi = ((ql & 0xF0) | (T & 0x300) | 0x4B000000).to(tl.float32, bitcast=True) - 8389120.0  # 16 (q - 32)
-        wlo = ((128 * h + 32 * jj + 16 * half)[:, None, None] + wk[None]).to(tl.int64)  # [8, 8, 2] low nibble's x
-        xo = sb[:, None, None, None] * 256 + wlo[None]
-        xm = sm[:, None, None, None]
-        xl = tl.load(xp + xo, mask=xm, other=0.0).to(tl.float32)  # [NB, 8, 8, 2]
-        xh = tl.load(xp + xo + 64, mask=xm, other=0.0).to(tl.float32) * 0.0625
-        # scale * q and its product with d are exact in float32 (|.| <= 128 * 32 * d)
-        part = tl.sum(lo * xl[None], axis=4) * sc_lo[:, :, :, None] \
-            + tl.sum(hi * xh[None], axis=4) * sc_hi[:, :, :, None]  # [BN, NB, 8, 8]
-        return tl.sum(tl.sum(tl.sum(part, axis=1), axis=1), axis=1)
+    from strata.ops.kquant_triton import q4k_tile, q5k_tile, q6k_tile, q8_0_tile
 
     @triton.jit
     def _tile_dot(row, xp, tab, it, K, QT: tl.constexpr, BN: tl.constexpr, KW: tl.constexpr, EVEN: tl.constexpr):
         """Iteration `it` (weights it*KW .. it*KW+KW of K) of BN rows (byte pointers) against x -> [BN].
         EVEN: KW divides K (no tile has blocks past the row's end). tab: the lookup formats' codebooks."""
         if QT == 12:  # Q4_K
-            return _q4k_tile(row, xp, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
+            return q4k_tile(row, xp, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
+        elif QT == 13:  # Q5_K
+            return q5k_tile(row, xp, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
         elif QT == 14:  # Q6_K
-            return _q6k_tile(row, xp, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
+            return q6k_tile(row, xp, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
         elif QT == 23:  # IQ4_XS
             return iquant_triton.iq4xs_tile(row, xp, tab, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
         elif QT == 16:  # IQ2_XXS
@@ -238,7 +91,7 @@ if triton is not None:
         elif QT == 39:  # MXFP4
             return iquant_triton.mxfp4_tile(row, xp, tab, it * (KW // 32), K // 32, BN, KW // 32, EVEN)
         else:  # Q8_0
-            return _q8_0_tile(row, xp, it * (KW // 32), K // 32, BN, KW // 32, EVEN)
+            return q8_0_tile(row, xp, it * (KW // 32), K // 32, BN, KW // 32, EVEN)
 
     @triton.jit
     def _glu_kernel(x, gate, up, slots, hgate, hup, eids, tab, out, P, N, K, R, g_slot_bytes, u_slot_bytes,
@@ -324,6 +177,10 @@ def aligned(raw: torch.Tensor) -> bool:
 # IQ3_XXS tiles once computed wrong sums compiled while the interpreter agreed: written in rank-4 tensors, with their
 # scale words assembled in uint32, they pass on an H200.)
 LOOKUP_ON_GPU = frozenset({Q.IQ4_XS, Q.MXFP4, Q.IQ2_XXS, Q.IQ3_XXS})
+# The same for the block formats of strata.ops.kquant_triton: Q5_K (llama.cpp's _M and Unsloth's _XL mixes keep
+# some experts and projections in it) joins once tests/experts/test_expert_triton.py and tests/ops/test_qgemv.py
+# have passed it on a GPU.
+K_ON_GPU = frozenset({Q.Q8_0, Q.Q4_K, Q.Q6_K})
 
 
 def supports(gate, up, down) -> bool:
@@ -335,6 +192,8 @@ def supports(gate, up, down) -> bool:
         if t.qtype not in SUPPORTED or t.shape[-1] % block_len(t.qtype) or not aligned(t.raw):
             return False
         if t.qtype in iquant_triton.FORMATS and not (interp or t.qtype in LOOKUP_ON_GPU):
+            return False
+        if t.qtype not in iquant_triton.FORMATS and not (interp or t.qtype in K_ON_GPU):
             return False
     return True
 

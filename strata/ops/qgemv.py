@@ -11,7 +11,6 @@ store), so qmatmul's `.to(x.dtype)` is free. Reference twin: `strata.quant.matmu
 from __future__ import annotations
 
 import torch
-from gguf import GGMLQuantizationType as Q
 
 from strata.ops import expert_triton
 from strata.quant.matmul import KERNELS, _cuda_dequant_matmul, register_kernel
@@ -44,7 +43,7 @@ def install() -> bool:
     modules); returns whether it did."""
     if not expert_triton.available() or not torch.cuda.is_available():
         return False
-    for qt in (Q.Q4_K, Q.Q6_K, Q.Q8_0):
+    for qt in expert_triton.K_ON_GPU:  # (the formats whose tiles have run on a GPU)
         if (("cuda", qt)) not in KERNELS:
             register_kernel("cuda", qt, _gemv)
     return True

@@ -31,7 +31,9 @@ SCRIPT = textwrap.dedent("""
                                   # the lookup-table formats (strata.ops.iquant_triton): an MXFP4 down whose K
                                   # (96) leaves a partial tile, an i-quant gate read in two iterations
                                   (Q.IQ4_XS, Q.IQ3_XXS, 256, 256, 64, None), (Q.IQ2_XXS, Q.IQ4_XS, 512, 256, 64, 256),
-                                  (Q.MXFP4, Q.MXFP4, 64, 96, 64, None), (Q.IQ3_XXS, Q.IQ2_XXS, 256, 256, None, None)):
+                                  (Q.MXFP4, Q.MXFP4, 64, 96, 64, None), (Q.IQ3_XXS, Q.IQ2_XXS, 256, 256, None, None),
+                                  # Q5_K (the fifth bits): alone, and as the down of a Q4_K expert in 2 iterations
+                                  (Q.Q5_K, Q.Q5_K, 256, 256, 64, None), (Q.Q4_K, Q.Q5_K, 512, 256, 64, 256)):
         if qd in (Q.Q8_0, Q.MXFP4):
             assert plan((qd,), d, ff, 3, cpu, bn, bk)[2] is False, "the down tile must have masked blocks"
         if bk:
@@ -77,7 +79,7 @@ def test_triton_kernels_match_the_torch_op_in_the_interpreter():
 @pytest.mark.gpu
 @pytest.mark.parametrize("qg,qd,d,ff", [("Q4_K", "Q4_K", 2048, 768), ("Q8_0", "Q6_K", 512, 256),
                                         ("IQ2_XXS", "IQ3_XXS", 2048, 768),
-                                        ("IQ4_XS", "MXFP4", 512, 288)])
+                                        ("IQ4_XS", "MXFP4", 512, 288), ("Q5_K", "Q5_K", 2048, 768)])
 def test_cuda_misses_read_from_pinned_host_memory(qg, qd, d, ff, monkeypatch):
     """On the GPU the kernels read a missed expert from pinned host RAM (mapped over the bus), through the op
     the direct decode path calls, and equal the torch reference; a pageable stack is left to the reference."""
@@ -91,8 +93,9 @@ def test_cuda_misses_read_from_pinned_host_memory(qg, qd, d, ff, monkeypatch):
 
     from strata.ops import expert_triton
 
-    # the lookup formats' tiles, compiled
+    # every format's tiles, compiled (those not yet taken on GPUs too)
     monkeypatch.setattr(expert_triton, "LOOKUP_ON_GPU", frozenset(expert_triton.iquant_triton.FORMATS))
+    monkeypatch.setattr(expert_triton, "K_ON_GPU", expert_triton.K_ON_GPU | {Q.Q5_K})
     dev = torch.device("cuda")
     qg, qd = Q[qg], Q[qd]
     pool = [random_qtensor(qg, (3, ff, d), 1, device=dev), random_qtensor(qg, (3, ff, d), 2, device=dev),

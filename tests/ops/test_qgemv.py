@@ -10,11 +10,15 @@ from strata.quant.matmul import reference_qmatmul
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("qt", [Q.Q4_K, Q.Q6_K, Q.Q8_0])
+@pytest.mark.parametrize("qt", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0])
 @pytest.mark.parametrize("rows", [1, 3, 8, 33])
-def test_qgemv_matches_reference(qt, rows):
-    from strata.ops import qgemv
+def test_qgemv_matches_reference(qt, rows, monkeypatch):
+    from strata.ops import expert_triton, qgemv
+    from strata.quant import matmul
 
+    # every format with a tile, the ones not yet taken on GPUs (expert_triton.K_ON_GPU) too
+    monkeypatch.setattr(expert_triton, "K_ON_GPU", expert_triton.K_ON_GPU | {qt})
+    monkeypatch.setattr(matmul, "KERNELS", dict(matmul.KERNELS))
     assert qgemv.install()
     w = random_qtensor(qt, (1000, 2048), rng=1, scale=0.05)
     x = torch.randn(rows, 2048, generator=torch.Generator().manual_seed(2))

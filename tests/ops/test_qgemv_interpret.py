@@ -33,6 +33,8 @@ SCRIPT = textwrap.dedent("""
         (Q.Q8_0, 20, 96, None, None),    # 3 blocks in a tile of 4
         (Q.Q8_0, 9, 800, None, 256),     # 25 blocks in tiles of 8: 4 iterations, the last 1/8
         (Q.Q8_0, 9, 256, 2, None),
+        (Q.Q5_K, 24, 256, None, None),
+        (Q.Q5_K, 7, 768, None, 512),
     )
     plans = [expert_triton.plan((qt,), N, K, 3, cpu, bn, bk) for qt, N, K, bn, bk in cases]
     assert plans[1][1:3] == (512, False) and plans[2][:3] == (2, 256, True), plans
