@@ -18,6 +18,8 @@ from strata.layers.ffn import SwiGLU
 from strata.ops import registry
 from strata.quant import QTensor, qmatmul
 
+_ROUTER_LOGITS = registry.op("router_logits")
+
 
 @dataclass
 class Routing:
@@ -85,8 +87,7 @@ class MoE:
         return route(self._logits(x), self.routing, self.bias)[0]
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        logits = qmatmul(x.float(), self.router)  # [N, E]
-        return logits if self.router_bias is None else logits + self.router_bias
+        return _ROUTER_LOGITS(x, self.router, self.router_bias)  # [N, E] float32
 
     def __call__(self, x: torch.Tensor, ctx) -> torch.Tensor:
         """x [N, d] -> [N, d] within the step `ctx` (strata.experts.backend.StepContext)."""

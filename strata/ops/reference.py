@@ -67,6 +67,15 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor | None, pos: torch.Tensor, cos
     return rope(q, pos, cos_t, sin_t, dim, neox), (rope(k, pos, cos_t, sin_t, dim, neox) if k is not None else None)
 
 
+@reference("router_logits")
+def router_logits(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A MoE router's logits [N, E] float32 from x [N, d] and the router w [E, d] (+ bias [E], gpt-oss)."""
+    from strata.quant import qmatmul  # (the format layer's dispatch: a float router is torch's matmul)
+
+    logits = qmatmul(x.float(), w)
+    return logits if bias is None else logits + bias
+
+
 @reference("qk_norm_rope_kv")
 def qk_norm_rope_kv(q, k, v, pos, cos_t, sin_t, dim: int, neox: bool, q_norm, k_norm, eps: float,
                     k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:

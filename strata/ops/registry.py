@@ -21,6 +21,9 @@ Nothing else registers kernels, and no caller checks for a kernel itself.
                                                                                         from pinned host RAM)
     stage_misses        reference.stage_misses               host_stage                (Triton, CUDA: distinct
                                                                                         misses into staging slots)
+    route_topk          reference.route_topk                 route.route_topk          (Triton, CUDA)
+    router_logits       reference.router_logits              route.router_logits       (Triton, CUDA: float
+                                                                                        routers, x as it is)
     qmatmul             reference.qmatmul (float32)          by (device, format): quant.matmul's table, which
                                                              qgemv fills (Triton GEMV, CUDA: Q4_K, Q6_K, Q8_0)
 

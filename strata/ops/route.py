@@ -1,4 +1,4 @@
-"""A MoE router's choice in one launch: softmax or sigmoid scores, an optional choice bias, top-k, the chosen
+"""A MoE router's logits and its choice in two launches: softmax or sigmoid scores, an optional choice bias, top-k, the chosen
 weights renormalized and scaled, where torch spends ~8 kernels (softmax, top-k with its sort, gather, sum,
 divide, scale) per layer of a decode step.
 
@@ -7,6 +7,11 @@ divide, scale) per layer of a decode step.
 the lowest expert id; torch.topk leaves their order unspecified), so the ids come out in descending score as
 torch.topk's do. Reference twin: `strata.ops.reference.route_topk` (what `strata.layers.moe.route` computed
 before). Tests run the kernel in Triton's interpreter on the CPU (tests/ops/test_route_interpret.py).
+
+`router_logits(x [N, d] in the activations' dtype, w [E, d] a float router as stored (F32 / F16 / BF16), bias [E]
+| None) -> [N, E] float32`: the logits without a float32 copy of x first (torch: a cast, then cuBLAS's dot and its
+reduction, three launches a layer). Programs of ROWS experts each walk d in BLOCK_D steps, float32 products.
+Reference twin: `strata.ops.reference.router_logits` (x.float() @ w.T, + bias).
 """
 
 from __future__ import annotations
@@ -23,6 +28,11 @@ except ImportError:  # pragma: no cover - depends on the install
 
 MAX_EXPERTS = 1024  # scores held in one program's registers (Qwen3-Next's 512 fit; more takes the twin)
 MAX_K = 32
+ROWS = 4  # router rows (experts) per program of router_logits: E / 4 programs a token (B1: 32)
+BLOCK_D = 512
+# router_logits is taken on a GPU once its GPU test (tests/ops/test_route_interpret.py, marked gpu) has passed there
+LOGITS_GPU_TESTED = False
+_FLOAT = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
 def available() -> bool:
@@ -66,6 +76,42 @@ if triton is not None:
         tl.store(W + t * K + ks, ws, mask=km)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _logits_kernel(X, Wt, B, OUT, E, D, sx, sw, HAS_BIAS: tl.constexpr, ROWS_: tl.constexpr,
+                       BD: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        r = tl.program_id(1) * ROWS_ + tl.arange(0, ROWS_)
+        rm = r < E
+        acc = tl.zeros([ROWS_, BD], dtype=tl.float32)
+        for d0 in range(0, D, BD):
+            dd = d0 + tl.arange(0, BD)
+            dm = dd < D
+            xv = tl.load(X + t * sx + dd, mask=dm, other=0.0).to(tl.float32)
+            wv = tl.load(Wt + r[:, None].to(tl.int64) * sw + dd[None, :], mask=rm[:, None] & dm[None, :],
+                         other=0.0).to(tl.float32)
+            acc += wv * xv[None, :]
+        out = tl.sum(acc, axis=1)
+        if HAS_BIAS:
+            out += tl.load(B + r, mask=rm, other=0.0).to(tl.float32)
+        tl.store(OUT + t * E + r, out, mask=rm)
+
+
+def router_logits(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+    N, D = x.shape
+    wt = w.raw.view(_FLOAT[w.qtype.name])  # a float QTensor's stored rows (uint8) as its floats, [E, d]
+    E = wt.shape[0]
+    out = torch.empty(N, E, dtype=torch.float32, device=x.device)
+    if N == 0:
+        return out
+    xx = x if x.stride(-1) == 1 else x.contiguous()
+    _logits_kernel[(N, triton.cdiv(E, ROWS))](xx, wt, bias if bias is not None else out, out, E, D, xx.stride(0),
+                                               wt.stride(0), HAS_BIAS=bias is not None, ROWS_=ROWS, BD=BLOCK_D,
+                                               num_warps=4)
+    return out
+
+
 def route_topk(logits: torch.Tensor, k: int, sigmoid: bool, norm: bool, scale: float,
                bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     N, E = logits.shape
@@ -88,4 +134,15 @@ def _takes(logits, k, sigmoid, norm, scale, bias=None) -> bool:
             and (bias is None or (bias.is_cuda and bias.is_contiguous() and bias.numel() == logits.shape[1])))
 
 
+def _float_router(w) -> bool:
+    from strata.quant.formats import FLOAT_TYPES
+
+    return getattr(w, "qtype", None) in FLOAT_TYPES and w.raw.is_cuda and w.raw.is_contiguous() and len(w.shape) == 2
+
+
 registry.op("route_topk").register("triton", route_topk, _takes)
+registry.op("router_logits").register(
+    "triton", router_logits,
+    lambda x, w, bias=None: (LOGITS_GPU_TESTED and triton is not None and x.is_cuda and x.dim() == 2
+                             and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and _float_router(w)
+                             and (bias is None or (bias.is_contiguous() and bias.dtype == torch.float32))))

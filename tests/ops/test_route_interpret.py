@@ -32,6 +32,28 @@ CASES = textwrap.dedent("""
             assert torch.equal(ids.cpu(), rids.cpu()), (E, k, ids, rids)
             assert torch.allclose(w.cpu(), rw.cpu(), rtol=2e-6, atol=1e-7), (E, k, (w - rw).abs().max())
         print("ok")
+
+    def check_logits(dev, kernel=route.router_logits):
+        from gguf import GGMLQuantizationType as Q
+        from strata.quant.qtensor import QTensor
+        g = torch.Generator().manual_seed(1)
+        # (tokens, experts, d, router type, x dtype, bias): B1's router (F32, 128 x 2048), a bf16 router and
+        # activations, gpt-oss's logit bias, odd E and d (partial row and column blocks)
+        for n, E, d, wt, xt, bias in ((1, 128, 2048, torch.float32, torch.float32, False),
+                                      (3, 128, 2048, torch.float32, torch.bfloat16, False),
+                                      (2, 60, 640, torch.bfloat16, torch.bfloat16, True),
+                                      (4, 37, 200, torch.float16, torch.float32, True)):
+            w = torch.randn(E, d, generator=g).to(wt) * 0.05
+            qw = QTensor(w.contiguous().view(torch.uint8).to(dev), {torch.float32: Q.F32, torch.bfloat16: Q.BF16,
+                                                                   torch.float16: Q.F16}[wt], (E, d))
+            x = torch.randn(n, d, generator=g).to(dev, xt)
+            b = (torch.randn(E, generator=g) * 0.1).to(dev) if bias else None
+            out = kernel(x, qw, b)
+            ref = reference.router_logits(x, qw, b)
+            assert out.dtype == torch.float32 and out.shape == (n, E)
+            err = ((out.cpu() - ref.cpu()).abs().max() / ref.abs().max()).item()
+            assert err < 1e-5, (n, E, d, wt, xt, err)
+        print("ok")
 """)
 
 
@@ -43,6 +65,21 @@ def _run(script: str) -> subprocess.CompletedProcess:
 def test_route_kernel_matches_its_twin_in_the_interpreter():
     r = _run(CASES + "\ncheck('cpu')\n")
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+def test_router_logits_kernel_matches_its_twin_in_the_interpreter():
+    r = _run(CASES + "\ncheck_logits('cpu')\n")
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+def test_the_comparison_catches_wrong_logits():
+    broken = CASES + textwrap.dedent("""
+        def no_bias(x, w, b):
+            return route.router_logits(x, w, None)
+        check_logits('cpu', no_bias)
+    """)
+    r = _run(broken)
+    assert r.returncode != 0 and "AssertionError" in r.stderr, r.stderr[-3000:]
 
 
 def test_the_comparison_catches_a_wrong_choice():
@@ -73,6 +110,7 @@ def test_route_kernel_matches_its_twin_on_cuda_and_in_a_graph():
     ns: dict = {}
     exec(CASES, ns)
     ns["check"]("cuda")
+    ns["check_logits"]("cuda")
     from strata.ops import reference, route
 
     dev = torch.device("cuda")
