@@ -51,7 +51,16 @@ def _decode_steps(engine) -> dict:
             "chunk_buffer_loans": getattr(experts, "loans", 0) if getattr(getattr(experts, "cache", None), "loan",
                                                                           False) else None,
             "launched_ahead": ahead.launched if ahead is not None else 0,
-            "ahead_dropped": ahead.dropped if ahead is not None else 0}
+            "ahead_dropped": ahead.dropped if ahead is not None else 0,
+            "verify_cost_ms": _verify_cost(engine)}
+
+
+def _verify_cost(engine) -> dict | None:
+    """What a step of one sequence costs by its token count, as the draft-length choice fits it
+    (strata.engine.draft_cost): None until plain and verify steps have both been timed."""
+    cost = getattr(engine, "draft_cost", None)
+    fit = cost.line() if cost is not None else None
+    return None if fit is None else {"one_token": round(fit[0], 3), "per_draft": round(fit[1], 3)}
 
 
 def create_app(cfg: ServeConfig, load: Callable[[], object] | None = None, lm=None,

@@ -50,3 +50,6 @@ def test_drafts_give_the_same_text_and_are_counted(lm):
         m = httpx.get(s.url + "/metrics").text
         line = next(x for x in m.splitlines() if x.startswith("vllm:spec_decode_num_draft_tokens_total"))
         assert float(line.split()[-1]) >= t["draft_n"]
+        # what the draft-length choice has measured: a step's cost by its token count
+        cost = httpx.get(s.url + "/props").json()["decode_steps"]["verify_cost_ms"]
+        assert cost is not None and cost["one_token"] > 0 and cost["per_draft"] >= 0
