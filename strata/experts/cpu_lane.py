@@ -14,12 +14,13 @@ Kernels per expert FFN (`silu(x @ gate.T) * (x @ up.T) @ down.T`):
   weight so an expert is two calls. Q8_0 (per-32-block scales, which the per-row `_weight_int8pack_mm`
   cannot take) goes as two int4 halves along a doubled k: exact up to the bf16 scales, 10 bits per weight.
 
-- `native`: Q4_K / Q6_K / Q8_0 experts read in place by a compiled kernel (`strata.ops.cpu_native`: int8 activations,
-  AVX2 integer dot products, every expert of a token-layer in one call); needs a C compiler at first use.
+- `native`: Q4_K / Q5_K / Q6_K / Q8_0 / IQ4_XS / IQ2_XXS / IQ3_XXS / MXFP4 experts read in place by a compiled
+  kernel (`strata.ops.cpu_native`: int8 activations, AVX2 integer dot products, every expert of a token-layer in
+  one call); needs a C compiler at first use.
 
-`auto` takes `native` for bf16/f16 activations and Q4_K/Q6_K/Q8_0 experts when the kernel builds, else `int4` for a
-repackable format (Q4_K, Q4_0, Q8_0), else `ref`. Other formats (Q5_K, the i-quants, MXFP4, ...) use `ref` until a
-kernel for them lands; with bf16/f16 activations that logs one warning per such format.
+`auto` takes `native` for bf16/f16 activations and experts in those formats when the kernel builds, else `int4` for a
+repackable format (Q4_K, Q4_0, Q8_0), else `ref`. Other formats (Q2_K, Q3_K, Q5_0, the other i-quants, ...) use `ref`
+until a kernel for them lands; with bf16/f16 activations that logs one warning per such format.
 
 Threads: torch's intra-op pool is process-wide; `CpuLane(threads=n)` sets it (0 leaves torch's default, one
 per physical core). The lane runs on the calling thread: the backend launches the GPU's work first, then
@@ -144,12 +145,12 @@ def int4_supported(ew: ExpertWeights) -> bool:
     return all(t.shape[-1] % GROUP == 0 and t.shape[-2] % 64 == 0 for t in (ew.gate, ew.down))
 
 
-NATIVE_TYPES = frozenset({Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.IQ4_XS, Q.IQ2_XXS, Q.IQ3_XXS})
+NATIVE_TYPES = frozenset({Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.IQ4_XS, Q.IQ2_XXS, Q.IQ3_XXS, Q.MXFP4})
 
 
 def native_supported(ew: ExpertWeights) -> bool:
-    """The native kernel takes this layer's experts: gate and up of one format, each projection Q4_K, Q6_K, Q8_0,
-    IQ4_XS, IQ2_XXS or IQ3_XXS, both dimensions multiples of 256 (the activations are quantized per 256)."""
+    """The native kernel takes this layer's experts: gate and up of one format, each projection in NATIVE_TYPES,
+    both dimensions multiples of 256 (the activations are quantized per 256)."""
     return (all(t.qtype in NATIVE_TYPES for t in (ew.gate, ew.up, ew.down)) and ew.gate.qtype == ew.up.qtype
             and ew.gate.shape[-1] % 256 == 0 and ew.down.shape[-1] % 256 == 0
             and all(t.raw.is_contiguous() for t in (ew.gate, ew.up, ew.down)))
@@ -225,7 +226,8 @@ class CpuLane:
                 why = cpu_native.unavailable() or "it did not load"
                 raise StrataError(f"--cpu-kernel native: the native CPU kernel is unavailable: {why}")
             elif kernel == "native" and not native_supported(ew):
-                raise StrataError(f"layer {i}: the native CPU kernel takes Q4_K/Q6_K/Q8_0/IQ4_XS/IQ2_XXS/IQ3_XXS experts with dimensions that are "
+                raise StrataError(f"layer {i}: the native CPU kernel takes "
+                                  f"{'/'.join(sorted(t.name for t in NATIVE_TYPES))} experts with dimensions that are "
                                   f"multiples of 256 and needs a C compiler (got {ew.gate.qtype.name}/"
                                   f"{ew.down.qtype.name}, {ew.gate.shape[1:]})")
             self.kernel[i] = want

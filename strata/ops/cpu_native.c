@@ -279,12 +279,14 @@ static float dot_iq4xs(const uint8_t *row, int nb, const int8_t *xq, const float
 #endif
 }
 
-#include "cpu_native_iq.h"  /* IQ2_XXS / IQ3_XXS: their tables and dot_iqxxs */
+#include "cpu_native_iq.h"   /* IQ2_XXS / IQ3_XXS: their tables and dot_iqxxs */
+#include "cpu_native_fmt.h"  /* Q5_K and MXFP4: dot_q5k, dot_mxfp4 */
 
-enum { FMT_Q4K = 0, FMT_Q6K = 1, FMT_Q80 = 2, FMT_IQ4XS = 3, FMT_IQ2XXS = 4, FMT_IQ3XXS = 5 };
+enum { FMT_Q4K = 0, FMT_Q6K = 1, FMT_Q80 = 2, FMT_IQ4XS = 3, FMT_IQ2XXS = 4, FMT_IQ3XXS = 5, FMT_Q5K = 6,
+       FMT_MXFP4 = 7 };
 
 static inline int row_bytes(int fmt, int K) {
-    static const int per256[] = {144, 210, 0, 136, 66, 98};
+    static const int per256[] = {144, 210, 0, 136, 66, 98, 176, 136};
     return fmt == FMT_Q80 ? K / 32 * 34 : K / 256 * per256[fmt];
 }
 
@@ -292,6 +294,8 @@ static inline float dot_row(int fmt, const uint8_t *row, int K, const int8_t *q,
                             const int32_t *qs, const int32_t *q16) {
     if (fmt == FMT_Q80) return dot_q8_0(row, K, q, qd);
     if (fmt == FMT_IQ4XS) return dot_iq4xs(row, K / 256, q, qd);
+    if (fmt == FMT_Q5K) return dot_q5k(row, K / 256, q, qd, qs);
+    if (fmt == FMT_MXFP4) return dot_mxfp4(row, K, q, qd);
     if (fmt == FMT_IQ2XXS || fmt == FMT_IQ3XXS) return dot_iqxxs(fmt == FMT_IQ3XXS, row, K / 256, q, qd);
     return fmt == FMT_Q6K ? dot_q6k(row, K / 256, q, qd, q16) : dot_q4k(row, K / 256, q, qd, qs);
 }

@@ -1,7 +1,7 @@
 """A native CPU kernel for the CPU lane: Q4_K / Q6_K / Q8_0 experts read in place, int8 dot products (AVX2).
 
-The C source is `cpu_native.c` beside this file, with the i-quant dot products in `cpu_native_iq.h` (included:
-one compilation unit). torch's fused `_weight_int4pack_mm_for_cpu` reads its repacked
+The C source is `cpu_native.c` beside this file, with the IQ2_XXS / IQ3_XXS dot products in `cpu_native_iq.h` and
+the Q5_K / MXFP4 ones in `cpu_native_fmt.h` (included: one compilation unit). torch's fused `_weight_int4pack_mm_for_cpu` reads its repacked
 copy well below what the cores can read (one token's GEMV: fork/join and wake-up per call dominate; the measured
 rates are in docs/BENCHMARKS.md), and it needs a second, repacked copy of every expert in RAM. This kernel
 reads the GGUF blocks where they lie (the store's pinned or mapped bytes: no copy), the way llama.cpp's CPU path
@@ -42,7 +42,7 @@ from strata.config import c_compiler
 log = logging.getLogger("strata")
 
 SOURCE_FILE = pathlib.Path(__file__).with_name("cpu_native.c")  # shipped as package data (pyproject.toml)
-HEADER_FILES = (SOURCE_FILE.with_name("cpu_native_iq.h"),)  # the headers it includes, likewise
+HEADER_FILES = (SOURCE_FILE.with_name("cpu_native_iq.h"), SOURCE_FILE.with_name("cpu_native_fmt.h"))  # the headers it includes, likewise
 
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 _lib = None
@@ -149,13 +149,13 @@ def _set_tables(lib: ctypes.CDLL) -> None:
     lib.strata_native_tables(*(ctypes.c_void_p(a.ctypes.data) for a in _TABLES))
 
 
-# the kernel's format codes (FMT_Q4K, ..., FMT_IQ3XXS)
-FORMATS = {"Q4_K": 0, "Q6_K": 1, "Q8_0": 2, "IQ4_XS": 3, "IQ2_XXS": 4, "IQ3_XXS": 5}
+# the kernel's format codes (FMT_Q4K, ..., FMT_MXFP4)
+FORMATS = {"Q4_K": 0, "Q6_K": 1, "Q8_0": 2, "IQ4_XS": 3, "IQ2_XXS": 4, "IQ3_XXS": 5, "Q5_K": 6, "MXFP4": 7}
 
 
 class NativeExperts:
     """Calls of the native kernel for one layer's experts: gate/up raw blocks [E, ff, ...] and down [E, d, ...],
-    each projection Q4_K or Q6_K (`fmt_gate_up`, `fmt_down`: names of FORMATS)."""
+    each projection in one of FORMATS (`fmt_gate_up`, `fmt_down`: its names)."""
 
     def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, threads: int | None = None, *,
                  fmt_gate_up: str = "Q4_K", fmt_down: str = "Q4_K", lib: ctypes.CDLL | None = None):
