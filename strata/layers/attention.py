@@ -12,6 +12,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from strata.kv.cache import KVCache, Segment
 from strata.layers.norm import rms_norm
@@ -52,9 +53,18 @@ def _window_mask(window: int, pos_t: torch.Tensor, dtype: torch.dtype) -> torch.
     return m.masked_fill_(_arange(window, pos_t.device)[None, :] > pos_t[:, None], float("-inf"))
 
 
-def _causal_mask(seg: Segment, device) -> torch.Tensor | None:
+# Device types whose prompt chunks take SDPA's lower-right causal bias instead of a materialized [n, L] mask: the
+# bias lets SDPA pick its flash / memory-efficient kernels for a chunk of n queries at the end of L keys (a mask
+# rules flash out; a long prefix's chunks then ran far from the tensor cores' rate). "cuda" once
+# tests/layers/test_causal_bias.py (marked gpu) has passed on a GPU.
+CAUSAL_BIAS_ON = frozenset({"cpu"})
+
+
+def _causal_mask(seg: Segment, device):
     if seg.n == 1:
         return None  # one query sees the whole prefix
+    if torch.device(device).type in CAUSAL_BIAS_ON:
+        return causal_lower_right(seg.n, seg.end)  # query i of the chunk sees keys 0 .. start + i
     q = torch.arange(seg.start, seg.end, device=device).unsqueeze(1)
     k = torch.arange(seg.end, device=device).unsqueeze(0)
     return k <= q  # [n, L]
