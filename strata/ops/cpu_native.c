@@ -295,7 +295,7 @@ static inline float dot_row(int fmt, const uint8_t *row, int K, const int8_t *q,
     if (fmt == FMT_Q80) return dot_q8_0(row, K, q, qd);
     if (fmt == FMT_IQ4XS) return dot_iq4xs(row, K / 256, q, qd);
     if (fmt == FMT_Q5K) return dot_q5k(row, K / 256, q, qd, qs);
-    if (fmt == FMT_MXFP4) return dot_mxfp4(row, K, q, qd);
+    if (fmt == FMT_MXFP4) return dot_mxfp4(row, K, q, qd, qs);
     if (fmt == FMT_IQ2XXS || fmt == FMT_IQ3XXS) return dot_iqxxs(fmt == FMT_IQ3XXS, row, K / 256, q, qd);
     return fmt == FMT_Q6K ? dot_q6k(row, K / 256, q, qd, q16) : dot_q4k(row, K / 256, q, qd, qs);
 }

@@ -73,11 +73,35 @@ static inline float e8m0_half(uint8_t e) {
     float f; __builtin_memcpy(&f, &u, 4); return f;
 }
 
-/* a row of K weights (K / 32 blocks; K a multiple of 256, as the activations are quantized per 256) */
-static float dot_mxfp4(const uint8_t *row, int K, const int8_t *xq, const float *xd) {
 #if defined(__AVX2__) && defined(__FMA__)
-    const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+/* the scales as a table: a broadcast from memory per block instead of the branch and shifts (24 -> 21 cycles a
+   super-block in L1 on Zen 4) */
+static float E8M0_HALF[256];
+__attribute__((constructor)) static void e8m0_table(void) {
+    for (int e = 0; e < 256; e++) E8M0_HALF[e] = e8m0_half((uint8_t)e);
+}
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+/* With VNNI the codes look up kvalues + 12 (unsigned 0..24) and one dpbusd multiplies them by the signed
+   activations and sums each 4; the block's -12 * (sum of its activations) seeds lane 0. Same integer sum as the
+   sign trick, 3 instructions fewer a block: 21 -> 17.5 cycles a super-block in L1, 7-12% more GB/s from RAM at
+   one thread on Zen 4. (512-bit steps of two blocks measured slower: 20.7.) */
+#define MXFP4_VNNI 1
+static const int8_t KVALUES_MXFP4_U[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+#endif
+#endif
+
+/* a row of K weights (K / 32 blocks; K a multiple of 256, as the activations are quantized per 256); xs: the
+   activations' sums per 32 */
+static float dot_mxfp4(const uint8_t *row, int K, const int8_t *xq, const float *xd, const int32_t *xs) {
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+#if defined(MXFP4_VNNI)
+    const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)KVALUES_MXFP4_U));
+#else
+    const __m256i ones = _mm256_set1_epi16(1);
     const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)KVALUES_MXFP4));
+    (void)xs;
+#endif
     const __m256i nib = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);  /* low nibbles in lane 0, high in lane 1 */
     __m256 fsum = _mm256_setzero_ps();
     for (int b = 0; b < K / 256; b++) {
@@ -91,13 +115,18 @@ static float dot_mxfp4(const uint8_t *row, int K, const int8_t *xq, const float 
             __m256i c = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(q + 1)));
             __m256i w = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srlv_epi32(c, nib), m4));
             __m256i xv = _mm256_loadu_si256((const __m256i *)(x + 32 * i));
+#if defined(MXFP4_VNNI)
+            __m256i p = _mm256_dpbusd_epi32(_mm256_zextsi128_si256(_mm_cvtsi32_si128(-12 * xs[b * 8 + i])), w, xv);
+#else
             __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w)), ones);
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(e8m0_half(q[0])), _mm256_cvtepi32_ps(p), acc);
+#endif
+            acc = _mm256_fmadd_ps(_mm256_broadcast_ss(E8M0_HALF + q[0]), _mm256_cvtepi32_ps(p), acc);
         }
         fsum = _mm256_fmadd_ps(_mm256_set1_ps(xd[b]), acc, fsum);
     }
     return hsum8(fsum);
 #else
+    (void)xs;
     float sum = 0.f;
     for (int b = 0; b < K / 256; b++) {
         float acc = 0.f;
