@@ -14,6 +14,8 @@ sum_i p_i v_i = (sum_i p_i v~_i) H, so the output is rotated once after it. Noth
 Either of K and V may be plain (a tensor view of the cache, any float dtype) or blocks (strata.kv.quant.Blocks).
 Rows must be whole blocks (head dims a multiple of 32, powers of two: every real model's). Math in float32.
 Reference twin: dequantize both, then `one_query_attention`'s (strata.ops.reference.one_query_blocks).
+With both K and V plain (modes 0) the kernel is strata.ops.decode_attention's, row for row: once this one has
+passed its GPU test it can serve plain caches too, and that copy go.
 """
 
 from __future__ import annotations

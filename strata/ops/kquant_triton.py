@@ -64,12 +64,25 @@ if triton is not None:
 
     @triton.jit
     def q4k_tile(row, xp, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
-        """Superblocks b0 .. b0+NB (those < nsb) of BN rows of Q4_K blocks against x -> [BN] float32.
+        """Superblocks b0 .. b0+NB (those < nsb) of BN rows of Q4_K blocks against x -> [BN] float32."""
+        return _k45_tile(row, xp, b0, nsb, BN, NB, EVEN, False)
+
+    @triton.jit
+    def q5k_tile(row, xp, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
+        """Superblocks b0 .. b0+NB (those < nsb) of BN rows of Q5_K blocks against x -> [BN] float32."""
+        return _k45_tile(row, xp, b0, nsb, BN, NB, EVEN, True)
+
+    @triton.jit
+    def _k45_tile(row, xp, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr, FIVE: tl.constexpr):
+        """Q4_K (FIVE false) or Q5_K superblocks against x -> [BN] float32.
 
         The 128 quant bytes are read as u32 words [.., 4 groups, 8 words] (16-byte loads). Byte k of a word holds
         lane 4w + k of its group: low nibble = sub-block 2g, high nibble = 2g + 1. A nibble is turned into a float
         where it lies: (W & 0xF << 8k) | 0x4B000000 is the float 2^23 + q * 256^k (bytes 2 and 3 are first moved
         down two bytes, one shift per word), so one logic op and one add per weight; the power of two goes into x.
+        Q5_K is Q4_K (the same header and 12 scale bytes) with a fifth bit per weight: 32 bytes qh at 16, then the
+        nibbles at 48. Nibble byte c = 32g + 4w + k holds weights 64g + 4w + k and that + 32; their fifth bits are
+        bits 2g and 2g + 1 of qh byte 4w + k (qh word w, byte k), each adding 16 to its weight's q.
         """
         g = tl.arange(0, 4)
         g64 = g.to(tl.int64)
@@ -80,7 +93,10 @@ if triton is not None:
         else:
             sm = sb < nsb
         m2 = sm[None, :]
-        blk = row[:, None] + sb[None, :] * 144  # [BN, NB]
+        if FIVE:
+            blk = row[:, None] + sb[None, :] * 176  # [BN, NB]
+        else:
+            blk = row[:, None] + sb[None, :] * 144
         d = _f16(blk, m2)[:, :, None]  # [BN, NB, 1]
         dmin = _f16(blk + 2, m2)[:, :, None]
         s0 = _u32(blk + 4, m2)  # [BN, NB] scale bytes 0-3
@@ -100,7 +116,14 @@ if triton is not None:
         a_hi = d * ((scw >> (sh + 8)) & 63).to(tl.float32)  # of sub-block 2g+1
         b_lo = dmin * ((mnw >> sh) & 63).to(tl.float32)
         b_hi = dmin * ((mnw >> (sh + 8)) & 63).to(tl.float32)
-        qp = (blk + 16).to(tl.pointer_type(tl.uint32))  # [BN, NB] word pointers to the quants
+        if FIVE:
+            qp = (blk + 48).to(tl.pointer_type(tl.uint32))
+            hp = (blk + 16).to(tl.pointer_type(tl.uint32))
+            H = tl.load(hp[:, :, None] + wd[None, None, :], mask=m2[:, :, None], other=0,
+                        eviction_policy="evict_first")[:, :, None, :]  # [BN, NB, 1, 8] qh words
+        else:
+            qp = (blk + 16).to(tl.pointer_type(tl.uint32))  # [BN, NB] word pointers to the quants
+        g2 = (2 * g)[None, None, :, None]  # [1, 1, 4, 1] the low nibble's bit in a qh byte
         W = tl.load(qp[:, :, None, None] + (8 * g64)[None, None, :, None] + wd[None, None, None, :],
                     mask=m2[:, :, None, None], other=0, eviction_policy="evict_first")  # [BN, NB, 4, 8]
         xo = sb[:, None, None] * 256 + (64 * g64)[None, :, None] + 4 * wd[None, None, :]  # [NB, 4, 8] lane 4w
@@ -120,79 +143,16 @@ if triton is not None:
             # one AND with a single immediate per weight (no second constant held in a register)
             lo = (Wk & ((15 << sft) | 0x4B000000)).to(tl.float32, bitcast=True) - 8388608.0  # q * 2^sft
             hi = (Wk & ((240 << sft) | 0x4B000000)).to(tl.float32, bitcast=True) - 8388608.0  # q * 2^(sft+4)
-            dl += lo * (xl * (1.0 / (1 << sft)))[None]
-            dh += hi * (xh * (1.0 / (16 << sft)))[None]
+            if FIVE:
+                hb = H >> (8 * kq + g2)  # bit 0: the low nibble's fifth bit, bit 1: the high nibble's
+                dl += (lo * (1.0 / (1 << sft)) + ((hb & 1) * 16).to(tl.float32)) * xl[None]
+                dh += (hi * (1.0 / (16 << sft)) + (hb & 2).to(tl.float32) * 8.0) * xh[None]
+            else:
+                dl += lo * (xl * (1.0 / (1 << sft)))[None]
+                dh += hi * (xh * (1.0 / (16 << sft)))[None]
         sl3 = tl.sum(sl, axis=2)[None]  # [1, NB, 4]
         sh3 = tl.sum(shs, axis=2)[None]
         part = a_lo * tl.sum(dl, axis=3) + a_hi * tl.sum(dh, axis=3) - (b_lo * sl3 + b_hi * sh3)  # [BN, NB, 4]
-        return tl.sum(tl.sum(part, axis=2), axis=1)
-
-    @triton.jit
-    def q5k_tile(row, xp, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
-        """Superblocks b0 .. b0+NB (those < nsb) of BN rows of Q5_K blocks against x -> [BN] float32.
-
-        Q5_K is Q4_K (f16 d, f16 dmin, the same 12 scale bytes) with a fifth bit per weight: 32 bytes qh at 16,
-        then the 128 nibble bytes at 48. Nibble byte c = 32g + 4w + k holds weights 64g + 4w + k (low nibble) and
-        that + 32 (high); their fifth bits are bits 2g and 2g + 1 of qh byte 4w + k. The nibbles are read as in
-        q4k_tile; each fifth bit adds 16 to its weight's q: (qh >> 2g) & 1, from the qh word w, byte k.
-        """
-        g = tl.arange(0, 4)
-        g64 = g.to(tl.int64)
-        wd = tl.arange(0, 8).to(tl.int64)
-        sb = (b0 + tl.arange(0, NB)).to(tl.int64)
-        if EVEN:
-            sm = tl.full([NB], 1, tl.int1)
-        else:
-            sm = sb < nsb
-        m2 = sm[None, :]
-        blk = row[:, None] + sb[None, :] * 176  # [BN, NB]
-        d = _f16(blk, m2)[:, :, None]
-        dmin = _f16(blk + 2, m2)[:, :, None]
-        s0 = _u32(blk + 4, m2)
-        s1 = _u32(blk + 8, m2)
-        s2 = _u32(blk + 12, m2)
-        sc_a = s0 & 0x3F3F3F3F
-        mn_a = s1 & 0x3F3F3F3F
-        sc_b = (s2 & 0x0F0F0F0F) | ((s0 >> 2) & 0x30303030)
-        mn_b = ((s2 >> 4) & 0x0F0F0F0F) | ((s1 >> 2) & 0x30303030)
-        first = (g < 2)[None, None, :]
-        sh = (16 * (g % 2))[None, None, :]
-        scw = tl.where(first, sc_a[:, :, None], sc_b[:, :, None])
-        mnw = tl.where(first, mn_a[:, :, None], mn_b[:, :, None])
-        a_lo = d * ((scw >> sh) & 63).to(tl.float32)
-        a_hi = d * ((scw >> (sh + 8)) & 63).to(tl.float32)
-        b_lo = dmin * ((mnw >> sh) & 63).to(tl.float32)
-        b_hi = dmin * ((mnw >> (sh + 8)) & 63).to(tl.float32)
-        qp = (blk + 48).to(tl.pointer_type(tl.uint32))
-        W = tl.load(qp[:, :, None, None] + (8 * g64)[None, None, :, None] + wd[None, None, None, :],
-                    mask=m2[:, :, None, None], other=0, eviction_policy="evict_first")  # [BN, NB, 4, 8]
-        hp = (blk + 16).to(tl.pointer_type(tl.uint32))
-        H = tl.load(hp[:, :, None] + wd[None, None, :], mask=m2[:, :, None], other=0,
-                    eviction_policy="evict_first")[:, :, None, :]  # [BN, NB, 1, 8] qh words
-        g2 = (2 * g)[None, None, :, None]  # [1, 1, 4, 1] the low nibble's bit in a qh byte
-        xo = sb[:, None, None] * 256 + (64 * g64)[None, :, None] + 4 * wd[None, None, :]
-        xm = sm[:, None, None]
-        dl = tl.zeros([BN, NB, 4, 8], dtype=tl.float32)
-        dh = tl.zeros([BN, NB, 4, 8], dtype=tl.float32)
-        sl = tl.zeros([NB, 4, 8], dtype=tl.float32)
-        shs = tl.zeros([NB, 4, 8], dtype=tl.float32)
-        for kq in tl.static_range(4):
-            Wk = (W >> (16 * (kq // 2))) | 0x4B000000
-            sft = 8 * (kq % 2)
-            hb = H >> (8 * kq + g2)  # bit 0: the low nibble's fifth bit, bit 1: the high nibble's
-            xl = tl.load(xp + xo + kq, mask=xm, other=0.0).to(tl.float32)
-            xh = tl.load(xp + xo + (kq + 32), mask=xm, other=0.0).to(tl.float32)
-            sl += xl
-            shs += xh
-            lo = (Wk & ((15 << sft) | 0x4B000000)).to(tl.float32, bitcast=True) - 8388608.0  # q * 2^sft
-            hi = (Wk & ((240 << sft) | 0x4B000000)).to(tl.float32, bitcast=True) - 8388608.0  # q * 2^(sft+4)
-            lo5 = lo * (1.0 / (1 << sft)) + ((hb & 1) * 16).to(tl.float32)
-            hi5 = hi * (1.0 / (16 << sft)) + (hb & 2).to(tl.float32) * 8.0
-            dl += lo5 * xl[None]
-            dh += hi5 * xh[None]
-        sl3 = tl.sum(sl, axis=2)[None]
-        sh3 = tl.sum(shs, axis=2)[None]
-        part = a_lo * tl.sum(dl, axis=3) + a_hi * tl.sum(dh, axis=3) - (b_lo * sl3 + b_hi * sh3)
         return tl.sum(tl.sum(part, axis=2), axis=1)
 
     @triton.jit
