@@ -15,7 +15,8 @@ Q = gguf.GGMLQuantizationType
 
 def write_moe_gguf(path: Path, *, n_layers: int = 3, d: int = 64, ff: int = 32, n_experts: int = 8, k: int = 2,
                    vocab: int = 96, heads: int = 4, kv_heads: int = 2, head_dim: int = 16,
-                   expert_type=Q.F32, seed: int = 0, router_std: float = 0.5, embed_type=Q.F32) -> Path:
+                   expert_type=Q.F32, seed: int = 0, router_std: float = 0.5, embed_type=Q.F32,
+                   ctx: int = 256) -> Path:
     """Write the model; expert tensors in `expert_type` (random valid blocks), the input embedding in `embed_type`
     (F32 or a format gguf-py quantizes, e.g. Q8_0), everything else float32."""
     g = torch.Generator().manual_seed(seed)
@@ -25,7 +26,7 @@ def write_moe_gguf(path: Path, *, n_layers: int = 3, d: int = 64, ff: int = 32, 
 
     w = gguf.GGUFWriter(str(path), "qwen3moe")
     w.add_block_count(n_layers)
-    w.add_context_length(256)
+    w.add_context_length(ctx)
     w.add_embedding_length(d)
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
