@@ -1,11 +1,15 @@
 """CPU lane bandwidth per weight format, kernel and thread count (one token through one expert, weights from RAM).
 
     .venv/bin/python tools/bench_cpu_lane.py [--experts 32] [--threads 1,2,4,8,16] [--ff 768 --d 2048]
+    .venv/bin/python tools/bench_cpu_lane.py --alternate Q5_K,MXFP4 [--reps 15]
 
 Prints ms per expert and GB/s of the bytes each kernel reads (packed int4 for `int4`, the stored blocks for
 `ref`), next to the memory read bandwidth of a plain torch sum and a bf16 GEMV over dequantized copies (the
 bar the fused kernels should beat), plus PCIe and GPU per-expert costs when CUDA is present. Default shapes
 are Qwen3-30B-A3B's experts.
+
+`--alternate FMT,...` times only the native kernel, each format against Q4_K in the same run: one pass over the
+experts per format in turn, repeated, medians (a shared machine's load then falls on all of them alike).
 """
 
 from __future__ import annotations
@@ -77,6 +81,30 @@ def native_batched(ew: ExpertWeights, threads: int, n: int, per_call: int) -> tu
     return dt * 1e3, ew.expert_nbytes() / dt / 1e9
 
 
+def alternate(names: list[str], threads: list[int], n: int, ff: int, d: int, reps: int) -> None:
+    """The native kernel, one token through one expert a call, each format of `names` and Q4_K timed in turn."""
+    fmts = [Q.Q4_K] + [Q[f] for f in names if f != "Q4_K"]
+    sets = {qt: experts(qt, n, ff, d, seed=i) for i, qt in enumerate(fmts)}
+    x = torch.randn(1, d)
+    print(f"{'thr':>3}  {'format':<8} {'MB/expert':>9} {'ms/expert':>10} {'GB/s':>7} {'Q4_K GB/s':>9} {'bytes/s vs Q4_K':>15}")
+    for th in threads:
+        torch.set_num_threads(th)
+        ks = {qt: cpu_native.NativeExperts(ew.gate.raw, ew.up.raw, ew.down.raw, threads=th, fmt_gate_up=qt.name,
+                                           fmt_down=qt.name) for qt, ew in sets.items()}
+        times: dict = {qt: [] for qt in fmts}
+        for r in range(reps + 1):
+            for qt, k in ks.items():
+                t0 = time.perf_counter()
+                for e in range(n):
+                    k([e], x)
+                if r:  # the first round warms up
+                    times[qt].append((time.perf_counter() - t0) / n)
+        gbps = {qt: sets[qt].expert_nbytes() / float(np.median(times[qt])) / 1e9 for qt in fmts}
+        for qt in fmts:
+            print(f"{th:>3}  {qt.name:<8} {sets[qt].expert_nbytes() / 1e6:>9.2f} {np.median(times[qt]) * 1e3:>10.3f} "
+                  f"{gbps[qt]:>7.2f} {gbps[Q.Q4_K]:>9.2f} {gbps[qt] / gbps[Q.Q4_K]:>15.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--experts", type=int, default=32)
@@ -84,15 +112,24 @@ def main() -> None:
     ap.add_argument("--ff", type=int, default=768)
     ap.add_argument("--d", type=int, default=2048)
     ap.add_argument("--ref-experts", type=int, default=2, help="experts for the (slow) reference kernel")
+    ap.add_argument("--alternate", default=None, help="comma-separated formats: the native kernel only, each "
+                    "timed alternately with Q4_K")
+    ap.add_argument("--reps", type=int, default=15, help="rounds of --alternate (medians)")
     a = ap.parse_args()
     cores = torch.get_num_threads()
     threads = [int(t) for t in a.threads.split(",")] if a.threads else sorted({1, cores})
+    if a.alternate:
+        if cpu_native.load() is None:
+            raise SystemExit(f"the native kernel is unavailable: {cpu_native.unavailable()}")
+        print(f"expert shape: gate/up [{a.ff}, {a.d}], down [{a.d}, {a.ff}]; {a.experts} experts cycled; "
+              f"{a.reps} rounds, medians")
+        return alternate(a.alternate.split(","), threads, a.experts, a.ff, a.d, a.reps)
     print(f"expert shape: gate/up [{a.ff}, {a.d}], down [{a.d}, {a.ff}]; {a.experts} experts cycled; "
           f"torch {torch.__version__}; {cores} threads available")
     rows = []
     sets = {qt: experts(qt, a.experts, a.ff, a.d, seed=i)
-            for i, qt in enumerate((Q.Q4_K, Q.IQ4_XS, Q.IQ2_XXS, Q.IQ3_XXS, Q.Q4_0, Q.Q8_0))}
-    native = {Q.Q4_K, Q.IQ4_XS, Q.IQ2_XXS, Q.IQ3_XXS, Q.Q8_0}  # (the native kernel's; int4 repacks Q4_0/Q8_0/Q4_K)
+            for i, qt in enumerate((Q.Q4_K, Q.Q5_K, Q.MXFP4, Q.IQ4_XS, Q.IQ2_XXS, Q.IQ3_XXS, Q.Q4_0, Q.Q8_0))}
+    native = {Q.Q4_K, Q.Q5_K, Q.MXFP4, Q.IQ4_XS, Q.IQ2_XXS, Q.IQ3_XXS, Q.Q8_0}  # (the native kernel's; int4 repacks Q4_0/Q8_0/Q4_K)
     for th in threads:
         rows.append((th, "memory read (torch sum)", "-", 0.0, read_gbps(th)))
         rows.append((th, "bf16 GEMV, dequantized copy", "bf16", 0.0, bf16_gemv_gbps(sets[Q.Q4_K], th, min(a.experts, 8))))
