@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The kernels and paths that a GPU takes only once their GPU test has passed there (each behind a flag in its
+# module: docs/BENCHMARKS.md, "Waiting on the GPU machine"): runs each one's GPU tests, prints PASS / FAIL and the
+# flag to set for each pass, and with APPLY=1 sets the passing flags in this working tree (on the GPU machine's
+# copy: measure with them in the same command, then set them in the repository by hand).
+#
+#   tools/gpu/gated.sh                   # test only
+#   APPLY=1 tools/gpu/gated.sh && BUDGET=0 tools/gpu/compare_flags.sh ""    # test, enable what passed, measure
+#
+# Environment: TIMEOUT (seconds per test group, default 240), OUT (set by the device tool). Writes
+# $OUT/gated.log (every pytest output) and $OUT/gated.txt (the verdicts). Carry .whl (see setup.sh).
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+source tools/gpu/setup.sh
+
+# test paths | file | python (sed -E) substitution that enables it
+GATED=(
+  "tests/ops/test_decode_attention_kv.py|strata/ops/decode_attention_kv.py|s/^GPU_TESTED = False/GPU_TESTED = True/"
+  "tests/ops/test_fused_interpret.py tests/layers/test_kv_fold_wiring.py|strata/ops/fused.py|s/^KV_FOLD_GPU_TESTED = False/KV_FOLD_GPU_TESTED = True/"
+  "tests/ops/test_route_interpret.py|strata/ops/route.py|s/^LOGITS_GPU_TESTED = False/LOGITS_GPU_TESTED = True/"
+  "tests/experts/test_expert_triton.py tests/ops/test_qgemv.py|strata/ops/expert_triton.py|s/^K_ON_GPU = frozenset\(\{Q.Q8_0, Q.Q4_K, Q.Q6_K\}\)/K_ON_GPU = frozenset({Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K})/"
+  "tests/layers/test_causal_bias.py|strata/layers/attention.py|s/^CAUSAL_BIAS_ON = frozenset\(\{\"cpu\"\}\)/CAUSAL_BIAS_ON = frozenset({\"cpu\", \"cuda\"})/"
+  "tests/experts/test_staged_prefetch.py tests/experts/test_budget_long_prompt.py||"
+)
+
+log="$OUT/gated.log"
+verdicts="$OUT/gated.txt"
+machine_line > "$log"
+: > "$verdicts"
+for entry in "${GATED[@]}"; do
+  IFS='|' read -r tests file sub <<< "$entry"
+  # shellcheck disable=SC2086  # tests is a word list
+  timeout "${TIMEOUT:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider $tests > "$OUT/gated.one" 2>&1
+  rc=$?
+  cat "$OUT/gated.one" >> "$log"
+  # (every test skipped, as without a GPU, is no pass)
+  if (( rc == 0 )) && tail -1 "$OUT/gated.one" | grep -q " passed"; then
+    line="PASS  $tests"
+    if [[ -n "$file" ]]; then
+      line+="  ->  $file: ${sub}"
+      if [[ "${APPLY:-0}" == 1 ]]; then
+        sed -E -i "$sub" "$file" && line+="  (applied here)"
+      fi
+    fi
+  elif (( rc == 0 )); then
+    line="SKIP  $tests  (no GPU test ran: no GPU?)"
+  else
+    line="FAIL  $tests  (pytest exit $rc: see gated.log)"
+  fi
+  echo "$line" | tee -a "$verdicts"
+done
+rm -f "$OUT/gated.one"
