@@ -10,6 +10,11 @@ are Qwen3-30B-A3B's experts.
 
 `--alternate FMT,...` times only the native kernel, each format against Q4_K in the same run: one pass over the
 experts per format in turn, repeated, medians (a shared machine's load then falls on all of them alike).
+
+`--gpt-oss` times gpt-oss-shaped experts (MXFP4 gate/up [2880, 2880] and down [2880, 2880], biases, the clamped
+SwiGLU) through the CPU lane's native kernel and through the reference path, alternately, medians:
+
+    .venv/bin/python tools/bench_cpu_lane.py --gpt-oss --threads 1 [--experts 8 --ref-experts 2 --reps 7]
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ import torch.nn.functional as F
 
 from strata.experts import costs
 from strata.ops import cpu_native
-from strata.experts.resident import ExpertWeights
+from strata.experts.cpu_lane import CpuLane
+from strata.experts.resident import ExpertAct, ExpertWeights
 from strata.quant import random_qtensor
 from gguf import GGMLQuantizationType as Q
 
@@ -105,6 +111,35 @@ def alternate(names: list[str], threads: list[int], n: int, ff: int, d: int, rep
                   f"{gbps[qt]:>7.2f} {gbps[Q.Q4_K]:>9.2f} {gbps[qt] / gbps[Q.Q4_K]:>15.2f}")
 
 
+def gpt_oss(threads: list[int], n: int, n_ref: int, reps: int) -> None:
+    """gpt-oss-shaped MXFP4 experts, one token through one expert a call: the lane's native kernel and its
+    reference path (what these experts took before the kernel computed biases and the clamped SwiGLU) in turn."""
+    d = ff = 2880
+    rng, g = np.random.default_rng(0), torch.Generator().manual_seed(0)
+    ew = ExpertWeights(*(random_qtensor(Q.MXFP4, s, rng) for s in ((n, ff, d), (n, ff, d), (n, d, ff))),
+                       act=ExpertAct("swiglu_oai", 1.702, 7.0, *(torch.randn(n, w, generator=g) for w in (ff, ff, d))))
+    x = torch.randn(1, d, generator=g).bfloat16()
+    mb = ew.expert_nbytes() / 1e6
+    print(f"gpt-oss expert: MXFP4 gate/up [{ff}, {d}], down [{d}, {ff}], biases, swiglu_oai; {mb:.2f} MB an expert; "
+          f"native over {n} experts, the reference over {n_ref}; {reps} rounds, medians")
+    print(f"{'thr':>3}  {'kernel':<7} {'ms/expert':>10} {'GB/s':>7} {'speed-up':>8}")
+    for th in threads:
+        lanes = {k: CpuLane({0: ew}, threads=th, kernel=k, dtype=torch.bfloat16) for k in ("native", "ref")}
+        assert lanes["native"].kernel[0] == "native"
+        times: dict = {k: [] for k in lanes}
+        for r in range(reps + 1):
+            for k, lane in lanes.items():
+                m = n if k == "native" else n_ref
+                t0 = time.perf_counter()
+                for e in range(m):
+                    lane.expert(0, e, x)
+                if r:  # the first round warms up
+                    times[k].append((time.perf_counter() - t0) / m)
+        med = {k: float(np.median(v)) for k, v in times.items()}
+        for k in lanes:
+            print(f"{th:>3}  {k:<7} {med[k] * 1e3:>10.3f} {mb / 1e3 / med[k]:>7.2f} {med['ref'] / med[k]:>8.1f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--experts", type=int, default=32)
@@ -114,10 +149,16 @@ def main() -> None:
     ap.add_argument("--ref-experts", type=int, default=2, help="experts for the (slow) reference kernel")
     ap.add_argument("--alternate", default=None, help="comma-separated formats: the native kernel only, each "
                     "timed alternately with Q4_K")
-    ap.add_argument("--reps", type=int, default=15, help="rounds of --alternate (medians)")
+    ap.add_argument("--reps", type=int, default=15, help="rounds of --alternate or --gpt-oss (medians)")
+    ap.add_argument("--gpt-oss", action="store_true", help="gpt-oss-shaped MXFP4 experts: native against the "
+                    "reference path, alternately")
     a = ap.parse_args()
     cores = torch.get_num_threads()
     threads = [int(t) for t in a.threads.split(",")] if a.threads else sorted({1, cores})
+    if a.gpt_oss:
+        if cpu_native.load() is None:
+            raise SystemExit(f"the native kernel is unavailable: {cpu_native.unavailable()}")
+        return gpt_oss(threads, a.experts, a.ref_experts, a.reps)
     if a.alternate:
         if cpu_native.load() is None:
             raise SystemExit(f"the native kernel is unavailable: {cpu_native.unavailable()}")

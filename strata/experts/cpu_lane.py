@@ -16,11 +16,13 @@ Kernels per expert FFN (`silu(x @ gate.T) * (x @ up.T) @ down.T`):
 
 - `native`: Q4_K / Q5_K / Q6_K / Q8_0 / IQ4_XS / IQ2_XXS / IQ3_XXS / MXFP4 experts read in place by a compiled
   kernel (`strata.ops.cpu_native`: int8 activations, AVX2 integer dot products, every expert of a token-layer in
-  one call); needs a C compiler at first use.
+  one call); needs a C compiler at first use. Rows are multiples of 256, or of 32 for Q8_0 and MXFP4; experts
+  with biases and gpt-oss's clamped SwiGLU (`ExpertAct` kind `swiglu_oai`) go through it too.
 
 `auto` takes `native` for bf16/f16 activations and experts in those formats when the kernel builds, else `int4` for a
-repackable format (Q4_K, Q4_0, Q8_0), else `ref`. Other formats (Q2_K, Q3_K, Q5_0, the other i-quants, ...) use `ref`
-until a kernel for them lands; with bf16/f16 activations that logs one warning per such format.
+repackable format (Q4_K, Q4_0, Q8_0; plain SwiGLU, and preferred for rows with a partial 256-block), else `ref`.
+Other formats (Q2_K, Q3_K, Q5_0, the other i-quants, ...) use `ref` until a kernel for them lands; with bf16/f16
+activations that logs one warning per such format.
 
 Threads: torch's intra-op pool is process-wide; `CpuLane(threads=n)` sets it (0 leaves torch's default, one
 per physical core). The lane runs on the calling thread: the backend launches the GPU's work first, then
@@ -146,14 +148,35 @@ def int4_supported(ew: ExpertWeights) -> bool:
 
 
 NATIVE_TYPES = frozenset({Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.IQ4_XS, Q.IQ2_XXS, Q.IQ3_XXS, Q.MXFP4})
+NATIVE_ACTS = frozenset({"swiglu_oai"})  # the ExpertAct kinds the native kernel computes (with their biases)
+
+
+def native_width(qtype) -> int:
+    """The row length a format needs for the native kernel: its 32-wide blocks (Q8_0, MXFP4) read activations
+    quantized per 256 with a partial last block; the others need whole 256-blocks."""
+    return 32 if qtype in (Q.Q8_0, Q.MXFP4) else 256
 
 
 def native_supported(ew: ExpertWeights) -> bool:
-    """The native kernel takes this layer's experts: gate and up of one format, each projection in NATIVE_TYPES,
-    both dimensions multiples of 256 (the activations are quantized per 256)."""
+    """The native kernel takes this layer's experts: gate and up of one format, each projection in NATIVE_TYPES
+    with rows a multiple of native_width, and plain SwiGLU or an activation in NATIVE_ACTS."""
     return (all(t.qtype in NATIVE_TYPES for t in (ew.gate, ew.up, ew.down)) and ew.gate.qtype == ew.up.qtype
-            and ew.gate.shape[-1] % 256 == 0 and ew.down.shape[-1] % 256 == 0
+            and not _short_rows(ew) and (ew.act is None or ew.act.kind in NATIVE_ACTS)
             and all(t.raw.is_contiguous() for t in (ew.gate, ew.up, ew.down)))
+
+
+def _short_rows(ew: ExpertWeights) -> list:
+    """The native formats among gate/up and down whose rows are not a multiple of their native_width."""
+    return sorted({t.qtype for t in (ew.gate, ew.down)
+                   if t.qtype in NATIVE_TYPES and t.shape[-1] % native_width(t.qtype)})
+
+
+def _native_act(ew: ExpertWeights) -> dict:
+    """NativeExperts' activation and bias arguments for these experts."""
+    a = ew.act
+    if a is None:
+        return {}
+    return dict(act=a.kind, alpha=a.alpha, limit=a.limit, gate_b=a.gate_b, up_b=a.up_b, down_b=a.down_b)
 
 
 def _native_lib():
@@ -201,22 +224,28 @@ class CpuLane:
         self._native: dict[int, object] = {}
         for i, ew in layers.items():
             want = kernel
-            if ew.act is not None and kernel in ("int4", "native"):
+            if ew.act is not None and (kernel == "int4" or (kernel == "native" and ew.act.kind not in NATIVE_ACTS)):
                 raise StrataError(f"layer {i}: the {kernel} CPU kernel computes plain SwiGLU experts; these have "
                                   f"biases and the {ew.act.kind} activation (use --cpu-kernel ref or auto)")
-            if kernel == "auto" and ew.act is not None:
-                want = "ref"  # the fast kernels compute plain SwiGLU only
-            elif kernel == "auto":  # float32 activations keep the exact reference (offloaded runs equal resident)
+            if kernel == "auto":  # float32 activations keep the exact reference (offloaded runs equal resident)
                 low = dtype in (torch.bfloat16, torch.float16)
-                if low and native_supported(ew) and _native_lib() is not None:
+                native = low and native_supported(ew) and _native_lib() is not None
+                # rows with a partial 256-block: the int4 repack keeps the plain experts it takes (the native
+                # kernel's partial blocks are untimed against it); native takes the rest (gpt-oss's MXFP4, 2880)
+                whole = ew.gate.shape[-1] % 256 == 0 and ew.down.shape[-1] % 256 == 0
+                int4 = low and ew.act is None and int4_supported(ew) and repack
+                if native and (whole or not int4):
                     want = "native"  # reads the stored blocks in place: no repacked copy, one call per token-layer
-                elif low and int4_supported(ew) and repack:
+                elif int4:
                     want = "int4"
                 else:
                     want = "ref"
                     if low:  # a format no CPU kernel reads is slow here by nature, not by choice: say so, once
                         for t in sorted({ew.gate.qtype, ew.up.qtype, ew.down.qtype} - NATIVE_TYPES - INT4_TYPES):
                             warn_reference_path(t, "the CPU lane")
+                        for t in _short_rows(ew):  # a format of 256-wide blocks in rows of another length
+                            warn_reference_path(t, f"the CPU lane at rows that are not a multiple of "
+                                                   f"{native_width(t)}")
             elif kernel == "int4" and not int4_supported(ew):
                 raise StrataError(f"layer {i}: the int4 CPU kernel does not take {ew.gate.qtype.name}/"
                                   f"{ew.down.qtype.name} experts of shape {ew.gate.shape[1:]}")
@@ -227,9 +256,9 @@ class CpuLane:
                 raise StrataError(f"--cpu-kernel native: the native CPU kernel is unavailable: {why}")
             elif kernel == "native" and not native_supported(ew):
                 raise StrataError(f"layer {i}: the native CPU kernel takes "
-                                  f"{'/'.join(sorted(t.name for t in NATIVE_TYPES))} experts with dimensions that are "
-                                  f"multiples of 256 and needs a C compiler (got {ew.gate.qtype.name}/"
-                                  f"{ew.down.qtype.name}, {ew.gate.shape[1:]})")
+                                  f"{'/'.join(sorted(t.name for t in NATIVE_TYPES))} experts with rows that are "
+                                  f"multiples of 256 (of 32 for Q8_0 and MXFP4) and needs a C compiler (got "
+                                  f"{ew.gate.qtype.name}/{ew.down.qtype.name}, {ew.gate.shape[1:]})")
             self.kernel[i] = want
             if want == "int4":
                 self._int4[i] = {}  # filled lazily per expert, or all at once by prepare()
@@ -237,7 +266,7 @@ class CpuLane:
                 from strata.ops.cpu_native import NativeExperts
 
                 self._native[i] = NativeExperts(ew.gate.raw, ew.up.raw, ew.down.raw, fmt_gate_up=ew.gate.qtype.name,
-                                                fmt_down=ew.down.qtype.name)
+                                                fmt_down=ew.down.qtype.name, **_native_act(ew))
 
     def set_threads(self, threads: int) -> None:
         """The lane's thread count from now on (torch's intra-op pool, which the native kernel follows too)."""

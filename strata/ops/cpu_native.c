@@ -40,14 +40,18 @@ static inline float hsum8(__m256 v) {  /* the sum of 8 floats */
 }
 #endif
 
-/* x[K] -> int8 per 256 (scale xd[K/256]), sums per 32 (xs[K/32]) and per 16 (x16[K/16]) */
+/* x[K] -> int8 per 256 (scale xd[NB256(K)]), sums per 32 (xs[K/32]) and per 16 (x16[K/16]). K is a multiple of 32:
+   where it is not one of 256 the last block is partial (len < 256, its own scale), which only the formats of
+   32-wide blocks read (their dot products walk K/32 blocks); a format of 256-wide blocks needs whole ones. */
+#define NB256(K) (((K) + 255) / 256)
 static void quantize_row(const float *x, int K, int8_t *xq, float *xd, int32_t *xs, int32_t *x16) {
-    for (int b = 0; b < K / 256; b++) {
+    for (int b = 0; b < NB256(K); b++) {
+        const int len = K - b * 256 < 256 ? K - b * 256 : 256;
         float amax = 0.f;
-        for (int i = 0; i < 256; i++) { float a = fabsf(x[b * 256 + i]); if (a > amax) amax = a; }
+        for (int i = 0; i < len; i++) { float a = fabsf(x[b * 256 + i]); if (a > amax) amax = a; }
         float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
         xd[b] = d;
-        for (int j = 0; j < 16; j++) {
+        for (int j = 0; j < len / 16; j++) {
             int32_t s = 0;
             for (int i = 0; i < 16; i++) {
                 int v = (int)lrintf(x[b * 256 + j * 16 + i] * id);
@@ -57,7 +61,7 @@ static void quantize_row(const float *x, int K, int8_t *xq, float *xd, int32_t *
             }
             x16[b * 16 + j] = s;
         }
-        for (int j = 0; j < 8; j++) xs[b * 8 + j] = x16[b * 16 + 2 * j] + x16[b * 16 + 2 * j + 1];
+        for (int j = 0; j < len / 32; j++) xs[b * 8 + j] = x16[b * 16 + 2 * j] + x16[b * 16 + 2 * j + 1];
     }
 }
 
@@ -283,11 +287,14 @@ static float dot_iq4xs(const uint8_t *row, int nb, const int8_t *xq, const float
 #include "cpu_native_fmt.h"  /* Q5_K and MXFP4: dot_q5k, dot_mxfp4 */
 
 enum { FMT_Q4K = 0, FMT_Q6K = 1, FMT_Q80 = 2, FMT_IQ4XS = 3, FMT_IQ2XXS = 4, FMT_IQ3XXS = 5, FMT_Q5K = 6,
-       FMT_MXFP4 = 7 };
+       FMT_MXFP4 = 7, N_FMT = 8 };
+
+/* the weights a block of the format spans: its rows' lengths are multiples of it */
+static inline int fmt_width(int fmt) { return fmt == FMT_Q80 || fmt == FMT_MXFP4 ? 32 : 256; }
 
 static inline int row_bytes(int fmt, int K) {
     static const int per256[] = {144, 210, 0, 136, 66, 98, 176, 136};
-    return fmt == FMT_Q80 ? K / 32 * 34 : K / 256 * per256[fmt];
+    return fmt == FMT_Q80 ? K / 32 * 34 : fmt == FMT_MXFP4 ? K / 32 * 17 : K / 256 * per256[fmt];
 }
 
 static inline float dot_row(int fmt, const uint8_t *row, int K, const int8_t *q, const float *qd,
@@ -300,27 +307,48 @@ static inline float dot_row(int fmt, const uint8_t *row, int K, const int8_t *q,
     return fmt == FMT_Q6K ? dot_q6k(row, K / 256, q, qd, q16) : dot_q4k(row, K / 256, q, qd, qs);
 }
 
+/* the gated activation of gate g and up u (biases already added): ACT_SWIGLU silu(g) * u; ACT_OAI gpt-oss's
+   clamped one (transformers' GptOssExperts): g clamped above at limit, u to [-limit, limit], then
+   (u + 1) * g * sigmoid(alpha * g) */
+enum { ACT_SWIGLU = 0, ACT_OAI = 1 };
+
+static inline float glu(int act, float g, float u, float alpha, float limit) {
+    if (act == ACT_OAI) {
+        g = fminf(g, limit);
+        u = fmaxf(fminf(u, limit), -limit);
+        return (u + 1.f) * (g / (1.f + expf(-alpha * g)));
+    }
+    return g / (1.f + expf(-g)) * u;
+}
+
 /* scratch per expert row set: activations d and intermediate ff, each as int8 + scales + sums per 32 and 16 */
-static inline long scratch_per(int K) { return K + 4L * (K / 256 + K / 32 + K / 16); }
+static inline long scratch_per(int K) { return K + 4L * (NB256(K) + K / 32 + K / 16); }
 
 /* n experts, each over its own activations x[e] (d floats): out[e] (d floats) =
-   down[e] . (silu(gate[e] . x) * (up[e] . x)); gate/up [ff, d] and down [d, ff] in format fgu / fdn.
-   ws: scratch of n * (scratch_per(d) + scratch_per(ff)) bytes plus n * ff floats (64-byte aligned). */
+   down[e] . glu(gate[e] . x + gb[e], up[e] . x + ub[e]) + db[e]; gate/up [ff, d] and down [d, ff] in format fgu /
+   fdn. gb, ub, db: NULL (no bias) or each row's bias vector (ff, ff, d floats); act, alpha, limit: glu's.
+   ws: scratch of n * (scratch_per(d) + scratch_per(ff)) bytes plus n * ff floats (64-byte aligned).
+   Returns 0, or -1 (nothing computed) where d or ff is not a multiple of its format's block width or a format
+   or activation is unknown. */
 long strata_native_scratch(int n, int d, int ff) { return (long)n * (scratch_per(d) + scratch_per(ff) + 4L * ff); }
 
-void strata_native_experts(int n, const uint8_t *const *gate, const uint8_t *const *up, const uint8_t *const *down,
-                           const float *const *x, float *out, int d, int ff, int fgu, int fdn, int threads,
-                           uint8_t *ws) {
+int strata_native_experts(int n, const uint8_t *const *gate, const uint8_t *const *up, const uint8_t *const *down,
+                          const float *const *x, float *out, int d, int ff, int fgu, int fdn, int threads,
+                          uint8_t *ws, const float *const *gb, const float *const *ub, const float *const *db,
+                          int act, float alpha, float limit) {
+    if (fgu < 0 || fgu >= N_FMT || fdn < 0 || fdn >= N_FMT || (act != ACT_SWIGLU && act != ACT_OAI) || d <= 0 ||
+        ff <= 0 || d % fmt_width(fgu) || ff % fmt_width(fdn))
+        return -1;
     const int rg = row_bytes(fgu, d), rd = row_bytes(fdn, ff);
     float *h = (float *)ws;                                   /* n * ff floats */
     uint8_t *sx = ws + 4L * n * ff, *sh = sx + (long)n * scratch_per(d);
     #define XQ(e) ((int8_t *)(sx + (long)(e) * scratch_per(d)))
     #define XD(e) ((float *)(sx + (long)(e) * scratch_per(d) + d))
-    #define XS(e) ((int32_t *)(XD(e) + d / 256))
+    #define XS(e) ((int32_t *)(XD(e) + NB256(d)))
     #define X16(e) (XS(e) + d / 32)
     #define HQ(e) ((int8_t *)(sh + (long)(e) * scratch_per(ff)))
     #define HD(e) ((float *)(sh + (long)(e) * scratch_per(ff) + ff))
-    #define HS(e) ((int32_t *)(HD(e) + ff / 256))
+    #define HS(e) ((int32_t *)(HD(e) + NB256(ff)))
     #define H16(e) (HS(e) + ff / 32)
     #pragma omp parallel num_threads(threads)
     {
@@ -331,14 +359,18 @@ void strata_native_experts(int n, const uint8_t *const *gate, const uint8_t *con
             int e = (int)(r / ff), i = (int)(r % ff);
             float g = dot_row(fgu, gate[e] + (long)i * rg, d, XQ(e), XD(e), XS(e), X16(e));
             float u = dot_row(fgu, up[e] + (long)i * rg, d, XQ(e), XD(e), XS(e), X16(e));
-            h[r] = g / (1.f + expf(-g)) * u;
+            if (gb) g += gb[e][i];
+            if (ub) u += ub[e][i];
+            h[r] = glu(act, g, u, alpha, limit);
         }
         #pragma omp for schedule(static)
         for (int e = 0; e < n; e++) quantize_row(h + (long)e * ff, ff, HQ(e), HD(e), HS(e), H16(e));
         #pragma omp for schedule(static)
         for (long r = 0; r < (long)n * d; r++) {
             int e = (int)(r / d), i = (int)(r % d);
-            out[r] = dot_row(fdn, down[e] + (long)i * rd, ff, HQ(e), HD(e), HS(e), H16(e));
+            float o = dot_row(fdn, down[e] + (long)i * rd, ff, HQ(e), HD(e), HS(e), H16(e));
+            out[r] = db ? o + db[e][i] : o;
         }
     }
+    return 0;
 }

@@ -10,7 +10,10 @@ row is a sum over its super-blocks of d·Σ sc_j·(q_j·x8_j) − dmin·Σ m_j·
 done by `maddubs`/`madd` on 32 bytes at a time; Q6_K (the down projections of Q4_K_M files) likewise per 16
 weights, and Q8_0 per 32 (signed × signed through the sign trick). All the experts a token-layer sends to the CPU go in one call
 with one OpenMP region: gate and up rows of every expert in parallel, SiLU·up, the intermediate quantized, then
-the down rows — two barriers, no per-expert fork/join.
+the down rows — two barriers, no per-expert fork/join. Experts with biases (gate and up before the activation,
+down after) and gpt-oss's clamped SwiGLU (`act="swiglu_oai"`) take the same call; so do rows whose length is a
+multiple of 32 but not of 256 (gpt-oss's 2880) in the 32-wide formats (Q8_0, MXFP4): the activations' last
+block is then partial, with its own scale.
 
 Exactness: the weights are used exactly (the Q4_K formula); the activations are rounded to int8 per 256
 (relative error ~1/254 of the block's largest value), as llama.cpp does. The reference twin is
@@ -105,8 +108,8 @@ def build(flags: list[str] | None = None) -> ctypes.CDLL | None:
         return None
     f = lib.strata_native_experts
     P, I = ctypes.c_void_p, ctypes.c_int
-    f.argtypes = [I, P, P, P, P, P, I, I, I, I, I, P]
-    f.restype = None
+    f.argtypes = [I, P, P, P, P, P, I, I, I, I, I, P, P, P, P, I, ctypes.c_float, ctypes.c_float]
+    f.restype = I
     lib.strata_native_scratch.argtypes = [I, I, I]
     lib.strata_native_scratch.restype = ctypes.c_long
     lib.strata_native_tables.argtypes = [P, P, P]
@@ -151,14 +154,22 @@ def _set_tables(lib: ctypes.CDLL) -> None:
 
 # the kernel's format codes (FMT_Q4K, ..., FMT_MXFP4)
 FORMATS = {"Q4_K": 0, "Q6_K": 1, "Q8_0": 2, "IQ4_XS": 3, "IQ2_XXS": 4, "IQ3_XXS": 5, "Q5_K": 6, "MXFP4": 7}
+# the weights a block spans (the kernel's fmt_width): a row's length must be a multiple of it. The activations are
+# quantized per 256 with a partial last block, which only the 32-wide formats' dot products can read.
+WIDTHS = {f: 32 if f in ("Q8_0", "MXFP4") else 256 for f in FORMATS}
+# the gated activations (ACT_SWIGLU, ACT_OAI): plain SwiGLU, and gpt-oss's clamped one with its alpha and limit
+ACTS = {"swiglu": 0, "swiglu_oai": 1}
 
 
 class NativeExperts:
     """Calls of the native kernel for one layer's experts: gate/up raw blocks [E, ff, ...] and down [E, d, ...],
-    each projection in one of FORMATS (`fmt_gate_up`, `fmt_down`: its names)."""
+    each projection in one of FORMATS (`fmt_gate_up`, `fmt_down`: its names). `act` one of ACTS (with `alpha` and
+    `limit` for swiglu_oai); `gate_b`, `up_b` [E, ff] and `down_b` [E, d]: per-expert biases, or None."""
 
     def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, threads: int | None = None, *,
-                 fmt_gate_up: str = "Q4_K", fmt_down: str = "Q4_K", lib: ctypes.CDLL | None = None):
+                 fmt_gate_up: str = "Q4_K", fmt_down: str = "Q4_K", lib: ctypes.CDLL | None = None,
+                 act: str = "swiglu", alpha: float = 1.702, limit: float = 7.0, gate_b: torch.Tensor | None = None,
+                 up_b: torch.Tensor | None = None, down_b: torch.Tensor | None = None):
         lib = lib or load()
         if lib is None:
             raise RuntimeError("the native CPU kernel is unavailable")
@@ -170,14 +181,28 @@ class NativeExperts:
         self.E, self.ff = gate.shape[0], gate.shape[1]
         self.d = down.shape[1]
         self.fgu, self.fdn = FORMATS[fmt_gate_up], FORMATS[fmt_down]
-        if self.d % 256 or self.ff % 256:
-            raise ValueError(f"the native kernel needs dimensions that are multiples of 256, got {self.d}, {self.ff}")
+        wgu, wdn = WIDTHS[fmt_gate_up], WIDTHS[fmt_down]
+        if self.d % wgu or self.ff % wdn:
+            raise ValueError(f"the native kernel needs rows whose lengths are multiples of their format's block "
+                             f"({fmt_gate_up}: {wgu}, {fmt_down}: {wdn}), got d {self.d}, ff {self.ff}")
+        if act not in ACTS:
+            raise ValueError(f"the native kernel's activations are {', '.join(ACTS)}, got {act!r}")
+        self.act, self.alpha, self.limit = ACTS[act], float(alpha), float(limit)
         self.threads = threads  # None: torch's intra-op thread count at each call (--cpu-threads sets it)
         self._ws: dict[int, torch.Tensor] = {}
         # each expert's gate, up and down addresses as Python ints: a decode call has a few experts, and filling
         # its address table from lists costs a microsecond where numpy's indexing and checks cost tens
         self._ga, self._ua, self._da = ([t.data_ptr() + e * t.stride(0) for e in range(self.E)] for t in (gate, up, down))
-        self._tabs: dict[int, tuple[np.ndarray, int]] = {}  # n -> (int64 address table [4n], its address)
+        # the biases as float32 host rows (kept alive: the kernel reads them), each expert's row address, or None
+        self._bias, self._ba = [], []
+        for b, width in ((gate_b, self.ff), (up_b, self.ff), (down_b, self.d)):
+            if b is not None:
+                b = b.detach().to("cpu", torch.float32).contiguous()
+                if tuple(b.shape) != (self.E, width):
+                    raise ValueError(f"a bias must be [{self.E}, {width}], got {list(b.shape)}")
+                self._bias.append(b)
+            self._ba.append(None if b is None else [b.data_ptr() + e * width * 4 for e in range(self.E)])
+        self._tabs: dict[int, tuple[np.ndarray, int]] = {}  # n -> (int64 address table [7n], its address)
 
     def _work(self, n: int) -> int:
         """Address of the kernel's scratch for n rows (kept per n: decode reuses a few sizes)."""
@@ -211,17 +236,25 @@ class NativeExperts:
             return out
         got = self._tabs.get(n)
         if got is None:
-            arr = np.zeros(4 * n, dtype=np.int64)
+            arr = np.zeros(7 * n, dtype=np.int64)
             got = self._tabs[n] = (arr, arr.ctypes.data)
         tab, base = got
-        # one int64 table of addresses: gate, up, down rows of each expert, then each output row's input row
+        # one int64 table of addresses: gate, up, down rows of each expert, each output row's input row, then the
+        # experts' gate, up and down bias rows (those the layer has)
         xp, xs = x.data_ptr(), self.d * 4
         ga, ua, da = self._ga, self._ua, self._da
-        tab[:] = [ga[e] for e in ex] + [ua[e] for e in ex] + [da[e] for e in ex] + [xp + i * xs for i in r]
+        tab[:4 * n] = [ga[e] for e in ex] + [ua[e] for e in ex] + [da[e] for e in ex] + [xp + i * xs for i in r]
         step = n * 8
+        bias = [None, None, None]
+        for j, ba in enumerate(self._ba):
+            if ba is not None:
+                tab[(4 + j) * n:(5 + j) * n] = [ba[e] for e in ex]
+                bias[j] = base + (4 + j) * step
         threads = max(1, self.threads or torch.get_num_threads())
-        self._f(n, base, base + step, base + 2 * step, base + 3 * step, out.data_ptr(), self.d, self.ff,
-                self.fgu, self.fdn, threads, self._work(n))
+        rc = self._f(n, base, base + step, base + 2 * step, base + 3 * step, out.data_ptr(), self.d, self.ff,
+                     self.fgu, self.fdn, threads, self._work(n), *bias, self.act, self.alpha, self.limit)
+        if rc:
+            raise ValueError(f"the native kernel refused d {self.d}, ff {self.ff} for formats {self.fgu}/{self.fdn}")
         return out
 
 

@@ -90,10 +90,11 @@ static const int8_t KVALUES_MXFP4_U[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 1
 #endif
 #endif
 
-/* a row of K weights (K / 32 blocks; K a multiple of 256, as the activations are quantized per 256); xs: the
-   activations' sums per 32 */
-static float dot_mxfp4(const uint8_t *row, int K, const int8_t *xq, const float *xd, const int32_t *xs) {
+/* nblk (8 but in a row's partial tail) blocks of 32 weights from blk . the activations x (xs: their sums per 32),
+   each block's integer sum times its scale, in 8 float lanes */
 #if defined(__AVX2__) && defined(__FMA__)
+static inline __attribute__((always_inline)) __m256 mxfp4_blocks(const uint8_t *blk, const int8_t *x,
+                                                                 const int32_t *xs, int nblk) {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
 #if defined(MXFP4_VNNI)
     const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)KVALUES_MXFP4_U));
@@ -103,42 +104,60 @@ static float dot_mxfp4(const uint8_t *row, int K, const int8_t *xq, const float 
     (void)xs;
 #endif
     const __m256i nib = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);  /* low nibbles in lane 0, high in lane 1 */
+    __m256 acc = _mm256_setzero_ps();
+    for (int i = 0; i < nblk; i++) {
+        const uint8_t *q = blk + 17 * i;
+        /* the 16 code bytes in both lanes, shifted by 0 and 4: the block's 32 codes in weight order */
+        __m256i c = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(q + 1)));
+        __m256i w = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srlv_epi32(c, nib), m4));
+        __m256i xv = _mm256_loadu_si256((const __m256i *)(x + 32 * i));
+#if defined(MXFP4_VNNI)
+        __m256i p = _mm256_dpbusd_epi32(_mm256_zextsi128_si256(_mm_cvtsi32_si128(-12 * xs[i])), w, xv);
+#else
+        __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w)), ones);
+#endif
+        acc = _mm256_fmadd_ps(_mm256_broadcast_ss(E8M0_HALF + q[0]), _mm256_cvtepi32_ps(p), acc);
+    }
+    return acc;
+}
+#else
+static inline float mxfp4_blocks(const uint8_t *blk, const int8_t *x, int nblk) {
+    float acc = 0.f;
+    for (int i = 0; i < nblk; i++) {
+        const uint8_t *q = blk + 17 * i;
+        const int8_t *xi = x + 32 * i;
+        int32_t s = 0;
+        for (int l = 0; l < 16; l++)
+            s += KVALUES_MXFP4[q[1 + l] & 15] * xi[l] + KVALUES_MXFP4[q[1 + l] >> 4] * xi[l + 16];
+        acc += e8m0_half(q[0]) * (float)s;
+    }
+    return acc;
+}
+#endif
+
+/* a row of K weights (K / 32 blocks, K a multiple of 32): per 256 activations (one scale xd[b]) 8 blocks, and
+   where K is not a multiple of 256 a last, partial group of (K % 256) / 32 blocks under its own scale; xs: the
+   activations' sums per 32 */
+static float dot_mxfp4(const uint8_t *row, int K, const int8_t *xq, const float *xd, const int32_t *xs) {
+    const int nb = K / 256, tail = K % 256 / 32;
+#if defined(__AVX2__) && defined(__FMA__)
     __m256 fsum = _mm256_setzero_ps();
-    for (int b = 0; b < K / 256; b++) {
+    for (int b = 0; b < nb; b++) {
         const uint8_t *blk = row + b * 136;  /* 8 blocks of 17 bytes per 256 activations */
         PREFETCH_AHEAD(blk, K / 32 * 17, 136);
-        const int8_t *x = xq + 256 * b;
-        __m256 acc = _mm256_setzero_ps();
-        for (int i = 0; i < 8; i++) {
-            const uint8_t *q = blk + 17 * i;
-            /* the 16 code bytes in both lanes, shifted by 0 and 4: the block's 32 codes in weight order */
-            __m256i c = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(q + 1)));
-            __m256i w = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srlv_epi32(c, nib), m4));
-            __m256i xv = _mm256_loadu_si256((const __m256i *)(x + 32 * i));
-#if defined(MXFP4_VNNI)
-            __m256i p = _mm256_dpbusd_epi32(_mm256_zextsi128_si256(_mm_cvtsi32_si128(-12 * xs[b * 8 + i])), w, xv);
-#else
-            __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w)), ones);
-#endif
-            acc = _mm256_fmadd_ps(_mm256_broadcast_ss(E8M0_HALF + q[0]), _mm256_cvtepi32_ps(p), acc);
-        }
-        fsum = _mm256_fmadd_ps(_mm256_set1_ps(xd[b]), acc, fsum);
+        fsum = _mm256_fmadd_ps(_mm256_set1_ps(xd[b]), mxfp4_blocks(blk, xq + 256 * b, xs + 8 * b, 8), fsum);
+    }
+    if (tail) {
+        const uint8_t *blk = row + nb * 136;
+        PREFETCH_AHEAD(blk, K / 32 * 17, tail * 17);
+        fsum = _mm256_fmadd_ps(_mm256_set1_ps(xd[nb]), mxfp4_blocks(blk, xq + 256 * nb, xs + 8 * nb, tail), fsum);
     }
     return hsum8(fsum);
 #else
     (void)xs;
     float sum = 0.f;
-    for (int b = 0; b < K / 256; b++) {
-        float acc = 0.f;
-        for (int i = 0; i < 8; i++) {
-            const uint8_t *q = row + b * 136 + 17 * i;
-            const int8_t *x = xq + 256 * b + 32 * i;
-            int32_t s = 0;
-            for (int l = 0; l < 16; l++) s += KVALUES_MXFP4[q[1 + l] & 15] * x[l] + KVALUES_MXFP4[q[1 + l] >> 4] * x[l + 16];
-            acc += e8m0_half(q[0]) * (float)s;
-        }
-        sum += xd[b] * acc;
-    }
+    for (int b = 0; b < nb; b++) sum += xd[b] * mxfp4_blocks(row + b * 136, xq + 256 * b, 8);
+    if (tail) sum += xd[nb] * mxfp4_blocks(row + nb * 136, xq + 256 * nb, tail);
     return sum;
 #endif
 }
