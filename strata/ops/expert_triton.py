@@ -62,7 +62,8 @@ PROGRAMS_PER_SM = 8  # fewer rows per program until a launch has this many (one-
 # ~35 (Q6_K), ~50 (Q4_K) in loops of one block per row.
 TILE = {Q.Q4_K: (16384, 128), Q.Q5_K: (8192, 128), Q.Q8_0: (8192, 128), Q.Q6_K: (8192, 128),
         # the lookup-table formats (strata.ops.iquant_triton): one gathered codebook value per weight (not tuned)
-        Q.IQ4_XS: (8192, 64), Q.IQ2_XXS: (4096, 64), Q.IQ3_XXS: (4096, 64), Q.MXFP4: (4096, 64)}
+        Q.IQ4_XS: (8192, 64), Q.IQ2_XXS: (4096, 64), Q.IQ3_XXS: (4096, 64), Q.MXFP4: (4096, 64),
+        Q.IQ2_S: (4096, 64)}
 
 
 def available() -> bool:
@@ -86,6 +87,8 @@ if triton is not None:
             return iquant_triton.iq4xs_tile(row, xp, tab, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
         elif QT == 16:  # IQ2_XXS
             return iquant_triton.iq2xxs_tile(row, xp, tab, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
+        elif QT == 22:  # IQ2_S
+            return iquant_triton.iq2s_tile(row, xp, tab, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
         elif QT == 18:  # IQ3_XXS
             return iquant_triton.iq3xxs_tile(row, xp, tab, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
         elif QT == 39:  # MXFP4

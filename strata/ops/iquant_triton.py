@@ -1,5 +1,5 @@
 """Triton tiles of the lookup-table formats for the fused expert kernels and the decode GEMV
-(`strata.ops.expert_triton`): IQ2_XXS, IQ3_XXS, IQ4_XS (the i-quants of the seeds' GLM / Qwen mixes) and MXFP4
+(`strata.ops.expert_triton`): IQ2_XXS, IQ2_S, IQ3_XXS, IQ4_XS (the i-quants of the seeds' GLM / Qwen mixes) and MXFP4
 (gpt-oss's experts), read in place from the GGML blocks, no dequantized copy.
 
 Each tile takes BN rows (byte pointers) of NB consecutive blocks, decodes them in registers and returns the BN dot
@@ -14,6 +14,9 @@ gathered from by index (a few KB: it stays in L1). Block layouts, as gguf-py deq
              4 x 7-bit sign indices + a 4-bit scale s; weight = d (0.5 + s) / 4 * grid[index][j] * sign
     IQ3_XXS   98 bytes / 256: f16 d, 64 grid index bytes (4 weights each), 8 u32 of 4 x 7-bit sign indices + a
              4-bit scale; weight = d (0.5 + s) / 2 * grid[index][j] * sign
+    IQ2_S     82 bytes / 256: f16 d, 32 grid index bytes (8 weights each; 2 more bits each in qh), 32 sign bytes
+             (bit j: weight j of the group negative), 8 bytes qh, 8 bytes of two 4-bit scales (16 weights each);
+             weight = d (0.5 + s) / 4 * grid[index][j] * sign (IQ2_S's own 1024-entry grid)
     MXFP4     17 bytes / 32: an E8M0 exponent byte e, 16 bytes of 4-bit codes (low nibbles weights 0-15);
              weight = 2^(e - 128) * mxfp4[code] (gguf-py's doubled table; subnormal scales for e < 2)
 
@@ -39,8 +42,9 @@ except ImportError:  # pragma: no cover - depends on the install
 
 # offsets (in floats) of each codebook in the table
 T_IQ4NL, T_MXFP4, T_KSIGNS, T_IQ2XXS, T_IQ3XXS = 0, 16, 32, 32 + 128 * 8, 32 + 128 * 8 + 256 * 8
-T_SIZE = T_IQ3XXS + 256 * 4
-FORMATS = {Q.IQ2_XXS: 66, Q.IQ3_XXS: 98, Q.IQ4_XS: 136, Q.MXFP4: 17}  # bytes per block
+T_IQ2S = T_IQ3XXS + 256 * 4
+T_SIZE = T_IQ2S + 1024 * 8
+FORMATS = {Q.IQ2_XXS: 66, Q.IQ3_XXS: 98, Q.IQ4_XS: 136, Q.MXFP4: 17, Q.IQ2_S: 82}  # bytes per block
 _TABLES: dict[torch.device, torch.Tensor] = {}
 _LOCK = threading.Lock()
 
@@ -56,7 +60,7 @@ def table(device: torch.device) -> torch.Tensor:
             t = _TABLES.get(device)
             if t is None:
                 parts = [gguf_table(n, torch.device("cpu")).reshape(-1) for n in ("iq4nl", "mxfp4", "ksigns",
-                                                                                   "IQ2_XXS", "IQ3_XXS")]
+                                                                                   "IQ2_XXS", "IQ3_XXS", "IQ2_S")]
                 t = torch.cat(parts).to(torch.float32)
                 assert t.numel() == T_SIZE, t.numel()
                 t = _TABLES[device] = t.to(device)
@@ -66,8 +70,8 @@ def table(device: torch.device) -> torch.Tensor:
 if triton is not None:
     # the offsets as Triton constants: a compiled kernel may read a global only when it is a constexpr (the
     # interpreter on the CPU reads any global, so only a GPU catches this)
-    C_IQ4NL, C_MXFP4, C_KSIGNS, C_IQ2XXS, C_IQ3XXS = (tl.constexpr(v) for v in (T_IQ4NL, T_MXFP4, T_KSIGNS,
-                                                                                 T_IQ2XXS, T_IQ3XXS))
+    C_IQ4NL, C_MXFP4, C_KSIGNS, C_IQ2XXS, C_IQ3XXS, C_IQ2S = (tl.constexpr(v) for v in (
+        T_IQ4NL, T_MXFP4, T_KSIGNS, T_IQ2XXS, T_IQ3XXS, T_IQ2S))
 
     @triton.jit
     def _u16(p, m):
@@ -150,6 +154,35 @@ if triton is not None:
         xo = sb[:, None, None] * 256 + 32 * ib[None, :, None] + t.to(tl.int64)[None, None, :]  # [NB, 8, 32]
         x = tl.load(xp + xo, mask=sm[:, None, None], other=0.0).to(tl.float32)
         part = tl.sum(grid * sg * x[None], axis=3) * db  # [BN, NB, 8]
+        return tl.sum(tl.sum(part, axis=2), axis=1)
+
+    @triton.jit
+    def iq2s_tile(row, xp, tab, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
+        # group g = 4 ib + l of 8 weights: grid index qs[g] | (2 bits of qh[ib] at 2 l) << 8 (1024 entries), its
+        # 8 signs the bits of byte 32 + g of qs, scale the low (l < 2) or high nibble of scales[ib]
+        ib = tl.arange(0, 8).to(tl.int64)
+        t = tl.arange(0, 32)
+        lg = t // 8
+        j = t % 8
+        sb, sm = _blocks(b0, nsb, NB, EVEN)
+        m2 = sm[None, :]
+        m3 = m2[:, :, None]
+        m4 = m3[:, :, :, None]
+        blk = row[:, None] + sb[None, :] * 82
+        d = _f16v(blk, m2)
+        g = blk[:, :, None, None] + 2 + 4 * ib[None, None, :, None] + lg.to(tl.int64)[None, None, None, :]
+        lo = tl.load(g, mask=m4, other=0, eviction_policy="evict_first").to(tl.int32)  # [BN, NB, 8, 32]
+        sgb = tl.load(g + 32, mask=m4, other=0, eviction_policy="evict_first").to(tl.int32)
+        qh = tl.load(blk[:, :, None] + 66 + ib[None, None, :], mask=m3, other=0).to(tl.int32)  # [BN, NB, 8]
+        sc = tl.load(blk[:, :, None] + 74 + ib[None, None, :], mask=m3, other=0).to(tl.int32)
+        gi = lo | (((qh[:, :, :, None] >> (2 * lg)[None, None, None, :]) & 3) << 8)
+        grid = tl.load(tab + C_IQ2S + gi * 8 + j[None, None, None, :])
+        sg = 1.0 - 2.0 * ((sgb >> j[None, None, None, :]) & 1).to(tl.float32)
+        nib = (sc[:, :, :, None] >> (4 * (lg // 2))[None, None, None, :]) & 15
+        db = d[:, :, None, None] * (0.5 + nib.to(tl.float32)) * 0.25  # [BN, NB, 8, 32]
+        xo = sb[:, None, None] * 256 + 32 * ib[None, :, None] + t.to(tl.int64)[None, None, :]
+        x = tl.load(xp + xo, mask=sm[:, None, None], other=0.0).to(tl.float32)
+        part = tl.sum(grid * sg * db * x[None], axis=3)  # [BN, NB, 8]
         return tl.sum(tl.sum(part, axis=2), axis=1)
 
     @triton.jit

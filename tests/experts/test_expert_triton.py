@@ -33,7 +33,9 @@ SCRIPT = textwrap.dedent("""
                                   (Q.IQ4_XS, Q.IQ3_XXS, 256, 256, 64, None), (Q.IQ2_XXS, Q.IQ4_XS, 512, 256, 64, 256),
                                   (Q.MXFP4, Q.MXFP4, 64, 96, 64, None), (Q.IQ3_XXS, Q.IQ2_XXS, 256, 256, None, None),
                                   # Q5_K (the fifth bits): alone, and as the down of a Q4_K expert in 2 iterations
-                                  (Q.Q5_K, Q.Q5_K, 256, 256, 64, None), (Q.Q4_K, Q.Q5_K, 512, 256, 64, 256)):
+                                  (Q.Q5_K, Q.Q5_K, 256, 256, 64, None), (Q.Q4_K, Q.Q5_K, 512, 256, 64, 256),
+                                  # IQ2_S (its 1024-entry grid, explicit sign bytes, two scales a sub-block)
+                                  (Q.IQ2_S, Q.IQ2_S, 256, 256, 64, None), (Q.IQ2_S, Q.IQ3_XXS, 512, 256, 64, 256)):
         if qd in (Q.Q8_0, Q.MXFP4):
             assert plan((qd,), d, ff, 3, cpu, bn, bk)[2] is False, "the down tile must have masked blocks"
         if bk:
@@ -79,7 +81,8 @@ def test_triton_kernels_match_the_torch_op_in_the_interpreter():
 @pytest.mark.gpu
 @pytest.mark.parametrize("qg,qd,d,ff", [("Q4_K", "Q4_K", 2048, 768), ("Q8_0", "Q6_K", 512, 256),
                                         ("IQ2_XXS", "IQ3_XXS", 2048, 768),
-                                        ("IQ4_XS", "MXFP4", 512, 288), ("Q5_K", "Q5_K", 2048, 768)])
+                                        ("IQ4_XS", "MXFP4", 512, 288), ("Q5_K", "Q5_K", 2048, 768),
+                                        ("IQ2_S", "IQ2_S", 2048, 768)])
 def test_cuda_misses_read_from_pinned_host_memory(qg, qd, d, ff, monkeypatch):
     """On the GPU the kernels read a missed expert from pinned host RAM (mapped over the bus), through the op
     the direct decode path calls, and equal the torch reference; a pageable stack is left to the reference."""

@@ -18,7 +18,7 @@ GATED=(
   "tests/ops/test_decode_attention_kv.py|strata/ops/decode_attention_kv.py|s/^GPU_TESTED = False/GPU_TESTED = True/"
   "tests/ops/test_fused_interpret.py tests/layers/test_kv_fold_wiring.py|strata/ops/fused.py|s/^KV_FOLD_GPU_TESTED = False/KV_FOLD_GPU_TESTED = True/"
   "tests/ops/test_route_interpret.py|strata/ops/route.py|s/^LOGITS_GPU_TESTED = False/LOGITS_GPU_TESTED = True/"
-  "tests/experts/test_expert_triton.py tests/ops/test_qgemv.py|strata/ops/expert_triton.py|s/^K_ON_GPU = frozenset\(\{Q.Q8_0, Q.Q4_K, Q.Q6_K\}\)/K_ON_GPU = frozenset({Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K})/"
+  "tests/experts/test_expert_triton.py tests/ops/test_qgemv.py|strata/ops/expert_triton.py|s/^K_ON_GPU = frozenset\(\{Q.Q8_0, Q.Q4_K, Q.Q6_K\}\)/K_ON_GPU = frozenset({Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K})/; s/^LOOKUP_ON_GPU = frozenset\(\{Q.IQ4_XS, Q.MXFP4, Q.IQ2_XXS, Q.IQ3_XXS\}\)/LOOKUP_ON_GPU = frozenset({Q.IQ4_XS, Q.MXFP4, Q.IQ2_XXS, Q.IQ3_XXS, Q.IQ2_S})/"
   "tests/layers/test_causal_bias.py|strata/layers/attention.py|s/^CAUSAL_BIAS_ON = frozenset\(\{\"cpu\"\}\)/CAUSAL_BIAS_ON = frozenset({\"cpu\", \"cuda\"})/"
   "tests/experts/test_staged_prefetch.py tests/experts/test_budget_long_prompt.py||"
 )
