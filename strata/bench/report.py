@@ -217,7 +217,8 @@ def markdown(results: dict) -> str:
         lines.append("- decode steps: " + "; ".join(
             f"{'+'.join(names or [])}: misses {d.get('misses') or '-'}, graphs {'on' if d.get('graphs') else 'off'}, "
             f"{d.get('launched_ahead', 0)} launched ahead ({d.get('ahead_dropped', 0)} dropped)"
-            + (f", chunk buffers borrowed back {d['chunk_buffer_loans']} times" if d.get("chunk_buffer_loans")
+            + (f", chunk buffers borrowed back {d['chunk_buffer_loans']} times"
+               f" ({d.get('chunk_buffer_borrow_ms', 0):.1f} ms in all)" if d.get("chunk_buffer_loans")
                is not None else "") for names, d in steps))
         whys = {d["misses_why"] for _, d in steps if d.get("misses_why")}
         for why in sorted(whys):  # why the misses took that path (the plan trials' verdict)

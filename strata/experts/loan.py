@@ -10,6 +10,8 @@ device once (a prompt's worth of work, not a step's): the rows' readers and writ
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from strata.experts.tiered_eager import PAIRS_MAX
@@ -29,6 +31,7 @@ def loan_turn(t, ctx) -> None:
     big = ctx.n_tokens * max(t.k, 1) > PAIRS_MAX if t.cuda else ctx.phase != "decode"
     cache = t.cache
     if big and cache.lent:
+        t0 = time.perf_counter()
         for li, layer in enumerate(t.layer_ids):
             if cache.loan_slots[layer]:
                 for e in t.policy.set_capacity(li, cache.layer_slots[layer]):
@@ -38,6 +41,7 @@ def loan_turn(t, ctx) -> None:
             torch.cuda.synchronize(t.device)
         cache.lent = False
         t.loans += 1
+        t.loan_ms += (time.perf_counter() - t0) * 1e3  # (the sync included: what a prompt waits for the loan)
     elif not big and ctx.phase == "decode" and not cache.lent:
         if t.cuda:  # (once a prompt) the chunk's reads and copies finish before admissions land there
             torch.cuda.synchronize(t.device)

@@ -75,6 +75,7 @@ class TieredExperts:
         self._switch_ready = False  # at_rest() came after the verdict: the next step switches
         self.path_reason = ""  # why the decode path changed (or stayed) after the tuner's trials
         self.loans = 0  # prompts that borrowed the lent chunk buffers back
+        self.loan_ms = 0.0  # the time those borrows took, waits included
         self._make_policy = policy
         self.store = ExpertStore(layers, pin=None if self.cuda else False, low_ram=self.ex.low_ram, progress=progress)
         self.layer_ids = self.store.layer_ids

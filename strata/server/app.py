@@ -50,6 +50,7 @@ def _decode_steps(engine) -> dict:
             "misses_why": getattr(experts, "path_reason", "") or None,  # (the plan trials' verdict, when one ran)
             "chunk_buffer_loans": getattr(experts, "loans", 0) if getattr(getattr(experts, "cache", None), "loan",
                                                                           False) else None,
+            "chunk_buffer_borrow_ms": round(getattr(experts, "loan_ms", 0.0), 3),
             "launched_ahead": ahead.launched if ahead is not None else 0,
             "ahead_dropped": ahead.dropped if ahead is not None else 0,
             "verify_cost_ms": _verify_cost(engine)}
