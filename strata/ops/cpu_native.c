@@ -44,25 +44,30 @@ static inline float hsum8(__m256 v) {  /* the sum of 8 floats */
    where it is not one of 256 the last block is partial (len < 256, its own scale), which only the formats of
    32-wide blocks read (their dot products walk K/32 blocks); a format of 256-wide blocks needs whole ones. */
 #define NB256(K) (((K) + 255) / 256)
-static void quantize_row(const float *x, int K, int8_t *xq, float *xd, int32_t *xs, int32_t *x16) {
-    for (int b = 0; b < NB256(K); b++) {
-        const int len = K - b * 256 < 256 ? K - b * 256 : 256;
-        float amax = 0.f;
-        for (int i = 0; i < len; i++) { float a = fabsf(x[b * 256 + i]); if (a > amax) amax = a; }
-        float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
-        xd[b] = d;
-        for (int j = 0; j < len / 16; j++) {
-            int32_t s = 0;
-            for (int i = 0; i < 16; i++) {
-                int v = (int)lrintf(x[b * 256 + j * 16 + i] * id);
-                v = v > 127 ? 127 : (v < -127 ? -127 : v);
-                xq[b * 256 + j * 16 + i] = (int8_t)v;
-                s += v;
-            }
-            x16[b * 16 + j] = s;
+static inline __attribute__((always_inline)) void quantize_block(const float *x, int len, int8_t *xq, float *xd,
+                                                                 int32_t *xs, int32_t *x16) {
+    float amax = 0.f;
+    for (int i = 0; i < len; i++) { float a = fabsf(x[i]); if (a > amax) amax = a; }
+    float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+    *xd = d;
+    for (int j = 0; j < len / 16; j++) {
+        int32_t s = 0;
+        for (int i = 0; i < 16; i++) {
+            int v = (int)lrintf(x[j * 16 + i] * id);
+            v = v > 127 ? 127 : (v < -127 ? -127 : v);
+            xq[j * 16 + i] = (int8_t)v;
+            s += v;
         }
-        for (int j = 0; j < len / 32; j++) xs[b * 8 + j] = x16[b * 16 + 2 * j] + x16[b * 16 + 2 * j + 1];
+        x16[j] = s;
     }
+    for (int j = 0; j < len / 32; j++) xs[j] = x16[2 * j] + x16[2 * j + 1];
+}
+
+static void quantize_row(const float *x, int K, int8_t *xq, float *xd, int32_t *xs, int32_t *x16) {
+    int b = 0;
+    for (; b < K / 256; b++)  /* whole blocks: the length a constant the compiler unrolls for */
+        quantize_block(x + b * 256, 256, xq + b * 256, xd + b, xs + b * 8, x16 + b * 16);
+    if (K % 256) quantize_block(x + b * 256, K % 256, xq + b * 256, xd + b, xs + b * 8, x16 + b * 16);
 }
 
 /* the 8 six-bit scales and 8 six-bit mins of a Q4_K super-block (12 bytes), four at a time in 32-bit words:
@@ -284,7 +289,7 @@ static float dot_iq4xs(const uint8_t *row, int nb, const int8_t *xq, const float
 }
 
 #include "cpu_native_iq.h"   /* IQ2_XXS / IQ3_XXS: their tables and dot_iqxxs */
-#include "cpu_native_fmt.h"  /* Q5_K and MXFP4: dot_q5k, dot_mxfp4 */
+#include "cpu_native_fmt.h"  /* Q5_K and MXFP4: dot_q5k, dot_mxfp4(_tail) */
 
 enum { FMT_Q4K = 0, FMT_Q6K = 1, FMT_Q80 = 2, FMT_IQ4XS = 3, FMT_IQ2XXS = 4, FMT_IQ3XXS = 5, FMT_Q5K = 6,
        FMT_MXFP4 = 7, N_FMT = 8 };
@@ -302,7 +307,7 @@ static inline float dot_row(int fmt, const uint8_t *row, int K, const int8_t *q,
     if (fmt == FMT_Q80) return dot_q8_0(row, K, q, qd);
     if (fmt == FMT_IQ4XS) return dot_iq4xs(row, K / 256, q, qd);
     if (fmt == FMT_Q5K) return dot_q5k(row, K / 256, q, qd, qs);
-    if (fmt == FMT_MXFP4) return dot_mxfp4(row, K, q, qd, qs);
+    if (fmt == FMT_MXFP4) return K % 256 ? dot_mxfp4_tail(row, K, q, qd, qs) : dot_mxfp4(row, K, q, qd, qs);
     if (fmt == FMT_IQ2XXS || fmt == FMT_IQ3XXS) return dot_iqxxs(fmt == FMT_IQ3XXS, row, K / 256, q, qd);
     return fmt == FMT_Q6K ? dot_q6k(row, K / 256, q, qd, q16) : dot_q4k(row, K / 256, q, qd, qs);
 }

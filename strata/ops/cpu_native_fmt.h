@@ -136,10 +136,12 @@ static inline float mxfp4_blocks(const uint8_t *blk, const int8_t *x, int nblk) 
 #endif
 
 /* a row of K weights (K / 32 blocks, K a multiple of 32): per 256 activations (one scale xd[b]) 8 blocks, and
-   where K is not a multiple of 256 a last, partial group of (K % 256) / 32 blocks under its own scale; xs: the
-   activations' sums per 32 */
-static float dot_mxfp4(const uint8_t *row, int K, const int8_t *xq, const float *xd, const int32_t *xs) {
-    const int nb = K / 256, tail = K % 256 / 32;
+   where K is not a multiple of 256 a last, partial group of tail = (K % 256) / 32 blocks under its own scale; xs:
+   the activations' sums per 32. Two copies (tail 0 a constant in one): rows of whole super-blocks keep the loop
+   without the tail's set-up (one token through a 2048 x 768 expert: 1-2% faster than one copy on Zen 4). */
+static inline __attribute__((always_inline)) float mxfp4_row(const uint8_t *row, int K, int tail, const int8_t *xq,
+                                                             const float *xd, const int32_t *xs) {
+    const int nb = K / 256;
 #if defined(__AVX2__) && defined(__FMA__)
     __m256 fsum = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
@@ -160,4 +162,12 @@ static float dot_mxfp4(const uint8_t *row, int K, const int8_t *xq, const float 
     if (tail) sum += xd[nb] * mxfp4_blocks(row + nb * 136, xq + 256 * nb, tail);
     return sum;
 #endif
+}
+
+static float dot_mxfp4(const uint8_t *row, int K, const int8_t *xq, const float *xd, const int32_t *xs) {
+    return mxfp4_row(row, K, 0, xq, xd, xs);  /* K a multiple of 256 */
+}
+
+static float dot_mxfp4_tail(const uint8_t *row, int K, const int8_t *xq, const float *xd, const int32_t *xs) {
+    return mxfp4_row(row, K, K % 256 / 32, xq, xd, xs);
 }
