@@ -14,7 +14,7 @@ Kernels per expert FFN (`silu(x @ gate.T) * (x @ up.T) @ down.T`):
   weight so an expert is two calls. Q8_0 (per-32-block scales, which the per-row `_weight_int8pack_mm`
   cannot take) goes as two int4 halves along a doubled k: exact up to the bf16 scales, 10 bits per weight.
 
-- `native`: Q4_K / Q5_K / Q6_K / Q8_0 / IQ4_XS / IQ2_XXS / IQ3_XXS / MXFP4 experts read in place by a compiled
+- `native`: Q4_K / Q5_K / Q6_K / Q8_0 / IQ4_XS / IQ2_XXS / IQ3_XXS / IQ2_S / MXFP4 experts read in place by a compiled
   kernel (`strata.ops.cpu_native`: int8 activations, AVX2 integer dot products, every expert of a token-layer in
   one call); needs a C compiler at first use. Rows are multiples of 256, or of 32 for Q8_0 and MXFP4; experts
   with biases and gpt-oss's clamped SwiGLU (`ExpertAct` kind `swiglu_oai`) go through it too.
@@ -147,7 +147,7 @@ def int4_supported(ew: ExpertWeights) -> bool:
     return all(t.shape[-1] % GROUP == 0 and t.shape[-2] % 64 == 0 for t in (ew.gate, ew.down))
 
 
-NATIVE_TYPES = frozenset({Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.IQ4_XS, Q.IQ2_XXS, Q.IQ3_XXS, Q.MXFP4})
+NATIVE_TYPES = frozenset({Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.IQ4_XS, Q.IQ2_XXS, Q.IQ3_XXS, Q.IQ2_S, Q.MXFP4})
 NATIVE_ACTS = frozenset({"swiglu_oai"})  # the ExpertAct kinds the native kernel computes (with their biases)
 
 

@@ -288,17 +288,17 @@ static float dot_iq4xs(const uint8_t *row, int nb, const int8_t *xq, const float
 #endif
 }
 
-#include "cpu_native_iq.h"   /* IQ2_XXS / IQ3_XXS: their tables and dot_iqxxs */
+#include "cpu_native_iq.h"   /* IQ2_XXS / IQ3_XXS / IQ2_S: their tables, dot_iqxxs and dot_iq2s */
 #include "cpu_native_fmt.h"  /* Q5_K and MXFP4: dot_q5k, dot_mxfp4(_tail) */
 
 enum { FMT_Q4K = 0, FMT_Q6K = 1, FMT_Q80 = 2, FMT_IQ4XS = 3, FMT_IQ2XXS = 4, FMT_IQ3XXS = 5, FMT_Q5K = 6,
-       FMT_MXFP4 = 7, N_FMT = 8 };
+       FMT_MXFP4 = 7, FMT_IQ2S = 8, N_FMT = 9 };
 
 /* the weights a block of the format spans: its rows' lengths are multiples of it */
 static inline int fmt_width(int fmt) { return fmt == FMT_Q80 || fmt == FMT_MXFP4 ? 32 : 256; }
 
 static inline int row_bytes(int fmt, int K) {
-    static const int per256[] = {144, 210, 0, 136, 66, 98, 176, 136};
+    static const int per256[] = {144, 210, 0, 136, 66, 98, 176, 136, 82};
     return fmt == FMT_Q80 ? K / 32 * 34 : fmt == FMT_MXFP4 ? K / 32 * 17 : K / 256 * per256[fmt];
 }
 
@@ -308,6 +308,7 @@ static inline float dot_row(int fmt, const uint8_t *row, int K, const int8_t *q,
     if (fmt == FMT_IQ4XS) return dot_iq4xs(row, K / 256, q, qd);
     if (fmt == FMT_Q5K) return dot_q5k(row, K / 256, q, qd, qs);
     if (fmt == FMT_MXFP4) return K % 256 ? dot_mxfp4_tail(row, K, q, qd, qs) : dot_mxfp4(row, K, q, qd, qs);
+    if (fmt == FMT_IQ2S) return dot_iq2s(row, K / 256, q, qd);
     if (fmt == FMT_IQ2XXS || fmt == FMT_IQ3XXS) return dot_iqxxs(fmt == FMT_IQ3XXS, row, K / 256, q, qd);
     return fmt == FMT_Q6K ? dot_q6k(row, K / 256, q, qd, q16) : dot_q4k(row, K / 256, q, qd, qs);
 }

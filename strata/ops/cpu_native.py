@@ -1,6 +1,6 @@
 """A native CPU kernel for the CPU lane: Q4_K / Q6_K / Q8_0 experts read in place, int8 dot products (AVX2).
 
-The C source is `cpu_native.c` beside this file, with the IQ2_XXS / IQ3_XXS dot products in `cpu_native_iq.h` and
+The C source is `cpu_native.c` beside this file, with the IQ2_XXS / IQ3_XXS / IQ2_S dot products in `cpu_native_iq.h` and
 the Q5_K / MXFP4 ones in `cpu_native_fmt.h` (included: one compilation unit). torch's fused `_weight_int4pack_mm_for_cpu` reads its repacked
 copy well below what the cores can read (one token's GEMV: fork/join and wake-up per call dominate; the measured
 rates are in docs/BENCHMARKS.md), and it needs a second, repacked copy of every expert in RAM. This kernel
@@ -112,7 +112,7 @@ def build(flags: list[str] | None = None) -> ctypes.CDLL | None:
     f.restype = I
     lib.strata_native_scratch.argtypes = [I, I, I]
     lib.strata_native_scratch.restype = ctypes.c_long
-    lib.strata_native_tables.argtypes = [P, P, P]
+    lib.strata_native_tables.argtypes = [P, P, P, P]
     lib.strata_native_tables.restype = None
     _set_tables(lib)  # every build (the portable one of the tests too) gets the i-quant tables
     return lib
@@ -141,19 +141,20 @@ _TABLES: list = []  # the arrays the kernel's tables were filled from (kept for 
 def _set_tables(lib: ctypes.CDLL) -> None:
     """The i-quant grids and sign table, from gguf-py (the reference dequantizer's own): the kernel copies them."""
     import numpy as np
-    from gguf.quants import IQ2_XXS, IQ3_XXS
+    from gguf.quants import IQ2_S, IQ2_XXS, IQ3_XXS
 
-    for cls in (IQ2_XXS, IQ3_XXS):
+    for cls in (IQ2_XXS, IQ3_XXS, IQ2_S):
         cls.init_grid()
     g2 = np.ascontiguousarray(IQ2_XXS.grid.reshape(256, 8), dtype=np.uint8)
     g3 = np.ascontiguousarray(IQ3_XXS.grid.reshape(256, 4), dtype=np.uint8)
     signs = np.frombuffer(IQ2_XXS.ksigns, dtype=np.uint8).copy()
-    _TABLES[:] = [g2, g3, signs]
+    g2s = np.ascontiguousarray(IQ2_S.grid.reshape(1024, 8), dtype=np.uint8)
+    _TABLES[:] = [g2, g3, signs, g2s]
     lib.strata_native_tables(*(ctypes.c_void_p(a.ctypes.data) for a in _TABLES))
 
 
-# the kernel's format codes (FMT_Q4K, ..., FMT_MXFP4)
-FORMATS = {"Q4_K": 0, "Q6_K": 1, "Q8_0": 2, "IQ4_XS": 3, "IQ2_XXS": 4, "IQ3_XXS": 5, "Q5_K": 6, "MXFP4": 7}
+# the kernel's format codes (FMT_Q4K, ..., FMT_MXFP4, FMT_IQ2S)
+FORMATS = {"Q4_K": 0, "Q6_K": 1, "Q8_0": 2, "IQ4_XS": 3, "IQ2_XXS": 4, "IQ3_XXS": 5, "Q5_K": 6, "MXFP4": 7, "IQ2_S": 8}
 # the weights a block spans (the kernel's fmt_width): a row's length must be a multiple of it. The activations are
 # quantized per 256 with a partial last block, which only the 32-wide formats' dot products can read.
 WIDTHS = {f: 32 if f in ("Q8_0", "MXFP4") else 256 for f in FORMATS}
