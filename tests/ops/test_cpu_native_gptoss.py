@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf.quants import dequantize
 
 from strata import StrataError
 from strata.experts import cpu_lane
@@ -21,13 +20,14 @@ from strata.experts.cpu_lane import CpuLane
 from strata.experts.resident import ExpertAct, ExpertWeights, expert_ffn
 from strata.ops import cpu_native
 from strata.quant import QTensor, formats, random_qtensor
+from tests.ops.native_oracle import build as _build
+from tests.ops.native_oracle import deq as _deq
+from tests.ops.native_oracle import int8_rows as _int8_rows
+from tests.ops.native_oracle import native_or_skip as _native_or_skip
+from tests.ops.native_oracle import rel as _rel
 
 ALPHA, LIMIT = 1.702, 7.0
 
-
-def _native_or_skip():
-    if cpu_native.load() is None:
-        pytest.skip("no C compiler: the native CPU kernel is unavailable here")
 
 
 def _mxfp4(shape, rng) -> QTensor:
@@ -51,22 +51,6 @@ def _experts(gu, dn, E, d, ff, seed, bias_scale=1.0) -> ExpertWeights:
     return ExpertWeights(one(gu, (E, ff, d)), one(gu, (E, ff, d)), one(dn, (E, d, ff)), act)
 
 
-def _deq(w: QTensor, e: int) -> np.ndarray:
-    rows, k = w.shape[1], w.shape[2]
-    return dequantize(w[e].raw.numpy(), w.qtype).reshape(rows, k).astype(np.float64)
-
-
-def _int8_rows(x: np.ndarray) -> np.ndarray:
-    """The kernel's quantize_row: per 256 (the last block partial where the row is not a multiple of 256), int8 =
-    rint(x * 127/amax) in float32, times amax/127 back."""
-    x = x.astype(np.float32)
-    out = np.empty(x.shape, dtype=np.float64)
-    for b in range(0, x.shape[1], 256):
-        blk = x[:, b:b + 256]
-        amax = np.abs(blk).max(-1, keepdims=True)
-        inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
-        out[:, b:b + 256] = np.clip(np.rint(blk * inv), -127, 127) * (amax / np.float32(127))
-    return out
 
 
 def _glu(g: np.ndarray, u: np.ndarray, act: ExpertAct) -> np.ndarray:
@@ -85,10 +69,6 @@ def _reference(ew: ExpertWeights, e: int, x: np.ndarray, emulate: bool = False):
     h = _int8_rows(h) if emulate else h
     return h @ dn.T + a.down_b[e].double().numpy(), pre_g
 
-
-def _rel(a, b) -> float:
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 # (gate/up, down formats, d, ff): gpt-oss's own width, rows of one partial block, of whole blocks and a partial one
@@ -167,14 +147,6 @@ def test_rows_a_format_cannot_take_are_refused(caplog, monkeypatch):
     with pytest.raises(StrataError, match="multiples of 256"):
         CpuLane({0: ew}, kernel="native", dtype=torch.bfloat16)
 
-
-def _build(flags):
-    if not any(f.startswith("-march") for f in cpu_native.FLAGS):
-        pytest.skip("the default build is already portable")
-    lib = cpu_native.build(flags)
-    if lib is None:
-        pytest.skip(f"the build with {flags} failed here")
-    return lib
 
 
 @pytest.mark.parametrize("d,ff", [(2880, 2880), (352, 608)])
