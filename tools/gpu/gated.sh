@@ -8,7 +8,9 @@
 #   APPLY=1 tools/gpu/gated.sh && BUDGET=0 tools/gpu/compare_flags.sh ""    # test, enable what passed, measure
 #
 # Environment: TIMEOUT (seconds per test group, default 240), OUT (set by the device tool). Writes
-# $OUT/gated.log (every pytest output) and $OUT/gated.txt (the verdicts). Carry .whl (see setup.sh).
+# $OUT/gated.log (every pytest output), $OUT/gated.txt (the verdicts) and scratch/gated-apply.sh (the passing
+# flags as sed commands: a later command on the same warm machine runs `bash scratch/gated-apply.sh` to measure
+# with them, since each command gets a fresh copy of the tracked files). Carry .whl (see setup.sh).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 source tools/gpu/setup.sh
@@ -27,6 +29,8 @@ log="$OUT/gated.log"
 verdicts="$OUT/gated.txt"
 machine_line > "$log"
 : > "$verdicts"
+apply=scratch/gated-apply.sh
+echo "# written by tools/gpu/gated.sh: the flags whose GPU tests passed on this machine" > "$apply"
 for entry in "${GATED[@]}"; do
   IFS='|' read -r tests file sub <<< "$entry"
   # shellcheck disable=SC2086  # tests is a word list
@@ -38,6 +42,7 @@ for entry in "${GATED[@]}"; do
     line="PASS  $tests"
     if [[ -n "$file" ]]; then
       line+="  ->  $file: ${sub}"
+      printf 'sed -E -i %q %q\n' "$sub" "$file" >> "$apply"
       if [[ "${APPLY:-0}" == 1 ]]; then
         sed -E -i "$sub" "$file" && line+="  (applied here)"
       fi
