@@ -57,7 +57,7 @@ def _window_mask(window: int, pos_t: torch.Tensor, dtype: torch.dtype) -> torch.
 # bias lets SDPA pick its flash / memory-efficient kernels for a chunk of n queries at the end of L keys (a mask
 # rules flash out; a long prefix's chunks then ran far from the tensor cores' rate). "cuda" once
 # tests/layers/test_causal_bias.py (marked gpu) has passed on a GPU.
-CAUSAL_BIAS_ON = frozenset({"cpu"})
+CAUSAL_BIAS_ON = frozenset({"cpu", "cuda"})
 
 
 def _causal_mask(seg: Segment, device):

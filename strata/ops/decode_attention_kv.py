@@ -34,7 +34,7 @@ except ImportError:  # pragma: no cover - depends on the install
 
 # taken on a GPU once its GPU test (tests/ops/test_decode_attention_kv.py, marked gpu) has passed there; the
 # interpreter tests check the same kernel against the reference on the CPU
-GPU_TESTED = False
+GPU_TESTED = True
 
 _MODES = {None: 0, "q8_0": 1, "q4_0": 2}
 

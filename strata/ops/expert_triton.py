@@ -179,11 +179,11 @@ def aligned(raw: torch.Tensor) -> bool:
 # format's tile is taken only once the GPU tests have passed it (tests/experts/test_expert_triton.py). (The IQ2_XXS /
 # IQ3_XXS tiles once computed wrong sums compiled while the interpreter agreed: written in rank-4 tensors, with their
 # scale words assembled in uint32, they pass on an H200.)
-LOOKUP_ON_GPU = frozenset({Q.IQ4_XS, Q.MXFP4, Q.IQ2_XXS, Q.IQ3_XXS})
+LOOKUP_ON_GPU = frozenset({Q.IQ4_XS, Q.MXFP4, Q.IQ2_XXS, Q.IQ3_XXS, Q.IQ2_S})
 # The same for the block formats of strata.ops.kquant_triton: Q5_K (llama.cpp's _M and Unsloth's _XL mixes keep
 # some experts and projections in it) joins once tests/experts/test_expert_triton.py and tests/ops/test_qgemv.py
 # have passed it on a GPU.
-K_ON_GPU = frozenset({Q.Q8_0, Q.Q4_K, Q.Q6_K})
+K_ON_GPU = frozenset({Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K})
 
 
 def supports(gate, up, down) -> bool:

@@ -192,7 +192,7 @@ def add_rms_norm(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, eps: fl
 ADD_NORM_GPU_TESTED = True
 # the decode step's K/V rows written into the cache by qk_norm_rope itself (qk_norm_rope_kv): taken on a GPU once its
 # GPU test (tests/ops/test_fused_interpret.py, marked gpu) has passed there; the interpreter tests check it on the CPU
-KV_FOLD_GPU_TESTED = False
+KV_FOLD_GPU_TESTED = True
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor | None, pos: torch.Tensor, cos: torch.Tensor,

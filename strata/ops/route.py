@@ -31,7 +31,7 @@ MAX_K = 32
 ROWS = 4  # router rows (experts) per program of router_logits: E / 4 programs a token (B1: 32)
 BLOCK_D = 512
 # router_logits is taken on a GPU once its GPU test (tests/ops/test_route_interpret.py, marked gpu) has passed there
-LOGITS_GPU_TESTED = False
+LOGITS_GPU_TESTED = True
 _FLOAT = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 

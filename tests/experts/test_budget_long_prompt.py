@@ -4,6 +4,8 @@ each gives alone. GPU only (the budget is VRAM's)."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
@@ -40,9 +42,12 @@ def test_a_long_prompt_arriving_while_another_decodes_stays_in_the_budget(model_
     long = torch.randint(0, 96, (CTX - 64,), generator=g).tolist()
     sp = SamplingParams(temperature=0)
     alone = [list(_engine(model_path, None).generate(p, sp, 24)) for p in (short, long)]
+    gc.collect()
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()
     held = (total - free) / 2**30  # the CUDA context and whatever else this process holds already
+    # (what torch's allocator holds of that: the peak below counts it too, so the bound adds it)
+    reserved_before = torch.cuda.memory_reserved() / 2**30
     budget = held + 0.45
     eng = _engine(model_path, budget)
     assert eng.vram_split is not None and 0 < eng.model.experts.cache.slots < 64
@@ -58,4 +63,4 @@ def test_a_long_prompt_arriving_while_another_decodes_stays_in_the_budget(model_
     assert [a.output, b.output] == alone
     free, total = torch.cuda.mem_get_info()
     assert (total - free) / 2**30 <= budget + 0.05, ("the process grew past its budget", (total - free) / 2**30)
-    assert torch.cuda.max_memory_reserved() / 2**30 <= budget - held + 0.05
+    assert torch.cuda.max_memory_reserved() / 2**30 <= reserved_before + budget - held + 0.05
