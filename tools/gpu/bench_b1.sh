@@ -29,6 +29,9 @@
 #   TIMEOUT      seconds for the bench itself [540]; JOBS for the llama.cpp build [16]
 #   PEER         llamacpp [default], or none: strata alone (no llama.cpp build needed; `run` only, after the
 #                model exists: `source tools/gpu/setup.sh; b1_model`)
+#   PACK         1: the run folder comes back as one $OUT/<date>-$NAME.tar.gz (the device tool returns at most 8
+#                files a command, and a run folder with its logs and the machine line is 7: two runs in one
+#                command need PACK=1) [0]
 #   OUT          where results go (set by the device tool) [scratch/out]
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -60,7 +63,8 @@ run() {
   fi
   local budget=(--vram-gb "$BUDGET")
   [[ "$BUDGET" == 0 ]] && budget=(--experts resident)
-  local work="scratch/bench-runs"
+  # one work folder per run name: a second run in the same command keeps the first one's folder
+  local work="scratch/bench-runs/$NAME"
   rm -rf "$work" && mkdir -p "$work"
   machine_line | tee "$OUT/machine.txt"
   # shellcheck disable=SC2086  # SUITES is a word list
@@ -75,8 +79,13 @@ run() {
   if [[ -n "$dir" ]]; then
     # the logs stay out of the folder that is committed (and the device tool brings back 8 files at most)
     [[ -d "$dir/logs" ]] && tar -czf "$OUT/logs-$NAME.tar.gz" -C "$dir" logs && rm -rf "$dir/logs"
-    cp -r "$dir" "$OUT/"
-    echo "run folder: $OUT/$(basename "$dir") ($(ls "$dir" | tr '\n' ' '))"
+    if [[ "${PACK:-0}" == 1 ]]; then
+      tar -czf "$OUT/$(basename "$dir").tar.gz" -C "$work" "$(basename "$dir")"
+      echo "run folder: $OUT/$(basename "$dir").tar.gz ($(ls "$dir" | tr '\n' ' '))"
+    else
+      cp -r "$dir" "$OUT/"
+      echo "run folder: $OUT/$(basename "$dir") ($(ls "$dir" | tr '\n' ' '))"
+    fi
   fi
   (( rc == 124 )) && echo "bench_b1.sh: the bench ran past ${TIMEOUT:-540} s: fewer LENGTHS, RUNS or WORKERS" >&2
   return $rc
@@ -87,5 +96,5 @@ case "$cmd" in
   prepare) prepare ;;
   run) run "$@" ;;
   all) prepare && run "$@" ;;
-  *) sed -n '2,33p' "$0"; exit 2 ;;
+  *) sed -n '2,36p' "$0"; exit 2 ;;
 esac
