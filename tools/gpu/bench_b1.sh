@@ -96,5 +96,5 @@ case "$cmd" in
   prepare) prepare ;;
   run) run "$@" ;;
   all) prepare && run "$@" ;;
-  *) sed -n '2,36p' "$0"; exit 2 ;;
+  *) sed -n '2,35p' "$0"; exit 2 ;;
 esac
