@@ -62,6 +62,8 @@ def parse_args(argv=None):
     g.add_argument("--family", default="glm4moe", choices=["glm4moe", "qwen3moe"],
                    help="glm4moe (with an MTP block) or qwen3moe (the first version's family)")
     g.add_argument("--mtp-weight", type=float, default=0.3, help="weight of the MTP block's loss (glm4moe)")
+    g.add_argument("--mtp-weight-late", type=float, default=0.1,
+                   help="the MTP loss's weight over the last 30%% of the steps (DeepSeek-V3: 0.3, then 0.1)")
     g.add_argument("--bias-rate", type=float, default=1e-3,
                    help="aux-loss-free balancing: the routers' correction-bias step per batch (glm4moe)")
     g.add_argument("--aux", type=float, default=None, help="balance loss coefficient (default: the family's)")
@@ -213,7 +215,7 @@ def main(argv=None) -> int:
     if a.family == "glm4moe":
         from tools.tiny.glm import GlmConfig, TinyGlm
 
-        cfg = GlmConfig(**mdims, mtp_weight=a.mtp_weight, bias_rate=a.bias_rate)
+        cfg = GlmConfig(**mdims, mtp_weight=a.mtp_weight, mtp_weight_late=a.mtp_weight_late, bias_rate=a.bias_rate)
         model = TinyGlm(cfg)
     else:
         cfg = TinyConfig(**mdims)
@@ -283,6 +285,7 @@ def main(argv=None) -> int:
                      "torch": torch.__version__, "python": platform.python_version(), "minutes": a.minutes,
                      "batch": targs.batch, "ctx": cfg.ctx, "lr": targs.lr, "warmup": targs.warmup,
                      "min_lr_ratio": targs.min_lr_ratio, "mtp_weight": cfg.mtp_weight if glm else None,
+                     "mtp_weight_late": cfg.mtp_weight_late if glm else None,
                      "bias_rate": cfg.bias_rate if glm else None,
                      "weight_decay": targs.weight_decay, "aux_loss_coef": cfg.aux_loss_coef,
                      "precision": "bf16 autocast, f32 weights" if dev.type == "cuda" else "f32",
@@ -331,7 +334,7 @@ def main(argv=None) -> int:
     ppl = record["perplexity"]
     try:
         ppl["train_f32"] = module_perplexity(lambda x: model(x)[0], heldout_hf_ids, cfg.ctx, dev)
-        if glm and record["mtp"] is not None:
+        if glm and (record["mtp"] or {}).get("teacher_forced") is not None:
             record["mtp"]["teacher_forced"]["train_f32_top1"] = module_mtp_accuracy(model, heldout_hf_ids, cfg.ctx, dev)
         if not a.no_hf_check:
             ppl["hf_f32"] = hf_perplexity(hf_dir, heldout_hf_ids, cfg.ctx, "cpu")

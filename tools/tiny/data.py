@@ -55,8 +55,24 @@ EXTRA_PACKAGES = {
     "anyio": "MIT",
     "h11": "MIT",
     "markdown-it-py": "MIT",
+    # added for the second version (after the first list, so that the first run's selection is unchanged)
+    "mpmath": "BSD-3-Clause",
+    "triton": "MIT",
+    "scipy": "BSD-3-Clause",
+    "pandas": "BSD-3-Clause",
+    "pydantic": "MIT",
+    "starlette": "BSD-3-Clause",
+    "fastapi": "MIT",
+    "uvicorn": "BSD-3-Clause",
+    "gguf": "MIT",
+    "pyyaml": "MIT",
+    "idna": "BSD-3-Clause",
+    "charset-normalizer": "MIT",
+    "markupsafe": "BSD-3-Clause",
+    "typing_extensions": "PSF-2.0",
 }
 DEFAULT_EXTRAS = tuple(EXTRA_PACKAGES)
+BASE_PACKAGES = DEFAULT_EXTRAS[: DEFAULT_EXTRAS.index("markdown-it-py") + 1]  # the first run's list
 SPECIAL_TEXT = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 TEST_DIRS = {"test", "tests", "idle_test"}
 SPLIT_SALT = "strata-tiny/1:"
@@ -176,7 +192,7 @@ def collect(extras: tuple[str, ...] = DEFAULT_EXTRAS, extra_bytes: int = 48 << 2
             if sf is not None:
                 # the files the first run took (the same order, its caps): the tokenizer is trained on them only,
                 # so that larger caps keep the same tokenizer and perplexities stay comparable
-                sf.base = base_got < min(BASE_PACKAGE_BYTES, base_budget)
+                sf.base = name in BASE_PACKAGES and base_got < min(BASE_PACKAGE_BYTES, base_budget)
                 base_got += sf.nbytes if sf.base else 0
                 got, n = got + sf.nbytes, n + 1
         budget -= got

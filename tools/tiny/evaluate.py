@@ -132,7 +132,9 @@ def hf_perplexity(hf_dir: str | Path, ids: list[int], ctx: int, device: str = "c
 # the MTP block as a draft model
 
 DRAFT_MAX = (1, 2, 3)
-MTP_PROMPTS, MTP_PROMPT_TOKENS, MTP_NEW_TOKENS = 8, 96, 64
+# a few held-out prompts: strata's CPU decode of this model runs at some 10-40 tokens/s, and the training run
+# measures all of it within its time limit
+MTP_PROMPTS, MTP_PROMPT_TOKENS, MTP_NEW_TOKENS = 4, 96, 48
 
 
 @torch.inference_mode()
@@ -235,8 +237,9 @@ def draft_run(lm, prompts: list[list[int]], n_new: int, draft_max: int, policy: 
 def mtp_eval(lm, ids: list[int], ctx: int, n_prompts: int = MTP_PROMPTS, prompt_tokens: int = MTP_PROMPT_TOKENS,
              n_new: int = MTP_NEW_TOKENS, speed: bool = True, log=print) -> dict:
     """The MTP block's numbers on held-out ids: teacher-forced top-1, then drafting by the engine (greedy; the
-    drafted text is checked to be the plain greedy text). speed: also decode with the engine's draft policy at
-    each --draft-max (the tok/s to compare), else only the drafter's own acceptance."""
+    drafted text is checked to be the plain greedy text), timed: the drafter's own lengths at each --draft-max
+    (every draft verified), and with speed, the engine's draft policy at the largest (as `strata generate
+    --draft-source mtp --draft-max 3` runs)."""
     import platform
 
     top1, n = strata_mtp_top1(lm, ids, ctx)
@@ -248,7 +251,7 @@ def mtp_eval(lm, ids: list[int], ctx: int, n_prompts: int = MTP_PROMPTS, prompt_
                         "plain": {k: v for k, v in plain.items() if k != "ids"}, "drafter": [], "engine": []}}
     log(f"eval: MTP teacher-forced top-1 (t[i+2]) {top1:.3f} over {n} positions; plain decode "
         f"{plain['tok_per_s'] or 0:.1f} tok/s")
-    runs = [("drafter", k, False) for k in DRAFT_MAX] + ([("engine", k, True) for k in DRAFT_MAX] if speed else [])
+    runs = [("drafter", k, False) for k in DRAFT_MAX] + ([("engine", DRAFT_MAX[-1], True)] if speed else [])
     for kind, k, policy in runs:
         r = draft_run(lm, prompts, n_new, k, policy)
         if r["ids"] != plain["ids"]:
@@ -324,7 +327,11 @@ def fill_strata_numbers(record: dict, gguf: str | Path, text: str, n_predict: in
     if getattr(lm.model, "nextn", None):
         toy = record["training"].get("toy")
         kw = dict(n_prompts=2, prompt_tokens=24, n_new=n_predict) if toy else {}
-        record["mtp"] = mtp_eval(lm, ev["ids"], ctx, speed=speed, log=log, **kw)
+        try:
+            record["mtp"] = mtp_eval(lm, ev["ids"], ctx, speed=speed, log=log, **kw)
+        except Exception as e:  # (the other numbers stand; tools/tiny/evaluate.py can measure these later)
+            record["mtp"] = {"error": f"{e.__class__.__name__}: {e}"[:500]}
+            log(f"eval: the MTP evaluation FAILED: {record['mtp']['error']}")
     r = ev["routing"]
     log("eval: LRU hit rate by capacity " + ", ".join(f"{k}: {v['hit_rate']:.3f}" for k, v in r["lru"].items())
         + f"; median reuse distance {r['reuse_distance']['median']}")

@@ -21,7 +21,8 @@ The MTP block is llama.cpp's and strata's GLM MTP graph (``strata/models/mtp.py`
 
 with the embedding and the head shared with the trunk (GLM's checkpoints may carry their own copies; llama.cpp
 and strata fall back to the trunk's). It trains jointly: loss = CE(trunk) + ``mtp_weight`` * CE(block), the
-block's gradient flowing into the trunk through h and the shared embedding, as DeepSeek-V3 trains its MTP module.
+block's gradient flowing into the trunk through h and the shared embedding, as DeepSeek-V3 trains its MTP module
+(whose weight is 0.3, then 0.1 for the last 30% of the steps: ``mtp_weight``, ``mtp_weight_late``).
 
 ``hf_state_dict()`` / ``hf_config()`` export the checkpoint as GLM-4.5 ships it: the trunk in transformers'
 names, the block as ``model.layers.{layers}.*`` with ``num_nextn_predict_layers: 1`` (transformers ignores it;
@@ -47,6 +48,7 @@ class GlmConfig(TinyConfig):
     routed_scale: float = 1.0
     mtp_layers: int = 1
     mtp_weight: float = 0.3
+    mtp_weight_late: float = 0.1  # over the last 30% of the steps (DeepSeek-V3: 0.3 for the first 10T tokens, then 0.1)
     bias_rate: float = 1e-3
     aux_loss_coef: float = 1e-3
     norm_eps: float = 1e-5

@@ -120,6 +120,8 @@ def train(model, train_ids: np.ndarray, val_ids: np.ndarray, a: TrainArgs, dev: 
             ce, aux, mtp = o["ce"], o["aux"], o.get("mtp_ce")
         else:
             (ce, aux), mtp, o = _loss(model, b[:, :-1], b[:, 1:], dev), None, None
+        if mtp is not None and step >= 0.7 * total:
+            mtp_w = getattr(model.cfg, "mtp_weight_late", mtp_w)
         loss = ce + coef * aux + (mtp_w * mtp if mtp is not None else 0.0)
         opt.zero_grad(set_to_none=True)
         loss.backward()
