@@ -214,7 +214,7 @@ class NextN(Layer):
         self.shared_head_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
 
     def block(self, emb, h, cos, sin):
-        x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1))
+        x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1)).float()  # (a float32 stream, as the trunk's)
         x, aux, ids = super().forward(x, cos, sin)
         return self.shared_head_norm(x), aux, ids
 

@@ -194,6 +194,9 @@ def plots(rec: dict, train_log: dict, out_dir: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
     rows = train_log["log"]
     ax.plot([r["tokens"] / 1e6 for r in rows], [r["loss"] for r in rows], label="training loss", lw=1)
+    if rows and "mtp_loss" in rows[0]:
+        ax.plot([r["tokens"] / 1e6 for r in rows], [r["mtp_loss"] for r in rows], lw=1, alpha=0.7,
+                label="MTP block's training loss (token after next)")
     v = train_log.get("val") or []
     if v:
         per = rows[-1]["tokens"] / rows[-1]["step"] if rows else 0
