@@ -91,6 +91,8 @@ def parse_args(argv=None):
     g.add_argument("--type", default="q8_0", choices=["q8_0", "f16", "bf16", "f32"], help="GGUF weight type")
     g.add_argument("--part-mb", type=float, default=15.0, help="split the GGUF into pieces of at most this size")
     g.add_argument("--no-hf-check", action="store_true", help="skip transformers' perplexity of the checkpoint")
+    g.add_argument("--mtp-eval-s", type=float, default=90.0, help="no MTP decoding run of the evaluation starts "
+                   "after this many seconds of it (the command's time limit)")
     g.add_argument("--speed", action="store_true", help="measure decode speed with and without MTP drafts in a "
                    "--toy run too (always in a full run)")
     return p.parse_args(argv)
@@ -316,7 +318,8 @@ def main(argv=None) -> int:
     # -- evaluation: strata on the held-out slice (CPU, float32), then the oracles ----------------------------------
     t = time.perf_counter()
     try:
-        fill_strata_numbers(record, gguf, heldout_text, run["n_predict"], log=log, speed=not a.toy or a.speed)
+        fill_strata_numbers(record, gguf, heldout_text, run["n_predict"], log=log, speed=not a.toy or a.speed,
+                            mtp_budget_s=a.mtp_eval_s)
     except Exception:  # the model is saved; tools/tiny/install.py can compute these numbers later, on any CPU
         import traceback
 

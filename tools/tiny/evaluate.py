@@ -235,13 +235,16 @@ def draft_run(lm, prompts: list[list[int]], n_new: int, draft_max: int, policy: 
 
 
 def mtp_eval(lm, ids: list[int], ctx: int, n_prompts: int = MTP_PROMPTS, prompt_tokens: int = MTP_PROMPT_TOKENS,
-             n_new: int = MTP_NEW_TOKENS, speed: bool = True, log=print) -> dict:
+             n_new: int = MTP_NEW_TOKENS, speed: bool = True, budget_s: float | None = None, log=print) -> dict:
     """The MTP block's numbers on held-out ids: teacher-forced top-1, then drafting by the engine (greedy; the
     drafted text is checked to be the plain greedy text), timed: the drafter's own lengths at each --draft-max
     (every draft verified), and with speed, the engine's draft policy at the largest (as `strata generate
-    --draft-source mtp --draft-max 3` runs)."""
+    --draft-source mtp --draft-max 3` runs). budget_s: no further decoding run starts after this many seconds
+    (a slow CPU must not push a training run past its time limit; the runs left out are listed)."""
     import platform
+    import time
 
+    t0 = time.perf_counter()
     top1, n = strata_mtp_top1(lm, ids, ctx)
     prompts = mtp_prompts(ids, n_prompts, prompt_tokens)
     plain = draft_run(lm, prompts, n_new, 0)
@@ -252,7 +255,11 @@ def mtp_eval(lm, ids: list[int], ctx: int, n_prompts: int = MTP_PROMPTS, prompt_
     log(f"eval: MTP teacher-forced top-1 (t[i+2]) {top1:.3f} over {n} positions; plain decode "
         f"{plain['tok_per_s'] or 0:.1f} tok/s")
     runs = [("drafter", k, False) for k in DRAFT_MAX] + ([("engine", DRAFT_MAX[-1], True)] if speed else [])
-    for kind, k, policy in runs:
+    for i, (kind, k, policy) in enumerate(runs):
+        if budget_s is not None and time.perf_counter() - t0 > budget_s:
+            res["drafting"]["skipped"] = [f"{kd} --draft-max {kk}" for kd, kk, _ in runs[i:]]
+            log(f"eval: MTP drafting stopped by its {budget_s:.0f} s budget: {res['drafting']['skipped']} not run")
+            break
         r = draft_run(lm, prompts, n_new, k, policy)
         if r["ids"] != plain["ids"]:
             raise AssertionError(f"--draft-source mtp --draft-max {k}: the greedy text differs from plain decoding")
@@ -308,7 +315,7 @@ def completion_diff(lm, recorded: dict, got: list[int], tie: float = 1e-3) -> st
 
 
 def fill_strata_numbers(record: dict, gguf: str | Path, text: str, n_predict: int = N_PREDICT, log=print,
-                        speed: bool = True) -> None:
+                        speed: bool = True, mtp_budget_s: float | None = None) -> None:
     """Measure ``gguf`` with strata on the held-out ``text`` and write the numbers into ``record`` (in place):
     perplexity, routing, completions, the held-out slice's token counts (``heldout.ids`` too, for checks), and
     for a model with an MTP block its numbers (``mtp_eval``; a toy run's are smaller)."""
@@ -328,7 +335,7 @@ def fill_strata_numbers(record: dict, gguf: str | Path, text: str, n_predict: in
         toy = record["training"].get("toy")
         kw = dict(n_prompts=2, prompt_tokens=24, n_new=n_predict) if toy else {}
         try:
-            record["mtp"] = mtp_eval(lm, ev["ids"], ctx, speed=speed, log=log, **kw)
+            record["mtp"] = mtp_eval(lm, ev["ids"], ctx, speed=speed, budget_s=mtp_budget_s, log=log, **kw)
         except Exception as e:  # (the other numbers stand; tools/tiny/evaluate.py can measure these later)
             record["mtp"] = {"error": f"{e.__class__.__name__}: {e}"[:500]}
             log(f"eval: the MTP evaluation FAILED: {record['mtp']['error']}")

@@ -112,6 +112,8 @@ def mtp_section(rec: dict) -> list[str]:
         out.append(f"| {label} | {acc} | {_f(r.get('acceptance') and 100 * r['acceptance'], '.1f')}"
                    f"{'%' if r.get('acceptance') is not None else ''} | {r['tokens_per_forward']:.2f} | "
                    f"{_f(r['tok_per_s'], '.1f')} | {_f(sp)}{'×' if sp else ''} |")
+    if dr.get("skipped"):
+        out += ["", f"Not run within the evaluation's time budget: {', '.join(dr['skipped'])}."]
     return out + [""]
 
 
