@@ -127,6 +127,18 @@ def settings(a) -> tuple[dict, dict]:
     return m, r
 
 
+def compact_json(d: dict) -> str:
+    """``d`` as JSON with one line per item of its top-level lists (the manifest: some 10,000 files)."""
+    parts = []
+    for k, v in d.items():
+        if isinstance(v, list):
+            body = ",\n".join("  " + json.dumps(x, separators=(",", ":")) for x in v)
+            parts.append(f"{json.dumps(k)}: [\n{body}\n ]")
+        else:
+            parts.append(f"{json.dumps(k)}: {json.dumps(v, indent=1)}")
+    return "{\n " + ",\n ".join(parts) + "\n}\n"
+
+
 def split_file(path: Path, out_dir: Path, part_bytes: int) -> list[dict]:
     """Copy ``path`` into ``out_dir`` whole, or as ``NAME.partN`` pieces of at most ``part_bytes``."""
     size = path.stat().st_size
@@ -181,7 +193,7 @@ def main(argv=None) -> int:
     (out / "strata-tiny-heldout.txt").write_text(heldout_text, encoding="utf-8")
     manifest = {"sources": sources, "files": [f.record() for f in files], "excluded": col.excluded,
                 "split_rule": f"stdlib non-test modules: sha256('{D.SPLIT_SALT}' + path) mod 40: 0 heldout, 1-2 val"}
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    (out / "manifest.json").write_text(compact_json(manifest))
     by = {s: [f for f in files if f.split == s] for s in ("train", "val", "heldout")}
     log("data: " + ", ".join(f"{s} {len(v)} files {sum(f.nbytes for f in v) / 1e6:.1f} MB" for s, v in by.items())
         + f"; excluded {len(col.excluded)}; held-out slice {len(heldout_text)} chars from {len(heldout_files)} files")
