@@ -66,6 +66,7 @@ def test_ships_in_the_package_and_is_the_default(rec):
     h = hashlib.sha256(GGUF.read_bytes()).hexdigest()
     assert h == rec["gguf"]["sha256"] and GGUF.stat().st_size == rec["gguf"]["bytes"]
     assert not rec["training"]["toy"], "the shipped model is a --toy run"
+    assert GGUF.stat().st_size <= 48_000_000
     try:
         from strata.models.default import default_model_path
     except ImportError:

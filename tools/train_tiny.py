@@ -34,6 +34,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 T0 = time.perf_counter()
+MAX_GGUF_BYTES = 48_000_000  # what the package may ship (tests/test_strata_tiny.py checks it)
 
 
 def log(msg: str) -> None:
@@ -268,7 +269,8 @@ def main(argv=None) -> int:
     gguf = convert(hf_dir, work / "strata-tiny.gguf", a.type)
     gsize = gguf.stat().st_size
     stages["export"] = time.perf_counter() - t
-    log(f"export: {gguf} {gsize / 1e6:.2f} MB ({a.type})")
+    log(f"export: {gguf} {gsize / 1e6:.2f} MB ({a.type})"
+        + ("" if a.toy or gsize <= MAX_GGUF_BYTES else f" — OVER the {MAX_GGUF_BYTES / 1e6:.0f} MB the package allows"))
 
     # -- outputs first (a failure in the evaluation below must not lose the model) ------------------------------------
     parts = split_file(gguf, out, int(a.part_mb * 1e6))
