@@ -160,7 +160,7 @@ def render(rec: dict) -> str:
         "| computed by | perplexity |",
         "|---|---|",
         f"| strata, the shipped {g['type']} GGUF, CPU float32 (CI checks this ±1%) | {p['strata']:.3f} |",
-        f"| the training module, float32 weights | {p['train_f32']:.3f} |",
+        f"| the training module, float32 weights | {_f(p.get('train_f32'), '.3f', 'not measured')} |",
     ]
     if p.get("hf_f32") is not None:
         out.append(f"| transformers `{m['hf_class']}`, float32 checkpoint | {p['hf_f32']:.3f} |")
