@@ -92,7 +92,7 @@ def parse_args(argv=None):
     g.add_argument("--type", default="q8_0", choices=["q8_0", "f16", "bf16", "f32"], help="GGUF weight type")
     g.add_argument("--part-mb", type=float, default=15.0, help="split the GGUF into pieces of at most this size")
     g.add_argument("--no-hf-check", action="store_true", help="skip transformers' perplexity of the checkpoint")
-    g.add_argument("--mtp-eval-s", type=float, default=90.0, help="no MTP decoding run of the evaluation starts "
+    g.add_argument("--mtp-eval-s", type=float, default=60.0, help="no MTP decoding run of the evaluation starts "
                    "after this many seconds of it (the command's time limit)")
     g.add_argument("--speed", action="store_true", help="measure decode speed with and without MTP drafts in a "
                    "--toy run too (always in a full run)")
