@@ -95,7 +95,7 @@ def mtp_section(rec: dict) -> list[str]:
         + (f" ({pct(tf['train_f32_top1'])} by the training module)" if tf.get("train_f32_top1") is not None else "")
         + ".",
         "",
-        f"Greedy decoding by strata on the CPU ({dr['cpu']}, {dr['threads']} threads, float32) of {dr['prompts']} "
+        f"Greedy decoding by strata on the CPU ({dr['cpu']}, {dr['threads']} thread{'s' if dr['threads'] != 1 else ''}, float32) of {dr['prompts']} "
         f"held-out prompts of {dr['prompt_tokens']} tokens, {dr['new_tokens']} new tokens each, the same text with "
         "and without drafts (checked):",
         "",
