@@ -66,6 +66,7 @@ def test_ships_in_the_package_and_is_the_default(rec):
     h = hashlib.sha256(GGUF.read_bytes()).hexdigest()
     assert h == rec["gguf"]["sha256"] and GGUF.stat().st_size == rec["gguf"]["bytes"]
     assert not rec["training"]["toy"], "the shipped model is a --toy run"
+    assert GGUF.stat().st_size <= 48_000_000
     try:
         from strata.models.default import default_model_path
     except ImportError:
@@ -75,9 +76,10 @@ def test_ships_in_the_package_and_is_the_default(rec):
 
 def test_loads_as_recorded(lm, rec):
     m = rec["model"]
-    assert lm.gguf.arch == "qwen3moe"
+    assert lm.gguf.arch == m["family"]
     assert (lm.args.n_layers, lm.args.n_experts, lm.args.n_experts_used) == (m["layers"], m["experts"], m["top_k"])
     assert lm.tokenizer.vocab_size == m["vocab_size"] and lm.template is not None
+    assert len(getattr(lm.model, "nextn", None) or []) == ((m.get("mtp") or {}).get("layers") or 0)
 
 
 def test_heldout_perplexity_matches_the_recorded_one(measured, rec):
@@ -99,6 +101,38 @@ def test_greedy_completions_are_the_snapshots(lm, measured, rec):
     diffs = [completion_diff(lm, c, got["ids"]) for c, got in zip(rec["completions"], measured["completions"])]
     assert [d for d in diffs if d] == []
     assert all(c["text"].strip() for c in measured["completions"])
+
+
+def _mtp(rec) -> dict:
+    if not rec.get("mtp"):
+        pytest.skip("the shipped model has no MTP block")
+    assert "error" not in rec["mtp"], rec["mtp"]
+    return rec["mtp"]
+
+
+def test_mtp_block_accuracy_matches_the_recorded_one_and_the_doc(lm, rec):
+    from tools.tiny.evaluate import strata_mtp_top1
+    from tools.tiny.report import mtp_section
+
+    tf = _mtp(rec)["teacher_forced"]
+    acc, n = strata_mtp_top1(lm, lm.tokenizer.encode(HELDOUT.read_text(encoding="utf-8")), rec["heldout"]["ctx"])
+    assert n == tf["positions"] and acc == pytest.approx(tf["strata_top1"], abs=0.01)
+    assert "\n".join(mtp_section(rec)) in DOC.read_text(encoding="utf-8")
+
+
+def test_mtp_drafts_give_the_snapshots(lm, rec):
+    """`--draft-source mtp --draft-max 3` decodes the recorded greedy completions (drafts verified by the trunk),
+    and some of its drafts stand."""
+    from tools.tiny.evaluate import completion_diff, draft_run, prompt_ids
+
+    _mtp(rec)
+    cs = rec["completions"]
+    r = draft_run(lm, [prompt_ids(lm, c) for c in cs], cs[0]["n_predict"], 3, policy=False)
+    eot = set(lm.tokenizer.eot_ids)
+    for c, got in zip(cs, r["ids"]):  # (draft_run does not stop at the end of a turn: cut there)
+        cut = next((i + 1 for i, t in enumerate(got) if t in eot), len(got))
+        assert completion_diff(lm, c, got[:cut]) is None
+    assert r["accepted"] > 0
 
 
 def _free_port() -> int:

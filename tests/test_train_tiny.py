@@ -1,5 +1,6 @@
-"""strata-tiny's tools: the training module against transformers and strata, routing statistics on hand-made id
-streams, the data rules, and tools/train_tiny.py end to end at toy scale (outputs, split/join, recomputation)."""
+"""strata-tiny's tools: the training modules (Qwen3-MoE, and GLM-4.5 with its MTP block) against transformers and
+strata, routing statistics on hand-made id streams, the data rules, and tools/train_tiny.py end to end at toy scale
+(the glm4moe family: outputs, split/join, recomputation, MTP drafting)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ if str(ROOT) not in sys.path:
 from strata.bench.routing import (RoutingTrace, lru_hit_rates, lru_hits, popularity, record_routing,  # noqa: E402
                                   reuse_distances, routing_stats)
 from tools.tiny import data as D  # noqa: E402
+from tools.tiny.glm import GlmConfig, TinyGlm  # noqa: E402
 from tools.tiny.model import TinyConfig, TinyMoE, save_hf_checkpoint  # noqa: E402
+
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
@@ -120,6 +123,113 @@ def test_module_matches_strata_and_routing_is_captured(toy_model):
     assert "forward" not in vars(lm.model.experts)  # the capture is undone
 
 
+# -- the GLM-4.5 training module and its MTP block -----------------------------------------------------------------
+
+GLM_TOY = GlmConfig(vocab_size=512, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, experts=8, top_k=2,
+                    expert_ffn=32, ctx=64, routed_scale=1.5)
+
+
+@pytest.fixture(scope="module")
+def glm_model(tmp_path_factory):
+    """A random toy TinyGlm (non-trivial norms and biases, decisive routers, a non-zero correction bias), its
+    checkpoint and its f32 GGUF."""
+    from strata.gguf.convert import convert
+    from strata.gguf.tokenizer_hf import make_tiny_hf_tokenizer
+
+    torch.manual_seed(0)
+    m = TinyGlm(GLM_TOY).eval()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if p.ndim == 1:
+                p.copy_((0.0 if name.endswith(".bias") else 1.0) + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0, 0.5 if "gate.weight" in name else 0.08)
+        for r in [layer.mlp.gate for layer in m.layers] + [b.mlp.gate for b in m.mtp]:
+            r.e_score_correction_bias.normal_(0, 0.1)
+    d = tmp_path_factory.mktemp("tinyglm") / "strata-tiny"
+    make_tiny_hf_tokenizer(d, GLM_TOY.vocab_size)
+    save_hf_checkpoint(m, d, bos_id=0, eos_id=1, pad_id=0)
+    return m, d, convert(d, d.parent / "toy.gguf", "f32")
+
+
+def test_glm_checkpoint_is_glms_layout(glm_model):
+    from safetensors.torch import load_file
+
+    m, d, _ = glm_model
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["model_type"] == "glm4_moe" and cfg["num_nextn_predict_layers"] == 1 and cfg["first_k_dense_replace"] == 0
+    names = set(load_file(d / "model.safetensors"))
+    L = GLM_TOY.layers
+    for n in ("eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head.norm.weight",
+              "mlp.gate.e_score_correction_bias", "mlp.shared_experts.down_proj.weight", "self_attn.q_proj.bias",
+              "mlp.experts.7.up_proj.weight"):
+        assert f"model.layers.{L}.{n}" in names
+    assert not any(n.startswith(f"model.layers.{L + 1}.") or "mtp." in n or "lm_head" in n for n in names)
+    assert len(names) == len(m.hf_state_dict())
+    n_params = sum(t.numel() for k, t in load_file(d / "model.safetensors").items() if "correction_bias" not in k)
+    assert n_params == GLM_TOY.n_params() - (GLM_TOY.layers + 1) * GLM_TOY.experts
+
+
+def test_glm_module_matches_transformers(glm_model):
+    transformers = pytest.importorskip("transformers")
+    m, d, _ = glm_model
+    hf = transformers.Glm4MoeForCausalLM.from_pretrained(str(d)).float().eval()
+    x = torch.randint(0, GLM_TOY.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours, theirs = m(x)[0], hf(x).logits
+    assert torch.allclose(ours, theirs, atol=1e-4, rtol=1e-4), (ours - theirs).abs().max()
+
+
+def test_glm_module_and_its_mtp_block_match_strata(glm_model):
+    from strata.engine.loader import forward_all
+    from strata.kv.cache import Segment
+    from strata.models.mtp import MtpHead
+    from tools.tiny.evaluate import load_cpu, module_mtp_accuracy, strata_mtp_top1
+
+    m, _, gguf = glm_model
+    lm = load_cpu(gguf, GLM_TOY.ctx)
+    assert lm.gguf.arch == "glm4moe" and len(lm.model.nextn) == 1 and lm.args.n_layers == GLM_TOY.layers
+    ids = torch.randint(0, GLM_TOY.vocab_size, (60,), generator=torch.Generator().manual_seed(2)).tolist()
+    with record_routing(lm.model) as tr:
+        got = forward_all(lm, ids)
+    t = torch.tensor([ids])
+    with torch.no_grad():
+        want, _, want_ids = m(t, return_ids=True)
+        h, _, _ = m.trunk(t)
+        want_mtp, _ = m.mtp_logits(h[:, :-1], t[:, 1:])
+    assert torch.allclose(got, want[0], atol=1e-3, rtol=1e-3), (got - want[0]).abs().max()
+    for layer in range(GLM_TOY.layers):
+        same = [set(a) == set(b) for a, b in zip(tr.ids[layer].tolist(), want_ids[layer].tolist())]
+        assert sum(same) >= len(same) - 1
+    # the MTP block: strata's head over the trunk's hidden states, as the drafter places the pairs
+    mdl, hid = lm.model, []
+    mdl.forward(t[0], torch.arange(60), [Segment(0, 0, 60)], mdl.new_kv_cache(1, GLM_TOY.ctx), all_logits=True,
+                hidden_out=hid)
+    head = MtpHead(mdl, mdl.nextn[0], GLM_TOY.ctx + 2)
+    got_mtp, _ = head.forward(hid[0][:59], t[0, 1:], torch.arange(1, 60), Segment(0, 0, 59),
+                              head.new_kv_cache(1, GLM_TOY.ctx + 2))
+    assert torch.allclose(got_mtp, want_mtp[0], atol=1e-3, rtol=1e-3), (got_mtp - want_mtp[0]).abs().max()
+    acc, n = strata_mtp_top1(lm, ids, GLM_TOY.ctx)
+    assert n == 58 and acc == pytest.approx(module_mtp_accuracy(m, ids, GLM_TOY.ctx, "cpu"))
+
+
+def test_glm_training_step_trains_the_block_and_balances_the_routers():
+    torch.manual_seed(0)
+    cfg = GlmConfig(vocab_size=64, hidden=32, layers=1, heads=2, kv_heads=1, head_dim=16, experts=4, top_k=2,
+                    expert_ffn=16, ctx=16, bias_rate=0.01)
+    m = TinyGlm(cfg)
+    x = torch.randint(0, 64, (2, 17))
+    o = m.train_losses(x[:, :-1], x[:, 1:])
+    assert set(o) == {"ce", "mtp_ce", "aux", "ids"} and len(o["ids"]) == 2
+    (o["ce"] + 0.3 * o["mtp_ce"] + o["aux"]).backward()
+    assert m.mtp[0].eh_proj.weight.grad.abs().sum() > 0 and m.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
+    assert m.mtp[0].mlp.gate.e_score_correction_bias.grad is None  # a buffer: moved by update_bias only
+    ids = [torch.tensor([[0, 1], [0, 1], [0, 2]])] * 2  # expert 0 over-used, 3 never picked
+    m.update_bias(ids)
+    b = m.layers[0].mlp.gate.e_score_correction_bias
+    assert b.tolist() == pytest.approx([-0.01, -0.01, 0.01, 0.01])  # loads 3, 2, 1, 0 vs the mean 1.5
+
+
 # -- data rules ---------------------------------------------------------------------------------------------------
 
 def test_split_rules():
@@ -152,6 +262,22 @@ def test_heldout_slice_is_whole_lines_and_deterministic():
     for part in text.split("\n\n"):
         assert all(line.startswith("line ") for line in part.strip("\n").split("\n"))
     assert sum(u["chars"] for u in used) + len(used) - 1 == len(text)
+
+
+def test_larger_caps_keep_the_first_selection_as_the_tokenizers(monkeypatch):
+    """More text from each package (the second version's caps) adds files; the files the first caps took are still
+    the ones marked `base` (the tokenizer's sample), so the tokenizer does not change."""
+    extras = tuple(n for n in ("pytest", "rich", "click", "jinja2") if D.EXTRA_PACKAGES.get(n))
+    small, total = 200_000, 300_000
+    monkeypatch.setattr(D, "BASE_PACKAGE_BYTES", small)
+    monkeypatch.setattr(D, "BASE_EXTRA_BYTES", total)
+    first, _ = D.collect(extras, extra_bytes=total, per_package_bytes=small, stdlib_limit=6)
+    more, src = D.collect(extras, extra_bytes=10 * total, per_package_bytes=4 * small, stdlib_limit=6)
+    if sum(s.get("bytes", 0) for n, s in src.items() if n != "stdlib") <= total:
+        pytest.skip("too little installed text from these packages")
+    old = {(f.source, f.rel) for f in first.files}
+    assert all(f.base for f in first.files)
+    assert {(f.source, f.rel) for f in more.files if f.base} == old < {(f.source, f.rel) for f in more.files}
 
 
 SRC = '''
@@ -212,7 +338,7 @@ def toy_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("toy-out")
     work = tmp_path_factory.mktemp("toy-work")
     cmd = [sys.executable, str(ROOT / "tools" / "train_tiny.py"), "--out", str(out), "--work", str(work), "--toy",
-           "--steps", "6", "--heldout-kb", "2", "--part-mb", "0.06", "--no-hf-check"]
+           "--steps", "30", "--heldout-kb", "2", "--part-mb", "0.06"]  # (30 steps: the MTP block's drafts stand)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}  # see one_thread
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -222,18 +348,30 @@ def toy_run(tmp_path_factory):
 @pytest.mark.slow
 def test_toy_run_outputs(toy_run, tmp_path):
     out, rec = toy_run
+    assert rec["model"]["family"] == "glm4moe" and rec["model"]["mtp"]["layers"] == 1
     names = {p.name for p in out.iterdir()}
     parts = [p["file"] for p in rec["gguf"]["parts"]]
     assert len(parts) > 1 and set(parts) | {"strata-tiny.json", "train_log.json", "manifest.json",
                                             "strata-tiny-heldout.txt"} == names
-    assert rec["training"]["steps"] == 6 and rec["training"]["toy"]
+    assert rec["training"]["steps"] == 30 and rec["training"]["toy"]
     log = json.loads((out / "train_log.json").read_text())
-    assert [r["step"] for r in log["log"]] == [2, 4, 6] and log["val"]
+    assert [r["step"] for r in log["log"]] == list(range(2, 31, 2)) and log["val"]
+    assert all("mtp_loss" in r for r in log["log"])
     man = json.loads((out / "manifest.json").read_text())
     held = {f["path"] for f in man["files"] if f["split"] == "heldout"}
     assert {f["path"] for f in rec["heldout"]["files"]} <= held
     assert rec["heldout"]["tokenizer_agrees"]
     assert abs(rec["perplexity"]["train_f32"] / rec["perplexity"]["strata"] - 1) < 0.01  # q8_0 export
+    assert rec["perplexity"]["hf_f32"] == pytest.approx(rec["perplexity"]["train_f32"], rel=1e-4)  # the trunk
+    # the MTP block drafts (the text with drafts was checked to be the plain greedy text) and drafts get accepted
+    mtp = rec["mtp"]
+    assert "error" not in mtp, mtp
+    tf = mtp["teacher_forced"]
+    assert tf["positions"] > 0 and abs(tf["strata_top1"] - tf["train_f32_top1"]) < 0.02
+    dr = mtp["drafting"]
+    assert [r["draft_max"] for r in dr["drafter"]] == [1, 2, 3] and dr["plain"]["proposed"] == 0
+    assert all(r["proposed"] > 0 for r in dr["drafter"]) and sum(r["accepted"] for r in dr["drafter"]) > 0
+    assert all(r["tokens"] == dr["plain"]["tokens"] and r["steps"] <= dr["plain"]["steps"] for r in dr["drafter"])
 
     # install: pieces joined and verified, files placed; a corrupt piece is refused
     from tools.tiny.install import main as install

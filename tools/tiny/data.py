@@ -55,11 +55,28 @@ EXTRA_PACKAGES = {
     "anyio": "MIT",
     "h11": "MIT",
     "markdown-it-py": "MIT",
+    # added for the second version (after the first list, so that the first run's selection is unchanged)
+    "mpmath": "BSD-3-Clause",
+    "triton": "MIT",
+    "scipy": "BSD-3-Clause",
+    "pandas": "BSD-3-Clause",
+    "pydantic": "MIT",
+    "starlette": "BSD-3-Clause",
+    "fastapi": "MIT",
+    "uvicorn": "BSD-3-Clause",
+    "gguf": "MIT",
+    "pyyaml": "MIT",
+    "idna": "BSD-3-Clause",
+    "charset-normalizer": "MIT",
+    "markupsafe": "BSD-3-Clause",
+    "typing_extensions": "PSF-2.0",
 }
 DEFAULT_EXTRAS = tuple(EXTRA_PACKAGES)
+BASE_PACKAGES = DEFAULT_EXTRAS[: DEFAULT_EXTRAS.index("markdown-it-py") + 1]  # the first run's list
 SPECIAL_TEXT = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 TEST_DIRS = {"test", "tests", "idle_test"}
 SPLIT_SALT = "strata-tiny/1:"
+BASE_PACKAGE_BYTES, BASE_EXTRA_BYTES = 8 << 20, 48 << 20  # the first run's caps (see SourceFile.base)
 
 
 @dataclass
@@ -70,6 +87,7 @@ class SourceFile:
     nbytes: int
     text: str = field(repr=False)
     split: str = "train"  # train | val | heldout
+    base: bool = True  # within the first run's caps (8 MB a package, 48 MB in all): the tokenizer's sample
 
     def record(self) -> dict:
         return {"source": self.source, "path": self.rel, "bytes": self.nbytes, "sha256": self.sha256,
@@ -155,7 +173,7 @@ def collect(extras: tuple[str, ...] = DEFAULT_EXTRAS, extra_bytes: int = 48 << 2
     sources = {"stdlib": {"path": str(root), "python": platform.python_version(), "license": "PSF-2.0",
                           "files": sum(1 for f in c.files if f.source == "stdlib"),
                           "bytes": sum(f.nbytes for f in c.files if f.source == "stdlib")}}
-    budget = extra_bytes
+    budget, base_budget = extra_bytes, BASE_EXTRA_BYTES
     for name in extras:
         if name not in EXTRA_PACKAGES:
             raise ValueError(f"{name} is not in the list of permissively licensed packages (EXTRA_PACKAGES)")
@@ -166,14 +184,19 @@ def collect(extras: tuple[str, ...] = DEFAULT_EXTRAS, extra_bytes: int = 48 << 2
             continue
         files = [f for f in (dist.files or []) if str(f).endswith(".py")]
         files.sort(key=lambda f: _key(name + "/" + f.as_posix()))
-        got = n = 0
+        got = n = base_got = 0
         for f in files:
             if got >= min(per_package_bytes, budget):
                 break
             sf = c.add(name, f.as_posix(), Path(dist.locate_file(f)))
             if sf is not None:
+                # the files the first run took (the same order, its caps): the tokenizer is trained on them only,
+                # so that larger caps keep the same tokenizer and perplexities stay comparable
+                sf.base = name in BASE_PACKAGES and base_got < min(BASE_PACKAGE_BYTES, base_budget)
+                base_got += sf.nbytes if sf.base else 0
                 got, n = got + sf.nbytes, n + 1
         budget -= got
+        base_budget -= base_got
         meta = dist.metadata
         sources[name] = {"installed": True, "version": dist.version, "license": EXTRA_PACKAGES[name],
                          "license_metadata": meta.get("License-Expression") or (meta.get("License") or "")[:200],

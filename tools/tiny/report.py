@@ -60,6 +60,63 @@ def _mb(n: float) -> str:
     return f"{n / 1e6:.1f} MB"
 
 
+def model_row(m: dict) -> str:
+    shared = m.get("shared_experts") or 0
+    mtp = m.get("mtp")
+    return (f"{m['family']} ({m['hf_class']}): {m['layers']} layers, hidden {m['hidden']}, {m['heads']} heads "
+            f"({m['kv_heads']} KV) × {m['head_dim']}, {m['experts']} experts top-{m['top_k']} × FFN {m['expert_ffn']}"
+            + (f" + {shared} shared expert{'s' if shared > 1 else ''}" if shared else ", no shared expert")
+            + (f" (routing: {m['routing']})" if m.get("routing") else "")
+            + f", vocab {m['vocab_size']}, context {m['ctx']}, tied embeddings, "
+            + (f"{mtp['layers']} MTP block ({mtp['params'] / 1e6:.1f} M parameters; embedding and head shared "
+               "with the trunk)" if mtp else "no MTP head"))
+
+
+def _f(x, fmt: str = ".2f", none: str = "–") -> str:
+    return none if x is None else format(x, fmt)
+
+
+def mtp_section(rec: dict) -> list[str]:
+    """The MTP block as a draft model: teacher-forced accuracy, the drafter's acceptance, decode speed (CPU)."""
+    mt = rec.get("mtp")
+    if not mt:
+        return []
+    out = ["### The MTP block as a draft model", ""]
+    if "error" in mt:
+        return out + [f"Not measured: `{mt['error']}`.", ""]
+    tf, dr = mt["teacher_forced"], mt["drafting"]
+    w = rec["training"].get("mtp_weight")
+    out += [
+        f"The block was trained with the trunk (loss = CE(trunk) + {w:g} · CE(block)"
+        + (f", {rec['training']['mtp_weight_late']:g} over the last 30% of the steps" if rec["training"].get(
+            "mtp_weight_late") is not None else "") + "). Its first draft — the token after next, from the trunk's "
+        f"state and the next token — is right (teacher-forced top-1 on the held-out slice, {tf['positions']} "
+        f"positions) **{pct(tf['strata_top1'])}** of the time by strata"
+        + (f" ({pct(tf['train_f32_top1'])} by the training module)" if tf.get("train_f32_top1") is not None else "")
+        + ".",
+        "",
+        f"Greedy decoding by strata on the CPU ({dr['cpu']}, {dr['threads']} thread{'s' if dr['threads'] != 1 else ''}, float32) of {dr['prompts']} "
+        f"held-out prompts of {dr['prompt_tokens']} tokens, {dr['new_tokens']} new tokens each, the same text with "
+        "and without drafts (checked):",
+        "",
+        "| drafts | accepted / proposed | acceptance | tokens per trunk forward | decode tok/s | speed-up |",
+        "|---|---|---|---|---|---|",
+    ]
+    base = dr["plain"]["tok_per_s"]
+    rows = [("none", dr["plain"])] + [(f"MTP, `--draft-max {r['draft_max']}`, every draft verified", r)
+                                      for r in dr["drafter"]]
+    rows += [(f"MTP, `--draft-max {r['draft_max']}`, the engine's draft policy", r) for r in dr.get("engine", [])]
+    for label, r in rows:
+        sp = r["tok_per_s"] / base if base and r["tok_per_s"] else None
+        acc = f"{r['accepted']} / {r['proposed']}" if r["draft_max"] else "–"
+        out.append(f"| {label} | {acc} | {_f(r.get('acceptance') and 100 * r['acceptance'], '.1f')}"
+                   f"{'%' if r.get('acceptance') is not None else ''} | {r['tokens_per_forward']:.2f} | "
+                   f"{_f(r['tok_per_s'], '.1f')} | {_f(sp)}{'×' if sp else ''} |")
+    if dr.get("skipped"):
+        out += ["", f"Not run within the evaluation's time budget: {', '.join(dr['skipped'])}."]
+    return out + [""]
+
+
 def render(rec: dict) -> str:
     m, t, d, p, h = rec["model"], rec["training"], rec["data"], rec["perplexity"], rec["heldout"]
     g = rec["gguf"]
@@ -75,9 +132,7 @@ def render(rec: dict) -> str:
         "",
         "| | |",
         "|---|---|",
-        f"| model | {m['family']} ({m['hf_class']}): {m['layers']} layers, hidden {m['hidden']}, {m['heads']} heads "
-        f"({m['kv_heads']} KV) × {m['head_dim']}, {m['experts']} experts top-{m['top_k']} × FFN {m['expert_ffn']}, "
-        f"vocab {m['vocab_size']}, context {m['ctx']}, tied embeddings, no shared expert, no MTP head |",
+        f"| model | {model_row(m)} |",
         f"| parameters | {m['params'] / 1e6:.1f} M total, {m['active_params'] / 1e6:.1f} M active per token |",
         f"| GGUF | {g['type']}, {_mb(g['bytes'])}, sha256 `{g['sha256'][:16]}…` |",
         f"| data | Python {src['stdlib']['python']} standard library (PSF-2.0, {src['stdlib']['files']} files, "
@@ -88,8 +143,10 @@ def render(rec: dict) -> str:
         f"| tokens | {d['train_tokens'] / 1e6:.1f} M train, {d['val_tokens'] / 1e6:.2f} M validation |",
         f"| training | {t['steps']} steps × {t['batch']} × {t['ctx']} tokens = {t['tokens_seen'] / 1e6:.0f} M tokens "
         f"({t['epochs']:.1f} epochs) in {t['seconds']:.0f} s ({t['tokens_per_second'] / 1e3:.0f} K tokens/s), "
-        f"{t['precision']}, AdamW lr {t['lr']:g} (warm-up {t['warmup']}, cosine to 10%), "
-        f"load-balancing loss × {t['aux_loss_coef']:g} |",
+        f"{t['precision']}, AdamW lr {t['lr']:g} (warm-up {t['warmup']}, cosine to "
+        f"{100 * t.get('min_lr_ratio', 0.1):g}%), load-balancing loss × {t['aux_loss_coef']:g}"
+        + (f", routers' correction bias stepped by {t['bias_rate']:g} towards balance (aux-loss-free)"
+           if t.get("bias_rate") else "") + " |",
         f"| loss | final training {t['final_loss']:.3f}; best validation {t['best_val_loss']:.3f} "
         f"(step {t['best_step']}, the weights kept) |",
         "",
@@ -103,11 +160,11 @@ def render(rec: dict) -> str:
         "| computed by | perplexity |",
         "|---|---|",
         f"| strata, the shipped {g['type']} GGUF, CPU float32 (CI checks this ±1%) | {p['strata']:.3f} |",
-        f"| the training module, float32 weights | {p['train_f32']:.3f} |",
+        f"| the training module, float32 weights | {_f(p.get('train_f32'), '.3f', 'not measured')} |",
     ]
     if p.get("hf_f32") is not None:
-        out.append(f"| transformers `Qwen3MoeForCausalLM`, float32 checkpoint | {p['hf_f32']:.3f} |")
-    out += ["", "### Greedy completions", "",
+        out.append(f"| transformers `{m['hf_class']}`, float32 checkpoint | {p['hf_f32']:.3f} |")
+    out += [""] + mtp_section(rec) + ["### Greedy completions", "",
             "Greedy, by strata on the CPU; CI checks them as snapshots.", ""]
     for c in rec["completions"]:
         label = "chat (user message)" if c["kind"] == "chat" else "prompt"
@@ -139,6 +196,9 @@ def plots(rec: dict, train_log: dict, out_dir: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
     rows = train_log["log"]
     ax.plot([r["tokens"] / 1e6 for r in rows], [r["loss"] for r in rows], label="training loss", lw=1)
+    if rows and "mtp_loss" in rows[0]:
+        ax.plot([r["tokens"] / 1e6 for r in rows], [r["mtp_loss"] for r in rows], lw=1, alpha=0.7,
+                label="MTP block's training loss (token after next)")
     v = train_log.get("val") or []
     if v:
         per = rows[-1]["tokens"] / rows[-1]["step"] if rows else 0

@@ -48,6 +48,7 @@ def _sync(dev: torch.device) -> None:
 
 
 def _loss(model, x, y, dev):
+    """The trunk's cross-entropy and aux loss (validation, and training a model without ``train_losses``)."""
     with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
         logits, aux = model(x)
     ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
@@ -92,7 +93,8 @@ def train(model, train_ids: np.ndarray, val_ids: np.ndarray, a: TrainArgs, dev: 
     best = (float("inf"), -1, None)
     t0 = time.perf_counter()
     t_cal = None
-    acc = acc_aux = 0.0
+    mtp_w = getattr(model.cfg, "mtp_weight", 0.0) if hasattr(model, "train_losses") else 0.0
+    acc = acc_aux = acc_mtp = 0.0
     acc_n = 0
     step = 0
     stopped = "steps"
@@ -113,22 +115,34 @@ def train(model, train_ids: np.ndarray, val_ids: np.ndarray, a: TrainArgs, dev: 
             g["lr"] = lr_at(step, total, a)
         starts = torch.randint(0, len(data) - a.ctx - 1, (a.batch,), device=dev, generator=gen)
         b = data[starts[:, None] + ar].long()  # [B, T+1]
-        ce, aux = _loss(model, b[:, :-1], b[:, 1:], dev)
-        loss = ce + coef * aux
+        if hasattr(model, "train_losses"):  # (tools/tiny/glm.py: the MTP block's loss, the routers' bias update)
+            o = model.train_losses(b[:, :-1], b[:, 1:])
+            ce, aux, mtp = o["ce"], o["aux"], o.get("mtp_ce")
+        else:
+            (ce, aux), mtp, o = _loss(model, b[:, :-1], b[:, 1:], dev), None, None
+        if mtp is not None and step >= 0.7 * total:
+            mtp_w = getattr(model.cfg, "mtp_weight_late", mtp_w)
+        loss = ce + coef * aux + (mtp_w * mtp if mtp is not None else 0.0)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), a.grad_clip)
         opt.step()
+        if o is not None and hasattr(model, "update_bias"):
+            model.update_bias(o["ids"])
+        if mtp is not None:
+            acc_mtp = acc_mtp + mtp.detach()
         acc, acc_aux, acc_n = acc + ce.detach(), acc_aux + aux.detach(), acc_n + 1
         step += 1
         if step % a.log_every == 0 or step == total:
             row = {"step": step, "tokens": step * a.batch * a.ctx, "seconds": round(time.perf_counter() - t0, 2),
                    "lr": lr_at(step - 1, total, a), "loss": float(acc) / acc_n, "aux": float(acc_aux) / acc_n,
                    "grad_norm": float(gnorm)}
+            if mtp is not None:
+                row["mtp_loss"] = float(acc_mtp) / acc_n
             log_rows.append(row)
             log(f"step {step}/{total} loss {row['loss']:.4f} aux {row['aux']:.3f} lr {row['lr']:.2e} "
-                f"{row['seconds']:.0f}s")
-            acc = acc_aux = 0.0
+                + (f"mtp {row['mtp_loss']:.4f} " if mtp is not None else "") + f"{row['seconds']:.0f}s")
+            acc = acc_aux = acc_mtp = 0.0
             acc_n = 0
         if eval_every and (step % eval_every == 0 or step == total):
             v = val_loss(model, val, a, dev)
