@@ -2,7 +2,9 @@
 # The kernels and paths that a GPU takes only once their GPU test has passed there (each behind a flag in its
 # module: docs/BENCHMARKS.md, "Waiting on the GPU machine"): runs each one's GPU tests, prints PASS / FAIL and the
 # flag to set for each pass, and with APPLY=1 sets the passing flags in this working tree (on the GPU machine's
-# copy: measure with them in the same command, then set them in the repository by hand).
+# copy: measure with them in the same command, then set them in the repository by hand). An entry is
+# "test paths|file|sed substitution"; once its flag is set in the repository the entry keeps only its tests, as a
+# GPU regression set.
 #
 #   tools/gpu/gated.sh                   # test only
 #   APPLY=1 tools/gpu/gated.sh && BUDGET=0 tools/gpu/compare_flags.sh ""    # test, enable what passed, measure
@@ -17,11 +19,12 @@ source tools/gpu/setup.sh
 
 # test paths | file | python (sed -E) substitution that enables it
 GATED=(
-  "tests/ops/test_decode_attention_kv.py|strata/ops/decode_attention_kv.py|s/^GPU_TESTED = False/GPU_TESTED = True/"
-  "tests/ops/test_fused_interpret.py tests/layers/test_kv_fold_wiring.py|strata/ops/fused.py|s/^KV_FOLD_GPU_TESTED = False/KV_FOLD_GPU_TESTED = True/"
-  "tests/ops/test_route_interpret.py|strata/ops/route.py|s/^LOGITS_GPU_TESTED = False/LOGITS_GPU_TESTED = True/"
-  "tests/experts/test_expert_triton.py tests/ops/test_qgemv.py|strata/ops/expert_triton.py|s/^K_ON_GPU = frozenset\(\{Q.Q8_0, Q.Q4_K, Q.Q6_K\}\)/K_ON_GPU = frozenset({Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K})/; s/^LOOKUP_ON_GPU = frozenset\(\{Q.IQ4_XS, Q.MXFP4, Q.IQ2_XXS, Q.IQ3_XXS\}\)/LOOKUP_ON_GPU = frozenset({Q.IQ4_XS, Q.MXFP4, Q.IQ2_XXS, Q.IQ3_XXS, Q.IQ2_S})/"
-  "tests/layers/test_causal_bias.py|strata/layers/attention.py|s/^CAUSAL_BIAS_ON = frozenset\(\{\"cpu\"\}\)/CAUSAL_BIAS_ON = frozenset({\"cpu\", \"cuda\"})/"
+  # (taken on the GPU after passing on an H200; kept here as their GPU regression set)
+  "tests/ops/test_decode_attention_kv.py||"
+  "tests/ops/test_fused_interpret.py tests/layers/test_kv_fold_wiring.py||"
+  "tests/ops/test_route_interpret.py||"
+  "tests/experts/test_expert_triton.py tests/ops/test_qgemv.py||"
+  "tests/layers/test_causal_bias.py||"
   "tests/experts/test_staged_prefetch.py tests/experts/test_budget_long_prompt.py||"
 )
 
