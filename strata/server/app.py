@@ -31,7 +31,7 @@ class ServeConfig:
     port: int = 8080
     api_key: str | None = None
     cors_origins: list[str] = field(default_factory=list)
-    parallel: int = 1
+    parallel: int = 1  # KV slots; 0: auto (strata.engine.auto_slots)
     prompt_cache_mib: int = 1024
     model_id: str = "strata"
     aliases: list[str] = field(default_factory=list)
@@ -133,6 +133,12 @@ def _start_engine(app: FastAPI, cfg: ServeConfig, lm, say) -> object:
     if lm.tokenizer is None:
         raise APIError(500, "the model has no tokenizer in its metadata")
     t0 = time.perf_counter()
+    if cfg.parallel < 1:  # -np auto: from the KV a slot takes and the memory it lives in
+        from strata.engine.auto_slots import auto_slots
+
+        chosen = auto_slots(lm)
+        cfg.parallel = chosen.slots
+        say(chosen.render())
     engine = Engine(lm, n_slots=cfg.parallel, prefill_chunk=cfg.prefill_chunk or None)
     kv_mib = engine.kv.nbytes / 2**20
     say(f"KV cache: {cfg.parallel} slot(s) x {engine.max_ctx} tokens ({kv_mib:.0f} MiB on {engine.device}), "

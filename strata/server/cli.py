@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import errno
 import socket
 import sys
@@ -20,7 +21,9 @@ def register(sub) -> None:
     g.add_argument("--port", type=int, default=8080)
     g.add_argument("--api-key", default=None, help="require this key on every route but /health "
                    "(default: $STRATA_API_KEY)")
-    g.add_argument("-np", "--parallel", type=int, default=1, help="sequences decoded together (KV slots)")
+    g.add_argument("-np", "--parallel", type=_parallel, default=0, metavar="N|auto",
+                   help="sequences decoded together (KV slots); auto (the default): up to 4, as many as keep their "
+                   "KV within an eighth of the VRAM budget (or of the free GPU memory / RAM)")
     g.add_argument("--prompt-cache-mib", type=int, default=1024,
                    help="host RAM for the KV of past conversations (0 = only what the slots hold)")
     g.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
@@ -37,6 +40,19 @@ def register(sub) -> None:
     p.set_defaults(func=cmd_serve)
 
 
+def _parallel(text: str) -> int:
+    """-np's value: a slot count >= 1, or auto (0: strata.engine.auto_slots decides once the model is loaded)."""
+    if text.strip().lower() in ("auto", "-1"):  # (-1: llama-server's spelling of auto)
+        return 0
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a slot count or auto, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 (or auto), got {n}")
+    return n
+
+
 def _say(msg: str) -> None:
     print(f"strata: {msg}", file=sys.stderr, flush=True)
 
@@ -49,8 +65,6 @@ def cmd_serve(args) -> int:
     from strata.server.app import ServeConfig, create_app, model_id_for
     from strata.server.auth import is_loopback, origin_key
 
-    if args.parallel < 1:
-        raise StrataError("--parallel must be at least 1")
     if not 0 < args.port < 65536:
         raise StrataError(f"--port must be 1..65535 (got {args.port})")
     for o in args.cors_origin:
