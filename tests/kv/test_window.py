@@ -1,0 +1,200 @@
+"""The KV window (--kv-vram-tokens): a window of 64 tokens (pages of 16) under prompts of 200 read in several
+chunks gives the full cache's logits bit for bit and its greedy tokens, for every family, over float and
+quantized KV, several slots at once and a conversation reused from the slot or from the conversation cache; the
+page pool's policy and counters; the flag's bad values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from strata import StrataError
+from strata.config import EngineConfig
+from strata.engine.engine import Engine
+from strata.engine.loader import load_model
+from strata.engine.sampler import SamplingParams
+from strata.kv.cache import KVCache, Segment
+from strata.kv.window import PagePolicy, WindowKVCache, auto_tokens, new_kv_cache, parse_tokens
+
+FAMILIES = ["qwen3moe", "qwen3", "mixtral", "llama", "deepseek_v3", "deepseek_v3_noqlora", "glm4moe",
+            "glm4moe_noqknorm", "gpt_oss", "qwen3next"]
+WINDOW = dict(kv_vram_tokens="64", kv_page_tokens=16)
+GREEDY = SamplingParams(temperature=0)
+
+
+def _prompt(n, seed):
+    return torch.randint(0, 1001, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _cfg(**kw):
+    return EngineConfig(device="cpu", dtype="float32", **kw)
+
+
+def _chunked_logits(lm, kv, ids, chunk, steps):
+    """Every position's logits of a prompt read in chunks, then of `steps` greedy decode steps, over `kv`."""
+    m, out, pos = lm.model, [], 0
+    while pos < len(ids):
+        n = min(chunk, len(ids) - pos)
+        t = torch.tensor(ids[pos:pos + n])
+        out.append(m.forward(t, torch.arange(pos, pos + n), [Segment(0, pos, n)], kv, all_logits=True))
+        pos += n
+    for _ in range(steps):
+        tok = int(out[-1][-1].argmax())
+        out.append(m.forward(torch.tensor([tok]), torch.tensor([pos]), [Segment(0, pos, 1)], kv, all_logits=True))
+        pos += 1
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_window_equals_full_kv(family, hf_and_gguf):
+    """Logits of every position equal (the same rows reach the same attention), greedy tokens identical, and the
+    window really served the prompt from both places (hits and misses)."""
+    _, path = hf_and_gguf(family)
+    lm = load_model(str(path), _cfg(**WINDOW))
+    ids = _prompt(200, 1)
+    full = lm.model.new_kv_cache(1, lm.max_ctx, torch.float32)
+    win = new_kv_cache(lm.model, 1, lm.max_ctx, lm.cfg, torch.float32)
+    assert isinstance(win, WindowKVCache) and win.host_nbytes >= 4 * win.pool.nbytes
+    ref = _chunked_logits(lm, full, ids, 48, 6)
+    got = _chunked_logits(lm, win, ids, 48, 6)
+    assert torch.equal(got, ref), f"{family}: max difference {(got - ref).abs().max():.3g}"
+    assert win.stats.hits > 0 and win.stats.misses > 0
+    a = list(Engine(load_model(str(path), _cfg()), prefill_chunk=48).generate(ids, GREEDY, max_tokens=8))
+    eng = Engine(lm, prefill_chunk=48)
+    assert eng.graphs is None and eng.kv_window_stats is eng.kv.stats
+    assert list(eng.generate(ids, GREEDY, max_tokens=8)) == a
+
+
+@pytest.mark.parametrize("family,types", [("qwen3moe", ("q8_0", "q8_0")), ("deepseek_v3", ("q8_0", "q8_0")),
+                                          ("gpt_oss", ("q4_0", "q8_0")), ("qwen3next", ("q8_0", "f16"))])
+def test_window_over_quantized_kv(family, types, hf_and_gguf):
+    """q8_0 / q4_0 pages are the blocks as stored: the window's logits equal the same quantized full cache's."""
+    _, path = hf_and_gguf(family)
+    lm = load_model(str(path), _cfg(cache_type_k=types[0], cache_type_v=types[1], **WINDOW))
+    kt = lm.cfg.kv_cache_types
+    full = lm.model.new_kv_cache(1, lm.max_ctx, torch.float32, *kt)
+    win = new_kv_cache(lm.model, 1, lm.max_ctx, lm.cfg, torch.float32, *kt)
+    assert isinstance(win, WindowKVCache) and win.quantized and full.quantized
+    ids = _prompt(200, 2)
+    assert torch.equal(_chunked_logits(lm, win, ids, 64, 4), _chunked_logits(lm, full, ids, 64, 4))
+
+
+def _serve(path, prompts, n_slots, tokens=8, **kw):
+    eng = Engine(load_model(str(path), _cfg(**kw)), n_slots=n_slots, prefill_chunk=40)
+    from strata.engine.request import Request
+    from strata.engine.sequence import Sequence
+
+    seqs = [Sequence.of(Request(p, GREEDY, tokens, set())) for p in prompts]
+    for s in seqs:
+        eng.add(s)
+    while any(not s.finished for s in seqs):
+        eng.step()
+    return [s.output for s in seqs], eng
+
+
+@pytest.mark.parametrize("family", ["qwen3moe", "gpt_oss", "qwen3next"])
+def test_several_slots_share_the_pool(family, hf_and_gguf):
+    """Three sequences prefilled and decoded together (one pool for all slots; each slot's first and latest pages
+    pinned) give what the full cache gives each."""
+    _, path = hf_and_gguf(family)
+    prompts = [_prompt(150, 3), _prompt(190, 4), _prompt(90, 5)]
+    ref, _ = _serve(path, prompts, 3)
+    got, eng = _serve(path, prompts, 3, kv_vram_tokens="96", kv_page_tokens=16)
+    assert isinstance(eng.kv, WindowKVCache) and got == ref
+    assert eng.kv_window_stats.misses > 0 and 0 < eng.kv_window_stats.hit_rate < 1
+
+
+@pytest.mark.parametrize("family", ["qwen3moe", "deepseek_v3"])
+def test_conversation_reuse(family, hf_and_gguf):
+    """A follow-up turn reuses the slot's KV (its prefix is not read again), and a conversation the conversation
+    cache saved to RAM and restored into the slot: the same tokens as the full cache gives."""
+    from strata.server.prompt_cache import PromptCache
+
+    _, path = hf_and_gguf(family)
+    a, b = _prompt(180, 6), _prompt(120, 7)
+
+    def run(**kw):
+        eng = Engine(load_model(str(path), _cfg(**kw)), n_slots=1, prefill_chunk=40)
+        pc = PromptCache(64)
+        outs = []
+        for p in (a, a + _prompt(30, 8), b, a + _prompt(30, 9)):
+            pc.prepare(eng, p)
+            outs.append(list(eng.generate(p, GREEDY, max_tokens=6)))
+            outs.append(eng.last.cached)
+        return outs, pc
+
+    ref, pc_ref = run()
+    got, pc = run(**WINDOW)
+    assert got == ref and got[3] >= 180 and got[7] >= 180  # (the prefix reused from the slot, then from RAM)
+    assert pc.restores == pc_ref.restores >= 1
+
+
+def test_policy_keeps_first_and_latest_pages_and_does_not_thrash():
+    """Pool of 4 pages, a slot of 10 pages read whole every step: page 0 and the last two stay, and the fourth
+    keeps the last middle page admitted while the pool had room; the rest are read from the host each step, never
+    churning the pool."""
+    pol = PagePolicy(4)
+    acc = pol.access(0, 0, 10, fresh=0, written=0)  # a prompt of 10 pages written at once: nothing read
+    assert not acc.hits and not acc.misses
+    assert sorted(p for (_, p) in pol.where) == [0, 3, 8, 9]
+    for _ in range(3):  # decode steps writing in page 9
+        acc = pol.access(0, 0, 10, fresh=10, written=9)
+        assert sorted(p for p, _ in acc.hits) == [0, 3, 8, 9] and acc.misses == [1, 2, 4, 5, 6, 7]
+        assert [p for p, _ in acc.to_pool] == [9]
+    acc = pol.access(0, 0, 11, fresh=10, written=10)  # page 10 begins: pinned, it takes the least recently used unpinned page's place (3)
+    assert sorted(p for (_, p) in pol.where) == [0, 8, 9, 10] and (10, pol.where[(0, 10)]) in acc.to_pool
+    assert len({i for _, i in acc.to_pool}) == len(acc.to_pool)
+
+
+def test_window_counts_and_bytes(hf_and_gguf):
+    _, path = hf_and_gguf("qwen3moe")
+    lm = load_model(str(path), _cfg(**WINDOW))
+    win = new_kv_cache(lm.model, 1, lm.max_ctx, lm.cfg, torch.float32)
+    ids = _prompt(200, 1)
+    _chunked_logits(lm, win, ids, 200, 0)  # one chunk: every page fresh, nothing read back
+    assert (win.stats.hits, win.stats.misses) == (0, 0)
+    lm.model.forward(torch.tensor([5]), torch.tensor([200]), [Segment(0, 200, 1)], win)
+    layers = win.n_layers
+    # 13 pages of 16 up to position 200: 4 in the pool (page 0, a middle one, pages 11 and 12), 9 from the host
+    assert (win.stats.hits, win.stats.misses) == (4 * layers, 9 * layers)
+    assert win.stats.miss_bytes == 9 * layers * win.page_bytes and win.stats.hit_rate == pytest.approx(4 / 13)
+
+
+def test_window_as_large_as_the_context_is_the_plain_cache(hf_and_gguf):
+    _, path = hf_and_gguf("qwen3moe")
+    lm = load_model(str(path), _cfg(kv_vram_tokens=str(2 * 512), kv_page_tokens=16, ctx_size=512))
+    kv = new_kv_cache(lm.model, 2, 512, lm.cfg, torch.float32)
+    assert type(kv) is KVCache and not kv.eager_only
+    eng = Engine(load_model(str(path), _cfg(kv_vram_tokens="1000", kv_page_tokens=16, ctx_size=512)), n_slots=2)
+    assert isinstance(eng.kv, WindowKVCache) and eng.kv.window == 1008  # (rounded up to whole pages)
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-16", "1.5", ""])
+def test_bad_values_are_one_clear_error(value):
+    with pytest.raises(StrataError, match="--kv-vram-tokens") as e:
+        EngineConfig(device="cpu", kv_vram_tokens=value).validate()
+    assert "\n" not in str(e.value)
+
+
+def test_flag_values_and_a_window_too_small():
+    assert parse_tokens(None) is None and parse_tokens("auto") == "auto" and parse_tokens(" 4096 ") == 4096
+    with pytest.raises(StrataError, match="at least 3 pages"):
+        WindowKVCache(2, 1, 256, (2, 8), (2, 8), torch.float32, "cpu", window=32, page=16)
+    with pytest.raises(StrataError, match="--kv-page-tokens"):
+        EngineConfig(device="cpu", kv_page_tokens=0).validate()
+
+
+def test_auto_sizing():
+    # the whole KV fits beside the minimal expert cache: no window
+    assert auto_tokens(left=10 << 30, per_token=100_000, full_tokens=32_768, stage=0, expert_min=1 << 30,
+                       page=256) is None
+    # it does not: what is left after the experts' minimum and the stage, in whole pages
+    got = auto_tokens(left=4 << 30, per_token=100_000, full_tokens=131_072, stage=200 << 20, expert_min=1 << 30,
+                      page=256)
+    assert got % 256 == 0 and got * 100_000 <= (3 << 30) - (200 << 20) < (got + 256) * 100_000
+
+
+def test_cpu_auto_is_the_plain_cache(hf_and_gguf):
+    _, path = hf_and_gguf("qwen3moe")
+    lm = load_model(str(path), _cfg(kv_vram_tokens="auto"))
+    assert type(new_kv_cache(lm.model, 1, lm.max_ctx, lm.cfg, torch.float32)) is KVCache
