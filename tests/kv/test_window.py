@@ -198,3 +198,25 @@ def test_cpu_auto_is_the_plain_cache(hf_and_gguf):
     _, path = hf_and_gguf("qwen3moe")
     lm = load_model(str(path), _cfg(kv_vram_tokens="auto"))
     assert type(new_kv_cache(lm.model, 1, lm.max_ctx, lm.cfg, torch.float32)) is KVCache
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family,types", [("qwen3moe", (None, None)), ("gpt_oss", ("q8_0", "q8_0")),
+                                          ("deepseek_v3", ("q4_0", "q4_0"))])
+def test_window_on_cuda(family, types, hf_and_gguf):
+    """On a GPU: the host copy pinned, the copies asynchronous on the compute stream, the same logits as the full
+    VRAM cache, and the same greedy tokens as an engine without graphs over the full cache."""
+    _, path = hf_and_gguf(family)
+    kw = dict(device="cuda", dtype="float32", cache_type_k=types[0], cache_type_v=types[1])
+    lm = load_model(str(path), EngineConfig(**kw, **WINDOW))
+    kt = lm.cfg.kv_cache_types
+    full = lm.model.new_kv_cache(1, lm.max_ctx, torch.float32, *kt)
+    win = new_kv_cache(lm.model, 1, lm.max_ctx, lm.cfg, torch.float32, *kt)
+    assert isinstance(win, WindowKVCache) and win.host.k[0] is not None
+    assert all(t.is_pinned() for t in (win.host.k[0].qs if types[0] else win.host.k[0],))
+    ids = _prompt(200, 1)
+    assert torch.equal(_chunked_logits(lm, win, ids, 48, 6), _chunked_logits(lm, full, ids, 48, 6))
+    ref = Engine(load_model(str(path), EngineConfig(**kw, cuda_graphs=False)), prefill_chunk=48)
+    eng = Engine(lm, prefill_chunk=48)
+    assert eng.graphs is None
+    assert list(eng.generate(ids, GREEDY, max_tokens=8)) == list(ref.generate(ids, GREEDY, max_tokens=8))
