@@ -72,6 +72,10 @@ class WindowStats:
         return {"hits": self.hits, "misses": self.misses, "miss_bytes": self.miss_bytes,
                 "hit_rate": round(self.hit_rate, 4)}
 
+    def summary(self) -> str:
+        return (f"hit {100 * self.hit_rate:.1f}% of {self.hits + self.misses} pages read, "
+                f"{self.miss_bytes / 2**20:.1f} MiB from host RAM")
+
 
 @dataclass
 class Access:

@@ -220,3 +220,43 @@ def test_window_on_cuda(family, types, hf_and_gguf):
     eng = Engine(lm, prefill_chunk=48)
     assert eng.graphs is None
     assert list(eng.generate(ids, GREEDY, max_tokens=8)) == list(ref.generate(ids, GREEDY, max_tokens=8))
+
+
+def test_check_plans_the_window():
+    """`strata check --kv-vram-tokens N`: the window and one layer's stage in VRAM, the whole KV in host RAM; a
+    context whose KV does not fit the budget gets the window among the fixes."""
+    from strata.hub.check import ModelFootprint, fit
+    from strata.hub.machine import CPUInfo, GPUInfo, MachineInfo
+
+    GiB = 1 << 30
+    fp = ModelFootprint(files=["q.gguf"], architecture="qwen3moe", total_bytes=int(17.5 * GiB),
+                        dense_bytes=int(1.5 * GiB), expert_bytes=16 * GiB, n_expert=128, n_expert_used=8,
+                        n_moe_layers=48, slot_bytes=16 * GiB // (48 * 128), kv_bytes_per_token=98304,
+                        context_length=131072)
+    m = MachineInfo([GPUInfo(0, "GPU", 24 * GiB, 8 * GiB, 4, 4, 16, 16)], None, 128 * GiB, 128 * GiB,
+                    CPUInfo("cpu", 8, 16), "/", 100 * GiB)
+    full = fit(fp, m, ctx=131072, vram_budget=8 * GiB)
+    assert not full.ok and any("--kv-vram-tokens" in x for x in full.fixes)
+    win = fit(fp, m, ctx=131072, vram_budget=8 * GiB, kv_window=8192)
+    host = 131072 * 98304
+    assert win.ok and (win.kv_window, win.kv_host_bytes) == (8192, host)
+    assert win.kv_bytes == 8192 * 98304 + host // 48 and win.ram_needed - full.ram_needed == host
+    assert win.slots > 0 and any("KV window" in n for n in win.notes)
+    assert fit(fp, m, ctx=4096, vram_budget=8 * GiB, kv_window=8192).kv_window == 0  # (the context fits whole)
+
+
+def test_metrics_report_the_window(hf_and_gguf):
+    from types import SimpleNamespace
+
+    from strata.server.metrics import Metrics
+
+    _, path = hf_and_gguf("qwen3moe")
+    eng = Engine(load_model(str(path), _cfg(**WINDOW)), prefill_chunk=48)
+    list(eng.generate(_prompt(120, 3), GREEDY, max_tokens=4))
+    m = Metrics("tiny")
+    assert m.kv_window_stats() == {}
+    m.worker = SimpleNamespace(engine=eng, n_running=0, n_waiting=0)
+    st = m.kv_window_stats()
+    assert st["misses"] > 0 and st["hit_rate"] == round(eng.kv_window_stats.hit_rate, 4) < 1
+    text = m.prometheus().decode()
+    assert f"strata_kv_window_hit_rate {st['hit_rate']}" in text and "strata_kv_window_miss_bytes_total" in text
