@@ -393,6 +393,35 @@ def _auto(model, cfg, n_slots: int, max_ctx: int, n_layers: int, dtype, k_type, 
     return auto_tokens(left, per_token, n_slots * max_ctx, stage, expert_min, page)
 
 
+def default_ctx(cfg, trained: int | None) -> int | None:
+    """The context when -c is not given: with a KV window on a GPU, the model's trained context (its KV lives in
+    host RAM, which new_kv_cache checks with the numbers); None otherwise (the usual default)."""
+    if parse_tokens(getattr(cfg, "kv_vram_tokens", None)) is None or cfg.torch_device.type != "cuda" or not trained:
+        return None
+    log.info("strata: context %d tokens, the model's own: the KV window keeps the KV in host RAM (-c sets it)",
+             trained)
+    return int(trained)
+
+
+def _ram_available() -> int | None:
+    try:
+        import psutil
+    except ImportError:  # (then nothing is checked: the allocation itself fails if RAM is short)
+        return None
+    return int(psutil.virtual_memory().available)
+
+
+def _check_host_ram(n_slots: int, max_ctx: int, page: int, per_token: int) -> None:
+    """A context whose whole KV the host cannot hold is refused with the numbers, never cut short silently."""
+    need = n_slots * -(-max_ctx // page) * page * per_token
+    avail = _ram_available()
+    if avail is None or need <= avail:
+        return
+    fits = avail // max(1, n_slots * per_token) // page * page
+    raise StrataError(f"--kv-vram-tokens: the KV of {n_slots} slot(s) x {max_ctx} tokens needs {need / 2**30:.2f} "
+                      f"GiB of host RAM, {avail / 2**30:.2f} GiB is available: -c {fits} fits")
+
+
 def new_kv_cache(model, n_slots: int, max_ctx: int, cfg, dtype=None, k_type=None, v_type=None):
     """The engine's KV cache: the model's own (everything in VRAM) unless --kv-vram-tokens asks for a window
     smaller than every slot's context, then a WindowKVCache over the same layers (and recurrent state)."""
@@ -420,6 +449,7 @@ def new_kv_cache(model, n_slots: int, max_ctx: int, cfg, dtype=None, k_type=None
         log.info("strata: --kv-vram-tokens %d holds every slot's whole context (%d x %d tokens): the KV cache is "
                  "all in VRAM, no window", tokens, n_slots, max_ctx)
         return model.new_kv_cache(n_slots, max_ctx, dtype, k_type, v_type)
+    _check_host_ram(n_slots, max_ctx, page, model.kv_bytes_per_token(dtype, k_type, v_type))
     own = [i for i, b in enumerate(probe.k) if b is not None]
     spec = model.cache_spec
     kv = WindowKVCache(probe.n_layers, n_slots, max_ctx, spec.k_shape, spec.v_shape, dtype or model.dtype,

@@ -260,3 +260,28 @@ def test_metrics_report_the_window(hf_and_gguf):
     assert st["misses"] > 0 and st["hit_rate"] == round(eng.kv_window_stats.hit_rate, 4) < 1
     text = m.prometheus().decode()
     assert f"strata_kv_window_hit_rate {st['hit_rate']}" in text and "strata_kv_window_miss_bytes_total" in text
+
+
+def test_a_context_the_host_cannot_hold_is_refused_with_the_numbers(hf_and_gguf, monkeypatch):
+    import strata.kv.window as window
+
+    _, path = hf_and_gguf("qwen3moe")
+    lm = load_model(str(path), _cfg(**WINDOW))
+    per = lm.model.kv_bytes_per_token(torch.float32)
+    monkeypatch.setattr(window, "_ram_available", lambda: 100 * per)
+    with pytest.raises(StrataError, match=r"needs .* GiB of host RAM, .* GiB is available: -c 96 fits"):
+        new_kv_cache(lm.model, 1, 512, lm.cfg, torch.float32)
+    monkeypatch.setattr(window, "_ram_available", lambda: 2 * 512 * per)
+    assert isinstance(new_kv_cache(lm.model, 2, 512, lm.cfg, torch.float32), WindowKVCache)
+
+
+def test_the_default_context_grows_with_a_window_on_a_gpu():
+    from strata.kv.window import default_ctx
+
+    class Cfg:  # (a CUDA device without one here: only its type is read)
+        kv_vram_tokens, torch_device = "8192", torch.device("cuda")
+
+    assert default_ctx(Cfg, 131072) == 131072
+    Cfg.kv_vram_tokens = None
+    assert default_ctx(Cfg, 131072) is None
+    assert default_ctx(EngineConfig(device="cpu", kv_vram_tokens="64"), 131072) is None  # (on a CPU: as before)
