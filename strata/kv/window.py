@@ -160,6 +160,20 @@ class PagePolicy:
             self.pins[a] = pb
 
 
+MAX_RUNS = 4  # page runs copied as slices; more take one indexed copy
+
+
+def _runs(pairs: list) -> list[tuple[int, int, int]]:
+    """(page, pool index) pairs sorted by page -> runs (first page, first index, length) where both go up by one."""
+    out: list[list[int]] = []
+    for p, i in pairs:
+        if out and out[-1][0] + out[-1][2] == p and out[-1][1] + out[-1][2] == i:
+            out[-1][2] += 1
+        else:
+            out.append([p, i, 1])
+    return [(p, i, n) for p, i, n in out]
+
+
 def _parts(buf) -> list[torch.Tensor]:
     """The tensors a K or V buffer is made of, each indexed [slot, position, ...]."""
     return [buf.qs, buf.d] if isinstance(buf, QuantRows) else [buf]
@@ -240,35 +254,44 @@ class WindowKVCache:
         """Fill the stage's pages this access reads: from the pool (one indexed copy a part) and from the host (one
         copy per run of consecutive pages)."""
         st, pool, host = self._bufs(self.stage, 0), self._bufs(self.pool, layer), self._bufs(self.host, layer)
-        if acc.hits:
-            dst = torch.tensor([p for p, _ in acc.hits], device=self.device)
-            src = torch.tensor([i for _, i in acc.hits], device=self.device)
-            for s, q in zip(st, pool):
-                for ts, tq in zip(_parts(s), _parts(q)):
-                    self._pages(ts[0]).index_copy_(0, dst, tq.index_select(0, src))
-        runs: list[list[int]] = []
-        for p in acc.misses:
-            if runs and runs[-1][1] == p:
-                runs[-1][1] = p + 1
-            else:
-                runs.append([p, p + 1])
+        for s, q in zip(st, pool):
+            for ts, tq in zip(_parts(s), _parts(q)):
+                self._copy(self._pages(ts[0]), tq, acc.hits, to_pool=False)
+        runs = _runs([(p, p) for p in acc.misses])
         for s, h in zip(st, host):
             for ts, th in zip(_parts(s), _parts(h)):
                 sv, hv = self._pages(ts[0]), self._pages(th[slot])
-                for a, b in runs:
-                    sv[a:b].copy_(hv[a:b], non_blocking=True)
+                for a, _, n in runs:
+                    sv[a:a + n].copy_(hv[a:a + n], non_blocking=True)
         self.stats.hits += len(acc.hits)
         self.stats.misses += len(acc.misses)
         self.stats.miss_bytes += len(acc.misses) * self.page_bytes
 
-    def _to_pool(self, layer: int, acc: Access) -> None:
-        if not acc.to_pool:
+    def _copy(self, staged: torch.Tensor, pool: torch.Tensor, pairs: list, to_pool: bool) -> None:
+        """Copy pages between the stage [pages, page, ...] and a pool part [pool pages, page, ...], (page, pool
+        index) pairs: a slice copy per run where the pairs run in step (the usual case: pages admitted in order
+        take pool pages in order), else one indexed copy (fewer launches than many short runs)."""
+        if not pairs:
             return
-        pages = torch.tensor([p for p, _ in acc.to_pool], device=self.device)
-        idx = torch.tensor([i for _, i in acc.to_pool], device=self.device)
+        runs = _runs(sorted(pairs))
+        if len(runs) <= MAX_RUNS:
+            for p, i, n in runs:
+                if to_pool:
+                    pool[i:i + n].copy_(staged[p:p + n])
+                else:
+                    staged[p:p + n].copy_(pool[i:i + n])
+            return
+        pages = torch.tensor([p for p, _ in pairs], device=self.device)
+        idx = torch.tensor([i for _, i in pairs], device=self.device)
+        if to_pool:
+            pool.index_copy_(0, idx, staged.index_select(0, pages))
+        else:
+            staged.index_copy_(0, pages, pool.index_select(0, idx))
+
+    def _to_pool(self, layer: int, acc: Access) -> None:
         for s, q in zip(self._bufs(self.stage, 0), self._bufs(self.pool, layer)):
             for ts, tq in zip(_parts(s), _parts(q)):
-                tq.index_copy_(0, idx, self._pages(ts[0]).index_select(0, pages))
+                self._copy(self._pages(ts[0]), tq, acc.to_pool, to_pool=True)
 
     def _access(self, layer: int, slot: int, first: int, end: int, k=None, v=None, start: int = 0) -> None:
         """Stage positions first .. end - 1 of a slot's layer, writing k, v at start .. end - 1 (k None: a read)."""

@@ -285,3 +285,18 @@ def test_the_default_context_grows_with_a_window_on_a_gpu():
     Cfg.kv_vram_tokens = None
     assert default_ctx(Cfg, 131072) is None
     assert default_ctx(EngineConfig(device="cpu", kv_vram_tokens="64"), 131072) is None  # (on a CPU: as before)
+
+
+def test_page_runs_and_the_indexed_copy(hf_and_gguf, monkeypatch):
+    """Pages copied as slices where pages and pool indices run in step, else by one indexed copy: both exact."""
+    import strata.kv.window as window
+
+    assert window._runs([(0, 0), (1, 1), (2, 5), (3, 6), (7, 7)]) == [(0, 0, 2), (2, 5, 2), (7, 7, 1)]
+    monkeypatch.setattr(window, "MAX_RUNS", 0)  # every copy indexed
+    _, path = hf_and_gguf("gpt_oss")
+    lm = load_model(str(path), _cfg(cache_type_k="q8_0", cache_type_v="q8_0", **WINDOW))
+    kt = lm.cfg.kv_cache_types
+    full = lm.model.new_kv_cache(1, lm.max_ctx, torch.float32, *kt)
+    win = new_kv_cache(lm.model, 1, lm.max_ctx, lm.cfg, torch.float32, *kt)
+    ids = _prompt(200, 4)
+    assert torch.equal(_chunked_logits(lm, win, ids, 48, 4), _chunked_logits(lm, full, ids, 48, 4))
