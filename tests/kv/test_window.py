@@ -300,3 +300,49 @@ def test_page_runs_and_the_indexed_copy(hf_and_gguf, monkeypatch):
     win = new_kv_cache(lm.model, 1, lm.max_ctx, lm.cfg, torch.float32, *kt)
     ids = _prompt(200, 4)
     assert torch.equal(_chunked_logits(lm, win, ids, 48, 4), _chunked_logits(lm, full, ids, 48, 4))
+
+
+def test_sliding_layers_read_only_their_window(hf_and_gguf):
+    """gpt-oss's sliding layers (a window of 6 tokens) fetch only the pages their window touches: after a prompt
+    of 200 written in one chunk (nothing read back), a decode step at position 200 reads 13 pages in each of the
+    two full-attention layers and one page in each of the two sliding layers."""
+    _, path = hf_and_gguf("gpt_oss")
+    lm = load_model(str(path), _cfg(**WINDOW))
+    win = new_kv_cache(lm.model, 1, lm.max_ctx, lm.cfg, torch.float32)
+    _chunked_logits(lm, win, _prompt(200, 1), 200, 0)
+    lm.model.forward(torch.tensor([5]), torch.tensor([200]), [Segment(0, 200, 1)], win)
+    assert win.stats.hits + win.stats.misses == 2 * 13 + 2 * 1
+
+
+@pytest.mark.parametrize("family", ["qwen3moe", "gpt_oss"])
+def test_speculative_decoding_over_the_window(family, hf_and_gguf):
+    """Verify steps write drafts that may be rejected and rewritten: the same tokens as the full cache gives."""
+    _, path = hf_and_gguf(family)
+    base = _prompt(40, 11)
+    ids = base * 4 + base[:20]  # (repeats: n-gram drafts find matches)
+
+    def run(**kw):
+        eng = Engine(load_model(str(path), _cfg(draft_max=4, **kw)), prefill_chunk=48)
+        out = list(eng.generate(ids, GREEDY, max_tokens=24))
+        return out, eng.last.draft_n
+
+    ref, drafts = run()
+    got, _ = run(**WINDOW)
+    assert got == ref and drafts > 0
+
+
+def test_pipeline_stages_refuse_the_window():
+    with pytest.raises(StrataError, match="--kv-vram-tokens.*pipeline"):
+        EngineConfig(device="cpu", kv_vram_tokens="4096", pipeline_parallel_size=2).validate()
+
+
+def test_the_flag_parses():
+    import argparse
+
+    from strata.config import add_flags, from_flags
+
+    p = argparse.ArgumentParser()
+    add_flags(p, EngineConfig)
+    cfg = from_flags(EngineConfig, p.parse_args(["--kv-vram-tokens", "auto", "--kv-page-tokens", "128"]))
+    assert (cfg.kv_vram_tokens, cfg.kv_page_tokens) == ("auto", 128)
+    assert from_flags(EngineConfig, p.parse_args([])).kv_vram_tokens is None
