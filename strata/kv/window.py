@@ -378,9 +378,8 @@ class WindowKVCache:
     def load_rows(self, layer: int, slot: int, n: int, rows: list[torch.Tensor], which: str = "k") -> None:
         self._sync()
         self.host.load_rows(layer, slot, n, rows, which)
-        for pol in (self.policy.get(layer),):
-            if pol is not None:
-                pol.drop(slot)
+        if layer in self.policy:  # (the pool's copies of the slot's pages are stale now)
+            self.policy[layer].drop(slot)
 
 
 # -- choosing the cache ------------------------------------------------------------------------------------------
