@@ -397,7 +397,7 @@ def _auto(model, cfg, n_slots: int, max_ctx: int, n_layers: int, dtype, k_type, 
     dev = torch.device(model.device)
     if dev.type != "cuda":
         return None  # on a CPU the KV is in RAM either way
-    from strata.experts.sizing import prefill_left
+    from strata.experts.sizing import PREFILL_TARGET, prefill_bytes_per_token, prefill_left
 
     ex = cfg.experts
     free, total = torch.cuda.mem_get_info(dev)
@@ -405,13 +405,13 @@ def _auto(model, cfg, n_slots: int, max_ctx: int, n_layers: int, dtype, k_type, 
     left = prefill_left(budget, total - free, ex.vram_reserve_mib * (1 << 20))
     per_token = model.kv_bytes_per_token(dtype, k_type, v_type)  # every layer's
     stage = per_token // max(1, n_layers) * (-(-max_ctx // page) * page)  # one layer's whole context
-    # the expert cache keeps at least two slots a layer for every expert a token routes to
-    experts = getattr(model, "experts", None)
-    store = getattr(experts, "store", None)
-    k = max(1, getattr(getattr(model, "args", None), "n_experts_used", 0) or 1)
-    expert_min = 0
-    if store is not None:
-        expert_min = 2 * k * sum(store.expert_nbytes(i) for i in experts.layer_ids)
+    args = model.args
+    k = max(1, int(getattr(args, "n_experts_used", 0) or 1))
+    # the expert cache keeps at least two slots a layer for every expert a token routes to, and a default prefill
+    # chunk's activations beside it (the engine sizes both after the KV cache)
+    store = getattr(model.experts, "store", None)  # (the tiered backend's host copy; None: resident or dense)
+    expert_min = 2 * k * sum(store.expert_nbytes(i) for i in model.experts.layer_ids) if store is not None else 0
+    expert_min += PREFILL_TARGET * prefill_bytes_per_token(args.d_model, k)
     return auto_tokens(left, per_token, n_slots * max_ctx, stage, expert_min, page)
 
 

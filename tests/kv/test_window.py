@@ -352,3 +352,27 @@ def test_the_flag_parses():
     cfg = from_flags(EngineConfig, p.parse_args(["--kv-vram-tokens", "auto", "--kv-page-tokens", "128"]))
     assert (cfg.kv_vram_tokens, cfg.kv_page_tokens) == ("auto", 128)
     assert from_flags(EngineConfig, p.parse_args([])).kv_vram_tokens is None
+
+
+def test_auto_from_the_budget(monkeypatch):
+    """auto on a GPU: the budget less what the device holds, the reserve, two expert slots a layer for each routed
+    expert, a default prefill chunk's activations and the stage; the whole KV when it fits beside them."""
+    from types import SimpleNamespace as NS
+
+    import strata.kv.window as window
+    from strata.experts.sizing import prefill_bytes_per_token
+
+    MiB, GiB = 1 << 20, 1 << 30
+    model = NS(device=torch.device("cuda"), kv_bytes_per_token=lambda *a: 48 * 1024,
+               args=NS(n_experts_used=8, d_model=2048),
+               experts=NS(store=NS(expert_nbytes=lambda i: 2 * MiB), layer_ids=range(48)))
+    cfg = EngineConfig(device="cpu", kv_vram_tokens="auto")
+    cfg.experts.vram_gb = 8
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev: (total - 3 * GiB, total))
+    total = 80 * GiB  # (3 GiB held: context and weights)
+    left = 5 * GiB - cfg.experts.vram_reserve_mib * MiB
+    experts = 2 * 8 * 48 * 2 * MiB + 4096 * prefill_bytes_per_token(2048, 8)
+    stage = 1024 * 131072
+    got = window._auto(model, cfg, 1, 131072, 48, None, None, None, 256)
+    assert got == (left - experts - stage) // (48 * 1024) // 256 * 256 and 0 < got < 131072
+    assert window._auto(model, cfg, 1, 8192, 48, None, None, None, 256) is None  # (8K of KV fits whole)
