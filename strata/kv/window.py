@@ -238,7 +238,8 @@ class WindowKVCache:
     bytes_per_token = staticmethod(KVCache.bytes_per_token)
 
     def describe(self) -> str:
-        return (f"KV window: {self.window} tokens a layer in VRAM ({self.window // self.page} pages of {self.page}; "
+        where = "VRAM" if self.device.type == "cuda" else f"{self.device.type} memory"
+        return (f"KV window: {self.window} tokens a layer in {where} ({self.window // self.page} pages of {self.page}; "
                 f"{(self.pool.nbytes + self.stage.nbytes) / 2**20:.0f} MiB with the stage), the whole KV "
                 f"({self.n_slots} x {self.max_ctx} tokens, {self.host.nbytes / 2**20:.0f} MiB) in host RAM")
 

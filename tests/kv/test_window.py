@@ -376,3 +376,19 @@ def test_auto_from_the_budget(monkeypatch):
     got = window._auto(model, cfg, 1, 131072, 48, None, None, None, 256)
     assert got == (left - experts - stage) // (48 * 1024) // 256 * 256 and 0 < got < 131072
     assert window._auto(model, cfg, 1, 8192, 48, None, None, None, 256) is None  # (8K of KV fits whole)
+
+
+def test_the_bench_records_the_window():
+    """strata bench: the window's page hits between two /metrics snapshots, and a line under the sweep's table."""
+    from strata.bench.record import kv_window_delta
+    from strata.bench.report import _sweep_md
+
+    before = {"kv_window": {"hits": 10, "misses": 30, "miss_bytes": 10**9}}
+    after = {"kv_window": {"hits": 40, "misses": 90, "miss_bytes": 4 * 10**9}}
+    d = kv_window_delta(before, after)
+    assert d == {"hits": 30, "misses": 60, "miss_bytes": 3 * 10**9, "hit_rate": 30 / 90}
+    assert kv_window_delta(before, {"experts": {}}) == {}
+    row = {"length": 32768, "prompt_tokens": [32768], "prefill_tok_s": None, "decode_tok_s": None, "ttft_s": None,
+           "experts": {}, "kv_window": d}
+    text = "\n".join(_sweep_md({"config": {"warmup": 1, "runs": 1, "gen": 8}, "rows": [row]}))
+    assert "KV window at 32K: 33.3% of the KV pages read from VRAM, 3.00 GB from host RAM" in text
