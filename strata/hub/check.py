@@ -274,7 +274,9 @@ def fit(fp: ModelFootprint, machine: MachineInfo, ctx: int = 0, vram_budget: int
     if spare < 0:
         f.ok = False
         f.reasons.append(
-            f"VRAM: needs {_g(vram_needed)} (dense weights {_g(dense)} + KV for {ctx} tokens {_g(kv)} "
+            f"VRAM: needs {_g(vram_needed)} (dense weights {_g(dense)} + "
+            + (f"a KV window of {window} tokens and its stage" if window else f"KV for {ctx} tokens")
+            + f" {_g(kv)} "
             f"+ reserve {_g(VRAM_RESERVE)} + staging {_g(staging)} + a {chunk}-token prefill chunk "
             f"{_g(prefill)} + the CUDA context, about {_g(CUDA_CONTEXT_ESTIMATE)}), budget is {_g(vram_budget)}"
         )
