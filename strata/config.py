@@ -136,6 +136,13 @@ class EngineConfig:
         "scale, quantized as written), q4_0 (default: --kv-dtype)", short="-ctk", choices=KV_TYPE_CHOICES))
     cache_type_v: str | None = field(default=None, metadata=opt(
         "KV cache type of V: as -ctk (default: --kv-dtype)", short="-ctv", choices=KV_TYPE_CHOICES))
+    kv_vram_tokens: str | None = field(default=None, metadata=opt(
+        "the KV window: every slot's whole KV in host RAM and N tokens a layer of it in VRAM (a slot's first and "
+        "latest pages always, the rest least recently used); attention reads the other pages over PCIe, and the "
+        "output is exactly the full cache's. The expert cache gets the VRAM it frees. auto: what the VRAM budget "
+        "leaves after the weights and a minimal expert cache (no window on a CPU, or when the whole KV fits). "
+        "Unset: the whole KV in VRAM. With a window, decode steps run without CUDA graphs", metavar="N|auto"))
+    kv_page_tokens: int = field(default=256, metadata=opt("tokens a page of the KV window (--kv-vram-tokens)"))
     ctx_size: int = field(default=0, metadata=opt(f"context length (0: min(model, {DEFAULT_CTX}))", short="-c"))
     n_slots: int = 1  # from `strata serve --parallel`
     prefill_chunk: int = field(default=0, metadata=opt(
@@ -186,6 +193,13 @@ class EngineConfig:
                               f"(got {self.draft_max}, {self.draft_ngram_min}, {self.draft_ngram_max})")
         if self.pipeline_parallel_size < 1:
             raise StrataError(f"--pipeline-parallel-size must be >= 1, got {self.pipeline_parallel_size}")
+        from strata.kv.window import parse_tokens
+
+        if parse_tokens(self.kv_vram_tokens) is not None and self.pipeline_parallel_size > 1:
+            raise StrataError("--kv-vram-tokens: the KV window does not run across pipeline stages yet "
+                              "(--pipeline-parallel-size > 1)")
+        if self.kv_page_tokens < 1:
+            raise StrataError(f"--kv-page-tokens must be >= 1, got {self.kv_page_tokens}")
         if self.pipeline_parallel_size > 1 and self.draft_max:
             raise StrataError("--draft-max: speculative decoding does not run across pipeline stages yet "
                               "(--pipeline-parallel-size > 1)")

@@ -107,6 +107,19 @@ def expert_delta(before: dict | None, after: dict | None) -> dict:
     return out
 
 
+def kv_window_delta(before: dict | None, after: dict | None) -> dict:
+    """The KV window's page hits, misses and bytes read from host RAM between two /metrics snapshots ({} without a
+    window: --kv-vram-tokens)."""
+    a = (after or {}).get("kv_window") or {}
+    b = (before or {}).get("kv_window") or {}
+    if not a:
+        return {}
+    d = {k: int(a.get(k, 0)) - int(b.get(k, 0)) for k in ("hits", "misses", "miss_bytes")}
+    n = d["hits"] + d["misses"]
+    d["hit_rate"] = d["hits"] / n if n else None
+    return d
+
+
 def now_stamp() -> tuple[str, str]:
     """(date for directory names, ISO time for records)."""
     t = _dt.datetime.now().astimezone()

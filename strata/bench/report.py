@@ -115,6 +115,10 @@ def _sweep_md(s: dict) -> list[str]:
     lines += _table(["prompt", "tokens", "prefill tok/s", "decode tok/s", "TTFT s", "expert hits", "CPU exp/tok",
                      "PCIe exp/tok"], rows)
     for r in s["rows"]:
+        kw = r.get("kv_window")
+        if kw and kw.get("hit_rate") is not None:
+            lines.append(f"\nKV window at {fmt_size(r['length'])}: {_pct(kw['hit_rate'])} of the KV pages read from "
+                         f"VRAM, {kw['miss_bytes'] / 1e9:.2f} GB from host RAM")
         if r.get("note"):
             lines.append(f"\nNote ({fmt_size(r['length'])}): {r['note']}")
         if r.get("experts", {}).get("cumulative"):

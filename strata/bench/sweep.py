@@ -22,7 +22,7 @@ from typing import Callable
 from strata import StrataError
 from strata.bench.client import BenchClient, Reply, sampling
 from strata.bench.prompts import Prompt, PromptBuilder, fmt_size
-from strata.bench.record import expert_delta
+from strata.bench.record import expert_delta, kv_window_delta
 from strata.bench.stats import Summary
 
 DEFAULT_LENGTHS = (1024, 4096, 16384, 32768)
@@ -117,6 +117,8 @@ def _one_length(client: BenchClient, builder: PromptBuilder, length: int, cfg: S
            "prompt_tokens": [r["prompt_tokens"] for r in runs],
            "generated": [r["predicted_n"] for r in runs],
            "experts": expert_delta(before, after)}
+    if kv_window_delta(before, after):  # (--kv-vram-tokens: the window's page hits over these runs)
+        row["kv_window"] = kv_window_delta(before, after)
     short = [r["predicted_n"] for r in runs if (r["predicted_n"] or 0) < cfg.gen]
     if short:
         row["note"] = (f"generation stopped before {cfg.gen} tokens ({short}): the server ignored ignore_eos; "

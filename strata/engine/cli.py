@@ -127,6 +127,8 @@ def _say_split(engine) -> None:
     """How the VRAM budget was divided (tiered experts sized from a budget), on stderr before generating."""
     if engine.vram_split is not None:
         print(f"strata: {engine.vram_split.render()}", file=sys.stderr)
+    if engine.kv_window_stats is not None:
+        print(f"strata: {engine.kv.describe()}", file=sys.stderr)
 
 
 def _report(seq, engine) -> None:
@@ -141,6 +143,8 @@ def _report(seq, engine) -> None:
     experts = engine.model.experts  # an ExpertsBackend, None for a dense model
     if experts is not None and experts.stats is not None:
         print(f"strata: experts {experts.stats.summary()}", file=sys.stderr)
+    if engine.kv_window_stats is not None:
+        print(f"strata: KV window {engine.kv_window_stats.summary()}", file=sys.stderr)
     if seq.experts_decode is not None:  # this run's decode: what the CPU and PCIe lanes moved, in GB/s
         print(f"strata: {seq.experts_decode.lane_summary(seq.predicted_ms / 1e3)}", file=sys.stderr)
     r = experts.profile_report() if experts is not None else ""

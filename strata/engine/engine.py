@@ -27,6 +27,7 @@ from strata.engine.slots import compact
 from strata.engine.spec import accept, draft_for
 from strata.engine.step_plan import StepPlan
 from strata.experts.sizing import VramSplit, prefill_bytes_per_token, prefill_chunk_for, prefill_left
+from strata.kv.window import new_kv_cache
 
 log = logging.getLogger("strata")
 
@@ -38,7 +39,9 @@ class Engine:
         self.max_ctx = lm.max_ctx
         self.device = self.model.device  # before _default_chunk, which reads it
         kv_types = getattr(lm.cfg, "kv_cache_types", (None, None))  # -ctk/-ctv (None: the plain cache)
-        self.kv = self.model.new_kv_cache(self.n_slots, self.max_ctx, lm.cfg.torch_kv_dtype, *kv_types)
+        # (--kv-vram-tokens: a window of it in VRAM, the whole in host RAM; its page hits in kv_window_stats)
+        self.kv = new_kv_cache(self.model, self.n_slots, self.max_ctx, lm.cfg, lm.cfg.torch_kv_dtype, *kv_types)
+        self.kv_window_stats = self.kv.stats if self.kv.eager_only else None
         # recurrent layers' state per slot (strata.kv.recurrent), None for a model of attention layers only. Such a
         # slot holds the state after its last token and nothing before it: a cached prefix is reused only when it
         # is the slot's whole content as of its release (_state_tokens), and a verify step keeps the state after
@@ -82,6 +85,7 @@ class Engine:
         # from Python and are host-bound. With several slots a graphed step decodes a batch of sequences (up to
         # the grouped kernel's pair count), captured once per set of slots and attention window.
         graphs = lm.cfg.cuda_graphs if lm.cfg.cuda_graphs is not None else self.device.type == "cuda"
+        graphs = graphs and not self.kv.eager_only  # (a KV window's page tables are host values)
         self.graph_batch = 1
         graph_tokens = 1  # tokens one graphed step may carry (a verify step's drafts included)
         if graphs:

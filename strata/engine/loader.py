@@ -12,6 +12,7 @@ from strata import StrataError
 from strata.config import EngineConfig
 from strata.experts.sizing import DEFAULT_CTX
 from strata.gguf.reader import GGUFModel, open_gguf
+from strata.kv.window import default_ctx
 from strata.models.registry import family_for
 
 log = logging.getLogger("strata")
@@ -72,7 +73,8 @@ def load_model(path: str, cfg: EngineConfig | None = None, with_tokenizer: bool 
     g = open_gguf(path)
     fam = family_for(g.arch)
     args = fam.load_args(g)
-    max_ctx = cfg.ctx_size or min(args.ctx_len, DEFAULT_CTX)
+    # (a KV window on a GPU: the model's own context, its KV in host RAM)
+    max_ctx = cfg.ctx_size or default_ctx(cfg, args.ctx_len) or min(args.ctx_len, DEFAULT_CTX)
     if cfg.ctx_size and cfg.ctx_size > args.ctx_len:
         log.warning("context %d exceeds the model's trained context %d", cfg.ctx_size, args.ctx_len)
     if cfg.torch_device.type == "cuda":

@@ -222,14 +222,18 @@ class Fit:
     prefill_bytes: int = 0  # that chunk's activations, inside vram_needed
     # how the budget divides (GPU, MoE): the engine's own arithmetic (strata.experts.sizing.split_budget)
     vram_split: VramSplit | None = None
+    kv_host_bytes: int = 0  # with a KV window (--kv-vram-tokens): the whole KV, in host RAM
+    kv_window: int = 0  # tokens a layer of it in VRAM (0: no window)
 
 
-def fit(fp: ModelFootprint, machine: MachineInfo, ctx: int = 0, vram_budget: int | None = None) -> Fit:
+def fit(fp: ModelFootprint, machine: MachineInfo, ctx: int = 0, vram_budget: int | None = None,
+        kv_window: int | None = None) -> Fit:
     """The verdict for running `fp` with a context of `ctx` tokens (0: the engine's default) on `machine`.
 
     `vram_budget` (bytes) defaults to the first GPU's free VRAM; with no GPU and no budget the model runs on
     the CPU, all of it from RAM. Slots are counted as the engine counts them: one slot per layer costs one
-    expert of every MoE layer.
+    expert of every MoE layer. kv_window (tokens a layer, --kv-vram-tokens): the KV in host RAM and that much of
+    it in VRAM, with one layer's whole context as the stage attention reads (strata.kv.window).
     """
     ctx = ctx or min(fp.context_length or DEFAULT_CTX, DEFAULT_CTX)
     if vram_budget is None and machine.gpus:
@@ -237,6 +241,11 @@ def fit(fp: ModelFootprint, machine: MachineInfo, ctx: int = 0, vram_budget: int
     kv = fp.kv_bytes_per_token * ctx + fp.state_bytes_per_slot  # one sequence: its KV and any recurrent state
     if vram_budget is None:
         return _fit_cpu(fp, machine, ctx, kv)
+    host_kv, window = 0, 0
+    if kv_window and kv_window < ctx:
+        host_kv, window = fp.kv_bytes_per_token * ctx, int(kv_window)
+        # (the stage: one layer's whole context; MoE layers stand for the layers, about)
+        kv = fp.kv_bytes_per_token * window + host_kv // max(fp.n_moe_layers, 1) + fp.state_bytes_per_slot
     staging = staging_slots(fp.n_expert_used) * fp.slot_bytes if fp.n_expert else 0
     dense = fp.dense_bytes - (fp.embed_bytes if fp.n_expert else 0)  # the embedding in host RAM (MoE, a budget)
     held = CUDA_CONTEXT_ESTIMATE + dense + kv
@@ -253,16 +262,21 @@ def fit(fp: ModelFootprint, machine: MachineInfo, ctx: int = 0, vram_budget: int
                              n_experts=fp.n_expert, prefill_chunk=chunk)
     vram_needed = held + VRAM_RESERVE + staging + prefill
     # the experts pinned, and the input embedding pinned beside them when it is served from host RAM
-    ram_needed = fp.expert_bytes + (fp.embed_bytes if fp.n_expert else 0) + RAM_HEADROOM
+    ram_needed = fp.expert_bytes + (fp.embed_bytes if fp.n_expert else 0) + RAM_HEADROOM + host_kv
     spare = vram_budget - vram_needed
     slots = split.slots if split is not None else 0
     share = slots / fp.n_expert if fp.n_expert else 1.0
     f = Fit("gpu", ctx, True, vram_budget, vram_needed, kv, ram_needed, machine.ram_available, int(slots), share,
-            prefill_chunk=chunk, prefill_bytes=prefill, vram_split=split)
+            prefill_chunk=chunk, prefill_bytes=prefill, vram_split=split, kv_host_bytes=host_kv, kv_window=window)
+    if window:
+        f.notes.append(f"KV window: {window} tokens a layer and the stage in VRAM ({_g(kv)}), the whole KV for "
+                       f"{ctx} tokens in host RAM ({_g(host_kv)}); decode steps run without CUDA graphs")
     if spare < 0:
         f.ok = False
         f.reasons.append(
-            f"VRAM: needs {_g(vram_needed)} (dense weights {_g(dense)} + KV for {ctx} tokens {_g(kv)} "
+            f"VRAM: needs {_g(vram_needed)} (dense weights {_g(dense)} + "
+            + (f"a KV window of {window} tokens and its stage" if window else f"KV for {ctx} tokens")
+            + f" {_g(kv)} "
             f"+ reserve {_g(VRAM_RESERVE)} + staging {_g(staging)} + a {chunk}-token prefill chunk "
             f"{_g(prefill)} + the CUDA context, about {_g(CUDA_CONTEXT_ESTIMATE)}), budget is {_g(vram_budget)}"
         )
@@ -271,11 +285,15 @@ def fit(fp: ModelFootprint, machine: MachineInfo, ctx: int = 0, vram_budget: int
         max_ctx = room // fp.kv_bytes_per_token if fp.kv_bytes_per_token else 0
         if max_ctx >= 512:
             f.fixes.append(f"a smaller context: -c {int(max_ctx) // 256 * 256} fits")
+        if not window and max_ctx >= 1024:
+            f.fixes.append(f"the KV in host RAM and a window of it in VRAM: --kv-vram-tokens "
+                           f"{int(max_ctx) // 2 // 256 * 256}")
         f.fixes.append("a smaller quant of the model")
     if ram_needed > machine.ram_available:
         f.ok = False
         f.reasons.append(
-            f"RAM: needs {_g(ram_needed)} (all experts pinned {_g(fp.expert_bytes)} + headroom {_g(RAM_HEADROOM)}), "
+            f"RAM: needs {_g(ram_needed)} (all experts pinned {_g(fp.expert_bytes)} + headroom {_g(RAM_HEADROOM)}"
+            + (f" + the KV for {ctx} tokens {_g(host_kv)}" if host_kv else "") + "), "
             f"{_g(machine.ram_available)} available of {_g(machine.ram_total)}"
         )
         if ram_needed <= machine.ram_total:

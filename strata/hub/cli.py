@@ -58,6 +58,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="judge the model split over N pipeline stages (each stage's layers, VRAM and slots; stage r "
                         "on GPU r, each with --vram-gb)")
     c.add_argument("--layer-split", default="auto", help="layers per stage: auto or comma-separated counts")
+    c.add_argument("--kv-vram-tokens", type=int, default=None, metavar="N",
+                   help="plan for a KV window: the whole KV in host RAM, N tokens a layer of it in VRAM")
     c.add_argument("--json", action="store_true", help="machine-readable output")
     c.set_defaults(func=cmd_check)
 
@@ -171,7 +173,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         paths = resolve_model(args.model, models_dir)
         fp = model_footprint(paths, args.cache_type_k, args.cache_type_v)
         budget = int(args.vram_gb * GiB) if args.vram_gb is not None else None
-        verdict = fit(fp, machine, args.ctx_size, budget)
+        verdict = fit(fp, machine, args.ctx_size, budget, args.kv_vram_tokens)
     if fp is not None and args.pipeline_parallel_size > 1:
         return _check_split(args, paths, machine)
     if args.json:
@@ -201,7 +203,7 @@ def _check_split(args, paths, machine) -> int:
             budget = machine.gpus[r].vram_free
         else:
             budget = None
-        v = fit(sfp, machine, args.ctx_size, budget)
+        v = fit(sfp, machine, args.ctx_size, budget, args.kv_vram_tokens)
         rows.append((r, layers, sfp, v))
     # RAM: the stages of one machine share it (every stage pins its own layers' experts)
     ok = all(v.ok for *_, v in rows)
@@ -268,7 +270,11 @@ def _print_report(machine, fp, verdict) -> None:
             f"{fp.slot_bytes / (1 << 20):.1f} MiB per expert"
         )
     kv_tok = fp.kv_bytes_per_token / 1024
-    con.print(f"  KV cache: {kv_tok:.1f} KiB per token, {_g(verdict.kv_bytes)} for {verdict.ctx} tokens")
+    if verdict.kv_window:
+        con.print(f"  KV cache: {kv_tok:.1f} KiB per token, {_g(verdict.kv_host_bytes)} for {verdict.ctx} tokens in "
+                  f"host RAM; a window of {verdict.kv_window} tokens a layer in VRAM ({_g(verdict.kv_bytes)})")
+    else:
+        con.print(f"  KV cache: {kv_tok:.1f} KiB per token, {_g(verdict.kv_bytes)} for {verdict.ctx} tokens")
     con.print("[bold]Fit[/bold]")
     if verdict.mode == "gpu":
         con.print(f"  VRAM: needs {_g(verdict.vram_needed)} + expert slots, budget {_g(verdict.vram_budget)}")

@@ -45,6 +45,8 @@ def _stored(kind, dtype: torch.dtype):
 class KVCache:
     # the recurrent layers' per-slot state (strata.kv.recurrent.HybridCache); None: every layer is attention
     recurrent = None
+    # positions are host values only (no captured decode step at a device-side position): strata.kv.window
+    eager_only = False
 
     def __init__(self, n_layers: int, n_slots: int, max_ctx: int, k_shape: tuple[int, ...],
                  v_shape: tuple[int, ...] | None, dtype: torch.dtype, device: torch.device | str,
@@ -104,7 +106,9 @@ class KVCache:
             per += row(v_shape, _stored(v_type, dtype))
         return per * n_layers
 
-    def write(self, layer: int, seg: Segment, k: torch.Tensor, v: torch.Tensor | None) -> None:
+    def write(self, layer: int, seg: Segment, k: torch.Tensor, v: torch.Tensor | None, first: int = 0) -> None:
+        """Store a segment's rows. first: the first position the segment's read will want (a sliding-window
+        layer's); a cache that fetches rows before reading them (strata.kv.window) fetches none before it."""
         if self._typed:
             self._put(self.k[layer], seg, k)
             if v is not None and self.v is not None:
@@ -141,6 +145,11 @@ class KVCache:
 
     def read(self, layer: int, seg: Segment) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.read_window(layer, seg.slot, seg.end)
+
+    def read_from(self, layer: int, seg: Segment, first: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A segment's prefix from position `first` on (a sliding-window layer reads no further back)."""
+        ks, vs = self.read(layer, seg)
+        return ks[first:], (vs[first:] if vs is not None else None)
 
     def read_window(self, layer: int, slot: int, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A slot's first n positions (the whole static window of a captured decode step, or a segment's prefix):

@@ -276,10 +276,9 @@ class SinkAttention(GQAttention):
                 ks, vs = kv.read_window(self.layer, seg.slot, seg.window)
                 mask = self._static_mask(seg.window, seg.pos_t)
             else:
-                kv.write(self.layer, seg, kk, vv)
-                ks, vs = kv.read(self.layer, seg)
                 first, mask = self._mask(seg, x.device)
-                ks, vs = ks[first:], vs[first:]  # a sliding layer reads its window only
+                kv.write(self.layer, seg, kk, vv, first)
+                ks, vs = kv.read_from(self.layer, seg, first)  # a sliding layer reads its window only
             outs.append(sink_attention(q[i : i + seg.n], ks, vs, mask, self.scale, sinks))  # [n, H, Dv]
             i += seg.n
         out = outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -143,6 +143,8 @@ def _start_engine(app: FastAPI, cfg: ServeConfig, lm, say) -> object:
     kv_mib = engine.kv.nbytes / 2**20
     say(f"KV cache: {cfg.parallel} slot(s) x {engine.max_ctx} tokens ({kv_mib:.0f} MiB on {engine.device}), "
         f"prefill chunk {engine.prefill_chunk}")
+    if engine.kv_window_stats is not None:
+        say(engine.kv.describe())
     if engine.vram_split is not None:  # how --vram-gb (or the device) was divided, the expert cache's share
         say(engine.vram_split.render())
     warmed = {}

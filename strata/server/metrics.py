@@ -42,6 +42,12 @@ class _StrataCollector:
                 value=ex.get("pcie_per_token", 0.0))
         yield CounterMetricFamily("strata_expert_swaps", "Experts copied into the GPU cache",
                                   value=ex.get("swaps", 0))
+        kw = self.m.kv_window_stats()
+        if kw:  # (--kv-vram-tokens: the share of KV pages attention found in the VRAM window)
+            yield g("strata_kv_window_hit_rate", "Share of KV pages attention read from the VRAM window",
+                    value=kw["hit_rate"])
+            yield CounterMetricFamily("strata_kv_window_miss_bytes", "KV bytes attention read from host RAM",
+                                      value=kw["miss_bytes"])
         for lane, name in (("cpu", "the CPU lane computed from RAM"), ("pcie", "PCIe copied to the GPU")):
             yield CounterMetricFamily(f"strata_expert_{lane}_bytes", f"Expert bytes {name} (misses, all phases)",
                                       value=ex.get(f"{lane}_bytes", 0))
@@ -188,6 +194,12 @@ class Metrics:
             out["vram_bytes"] = int(vb() if callable(vb) else vb)
         return out
 
+    def kv_window_stats(self) -> dict:
+        """The KV window's page hits and misses (strata.kv.window.WindowStats); empty without a window."""
+        w = self.worker
+        st = getattr(getattr(w, "engine", None), "kv_window_stats", None) if w else None
+        return st.as_dict() if st is not None else {}
+
     def lane_stats(self) -> dict:
         """The miss lanes over the finished requests' decode: seconds, bytes and GB/s (ExpertStats.lane_gbps)."""
         with self._lock:
@@ -221,6 +233,7 @@ class Metrics:
                 "slots": w.slots() if w else [],
             },
             "experts": {**self.expert_stats(), "decode_lanes": self.lane_stats()},
+            "kv_window": self.kv_window_stats() or None,
             "prompt_cache": self.prompt_cache_stats(),
             "totals": totals,
             "recent_requests": recent,
