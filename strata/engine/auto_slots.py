@@ -60,8 +60,13 @@ def kv_bytes_per_slot(lm) -> int:
 
 def room(lm) -> tuple[int, str]:
     """(bytes, what they are) the slots' KV is weighed against, with the model already loaded."""
+    from strata.kv.window import parse_tokens
+
     dev = lm.cfg.torch_device
-    if dev.type == "cuda":
+    # a KV window of N tokens (strata.kv.window) keeps every slot's whole KV in host RAM: slots cost RAM there
+    # (auto may end in no window at all, so it is weighed as VRAM)
+    window = isinstance(parse_tokens(getattr(lm.cfg, "kv_vram_tokens", None)), int)
+    if dev.type == "cuda" and not window:
         budget = lm.cfg.experts.vram_gb
         if budget is not None:
             return int(budget * 2**30), "the VRAM budget"
