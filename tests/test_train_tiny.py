@@ -94,11 +94,13 @@ def toy_model(tmp_path_factory):
     return m, d, convert(d, d.parent / "toy.gguf", "f32")
 
 
-def test_module_matches_transformers(toy_model):
+@pytest.mark.parametrize("fixture,cls", [("toy_model", "Qwen3MoeForCausalLM"), ("glm_model", "Glm4MoeForCausalLM")])
+def test_module_matches_transformers(request, fixture, cls):
+    # the training module (either family) against transformers' own implementation of its exported checkpoint
     transformers = pytest.importorskip("transformers")
-    m, d, _ = toy_model
-    hf = transformers.Qwen3MoeForCausalLM.from_pretrained(str(d)).float().eval()
-    x = torch.randint(0, TOY.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
+    m, d, _ = request.getfixturevalue(fixture)
+    hf = getattr(transformers, cls).from_pretrained(str(d)).float().eval()
+    x = torch.randint(0, m.cfg.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ours, theirs = m(x)[0], hf(x).logits
     assert torch.allclose(ours, theirs, atol=1e-4, rtol=1e-4), (ours - theirs).abs().max()
@@ -168,16 +170,6 @@ def test_glm_checkpoint_is_glms_layout(glm_model):
     assert len(names) == len(m.hf_state_dict())
     n_params = sum(t.numel() for k, t in load_file(d / "model.safetensors").items() if "correction_bias" not in k)
     assert n_params == GLM_TOY.n_params() - (GLM_TOY.layers + 1) * GLM_TOY.experts
-
-
-def test_glm_module_matches_transformers(glm_model):
-    transformers = pytest.importorskip("transformers")
-    m, d, _ = glm_model
-    hf = transformers.Glm4MoeForCausalLM.from_pretrained(str(d)).float().eval()
-    x = torch.randint(0, GLM_TOY.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        ours, theirs = m(x)[0], hf(x).logits
-    assert torch.allclose(ours, theirs, atol=1e-4, rtol=1e-4), (ours - theirs).abs().max()
 
 
 def test_glm_module_and_its_mtp_block_match_strata(glm_model):

@@ -38,7 +38,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tools.tiny.model import RMSNorm, TinyConfig
+from tools.tiny.model import Layer as TinyLayer
+from tools.tiny.model import RMSNorm, TinyConfig, dense_experts
 
 
 @dataclass
@@ -173,13 +174,7 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, c.hidden)
         scores, ids, w = self.gate(x)
-        dense_w = torch.zeros_like(scores).scatter(1, ids, w)  # [N, E], zero for unpicked experts
-        gu = F.linear(x, self.gate_up_proj.reshape(c.experts * 2 * c.expert_ffn, c.hidden))
-        gu = gu.view(-1, c.experts, 2, c.expert_ffn)
-        a = F.silu(gu[:, :, 0]) * gu[:, :, 1]
-        a = a * dense_w.to(a.dtype).unsqueeze(-1)
-        down = self.down_proj.permute(0, 2, 1).reshape(c.experts * c.expert_ffn, c.hidden)
-        y = a.reshape(-1, c.experts * c.expert_ffn) @ down.to(a.dtype)
+        y = dense_experts(x, self.gate_up_proj, self.down_proj, ids, w)
         y = y + self.shared_experts(x)
         # balance loss (DeepSeek-V3's complementary one, over the batch): E * sum_e (share of picks) * (mean
         # normalised score)
@@ -189,18 +184,9 @@ class MoE(nn.Module):
         return y.view(shape), aux, ids
 
 
-class Layer(nn.Module):
+class Layer(TinyLayer):
     def __init__(self, cfg: GlmConfig):
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden, cfg.norm_eps)
-        self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden, cfg.norm_eps)
-        self.mlp = MoE(cfg)
-
-    def forward(self, x, cos, sin):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        y, aux, ids = self.mlp(self.post_attention_layernorm(x))
-        return x + y, aux, ids
+        super().__init__(cfg, Attention, MoE)
 
 
 class NextN(Layer):

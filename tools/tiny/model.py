@@ -113,6 +113,20 @@ class Attention(nn.Module):
         return self.o_proj(o.transpose(1, 2).reshape(b, t, c.heads * c.head_dim))
 
 
+def dense_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
+                  w: torch.Tensor) -> torch.Tensor:
+    """Every expert for every token, weighted by the sparse top-k weights (zero for the unpicked): the sparse MoE's
+    exact output and gradients without data-dependent shapes. x [N, D], gate_up [E, 2F, D] (gate rows, then up
+    rows), down [E, D, F], ids / w [N, k] -> [N, D]."""
+    e, f2, d = gate_up.shape
+    f = f2 // 2
+    dense_w = torch.zeros(x.shape[0], e, dtype=w.dtype, device=w.device).scatter(1, ids, w)  # [N, E]
+    gu = F.linear(x, gate_up.reshape(e * 2 * f, d)).view(-1, e, 2, f)  # [N, E, 2, F]
+    a = F.silu(gu[:, :, 0]) * gu[:, :, 1]  # [N, E, F]
+    a = a * dense_w.to(a.dtype).unsqueeze(-1)
+    return a.reshape(-1, e * f) @ down.permute(0, 2, 1).reshape(e * f, d).to(a.dtype)  # [E*F, D]
+
+
 class MoE(nn.Module):
     """Softmax router over E experts, top-k with renormalised weights (norm_topk_prob), SwiGLU experts."""
 
@@ -136,13 +150,7 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, c.hidden)  # [N, D]
         probs, ids, w = self.route(x)
-        dense_w = torch.zeros_like(probs).scatter(1, ids, w)  # [N, E], zero for unpicked experts
-        gu = F.linear(x, self.gate_up_proj.reshape(c.experts * 2 * c.expert_ffn, c.hidden))
-        gu = gu.view(-1, c.experts, 2, c.expert_ffn)  # [N, E, 2, F]
-        a = F.silu(gu[:, :, 0]) * gu[:, :, 1]  # [N, E, F]
-        a = a * dense_w.to(a.dtype).unsqueeze(-1)
-        down = self.down_proj.permute(0, 2, 1).reshape(c.experts * c.expert_ffn, c.hidden)  # [E*F, D]
-        y = a.reshape(-1, c.experts * c.expert_ffn) @ down.to(a.dtype)
+        y = dense_experts(x, self.gate_up_proj, self.down_proj, ids, w)
         # Switch-style load-balancing loss: E * sum_e (share of picks) * (mean router probability)
         picks = torch.zeros_like(probs).scatter(1, ids, 1.0).mean(0) / c.top_k
         aux = c.experts * (picks * probs.mean(0)).sum()
@@ -150,12 +158,14 @@ class MoE(nn.Module):
 
 
 class Layer(nn.Module):
-    def __init__(self, cfg: TinyConfig):
+    """A pre-norm decoder layer; attention and MoE are the family's (tools/tiny/glm.py passes its own)."""
+
+    def __init__(self, cfg, attention=None, moe=None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden, cfg.norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = (attention or Attention)(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden, cfg.norm_eps)
-        self.mlp = MoE(cfg)
+        self.mlp = (moe or MoE)(cfg)
 
     def forward(self, x, cos, sin):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
