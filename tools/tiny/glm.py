@@ -38,6 +38,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tools.tiny.model import Attention as TinyAttention
 from tools.tiny.model import Layer as TinyLayer
 from tools.tiny.model import RMSNorm, TinyConfig, dense_experts
 
@@ -103,29 +104,9 @@ def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     return torch.cat([r * cos + rot * sin, rest], dim=-1).to(x.dtype)
 
 
-class Attention(nn.Module):
-    def __init__(self, cfg: GlmConfig):
-        super().__init__()
-        self.cfg = cfg
-        d, hd = cfg.hidden, cfg.head_dim
-        self.q_proj = nn.Linear(d, cfg.heads * hd, bias=True)
-        self.k_proj = nn.Linear(d, cfg.kv_heads * hd, bias=True)
-        self.v_proj = nn.Linear(d, cfg.kv_heads * hd, bias=True)
-        self.o_proj = nn.Linear(cfg.heads * hd, d, bias=False)
-        self.q_norm = RMSNorm(hd, cfg.norm_eps)
-        self.k_norm = RMSNorm(hd, cfg.norm_eps)
-
-    def forward(self, x, cos, sin):
-        c = self.cfg
-        b, t, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, t, c.heads, c.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(b, t, c.kv_heads, c.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, c.kv_heads, c.head_dim).transpose(1, 2)
-        q, k = apply_partial_rope(q, cos, sin).to(v.dtype), apply_partial_rope(k, cos, sin).to(v.dtype)
-        rep = c.heads // c.kv_heads
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=c.head_dim ** -0.5)
-        return self.o_proj(o.transpose(1, 2).reshape(b, t, c.heads * c.head_dim))
+class Attention(TinyAttention):
+    qkv_bias = True
+    rope = staticmethod(apply_partial_rope)
 
 
 class Router(nn.Module):

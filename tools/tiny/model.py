@@ -88,13 +88,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: TinyConfig):
+    """Qwen3's: GQA with per-head Q/K RMSNorm and rotary over the whole head; a family changes the two below
+    (tools/tiny/glm.py: Q/K/V biases, rotary over half of each head)."""
+
+    qkv_bias = False
+    rope = staticmethod(apply_rope)
+
+    def __init__(self, cfg):
         super().__init__()
         self.cfg = cfg
-        d, hd = cfg.hidden, cfg.head_dim
-        self.q_proj = nn.Linear(d, cfg.heads * hd, bias=False)
-        self.k_proj = nn.Linear(d, cfg.kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(d, cfg.kv_heads * hd, bias=False)
+        d, hd, bias = cfg.hidden, cfg.head_dim, self.qkv_bias
+        self.q_proj = nn.Linear(d, cfg.heads * hd, bias=bias)
+        self.k_proj = nn.Linear(d, cfg.kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(d, cfg.kv_heads * hd, bias=bias)
         self.o_proj = nn.Linear(cfg.heads * hd, d, bias=False)
         self.q_norm = RMSNorm(hd, cfg.norm_eps)
         self.k_norm = RMSNorm(hd, cfg.norm_eps)
@@ -106,7 +112,7 @@ class Attention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(b, t, c.kv_heads, c.head_dim)).transpose(1, 2)  # [B, Hkv, T, hd]
         v = self.v_proj(x).view(b, t, c.kv_heads, c.head_dim).transpose(1, 2)
         # the norms' float32 weights promote q and k; attention runs in v's dtype (bf16 under autocast)
-        q, k = apply_rope(q, cos, sin).to(v.dtype), apply_rope(k, cos, sin).to(v.dtype)
+        q, k = self.rope(q, cos, sin).to(v.dtype), self.rope(k, cos, sin).to(v.dtype)
         rep = c.heads // c.kv_heads
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # transformers' repeat_kv
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=c.head_dim ** -0.5)
