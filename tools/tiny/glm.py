@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from tools.tiny.model import Attention as TinyAttention
 from tools.tiny.model import Layer as TinyLayer
-from tools.tiny.model import RMSNorm, TinyConfig, dense_experts
+from tools.tiny.model import RMSNorm, TinyConfig, dense_experts, put_hf
 
 
 @dataclass
@@ -277,21 +277,10 @@ class TinyGlm(nn.Module):
         decoder layer, eh_proj, enorm, hnorm, shared_head.norm), one tensor per expert projection, float32."""
         c, out = self.cfg, {}
         for name, p in self.state_dict().items():
-            p = p.detach().float().cpu()
             if name.startswith("mtp."):
                 j, rest = name[4:].split(".", 1)
                 name = f"layers.{c.layers + int(j)}." + rest.replace("shared_head_norm.", "shared_head.norm.")
-            if name.endswith("mlp.gate_up_proj"):
-                pre = name[: -len("gate_up_proj")] + "experts."
-                for e in range(c.experts):
-                    out[f"model.{pre}{e}.gate_proj.weight"] = p[e, : c.expert_ffn].contiguous()
-                    out[f"model.{pre}{e}.up_proj.weight"] = p[e, c.expert_ffn :].contiguous()
-            elif name.endswith("mlp.down_proj"):
-                pre = name[: -len("down_proj")] + "experts."
-                for e in range(c.experts):
-                    out[f"model.{pre}{e}.down_proj.weight"] = p[e].contiguous()
-            else:
-                out["model." + name] = p.contiguous()
+            put_hf(out, name, p, c.experts, c.expert_ffn)
         return out
 
     def hf_config(self, bos_id: int, eos_id: int, pad_id: int) -> dict:

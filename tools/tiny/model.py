@@ -179,6 +179,23 @@ class Layer(nn.Module):
         return x + y, aux, ids
 
 
+def put_hf(out: dict, name: str, p: torch.Tensor, experts: int, ffn: int) -> None:
+    """One training-module tensor into a transformers checkpoint `out` (float32, contiguous): the stacked expert
+    projections split into one tensor per expert and projection, the rest under `model.`."""
+    p = p.detach().float().cpu()
+    if name.endswith("mlp.gate_up_proj"):
+        pre = name[: -len("gate_up_proj")] + "experts."
+        for e in range(experts):
+            out[f"model.{pre}{e}.gate_proj.weight"] = p[e, :ffn].contiguous()
+            out[f"model.{pre}{e}.up_proj.weight"] = p[e, ffn:].contiguous()
+    elif name.endswith("mlp.down_proj"):
+        pre = name[: -len("down_proj")] + "experts."
+        for e in range(experts):
+            out[f"model.{pre}{e}.down_proj.weight"] = p[e].contiguous()
+    else:
+        out["model." + name] = p.contiguous()
+
+
 class TinyMoE(nn.Module):
     def __init__(self, cfg: TinyConfig):
         super().__init__()
@@ -217,20 +234,9 @@ class TinyMoE(nn.Module):
     # -- export ------------------------------------------------------------------------------------------------
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """transformers' Qwen3-MoE names, one tensor per expert projection, float32, contiguous."""
-        c, out = self.cfg, {}
+        out = {}
         for name, p in self.state_dict().items():
-            p = p.detach().float().cpu()
-            if name.endswith("mlp.gate_up_proj"):
-                pre = name[: -len("gate_up_proj")] + "experts."
-                for e in range(c.experts):
-                    out[f"model.{pre}{e}.gate_proj.weight"] = p[e, : c.expert_ffn].contiguous()
-                    out[f"model.{pre}{e}.up_proj.weight"] = p[e, c.expert_ffn :].contiguous()
-            elif name.endswith("mlp.down_proj"):
-                pre = name[: -len("down_proj")] + "experts."
-                for e in range(c.experts):
-                    out[f"model.{pre}{e}.down_proj.weight"] = p[e].contiguous()
-            else:
-                out["model." + name] = p.contiguous()
+            put_hf(out, name, p, self.cfg.experts, self.cfg.expert_ffn)
         return out
 
     def hf_config(self, bos_id: int, eos_id: int, pad_id: int) -> dict:
