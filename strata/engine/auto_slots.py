@@ -17,7 +17,8 @@ import torch
 from strata.experts.sizing import KV_TYPE_BLOCKS
 
 AUTO_SLOTS = 4  # what llama-server's `-np -1` (auto) gives
-KV_SHARE = 0.125  # the KV of all slots at most this share of the memory it lives in
+KV_SHARE = 1 / 16  # the KV of all slots at most this share of the memory it lives in: a sixteenth of a
+# budget costs a single client little of the expert cache (the extra slots serve concurrent clients)
 
 _NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 

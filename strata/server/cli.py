@@ -23,7 +23,7 @@ def register(sub) -> None:
                    "(default: $STRATA_API_KEY)")
     g.add_argument("-np", "--parallel", type=_parallel, default=0, metavar="N|auto",
                    help="sequences decoded together (KV slots); auto (the default): up to 4, as many as keep their "
-                   "KV within an eighth of the VRAM budget (or of the free GPU memory / RAM)")
+                   "KV within a sixteenth of the VRAM budget (or of the free GPU memory / RAM)")
     g.add_argument("--prompt-cache-mib", type=int, default=1024,
                    help="host RAM for the KV of past conversations (0 = only what the slots hold)")
     g.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
