@@ -257,6 +257,9 @@ class Server:
             "predicted_per_second": (n_out - 1) / (g_ms / 1e3) if g_ms and n_out > 1 else 0.0,
             "cache_n": seq.cached if seq else 0, "draft_n": seq.draft_n if seq else 0,
             "draft_n_accepted": seq.draft_accepted if seq else 0,
+            # where the drafts came from (strata.engine.spec.draft_for): the model's MTP block or n-gram lookup
+            "draft_source": (("mtp" if self.worker.engine.mtp is not None else "ngram")
+                             if seq and seq.draft_n else None),
         }
         ex = seq.experts_decode if seq else None
         if ex is not None:  # tiered experts: what the miss lanes moved while this request decoded, and how fast

@@ -42,6 +42,7 @@ def test_drafts_give_the_same_text_and_are_counted(lm):
         text, n, t = _ask(s.url, False, 40)
         assert (text, n) == ref[:2] and n == 40
         assert t["predicted_n"] == 40 and t["draft_n"] > 0 and 0 < t["draft_n_accepted"] <= t["draft_n"]
+        assert t["draft_source"] == "ngram" and ref[2]["draft_source"] is None
         assert _ask(s.url, True, 40)[:2] == ref[:2]
         for n in (1, 7):  # a step that would give more tokens than are left stops at max_tokens
             assert _ask(s.url, False, n)[1] == n
