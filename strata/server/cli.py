@@ -107,9 +107,7 @@ def cmd_serve(args) -> int:
 
     sock = bind(args.host, args.port)  # before saying "listening": a busy port is one line, not a false claim
     app = create_app(cfg, load=load, narrate=_say, on_error=failed)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=3)
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(uvicorn_config(app, args.host, args.port))
     _say(f"listening on http://{_url_host(args.host)}:{args.port} (the model loads in the background; "
          f"/health answers 503 until it is ready)")
     try:
@@ -120,6 +118,19 @@ def cmd_serve(args) -> int:
         e = state["error"]
         raise e if isinstance(e, StrataError) else StrataError(f"could not start: {e}")
     return 0
+
+
+# Seconds an idle connection stays open. Longer than the idle expiry of clients' connection pools (httpx, which the
+# openai and anthropic clients use: 5 s; aiohttp: 15 s; undici: 4 s): a server that closes first races the client's
+# next request on the same connection, which then fails with "connection reset" although the server is healthy.
+KEEP_ALIVE_S = 75
+
+
+def uvicorn_config(app, host: str, port: int, graceful_s: float = 3):
+    import uvicorn
+
+    return uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                          timeout_graceful_shutdown=graceful_s, timeout_keep_alive=KEEP_ALIVE_S)
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -65,10 +65,11 @@ class Running:
     def __init__(self, app, port: int, host: str = "127.0.0.1"):
         import uvicorn
 
+        from strata.server.cli import uvicorn_config
+
         self.app, self.port, self.host = app, port, host
         self.url = f"http://{host}:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                                    timeout_graceful_shutdown=2))
+        self.server = uvicorn.Server(uvicorn_config(app, host, port, graceful_s=2))  # the settings serve runs with
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self):
