@@ -1,6 +1,6 @@
 """An idle keep-alive connection outlives the idle expiry of clients' connection pools: httpx (under the openai and
 anthropic clients) keeps a pooled connection 5 s, and a server that closes at the same moment makes the client's next
-request on it fail with "connection reset" (one such reset out of 5,000 bodies failed a fuzz campaign)."""
+request on it fail with "connection reset" although the server is healthy."""
 
 from __future__ import annotations
 
