@@ -25,6 +25,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """A test marked exact_cpu (or in a module so marked) runs CPU qmatmul as the float32 reference, its fixtures'
+    setup included: its oracle is float math on dequantized weights, not int8-rounded activations."""
+    from strata.quant import matmul
+
+    matmul.CPU_EXACT = item.get_closest_marker("exact_cpu") is not None
+
+
 @pytest.fixture
 def llamacpp_models():
     if not LLAMACPP_MODELS.is_dir():

@@ -27,7 +27,8 @@ RECORD = Path(str(DATA / "strata-tiny.json"))
 HELDOUT = ROOT / "tests" / "data" / "strata-tiny-heldout.txt"
 DOC = ROOT / "docs" / "strata-tiny.md"
 
-pytestmark = pytest.mark.skipif(not GGUF.is_file(), reason="strata-tiny.gguf is not shipped in strata/data yet")
+pytestmark = [pytest.mark.skipif(not GGUF.is_file(), reason="strata-tiny.gguf is not shipped in strata/data yet"),
+              pytest.mark.exact_cpu]  # the record's numbers are the float32 reference's
 
 
 @pytest.fixture(scope="module", autouse=True)

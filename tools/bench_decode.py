@@ -67,7 +67,13 @@ def main() -> int:
                     help="sample the continuation (seeded per run) instead of greedy: a synthetic model's greedy "
                          "text repeats, which flatters an expert cache")
     ap.add_argument("--sweep", default="", help="comma-separated PLAN@THREADS settings measured in turn")
+    ap.add_argument("--cpu-exact", action="store_true", help="CPU qmatmul as the float32 reference for every batch "
+                    "(no native int8-activation GEMV for decode): the baseline of a CPU run's decode")
     a = ap.parse_args()
+    if a.cpu_exact:
+        from strata.quant import matmul
+
+        matmul.CPU_EXACT = True
     cfg = engine_config(a)
     t0 = time.perf_counter()
     lm = load_model(a.model, cfg)

@@ -2,9 +2,9 @@
 
 Kernels per expert FFN (`silu(x @ gate.T) * (x @ up.T) @ down.T`):
 
-- `ref`: `strata.experts.resident.expert_ffn` on the stored blocks: the exact reference math (float32), the
-  same as the all-resident backend on the CPU, so offloaded CPU runs match it. Slow: it dequantizes the expert's
-  rows on every call.
+- `ref`: `strata.experts.resident.expert_ffn` on the stored blocks: the exact reference math (float32, also where
+  CPU qmatmul would take the native kernel for few tokens), so offloaded runs match a float32 resident one. Slow:
+  it dequantizes the expert's rows on every call.
 - `int4`: the weights repacked once at load into the layout of torch's fused
   `aten._weight_int4pack_mm_for_cpu` (4-bit values, a bf16 scale and zero per 32-group), which reads the
   packed weights once per call without materialising floats. Exact where the format allows, up to the bf16
@@ -43,6 +43,7 @@ from strata import StrataError
 from strata.experts.resident import ExpertWeights, expert_ffn
 from strata.quant import QTensor
 from strata.quant.formats import warn_reference_path
+from strata.quant.matmul import exact_cpu
 
 log = logging.getLogger("strata")
 
@@ -336,7 +337,8 @@ class CpuLane:
                 packed = self._int4[layer][e] = _Int4Expert(self.layers[layer], e)
             return packed(x.to(torch.bfloat16)).float()
         ew = self.layers[layer]
-        return expert_ffn(x, ew.gate[e], ew.up[e], ew.down[e], ew.act, e).float()
+        with exact_cpu():  # float32 math, not the native kernel's int8 activations (what `ref` promises)
+            return expert_ffn(x, ew.gate[e], ew.up[e], ew.down[e], ew.act, e).float()
 
     def run_experts(self, layer: int, x: torch.Tensor, experts: list[int]) -> torch.Tensor:
         """One token x [1, d] (host) through each of `experts` -> [len(experts), d] float32."""

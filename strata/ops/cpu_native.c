@@ -380,3 +380,29 @@ int strata_native_experts(int n, const uint8_t *const *gate, const uint8_t *cons
     }
     return 0;
 }
+
+/* out[t][r] = w[r] . x[t] for a weight of N rows of K in format fmt (rows of row_bytes(fmt, K)) and T activation
+   rows x [T, K] floats: qmatmul on the CPU for decode-sized T, each weight row read once for all T (the rows split
+   among threads). ws: strata_native_gemv_scratch(T, K) bytes, 64-byte aligned. Returns 0, or -1 (nothing computed)
+   where K is not a multiple of the format's block width or the format is unknown. */
+long strata_native_gemv_scratch(int T, int K) { return (long)T * scratch_per(K); }
+
+int strata_native_gemv(int T, const uint8_t *w, int N, int K, int fmt, const float *x, float *out, int threads,
+                       uint8_t *ws) {
+    if (fmt < 0 || fmt >= N_FMT || T <= 0 || N <= 0 || K <= 0 || K % fmt_width(fmt)) return -1;
+    const long rb = row_bytes(fmt, K), sp = scratch_per(K);
+    #define GQ(t) ((int8_t *)(ws + (long)(t) * sp))
+    #define GD(t) ((float *)(ws + (long)(t) * sp + K))
+    #define GS(t) ((int32_t *)(GD(t) + NB256(K)))
+    #define G16(t) (GS(t) + K / 32)
+    for (int t = 0; t < T; t++) quantize_row(x + (long)t * K, K, GQ(t), GD(t), GS(t), G16(t));
+    #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int r = 0; r < N; r++)
+        for (int t = 0; t < T; t++)
+            out[(long)t * N + r] = dot_row(fmt, w + r * rb, K, GQ(t), GD(t), GS(t), G16(t));
+    #undef GQ
+    #undef GD
+    #undef GS
+    #undef G16
+    return 0;
+}

@@ -112,6 +112,10 @@ def build(flags: list[str] | None = None) -> ctypes.CDLL | None:
     f.restype = I
     lib.strata_native_scratch.argtypes = [I, I, I]
     lib.strata_native_scratch.restype = ctypes.c_long
+    lib.strata_native_gemv.argtypes = [I, P, I, I, I, P, P, I, P]
+    lib.strata_native_gemv.restype = I
+    lib.strata_native_gemv_scratch.argtypes = [I, I]
+    lib.strata_native_gemv_scratch.restype = ctypes.c_long
     lib.strata_native_tables.argtypes = [P, P, P, P]
     lib.strata_native_tables.restype = None
     _set_tables(lib)  # every build (the portable one of the tests too) gets the i-quant tables

@@ -26,6 +26,8 @@ Nothing else registers kernels, and no caller checks for a kernel itself.
                                                                                         routers, x as it is)
     qmatmul             reference.qmatmul (float32)          by (device, format): quant.matmul's table, which
                                                              qgemv fills (Triton GEMV, CUDA: Q4_K, Q6_K, Q8_0)
+                                                             and cpu_gemv (the native kernel, CPU: its formats,
+                                                             decode-sized batches)
 
 (`qmatmul` keeps its per-format table in strata.quant.matmul, the format layer's dispatch; the registry decides
 what goes in it. `grouped_expert_ffn` (strata.ops.moe_prefill) is batched torch on every device, its reference
@@ -51,6 +53,7 @@ KERNEL_MODULES = (
     "strata.ops.dequant_triton",
     "strata.ops.expert_gather",
     "strata.ops.qgemv",
+    "strata.ops.cpu_gemv",
     "strata.ops.host_stage",
     "strata.ops.route",
     "strata.ops.host_rows",

@@ -7,6 +7,8 @@ their format and no dequantized copy is ever cached.
 
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -23,6 +25,29 @@ Kernel = Callable[[torch.Tensor, QTensor], torch.Tensor]
 
 # (device type, qtype) -> kernel; a qtype of None is that device's default for every format.
 KERNELS: dict[tuple[str, GGMLQuantizationType | None], Kernel] = {}
+
+# True: CPU qmatmul is the float32 reference for every batch size. False (the default): decode-sized batches take
+# the native kernel's int8-activation dot products where it reads the format (strata.ops.cpu_gemv), as llama.cpp's
+# CPU backend rounds activations. The tests against float oracles set it (their `exact_cpu` marker); `exact_cpu()`
+# sets it for one thread's block (the CPU lane's `ref` kernel, which promises float32 math).
+CPU_EXACT = False
+_tls = threading.local()
+
+
+def cpu_exact() -> bool:
+    """Whether CPU qmatmul must be the float32 reference here (globally, or in this thread's `exact_cpu` block)."""
+    return CPU_EXACT or getattr(_tls, "exact", False)
+
+
+@contextmanager
+def exact_cpu():
+    """Inside (this thread): CPU qmatmul is the float32 reference for every batch size."""
+    before = getattr(_tls, "exact", False)
+    _tls.exact = True
+    try:
+        yield
+    finally:
+        _tls.exact = before
 
 
 def register_kernel(device_type: str, qtype: GGMLQuantizationType | None, fn: Kernel) -> None:

@@ -17,6 +17,8 @@ from strata.ops.expert_gather import gather_expert_ffn
 from strata.quant import random_qtensor
 from tests.experts.tiered_model import Q
 
+pytestmark = pytest.mark.exact_cpu  # float oracles: CPU qmatmul stays the float32 reference
+
 
 def _experts(qtype, E=4, d=256, ff=256, seed=0) -> ExpertWeights:
     rng = np.random.default_rng(seed)

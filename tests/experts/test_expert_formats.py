@@ -23,6 +23,8 @@ from strata.kv.cache import Segment
 from strata.quant import formats, random_qtensor
 from tests.experts.tiered_model import write_moe_gguf
 
+pytestmark = pytest.mark.exact_cpu  # float oracles: CPU qmatmul stays the float32 reference
+
 Q = gguf.GGMLQuantizationType
 PROMPT = [5, 17, 3, 88, 41, 41, 9, 60, 2, 33, 71, 14]
 DECODE = [7, 50, 23, 91, 4, 66]

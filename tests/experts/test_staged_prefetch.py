@@ -14,6 +14,8 @@ from strata.engine.sampler import SamplingParams
 from tests.experts.test_tiered_direct import BATCH, PROMPT, _batch, _engine, _logits
 from tests.experts.tiered_model import write_moe_gguf
 
+pytestmark = pytest.mark.exact_cpu  # float oracles: CPU qmatmul stays the float32 reference
+
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):

@@ -17,6 +17,8 @@ from strata.experts.tiered import TieredExperts
 from strata.kv.cache import Segment
 from tests.experts.tiered_model import Q, write_moe_gguf
 
+pytestmark = pytest.mark.exact_cpu  # float oracles: CPU qmatmul stays the float32 reference
+
 PROMPT = [5, 17, 3, 88, 41, 41, 9, 60, 2, 33, 71, 14]
 DECODE = [7, 50, 23, 91, 4, 66]
 # CPU expert cheap vs PCIe dear, and the reverse: `--cpu-plan auto` must follow either

@@ -20,6 +20,8 @@ from strata.engine.loader import load_model
 from strata.engine.sampler import SamplingParams
 from tests.experts.tiered_model import write_moe_gguf
 
+pytestmark = pytest.mark.exact_cpu  # float oracles: CPU qmatmul stays the float32 reference
+
 PROMPT = [5, 17, 3, 88, 41, 41, 9, 60, 2, 33, 71, 14]
 BATCH = [[(5 * i + 1) % 96 for i in range(n)] for n in (7, 30, 15)]
 

@@ -13,6 +13,8 @@ from strata.engine.sampler import SamplingParams
 from strata.experts.resident import ExpertAct
 from strata.kv.cache import Segment
 
+pytestmark = pytest.mark.exact_cpu  # float oracles: CPU qmatmul stays the float32 reference
+
 CPU32 = dict(device="cpu", dtype="float32")
 N_EXPERTS = 6  # hf_fixtures' gpt_oss
 

@@ -11,6 +11,8 @@ from strata.ops import moe_prefill
 from strata.ops.moe_prefill import grouped_expert_ffn
 from strata.quant import random_qtensor
 
+pytestmark = pytest.mark.exact_cpu  # float oracles: CPU qmatmul stays the float32 reference
+
 
 def _experts(qg, qd, E, d, ff, seed) -> ExpertWeights:
     g, u = (random_qtensor(qg, (E, ff, d), seed + i) for i in range(2))

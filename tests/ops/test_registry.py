@@ -16,7 +16,7 @@ OPS = ("rms_norm", "qk_norm_rope", "qk_norm_rope_kv", "router_logits", "one_quer
 # modules that hold kernels: only strata/ops itself imports them
 KERNELS = {"strata.ops.fused", "strata.ops.decode_attention", "strata.ops.decode_attention_kv",
            "strata.ops.dequant_triton", "strata.ops.expert_triton",
-           "strata.ops.qgemv", "strata.ops.host_stage", "strata.ops.route", "strata.ops.host_rows",
+           "strata.ops.qgemv", "strata.ops.cpu_gemv", "strata.ops.host_stage", "strata.ops.route", "strata.ops.host_rows",
            "strata.ops.combine",
            "strata.ops.iquant_triton", "strata.ops.kquant_triton"}
 ROOT = Path(__file__).parents[2] / "strata"

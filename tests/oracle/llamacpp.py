@@ -147,7 +147,10 @@ def llamacpp_activation_rounding():
     Q8_K (256 per block, f32 scale); float weights take the input as it is. Uses qmatmul's kernel registry."""
     from gguf import GGMLQuantizationType as Q
 
+    from strata.ops import registry
     from strata.quant.matmul import KERNELS, reference_qmatmul
+
+    registry.load()  # the kernel modules fill KERNELS first, so that what is restored below is what they put there
 
     def kernel(block, f16_scale):
         return lambda x2d, w: reference_qmatmul(_round_like_llamacpp(x2d, block, f16_scale), w)

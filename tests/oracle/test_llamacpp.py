@@ -197,6 +197,9 @@ def _check_quantized(label: str, lm, top: list, plain_mean_tol: float, note: str
     assert emu["mean"] <= Q_EMU_RATIO * plain["mean"] and emu["max"] <= Q_EMU_MAX, msg
 
 
+# "plain" is strata's float32 reference against llama.cpp: with the native kernel's own int8 rounding of decode-sized
+# batches (here the experts' few tokens each) a random tiny model's near-tied routing flips elsewhere than llama.cpp's
+@pytest.mark.exact_cpu
 @pytest.mark.parametrize("name", QUANTIZED)
 def test_q8_0_close_to_llamacpp(zoo, name, tmp_path):
     path = zoo(name, "q8_0")

@@ -14,6 +14,8 @@ from strata.quant import matmul as matmul_mod
 
 from quant_helpers import ALL_TYPES, block_len
 
+pytestmark = pytest.mark.exact_cpu  # float oracles: CPU qmatmul stays the float32 reference
+
 
 def _oracle(x: torch.Tensor, w: QTensor) -> torch.Tensor:
     with warnings.catch_warnings():

@@ -17,6 +17,8 @@ import torch
 
 from .conftest import CTX
 
+pytestmark = pytest.mark.exact_cpu  # float oracles: CPU qmatmul stays the float32 reference
+
 MSG = [{"role": "user", "content": "What is the weather in Paris?"}]
 _http = httpx.Client(timeout=120)
 

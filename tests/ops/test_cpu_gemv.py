@@ -1,0 +1,92 @@
+"""qmatmul on the CPU for decode-sized batches (strata.ops.cpu_gemv: the native kernel's dot products over each
+weight row once for all rows of x) against its twin, gguf-py's dequantizer and float64 math: within 2e-3 with the
+kernel's int8 rounding of the activations emulated (a wrong block, scale or row offset fails it), within the int8
+tolerance of the exact product, and the exact reference itself past MAX_ROWS and for formats the kernel lacks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from strata.ops import cpu_gemv, cpu_native
+from strata.quant import qmatmul, random_qtensor
+from strata.quant.matmul import reference_qmatmul
+from tests.ops.native_oracle import int8_rows, native_or_skip, rel
+
+FORMATS = [Q[name] for name in cpu_native.FORMATS]
+
+
+def _deq(w) -> np.ndarray:
+    from gguf.quants import dequantize
+
+    return dequantize(w.raw.numpy(), w.qtype).reshape(w.shape).astype(np.float64)
+
+
+@pytest.mark.parametrize("T", [1, 3, cpu_gemv.MAX_ROWS])
+@pytest.mark.parametrize("qt", FORMATS, ids=lambda q: q.name)
+def test_native_qmatmul_matches_gguf_py(qt, T):
+    native_or_skip()
+    K = 512 if cpu_native.WIDTHS[qt.name] == 256 else 352  # 352: a partial last block of the activations' 256
+    N = 37  # odd: rows split unevenly over threads
+    w = random_qtensor(qt, (N, K), np.random.default_rng(K + T))
+    x = torch.randn(T, K, generator=torch.Generator().manual_seed(T))
+    got = qmatmul(x, w)
+    assert got.shape == (T, N) and got.dtype == torch.float32
+    ref = x.numpy().astype(np.float64) @ _deq(w).T
+    assert rel(got.numpy(), int8_rows(x.numpy()) @ _deq(w).T) < 2e-3
+    assert rel(got.numpy(), ref) < 3e-2
+
+
+def test_the_kernel_is_what_cpu_qmatmul_runs():
+    native_or_skip()
+    w = random_qtensor(Q.Q8_0, (64, 256), np.random.default_rng(0))
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(qmatmul(x, w), cpu_gemv.native_qmatmul(x, w))
+    assert not torch.equal(qmatmul(x, w), reference_qmatmul(x, w))  # int8 activations: not the float product
+
+
+def test_large_batches_and_other_formats_take_the_reference():
+    native_or_skip()
+    w = random_qtensor(Q.Q4_K, (16, 256), np.random.default_rng(2))
+    x = torch.randn(cpu_gemv.MAX_ROWS + 1, 256, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(qmatmul(x, w), reference_qmatmul(x, w))  # prefill: dequantize, then one GEMM
+    w3 = random_qtensor(Q.Q3_K, (16, 256), np.random.default_rng(4))
+    assert torch.equal(qmatmul(x[:2], w3), reference_qmatmul(x[:2], w3))
+
+
+def test_threads_agree():
+    """Rows split over two threads give the one-thread result exactly (each row's dot product is one thread's)."""
+    native_or_skip()
+    w = random_qtensor(Q.Q4_K, (1024, 512), np.random.default_rng(5))  # past PARALLEL_MIN
+    x = torch.randn(4, 512, generator=torch.Generator().manual_seed(6))
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_gemv.native_qmatmul(x, w)
+        torch.set_num_threads(2)
+        two = cpu_gemv.native_qmatmul(x, w)
+    finally:
+        torch.set_num_threads(n)
+    assert torch.equal(one, two)
+
+
+def test_an_exact_cpu_block_takes_the_reference_in_its_thread_only():
+    """The CPU lane's `ref` kernel promises float32 math: inside `exact_cpu()` this thread's qmatmul is the
+    reference; another thread at the same time still takes the native kernel."""
+    import threading
+
+    from strata.quant.matmul import exact_cpu
+
+    native_or_skip()
+    w = random_qtensor(Q.Q8_0, (64, 256), np.random.default_rng(7))
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(8))
+    other = {}
+    with exact_cpu():
+        assert torch.equal(qmatmul(x, w), reference_qmatmul(x, w))
+        t = threading.Thread(target=lambda: other.setdefault("y", qmatmul(x, w)))
+        t.start()
+        t.join()
+    assert torch.equal(other["y"], cpu_gemv.native_qmatmul(x, w))
+    assert torch.equal(qmatmul(x, w), cpu_gemv.native_qmatmul(x, w))
