@@ -20,7 +20,10 @@ from strata.quant import matmul
 from strata.quant.matmul import KERNELS, reference_qmatmul, register_kernel
 from strata.quant.qtensor import QTensor
 
-MAX_ROWS = 16  # rows of x up to which a weight row is dotted per row of x (decode, verify steps)
+# rows of x up to which each weight row is dotted per row of x (decode, verify steps, an expert's share of a prompt
+# chunk): the kernel's time grows with the rows (one int8 dot product each), the fallback's is mostly the dequantizing
+# and stays flat; on a development machine they met past 64 rows (Q8_0 and Q4_K, 1024 x 1024, one thread)
+MAX_ROWS = 64
 # weights below this many elements run on one thread: waking the others costs more than they save
 PARALLEL_MIN = 1 << 18
 
