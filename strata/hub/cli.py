@@ -253,6 +253,9 @@ def _print_report(machine, fp, verdict) -> None:
     c = machine.cpu
     con.print(f"  {c.model}, {c.cores_physical} cores / {c.cores_logical} threads")
     con.print(f"  SIMD: {' '.join(c.flags) or 'none detected'}")
+    if c.native_kernel is not None:
+        con.print(f"  native kernel: {'built' if not c.native_kernel else 'unavailable'} (expert FFNs on the CPU, "
+                  "a CPU run's decode matmuls)")
     con.print("[bold]Memory[/bold]")
     con.print(f"  RAM {_g(machine.ram_available)} available of {_g(machine.ram_total)}")
     con.print(f"  disk {_g(machine.disk_free)} free at {machine.disk_path}")

@@ -66,6 +66,9 @@ class CPUInfo:
     cores_physical: int | None
     cores_logical: int | None
     flags: list[str] = field(default_factory=list)  # the SIMD_FLAGS present, in SIMD_FLAGS order
+    # why strata's native CPU kernel (the CPU lane's expert FFNs, a CPU run's decode matmuls) is unavailable here,
+    # "" when it built; None: not probed
+    native_kernel: str | None = None
 
 
 @dataclass
@@ -79,7 +82,11 @@ class MachineInfo:
     disk_free: int
 
     def warnings(self) -> list[str]:
-        return [w for g in self.gpus for w in g.pcie_warnings()]
+        out = [w for g in self.gpus for w in g.pcie_warnings()]
+        if self.cpu.native_kernel:
+            out.append(f"the native CPU kernel is unavailable ({self.cpu.native_kernel}): experts computed on the "
+                       "CPU and a CPU run's decode take torch's slower paths")
+        return out
 
 
 def parse_cpuinfo(text: str) -> tuple[str, set[str]]:
@@ -106,7 +113,15 @@ def probe_cpu(cpuinfo_path: str = "/proc/cpuinfo") -> CPUInfo:
         cores_physical=psutil.cpu_count(logical=False),
         cores_logical=psutil.cpu_count(logical=True),
         flags=[f for f in SIMD_FLAGS if f in flags],
+        native_kernel=_native_kernel(),
     )
+
+
+def _native_kernel() -> str:
+    """'' when the native CPU kernel builds (or is cached) here, else why not (one line)."""
+    from strata.ops import cpu_native
+
+    return cpu_native.unavailable()
 
 
 def _nvidia_device_present() -> bool:

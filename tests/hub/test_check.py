@@ -221,6 +221,9 @@ def test_check_cli(tmp_path, capsys):
     assert main(["check"]) == 0
     text = capsys.readouterr().out
     assert "RAM" in text and "SIMD" in text
+    from strata.ops import cpu_native
+
+    assert ("native kernel: built" in text) == (cpu_native.load() is not None)
     assert main(["check", "-m", "acme/absent:Q4_K_M", "--models-dir", str(tmp_path)]) == 1
     assert "strata pull acme/absent:Q4_K_M" in capsys.readouterr().err
 
@@ -324,3 +327,11 @@ def test_a_pipeline_split_is_judged_per_stage(tmp_path, capsys):
     assert "stage 1: layers 1-1" in capsys.readouterr().out
     assert main(["check", "-m", str(m), "-pp", "2", "--layer-split", "2,1"]) != 0
     assert "--layer-split 2,1" in capsys.readouterr().err
+
+
+def test_a_missing_native_kernel_is_a_warning():
+    cpu = CPUInfo("cpu", 8, 16, native_kernel="no C compiler found (install cc or gcc, or set CC)")
+    m = MachineInfo([], "none", 32 * GiB, 30 * GiB, cpu, "/", 100 * GiB)
+    assert any("native CPU kernel is unavailable (no C compiler found" in w for w in m.warnings())
+    assert MachineInfo([], "none", 32 * GiB, 30 * GiB, CPUInfo("cpu", 8, 16, native_kernel=""), "/", 100 * GiB
+                       ).warnings() == []
