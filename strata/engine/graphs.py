@@ -65,7 +65,10 @@ class PieceRecorder:
 
     def _begin(self) -> None:
         self._g = torch.cuda.CUDAGraph()
-        self._g.capture_begin(pool=self._pool)
+        # thread_local: only this thread's calls may end the capture. In the default (global) mode any other thread's
+        # CUDA call that is unsafe while a stream captures (a context-wide synchronize, an allocation) invalidates
+        # it, and the engine then decodes eagerly; nothing another thread does belongs in the engine's graphs
+        self._g.capture_begin(pool=self._pool, capture_error_mode="thread_local")
 
     def start(self, pool) -> None:
         self.pieces, self._pool, self.capturing = [], pool, True
