@@ -103,6 +103,32 @@ def combine(y: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tenso
 
 
 DECODE_PAIRS = 64  # up to this many (token, expert) pairs the grouped kernel beats per-expert GEMMs
+# up to this many tokens a CPU step's experts run in one call of the native kernel (every (token, expert) pair a
+# row set: a decode or verify step); a prompt chunk keeps the per-expert loop, which reads each expert once for all
+# of its tokens
+CPU_NATIVE_TOKENS = 16
+
+
+def _cpu_native(ew: "ExpertWeights"):
+    """The native kernel's calls for these experts (made once, kept on them), or None: a format or activation it
+    does not read, no compiler here, or the float32 reference asked for (strata.quant.matmul.cpu_exact, which the
+    tests against float oracles and llama.cpp's emulated rounding rely on)."""
+    from strata.quant.matmul import cpu_exact
+
+    if cpu_exact():
+        return None
+    got = getattr(ew, "_cpu_native", False)
+    if got is False:
+        from strata.experts.cpu_lane import _native_act, _native_lib, native_supported
+
+        got = None
+        if native_supported(ew) and _native_lib() is not None:
+            from strata.ops.cpu_native import NativeExperts
+
+            got = NativeExperts(ew.gate.raw, ew.up.raw, ew.down.raw, fmt_gate_up=ew.gate.qtype.name,
+                                fmt_down=ew.down.qtype.name, **_native_act(ew))
+        ew._cpu_native = got
+    return got
 
 
 class ExpertWeights:
@@ -176,6 +202,12 @@ class ResidentExperts:
     def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, ctx=None) -> torch.Tensor:
         ew = self.layers[layer]
         n, k = ids.shape
+        if not x.is_cuda and n <= CPU_NATIVE_TOKENS:
+            native = _cpu_native(ew)
+            if native is not None:  # a decode step on the CPU: all its (token, expert) pairs in one kernel call
+                rows = torch.arange(n).repeat_interleave(k)
+                y = native(ids.reshape(-1), x.float().contiguous(), rows)
+                return combine(y.view(n, k, -1), w, x.dtype)
         if ew.act is not None and x.is_cuda and n * k <= DECODE_PAIRS:
             # biases and another activation: the batched reference over the pairs (no host sync: capturable)
             flat = ids.reshape(-1)

@@ -156,12 +156,17 @@ def llamacpp_activation_rounding():
         return lambda x2d, w: reference_qmatmul(_round_like_llamacpp(x2d, block, f16_scale), w)
 
     plan = {Q.Q8_0: kernel(32, True), **{t: kernel(256, False) for t in (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)}}
+    from strata.experts import resident
+
     saved = {("cpu", t): KERNELS.get(("cpu", t)) for t in plan}
+    tokens = resident.CPU_NATIVE_TOKENS
     try:
         for t, fn in plan.items():
             KERNELS[("cpu", t)] = fn
+        resident.CPU_NATIVE_TOKENS = 0  # every expert through qmatmul (so through the rounding above)
         yield
     finally:
+        resident.CPU_NATIVE_TOKENS = tokens
         for key, fn in saved.items():
             if fn is None:
                 KERNELS.pop(key, None)
