@@ -9,7 +9,8 @@ import torch
 
 from strata.cli import main
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+              pytest.mark.exact_cpu]  # the CPU run is the float32 reference the GPU's float32 is held to
 
 
 def _ppl(capsys, *argv) -> float:
