@@ -2,7 +2,7 @@
 
 The fallback dequantizes a weight to float32 on every call and multiplies: for a decode step (a few rows of x) that
 writes and reads back ~4 bytes per weight where the blocks hold ~1 (Q8_0) or ~0.56 (Q4_K), and the dequantizing
-itself dominates (the embedded model decoded at ~30 tok/s on two cores, three quarters of it in Q8_0 dequantizing).
+itself dominates a CPU decode step.
 Here each row of the weight is read once for all rows of x, dotted against x quantized to int8 per 256 (llama.cpp's
 CPU rounding of activations; the CPU lane's kernel, the same dot products). Larger batches (prefill) are
 compute-bound and keep the dequantize-then-GEMM path. Reference twin: `strata.quant.matmul.reference_qmatmul`.
@@ -22,7 +22,7 @@ from strata.quant.qtensor import QTensor
 
 # rows of x up to which each weight row is dotted per row of x (decode, verify steps, an expert's share of a prompt
 # chunk): the kernel's time grows with the rows (one int8 dot product each), the fallback's is mostly the dequantizing
-# and stays flat; on a development machine they met past 64 rows (Q8_0 and Q4_K, 1024 x 1024, one thread)
+# and stays flat; where the two meet is measured in docs/BENCHMARKS.md ("A model on the CPU alone")
 MAX_ROWS = 64
 # weights below this many elements run on one thread: waking the others costs more than they save
 PARALLEL_MIN = 1 << 18
