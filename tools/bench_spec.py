@@ -1,12 +1,13 @@
 """Speculative decoding with n-gram drafts against plain decoding, on real code (the embedded model by default).
 
     python tools/bench_spec.py [engine flags: -m MODEL --device cuda --vram-gb 8 ...] [--drafts 0,4,8,16]
-                               [--gen 200] [--runs 3]
+                               [--gen 200] [--runs 3] [--temperature 0.8 --seed 0]
 
 Two prompts from Python's standard library (text nobody here wrote): `edit` — a module's source, then the same
 source again up to its middle (an agent re-emitting a file it edits: the continuation repeats the context), and
-`fresh` — the start of a source file to continue (little to copy). Greedy, one sequence; prints per prompt and
-draft setting: decode tok/s (median of --runs, after a warm-up), drafts accepted / proposed, tokens per forward,
+`fresh` — the start of a source file to continue (little to copy). Greedy by default (`--temperature T` samples
+with llama.cpp's default top-k/top-p/min-p and a fixed `--seed`: a drafted run must write the same text as the plain
+one, since the target's own sample decides every token), one sequence; prints per prompt and draft setting: decode tok/s (median of --runs, after a warm-up), drafts accepted / proposed, tokens per forward,
 and whether the text equals plain decoding's (it must).
 """
 
@@ -42,6 +43,8 @@ def main() -> int:
     ap.add_argument("--drafts", default="0,4,8,16")
     ap.add_argument("--gen", type=int, default=200)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    ap.add_argument("--seed", type=int, default=0, help="the sampler's seed when --temperature > 0")
     a = ap.parse_args()
     if a.model is None:
         from strata.models.default import default_model_path
@@ -50,6 +53,7 @@ def main() -> int:
     base = engine_config(a)
     lm = load_model(a.model, base)
     ref: dict[str, list[int]] = {}
+    sampling = SamplingParams(temperature=a.temperature, seed=a.seed if a.temperature > 0 else None)
     for name, ids in prompts(lm.tokenizer).items():
         for dm in (int(x) for x in a.drafts.split(",")):
             lm.cfg.draft_max = dm
@@ -57,14 +61,14 @@ def main() -> int:
             speeds, seq = [], None
             for r in range(a.runs + 1):
                 t0 = time.perf_counter()
-                out = list(eng.generate(ids, SamplingParams(temperature=0), a.gen))
+                out = list(eng.generate(ids, sampling, a.gen))
                 seq = eng.last
                 dt = time.perf_counter() - t0 - seq.prompt_ms / 1e3  # decode only: from the first token on
                 if r:
                     speeds.append((len(out) - 1) / dt)
             ref.setdefault(name, out)
             steps = (len(out) - 1 - seq.draft_accepted) or 1  # forwards after the first token
-            print(json.dumps({"prompt": name, "prompt_tokens": len(ids), "draft_max": dm,
+            print(json.dumps({"prompt": name, "prompt_tokens": len(ids), "temperature": a.temperature, "draft_max": dm,
                               "decode_tok_s": round(statistics.median(speeds), 1),
                               "accepted": seq.draft_accepted, "drafted": seq.draft_n,
                               "tokens_per_forward": round((len(out) - 1) / steps, 2),

@@ -172,7 +172,7 @@ class Engine:
         if not seq.params.greedy:
             seq.generator = torch.Generator(device=self.device)
             seed = seq.params.seed if seq.params.seed is not None else int(torch.randint(0, 2**62, ()).item())
-            seq.generator.manual_seed(seed)
+            seq.sample_seed = seed
         seq.t_start = time.perf_counter()
         self.running.append(seq)
 
@@ -369,7 +369,8 @@ class Engine:
                     window = (ctx + d[:j])[-pr.penalty_last_n:] if pr.penalty_last_n else []
                     recent = torch.tensor(window, device=self.device, dtype=torch.long)
                     row = logits[i] if s.logits_processor is None else s.logits_processor(logits[i])
-                    drawn.append(sample(row, pr, recent, s.generator))
+                    # the drawn token's position: a plain segment has advanced s.pos past its tokens already
+                    drawn.append(sample(row, pr, recent, s.seed_draw(s.pos + j + 1 if d else s.pos)))
             except Exception as e:  # noqa: BLE001 - reported with the sequence (take_failed)
                 log.exception("strata: sequence %d failed drawing its token", s.id)
                 if d:  # its state folded drafts in that will not be taken back

@@ -1,7 +1,10 @@
 """Token sampling on the model's device: penalties -> temperature -> top-k -> top-p -> min-p -> draw.
 
-Everything stays on the device; the draw uses the sequence's own seeded generator, so the same seed gives the
-same text, and nothing here reads a tensor value back to the host.
+Everything stays on the device, and nothing here reads a tensor value back to the host. The draw uses the
+sequence's own generator, seeded for each draw from the request's seed and the position of the token being drawn
+(`position_seed`): a token's randomness depends on where it stands, never on how many draws came before it, so
+the same seed gives the same text whether the tokens came one a step, a verified draft at a time (the rejected
+rows' draws do not shift the later ones), or one step ahead.
 """
 
 from __future__ import annotations
@@ -15,6 +18,18 @@ import torch
 MIN_TEMPERATURE = 1e-5
 # The same overflow through the repetition penalty (logits / penalty): smaller ones are refused.
 MIN_REPETITION_PENALTY = 1e-3
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def position_seed(seed: int, pos: int) -> int:
+    """The generator's seed for the token at sequence position `pos` of a request seeded `seed` (splitmix64 of
+    the pair, so nearby positions and seeds give unrelated streams); below 2**63, as torch's generators take."""
+    z = (seed * 0x9E3779B97F4A7C15 + pos + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
 
 
 @dataclass

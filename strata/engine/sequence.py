@@ -11,6 +11,7 @@ import torch
 
 from strata.engine.request import Request, request_fields
 from strata.engine.draft_cost import Acceptance
+from strata.engine.sampler import position_seed
 from strata.engine.spec import NgramDrafter
 from strata.experts.stats import ExpertStats
 
@@ -30,6 +31,13 @@ class Sequence(Request):
     finish_reason: str | None = None  # stop | length | abort | error
     error: str | None = None  # why it failed (finish_reason "error"): its own step work raised; the others go on
     generator: torch.Generator | None = None
+    sample_seed: int = 0  # the request's seed (drawn at random when it gave none): see sampler.position_seed
+
+    def seed_draw(self, pos: int) -> torch.Generator | None:
+        """The generator, seeded for drawing the token at sequence position `pos` (None when greedy)."""
+        if self.generator is not None:
+            self.generator.manual_seed(position_seed(self.sample_seed, pos))
+        return self.generator
     # speculative decoding (strata.engine.spec): the context's n-gram index, draft tokens proposed and accepted
     drafter: NgramDrafter | None = None
     draft_len: int = 0  # this sequence's next draft length (adapted to how many drafts stood lately; 0: not set)

@@ -9,7 +9,9 @@ for many tokens in a row; where nothing matches no draft is made and the step is
 Verification is exact for any sampler: the target's token is drawn at every drafted position from that
 position's distribution (the same processing as without drafts), and drafts are accepted while they equal the
 drawn tokens; the first difference ends the step with the drawn token. Each emitted token is thus a draw from
-the model's distribution given the tokens before it — with greedy sampling, the same text as without drafts.
+the model's distribution given the tokens before it. Each draw's randomness is keyed by the drawn token's
+position (sampler.position_seed), so a rejected row's draw shifts no later one: greedy or seeded, the text is the
+one decoding without drafts writes.
 """
 
 from __future__ import annotations

@@ -105,6 +105,21 @@ def test_sampled_and_several_sequences_and_tiered(path):
     assert list(_engine(path, 3, "mtp").generate(prompts[0], sp, 20)) == ref[0]
 
 
+@pytest.mark.parametrize("temperature", [0.8, 1.5])
+def test_sampled_text_is_the_same_with_mtp_drafts(path, temperature):
+    """Each token's draw is seeded by its position (sampler.position_seed): with drafts, the rejected rows' draws
+    shift nothing, so a seeded sampled run writes the plain run's text, token for token."""
+    sp = SamplingParams(temperature=temperature, seed=11)
+    for seed in (5, 6):
+        prompt = _prompt(25, seed)
+        ref = list(_engine(path).generate(prompt, sp, 30))
+        eng = _engine(path, 3, "mtp")
+        assert list(eng.generate(prompt, sp, 30)) == ref
+        assert eng.last.draft_n > 0
+    # and the seed matters: another seed writes another text
+    assert list(_engine(path).generate(prompt, SamplingParams(temperature=temperature, seed=12), 30)) != ref
+
+
 def test_sources(path, hf_and_gguf):
     assert _engine(path, 3).mtp is not None  # auto: the model has the block
     assert _engine(path, 3, "ngram").mtp is None
