@@ -43,7 +43,7 @@ class MtpDrafter:
         pos = torch.arange(start + 1, start + 1 + n, device=dev)
         # the pair (h[i], token i + 1) at the block's position i + 1, in its cache's row i: rows from 0 up are all
         # written, so attention over them sees no unwritten row (llama.cpp masks cells never written)
-        logits, out = self.head.forward(hidden[:n], toks, pos, Segment(s.slot, start, n), self.kv)
+        logits, out = self.head.forward(hidden[:n], toks, pos, Segment(s.slot, start, n), self.kv, last_only=True)
         self.runs += 1
         self.last[s.id] = (logits[-1], out[-1], start + n - 1)
 

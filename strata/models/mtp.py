@@ -88,14 +88,16 @@ class MtpHead:
         return dequantize(rows, e.qtype, (rows.shape[0], e.shape[-1])).to(self.dtype)
 
     def forward(self, h: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor, seg: Segment,
-                kv: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+                kv: KVCache, last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """h [n, d]: the trunk's (or a previous block output's) hidden states at positions pos [n] (contiguous, in
         seg's slot); tokens [n]: the tokens at pos + 1 -> (logits [n, V] float32 for the tokens at pos + 2, the
-        block's output [n, d])."""
+        block's output [n, d]). last_only: the logits of the last row alone ([1, V]: after a prompt only its last
+        prediction is used, and the head is most of the block's work)."""
         e = rms_norm(self._embed(tokens), self.enorm, self.eps)
         x = qmatmul(torch.cat([e, rms_norm(h.to(self.dtype), self.hnorm, self.eps)], -1), self.eh_proj)
         x = x + self.attn(rms_norm(x, self.attn_norm, self.eps), pos, [seg], kv)
         ctx = self.model.step_context([seg], int(tokens.shape[0]))
         x = x + self.moe(rms_norm(x, self.ffn_norm, self.eps), ctx)
-        logits = qmatmul(rms_norm(x, self.head_norm, self.eps), self.head).float()
+        y = x[-1:] if last_only else x
+        logits = qmatmul(rms_norm(y, self.head_norm, self.eps), self.head).float()
         return logits, x

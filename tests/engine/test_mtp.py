@@ -54,6 +54,8 @@ def test_block_math_is_llamacpps_graph(path):
     hd = head.head.dequantize(torch.float32).reshape(head.head.shape)
     want = rms(x, head.head_norm) @ hd.T
     assert torch.allclose(got, want, atol=1e-4) and torch.allclose(x_out, x, atol=1e-5)
+    last, x_last = head.forward(h, toks, pos, Segment(0, 0, 2), head.new_kv_cache(1, 8), last_only=True)
+    assert last.shape == (1, got.shape[1]) and torch.allclose(last[0], got[-1], atol=1e-4) and torch.equal(x_last, x_out)
     # the block's own tensors, not the trunk's last layer's
     assert head.eh_proj.shape == (m.args.d_model, 2 * m.args.d_model)
 
