@@ -3,7 +3,9 @@
 # That machine has torch, triton, numpy, tokenizers, jinja2, httpx, pytest ... but no package index and not the
 # server stack or gguf: carry them as wheels in .whl/ (git-ignored; `../shared/device/wheels.sh nvidia-ml-py`
 # fetches them here: with nvidia-ml-py `strata bench` reads VRAM through NVML instead of starting nvidia-smi beside
-# the servers it times), and they are installed into /tmp/site at the start of every command. Also carry peers/src for the
+# the servers it times; that script leaves out sniffio, which the anthropic client imports and the machine's image
+# no longer has: add it with `python3 -m pip download --no-deps -d .whl sniffio`, or the server tests fail to
+# collect), and they are installed into /tmp/site at the start of every command. Also carry peers/src for the
 # llama.cpp peer (bench/peers/llamacpp.sh fetch, or pack for the ~5 MB pruned copy). A working tree over the
 # 64 MiB a command carries: move strata/data/strata-tiny.gguf out of it first.
 #
@@ -16,6 +18,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     >/dev/null 2>&1 || echo "setup.sh: installing .whl/*.whl failed" >&2
   export PYTHONPATH="/tmp/site:$PWD"
+  python3 -c "import sniffio" 2>/dev/null || echo "setup.sh: no sniffio here or in .whl: the anthropic client (server tests) will not import" >&2
 else
   export PYTHONPATH="$PWD"
 fi

@@ -244,8 +244,11 @@ def mtp_eval(lm, ids: list[int], ctx: int, n_prompts: int = MTP_PROMPTS, prompt_
     import platform
     import time
 
+    from strata.quant.matmul import exact_cpu
+
     t0 = time.perf_counter()
-    top1, n = strata_mtp_top1(lm, ids, ctx)
+    with exact_cpu():  # (as the other recorded numbers; the timed runs below take the default CPU path)
+        top1, n = strata_mtp_top1(lm, ids, ctx)
     prompts = mtp_prompts(ids, n_prompts, prompt_tokens)
     plain = draft_run(lm, prompts, n_new, 0)
     res = {"teacher_forced": {"strata_top1": top1, "positions": n},
@@ -319,9 +322,14 @@ def fill_strata_numbers(record: dict, gguf: str | Path, text: str, n_predict: in
     """Measure ``gguf`` with strata on the held-out ``text`` and write the numbers into ``record`` (in place):
     perplexity, routing, completions, the held-out slice's token counts (``heldout.ids`` too, for checks), and
     for a model with an MTP block its numbers (``mtp_eval``; a toy run's are smaller)."""
+    from strata.quant.matmul import exact_cpu
+
     ctx = record["heldout"]["ctx"]
     lm = load_cpu(gguf, ctx)
-    ev = strata_eval(gguf, text, ctx, n_predict=n_predict, lm=lm)
+    # the recorded numbers are the float32 reference's (what CI recomputes, under its exact_cpu marker): the native
+    # kernel's int8 activations would move near-tie greedy tokens from one CPU to another
+    with exact_cpu():
+        ev = strata_eval(gguf, text, ctx, n_predict=n_predict, lm=lm)
     record["heldout"].update({"ids": ev["ids"], "tokens": len(ev["ids"]), "scored_tokens": ev["scored_tokens"],
                               "windows": ev["windows"]})
     record["perplexity"].update({"strata": ev["perplexity"], "strata_device": "cpu", "strata_dtype": "f32"})
