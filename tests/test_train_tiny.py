@@ -393,6 +393,7 @@ def test_toy_run_outputs(toy_run, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.exact_cpu  # the recorded numbers are the float32 reference's (tools/tiny/evaluate.fill_strata_numbers)
 def test_toy_run_is_reproduced_by_strata(toy_run, tmp_path):
     """What CI does with the shipped model, on the toy run: the recorded numbers are recomputed by strata."""
     from tools.tiny.evaluate import completion_diff, load_cpu, recompute, routing_diffs

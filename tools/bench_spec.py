@@ -1,14 +1,16 @@
 """Speculative decoding with n-gram drafts against plain decoding, on real code (the embedded model by default).
 
     python tools/bench_spec.py [engine flags: -m MODEL --device cuda --vram-gb 8 ...] [--drafts 0,4,8,16]
-                               [--gen 200] [--runs 3] [--temperature 0.8 --seed 0]
+                               [--gen 200] [--runs 3] [--temperature 0.8 --seed 0] [--right-drafts]
 
 Two prompts from Python's standard library (text nobody here wrote): `edit` — a module's source, then the same
 source again up to its middle (an agent re-emitting a file it edits: the continuation repeats the context), and
 `fresh` — the start of a source file to continue (little to copy). Greedy by default (`--temperature T` samples
 with llama.cpp's default top-k/top-p/min-p and a fixed `--seed`: a drafted run must write the same text as the plain
 one, since the target's own sample decides every token), one sequence; prints per prompt and draft setting: decode tok/s (median of --runs, after a warm-up), drafts accepted / proposed, tokens per forward,
-and whether the text equals plain decoding's (it must).
+and whether the text equals plain decoding's (it must). `--right-drafts` (MTP drafts, greedy): every draft the
+block makes is replaced by the plain text's next token, so every draft stands: what a drafted step costs at full
+acceptance, the bound on what the drafter's quality can buy. List 0 first in --drafts (the plain text).
 """
 
 from __future__ import annotations
@@ -37,6 +39,17 @@ def prompts(tok) -> dict[str, list[int]]:
     return {"edit": tok.encode(edit), "fresh": tok.encode(fresh)}
 
 
+def _right(draft, plain: list[int]):
+    """The MTP drafter with its drafts replaced by the plain text's next tokens (the block still runs)."""
+
+    def right(s, room):
+        got = draft(s, room)
+        at = len(s.output)
+        return plain[at:at + len(got)] if got else []
+
+    return right
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_engine_args(ap)
@@ -45,6 +58,7 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     ap.add_argument("--seed", type=int, default=0, help="the sampler's seed when --temperature > 0")
+    ap.add_argument("--right-drafts", action="store_true", help="MTP drafts replaced by the plain text's tokens")
     a = ap.parse_args()
     if a.model is None:
         from strata.models.default import default_model_path
@@ -58,6 +72,9 @@ def main() -> int:
         for dm in (int(x) for x in a.drafts.split(",")):
             lm.cfg.draft_max = dm
             eng = Engine(lm, n_slots=1)
+            if a.right_drafts and dm and eng.mtp is not None and name in ref:
+                eng.draft_cost = None  # every draft verified: the cost at full acceptance, not the policy's choice
+                eng.mtp.draft = _right(eng.mtp.draft, ref[name])
             speeds, seq = [], None
             for r in range(a.runs + 1):
                 t0 = time.perf_counter()

@@ -12,7 +12,6 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from strata.kv.cache import KVCache, Segment
 from strata.layers.norm import rms_norm
@@ -56,14 +55,19 @@ def _window_mask(window: int, pos_t: torch.Tensor, dtype: torch.dtype) -> torch.
 # Device types whose prompt chunks take SDPA's lower-right causal bias instead of a materialized [n, L] mask: the
 # bias lets SDPA pick its flash / memory-efficient kernels for a chunk of n queries at the end of L keys (a mask
 # rules flash out; a long prefix's chunks then ran far from the tensor cores' rate). "cuda" once
-# tests/layers/test_causal_bias.py (marked gpu) has passed on a GPU.
-CAUSAL_BIAS_ON = frozenset({"cpu", "cuda"})
+# tests/layers/test_causal_bias.py (marked gpu) has passed on a GPU. Not "cpu": there SDPA materializes the bias into
+# the same mask anyway, after a Python-level dispatch through the bias's tensor subclass that made a verify step of
+# 2-4 tokens spend more on its masks than on its attention (the test still checks the bias on the CPU).
+CAUSAL_BIAS_ON = frozenset({"cuda"})
 
 
 def _causal_mask(seg: Segment, device):
     if seg.n == 1:
         return None  # one query sees the whole prefix
     if torch.device(device).type in CAUSAL_BIAS_ON:
+        # (imported here: torch.nn.attention.bias imports torch._dynamo, over a second of every process's start)
+        from torch.nn.attention.bias import causal_lower_right
+
         return causal_lower_right(seg.n, seg.end)  # query i of the chunk sees keys 0 .. start + i
     q = torch.arange(seg.start, seg.end, device=device).unsqueeze(1)
     k = torch.arange(seg.end, device=device).unsqueeze(0)
