@@ -2,6 +2,8 @@
 
     python tools/bench_kernels.py [--reps 50] [--peak-tbs 4.8]
     python tools/bench_kernels.py --sweep        # every launch shape (BN, KW, warps) of each decode kernel
+    python tools/bench_kernels.py --expert-formats Q4_K,IQ2_XXS,IQ2_S,IQ3_XXS,IQ4_XS,MXFP4
+                                                 # the expert kernel per weight format, bytes/s against Q4_K's
 
 
 Times `strata.ops.qgemv._gemv` (the CUDA qmatmul for Q8_0 / Q4_K / Q6_K) at T = 1 for the Qwen3-30B-A3B decode
@@ -90,11 +92,12 @@ def bench_gemv(qt, N: int, K: int, reps: int, peak: float) -> bool:
     return report(f"gemv {qt.name:<5} N={N:<6} K={K}", t, wbytes + 2 * K + 2 * N, plan, err, 1e-2, peak)
 
 
-def bench_experts(reps: int, peak: float) -> bool:
+def bench_experts(reps: int, peak: float, qt=Q.Q4_K) -> tuple[bool, float]:
+    """The fused expert FFN over P = 8 experts of format qt; (checked, GB/s of weights and activations)."""
     dev = torch.device("cuda")
     S, P, d, ff = 64, 8, 2048, 768
-    gate, up = (random_qtensor(Q.Q4_K, (S, ff, d), rng=s, device=dev) for s in (1, 2))
-    down = random_qtensor(Q.Q4_K, (S, d, ff), rng=3, device=dev)
+    gate, up = (random_qtensor(qt, (S, ff, d), rng=s, device=dev) for s in (1, 2))
+    down = random_qtensor(qt, (S, d, ff), rng=3, device=dev)
     x = torch.randn(P, d, device=dev).bfloat16()  # [P, d]
     gen = torch.Generator().manual_seed(0)
     slot_sets = [torch.randperm(S, generator=gen)[:P].to(dev) for _ in range(MIN_CALLS)]  # different experts
@@ -104,8 +107,9 @@ def bench_experts(reps: int, peak: float) -> bool:
     t = time_graph([(lambda s=s: expert_triton.triton_expert_ffn(x, gate, up, down, s)) for s in slot_sets], reps)
     per_expert = sum(q.raw[0].numel() for q in (gate, up, down))
     nbytes = P * per_expert + x.numel() * 2 + P * ff * 4 * 2 + P * d * 4  # weights, x, a (written, read), y
-    plan = (expert_triton.plan((Q.Q4_K, Q.Q4_K), ff, d, P, dev), expert_triton.plan((Q.Q4_K,), d, ff, P, dev))
-    return report(f"expert ffn Q4_K P={P} {ff}x{d} /{S}", t, nbytes, plan, err, 1e-5, peak)
+    plan = (expert_triton.plan((qt, qt), ff, d, P, dev), expert_triton.plan((qt,), d, ff, P, dev))
+    ok = report(f"expert ffn {qt.name} P={P} {ff}x{d} /{S}", t, nbytes, plan, err, 1e-5, peak)
+    return ok, nbytes / t / 1e9
 
 
 def _launch_gemv(x, w, out, bn, kw, warps, slots=None):
@@ -189,6 +193,9 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--peak-tbs", type=float, default=4.8, help="HBM peak the percentages refer to (TB/s)")
     ap.add_argument("--sweep", action="store_true", help="time every launch shape of each kernel instead")
+    ap.add_argument("--expert-formats", default=None,
+                    help="comma-separated weight formats: the expert kernel in each (B1's expert shapes), its bytes/s "
+                         "against Q4_K's, instead of the default set")
     a = ap.parse_args()
     if not torch.cuda.is_available() or not expert_triton.available():
         print("bench_kernels: needs a CUDA GPU and Triton", file=sys.stderr)
@@ -200,11 +207,22 @@ def main() -> int:
         print(f"total {time.perf_counter() - t0:.1f} s")
         return 0
     ok = True
+    if a.expert_formats:  # the expert kernel per format; bytes/s of each against the first (Q4_K: put it first)
+        base = None
+        for name in a.expert_formats.split(","):
+            good, gbs = bench_experts(a.reps, a.peak_tbs, Q[name.strip().upper()])
+            base = base or gbs
+            print(f"   {name.strip()}: {gbs / base:.2f} of {a.expert_formats.split(',')[0].strip()}'s bytes/s",
+                  flush=True)
+            ok &= good
+            torch.cuda.empty_cache()
+        print(f"total {time.perf_counter() - t0:.1f} s")
+        return 0 if ok else 1
     for qt in (Q.Q8_0, Q.Q4_K, Q.Q6_K):
         for N, K in GEMV_SHAPES:
             ok &= bench_gemv(qt, N, K, a.reps, a.peak_tbs)
             torch.cuda.empty_cache()
-    ok &= bench_experts(a.reps, a.peak_tbs)
+    ok &= bench_experts(a.reps, a.peak_tbs)[0]
     print(f"total {time.perf_counter() - t0:.1f} s")
     return 0 if ok else 1
 

@@ -173,6 +173,14 @@ def _profiles(srv: dict) -> list[dict]:
     return out + [ph["server"]["profile"] for ph in srv.get("phases", []) if (ph.get("server") or {}).get("profile")]
 
 
+def _prefetch_note(p: dict | None) -> str:
+    """The next-layer prefetch's part of the decode-steps line: what it copied ahead and its layer used."""
+    if not p:
+        return ""
+    used = f"{p['used']} of {p['issued']} prefetched experts used" if p.get("issued") else "nothing prefetched"
+    return f", next-layer prefetch {'on' if p.get('on') else 'off'} ({used})"
+
+
 def _requests_line(results: dict) -> str:
     """The header's line on what the timed requests drew from: temperature, seed, and the experts' routing."""
     t, seed = results.get("temperature") or 0, results.get("seed", 0)
@@ -223,7 +231,7 @@ def markdown(results: dict) -> str:
             f"{d.get('launched_ahead', 0)} launched ahead ({d.get('ahead_dropped', 0)} dropped)"
             + (f", chunk buffers borrowed back {d['chunk_buffer_loans']} times"
                f" ({d.get('chunk_buffer_borrow_ms', 0):.1f} ms in all)" if d.get("chunk_buffer_loans")
-               is not None else "") for names, d in steps))
+               is not None else "") + _prefetch_note(d.get("prefetch")) for names, d in steps))
         whys = {d["misses_why"] for _, d in steps if d.get("misses_why")}
         for why in sorted(whys):  # why the misses took that path (the plan trials' verdict)
             lines.append(f"- decode misses' path: {why}")

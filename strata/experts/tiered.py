@@ -348,6 +348,8 @@ class TieredExperts:
         if self._to_direct is not None and not self._switch_ready:
             self._switch_ready = True
             self.path_epoch += 1
+        if self.direct is not None and self.direct.prefetch_off():
+            self.path_epoch += 1
 
     def begin_request(self) -> ExpertStats:
         """Start counting a new request; returns the finished one's counts."""

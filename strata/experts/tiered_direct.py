@@ -41,6 +41,14 @@ stage_misses = registry.op("stage_misses")
 
 log = logging.getLogger("strata")
 
+# The next-layer prefetch pays where a layer's input predicts the next layer's routing, as a trained router's does.
+# Where it does not (routing forced uniform, layers that route independently) every prefetched expert left unused
+# crosses the bus as a miss would, and the layer's own misses queue behind it. So by default (neither
+# --expert-prefetch nor --no-expert-prefetch) it is measured: once PREFETCH_PROBE prefetched experts are settled,
+# a share used under PREFETCH_MIN_USE turns it off, from the next request on (graphs are captured again then).
+PREFETCH_MIN_USE = 0.25
+PREFETCH_PROBE = 1024
+
 
 def supported(tiered) -> str:
     """'' when the direct path can serve this backend's decode steps, else why not (one log line's reason)."""
@@ -97,6 +105,11 @@ class DirectDecode:
         self.programs = _prefetch_programs(tiered)
         self._issued = -1  # the layer index this step's last prefetch was for
         self._hold: torch.Tensor | None = None
+        # the prefetch's measured use while it is on by default: [issued, used] until the verdict, then why it
+        # goes off (None: it stays on)
+        self.gated = self.prefetch and tiered.ex.prefetch_next is None
+        self.probe = [0, 0]
+        self.off_reason: str | None = None
 
     def begin_step(self, ctx) -> None:
         """A step begins. One begun but never launched (a capture's warm-up) counts as launched now; a step that
@@ -227,6 +240,9 @@ class DirectDecode:
                 if pre:
                     t.prefetch_issued += len(pre)
                     t.prefetch_used += len(pre & missed)
+                    if self.gated:
+                        self.probe[0] += len(pre)
+                        self.probe[1] += len(pre & missed)
             swaps = admit(pol, li, ids_l)
             if swaps:
                 cache.begin_copies()  # after the main stream's work so far: the step in flight reads victims
@@ -236,6 +252,25 @@ class DirectDecode:
                     t.count(0, 0, 0, 0, swaps=len(swaps))
             if t.poll(li, upload=False) or swaps:  # victims leave the map, finished copies enter it
                 self._upload(li, layer, turn)
+        if self.gated and self.probe[0] >= PREFETCH_PROBE:
+            self.gated = False
+            issued, used = self.probe
+            if used < PREFETCH_MIN_USE * issued:
+                self.off_reason = (f"{used} of {issued} prefetched experts were used ({100 * used / issued:.0f}% < "
+                                   f"{100 * PREFETCH_MIN_USE:.0f}%): a layer's input does not predict the next "
+                                   "layer's routing here")
+
+    def prefetch_off(self) -> bool:
+        """Take the prefetch's measured verdict (off) when it has one: True when the decode path changed (the
+        engine is at rest; graphs captured with the prefetch are captured again)."""
+        if self.off_reason is None or not self.prefetch:
+            return False
+        self.prefetch = self.prefetch_batches = False
+        with torch.inference_mode():  # (the record buffers are inference tensors)
+            for rec in self.records.values():  # (no step prefetches any more: no stale prediction is settled)
+                rec.dev[:, 2].fill_(-1)
+        log.info("strata: next-layer expert prefetch off: %s", self.off_reason)
+        return True
 
     @torch.inference_mode()  # (the record buffers are inference tensors; a request may end outside the mode)
     def flush(self) -> None:

@@ -53,7 +53,18 @@ def _decode_steps(engine) -> dict:
             "chunk_buffer_borrow_ms": round(getattr(experts, "loan_ms", 0.0), 3),
             "launched_ahead": ahead.launched if ahead is not None else 0,
             "ahead_dropped": ahead.dropped if ahead is not None else 0,
-            "verify_cost_ms": _verify_cost(engine)}
+            "verify_cost_ms": _verify_cost(engine),
+            "prefetch": _prefetch(experts)}
+
+
+def _prefetch(experts) -> dict | None:
+    """The next-layer expert prefetch of the staged path: on or not now, and the experts it copied ahead / that
+    their layer then used (None: not the staged path)."""
+    direct = getattr(experts, "direct", None)
+    if direct is None or not getattr(direct, "stage", False):
+        return None
+    return {"on": bool(direct.prefetch), "issued": experts.prefetch_issued, "used": experts.prefetch_used,
+            "off_why": direct.off_reason}
 
 
 def _verify_cost(engine) -> dict | None:

@@ -245,8 +245,9 @@ def test_the_report_says_how_decode_steps_ran_and_why():
 
     steps = {"graphs": True, "ahead": True, "misses": "staged", "launched_ahead": 40, "ahead_dropped": 1,
              "misses_why": "staged after the trials: best hand-off plan 000000000@16 23.00 ms a token",
-             "chunk_buffer_loans": 3}
+             "chunk_buffer_loans": 3, "prefetch": {"on": False, "issued": 1200, "used": 70, "off_why": "..."}}
     md = markdown({"name": "x", "date": "d", "temperature": 0,
                    "server": {"url": "u", "phases": [{"suites": ["sweep"], "server": {"decode_steps": steps}}]}})
     assert "sweep: misses staged, graphs on, 40 launched ahead (1 dropped), chunk buffers borrowed back 3 times" in md
+    assert "next-layer prefetch off (70 of 1200 prefetched experts used)" in md
     assert "- decode misses' path: staged after the trials: best hand-off plan" in md

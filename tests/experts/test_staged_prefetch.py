@@ -60,6 +60,43 @@ def test_a_wrong_prediction_is_harmless(model_path, monkeypatch):
     assert ex.prefetch_issued == 8 * 3 * 2 and ex.prefetch_used < ex.prefetch_issued // 2
 
 
+@pytest.mark.parametrize("flag,min_use,stays_on", [(None, 0.9, False), (None, 0.0, True), (True, 0.9, True)])
+def test_a_prefetch_that_does_not_predict_turns_itself_off(model_path, monkeypatch, flag, min_use, stays_on):
+    """By default the prefetch is measured: predictions that the layers seldom use (here always the last two
+    experts, and a required share of 90%) turn it off once PREFETCH_PROBE prefetched experts are settled, from
+    the next request on (the decode path's epoch moves: graphs are captured again). --expert-prefetch keeps it
+    on; the text is the resident one throughout."""
+    from strata.experts import tiered_direct
+    from strata.layers.moe import MoE
+
+    monkeypatch.setattr(tiered_direct, "PREFETCH_PROBE", 24)
+    monkeypatch.setattr(tiered_direct, "PREFETCH_MIN_USE", min_use)
+    real = MoE.route_ids
+
+    def wrong(self, x):
+        ids = real(self, x)
+        return torch.tensor([[6, 7]], device=ids.device).expand_as(ids).contiguous()
+
+    monkeypatch.setattr(MoE, "route_ids", wrong)
+    sp = SamplingParams(temperature=0)
+    want = list(_engine(model_path, "cpu", False, mode="resident").generate(PROMPT, sp, 20))
+    eng = _engine(model_path, "cpu", True, slots=0, cpu_plan="000", decode_misses="staged", prefetch_next=flag)
+    ex = eng.model.experts
+    assert list(eng.generate(PROMPT, sp, 20)) == want
+    d, epoch = ex.direct, ex.path_epoch
+    d.flush()                                                          # (the last step's counts)
+    assert d.prefetch and ex.prefetch_used < ex.prefetch_issued       # the verdict waits for a rest
+    assert (d.off_reason is None) == stays_on
+    issued = ex.prefetch_issued
+    assert list(eng.generate(PROMPT, sp, 20)) == want                 # the next request
+    d.flush()
+    if stays_on:
+        assert d.prefetch and ex.path_epoch == epoch and ex.prefetch_issued > issued
+    else:
+        assert "prefetched experts were used" in d.off_reason
+        assert not d.prefetch and ex.path_epoch == epoch + 1 and ex.prefetch_issued == issued
+
+
 @pytest.mark.parametrize("flag", [None, True])
 def test_batches_and_text_unchanged(model_path, flag):
     """Steps of several sequences prefetch (the first k of their predicted misses) only when --expert-prefetch is
