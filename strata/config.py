@@ -82,8 +82,9 @@ class ExpertConfig:
         "decode: predict the next MoE layer's experts with its router on this layer's input and start copying "
         "the uncached ones during this layer; on the staged path a side stream inside the step copies them (no "
         "host work), on the hand-off path the host does (there it cost more host time than it hid). Default: on "
-        "for the staged path's one-token steps, off for the hand-off; given, steps of several sequences prefetch "
-        "too", flag="--expert-prefetch", dest="expert_prefetch"))
+        "for the staged path's one-token steps while it pays (off from the next request on when under a quarter "
+        "of its experts are used), off for the hand-off; given, it stays on and steps of several sequences "
+        "prefetch too", flag="--expert-prefetch", dest="expert_prefetch"))
     prefetch_programs: int | None = field(default=None, metadata=opt(
         "with the prefetch on the staged path: programs the side stream's copy kernel runs (each looping over its "
         "share of the copies), so the layer's own kernels keep the other SMs; 0: one program per copy part; "
