@@ -4,6 +4,8 @@
     python tools/bench_kernels.py --sweep        # every launch shape (BN, KW, warps) of each decode kernel
     python tools/bench_kernels.py --expert-formats Q4_K,IQ2_XXS,IQ2_S,IQ3_XXS,IQ4_XS,MXFP4
                                                  # the expert kernel per weight format, bytes/s against Q4_K's
+    python tools/bench_kernels.py --expert-formats Q4_K,IQ2_XXS,IQ2_S,IQ3_XXS --iq-tiles packed
+                                                 # the 2- and 3-bit formats' packed tiles (one setting a process)
 
 
 Times `strata.ops.qgemv._gemv` (the CUDA qmatmul for Q8_0 / Q4_K / Q6_K) at T = 1 for the Qwen3-30B-A3B decode
@@ -196,7 +198,15 @@ def main() -> int:
     ap.add_argument("--expert-formats", default=None,
                     help="comma-separated weight formats: the expert kernel in each (B1's expert shapes), its bytes/s "
                          "against Q4_K's, instead of the default set")
+    ap.add_argument("--iq-tiles", choices=("auto", "lookup", "packed"), default="auto",
+                    help="the IQ2_XXS / IQ2_S / IQ3_XXS tiles: as strata takes them (auto), or one kind")
     a = ap.parse_args()
+    if a.iq_tiles != "auto":  # before any kernel compiles: a compiled kernel keeps what it read
+        import triton.language as tl
+
+        from strata.ops import iquant_triton
+
+        iquant_triton.C_PACKED = tl.constexpr(a.iq_tiles == "packed")
     if not torch.cuda.is_available() or not expert_triton.available():
         print("bench_kernels: needs a CUDA GPU and Triton", file=sys.stderr)
         return 1

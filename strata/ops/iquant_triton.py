@@ -22,7 +22,13 @@ gathered from by index (a few KB: it stays in L1). Block layouts, as gguf-py deq
 
 The 66- and 98-byte blocks are only 2-byte aligned, so their u32 fields are read as two u16. Reference twins: the
 torch dequantizers of `strata.quant.iquants` (tests/experts/test_expert_triton.py runs these tiles in Triton's
-interpreter against them). Speed on a GPU is not yet measured (docs/BENCHMARKS.md says what is).
+interpreter against them). Speed on a GPU: docs/BENCHMARKS.md, "The GPU lane per weight format".
+
+Two tiles per 2- and 3-bit format. The lookup tiles gather one float per weight from the grid and one from the
+sign table (three loads a weight, the load units' limit: 0.17-0.22 of Q4_K's bytes/s on an H200). The packed
+tiles load per group of 8 (IQ3_XXS: 4) weights: the grid index, the entry's magnitudes as bytes in int32 words,
+and the sign byte, then cut each weight's magnitude and sign out with shifts (under half a load a weight). The
+packed ones are taken on a GPU once their GPU tests pass there (PACKED_GPU_TESTED); the interpreter runs them.
 """
 
 from __future__ import annotations
@@ -32,7 +38,13 @@ import threading
 import torch
 from gguf import GGMLQuantizationType
 
+from strata.config import triton_interpreting
+
 Q = GGMLQuantizationType
+
+# the packed tiles of IQ2_XXS, IQ2_S and IQ3_XXS on a GPU (tools/gpu/test.sh tests/experts/test_expert_triton.py
+# tests/ops/test_qgemv.py, then tools/bench_kernels.py --expert-formats measures them against the lookup tiles)
+PACKED_GPU_TESTED = False
 
 try:
     import triton
@@ -43,7 +55,13 @@ except ImportError:  # pragma: no cover - depends on the install
 # offsets (in floats) of each codebook in the table
 T_IQ4NL, T_MXFP4, T_KSIGNS, T_IQ2XXS, T_IQ3XXS = 0, 16, 32, 32 + 128 * 8, 32 + 128 * 8 + 256 * 8
 T_IQ2S = T_IQ3XXS + 256 * 4
-T_SIZE = T_IQ2S + 1024 * 8
+# the packed codebooks, int32 words stored as their bits among the floats: IQ2_XXS and IQ2_S grid entries as two
+# words (magnitude k in byte k % 4 of word k // 4), IQ3_XXS entries as one, the 128 sign bytes (bit j: weight j < 0)
+T_P2XXS = T_IQ2S + 1024 * 8
+T_P2S = T_P2XXS + 256 * 2
+T_P3XXS = T_P2S + 1024 * 2
+T_PSIGN = T_P3XXS + 256
+T_SIZE = T_PSIGN + 128
 FORMATS = {Q.IQ2_XXS: 66, Q.IQ3_XXS: 98, Q.IQ4_XS: 136, Q.MXFP4: 17, Q.IQ2_S: 82}  # bytes per block
 _TABLES: dict[torch.device, torch.Tensor] = {}
 _LOCK = threading.Lock()
@@ -61,10 +79,26 @@ def table(device: torch.device) -> torch.Tensor:
             if t is None:
                 parts = [gguf_table(n, torch.device("cpu")).reshape(-1) for n in ("iq4nl", "mxfp4", "ksigns",
                                                                                    "IQ2_XXS", "IQ3_XXS", "IQ2_S")]
+                parts += _packed()
                 t = torch.cat(parts).to(torch.float32)
                 assert t.numel() == T_SIZE, t.numel()
                 t = _TABLES[device] = t.to(device)
     return t
+
+
+def _packed() -> list[torch.Tensor]:
+    """The packed codebooks (T_P2XXS ...) as float32 tensors holding int32 bits."""
+    import gguf.quants as gq
+    import numpy as np
+
+    from strata.quant.iquants import table as gguf_table
+
+    def words(name: str) -> torch.Tensor:  # each entry's magnitudes as bytes, read as little-endian int32 words
+        grid = gguf_table(name, torch.device("cpu")).numpy()
+        return torch.from_numpy(np.ascontiguousarray(grid.astype(np.uint8)).view("<i4").reshape(-1).copy())
+
+    signs = torch.from_numpy(np.frombuffer(gq.IQ2_XXS.ksigns, dtype=np.uint8).astype(np.int32))
+    return [w.view(torch.float32) for w in (words("IQ2_XXS"), words("IQ2_S"), words("IQ3_XXS"), signs)]
 
 
 if triton is not None:
@@ -72,6 +106,9 @@ if triton is not None:
     # interpreter on the CPU reads any global, so only a GPU catches this)
     C_IQ4NL, C_MXFP4, C_KSIGNS, C_IQ2XXS, C_IQ3XXS, C_IQ2S = (tl.constexpr(v) for v in (
         T_IQ4NL, T_MXFP4, T_KSIGNS, T_IQ2XXS, T_IQ3XXS, T_IQ2S))
+    C_P2XXS, C_P2S, C_P3XXS, C_PSIGN = (tl.constexpr(v) for v in (T_P2XXS, T_P2S, T_P3XXS, T_PSIGN))
+    # which tiles the 2- and 3-bit formats take (read when a kernel compiles; the interpreter reads it per call)
+    C_PACKED = tl.constexpr(PACKED_GPU_TESTED or triton_interpreting())
 
     @triton.jit
     def _u16(p, m):
@@ -132,7 +169,7 @@ if triton is not None:
     # compiled)
 
     @triton.jit
-    def iq2xxs_tile(row, xp, tab, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
+    def _iq2xxs_lookup(row, xp, tab, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
         ib = tl.arange(0, 8).to(tl.int64)
         t = tl.arange(0, 32)
         lg = t // 8  # the weight's group (its grid index byte and sign index)
@@ -157,7 +194,7 @@ if triton is not None:
         return tl.sum(tl.sum(part, axis=2), axis=1)
 
     @triton.jit
-    def iq2s_tile(row, xp, tab, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
+    def _iq2s_lookup(row, xp, tab, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
         # group g = 4 ib + l of 8 weights: grid index qs[g] | (2 bits of qh[ib] at 2 l) << 8 (1024 entries), its
         # 8 signs the bits of byte 32 + g of qs, scale the low (l < 2) or high nibble of scales[ib]
         ib = tl.arange(0, 8).to(tl.int64)
@@ -186,7 +223,7 @@ if triton is not None:
         return tl.sum(tl.sum(part, axis=2), axis=1)
 
     @triton.jit
-    def iq3xxs_tile(row, xp, tab, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
+    def _iq3xxs_lookup(row, xp, tab, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
         ib = tl.arange(0, 8).to(tl.int64)
         t = tl.arange(0, 32)
         lg = t // 8
@@ -230,3 +267,131 @@ if triton is not None:
         xh = tl.load(xp + xo + 16, mask=sm[:, None], other=0.0).to(tl.float32)
         part = tl.sum(lo * xl[None] + hi * xh[None], axis=2) * dv  # [BN, NB]
         return tl.sum(part, axis=1)
+
+    # The packed tiles. Axes: the tile's sub-blocks of 32 weights s (NB blocks x 8: one axis, so no tensor has a
+    # fifth), a sub-block's groups, a group's weights; per-group values are loaded once and broadcast over the
+    # last axis. Magnitudes become floats through the exponent bits (2^23 + m, exact), not an int conversion.
+
+    @triton.jit
+    def _subblocks(b0, nsb, NB: tl.constexpr, EVEN: tl.constexpr):
+        """The tile's NB * 8 sub-blocks: their block index, index within the block, and mask."""
+        s = tl.arange(0, NB * 8)
+        sb = (b0 + s // 8).to(tl.int64)
+        if EVEN:
+            sm = tl.full([NB * 8], 1, tl.int1)
+        else:
+            sm = sb < nsb
+        return sb, (s % 8).to(tl.int64), sm
+
+    @triton.jit
+    def _mag(word, sh):
+        """Byte `sh // 8` of int32 words (a magnitude < 128) as float32."""
+        return (((word >> sh) & 255) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+    @triton.jit
+    def _iq2xxs_packed(row, xp, tab, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
+        itab = tab.to(tl.pointer_type(tl.int32))
+        sb, ib, sm = _subblocks(b0, nsb, NB, EVEN)
+        m2 = sm[None, :]
+        m3 = m2[:, :, None]
+        lg = tl.arange(0, 4)
+        j = tl.arange(0, 8)
+        blk = row[:, None] + sb[None, :] * 66  # [BN, S]
+        d = _f16v(blk, m2)
+        w = blk + 2 + 8 * ib[None, :]  # the sub-block's two u32: 4 grid index bytes, then signs and scale
+        w1 = _u32h(w + 4, m2)
+        db = d * (0.5 + (w1 >> 28).to(tl.float32)) * 0.25  # [BN, S]
+        gi = tl.load(w[:, :, None] + lg.to(tl.int64)[None, None, :], mask=m3, other=0,
+                     eviction_policy="evict_first").to(tl.int32)  # [BN, S, 4]
+        si = ((w1[:, :, None] >> (7 * lg).to(tl.uint32)[None, None, :]) & 127).to(tl.int32)
+        lo = tl.load(itab + C_P2XXS + 2 * gi)
+        hi = tl.load(itab + C_P2XXS + 2 * gi + 1)
+        sg = tl.load(itab + C_PSIGN + si)  # [BN, S, 4] sign bytes
+        j4 = j[None, None, None, :]
+        word = tl.where(j4 < 4, lo[:, :, :, None], hi[:, :, :, None])  # [BN, S, 4, 8]
+        mag = _mag(word, 8 * (j4 % 4))
+        neg = ((sg[:, :, :, None] >> j4) & 1) != 0
+        xo = sb[:, None, None] * 256 + 32 * ib[:, None, None] + (8 * lg)[None, :, None] + j[None, None, :]
+        x = tl.load(xp + xo, mask=sm[:, None, None], other=0.0).to(tl.float32)  # [S, 4, 8]
+        v = mag * x[None]
+        part = tl.sum(tl.sum(tl.where(neg, -v, v), axis=3), axis=2) * db  # [BN, S]
+        return tl.sum(part, axis=1)
+
+    @triton.jit
+    def _iq2s_packed(row, xp, tab, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
+        itab = tab.to(tl.pointer_type(tl.int32))
+        sb, ib, sm = _subblocks(b0, nsb, NB, EVEN)
+        m2 = sm[None, :]
+        m3 = m2[:, :, None]
+        lg = tl.arange(0, 4)
+        j = tl.arange(0, 8)
+        blk = row[:, None] + sb[None, :] * 82
+        d = _f16v(blk, m2)
+        g = blk[:, :, None] + 2 + 4 * ib[None, :, None] + lg.to(tl.int64)[None, None, :]  # [BN, S, 4]
+        lo8 = tl.load(g, mask=m3, other=0, eviction_policy="evict_first").to(tl.int32)
+        sgb = tl.load(g + 32, mask=m3, other=0, eviction_policy="evict_first").to(tl.int32)
+        qh = tl.load(blk + 66 + ib[None, :], mask=m2, other=0).to(tl.int32)  # [BN, S]
+        sc = tl.load(blk + 74 + ib[None, :], mask=m2, other=0).to(tl.int32)
+        gi = lo8 | (((qh[:, :, None] >> (2 * lg)[None, None, :]) & 3) << 8)
+        nib = (sc[:, :, None] >> (4 * (lg // 2))[None, None, :]) & 15
+        db = d[:, :, None] * (0.5 + nib.to(tl.float32)) * 0.25  # [BN, S, 4]
+        lo = tl.load(itab + C_P2S + 2 * gi)
+        hi = tl.load(itab + C_P2S + 2 * gi + 1)
+        j4 = j[None, None, None, :]
+        word = tl.where(j4 < 4, lo[:, :, :, None], hi[:, :, :, None])
+        mag = _mag(word, 8 * (j4 % 4))
+        neg = ((sgb[:, :, :, None] >> j4) & 1) != 0
+        xo = sb[:, None, None] * 256 + 32 * ib[:, None, None] + (8 * lg)[None, :, None] + j[None, None, :]
+        x = tl.load(xp + xo, mask=sm[:, None, None], other=0.0).to(tl.float32)
+        v = mag * x[None]
+        part = tl.sum(tl.sum(tl.where(neg, -v, v), axis=3) * db, axis=2)  # [BN, S]
+        return tl.sum(part, axis=1)
+
+    @triton.jit
+    def _iq3xxs_packed(row, xp, tab, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
+        # a sub-block's 32 weights as 8 index groups q of 4 (weight 4 q + r); signs by groups of 8: sign index
+        # q // 2, bits 4 (q % 2) + r of its byte
+        itab = tab.to(tl.pointer_type(tl.int32))
+        sb, ib, sm = _subblocks(b0, nsb, NB, EVEN)
+        m2 = sm[None, :]
+        m3 = m2[:, :, None]
+        q = tl.arange(0, 8)
+        r = tl.arange(0, 4)
+        blk = row[:, None] + sb[None, :] * 98
+        d = _f16v(blk, m2)
+        sc = _u32h(blk + 66 + 4 * ib[None, :], m2)  # [BN, S]
+        db = d * (0.5 + (sc >> 28).to(tl.float32)) * 0.5
+        gi = tl.load(blk[:, :, None] + 2 + 8 * ib[None, :, None] + q.to(tl.int64)[None, None, :], mask=m3, other=0,
+                     eviction_policy="evict_first").to(tl.int32)  # [BN, S, 8]
+        si = ((sc[:, :, None] >> (7 * (q // 2)).to(tl.uint32)[None, None, :]) & 127).to(tl.int32)
+        gw = tl.load(itab + C_P3XXS + gi)  # [BN, S, 8] an entry's 4 magnitudes
+        sg = (tl.load(itab + C_PSIGN + si) >> (4 * (q % 2))[None, None, :]) & 15
+        r4 = r[None, None, None, :]
+        mag = _mag(gw[:, :, :, None], 8 * r4)  # [BN, S, 8, 4]
+        neg = ((sg[:, :, :, None] >> r4) & 1) != 0
+        xo = sb[:, None, None] * 256 + 32 * ib[:, None, None] + (4 * q)[None, :, None] + r[None, None, :]
+        x = tl.load(xp + xo, mask=sm[:, None, None], other=0.0).to(tl.float32)  # [S, 8, 4]
+        v = mag * x[None]
+        part = tl.sum(tl.sum(tl.where(neg, -v, v), axis=3), axis=2) * db
+        return tl.sum(part, axis=1)
+
+    @triton.jit
+    def iq2xxs_tile(row, xp, tab, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
+        if C_PACKED:
+            return _iq2xxs_packed(row, xp, tab, b0, nsb, BN, NB, EVEN)
+        else:
+            return _iq2xxs_lookup(row, xp, tab, b0, nsb, BN, NB, EVEN)
+
+    @triton.jit
+    def iq2s_tile(row, xp, tab, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
+        if C_PACKED:
+            return _iq2s_packed(row, xp, tab, b0, nsb, BN, NB, EVEN)
+        else:
+            return _iq2s_lookup(row, xp, tab, b0, nsb, BN, NB, EVEN)
+
+    @triton.jit
+    def iq3xxs_tile(row, xp, tab, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
+        if C_PACKED:
+            return _iq3xxs_packed(row, xp, tab, b0, nsb, BN, NB, EVEN)
+        else:
+            return _iq3xxs_lookup(row, xp, tab, b0, nsb, BN, NB, EVEN)

@@ -68,6 +68,23 @@ SCRIPT = textwrap.dedent("""
         for i in (0, 2, 3):
             rel = ((y[i] - ref4[i]).norm() / ref4[i].norm()).item()
             assert rel < 1e-5, ("repeat", qg.name, qd.name, i, rel)
+    # the 2- and 3-bit formats' two tiles (strata.ops.iquant_triton): the packed ones ran above (the interpreter
+    # takes them), the lookup ones (a GPU's until the packed pass there) give the same sums
+    import triton.language as tl
+    from strata.ops import iquant_triton
+    assert iquant_triton.C_PACKED
+    for qt in (Q.IQ2_XXS, Q.IQ2_S, Q.IQ3_XXS):
+        g, u = (random_qtensor(qt, (2, 256, 512), rng) for _ in range(2))
+        dn = random_qtensor(qt, (2, 512, 256), rng)
+        x = torch.randn(3, 512).bfloat16()
+        slots = torch.tensor([1, -1, 0])
+        ref = _torch_gather_ffn(x.float(), g, u, dn, slots.clamp(min=0))
+        for packed in (False, True):
+            iquant_triton.C_PACKED = tl.constexpr(packed)
+            y = triton_expert_ffn(x, g, u, dn, slots, block_n=64)
+            for i in (0, 2):
+                rel = ((y[i] - ref[i]).norm() / ref[i].norm()).item()
+                assert rel < 1e-5, ("tiles", qt.name, packed, i, rel)
     print("ok")
 """)
 
@@ -118,3 +135,42 @@ def test_cuda_misses_read_from_pinned_host_memory(qg, qd, d, ff, monkeypatch):
         assert ((y[i] - ref).norm() / ref.norm()).item() < 1e-5, i
     yr = two_tier_expert_ffn(x, *pool, slots, tuple(host), eids)  # the reference twin (bf16 matmuls), pageable
     assert ((yr - y).norm() / y.norm()).item() < 2e-2
+
+
+PACKED_GPU = textwrap.dedent("""
+    import torch, triton.language as tl
+    from gguf import GGMLQuantizationType as Q
+    from strata.ops import iquant_triton
+    iquant_triton.C_PACKED = tl.constexpr(True)  # before any kernel compiles in this process
+    from strata.ops.expert_gather import _torch_gather_ffn
+    from strata.ops.expert_triton import triton_expert_ffn
+    from strata.quant import random_qtensor
+    dev = torch.device("cuda")
+    for qg, qd, d, ff in ((Q.IQ2_XXS, Q.IQ3_XXS, 2048, 768), (Q.IQ2_S, Q.IQ2_S, 2048, 768),
+                          (Q.IQ3_XXS, Q.IQ2_XXS, 768, 512)):
+        g, u = (random_qtensor(qg, (4, ff, d), s, device=dev) for s in (1, 2))
+        dn = random_qtensor(qd, (4, d, ff), 3, device=dev)
+        x = torch.randn(6, d, device=dev).bfloat16()
+        slots = torch.tensor([3, -1, 0, 2, 1, 0], device=dev)
+        for bk in (None, 256):  # one iteration and several
+            y = triton_expert_ffn(x, g, u, dn, slots, block_k=bk)
+            ref = _torch_gather_ffn(x.float(), g, u, dn, slots.clamp(min=0))
+            assert torch.equal(y[1], torch.zeros_like(y[1]))
+            for i in (0, 2, 3, 4, 5):
+                rel = ((y[i] - ref[i]).norm() / ref[i].norm()).item()
+                assert rel < 1e-5, (qg.name, qd.name, bk, i, rel)
+    print("ok")
+""")
+
+
+@pytest.mark.gpu
+def test_cuda_packed_iquant_tiles_match_the_torch_op():
+    """The packed IQ2_XXS / IQ2_S / IQ3_XXS tiles compiled for the GPU (strata.ops.iquant_triton: taken there
+    once this passes, PACKED_GPU_TESTED), in a process of their own so that they are what compiles."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    r = subprocess.run([sys.executable, "-c", PACKED_GPU], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
