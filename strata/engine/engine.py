@@ -115,8 +115,10 @@ class Engine:
         from strata.models.mtp import MtpHead
 
         log.info("strata: drafts from the model's MTP block (layer %d)", blocks[0].layer)
+        graphs = self.lm.cfg.cuda_graphs  # (None: graphed where the block is capturable; True on a CPU: the
+        # static path run eagerly)
         return MtpDrafter(MtpHead(self.model, blocks[0], self.max_ctx + 2), self.n_slots, self.max_ctx,
-                          getattr(self.lm.cfg, "draft_p_min", 0.0))
+                          getattr(self.lm.cfg, "draft_p_min", 0.0), static=graphs, max_rows=self.draft_max + 1)
 
     def _vram_left(self) -> int:
         """Bytes of VRAM the prefill chunk and the expert cache share: free VRAM (or --vram-gb less what the device

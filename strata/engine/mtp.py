@@ -15,20 +15,52 @@ forward as it does n-gram drafts (strata.engine.spec): exact for any sampler, wh
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from strata.kv.cache import Segment
+
+log = logging.getLogger("strata")
 
 
 class MtpDrafter:
     """Per engine: the MTP head, its KV cache (one layer, the engine's slots and context) and, per sequence, the
     block's last prediction (logits row, output row, position)."""
 
-    def __init__(self, head, n_slots: int, max_ctx: int, p_min: float = 0.0):
+    def __init__(self, head, n_slots: int, max_ctx: int, p_min: float = 0.0, static: bool | None = None,
+                 max_rows: int = 8):
+        """static: the block's small forwards (max_rows rows at most) through static buffers, replayed as CUDA
+        graphs (strata.engine.mtp_graphs); None: where the block is capturable. True on a CPU: the same path run
+        eagerly (tests)."""
         self.head, self.p_min = head, float(p_min)
         self.kv = head.new_kv_cache(n_slots, max_ctx + 2)  # (its rows sit one past the trunk's)
         self.last: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # sequence id -> (logits, h, position)
         self.proposed = self.runs = 0
+        self.graphs = None
+        from strata.engine.mtp_graphs import MtpGraphs
+
+        capturable = MtpGraphs.capturable(head)
+        if static is None:
+            static = capturable
+        if static and (capturable or head.device.type != "cuda"):
+            self.graphs = MtpGraphs(head, self.kv, max_rows)
+
+    def _block(self, h: torch.Tensor, toks: torch.Tensor, start: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block over rows start .. start + n - 1 of `slot`: (the last row's logits [V], outputs [n, d])."""
+        g = self.graphs
+        if g is not None and g.takes(h.shape[0], start):
+            try:
+                return g.forward(h, toks, start, slot)
+            except Exception as e:  # noqa: BLE001 - a block that cannot be captured still drafts, eagerly
+                if not g.cuda:
+                    raise
+                log.warning("strata: capturing the MTP block failed (%s: %s); it runs eagerly", type(e).__name__, e)
+                self.graphs = None
+        n = h.shape[0]
+        pos = torch.arange(start + 1, start + 1 + n, device=self.head.device)
+        logits, out = self.head.forward(h, toks, pos, Segment(slot, start, n), self.kv, last_only=True)
+        return logits[-1], out
 
     def observe(self, s, hidden: torch.Tensor, start: int) -> None:
         """The trunk ran positions start .. start + len(hidden) - 1 of sequence s (rows of `hidden` [n, d]); those
@@ -38,14 +70,12 @@ class MtpDrafter:
         n = min(hidden.shape[0], s.pos - start, len(ctx) - 1 - start)
         if n <= 0:
             return
-        dev = self.head.device
-        toks = torch.tensor(ctx[start + 1:start + 1 + n], device=dev)
-        pos = torch.arange(start + 1, start + 1 + n, device=dev)
+        toks = torch.tensor(ctx[start + 1:start + 1 + n], device=self.head.device)
         # the pair (h[i], token i + 1) at the block's position i + 1, in its cache's row i: rows from 0 up are all
         # written, so attention over them sees no unwritten row (llama.cpp masks cells never written)
-        logits, out = self.head.forward(hidden[:n], toks, pos, Segment(s.slot, start, n), self.kv, last_only=True)
+        logits, out = self._block(hidden[:n], toks, start, s.slot)
         self.runs += 1
-        self.last[s.id] = (logits[-1], out[-1], start + n - 1)
+        self.last[s.id] = (logits, out[-1], start + n - 1)
 
     def draft(self, s, room: int) -> list[int]:
         """Up to `room` tokens to follow s's last token: the block's prediction, then the chain."""
@@ -56,7 +86,6 @@ class MtpDrafter:
         if p != s.pos - 1:  # not the prediction from the position before the token to be fed (stale)
             return []
         out: list[int] = []
-        dev = self.head.device
         while True:
             prob, tok = torch.softmax(logits.float(), -1).max(-1)
             if self.p_min > 0 and float(prob) < self.p_min:
@@ -64,10 +93,9 @@ class MtpDrafter:
             out.append(int(tok))
             if len(out) >= room:
                 break
-            at = p + 1 + len(out)  # the block's position of the draft just made (the token it embeds)
-            lg, hh = self.head.forward(h[None], torch.tensor([out[-1]], device=dev), torch.tensor([at], device=dev),
-                                       Segment(s.slot, at - 1, 1), self.kv)
-            logits, h = lg[0], hh[0]
+            at = p + 1 + len(out)  # the block's position of the draft just made (the token it embeds), row at - 1
+            logits, hh = self._block(h[None], torch.tensor([out[-1]], device=self.head.device), at - 1, s.slot)
+            h = hh[0]
         self.proposed += len(out)
         return out
 

@@ -227,3 +227,56 @@ def test_the_blocks_experts_go_through_the_tiers(path, misses):
         backend.direct.flush()
     s = backend.stats
     assert s.hits + s.cpu + s.pcie == s.lookups  # (the block's lookups counted with the trunk's)
+
+
+def _drafts_of(eng, prompt, n):
+    """(the text, every draft list the block made) of a greedy generation."""
+    made, real = [], eng.mtp.draft
+
+    def spy(s, room):
+        d = real(s, room)
+        made.append(list(d))
+        return d
+
+    eng.mtp.draft = spy
+    return list(eng.generate(prompt, GREEDY, n)), made
+
+
+def test_the_blocks_static_path_drafts_as_its_eager_one(path):
+    """The block's small forwards through static buffers (strata.engine.mtp_graphs: replayed graphs on a GPU, run
+    eagerly here), its cache read over a window masked past each row, make the eager path's drafts."""
+    prompt = _prompt(40, 7)
+    eager = _engine(path, 3, "mtp", graphs=False)
+    assert eager.mtp.graphs is None
+    static = _engine(path, 3, "mtp", graphs=True)
+    g = static.mtp.graphs
+    assert g is not None and g.max_rows == 4
+    calls, real = [], g.forward
+    g.forward = lambda h, t, start, slot: calls.append(h.shape[0]) or real(h, t, start, slot)
+    text, drafts = _drafts_of(static, prompt, 30)
+    assert (text, drafts) == _drafts_of(eager, prompt, 30)
+    # the rows the block wrote: the same keys (rotary at each row's own position) and values
+    for kind in ("k", "v"):
+        a, b = getattr(static.mtp.kv, kind)[0][0], getattr(eager.mtp.kv, kind)[0][0]
+        assert a.abs().sum() > 0 and torch.allclose(a, b, atol=1e-5, rtol=1e-4), kind
+    assert calls and max(calls) <= 4 and 1 in calls        # verify rows and chain links (the prompt: eagerly)
+    assert sum(len(d) for d in drafts) > 0
+
+
+@pytest.mark.gpu
+def test_cuda_mtp_block_graphed_keeps_the_text(path):
+    """On a GPU the block's forwards are captured (resident experts) and replayed; the text is plain decoding's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+
+    def eng(draft_max, source="auto"):
+        cfg = EngineConfig(model=str(path), device="cuda", dtype="float32", ctx_size=256, draft_max=draft_max,
+                           draft_source=source)
+        return Engine(load_model(str(path), cfg, with_tokenizer=False), n_slots=1)
+
+    prompt = _prompt(40, 7)
+    ref = list(eng(0).generate(prompt, GREEDY, 40))
+    e = eng(3, "mtp")
+    assert e.mtp.graphs is not None and e.mtp.graphs.cuda
+    assert list(e.generate(prompt, GREEDY, 40)) == ref
+    assert e.mtp.graphs.replays > 0 and e.mtp.graphs.graphs
