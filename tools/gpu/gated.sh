@@ -26,6 +26,11 @@ GATED=(
   "tests/experts/test_expert_triton.py tests/ops/test_qgemv.py||"
   "tests/layers/test_causal_bias.py||"
   "tests/experts/test_staged_prefetch.py tests/experts/test_budget_long_prompt.py||"
+  # the packed IQ2_XXS / IQ2_S / IQ3_XXS tiles (then measure: tools/bench_kernels.py --expert-formats
+  # Q4_K,IQ2_XXS,IQ2_S,IQ3_XXS --iq-tiles packed, and --iq-tiles lookup)
+  "tests/experts/test_expert_triton.py|strata/ops/iquant_triton.py|s/^PACKED_GPU_TESTED = False/PACKED_GPU_TESTED = True/"
+  # the MTP block's graphed forwards (on by default where capturable; this is their GPU test)
+  "tests/engine/test_mtp.py||"
 )
 
 log="$OUT/gated.log"
