@@ -23,6 +23,10 @@ from strata.kv.cache import Segment
 
 log = logging.getLogger("strata")
 
+# the block's graphed forwards are taken by default on a GPU once their GPU test has passed there
+# (tools/gpu/test.sh tests/engine/test_mtp.py); --cuda-graphs given takes them before that
+GRAPHS_GPU_TESTED = False
+
 
 class MtpDrafter:
     """Per engine: the MTP head, its KV cache (one layer, the engine's slots and context) and, per sequence, the
@@ -31,8 +35,8 @@ class MtpDrafter:
     def __init__(self, head, n_slots: int, max_ctx: int, p_min: float = 0.0, static: bool | None = None,
                  max_rows: int = 8):
         """static: the block's small forwards (max_rows rows at most) through static buffers, replayed as CUDA
-        graphs (strata.engine.mtp_graphs); None: where the block is capturable. True on a CPU: the same path run
-        eagerly (tests)."""
+        graphs (strata.engine.mtp_graphs); None: where the block is capturable (once GRAPHS_GPU_TESTED). True on a
+        CPU: the same path run eagerly (tests)."""
         self.head, self.p_min = head, float(p_min)
         self.kv = head.new_kv_cache(n_slots, max_ctx + 2)  # (its rows sit one past the trunk's)
         self.last: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # sequence id -> (logits, h, position)
@@ -42,7 +46,7 @@ class MtpDrafter:
 
         capturable = MtpGraphs.capturable(head)
         if static is None:
-            static = capturable
+            static = capturable and GRAPHS_GPU_TESTED
         if static and (capturable or head.device.type != "cuda"):
             self.graphs = MtpGraphs(head, self.kv, max_rows)
 

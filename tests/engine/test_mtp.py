@@ -271,7 +271,7 @@ def test_cuda_mtp_block_graphed_keeps_the_text(path):
 
     def eng(draft_max, source="auto"):
         cfg = EngineConfig(model=str(path), device="cuda", dtype="float32", ctx_size=256, draft_max=draft_max,
-                           draft_source=source)
+                           draft_source=source, cuda_graphs=True)  # (the block's graphs before GRAPHS_GPU_TESTED)
         return Engine(load_model(str(path), cfg, with_tokenizer=False), n_slots=1)
 
     prompt = _prompt(40, 7)

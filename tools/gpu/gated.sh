@@ -29,8 +29,9 @@ GATED=(
   # the packed IQ2_XXS / IQ2_S / IQ3_XXS tiles (then measure: tools/bench_kernels.py --expert-formats
   # Q4_K,IQ2_XXS,IQ2_S,IQ3_XXS --iq-tiles packed, and --iq-tiles lookup)
   "tests/experts/test_expert_triton.py|strata/ops/iquant_triton.py|s/^PACKED_GPU_TESTED = False/PACKED_GPU_TESTED = True/"
-  # the MTP block's graphed forwards (on by default where capturable; this is their GPU test)
-  "tests/engine/test_mtp.py||"
+  # the MTP block's graphed forwards (then measure: tools/bench_spec.py -m strata/data/strata-tiny.gguf --device
+  # cuda --draft-source mtp --drafts 0,1,2,3)
+  "tests/engine/test_mtp.py|strata/engine/mtp.py|s/^GRAPHS_GPU_TESTED = False/GRAPHS_GPU_TESTED = True/"
 )
 
 log="$OUT/gated.log"
