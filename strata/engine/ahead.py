@@ -14,8 +14,9 @@ wrote, one past the sequence's end, is not in the slot's record (`Engine.slot_to
 The sampled draw is seeded by the drawn token's position (sampler.position_seed), so seeded text is unchanged.
 
 Taken only when nothing needs the host between the steps: every running sequence is decoding in the step (none
-waits for its prompt), none asks for log-probabilities, a grammar, drafts or repetition penalties (whose window
-holds the token not yet read), each has room for two more tokens, the model keeps no recurrent state or MTP
+waits for its prompt), none asks for log-probabilities, a grammar or repetition penalties (whose window holds the
+token not yet read), none may draft in the next step (n-gram drafts paused after failing, or paying at no length
+at the sequence's acceptance: text that does not repeat its context then decodes at the plain speed), each has room for two more tokens, the model keeps no recurrent state or MTP
 block (their state would absorb the dropped token), and no CPU/PCIe plan is being tuned (the tuner fits each
 step's time to that step's misses, which a step in flight would blur). An embedding table in host RAM is read by the graph itself
 from the token ids in device memory (strata.ops.host_rows).
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from strata.engine.sampler import sample
+from strata.engine.spec import may_draft, pause_step
 
 
 @dataclass
@@ -39,8 +41,11 @@ class _Pending:
 
 
 def _plain(s, eng) -> bool:
+    """Nothing of the sequence's next step needs the host first. A drafting sequence qualifies when that step
+    surely carries no drafts: its drafts paused (after drafts of which none stood) or none paying at its
+    acceptance (strata.engine.spec.may_draft)."""
     p = s.params
-    return (s.logprobs is None and s.logits_processor is None and not eng.draft_max and not s.draft_max
+    return (s.logprobs is None and s.logits_processor is None and not may_draft(eng, s)
             and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty)
 
 
@@ -87,6 +92,8 @@ class Ahead:
         if not self._can(seqs):
             return
         eng = self.eng
+        for s in seqs:  # (a paused drafting sequence: this step is one of its steps without drafts)
+            pause_step(eng, s)
         logits = eng.graphs.step_batch(torch.stack(toks), [s.pos for s in seqs], [s.slot for s in seqs])
         drawn = [sample(logits[i], s.params, None, s.seed_draw(s.pos + 1)) for i, s in enumerate(seqs)]
         vals = torch.stack(drawn)

@@ -73,14 +73,35 @@ def accept(drafts: list[int], drawn: list[int]) -> int:
     return a
 
 
+def _room(engine, s) -> int:
+    """Drafts the sequence's next step may carry at most (0: none, whatever its tokens)."""
+    limit = engine.draft_max if s.draft_max is None else s.draft_max
+    room = min(s.draft_len or limit, limit, s.max_tokens - len(s.output) - 1, engine.max_ctx - 1 - s.pos)
+    if room <= 0 or s.logits_processor is not None or s.logprobs is not None:
+        return 0
+    return room
+
+
+def may_draft(engine, s) -> bool:
+    """Whether the sequence's next step may carry drafts, as known before its last token is read: not while its
+    drafts are paused or while none pays at its acceptance (strata.engine.ahead launches such steps ahead)."""
+    room = _room(engine, s)
+    return room > 0 and s.draft_pause <= 0 and choose(getattr(engine, "draft_cost", None), s.draft_acc, room) > 0
+
+
+def pause_step(engine, s) -> None:
+    """A step of the sequence went without drafts before `draft_for` saw it (launched ahead): a pause counts it."""
+    if s.draft_pause > 0 and _room(engine, s) > 0:
+        s.draft_pause -= 1
+
+
 def draft_for(engine, s) -> list[int]:
     """Draft tokens for a decoding sequence of `engine` (strata.engine.engine.Engine): up to --draft-max, within
     its max_tokens and the context; none for a sequence whose logits pass through a processor (a grammar's state
     follows each accepted token) or that reports log-probabilities (one row per step). From the model's MTP block
     when the engine drafts with it, else from the context's n-grams."""
-    limit = engine.draft_max if s.draft_max is None else s.draft_max
-    room = min(s.draft_len or limit, limit, s.max_tokens - len(s.output) - 1, engine.max_ctx - 1 - s.pos)
-    if room <= 0 or s.logits_processor is not None or s.logprobs is not None:
+    room = _room(engine, s)
+    if room <= 0:
         return []
     if s.draft_pause > 0:
         s.draft_pause -= 1
