@@ -89,6 +89,24 @@ class MtpDrafter:
         logits, h, p = got
         if p != s.pos - 1:  # not the prediction from the position before the token to be fed (stale)
             return []
+        g = self.graphs
+        if g is not None and room <= g.max_rows and p + room <= g.kv.max_ctx:
+            try:  # the whole chain on the device, one read: (tokens, top-1 probabilities)
+                toks, probs = g.chain(logits, h, p, s.slot, room)
+            except Exception as e:  # noqa: BLE001 - as for _block: eagerly from here on
+                if not g.cuda:
+                    raise
+                log.warning("strata: capturing the MTP chain failed (%s: %s); it runs eagerly", type(e).__name__, e)
+                self.graphs = None
+            else:
+                vals = torch.cat([toks.to(torch.float32), probs]).tolist()
+                out = []
+                for t, prob in zip(vals[:room], vals[room:]):
+                    if self.p_min > 0 and prob < self.p_min:
+                        break
+                    out.append(int(t))
+                self.proposed += len(out)
+                return out
         out: list[int] = []
         while True:
             prob, tok = torch.softmax(logits.float(), -1).max(-1)

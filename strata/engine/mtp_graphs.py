@@ -36,7 +36,13 @@ class MtpGraphs:
         self.tok = torch.zeros(self.max_rows, dtype=torch.long, device=dev)
         self.rows = torch.zeros(self.max_rows, dtype=torch.long, device=dev)  # cache rows (Segment.pos_t)
         self.pos = torch.zeros(self.max_rows, dtype=torch.long, device=dev)  # rotary positions: rows + 1
-        self.graphs: OrderedDict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = OrderedDict()
+        # a chain's input (the last prediction: logits [V], the block's output row) and its drafts with their
+        # top-1 probabilities, all on the device: a chain of m drafts is one replay and one read
+        self.c_logits = torch.zeros(head.head.shape[0], dtype=torch.float32, device=dev)
+        self.c_h = torch.zeros(1, d, dtype=head.dtype, device=dev)
+        self.c_tok = torch.zeros(self.max_rows, dtype=torch.long, device=dev)
+        self.c_prob = torch.zeros(self.max_rows, dtype=torch.float32, device=dev)
+        self.graphs: OrderedDict[tuple, tuple] = OrderedDict()
         self.replays = 0
 
     @staticmethod
@@ -77,7 +83,46 @@ class MtpGraphs:
         self.replays += 1
         return got[1][-1].clone(), got[2].clone()
 
+    def chain(self, logits: torch.Tensor, h: torch.Tensor, p: int, slot: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """m drafts from the block's prediction at position p (logits [V], its output row h [d]), each further one
+        the block run on its own output and the draft before it, at rows p + 1 ... (strata.engine.mtp): (tokens
+        [m], their top-1 probabilities [m]) on the device, every one computed (a --draft-p-min cut is the
+        caller's)."""
+        self.c_logits.copy_(logits)
+        self.c_h.copy_(h.view(1, -1))
+        if m > 1:
+            self.rows[:m - 1].copy_(torch.arange(p + 1, p + m))
+            torch.add(self.rows[:m - 1], 1, out=self.pos[:m - 1])
+        key = ("chain", slot, self.window_for(p + m - 1), m)
+        if not self.cuda:
+            self._chain(key)
+        else:
+            got = self.graphs.get(key)
+            if got is None:
+                got = self._capture(key)
+            else:
+                self.graphs.move_to_end(key)
+            got[0].replay()
+            self.replays += 1
+        return self.c_tok[:m].clone(), self.c_prob[:m].clone()
+
+    def _chain(self, key: tuple):
+        _, slot, window, m = key
+        lg, h = self.c_logits, self.c_h
+        for i in range(m):
+            prob, tok = torch.softmax(lg.float(), -1).max(-1)
+            self.c_tok[i].copy_(tok)
+            self.c_prob[i].copy_(prob)
+            if i == m - 1:
+                break
+            seg = Segment(slot, 0, 1, pos_t=self.rows[i:i + 1], window=window)
+            lgs, h = self.head.forward(h, self.c_tok[i:i + 1], self.pos[i:i + 1], seg, self.kv, last_only=True)
+            lg = lgs[-1]
+        return self.c_tok, self.c_prob
+
     def _forward(self, key: tuple):
+        if key[0] == "chain":
+            return self._chain(key)
         slot, window, n = key
         seg = Segment(slot, 0, n, pos_t=self.rows[:n], window=window)
         return self.head.forward(self.h[:n], self.tok[:n], self.pos[:n], seg, self.kv, last_only=True)

@@ -242,25 +242,38 @@ def _drafts_of(eng, prompt, n):
     return list(eng.generate(prompt, GREEDY, n)), made
 
 
-def test_the_blocks_static_path_drafts_as_its_eager_one(path):
+@pytest.mark.parametrize("p_min", [0.0, 0.003])  # (the tiny random block's top-1: ~0.002-0.006)
+def test_the_blocks_static_path_drafts_as_its_eager_one(path, p_min):
     """The block's small forwards through static buffers (strata.engine.mtp_graphs: replayed graphs on a GPU, run
-    eagerly here), its cache read over a window masked past each row, make the eager path's drafts."""
+    eagerly here), its cache read over a window masked past each row, make the eager path's drafts: the rows
+    that stood, and a chain of drafts computed whole on the device with their probabilities (the --draft-p-min
+    cut made after it)."""
     prompt = _prompt(40, 7)
-    eager = _engine(path, 3, "mtp", graphs=False)
+
+    def eng(graphs):
+        cfg = EngineConfig(model=str(path), device="cpu", dtype="float32", ctx_size=256, draft_max=3,
+                           draft_source="mtp", cuda_graphs=graphs, draft_p_min=p_min)
+        return Engine(load_model(str(path), cfg, with_tokenizer=False), n_slots=1)
+
+    eager = eng(False)
     assert eager.mtp.graphs is None
-    static = _engine(path, 3, "mtp", graphs=True)
+    static = eng(True)
     g = static.mtp.graphs
     assert g is not None and g.max_rows == 4
-    calls, real = [], g.forward
+    calls, chains, real, real_chain = [], [], g.forward, g.chain
     g.forward = lambda h, t, start, slot: calls.append(h.shape[0]) or real(h, t, start, slot)
+    g.chain = lambda lg, h, p, slot, m: chains.append(m) or real_chain(lg, h, p, slot, m)
     text, drafts = _drafts_of(static, prompt, 30)
     assert (text, drafts) == _drafts_of(eager, prompt, 30)
-    # the rows the block wrote: the same keys (rotary at each row's own position) and values
-    for kind in ("k", "v"):
-        a, b = getattr(static.mtp.kv, kind)[0][0], getattr(eager.mtp.kv, kind)[0][0]
-        assert a.abs().sum() > 0 and torch.allclose(a, b, atol=1e-5, rtol=1e-4), kind
-    assert calls and max(calls) <= 4 and 1 in calls        # verify rows and chain links (the prompt: eagerly)
+    assert calls and max(calls) <= 4                         # verify rows (the prompt: eagerly)
+    assert chains and max(chains) <= 3
     assert sum(len(d) for d in drafts) > 0
+    if p_min:  # some chains were cut after the device computed them whole
+        assert sum(len(d) for d in drafts) < sum(chains)
+    else:  # the rows the block wrote: the same keys (rotary at each row's own position) and values
+        for kind in ("k", "v"):
+            a, b = getattr(static.mtp.kv, kind)[0][0], getattr(eager.mtp.kv, kind)[0][0]
+            assert a.abs().sum() > 0 and torch.allclose(a, b, atol=1e-5, rtol=1e-4), kind
 
 
 @pytest.mark.gpu
