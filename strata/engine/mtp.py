@@ -70,11 +70,10 @@ class MtpDrafter:
         """The trunk ran positions start .. start + len(hidden) - 1 of sequence s (rows of `hidden` [n, d]); those
         before s.pos stand. Runs the block over them (where the token after is known) and keeps its last
         prediction."""
-        ctx = s.context()
-        n = min(hidden.shape[0], s.pos - start, len(ctx) - 1 - start)
+        n = min(hidden.shape[0], s.pos - start, len(s.prompt) + len(s.output) - 1 - start)
         if n <= 0:
             return
-        toks = torch.tensor(ctx[start + 1:start + 1 + n], device=self.head.device)
+        toks = torch.tensor(s.tokens(start + 1, start + 1 + n), device=self.head.device)
         # the pair (h[i], token i + 1) at the block's position i + 1, in its cache's row i: rows from 0 up are all
         # written, so attention over them sees no unwritten row (llama.cpp masks cells never written)
         logits, out = self._block(hidden[:n], toks, start, s.slot)

@@ -86,3 +86,12 @@ class Sequence(Request):
 
     def context(self) -> list[int]:
         return self.prompt + self.output
+
+    def tokens(self, a: int, b: int) -> list[int]:
+        """context()[a:b] without building the whole context (a long prompt: once per step adds up)."""
+        p = len(self.prompt)
+        if b <= p:
+            return self.prompt[a:b]
+        if a >= p:
+            return self.output[a - p:b - p]
+        return self.prompt[a:] + self.output[:b - p]

@@ -285,3 +285,15 @@ def test_drafting_pauses_after_drafts_that_all_fail(hf_and_gguf, monkeypatch):
     assert out == ref
     gaps = [b - a for a, b in zip(verify_at, verify_at[1:])]
     assert len(gaps) >= 4 and gaps[:4] == [2, 3, 5, 9], verify_at  # a pause of 1, 2, 4, 8 steps between
+
+
+def test_a_sequences_token_slices_are_its_contexts():
+    """Sequence.tokens(a, b) (what the MTP drafter reads each step) equals context()[a:b] across the prompt/output
+    boundary, without building the context."""
+    from strata.engine.sampler import SamplingParams
+    from strata.engine.sequence import Sequence
+
+    s = Sequence([1, 2, 3, 4], SamplingParams(), 10, set())
+    s.output = [5, 6, 7]
+    ctx = s.context()
+    assert all(s.tokens(a, b) == ctx[a:b] for a in range(9) for b in range(a, 10))
