@@ -19,11 +19,13 @@ from strata import StrataError
 from strata.engine.ahead import Ahead
 from strata.engine.draft_cost import DraftCost
 from strata.engine.loader import LoadedModel
+from strata.engine.mtp import drafter_for
 from strata.engine.request import Request
 from strata.engine.sampler import SamplingParams, sample, token_logprobs
 from strata.engine.sequence import Sequence  # (the engine's sequence; callers import it from here too)
 from strata.engine.slots import common_prefix as _common_prefix
 from strata.engine.slots import compact
+from strata.engine.spec_device import DeviceDrafts
 from strata.engine.spec import accept, draft_for
 from strata.engine.step_plan import StepPlan
 from strata.experts.sizing import VramSplit, prefill_bytes_per_token, prefill_chunk_for, prefill_left
@@ -74,7 +76,7 @@ class Engine:
         # what a step of T tokens of one sequence costs here, so drafts are made only where they pay
         # (strata.engine.draft_cost; None: the drafters' own lengths)
         self.draft_cost: DraftCost | None = DraftCost()
-        self.mtp = self._mtp_drafter(getattr(cfg, "draft_source", "auto"))
+        self.mtp = drafter_for(self, getattr(cfg, "draft_source", "auto"))  # (strata.engine.mtp)
         self._hidden: torch.Tensor | None = None  # the last eager step's hidden states (MTP drafts read them)
         self.free_slots = list(range(self.n_slots))
         self.running: list[Sequence] = []
@@ -103,22 +105,8 @@ class Engine:
                                        max_tokens=graph_tokens)
             self.graphs.want_hidden = self.mtp is not None  # every step feeds the MTP block the trunk's states
         self.ahead = Ahead(self) if Ahead.usable(self) else None  # decode steps launched one ahead (ahead.py)
-
-    def _mtp_drafter(self, source: str):
-        """The MTP drafter (strata.engine.mtp) when drafts come from the model's MTP block, else None."""
-        blocks = getattr(self.model, "nextn", None) or []
-        if source == "mtp" and not blocks:
-            raise StrataError("--draft-source mtp: this model has no multi-token-prediction block")
-        if not self.draft_max or source == "ngram" or not blocks:
-            return None
-        from strata.engine.mtp import MtpDrafter
-        from strata.models.mtp import MtpHead
-
-        log.info("strata: drafts from the model's MTP block (layer %d)", blocks[0].layer)
-        graphs = self.lm.cfg.cuda_graphs  # (None: graphed where the block is capturable; True on a CPU: the
-        # static path run eagerly)
-        return MtpDrafter(MtpHead(self.model, blocks[0], self.max_ctx + 2), self.n_slots, self.max_ctx,
-                          getattr(self.lm.cfg, "draft_p_min", 0.0), static=graphs, max_rows=self.draft_max + 1)
+        # one greedy sequence's whole MTP-drafted step on the device (spec_device.py)
+        self.device_drafts = DeviceDrafts(self, self.draft_max) if DeviceDrafts.usable(self) else None
 
     def _vram_left(self) -> int:
         """Bytes of VRAM the prefill chunk and the expert cache share: free VRAM (or --vram-gb less what the device
@@ -231,6 +219,8 @@ class Engine:
         decoding gives a sequence several)."""
         if self.ahead is not None and self.ahead.pending is not None:
             return self.ahead.collect()  # the step launched ahead (it may launch the next one)
+        if self.device_drafts is not None and (done := self.device_drafts.step()) is not None:
+            return done
         if not self.running:
             return []
         t0 = time.perf_counter()

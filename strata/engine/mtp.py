@@ -19,6 +19,7 @@ import logging
 
 import torch
 
+from strata import StrataError
 from strata.kv.cache import Segment
 
 log = logging.getLogger("strata")
@@ -122,3 +123,19 @@ class MtpDrafter:
 
     def forget(self, s) -> None:
         self.last.pop(s.id, None)
+
+
+def drafter_for(engine, source: str) -> MtpDrafter | None:
+    """The engine's MTP drafter when drafts come from the model's MTP block (--draft-source mtp, or auto and the
+    model has one, with --draft-max on), else None."""
+    blocks = getattr(engine.model, "nextn", None) or []
+    if source == "mtp" and not blocks:
+        raise StrataError("--draft-source mtp: this model has no multi-token-prediction block")
+    if not engine.draft_max or source == "ngram" or not blocks:
+        return None
+    from strata.models.mtp import MtpHead
+
+    log.info("strata: drafts from the model's MTP block (layer %d)", blocks[0].layer)
+    cfg = engine.lm.cfg  # cuda_graphs None: graphed where the block is capturable; True on a CPU: the static path
+    return MtpDrafter(MtpHead(engine.model, blocks[0], engine.max_ctx + 2), engine.n_slots, engine.max_ctx,
+                      getattr(cfg, "draft_p_min", 0.0), static=cfg.cuda_graphs, max_rows=engine.draft_max + 1)

@@ -98,6 +98,8 @@ class MtpHead:
         x = x + self.attn(rms_norm(x, self.attn_norm, self.eps), pos, [seg], kv)
         ctx = self.model.step_context([seg], int(tokens.shape[0]))
         x = x + self.moe(rms_norm(x, self.ffn_norm, self.eps), ctx)
-        y = x[-1:] if last_only else x
-        logits = qmatmul(rms_norm(y, self.head_norm, self.eps), self.head).float()
-        return logits, x
+        return self.logits(x[-1:] if last_only else x), x
+
+    def logits(self, y: torch.Tensor) -> torch.Tensor:
+        """The head over block outputs y [n, d]: float32 logits [n, V] for the tokens after next."""
+        return qmatmul(rms_norm(y, self.head_norm, self.eps), self.head).float()

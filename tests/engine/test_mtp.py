@@ -260,6 +260,7 @@ def test_the_blocks_static_path_drafts_as_its_eager_one(path, p_min):
     static = eng(True)
     g = static.mtp.graphs
     assert g is not None and g.max_rows == 4
+    static.device_drafts = None  # (the host's path with the static forwards; the device's: the test below)
     calls, chains, real, real_chain = [], [], g.forward, g.chain
     g.forward = lambda h, t, start, slot: calls.append(h.shape[0]) or real(h, t, start, slot)
     g.chain = lambda lg, h, p, slot, m: chains.append(m) or real_chain(lg, h, p, slot, m)
@@ -278,7 +279,8 @@ def test_the_blocks_static_path_drafts_as_its_eager_one(path, p_min):
 
 @pytest.mark.gpu
 def test_cuda_mtp_block_graphed_keeps_the_text(path):
-    """On a GPU the block's forwards are captured (resident experts) and replayed; the text is plain decoding's."""
+    """On a GPU the block's forwards are captured (resident experts) and replayed, a greedy sequence's whole drafted
+    step as one graph; the greedy text is plain decoding's."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
 
@@ -291,5 +293,122 @@ def test_cuda_mtp_block_graphed_keeps_the_text(path):
     ref = list(eng(0).generate(prompt, GREEDY, 40))
     e = eng(3, "mtp")
     assert e.mtp.graphs is not None and e.mtp.graphs.cuda
+    # greedy: the whole drafted step as one captured graph (strata.engine.spec_device)
     assert list(e.generate(prompt, GREEDY, 40)) == ref
+    assert e.device_drafts is not None and e.device_drafts.steps > 0 and e.device_drafts.graphs
+    # sampled: the host's path, the block's forwards and chains replayed
+    sp = SamplingParams(temperature=0.8, seed=4)
+    want = list(eng(0).generate(prompt, sp, 40))
+    got = list(e.generate(prompt, sp, 40))
     assert e.mtp.graphs.replays > 0 and e.mtp.graphs.graphs
+    # (the verify step's logits may differ from a one-token step's in the last bits on a GPU: sampled text is
+    # compared where it can be, its start)
+    assert got[:4] == want[:4]
+
+
+@pytest.mark.parametrize("draft_max", [1, 3])
+def test_a_greedy_sequences_drafted_steps_on_the_device(path, draft_max):
+    """One greedy sequence's whole drafted step (verify, accept, the block over what stood, the next chain) on the
+    device's buffers (strata.engine.spec_device; run eagerly here): plain decoding's text, the same drafts stood as
+    on the host's path, stops and max_tokens inside a step, and the host's path takes over where it leaves off
+    (a second sequence joining) with the block's last prediction."""
+    prompts = [_prompt(40, 7), _prompt(25, 8)]
+    plain = _engine(path)
+    refs = [list(plain.generate(p, GREEDY, 30)) for p in prompts]
+    eng = _engine(path, draft_max, "mtp", graphs=True)
+    dd = eng.device_drafts
+    assert dd is not None and dd.m == draft_max
+    got = list(eng.generate(prompts[0], GREEDY, 30))
+    assert got == refs[0] and dd.steps > 0
+    assert eng.last.draft_n == dd.steps * draft_max   # (the tiny model's random block: none of them stand)
+    # a stop token inside an accepted run, and max_tokens: the text stops where plain decoding's does
+    stop = refs[0][12]
+    assert list(eng.generate(prompts[0], GREEDY, 30, {stop})) == refs[0][:refs[0].index(stop) + 1]
+    assert list(eng.generate(prompts[0], GREEDY, 17)) == refs[0][:17]
+    # two sequences: the second joins mid-way (the host's path for both from then on), each text plain's
+    a, b = (Sequence(list(p), GREEDY, 30, set()) for p in prompts)
+    eng2 = _engine(path, draft_max, "mtp", graphs=True, n_slots=2)
+    eng2.add(a)
+    steps = 0
+    while not (a.finished and b.finished):
+        eng2.step()
+        steps += 1
+        if steps == 6:
+            eng2.add(b)
+        for s in (a, b):
+            if s.finished and s in eng2.running:
+                eng2.release(s)
+    assert [a.output, b.output] == refs and eng2.device_drafts.steps > 0
+
+
+@pytest.mark.parametrize("right", ["all", "first", "none"])
+def test_drafts_that_stand_on_the_device(path, right):
+    """The device's step with drafts made right (the block's drafts replaced by the greedy continuation, all of
+    them, the first only, or none): what stood is taken whole, the next step starts after it (t0 = the drawn
+    token there, p advanced), and the text is plain decoding's."""
+    prompt, n, m = _prompt(30, 2), 30, 3
+    ref = list(_engine(path).generate(prompt, GREEDY, n))
+    full = prompt + ref
+    eng = _engine(path, m, "mtp", graphs=True)
+    dd = eng.device_drafts
+
+    def fix():  # the drafts the buffers hold for the step at dd.p, made right as asked
+        p = int(dd.p)
+        want = full[p + 1:p + 1 + m]
+        if len(want) < m or right == "none":
+            return
+        if right == "first":
+            want = [want[0]] + [(t + 1) % 900 + 3 for t in want[1:]]
+        dd.tok[1:] = torch.tensor(want)
+
+    real_body, real_enter = dd._body, dd._enter
+    dd._body = lambda slot, W: (real_body(slot, W), fix())[0]
+    dd._enter = lambda s: real_enter(s) and (fix() or True)
+    assert list(eng.generate(prompt, GREEDY, n)) == ref
+    seq = eng.last
+    assert dd.steps > 0
+    if right == "all":
+        assert seq.draft_accepted == seq.draft_n > 0 and seq.draft_steps <= n // (m + 1) + 2
+    elif right == "first":
+        assert 0 < seq.draft_accepted <= seq.draft_steps and seq.draft_steps <= n // 2 + 2
+    else:
+        assert seq.draft_accepted == 0
+
+
+def test_the_device_leaves_the_blocks_prediction_of_what_stood(path):
+    """After device steps in which only the first draft stands, the block's last prediction the host's path would
+    take over (MtpDrafter.last) is the block's output at the last position that stood, recomputed here from
+    scratch: the trunk's hidden states over the whole context, then the block over every position."""
+    prompt, m = _prompt(30, 2), 3
+    ref = list(_engine(path).generate(prompt, GREEDY, 30))
+    full = prompt + ref
+    eng = _engine(path, m, "mtp", graphs=True)
+    dd = eng.device_drafts
+
+    def first_right():
+        p = int(dd.p)
+        want = full[p + 1:p + 1 + m]
+        if len(want) == m:
+            dd.tok[1:] = torch.tensor([want[0]] + [(t + 1) % 900 + 3 for t in want[1:]])
+
+    real_body, real_enter = dd._body, dd._enter
+    dd._body = lambda slot, W: (real_body(slot, W), first_right())[0]
+    dd._enter = lambda s: real_enter(s) and (first_right() or True)
+    s = Sequence(list(prompt), GREEDY, 30, set())
+    eng.add(s)
+    while dd.steps < 5:
+        eng.step()
+    assert not s.finished and s.output == ref[:len(s.output)] and s.draft_accepted > 0
+    logits, _, p = eng.mtp.last[s.id]
+    assert p == s.pos - 1
+    # the oracle: trunk hidden states of positions 0 .. p, the block over all of them in a fresh cache
+    m_ = eng.model
+    ctx = full[:p + 1]
+    hidden = []
+    with torch.inference_mode():
+        m_.forward(torch.tensor(ctx), torch.arange(len(ctx)), [Segment(0, 0, len(ctx))], m_.new_kv_cache(1, 256),
+                   hidden_out=hidden)
+        head = eng.mtp.head
+        want, _ = head.forward(hidden[0], torch.tensor(full[1:p + 2]), torch.arange(1, p + 2), Segment(0, 0, p + 1),
+                               head.new_kv_cache(1, 258), last_only=True)
+    assert torch.allclose(logits, want[-1], atol=1e-4, rtol=1e-4)

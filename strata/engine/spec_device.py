@@ -1,0 +1,176 @@
+"""Greedy MTP drafting with the whole drafted step on the device: one replay and one read a step.
+
+A drafted step on the host's path (strata.engine.engine, strata.engine.mtp) is: the chain of drafts (one replay,
+one read), the trunk's verify step (one replay, one read of the drawn tokens), the host deciding what stood, then
+the block over what stood (one replay). On a GPU each of those turns costs more than a small model's step. Here,
+for one greedy sequence, a single captured graph does all of it, in place on static buffers:
+
+    verify     the trunk over [t0, d1 .. dm] at positions p .. p + m     -> logits, hidden states [m + 1]
+    accept     drawn = argmax(logits); a = how many d_i equal drawn_{i-1} from the first on (cumprod)
+    observe    the block over rows p .. p + m, pairs (h_i, drawn_i)       (rows past p + a: rewritten later)
+    predict    the block's output at row p + a -> logits -> the next first draft, then the chain (rows p + a + 1 ...)
+    advance    t0 = drawn_a, d = the new drafts, p += a + 1
+
+and the host reads the drawn tokens and a (what stood: drawn_0 .. drawn_a), then does the bookkeeping of a
+verify step (Engine._postprocess: stops, counts, the KV record). Rows written past what stood are stale exactly as
+on the host's path: later steps rewrite them before any query reads them. The text is plain greedy decoding's (the
+trunk's argmax decides every token).
+
+Taken for one running greedy sequence (no penalties, log-probabilities or grammar, no --draft-p-min) with the MTP
+block's graphs (strata.engine.mtp_graphs) and the trunk's (resident experts: no hand-off inside a step), while its
+budget of tokens and context leaves room for a whole step; anything else takes the host's path, which picks up
+from the block's last prediction this path leaves behind. One capture per (slot, window, drafts). On the CPU the
+same code runs eagerly (tests).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from strata.kv.cache import Segment
+
+
+class DeviceDrafts:
+    def __init__(self, engine, m: int):
+        self.eng, self.m = engine, int(m)
+        g = engine.mtp.graphs
+        self.mg, self.tg = g, engine.graphs
+        dev = engine.device
+        T = self.m + 1
+        self.cuda = dev.type == "cuda"
+        self.tok = torch.zeros(T, dtype=torch.long, device=dev)  # t0, d1 .. dm (the step's input)
+        self.p = torch.zeros(1, dtype=torch.long, device=dev)  # t0's position
+        self.out = torch.zeros(T + 1 + self.m, dtype=torch.long, device=dev)  # drawn [T], a, the drafts verified [m]
+        # the block's rows (the cache's) and rotary positions: the observed T, then the chain's m - 1
+        self.rows = torch.zeros(2 * T, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(2 * T, dtype=torch.long, device=dev)
+        self.last_logits = torch.zeros_like(g.c_logits)  # the block's prediction at p + a (for the host's path)
+        self.last_h = torch.zeros_like(g.c_h)
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.live: tuple[int, int] | None = None  # (sequence id, t0's position) the buffers hold
+        self.steps = 0
+
+    @staticmethod
+    def usable(engine) -> bool:
+        m = engine.mtp
+        return (m is not None and m.graphs is not None and engine.graphs is not None and engine.recurrent is None
+                and engine.draft_max > 0 and m.p_min == 0 and engine.draft_max + 1 <= m.graphs.max_rows
+                and engine.draft_max + 1 <= engine.graphs.max_tokens and engine.graphs.verify)
+
+    def _takes(self, s) -> bool:
+        eng, pr = self.eng, s.params
+        return (len(eng.running) == 1 and s.prompt_done and not s.finished and pr.greedy
+                and s.logits_processor is None and s.logprobs is None and s.draft_max in (None, self.m)
+                and not (pr.penalty_last_n and (pr.repetition_penalty != 1.0 or pr.presence_penalty
+                                                or pr.frequency_penalty))
+                and len(s.output) + self.m + 1 <= s.max_tokens and s.pos + 2 * self.m + 2 < eng.max_ctx)
+
+    def step(self):
+        """One drafted step of the one running sequence, or None when this path does not take it."""
+        eng = self.eng
+        if len(eng.running) != 1:
+            self.live = None
+            return None
+        s = eng.running[0]
+        if not self._takes(s):
+            self.live = None
+            return None
+        if self.live != (s.id, s.pos) and not self._enter(s):
+            return None
+        W = self.tg.window_for(s.pos + 2 * self.m + 1)  # (the trunk's cache is the shorter)
+        key = (s.slot, W)
+        if not self.cuda:
+            self._body(s.slot, W)
+        else:
+            g = self.graphs.get(key)
+            if g is None:
+                g = self._capture(key)
+            g.replay()
+        self.steps += 1
+        vals = self.out.tolist()  # the one read a step
+        T = self.m + 1
+        drawn, a, drafts = vals[:T], vals[T], vals[T + 1:]
+        seg_toks = [s.output[-1], *drafts]
+        p_pred = s.pos + a  # where the block's next prediction sits once the step is taken
+        eng.mtp.last[s.id] = (self.last_logits.clone(), self.last_h[0].clone(), p_pred)
+        out = eng._postprocess([(s, drafts, seg_toks, drawn, None)], None, values=drawn)
+        self.live = (s.id, s.pos) if not s.finished else None
+        return out
+
+    def _enter(self, s) -> bool:
+        """Fill the buffers from the host's state: t0 = the last token, the first drafts from the block's last
+        prediction (the chain on the device). False when there is no prediction for this position."""
+        mtp = self.eng.mtp
+        got = mtp.last.get(s.id)
+        if got is None or got[2] != s.pos - 1:
+            return False
+        toks, _ = self.mg.chain(got[0], got[1], got[2], s.slot, self.m)
+        self.tok[0] = s.output[-1]
+        self.tok[1:].copy_(toks)
+        self.p.fill_(s.pos)
+        self.live = (s.id, s.pos)
+        return True
+
+    def _body(self, slot: int, W: int) -> None:
+        """The step on the static buffers (captured once per (slot, window); run as is on the CPU)."""
+        m, T = self.m, self.m + 1
+        tg, mg, head = self.tg, self.mg, self.eng.mtp.head
+        rows, pos = self.rows, self.pos
+        ar = torch.arange(T, device=self.tok.device)
+        # verify: the trunk's static step over T tokens (its own buffers, filled on the device)
+        tg.tok[:T].copy_(self.tok)
+        torch.add(self.p, ar, out=tg.pos[:T])
+        logits = tg._forward(tg._segments(W, (slot,), T))  # [T, V]
+        hidden = tg.last_hidden  # [T, d]
+        drawn = logits.argmax(-1)  # [T]
+        a = torch.cumprod((self.tok[1:] == drawn[:m]).long(), 0).sum()  # drafts that stood
+        self.out[:T].copy_(drawn)
+        self.out[T].copy_(a)
+        self.out[T + 1:].copy_(self.tok[1:])
+        # observe: the block over rows p .. p + m with the drawn tokens (those past a are rewritten later)
+        torch.add(self.p, ar, out=rows[:T])
+        torch.add(rows[:T], 1, out=pos[:T])
+        seg = Segment(slot, 0, T, pos_t=rows[:T], window=W)
+        _, x = head.forward(hidden, drawn, pos[:T], seg, mg.kv, last_only=True)
+        xa = x.index_select(0, a.view(1))  # [1, d] the block's output at the last row that stood
+        la = head.logits(xa)[0]
+        self.last_logits.copy_(la)
+        self.last_h.copy_(xa)
+        # the chain from p + a, as MtpGraphs.chain does it, its rows on the device
+        pa = self.p + a  # [1]
+        nxt = self.tok[1:]
+        lg, h = la, xa
+        for i in range(m):
+            nxt[i:i + 1].copy_(lg.argmax(-1, keepdim=True))
+            if i == m - 1:
+                break
+            r = rows[T + i:T + i + 1]
+            torch.add(pa, i + 1, out=r)
+            torch.add(r, 1, out=pos[T + i:T + i + 1])
+            seg = Segment(slot, 0, 1, pos_t=r, window=W)
+            lgs, h = head.forward(h, nxt[i:i + 1], pos[T + i:T + i + 1], seg, mg.kv, last_only=True)
+            lg = lgs[-1]
+        self.tok[0:1].copy_(drawn.index_select(0, a.view(1)))
+        self.p.add_(a + 1)
+
+    def _capture(self, key: tuple):
+        slot, W = key
+        side = torch.cuda.Stream(self.eng.device)
+        side.wait_stream(torch.cuda.current_stream())
+        saved = (self.tok.clone(), self.p.clone())
+        with torch.cuda.stream(side):
+            # warm-up (compiles, allocator): it advances the buffers; they are put back, and the rows it wrote
+            # are the ones the replay rewrites
+            self._body(slot, W)
+            self.tok.copy_(saved[0])
+            self.p.copy_(saved[1])
+            side.synchronize()
+            g = torch.cuda.CUDAGraph()
+            g.capture_begin(pool=torch.cuda.graph_pool_handle(), capture_error_mode="thread_local")
+            try:
+                self._body(slot, W)
+            finally:
+                g.capture_end()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graphs[key] = g
+        return g
