@@ -52,8 +52,11 @@ class DeviceDrafts:
 
     @staticmethod
     def usable(engine) -> bool:
-        m = engine.mtp
+        from strata.experts.resident import ResidentExperts
+
+        m, ex = engine.mtp, engine.model.experts
         return (m is not None and m.graphs is not None and engine.graphs is not None and engine.recurrent is None
+                and (ex is None or isinstance(ex, ResidentExperts))  # (a tiered step hands off inside itself)
                 and engine.draft_max > 0 and m.p_min == 0 and engine.draft_max + 1 <= m.graphs.max_rows
                 and engine.draft_max + 1 <= engine.graphs.max_tokens and engine.graphs.verify)
 
