@@ -25,9 +25,20 @@ same code runs eagerly (tests).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from strata.kv.cache import Segment
+
+
+@dataclass
+class _Launched:
+    seq: object
+    host: torch.Tensor  # the step's results (drawn tokens, what stood, the drafts verified), copied to the host
+    ready: object  # an event after that copy (None on a CPU)
+    logits: torch.Tensor  # the block's prediction at the last position that stood, and its output row
+    h: torch.Tensor
 
 
 class DeviceDrafts:
@@ -48,7 +59,9 @@ class DeviceDrafts:
         self.last_h = torch.zeros_like(g.c_h)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.live: tuple[int, int] | None = None  # (sequence id, t0's position) the buffers hold
-        self.steps = 0
+        self.steps = self.dropped = 0  # steps launched; launched ahead and dropped (their sequence stopped)
+        self.ahead = bool(getattr(engine.lm.cfg, "decode_ahead", True))
+        self.pending: _Launched | None = None  # the step in flight, its tokens not read yet
 
     @staticmethod
     def usable(engine) -> bool:
@@ -60,45 +73,76 @@ class DeviceDrafts:
                 and engine.draft_max > 0 and m.p_min == 0 and engine.draft_max + 1 <= m.graphs.max_rows
                 and engine.draft_max + 1 <= engine.graphs.max_tokens and engine.graphs.verify)
 
-    def _takes(self, s) -> bool:
-        eng, pr = self.eng, s.params
-        return (len(eng.running) == 1 and s.prompt_done and not s.finished and pr.greedy
+    def _takes(self, s, ahead: int = 0) -> bool:
+        """The sequence's next step is this path's; ahead = 1: the step after it too (launched before this one's
+        tokens are read: room for two steps' tokens and rows)."""
+        eng, pr, n = self.eng, s.params, (1 + ahead) * (self.m + 1)
+        return (len(eng.running) == 1 and eng.running[0] is s and s.prompt_done and not s.finished and pr.greedy
                 and s.logits_processor is None and s.logprobs is None and s.draft_max in (None, self.m)
                 and not (pr.penalty_last_n and (pr.repetition_penalty != 1.0 or pr.presence_penalty
                                                 or pr.frequency_penalty))
-                and len(s.output) + self.m + 1 <= s.max_tokens and s.pos + 2 * self.m + 2 < eng.max_ctx)
+                and len(s.output) + n <= s.max_tokens and s.pos + n + self.m + 1 < eng.max_ctx)
 
     def step(self):
-        """One drafted step of the one running sequence, or None when this path does not take it."""
+        """The one running sequence's drafted step, or None when this path does not take it. A steady run keeps
+        one step in flight: the next step is launched (its input already on the device) before this one's tokens
+        are read, as strata.engine.ahead does for plain steps; a stop read in this step's tokens drops it."""
         eng = self.eng
-        if len(eng.running) != 1:
-            self.live = None
-            return None
-        s = eng.running[0]
-        if not self._takes(s):
-            self.live = None
-            return None
-        if self.live != (s.id, s.pos) and not self._enter(s):
-            return None
-        W = self.tg.window_for(s.pos + 2 * self.m + 1)  # (the trunk's cache is the shorter)
-        key = (s.slot, W)
+        p = self.pending
+        if p is None:
+            s = eng.running[0] if len(eng.running) == 1 else None
+            if s is None or not self._takes(s):
+                self.live = None
+                return None
+            if self.live != (s.id, s.pos) and not self._enter(s):
+                return None
+            p = self._launch(s, s.pos)
+        self.pending = None
+        s = p.seq
+        if self.ahead and self._takes(s, ahead=1):
+            self.pending = self._launch(s, s.pos + self.m + 1)  # (its start: at most this far)
+        out = self._collect(p)
+        if self.pending is not None and (s.finished or s not in eng.running):
+            self.pending = None  # its rows lie past the sequence's end, in nobody's record
+            self.dropped += 1
+        self.live = (s.id, s.pos) if s in eng.running and not s.finished else None
+        return out
+
+    def _launch(self, s, far: int) -> _Launched:
+        """Queue one step from the buffers (the sequence's t0 at a position up to `far`) and its results' copy."""
+        W = self.tg.window_for(far + 2 * self.m + 1)  # (the trunk's cache is the shorter)
         if not self.cuda:
             self._body(s.slot, W)
         else:
+            key = (s.slot, W)
             g = self.graphs.get(key)
             if g is None:
                 g = self._capture(key)
             g.replay()
         self.steps += 1
-        vals = self.out.tolist()  # the one read a step
+        host = torch.empty(self.out.shape, dtype=torch.long, pin_memory=self.cuda)
+        host.copy_(self.out, non_blocking=self.cuda)
+        ready = None
+        if self.cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+        return _Launched(s, host, ready, self.last_logits.clone(), self.last_h[0].clone())
+
+    def _collect(self, p: _Launched) -> list:
+        """A launched step's tokens, as Engine.step returns them (none for a sequence gone meanwhile)."""
+        eng, s = self.eng, p.seq
+        if p.ready is not None:
+            p.ready.synchronize()
+        if s.finished or s not in eng.running:
+            self.dropped += 1
+            return []
+        vals = p.host.tolist()
         T = self.m + 1
         drawn, a, drafts = vals[:T], vals[T], vals[T + 1:]
         seg_toks = [s.output[-1], *drafts]
-        p_pred = s.pos + a  # where the block's next prediction sits once the step is taken
-        eng.mtp.last[s.id] = (self.last_logits.clone(), self.last_h[0].clone(), p_pred)
-        out = eng._postprocess([(s, drafts, seg_toks, drawn, None)], None, values=drawn)
-        self.live = (s.id, s.pos) if not s.finished else None
-        return out
+        # the block's prediction for the host's path to take over from: at the last position that stood
+        eng.mtp.last[s.id] = (p.logits, p.h, s.pos + a)
+        return eng._postprocess([(s, drafts, seg_toks, drawn, None)], None, values=drawn)
 
     def _enter(self, s) -> bool:
         """Fill the buffers from the host's state: t0 = the last token, the first drafts from the block's last

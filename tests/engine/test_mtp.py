@@ -320,9 +320,19 @@ def test_a_greedy_sequences_drafted_steps_on_the_device(path, draft_max):
     assert got == refs[0] and dd.steps > 0
     assert eng.last.draft_n == dd.steps * draft_max   # (the tiny model's random block: none of them stand)
     # a stop token inside an accepted run, and max_tokens: the text stops where plain decoding's does
-    stop = refs[0][12]
+    stop = refs[0][1]  # a stop inside the text (the tiny model's greedy text soon repeats one token)
     assert list(eng.generate(prompts[0], GREEDY, 30, {stop})) == refs[0][:refs[0].index(stop) + 1]
+    # a client gone while a step is in flight: that step's tokens are dropped, none reach the sequence
+    s = Sequence(list(prompts[0]), GREEDY, 30, set())
+    eng.add(s)
+    while dd.pending is None:
+        eng.step()
+    n = len(s.output)
+    eng.release(s, "abort")
+    assert eng.step() == [] and dd.dropped >= 1 and len(s.output) == n and dd.pending is None
     assert list(eng.generate(prompts[0], GREEDY, 17)) == refs[0][:17]
+    dd.ahead = False  # each step read before the next is launched: the same text
+    assert list(eng.generate(prompts[0], GREEDY, 30)) == refs[0] and dd.pending is None
     # two sequences: the second joins mid-way (the host's path for both from then on), each text plain's
     a, b = (Sequence(list(p), GREEDY, 30, set()) for p in prompts)
     eng2 = _engine(path, draft_max, "mtp", graphs=True, n_slots=2)
