@@ -12,14 +12,15 @@ for one greedy sequence, a single captured graph does all of it, in place on sta
     advance    t0 = drawn_a, d = the new drafts, p += a + 1
 
 and the host reads the drawn tokens and a (what stood: drawn_0 .. drawn_a), then does the bookkeeping of a
-verify step (Engine._postprocess: stops, counts, the KV record). Rows written past what stood are stale exactly as
+verify step (Engine._postprocess: stops, counts, the KV record). The next step needs nothing from the host, so it is
+launched before that read (a stop or an abort read there drops it, as strata.engine.ahead does for plain steps). Rows written past what stood are stale exactly as
 on the host's path: later steps rewrite them before any query reads them. The text is plain greedy decoding's (the
 trunk's argmax decides every token).
 
 Taken for one running greedy sequence (no penalties, log-probabilities or grammar, no --draft-p-min) with the MTP
 block's graphs (strata.engine.mtp_graphs) and the trunk's (resident experts: no hand-off inside a step), while its
 budget of tokens and context leaves room for a whole step; anything else takes the host's path, which picks up
-from the block's last prediction this path leaves behind. One capture per (slot, window, drafts). On the CPU the
+from the block's last prediction this path leaves behind. One capture per (slot, window). On the CPU the
 same code runs eagerly (tests).
 """
 
