@@ -11,7 +11,7 @@ tokens, handing the GPU the next step to run meanwhile. The following `Engine.st
 A launched step is a guess that its sequences go on. One that stops at the token read next (a stop token, a
 stop string found by the server, an abort) drops its ahead token: the token is never read, and the K/V row it
 wrote, one past the sequence's end, is not in the slot's record (`Engine.slot_tokens`), so nothing reuses it.
-The sampled draw is seeded by the drawn token's position (sampler.position_seed), so seeded text is unchanged.
+The sampled draw is keyed by the drawn token's position (sampler.position_uniform), so seeded text is unchanged.
 
 Taken only when nothing needs the host between the steps: every running sequence is decoding in the step (none
 waits for its prompt), none asks for log-probabilities, a grammar or repetition penalties (whose window holds the
@@ -95,7 +95,7 @@ class Ahead:
         for s in seqs:  # (a paused drafting sequence: this step is one of its steps without drafts)
             pause_step(eng, s)
         logits = eng.graphs.step_batch(torch.stack(toks), [s.pos for s in seqs], [s.slot for s in seqs])
-        drawn = [sample(logits[i], s.params, None, s.seed_draw(s.pos + 1)) for i, s in enumerate(seqs)]
+        drawn = [sample(logits[i], s.params, None, u=s.seed_draw(s.pos + 1)) for i, s in enumerate(seqs)]
         vals = torch.stack(drawn)
         cuda = vals.is_cuda
         host = torch.empty(len(drawn), dtype=torch.long, pin_memory=cuda)

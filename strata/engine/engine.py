@@ -160,9 +160,7 @@ class Engine:
         self.slot_tokens[best] = self.slot_tokens[best][: seq.cached]
         seq.params.validate()
         if not seq.params.greedy:
-            seq.generator = torch.Generator(device=self.device)
-            seed = seq.params.seed if seq.params.seed is not None else int(torch.randint(0, 2**62, ()).item())
-            seq.sample_seed = seed
+            seq.sample_seed = seq.params.seed if seq.params.seed is not None else int(torch.randint(0, 2**62, ()).item())
         seq.t_start = time.perf_counter()
         self.running.append(seq)
 
@@ -362,7 +360,7 @@ class Engine:
                     recent = torch.tensor(window, device=self.device, dtype=torch.long)
                     row = logits[i] if s.logits_processor is None else s.logits_processor(logits[i])
                     # the drawn token's position: a plain segment has advanced s.pos past its tokens already
-                    drawn.append(sample(row, pr, recent, s.seed_draw(s.pos + j + 1 if d else s.pos)))
+                    drawn.append(sample(row, pr, recent, u=s.seed_draw(s.pos + j + 1 if d else s.pos)))
             except Exception as e:  # noqa: BLE001 - reported with the sequence (take_failed)
                 log.exception("strata: sequence %d failed drawing its token", s.id)
                 if d:  # its state folded drafts in that will not be taken back

@@ -1,10 +1,11 @@
 """Token sampling on the model's device: penalties -> temperature -> top-k -> top-p -> min-p -> draw.
 
-Everything stays on the device, and nothing here reads a tensor value back to the host. The draw uses the
-sequence's own generator, seeded for each draw from the request's seed and the position of the token being drawn
-(`position_seed`): a token's randomness depends on where it stands, never on how many draws came before it, so
-the same seed gives the same text whether the tokens came one a step, a verified draft at a time (the rejected
-rows' draws do not shift the later ones), or one step ahead.
+Everything stays on the device, and nothing here reads a tensor value back to the host. The draw inverts the
+kept distribution's cumulative sum at a uniform number u that is a hash of the request's seed and the position of
+the token being drawn (`position_uniform`, and `position_uniform_t` computing the same bits on the device): a
+token's randomness depends on where it stands, never on how many draws came before it, so the same seed gives the
+same text whether the tokens came one a step, a verified draft at a time (the rejected rows' draws do not shift the
+later ones), one step ahead, or drawn inside a captured graph (strata.engine.spec_device).
 """
 
 from __future__ import annotations
@@ -23,13 +24,45 @@ MIN_REPETITION_PENALTY = 1e-3
 _MASK64 = (1 << 64) - 1
 
 
+_C = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
+
+
+def _splitmix(seed: int, pos: int) -> int:
+    """splitmix64 of the pair (seed, position): nearby positions and seeds give unrelated bits."""
+    z = (seed * _C[0] + pos + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * _C[1]) & _MASK64
+    z = ((z ^ (z >> 27)) * _C[2]) & _MASK64
+    return z ^ (z >> 31)
+
+
 def position_seed(seed: int, pos: int) -> int:
-    """The generator's seed for the token at sequence position `pos` of a request seeded `seed` (splitmix64 of
-    the pair, so nearby positions and seeds give unrelated streams); below 2**63, as torch's generators take."""
-    z = (seed * 0x9E3779B97F4A7C15 + pos + 1) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (z ^ (z >> 31)) >> 1
+    """A generator seed for the token at sequence position `pos` of a request seeded `seed`, below 2**63."""
+    return _splitmix(seed, pos) >> 1
+
+
+def position_uniform(seed: int, pos: int) -> float:
+    """The uniform number in [0, 1) that draws the token at sequence position `pos` of a request seeded `seed`:
+    the top 53 bits of the pair's splitmix64 (exact in a float64)."""
+    return (_splitmix(seed, pos) >> 11) * 2.0 ** -53
+
+
+def _i64(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+def _shr(z: torch.Tensor, k: int) -> torch.Tensor:
+    """A logical right shift of int64 bits (torch's >> is arithmetic)."""
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
+def position_uniform_t(seed: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """position_uniform on the device: seed and pos int64 tensors (broadcast) -> float64 of the same bits (int64
+    products wrap as the host's arithmetic mod 2**64 does)."""
+    z = seed * _i64(_C[0]) + pos + 1
+    z = (z ^ _shr(z, 30)) * _i64(_C[1])
+    z = (z ^ _shr(z, 27)) * _i64(_C[2])
+    z = z ^ _shr(z, 31)
+    return _shr(z, 11).to(torch.float64) * 2.0 ** -53
 
 
 @dataclass
@@ -76,26 +109,41 @@ def apply_penalties(logits: torch.Tensor, recent: torch.Tensor, p: SamplingParam
 
 
 def sample(logits: torch.Tensor, p: SamplingParams, recent: torch.Tensor | None = None,
-           generator: torch.Generator | None = None) -> torch.Tensor:
-    """logits [V] -> a 0-d int64 tensor (on the logits' device)."""
+           generator: torch.Generator | None = None, u: float | None = None) -> torch.Tensor:
+    """logits [V] -> a 0-d int64 tensor (on the logits' device). u: the draw's uniform number (position_uniform);
+    without it one is taken from `generator`."""
     logits = logits.float()
     if recent is not None:
         logits = apply_penalties(logits, recent, p)
     if p.greedy:
         return logits.argmax()
-    logits = logits / p.temperature
-    if p.top_k and p.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, p.top_k).values[-1]
+    if u is not None:  # (a fill, not a copy from the host: no wait for the device)
+        ut = torch.full((1,), u, dtype=torch.float64, device=logits.device)
+    else:
+        ut = torch.rand(1, generator=generator, dtype=torch.float64).to(logits.device)
+    return sample_rows(logits[None], p, ut)[0]
+
+
+def sample_rows(logits: torch.Tensor, p: SamplingParams, u: torch.Tensor) -> torch.Tensor:
+    """Sampled rows without penalties: logits [T, V], u [T] float64 uniform numbers -> [T] int64. Temperature, then
+    top-k, top-p and min-p keep tokens; the draw is the first token whose cumulative kept mass passes u times the
+    total (a token with no mass is never drawn). A row is computed as it would be alone."""
+    logits = logits.float() / p.temperature
+    V = logits.shape[-1]
+    if p.top_k and p.top_k < V:
+        kth = torch.topk(logits, p.top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if p.top_p < 1.0:
-        sp, si = probs.sort(descending=True)
-        cum = sp.cumsum(0)
+        sp, si = probs.sort(dim=-1, descending=True)
+        cum = sp.cumsum(-1)
         drop = (cum - sp) > p.top_p  # keep the smallest prefix whose mass reaches top_p
-        probs = probs.scatter(0, si, sp.masked_fill(drop, 0.0))
+        probs = probs.scatter(-1, si, sp.masked_fill(drop, 0.0))
     if p.min_p > 0.0:
-        probs = probs.masked_fill(probs < probs.max() * p.min_p, 0.0)
-    return torch.multinomial(probs, 1, generator=generator)[0]
+        probs = probs.masked_fill(probs < probs.max(-1, keepdim=True).values * p.min_p, 0.0)
+    cdf = probs.to(torch.float64).cumsum(-1)
+    x = u.view(-1, 1).to(torch.float64) * cdf[:, -1:]
+    return torch.searchsorted(cdf, x, right=True).clamp_(max=V - 1).view(-1)
 
 
 def token_logprobs(rows: list[torch.Tensor], toks: list[torch.Tensor], ks: list[int]) -> list[torch.Tensor]:

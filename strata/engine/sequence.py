@@ -11,7 +11,7 @@ import torch
 
 from strata.engine.request import Request, request_fields
 from strata.engine.draft_cost import Acceptance
-from strata.engine.sampler import position_seed
+from strata.engine.sampler import position_uniform
 from strata.engine.spec import NgramDrafter
 from strata.experts.stats import ExpertStats
 
@@ -30,14 +30,11 @@ class Sequence(Request):
     finished: bool = False
     finish_reason: str | None = None  # stop | length | abort | error
     error: str | None = None  # why it failed (finish_reason "error"): its own step work raised; the others go on
-    generator: torch.Generator | None = None
-    sample_seed: int = 0  # the request's seed (drawn at random when it gave none): see sampler.position_seed
+    sample_seed: int = 0  # the request's seed (drawn at random when it gave none): see sampler.position_uniform
 
-    def seed_draw(self, pos: int) -> torch.Generator | None:
-        """The generator, seeded for drawing the token at sequence position `pos` (None when greedy)."""
-        if self.generator is not None:
-            self.generator.manual_seed(position_seed(self.sample_seed, pos))
-        return self.generator
+    def seed_draw(self, pos: int) -> float | None:
+        """The uniform number that draws the token at sequence position `pos` (None when greedy)."""
+        return None if self.params.greedy else position_uniform(self.sample_seed, pos)
     # speculative decoding (strata.engine.spec): the context's n-gram index, draft tokens proposed and accepted
     drafter: NgramDrafter | None = None
     draft_len: int = 0  # this sequence's next draft length (adapted to how many drafts stood lately; 0: not set)

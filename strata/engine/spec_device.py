@@ -1,12 +1,12 @@
-"""Greedy MTP drafting with the whole drafted step on the device: one replay and one read a step.
+"""MTP drafting with the whole drafted step on the device: one replay and one read a step.
 
 A drafted step on the host's path (strata.engine.engine, strata.engine.mtp) is: the chain of drafts (one replay,
 one read), the trunk's verify step (one replay, one read of the drawn tokens), the host deciding what stood, then
 the block over what stood (one replay). On a GPU each of those turns costs more than a small model's step. Here,
-for one greedy sequence, a single captured graph does all of it, in place on static buffers:
+for one sequence, a single captured graph does all of it, in place on static buffers:
 
     verify     the trunk over [t0, d1 .. dm] at positions p .. p + m     -> logits, hidden states [m + 1]
-    accept     drawn = argmax(logits); a = how many d_i equal drawn_{i-1} from the first on (cumprod)
+    accept     drawn = argmax(logits) (or sampled); a = how many d_i equal drawn_{i-1} from the first on (cumprod)
     observe    the block over rows p .. p + m, pairs (h_i, drawn_i)       (rows past p + a: rewritten later)
     predict    the block's output at row p + a -> logits -> the next first draft, then the chain (rows p + a + 1 ...)
     advance    t0 = drawn_a, d = the new drafts, p += a + 1
@@ -14,10 +14,11 @@ for one greedy sequence, a single captured graph does all of it, in place on sta
 and the host reads the drawn tokens and a (what stood: drawn_0 .. drawn_a), then does the bookkeeping of a
 verify step (Engine._postprocess: stops, counts, the KV record). The next step needs nothing from the host, so it is
 launched before that read (a stop or an abort read there drops it, as strata.engine.ahead does for plain steps). Rows written past what stood are stale exactly as
-on the host's path: later steps rewrite them before any query reads them. The text is plain greedy decoding's (the
-trunk's argmax decides every token).
+on the host's path: later steps rewrite them before any query reads them. The text is plain decoding's (the
+trunk's draw decides every token).
 
-Taken for one running greedy sequence (no penalties, log-probabilities or grammar, no --draft-p-min) with the MTP
+Taken for one running sequence, greedy or sampled (no penalties, log-probabilities or grammar, no --draft-p-min;
+a sampled row drawn at its token's position as the host draws it, sampler.position_uniform_t) with the MTP
 block's graphs (strata.engine.mtp_graphs) and the trunk's (resident experts: no hand-off inside a step), while its
 budget of tokens and context leaves room for a whole step; anything else takes the host's path, which picks up
 from the block's last prediction this path leaves behind. One capture per (slot, window). On the CPU the
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from strata.engine.sampler import position_uniform_t, sample_rows
 from strata.kv.cache import Segment
 
 
@@ -52,6 +54,7 @@ class DeviceDrafts:
         self.cuda = dev.type == "cuda"
         self.tok = torch.zeros(T, dtype=torch.long, device=dev)  # t0, d1 .. dm (the step's input)
         self.p = torch.zeros(1, dtype=torch.long, device=dev)  # t0's position
+        self.seed = torch.zeros(1, dtype=torch.long, device=dev)  # a sampled sequence's seed (sampler.position_uniform)
         self.out = torch.zeros(T + 1 + self.m, dtype=torch.long, device=dev)  # drawn [T], a, the drafts verified [m]
         # the block's rows (the cache's) and rotary positions: the observed T, then the chain's m - 1
         self.rows = torch.zeros(2 * T, dtype=torch.long, device=dev)
@@ -78,10 +81,9 @@ class DeviceDrafts:
         """The sequence's next step is this path's; ahead = 1: the step after it too (launched before this one's
         tokens are read: room for two steps' tokens and rows)."""
         eng, pr, n = self.eng, s.params, (1 + ahead) * (self.m + 1)
-        return (len(eng.running) == 1 and eng.running[0] is s and s.prompt_done and not s.finished and pr.greedy
+        return (len(eng.running) == 1 and eng.running[0] is s and s.prompt_done and not s.finished
                 and s.logits_processor is None and s.logprobs is None and s.draft_max in (None, self.m)
-                and not (pr.penalty_last_n and (pr.repetition_penalty != 1.0 or pr.presence_penalty
-                                                or pr.frequency_penalty))
+                and (pr.greedy or not (pr.repetition_penalty != 1.0 or pr.presence_penalty or pr.frequency_penalty))
                 and len(s.output) + n <= s.max_tokens and s.pos + n + self.m + 1 < eng.max_ctx)
 
     def step(self):
@@ -112,13 +114,15 @@ class DeviceDrafts:
     def _launch(self, s, far: int) -> _Launched:
         """Queue one step from the buffers (the sequence's t0 at a position up to `far`) and its results' copy."""
         W = self.tg.window_for(far + 2 * self.m + 1)  # (the trunk's cache is the shorter)
+        pr = s.params  # (the sampler's settings are constants of a capture)
+        how = None if pr.greedy else (pr.temperature, pr.top_k, pr.top_p, pr.min_p)
         if not self.cuda:
-            self._body(s.slot, W)
+            self._body(s.slot, W, pr)
         else:
-            key = (s.slot, W)
+            key = (s.slot, W, how)
             g = self.graphs.get(key)
             if g is None:
-                g = self._capture(key)
+                g = self._capture(key, pr)
             g.replay()
         self.steps += 1
         host = torch.empty(self.out.shape, dtype=torch.long, pin_memory=self.cuda)
@@ -156,11 +160,13 @@ class DeviceDrafts:
         self.tok[0] = s.output[-1]
         self.tok[1:].copy_(toks)
         self.p.fill_(s.pos)
+        self.seed.fill_(s.sample_seed)
         self.live = (s.id, s.pos)
         return True
 
-    def _body(self, slot: int, W: int) -> None:
-        """The step on the static buffers (captured once per (slot, window); run as is on the CPU)."""
+    def _body(self, slot: int, W: int, pr) -> None:
+        """The step on the static buffers (captured once per (slot, window, sampler settings); run as is on the
+        CPU). pr: the sequence's SamplingParams (greedy: argmax; else each row drawn at its token's position)."""
         m, T = self.m, self.m + 1
         tg, mg, head = self.tg, self.mg, self.eng.mtp.head
         rows, pos = self.rows, self.pos
@@ -170,7 +176,10 @@ class DeviceDrafts:
         torch.add(self.p, ar, out=tg.pos[:T])
         logits = tg._forward(tg._segments(W, (slot,), T))  # [T, V]
         hidden = tg.last_hidden  # [T, d]
-        drawn = logits.argmax(-1)  # [T]
+        if pr.greedy:
+            drawn = logits.argmax(-1)  # [T]
+        else:  # row i draws the token at position p + i + 1, as the host's path draws it
+            drawn = sample_rows(logits, pr, position_uniform_t(self.seed, self.p + 1 + ar))
         a = torch.cumprod((self.tok[1:] == drawn[:m]).long(), 0).sum()  # drafts that stood
         self.out[:T].copy_(drawn)
         self.out[T].copy_(a)
@@ -201,22 +210,22 @@ class DeviceDrafts:
         self.tok[0:1].copy_(drawn.index_select(0, a.view(1)))
         self.p.add_(a + 1)
 
-    def _capture(self, key: tuple):
-        slot, W = key
+    def _capture(self, key: tuple, pr):
+        slot, W = key[0], key[1]
         side = torch.cuda.Stream(self.eng.device)
         side.wait_stream(torch.cuda.current_stream())
         saved = (self.tok.clone(), self.p.clone())
         with torch.cuda.stream(side):
             # warm-up (compiles, allocator): it advances the buffers; they are put back, and the rows it wrote
             # are the ones the replay rewrites
-            self._body(slot, W)
+            self._body(slot, W, pr)
             self.tok.copy_(saved[0])
             self.p.copy_(saved[1])
             side.synchronize()
             g = torch.cuda.CUDAGraph()
             g.capture_begin(pool=torch.cuda.graph_pool_handle(), capture_error_mode="thread_local")
             try:
-                self._body(slot, W)
+                self._body(slot, W, pr)
             finally:
                 g.capture_end()
         torch.cuda.current_stream().wait_stream(side)

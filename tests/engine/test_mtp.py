@@ -370,7 +370,7 @@ def test_drafts_that_stand_on_the_device(path, right):
         dd.tok[1:] = torch.tensor(want)
 
     real_body, real_enter = dd._body, dd._enter
-    dd._body = lambda slot, W: (real_body(slot, W), fix())[0]
+    dd._body = lambda slot, W, pr: (real_body(slot, W, pr), fix())[0]
     dd._enter = lambda s: real_enter(s) and (fix() or True)
     assert list(eng.generate(prompt, GREEDY, n)) == ref
     seq = eng.last
@@ -400,7 +400,7 @@ def test_the_device_leaves_the_blocks_prediction_of_what_stood(path):
             dd.tok[1:] = torch.tensor([want[0]] + [(t + 1) % 900 + 3 for t in want[1:]])
 
     real_body, real_enter = dd._body, dd._enter
-    dd._body = lambda slot, W: (real_body(slot, W), first_right())[0]
+    dd._body = lambda slot, W, pr: (real_body(slot, W, pr), first_right())[0]
     dd._enter = lambda s: real_enter(s) and (first_right() or True)
     s = Sequence(list(prompt), GREEDY, 30, set())
     eng.add(s)
@@ -420,3 +420,18 @@ def test_the_device_leaves_the_blocks_prediction_of_what_stood(path):
         want, _ = head.forward(hidden[0], torch.tensor(full[1:p + 2]), torch.arange(1, p + 2), Segment(0, 0, p + 1),
                                head.new_kv_cache(1, 258), last_only=True)
     assert torch.allclose(logits, want[-1], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("temperature", [0.8, 1.5])
+def test_a_sampled_sequences_drafted_steps_on_the_device(path, temperature):
+    """A seeded sampled sequence's drafted steps on the device (each row drawn at its token's position, as the
+    host's path draws it): the text of plain decoding with the same seed, and the host's path's text."""
+    prompt = _prompt(40, 7)
+    sp = SamplingParams(temperature=temperature, seed=11)
+    ref = list(_engine(path).generate(prompt, sp, 40))
+    host = _engine(path, 3, "mtp", graphs=True)
+    host.device_drafts = None
+    eng = _engine(path, 3, "mtp", graphs=True)
+    assert list(eng.generate(prompt, sp, 40)) == ref == list(host.generate(prompt, sp, 40))
+    assert eng.device_drafts.steps > 0
+    assert list(eng.generate(prompt, SamplingParams(temperature=temperature, seed=12), 40)) != ref
