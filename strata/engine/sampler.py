@@ -35,11 +35,6 @@ def _splitmix(seed: int, pos: int) -> int:
     return z ^ (z >> 31)
 
 
-def position_seed(seed: int, pos: int) -> int:
-    """A generator seed for the token at sequence position `pos` of a request seeded `seed`, below 2**63."""
-    return _splitmix(seed, pos) >> 1
-
-
 def position_uniform(seed: int, pos: int) -> float:
     """The uniform number in [0, 1) that draws the token at sequence position `pos` of a request seeded `seed`:
     the top 53 bits of the pair's splitmix64 (exact in a float64)."""

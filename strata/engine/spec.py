@@ -10,7 +10,7 @@ Verification is exact for any sampler: the target's token is drawn at every draf
 position's distribution (the same processing as without drafts), and drafts are accepted while they equal the
 drawn tokens; the first difference ends the step with the drawn token. Each emitted token is thus a draw from
 the model's distribution given the tokens before it. Each draw's randomness is keyed by the drawn token's
-position (sampler.position_seed), so a rejected row's draw shifts no later one: greedy or seeded, the text is the
+position (sampler.position_uniform), so a rejected row's draw shifts no later one: greedy or seeded, the text is the
 one decoding without drafts writes.
 """
 

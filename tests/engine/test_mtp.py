@@ -109,7 +109,7 @@ def test_sampled_and_several_sequences_and_tiered(path):
 
 @pytest.mark.parametrize("temperature", [0.8, 1.5])
 def test_sampled_text_is_the_same_with_mtp_drafts(path, temperature):
-    """Each token's draw is seeded by its position (sampler.position_seed): with drafts, the rejected rows' draws
+    """Each token's draw is seeded by its position (sampler.position_uniform): with drafts, the rejected rows' draws
     shift nothing, so a seeded sampled run writes the plain run's text, token for token."""
     sp = SamplingParams(temperature=temperature, seed=11)
     for seed in (5, 6):
