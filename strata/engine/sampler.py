@@ -121,24 +121,25 @@ def sample(logits: torch.Tensor, p: SamplingParams, recent: torch.Tensor | None 
 
 def sample_rows(logits: torch.Tensor, p: SamplingParams, u: torch.Tensor) -> torch.Tensor:
     """Sampled rows without penalties: logits [T, V], u [T] float64 uniform numbers -> [T] int64. Temperature, then
-    top-k, top-p and min-p keep tokens; the draw is the first token whose cumulative kept mass passes u times the
-    total (a token with no mass is never drawn). A row is computed as it would be alone."""
+    top-k, top-p and min-p keep tokens; the draw is the first kept token, most likely first, whose cumulative mass
+    passes u times the kept total (a token with no mass is never drawn). With top-k only its k candidates are sorted
+    and summed, not the vocabulary. A row is computed as it would be alone."""
     logits = logits.float() / p.temperature
     V = logits.shape[-1]
     if p.top_k and p.top_k < V:
-        kth = torch.topk(logits, p.top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
+        vals, idx = torch.topk(logits, p.top_k, dim=-1)  # (sorted, most likely first)
+    else:
+        vals, idx = logits.sort(dim=-1, descending=True)
+    probs = torch.softmax(vals, dim=-1)
     if p.top_p < 1.0:
-        sp, si = probs.sort(dim=-1, descending=True)
-        cum = sp.cumsum(-1)
-        drop = (cum - sp) > p.top_p  # keep the smallest prefix whose mass reaches top_p
-        probs = probs.scatter(-1, si, sp.masked_fill(drop, 0.0))
+        drop = (probs.cumsum(-1) - probs) > p.top_p  # keep the smallest prefix whose mass reaches top_p
+        probs = probs.masked_fill(drop, 0.0)
     if p.min_p > 0.0:
-        probs = probs.masked_fill(probs < probs.max(-1, keepdim=True).values * p.min_p, 0.0)
+        probs = probs.masked_fill(probs < probs[:, :1] * p.min_p, 0.0)
     cdf = probs.to(torch.float64).cumsum(-1)
     x = u.view(-1, 1).to(torch.float64) * cdf[:, -1:]
-    return torch.searchsorted(cdf, x, right=True).clamp_(max=V - 1).view(-1)
+    j = torch.searchsorted(cdf, x, right=True).clamp_(max=vals.shape[-1] - 1)
+    return idx.gather(-1, j).view(-1)
 
 
 def token_logprobs(rows: list[torch.Tensor], toks: list[torch.Tensor], ks: list[int]) -> list[torch.Tensor]:

@@ -148,23 +148,25 @@ def test_cuda_steps_launched_ahead_keep_the_text(hf_and_gguf, experts):
     assert outs[0] == outs[1]
 
 
-def test_drafting_sequences_launch_ahead_while_their_drafts_are_paused(hf_and_gguf):
+def test_drafting_sequences_launch_ahead_while_their_drafts_are_paused(hf_and_gguf, monkeypatch):
     """With n-gram drafts on, a sequence whose drafts did not stand pauses drafting (1, 2, 4 ... steps); those
     steps carry no drafts and are launched ahead like plain ones. The text is the one without drafts."""
+    from strata.engine.spec import NgramDrafter
+
     _, path = hf_and_gguf("qwen3moe")
 
     def eng(ahead: bool, draft_max: int):
-        cfg = EngineConfig(device="cpu", dtype="float32", cuda_graphs=True, decode_ahead=ahead, draft_max=draft_max,
-                           draft_ngram_min=1, draft_ngram_max=2)
+        cfg = EngineConfig(device="cpu", dtype="float32", cuda_graphs=True, decode_ahead=ahead, draft_max=draft_max)
         return Engine(load_model(str(path), cfg, with_tokenizer=False), n_slots=1)
 
-    prompt = [t % 5 + 7 for t in _prompt(60, 4)]
-    # a prompt of five tokens: every 1-gram has a continuation to draft; seeded sampling far from greedy does not
-    # follow it, so drafts fail and pause. The draws are keyed by position: the text is the one without drafts
-    sp = SamplingParams(temperature=1.5, seed=3, top_k=0, top_p=1.0, min_p=0)
+    prompt, sp = _prompt(40, 4), SamplingParams(temperature=0)
     ref = list(eng(False, 0).generate(prompt, sp, 48))
+    full = prompt + ref
+    # every draft wrong: one token past the greedy continuation's next one
+    monkeypatch.setattr(NgramDrafter, "draft", lambda self, k: [(full[len(self.tokens)] + 1) % 1000] if k else [])
     a, b = eng(True, 4), eng(False, 4)
     assert a.ahead is not None
     assert list(a.generate(prompt, sp, 48)) == list(b.generate(prompt, sp, 48)) == ref
-    assert a.ahead.launched > 0 and a.last.draft_steps > 0        # drafted steps, and paused ones launched ahead
+    assert a.last.draft_steps > 0 and a.last.draft_accepted == 0    # drafted steps, none stood ...
+    assert a.ahead.launched > 0                                       # ... and paused steps launched ahead
     assert a.last.draft_steps <= b.last.draft_steps
