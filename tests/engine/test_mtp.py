@@ -296,12 +296,12 @@ def test_cuda_mtp_block_graphed_keeps_the_text(path):
     # greedy: the whole drafted step as one captured graph (strata.engine.spec_device)
     assert list(e.generate(prompt, GREEDY, 40)) == ref
     assert e.device_drafts is not None and e.device_drafts.steps > 0 and e.device_drafts.graphs
-    # sampled: the host's path, the block's forwards and chains replayed
-    # (its text is not compared: a verify step's logits may differ from a one-token step's in the last bits on a
-    # GPU, which a sampled draw can tell; docs/BENCHMARKS.md "Speculative decoding")
-    before = e.mtp.graphs.replays
+    # sampled: the device's step too, its rows drawn in the graph (the text is not compared: a verify step's logits
+    # may differ from a one-token step's in the last bits on a GPU, which a draw can tell; docs/BENCHMARKS.md
+    # "Speculative decoding")
+    before = e.device_drafts.steps
     got = list(e.generate(prompt, SamplingParams(temperature=0.8, seed=4), 40))
-    assert len(got) == 40 and e.mtp.graphs.replays > before and e.mtp.graphs.graphs
+    assert len(got) == 40 and e.device_drafts.steps > before and len(e.device_drafts.graphs) >= 2
 
 
 @pytest.mark.parametrize("draft_max", [1, 3])
