@@ -25,7 +25,7 @@ torch dequantizers of `strata.quant.iquants` (tests/experts/test_expert_triton.p
 interpreter against them). Speed on a GPU: docs/BENCHMARKS.md, "The GPU lane per weight format".
 
 Two tiles per 2- and 3-bit format. The lookup tiles gather one float per weight from the grid and one from the
-sign table (three loads a weight, the load units' limit: 0.17-0.22 of Q4_K's bytes/s on an H200). The packed
+sign table (three loads a weight: the load units' limit, well under Q4_K's bytes per second). The packed
 tiles load per group of 8 (IQ3_XXS: 4) weights: the grid index, the entry's magnitudes as bytes in int32 words,
 and the sign byte, then cut each weight's magnitude and sign out with shifts (under half a load a weight). The
 packed ones are taken on a GPU once their GPU tests pass there (PACKED_GPU_TESTED); the interpreter runs them.
