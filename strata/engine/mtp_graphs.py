@@ -71,9 +71,11 @@ class MtpGraphs:
         self.rows[:n].copy_(torch.arange(start, start + n))
         torch.add(self.rows[:n], 1, out=self.pos[:n])
         key = (slot, self.window_for(start + n - 1), n)
-        if not self.cuda:
-            logits, x = self._forward(key)
-            return logits[-1].clone(), x.clone()
+        logits, x = self._forward(key) if not self.cuda else self._replay(key)[1:]
+        return logits[-1].clone(), x.clone()
+
+    def _replay(self, key: tuple):
+        """The captured forward of `key` (captured now if it is not yet), replayed: (graph, its outputs ...)."""
         got = self.graphs.get(key)
         if got is None:
             got = self._capture(key)
@@ -81,7 +83,7 @@ class MtpGraphs:
             self.graphs.move_to_end(key)
         got[0].replay()
         self.replays += 1
-        return got[1][-1].clone(), got[2].clone()
+        return got
 
     def chain(self, logits: torch.Tensor, h: torch.Tensor, p: int, slot: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
         """m drafts from the block's prediction at position p (logits [V], its output row h [d]), each further one
@@ -97,13 +99,7 @@ class MtpGraphs:
         if not self.cuda:
             self._chain(key)
         else:
-            got = self.graphs.get(key)
-            if got is None:
-                got = self._capture(key)
-            else:
-                self.graphs.move_to_end(key)
-            got[0].replay()
-            self.replays += 1
+            self._replay(key)
         return self.c_tok[:m].clone(), self.c_prob[:m].clone()
 
     def _chain(self, key: tuple):
