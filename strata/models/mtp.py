@@ -45,7 +45,10 @@ class MtpHead:
 
         self.eh_proj = q("nextn.eh_proj.weight")  # [d, 2d]
         self.enorm, self.hnorm = f("nextn.enorm.weight"), f("nextn.hnorm.weight")
-        self.embed = t.get("nextn.embed_tokens.weight") or model.embed  # rows looked up where the table lies
+        # the block's own table (GLM's nextn.embed_tokens) lies where the trunk's does: on the device unless the
+        # trunk's was left in host RAM for the cache (rows are looked up where the table lies)
+        own = t.get("nextn.embed_tokens.weight")
+        self.embed = own.to(model.embed.raw.device) if own is not None else model.embed
         self.head = q("nextn.shared_head_head.weight") if "nextn.shared_head_head.weight" in t else model.head
         self.head_norm = (f("nextn.shared_head_norm.weight") if "nextn.shared_head_norm.weight" in t
                           else model.out_norm)
