@@ -241,6 +241,20 @@ def _phases(plan: Plan) -> list[tuple[list[str], int]]:
     return out
 
 
+def _past_context(plan: Plan, model_ctx: int | None) -> None:
+    """A length past the model's trained context would start both servers only to skip it: said at once, with the
+    flag that runs it anyway (the servers then get that context, as llama.cpp's -c past n_ctx_train)."""
+    if not model_ctx:
+        return
+    need = max([0] + [max(c.lengths) + c.gen for name, c in (("sweep", plan.sweep), ("needle", plan.needle))
+                      if name in plan.suites])
+    if need > model_ctx:
+        need = -(-(need + 64) // 256) * 256  # (as the servers' context is rounded)
+        raise StrataError(f"the lengths asked for need a context of {need} tokens (prompt + generated), past the "
+                          f"model's trained context of {model_ctx}: pass -c {need} to run them there anyway "
+                          f"(speed only: past its trained context a model's text is its own), or shorter --lengths")
+
+
 def _run_started(args, plan: Plan, model: str, model_ctx: int | None, synthetic, out_dir: Path, label: str,
                  start) -> tuple[dict, dict]:
     """Run the plan's phases on servers made by `start(parallel, ctx, log) -> (ServerProcess, description)`."""
@@ -306,6 +320,8 @@ def cmd_bench(args) -> int:
     mrec = model_record(model_path, args.vram_gb, args.ctx_size) if model_path else {}
     synthetic = True if args.synthetic else mrec.get("synthetic")
     model_ctx = (mrec.get("footprint") or {}).get("context_length")
+    if not args.url and not args.ctx_size:
+        _past_context(plan, model_ctx)
     name = args.name or (Path(model_path).stem if model_path else "server")
     out_dir = _fresh_dir(Path(args.out), f"{date}-{name}")
     _say(f"results go to {out_dir}")
@@ -403,7 +419,7 @@ def _run_peer(peer: str, args, plan: Plan, model: str, model_ctx, synthetic, out
         try:
             out["llama-bench"] = llamacpp.run_llama_bench(
                 bench_bin, model, budget_gib=args.vram_gb, lengths=list(plan.sweep.lengths), gen=plan.sweep.gen,
-                threads=threads, reps=plan.sweep.runs, n_cpu_moe=args.n_cpu_moe, log=_say)
+                threads=threads, reps=plan.sweep.runs, n_cpu_moe=args.n_cpu_moe, cache_types=kv_types, log=_say)
         except StrataError as e:
             out["llama-bench"] = {"how": "llama-bench", "error": str(e)}
     return out

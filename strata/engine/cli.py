@@ -249,13 +249,16 @@ def register(sub) -> None:
     p.add_argument("-p", "--prompt", default=None, help="the prompt (default: read stdin)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     _add_sampling(p)
-    p.set_defaults(func=cmd_generate)
+    # generate and chat decode the user's text from their first step: the plan trials (all-CPU plans among them,
+    # several times slower than the best) belong to the server's warm-up or `strata calibrate`, not to a user's
+    # tokens; the plan comes from the cost model or an earlier run's verdict (--cpu-plan-tune runs them here)
+    p.set_defaults(func=cmd_generate, cpu_plan_tune=False)
     p = sub.add_parser("chat", help="interactive chat in the terminal")
     add_engine_args(p)
     p.add_argument("--system", default=None, help="system prompt")
     p.add_argument("-v", "--verbose", action="store_true", help="print speed after each reply")
     _add_sampling(p)
-    p.set_defaults(func=cmd_chat, n_predict=512)
+    p.set_defaults(func=cmd_chat, n_predict=512, cpu_plan_tune=False)
     from strata.engine.perplexity_cli import register as register_perplexity
 
     register_perplexity(sub)

@@ -50,8 +50,9 @@ class MtpGraphs:
         """The block's forward has no host read and no hand-off: resident experts and the embedding on its GPU."""
         from strata.experts.resident import ResidentExperts
 
+        # (compared by type: the model's device may be "cuda" where a tensor on it says "cuda:0")
         return (head.device.type == "cuda" and isinstance(head.moe.experts, ResidentExperts)
-                and head.embed.raw.device == head.device)
+                and head.embed.raw.device.type == "cuda")
 
     def window_for(self, row: int) -> int:
         w = MIN_WINDOW

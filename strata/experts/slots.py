@@ -187,7 +187,13 @@ class SlotPolicy:
         self._touched[layer].update(ids)
 
     def plan_swaps(self, layer: int) -> list[Swap]:
-        """Swaps worth doing now in `layer`: empty slots first, then hysteresis-gated replacements."""
+        """Swaps worth doing now in `layer`: empty slots first, then hysteresis-gated replacements.
+
+        The step's budget limits replacements only: filling an empty slot evicts nothing, and the expert it
+        admits crosses the bus for this step anyway (a miss, or a prefill chunk's streamed expert, which the
+        chunk then computes from its slot). So a cold cache fills in its first prompt instead of budget-many
+        experts a step (an 80B model's 234 slots a layer took ~117 steps at 2 a step, its first tokens all
+        misses). A budget of 0 freezes the cache: nothing is copied."""
         touched = self._touched[layer]
         if not touched:
             return []
@@ -199,13 +205,14 @@ class SlotPolicy:
         if not cands:  # every routed expert is cached (the common decode step)
             return []
         budget = self.budget_left(layer)
-        if budget == 0:
+        if budget == 0 and (not self._n_free[layer] or self.swap_budget == 0 or self.global_swap_budget == 0):
             return []
         cands.sort(key=lambda e: (-keys[e], e))  # hottest first
-        del cands[budget:]
+        free = self._n_free[layer]
+        del cands[free + budget:]
         swaps: list[Swap] = []
         i = 0
-        if self._n_free[layer]:
+        if free:
             row = self._slot_expert[layer]
             for slot in range(self._caps[layer]):
                 if i == len(cands):
@@ -232,9 +239,10 @@ class SlotPolicy:
         """Issue swaps: victims stop being hits now, admitted experts are pending until mark_ready."""
         if not swaps:
             return
-        if len(swaps) > self.budget_left(layer):
+        evictions = sum(1 for sw in swaps if sw.evict is not None)
+        if evictions > self.budget_left(layer) or (swaps and self.swap_budget == 0):
             raise ValueError(
-                f"layer {layer}: {len(swaps)} swaps exceed the step's budget of {self.budget_left(layer)}"
+                f"layer {layer}: {evictions} replacements exceed the step's budget of {self.budget_left(layer)}"
             )
         cap = self._caps[layer]
         row, ready, where = self._slot_expert[layer], self._slot_ready[layer], self._where[layer]
@@ -257,8 +265,8 @@ class SlotPolicy:
                 self._set_ready(layer, evict, -1)
             row[slot] = admit
             where[admit] = slot
-        self._swapped_layer[layer] += len(swaps)
-        self._swapped_global += len(swaps)
+        self._swapped_layer[layer] += evictions  # (fills of empty slots are outside the budget)
+        self._swapped_global += evictions
 
     def mark_ready(self, layer: int, expert: int) -> None:
         """The copy of a pending expert finished: it is a hit from now on."""

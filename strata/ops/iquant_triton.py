@@ -28,7 +28,8 @@ Two tiles per 2- and 3-bit format. The lookup tiles gather one float per weight 
 sign table (three loads a weight: the load units' limit, well under Q4_K's bytes per second). The packed
 tiles load per group of 8 (IQ3_XXS: 4) weights: the grid index, the entry's magnitudes as bytes in int32 words,
 and the sign byte, then cut each weight's magnitude and sign out with shifts (under half a load a weight). The
-packed ones are taken on a GPU once their GPU tests pass there (PACKED_GPU_TESTED); the interpreter runs them.
+packed ones pass their GPU tests but measured slower there (the shifts and int32 unpacking cost more than the
+loads they save), so a GPU takes the lookup tiles (PACKED_GPU_TESTED); the interpreter runs both.
 """
 
 from __future__ import annotations
@@ -42,8 +43,9 @@ from strata.config import triton_interpreting
 
 Q = GGMLQuantizationType
 
-# the packed tiles of IQ2_XXS, IQ2_S and IQ3_XXS on a GPU (tools/gpu/test.sh tests/experts/test_expert_triton.py
-# tests/ops/test_qgemv.py, then tools/bench_kernels.py --expert-formats measures them against the lookup tiles)
+# the packed tiles of IQ2_XXS, IQ2_S and IQ3_XXS on a GPU: their GPU tests pass there, but they measured slower than
+# the lookup tiles (`tools/bench_kernels.py --expert-formats ... --iq-tiles packed` against `lookup`; docs/BENCHMARKS.md,
+# "The GPU lane per weight format"), so a GPU keeps the lookup tiles; the interpreter runs both
 PACKED_GPU_TESTED = False
 
 try:

@@ -151,6 +151,15 @@ def test_bench_starts_its_own_server(tiny, tmp_path):
     assert "temperature 0.5 (top-k 40, top-p 0.95, min-p 0.05, seed 7)" in md
 
 
+def test_a_length_past_the_models_context_is_refused_before_any_server_starts(tiny, tmp_path, capsys):
+    """Not two servers loaded only to skip the row: one line naming the context it needs and the flag that runs it."""
+    rc = main(["bench", "sweep", "-m", tiny, "--out", str(tmp_path), "--lengths", "128K", "--runs", "1"])
+    assert rc != 0
+    err = capsys.readouterr().err
+    assert "past the model's trained context of" in err and "pass -c 131328" in err, err
+    assert not list((tmp_path).rglob("*.log"))  # no server was started
+
+
 def test_bench_refuses_a_server_that_is_not_there(tmp_path):
     with pytest.raises(StrataError, match="not ready"):
         from strata.cli import build_parser

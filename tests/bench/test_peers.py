@@ -115,7 +115,10 @@ def test_llama_bench_command_lines():
     tg = llamacpp.llama_bench_argv(Path("/x/llama-bench"), "m.gguf", n_cpu_moe=0, threads=8, gen=128,
                                    depths=[1024, 4096])
     s = " ".join(tg)
-    assert "-p 0 -n 128 -d 1024,4096" in s and "-ncmoe" not in s
+    assert "-p 0 -n 128 -d 1024,4096" in s and "-ncmoe" not in s and "-ctk" not in s
+    kv = llamacpp.llama_bench_argv(Path("/x/llama-bench"), "m.gguf", n_cpu_moe=4, threads=8, gen=128, depths=[131072],
+                                   cache_types=("q8_0", "q8_0"))
+    assert "-ctk q8_0 -ctv q8_0" in " ".join(kv)  # the KV types the servers were given (a long context's own)
 
 
 def test_parse_llama_bench_into_sweep_rows():

@@ -73,3 +73,16 @@ def test_bad_settings_fail_before_the_model_loads():
         assert needle in r.stderr and "Traceback" not in r.stderr, (flags, r.stderr)
         assert "loading" not in r.stderr, (flags, r.stderr)
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_generate_and_chat_leave_the_plan_trials_to_the_server_and_calibrate():
+    """The plan trials (all-CPU plans among them) run over the first decode steps; in generate and chat those are
+    the user's own tokens, so there they are off unless asked for. The server keeps them for its warm-up."""
+    from strata.cli import build_parser
+    from strata.engine.cli import engine_config
+
+    p = build_parser()
+    for cmd in ("generate", "chat"):
+        assert engine_config(p.parse_args([cmd])).experts.plan_tune is False
+        assert engine_config(p.parse_args([cmd, "--cpu-plan-tune"])).experts.plan_tune is True
+    assert engine_config(p.parse_args(["serve"])).experts.plan_tune is True

@@ -113,15 +113,21 @@ def test_hysteresis_no_thrash():
 
 
 def test_swap_budget_per_layer_and_global():
+    """The budgets limit replacements; filling an empty slot evicts nothing and is outside them (a cold cache fills
+    in its first step)."""
     p = DecayedCountPolicy(3, 32, 8, swap_budget=2, global_swap_budget=5)
     per_step = []
     for t in range(6):
         p.tick()
         n = 0
         for layer in range(3):
-            _, swaps = step(p, layer, list(range(8 * t, 8 * t + 8)) if t < 4 else list(range(8)))
-            assert len(swaps) <= 2
-            n += len(swaps)
+            # step 0 fills the empty cache; then new experts, each routed 3 times, outrank the residents
+            _, swaps = step(p, layer, list(range(8)) if t == 0 else list(range(8 + 4 * t, 12 + 4 * t)) * 3)
+            evictions = [sw for sw in swaps if sw.evict is not None]
+            if t == 0:
+                assert len(swaps) == 8 and not evictions
+            assert len(evictions) <= 2
+            n += len(evictions)
         per_step.append(n)
     assert max(per_step) == 5 and all(n <= 5 for n in per_step)
     # commit refuses to exceed what is left
@@ -270,10 +276,12 @@ def test_invariants_under_random_traffic(name, ops):
         committed = 0
         for lay in (layer, 1 - layer):
             p.observe(lay, ids)
+            free = p.capacity(lay) - len(p.resident(lay)) - len(p.pending(lay))
             swaps = p.plan_swaps(lay)
-            assert len(swaps) <= 2
+            evictions = sum(sw.evict is not None for sw in swaps)
+            assert evictions <= 2 and len(swaps) - evictions <= free  # fills: only into empty slots
             p.commit(lay, swaps)
-            committed += len(swaps)
+            committed += evictions
             if finish:
                 for e in list(p.pending(lay)):
                     p.mark_ready(lay, e)

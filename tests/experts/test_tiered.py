@@ -152,6 +152,20 @@ def test_cache_learns_over_a_repeated_prompt(model_path):
     assert ex.stats.swaps > 0
 
 
+def test_a_cold_cache_fills_in_its_first_prompt(model_path, reference):
+    """Empty slots take the prompt's experts at once (a fill evicts nothing, so the swap budget does not hold it
+    back): after one prompt every slot holds an expert, and the logits are still the oracle's."""
+    lm = _load(model_path, slots=4, cpu_plan="012", swap_budget=1)
+    ex = lm.model.experts
+    ex.begin_request()
+    out = _run(lm, decode=[])
+    torch.testing.assert_close(out, reference[:len(PROMPT)], rtol=1e-4, atol=1e-4)
+    pol = ex.policy
+    for li in range(len(ex.layer_ids)):
+        held = len(pol.resident(li)) + len(pol.pending(li))
+        assert held == pol.capacity(li) == 4, (li, held)  # (a budget of 1 a step once left 3 of 4 empty)
+
+
 def test_profile_save_load_round_trip_fills_the_cache(model_path, reference, tmp_path):
     path = tmp_path / "routing.json"
     lm = _load(model_path, slots=3, cpu_plan="012", expert_profile_save=str(path))

@@ -107,15 +107,17 @@ def find_binary(name: str, given: str | None = None) -> Path | None:
 
 def llama_bench_argv(binary: Path, model: str, *, n_cpu_moe: int | None, threads: int, prompts: list[int] | None = None,
                      gen: int = 0, depths: list[int] | None = None, reps: int = 3, ubatch: int = 512,
-                     batch: int = 2048) -> list[str]:
+                     batch: int = 2048, cache_types: tuple[str, str] | None = None) -> list[str]:
     """One llama-bench call: prefill tests (-p LIST -n 0) or decode tests (-p 0 -n GEN -d LIST).
 
     As BENCH.md's tuned setting: every layer on the GPU (-ngl 99), flash attention, experts in host memory
-    loaded without mmap (-lm none), JSON output."""
+    loaded without mmap (-lm none), JSON output; cache_types: the KV's -ctk / -ctv (None: its default, f16)."""
     argv = [str(binary), "-m", str(model), "-ngl", "99", "-fa", "1", "-lm", "none", "-t", str(threads),
             "-r", str(reps), "-b", str(batch), "-ub", str(ubatch), "-o", "json"]
     if n_cpu_moe:
         argv += ["-ncmoe", str(n_cpu_moe)]
+    if cache_types:
+        argv += ["-ctk", cache_types[0], "-ctv", cache_types[1]]
     if prompts:
         argv += ["-p", ",".join(map(str, prompts)), "-n", "0"]
     else:
@@ -142,24 +144,25 @@ def parse_llama_bench(records: list[dict], lengths: list[int], gen: int) -> dict
 
 def run_llama_bench(binary: Path, model: str, *, budget_gib: float | None, lengths: list[int], gen: int,
                     threads: int, reps: int = 3, ubatch: int = 512, n_cpu_moe: int | None = None,
-                    overhead_gib: float = DEFAULT_OVERHEAD_GIB, log=print) -> dict:
+                    overhead_gib: float = DEFAULT_OVERHEAD_GIB, cache_types: tuple[str, str] | None = None,
+                    log=print) -> dict:
     """Prefill at every length and decode after every length, fitted to the budget; peak VRAM measured. When
     N was fitted (not given) and the measured peak went past the budget — the fit's overhead is an estimate, and
     a large -ub takes more compute buffer (`-ub 4096`, B1: 8.42 GiB at a fitted 8) — the runs are repeated with
     one more expert layer in host memory until the peak fits, so the peer is held to the budget strata is."""
     fit = None
     if n_cpu_moe is None and budget_gib is not None:
-        sizes = layer_sizes(model)
+        sizes = layer_sizes(model, cache_types or ("f16", "f16"))
         n_cpu_moe, est = fit_n_cpu_moe(sizes, int(budget_gib * GiB), max(lengths) + gen, int(overhead_gib * GiB))
         fit = {"n_cpu_moe": n_cpu_moe, "estimated_vram_bytes": est, "overhead_gib": overhead_gib, "tried": []}
     while True:
         records, calls = [], []
         with VramPeak() as peak:
             argvs = [llama_bench_argv(binary, model, n_cpu_moe=n_cpu_moe, threads=threads, prompts=lengths, reps=reps,
-                                      ubatch=ubatch)]
+                                      ubatch=ubatch, cache_types=cache_types)]
             if gen > 0:  # --gen 0: prefill only
                 argvs.append(llama_bench_argv(binary, model, n_cpu_moe=n_cpu_moe, threads=threads, gen=gen,
-                                              depths=lengths, reps=reps, ubatch=ubatch))
+                                              depths=lengths, reps=reps, ubatch=ubatch, cache_types=cache_types))
             for argv in argvs:
                 log("llama-bench: " + " ".join(argv))
                 cp = subprocess.run(argv, capture_output=True, text=True)
@@ -175,7 +178,8 @@ def run_llama_bench(binary: Path, model: str, *, budget_gib: float | None, lengt
             f"budget: again with -ncmoe {n_cpu_moe + 1}")
         n_cpu_moe += 1
     suite = parse_llama_bench(records, lengths, gen)
-    return {"how": f"llama-bench (`-ngl 99 -fa 1 -lm none -ncmoe {n_cpu_moe}`, {threads} threads, -r {reps}); "
+    kv = f" -ctk {cache_types[0]} -ctv {cache_types[1]}" if cache_types else ""
+    return {"how": f"llama-bench (`-ngl 99 -fa 1 -lm none -ncmoe {n_cpu_moe}{kv}`, {threads} threads, -r {reps}); "
                    f"prefill = pp L, decode = tg{gen} @ depth L",
             "n_cpu_moe": n_cpu_moe, "fit": fit, "budget_gib": budget_gib, "vram_peak_bytes": peak.peak,
             "over_budget": over,
