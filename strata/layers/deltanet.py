@@ -21,7 +21,10 @@ import torch.nn.functional as F
 
 from strata.kv.cache import KVCache, Segment
 from strata.layers.norm import rms_norm
+from strata.ops import registry
 from strata.quant import QTensor, qmatmul
+
+delta_decode = registry.op("delta_decode")
 
 CHUNK = 64
 _SLOT_INDEX: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
@@ -132,34 +135,20 @@ class GatedDeltaNet:
         n = x.shape[0]
         qkv = qmatmul(x, self.wqkv).float()  # [n, conv_dim]
         z = qmatmul(x, self.wz).float().view(n, self.hv, self.dv)
-        ba = qmatmul(x, self.wba).float().view(n, self.hk, 2 * self.r)
-        beta = ba[..., : self.r].reshape(n, self.hv).sigmoid()
-        g = self.a * F.softplus(ba[..., self.r:].reshape(n, self.hv) + self.dt_bias)  # [n, Hv], <= 0
+        ba = qmatmul(x, self.wba).float()  # [n, Hk * 2r]: per key head its r betas, then its r alphas
         st = kv.recurrent
-        if len(segments) > 1 and all(seg.n == 1 and (seg.window or seg.start > 0) and seg.slot not in st.track
-                                     for seg in segments):
-            o = self._decode_batch(qkv, g, beta, segments, st)  # (the common step: every sequence decoding)
+        if all(seg.n == 1 and (seg.window or seg.start > 0) and seg.slot not in st.track for seg in segments):
+            # (the common step: every sequence decoding) conv and recurrence on the slots' states in place
+            slots = _slot_index(tuple(seg.slot for seg in segments), qkv.device)
+            o = delta_decode(qkv, ba, st.conv[self.layer], self.conv_w, st.ssm[self.layer], slots, self.dt_bias,
+                             self.a, self.hk, self.dk, self.dv)
         else:
+            ba = ba.view(n, self.hk, 2 * self.r)
+            beta = ba[..., : self.r].reshape(n, self.hv).sigmoid()
+            g = self.a * F.softplus(ba[..., self.r:].reshape(n, self.hv) + self.dt_bias)  # [n, Hv], <= 0
             o = self._segments(qkv, g, beta, segments, st)
         o = rms_norm(o, self.norm, self.eps) * F.silu(z)  # the gated RMSNorm (plain weight, not 1 + w)
         return qmatmul(o.reshape(n, self.hv * self.dv).to(x.dtype), self.wout)
-
-    def _decode_batch(self, qkv, g, beta, segments: list[Segment], st) -> torch.Tensor:
-        """One token of each of B sequences (rows in segment order), their states gathered and written back at
-        once: qkv [B, C], g, beta [B, Hv] -> o [B, Hv, Dv]."""
-        slots = _slot_index(tuple(seg.slot for seg in segments), qkv.device)
-        conv_all, ssm_all = st.conv[self.layer], st.ssm[self.layer]
-        full = torch.cat([conv_all.index_select(0, slots), qkv.unsqueeze(1)], dim=1)  # [B, K, C]
-        mixed = F.silu((full * self.conv_w.T).sum(1))  # [B, C]
-        conv_all.index_copy_(0, slots, full[:, 1:])
-        q, k, v = mixed.split([self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], dim=-1)
-        b = qkv.shape[0]
-        q = self._per_value_head(l2norm(q.reshape(b, self.hk, self.dk)) * self.scale)
-        k = self._per_value_head(l2norm(k.reshape(b, self.hk, self.dk)))
-        ssm = ssm_all.index_select(0, slots)  # [B, Hv, Dk, Dv] (a copy)
-        o = delta_step(q, k, v.reshape(b, self.hv, self.dv), g, beta, ssm)
-        ssm_all.index_copy_(0, slots, ssm)
-        return o
 
     def _segments(self, qkv, g, beta, segments: list[Segment], st) -> torch.Tensor:
         """Segment by segment (prefill chunks, verify segments, a lone decode token): o [n, Hv, Dv]."""

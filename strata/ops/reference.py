@@ -301,3 +301,34 @@ def torch_gather_ffn(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor,
 
 def _bias(y: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     return y if b is None else y + b.unsqueeze(1)  # y [p, 1, n], b [p, n]
+
+
+@reference("delta_decode")
+def delta_decode(qkv: torch.Tensor, ba: torch.Tensor, conv_all: torch.Tensor, conv_w: torch.Tensor,
+                 ssm_all: torch.Tensor, slots: torch.Tensor, dt_bias: torch.Tensor, a: torch.Tensor, hk: int,
+                 dk: int, dv: int) -> torch.Tensor:
+    """One decode token of B sequences through a gated delta-net layer's recurrence (strata.layers.deltanet):
+    qkv [B, C] float32 (the projections before the causal conv), ba [B, Hk * 2r] (per key head its r betas, then
+    its r alphas), conv_all [S, K-1, C] and ssm_all [S, Hv, Dk, Dv] (every slot's state; rows `slots` [B] are
+    read and written in place), conv_w [C, K], dt_bias and a [Hv] -> o [B, Hv, Dv] float32."""
+    b, hv = qkv.shape[0], ssm_all.shape[1]
+    r = hv // hk
+    ba = ba.view(b, hk, 2 * r)
+    beta = ba[..., :r].reshape(b, hv).sigmoid()
+    g = a * F.softplus(ba[..., r:].reshape(b, hv) + dt_bias)  # [B, Hv], <= 0
+    full = torch.cat([conv_all.index_select(0, slots), qkv.unsqueeze(1)], dim=1)  # [B, K, C]
+    mixed = F.silu((full * conv_w.T).sum(1))  # [B, C]
+    conv_all.index_copy_(0, slots, full[:, 1:])
+    q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=-1)
+
+    def heads(x):  # [B, Hk*Dk] -> [B, Hv, Dk], L2-normalised, each key head serving its r value heads
+        x = x.reshape(b, hk, dk)
+        x = x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+        return x.unsqueeze(2).expand(b, hk, r, dk).reshape(b, hv, dk)
+
+    q, k, v = heads(q) * dk ** -0.5, heads(k), v.reshape(b, hv, dv)
+    s = ssm_all.index_select(0, slots) * g.exp()[..., None, None]  # [B, Hv, Dk, Dv]
+    predicted = torch.einsum("bhk,bhkv->bhv", k, s)
+    s = s + k.unsqueeze(-1) * ((v - predicted) * beta.unsqueeze(-1)).unsqueeze(-2)
+    ssm_all.index_copy_(0, slots, s)
+    return torch.einsum("bhk,bhkv->bhv", q, s)

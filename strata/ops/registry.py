@@ -24,6 +24,9 @@ Nothing else registers kernels, and no caller checks for a kernel itself.
     route_topk          reference.route_topk                 route.route_topk          (Triton, CUDA)
     router_logits       reference.router_logits              route.router_logits       (Triton, CUDA: float
                                                                                         routers, x as it is)
+    delta_decode        reference.delta_decode               deltanet                  (Triton, CUDA: a gated
+                                                                                        delta-net decode step, conv
+                                                                                        and recurrence, 2 launches)
     qmatmul             reference.qmatmul (float32)          by (device, format): quant.matmul's table, which
                                                              qgemv fills (Triton GEMV, CUDA: Q4_K, Q6_K, Q8_0)
                                                              and cpu_gemv (the native kernel, CPU: its formats,
@@ -58,6 +61,7 @@ KERNEL_MODULES = (
     "strata.ops.route",
     "strata.ops.host_rows",
     "strata.ops.combine",
+    "strata.ops.deltanet",
 )
 
 

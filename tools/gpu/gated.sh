@@ -29,6 +29,9 @@ GATED=(
   # the packed IQ2_XXS / IQ2_S / IQ3_XXS tiles (then measure: tools/bench_kernels.py --expert-formats
   # Q4_K,IQ2_XXS,IQ2_S,IQ3_XXS --iq-tiles packed, and --iq-tiles lookup)
   "tests/experts/test_expert_triton.py|strata/ops/iquant_triton.py|s/^PACKED_GPU_TESTED = False/PACKED_GPU_TESTED = True/"
+  # the gated delta-net decode step in two launches (then measure: B2, `MODEL=scratch/b2.gguf PRESET=qwen3-next-80b-a3b
+  # BUDGET=24 LENGTHS=4K SUITES=sweep RUNS=1 tools/gpu/bench_b1.sh run` against its 74.4 tok/s)
+  "tests/ops/test_deltanet_interpret.py|strata/ops/deltanet.py|s/^GPU_TESTED = False/GPU_TESTED = True/"
   # the MTP block's graphed forwards (then measure: tools/bench_spec.py -m strata/data/strata-tiny.gguf --device
   # cuda --draft-source mtp --drafts 0,1,2,3)
   "tests/engine/test_mtp.py|strata/engine/mtp.py|s/^GRAPHS_GPU_TESTED = False/GRAPHS_GPU_TESTED = True/"

@@ -1,0 +1,144 @@
+"""The gated delta-net decode step in two launches (`strata.ops.deltanet`) against its torch twin: in Triton's
+interpreter on the CPU and (marked gpu) compiled on CUDA, inside a CUDA graph; and the layer taking the op."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+CASES = textwrap.dedent("""
+    import torch
+    from strata.ops import deltanet, reference
+
+    def check(dev, kernel=deltanet.delta_decode):
+        g = torch.Generator().manual_seed(0)
+        # (sequences, key heads, value heads, Dk, Dv, conv kernel, slots): Qwen3-Next's grouping (2 value heads a
+        # key head), one value head a key head, 4 a key head, a conv of 2 taps, sequences in scattered slots
+        for B, hk, hv, dk, dv, K, S, order in ((2, 2, 4, 16, 32, 4, 3, (2, 0)), (1, 1, 1, 32, 64, 4, 1, (0,)),
+                                                (3, 1, 4, 16, 16, 2, 5, (4, 1, 3)), (1, 2, 4, 64, 64, 4, 2, (1,))):
+            C = 2 * hk * dk + hv * dv
+            qkv = torch.randn(B, C, generator=g).to(dev)
+            ba = torch.randn(B, 2 * hv, generator=g).to(dev)
+            conv_w = (torch.randn(C, K, generator=g) * 0.5).to(dev)
+            dt_bias = torch.randn(hv, generator=g).to(dev)
+            a = -torch.rand(hv, generator=g).to(dev) * 2
+            conv = torch.randn(S, K - 1, C, generator=g).to(dev)
+            ssm = (torch.randn(S, hv, dk, dv, generator=g) * 0.3).to(dev)
+            slots = torch.tensor(order, dtype=torch.int64, device=dev)
+            c1, s1, c2, s2 = conv.clone(), ssm.clone(), conv.clone(), ssm.clone()
+            o = kernel(qkv, ba, c1, conv_w, s1, slots, dt_bias, a, hk, dk, dv)
+            ref = reference.delta_decode(qkv, ba, c2, conv_w, s2, slots, dt_bias, a, hk, dk, dv)
+            assert o.shape == ref.shape == (B, hv, dv) and o.dtype == torch.float32
+            assert torch.allclose(o.cpu(), ref.cpu(), rtol=1e-4, atol=1e-5), (B, hk, hv, (o - ref).abs().max())
+            assert torch.allclose(s1.cpu(), s2.cpu(), rtol=1e-4, atol=1e-5), (B, hk, hv, (s1 - s2).abs().max())
+            assert torch.equal(c1.cpu(), c2.cpu())  # the kept conv inputs: moved, not computed
+            untouched = [s for s in range(S) if s not in order]
+            assert torch.equal(s1[untouched].cpu(), ssm[untouched].cpu()) and torch.equal(c1[untouched].cpu(),
+                                                                                         conv[untouched].cpu())
+        print("ok")
+""")
+
+
+def _run(script: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_delta_decode_kernels_match_their_twin_in_the_interpreter():
+    r = _run(CASES + "\ncheck('cpu')\n")
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+def test_the_comparison_catches_a_wrong_gate():
+    """A kernel that writes with beta = 1 (no write strength) is caught: the check can fail."""
+    broken = CASES + textwrap.dedent("""
+        def no_beta(qkv, ba, *rest):
+            hv = rest[2].shape[1]
+            hk = rest[6]
+            r = hv // hk
+            ba = ba.clone().view(ba.shape[0], hk, 2 * r)
+            ba[..., :r] = 50.0  # sigmoid -> 1
+            return deltanet.delta_decode(qkv, ba.view(ba.shape[0], -1), *rest)
+        check('cpu', no_beta)
+    """)
+    r = _run(broken)
+    assert r.returncode != 0 and "AssertionError" in r.stderr, r.stderr[-3000:]
+
+
+@pytest.mark.gpu
+def test_delta_decode_kernels_match_their_twin_on_cuda_and_in_a_graph():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    ns: dict = {}
+    exec(CASES, ns)
+    ns["check"]("cuda")
+    from strata.ops import deltanet, reference
+
+    dev = torch.device("cuda")
+    B, hk, hv, dk, dv, K = 2, 16, 32, 128, 128, 4  # Qwen3-Next-80B's layer
+    C = 2 * hk * dk + hv * dv
+    qkv, ba = torch.randn(B, C, device=dev), torch.randn(B, 2 * hv, device=dev)
+    conv_w, dt_bias, a = torch.randn(C, K, device=dev) * 0.5, torch.randn(hv, device=dev), -torch.rand(hv, device=dev)
+    conv, ssm = torch.randn(3, K - 1, C, device=dev), torch.randn(3, hv, dk, dv, device=dev) * 0.3
+    slots = torch.tensor([2, 0], device=dev)
+    c2, s2 = conv.clone(), ssm.clone()
+    deltanet.delta_decode(qkv, ba, conv.clone(), conv_w, ssm.clone(), slots, dt_bias, a, hk, dk, dv)  # compile
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o = deltanet.delta_decode(qkv, ba, conv, conv_w, ssm, slots, dt_bias, a, hk, dk, dv)
+    graph.replay()
+    ref = reference.delta_decode(qkv, ba, c2, conv_w, s2, slots, dt_bias, a, hk, dk, dv)
+    torch.cuda.synchronize()
+    assert torch.allclose(o, ref, rtol=1e-4, atol=1e-5) and torch.allclose(ssm, s2, rtol=1e-4, atol=1e-5)
+    assert torch.equal(conv, c2)
+
+
+def test_the_layer_decodes_through_the_op(monkeypatch):
+    """A decode step of the layer (one sequence, or several) calls the op once; prompt chunks keep the chunked
+    form."""
+    from strata.layers import deltanet as layer_mod
+
+    calls = []
+    real = layer_mod.delta_decode
+
+    def spy(*args, **kw):
+        calls.append(args[0].shape[0])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(layer_mod, "delta_decode", spy)
+    from strata.kv.cache import Segment
+    from strata.kv.recurrent import RecurrentState
+    from strata.quant import QTensor
+
+    g = torch.Generator().manual_seed(3)
+    hk, hv, dk, dv, K, d = 1, 2, 8, 8, 4, 16
+    C = 2 * hk * dk + hv * dv
+
+    def qt(rows, cols):
+        return QTensor.from_float(torch.randn(rows, cols, generator=g) * 0.2, "F32")
+
+    w = {"qkv": qt(C, d), "z": qt(hv * dv, d), "ba": qt(2 * hv, d), "out": qt(d, hv * dv),
+         "conv": torch.randn(C, K, generator=g) * 0.5, "dt_bias": torch.randn(hv, generator=g),
+         "a": -torch.rand(hv, generator=g), "norm": torch.ones(dv)}
+    dims = {"hk": hk, "hv": hv, "dk": dk, "dv": dv, "kernel": K}
+    lay = layer_mod.GatedDeltaNet(0, dims, w, 1e-6)
+
+    class KV:
+        recurrent = RecurrentState([0], 2, *lay.state_shapes(dims), "cpu")
+
+    x = torch.randn(5, d, generator=g)
+    lay(x, torch.arange(5), [Segment(0, 0, 5)], KV)  # a prompt: chunked, not the op
+    assert calls == []
+    lay(x[:1], torch.tensor([5]), [Segment(0, 5, 1)], KV)
+    lay(x[:2], torch.tensor([6, 0]), [Segment(0, 6, 1), Segment(1, 0, 1, window=0)], KV)
+    assert calls == [1]  # (a sequence's first token resets its state: the per-segment path)
+    lay(x[:2], torch.tensor([7, 1]), [Segment(0, 7, 1), Segment(1, 1, 1)], KV)
+    assert calls == [1, 2]
