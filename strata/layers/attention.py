@@ -120,9 +120,10 @@ def _as_dtype(ks: torch.Tensor, vs: torch.Tensor | None, dtype: torch.dtype):
 FUSE_QKV_ON = ("cuda",)  # device types whose attention weights are fused (tests add "cpu")
 
 
-def _fuse_qkv(wq: QTensor, wk: QTensor, wv: QTensor, biases) -> tuple[QTensor | None, list[int]]:
-    """On a GPU, the q, k and v projections of one format as one weight (their rows one after another): a decode
-    step then reads them in one GEMV launch instead of three (each launch of a small GEMV costs a few
+def fuse_rows(wq: QTensor, wk: QTensor, wv: QTensor, biases) -> tuple[QTensor | None, list[int]]:
+    """On a GPU, three projections of one input and one format (attention's q, k and v; a delta-net layer's qkv,
+    gate and ba) as one weight (their rows one after another): a decode step then reads them in one GEMV launch
+    instead of three (each launch of a small GEMV costs a few
     microseconds whatever its size). Not on a CPU, where the weights stay mapped from the file, nor across
     formats (a Q4_K_M file's attn_v is often Q6_K), nor with some biases but not all."""
     ws = (wq, wk, wv)
@@ -135,7 +136,7 @@ def _fuse_qkv(wq: QTensor, wk: QTensor, wv: QTensor, biases) -> tuple[QTensor | 
     return QTensor(raw, wq.qtype, (sum(sizes), wq.shape[1])), sizes
 
 
-def _row_views(w: QTensor, sizes: list[int]) -> list[QTensor]:
+def row_views(w: QTensor, sizes: list[int]) -> list[QTensor]:
     out, a = [], 0
     for n in sizes:
         out.append(QTensor(w.raw[a:a + n], w.qtype, (n, w.shape[1])))
@@ -160,9 +161,9 @@ class GQAttention:
         self.q_norm, self.k_norm = w.get("attn_q_norm"), w.get("attn_k_norm")
         self.scale = 1.0 / math.sqrt(self.hd)
         self._cast_biases: dict[torch.dtype, tuple] = {}
-        self.wqkv, self.qkv_sizes = _fuse_qkv(self.wq, self.wk, self.wv, (self.bq, self.bk, self.bv))
+        self.wqkv, self.qkv_sizes = fuse_rows(self.wq, self.wk, self.wv, (self.bq, self.bk, self.bv))
         if self.wqkv is not None:  # the three become row views of the one copy (no second copy kept)
-            self.wq, self.wk, self.wv = _row_views(self.wqkv, self.qkv_sizes)
+            self.wq, self.wk, self.wv = row_views(self.wqkv, self.qkv_sizes)
 
     @staticmethod
     def cache_shapes(args) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from strata.kv.cache import KVCache, Segment
+from strata.layers.attention import fuse_rows, row_views
 from strata.layers.norm import rms_norm
 from strata.ops import registry
 from strata.quant import QTensor, qmatmul
@@ -118,6 +119,10 @@ class GatedDeltaNet:
         self.hk, self.hv, self.dk, self.dv = dims["hk"], dims["hv"], dims["dk"], dims["dv"]
         self.r = self.hv // self.hk
         self.wqkv, self.wz, self.wba, self.wout = w["qkv"], w["z"], w["ba"], w["out"]
+        # on a GPU the three input projections as one weight (one GEMV launch a step), each a view of it
+        self.w_in, self.in_sizes = fuse_rows(self.wqkv, self.wz, self.wba, (None, None, None))
+        if self.w_in is not None:
+            self.wqkv, self.wz, self.wba = row_views(self.w_in, self.in_sizes)
         self.conv_w, self.dt_bias, self.a, self.norm = w["conv"], w["dt_bias"], w["a"], w["norm"]
         self.scale = self.dk ** -0.5
 
@@ -133,9 +138,11 @@ class GatedDeltaNet:
 
     def __call__(self, x: torch.Tensor, pos: torch.Tensor, segments: list[Segment], kv: KVCache) -> torch.Tensor:
         n = x.shape[0]
-        qkv = qmatmul(x, self.wqkv).float()  # [n, conv_dim]
-        z = qmatmul(x, self.wz).float().view(n, self.hv, self.dv)
-        ba = qmatmul(x, self.wba).float()  # [n, Hk * 2r]: per key head its r betas, then its r alphas
+        if self.w_in is not None:  # (column views of one [n, qkv + z + ba] product: rows strided, columns not)
+            qkv, z, ba = qmatmul(x, self.w_in).float().split(self.in_sizes, dim=-1)
+        else:
+            qkv, z, ba = (qmatmul(x, w).float() for w in (self.wqkv, self.wz, self.wba))
+        z = z.view(n, self.hv, self.dv)  # qkv [n, conv_dim]; ba [n, Hk * 2r]: per key head its r betas, r alphas
         st = kv.recurrent
         if all(seg.n == 1 and (seg.window or seg.start > 0) and seg.slot not in st.track for seg in segments):
             # (the common step: every sequence decoding) conv and recurrence on the slots' states in place

@@ -4,7 +4,7 @@ the gates' sigmoid and softplus, the delta rule's decay, two contractions, the w
 scatter). Qwen3-Next runs 36 such layers a token, so in a graphed decode step their launches, not their bytes
 (the state is 2 MB a layer), set the time.
 
-`delta_decode(qkv [B, C] f32, ba [B, Hk*2r] f32, conv_all [S, K-1, C], conv_w [C, K], ssm_all [S, Hv, Dk, Dv],
+`delta_decode(qkv [B, C] f32, ba [B, Hk*2r] f32 (rows may be strided), conv_all [S, K-1, C], conv_w [C, K], ssm_all [S, Hv, Dk, Dv],
 slots [B] int64, dt_bias [Hv], a [Hv], hk, dk, dv) -> o [B, Hv, Dv] f32`, the slots' rows of both states
 updated in place (no gather or scatter copies):
 
@@ -47,13 +47,13 @@ def available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _conv_kernel(QKV, CONV, W, SLOTS, MIXED, C, K1: tl.constexpr, BLOCK: tl.constexpr):
+    def _conv_kernel(QKV, CONV, W, SLOTS, MIXED, C, sq, K1: tl.constexpr, BLOCK: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
         cc = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = cc < C
         slot = tl.load(SLOTS + b).to(tl.int64)
         row = CONV + slot * K1 * C
-        x = tl.load(QKV + b * C + cc, mask=m, other=0.0).to(tl.float32)
+        x = tl.load(QKV + b * sq + cc, mask=m, other=0.0).to(tl.float32)
         acc = x * tl.load(W + cc * (K1 + 1) + K1, mask=m, other=0.0).to(tl.float32)  # the newest input's tap
         for j in tl.static_range(K1):
             acc += tl.load(row + j * C + cc, mask=m, other=0.0) * tl.load(W + cc * (K1 + 1) + j, mask=m, other=0.0)
@@ -63,15 +63,15 @@ if triton is not None:
         tl.store(row + (K1 - 1) * C + cc, x, mask=m)
 
     @triton.jit
-    def _delta_kernel(MIXED, BA, SSM, SLOTS, DTB, A, O, HK, HV, R, C, scale, DK: tl.constexpr, DV: tl.constexpr,
-                      BV: tl.constexpr):
+    def _delta_kernel(MIXED, BA, SSM, SLOTS, DTB, A, O, HK, HV, R, C, sba, scale, DK: tl.constexpr,
+                      DV: tl.constexpr, BV: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         vb = tl.program_id(2)
         slot = tl.load(SLOTS + b).to(tl.int64)
         kh = h // R
         j = h % R
-        ba = BA + b * (HK * 2 * R) + kh * 2 * R
+        ba = BA + b * sba + kh * 2 * R
         beta = 1.0 / (1.0 + tl.exp(-tl.load(ba + j).to(tl.float32)))
         x = tl.load(ba + R + j).to(tl.float32) + tl.load(DTB + h).to(tl.float32)
         soft = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))  # torch's softplus threshold
@@ -97,14 +97,14 @@ def delta_decode(qkv: torch.Tensor, ba: torch.Tensor, conv_all: torch.Tensor, co
     B, C = qkv.shape
     hv = ssm_all.shape[1]
     k1 = conv_all.shape[1]
-    mixed = torch.empty_like(qkv)
+    mixed = torch.empty(B, C, dtype=torch.float32, device=qkv.device)
     o = torch.empty(B, hv, dv, dtype=torch.float32, device=qkv.device)
     if B == 0:
         return o
-    _conv_kernel[(B, triton.cdiv(C, BLOCK_C))](qkv, conv_all, conv_w, slots, mixed, C, K1=k1, BLOCK=BLOCK_C,
-                                               num_warps=4)
+    _conv_kernel[(B, triton.cdiv(C, BLOCK_C))](qkv, conv_all, conv_w, slots, mixed, C, qkv.stride(0), K1=k1,
+                                               BLOCK=BLOCK_C, num_warps=4)
     bv = min(BLOCK_V, dv)
-    _delta_kernel[(B, hv, dv // bv)](mixed, ba, ssm_all, slots, dt_bias, a, o, hk, hv, hv // hk, C,
+    _delta_kernel[(B, hv, dv // bv)](mixed, ba, ssm_all, slots, dt_bias, a, o, hk, hv, hv // hk, C, ba.stride(0),
                                      float(dk) ** -0.5, DK=dk, DV=dv, BV=bv, num_warps=4)
     return o
 
@@ -116,8 +116,10 @@ def _pow2(n: int) -> bool:
 def _takes(qkv, ba, conv_all, conv_w, ssm_all, slots, dt_bias, a, hk, dk, dv) -> bool:
     if triton is None or not qkv.is_cuda or not (GPU_TESTED or triton_interpreting()):
         return False
-    ts = (qkv, ba, conv_all, conv_w, ssm_all, dt_bias, a)
+    ts = (conv_all, conv_w, ssm_all, dt_bias, a)
+    rows = (qkv, ba)  # (column views of one fused projection: rows strided, each row contiguous)
     return (all(t.dtype == torch.float32 and t.is_contiguous() and t.is_cuda for t in ts)
+            and all(t.dtype == torch.float32 and t.is_cuda and t.dim() == 2 and t.stride(-1) == 1 for t in rows)
             and slots.is_cuda and conv_all.shape[1] >= 1 and _pow2(dk) and _pow2(dv) and dk <= 256
             and ssm_all.shape[1] % hk == 0)
 

@@ -42,7 +42,29 @@ def test_fused_qkv_gives_the_same_logits_and_text(hf_and_gguf, monkeypatch, fami
 def test_weights_of_different_formats_are_not_fused(monkeypatch):
     monkeypatch.setattr(attention, "FUSE_QKV_ON", ("cpu",))
     wq, wk = random_qtensor(Q.Q8_0, (64, 64), 1), random_qtensor(Q.Q8_0, (32, 64), 2)
-    assert attention._fuse_qkv(wq, wk, random_qtensor(Q.Q4_K, (32, 256), 3), (None,) * 3)[0] is None
-    w, sizes = attention._fuse_qkv(wq, wk, random_qtensor(Q.Q8_0, (32, 64), 3), (None,) * 3)
+    assert attention.fuse_rows(wq, wk, random_qtensor(Q.Q4_K, (32, 256), 3), (None,) * 3)[0] is None
+    w, sizes = attention.fuse_rows(wq, wk, random_qtensor(Q.Q8_0, (32, 64), 3), (None,) * 3)
     assert sizes == [64, 32, 32] and w.shape == (128, 64)
-    assert attention._fuse_qkv(wq, wk, random_qtensor(Q.Q8_0, (32, 64), 3), (torch.zeros(64), None, None))[0] is None
+    assert attention.fuse_rows(wq, wk, random_qtensor(Q.Q8_0, (32, 64), 3), (torch.zeros(64), None, None))[0] is None
+
+
+def test_delta_net_input_projections_fused_give_the_same_logits_and_text(hf_and_gguf, monkeypatch):
+    """Qwen3-Next's recurrent layers: qkv, gate and ba as one weight (one GEMV a step on a GPU), the same logits."""
+    from strata.layers.deltanet import GatedDeltaNet
+
+    _, path = hf_and_gguf("qwen3next", "q8_0")
+    cfg = EngineConfig(device="cpu", dtype="float32", ctx_size=256, experts=ExpertConfig(mode="resident"))
+
+    def deltas(lm):
+        return [b.attn for b in lm.model.blocks if isinstance(getattr(b, "attn", None), GatedDeltaNet)]
+
+    plain = load_model(str(path), cfg, with_tokenizer=False)
+    assert deltas(plain) and all(d.w_in is None for d in deltas(plain))
+    monkeypatch.setattr(attention, "FUSE_QKV_ON", ("cuda", "cpu"))
+    fused = load_model(str(path), cfg, with_tokenizer=False)
+    d = deltas(fused)[0]
+    assert d.w_in is not None and d.wqkv.raw.data_ptr() == d.w_in.raw.data_ptr()
+    want, got = forward_all(plain, IDS), forward_all(fused, IDS)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (got - want).abs().max()
+    sp = SamplingParams(temperature=0)
+    assert list(Engine(fused, n_slots=2).generate(IDS, sp, 12)) == list(Engine(plain, n_slots=2).generate(IDS, sp, 12))

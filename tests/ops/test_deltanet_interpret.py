@@ -24,8 +24,8 @@ CASES = textwrap.dedent("""
         for B, hk, hv, dk, dv, K, S, order in ((2, 2, 4, 16, 32, 4, 3, (2, 0)), (1, 1, 1, 32, 64, 4, 1, (0,)),
                                                 (3, 1, 4, 16, 16, 2, 5, (4, 1, 3)), (1, 2, 4, 64, 64, 4, 2, (1,))):
             C = 2 * hk * dk + hv * dv
-            qkv = torch.randn(B, C, generator=g).to(dev)
-            ba = torch.randn(B, 2 * hv, generator=g).to(dev)
+            # qkv and ba as column views of one product (the fused projection), as the layer passes them
+            qkv, _, ba = torch.randn(B, C + 3 + 2 * hv, generator=g).to(dev).split([C, 3, 2 * hv], dim=-1)
             conv_w = (torch.randn(C, K, generator=g) * 0.5).to(dev)
             dt_bias = torch.randn(hv, generator=g).to(dev)
             a = -torch.rand(hv, generator=g).to(dev) * 2
