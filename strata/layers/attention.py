@@ -120,20 +120,21 @@ def _as_dtype(ks: torch.Tensor, vs: torch.Tensor | None, dtype: torch.dtype):
 FUSE_QKV_ON = ("cuda",)  # device types whose attention weights are fused (tests add "cpu")
 
 
-def fuse_rows(wq: QTensor, wk: QTensor, wv: QTensor, biases) -> tuple[QTensor | None, list[int]]:
-    """On a GPU, three projections of one input and one format (attention's q, k and v; a delta-net layer's qkv,
-    gate and ba) as one weight (their rows one after another): a decode step then reads them in one GEMV launch
-    instead of three (each launch of a small GEMV costs a few
-    microseconds whatever its size). Not on a CPU, where the weights stay mapped from the file, nor across
-    formats (a Q4_K_M file's attn_v is often Q6_K), nor with some biases but not all."""
-    ws = (wq, wk, wv)
-    if any(w is None or len(w.shape) != 2 for w in ws) or wq.raw.device.type not in FUSE_QKV_ON:
+def fuse_rows(ws, biases=None) -> tuple[QTensor | None, list[int]]:
+    """On a GPU, projections of one input and one format (attention's q, k and v; a delta-net layer's qkv, gate
+    and ba; a SwiGLU's gate and up) as one weight (their rows one after another): a decode step then reads them in
+    one GEMV launch instead of one each (each launch of a small GEMV costs a few microseconds whatever its size).
+    Not on a CPU, where the weights stay mapped from the file, nor across formats (a Q4_K_M file's attn_v is often
+    Q6_K), nor with some biases but not all. Returns (the fused weight, each part's rows) or (None, [])."""
+    ws = tuple(ws)
+    biases = tuple(biases) if biases is not None else (None,) * len(ws)
+    if any(w is None or len(w.shape) != 2 for w in ws) or ws[0].raw.device.type not in FUSE_QKV_ON:
         return None, []
     if len({w.qtype for w in ws}) != 1 or len({w.shape[1] for w in ws}) != 1 or len({b is None for b in biases}) != 1:
         return None, []
     sizes = [w.shape[0] for w in ws]
     raw = torch.cat([w.raw.reshape(w.shape[0], -1) for w in ws])
-    return QTensor(raw, wq.qtype, (sum(sizes), wq.shape[1])), sizes
+    return QTensor(raw, ws[0].qtype, (sum(sizes), ws[0].shape[1])), sizes
 
 
 def row_views(w: QTensor, sizes: list[int]) -> list[QTensor]:
@@ -161,7 +162,7 @@ class GQAttention:
         self.q_norm, self.k_norm = w.get("attn_q_norm"), w.get("attn_k_norm")
         self.scale = 1.0 / math.sqrt(self.hd)
         self._cast_biases: dict[torch.dtype, tuple] = {}
-        self.wqkv, self.qkv_sizes = fuse_rows(self.wq, self.wk, self.wv, (self.bq, self.bk, self.bv))
+        self.wqkv, self.qkv_sizes = fuse_rows((self.wq, self.wk, self.wv), (self.bq, self.bk, self.bv))
         if self.wqkv is not None:  # the three become row views of the one copy (no second copy kept)
             self.wq, self.wk, self.wv = row_views(self.wqkv, self.qkv_sizes)
 

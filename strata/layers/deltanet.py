@@ -120,7 +120,7 @@ class GatedDeltaNet:
         self.r = self.hv // self.hk
         self.wqkv, self.wz, self.wba, self.wout = w["qkv"], w["z"], w["ba"], w["out"]
         # on a GPU the three input projections as one weight (one GEMV launch a step), each a view of it
-        self.w_in, self.in_sizes = fuse_rows(self.wqkv, self.wz, self.wba, (None, None, None))
+        self.w_in, self.in_sizes = fuse_rows((self.wqkv, self.wz, self.wba))
         if self.w_in is not None:
             self.wqkv, self.wz, self.wba = row_views(self.w_in, self.in_sizes)
         self.conv_w, self.dt_bias, self.a, self.norm = w["conv"], w["dt_bias"], w["a"], w["norm"]

@@ -5,12 +5,21 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from strata.layers.attention import fuse_rows, row_views
 from strata.quant import QTensor, qmatmul
 
 
 class SwiGLU:
     def __init__(self, gate: QTensor, up: QTensor, down: QTensor):
         self.gate, self.up, self.down = gate, up, down
+        # on a GPU gate and up as one weight (one GEMV launch a step), each a view of it
+        self.gate_up, self.sizes = fuse_rows((gate, up))
+        if self.gate_up is not None:
+            self.gate, self.up = row_views(self.gate_up, self.sizes)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return qmatmul(F.silu(qmatmul(x, self.gate)) * qmatmul(x, self.up), self.down)
+        if self.gate_up is not None:
+            g, u = qmatmul(x, self.gate_up).split(self.sizes, dim=-1)
+        else:
+            g, u = qmatmul(x, self.gate), qmatmul(x, self.up)
+        return qmatmul(F.silu(g) * u, self.down)

@@ -42,10 +42,10 @@ def test_fused_qkv_gives_the_same_logits_and_text(hf_and_gguf, monkeypatch, fami
 def test_weights_of_different_formats_are_not_fused(monkeypatch):
     monkeypatch.setattr(attention, "FUSE_QKV_ON", ("cpu",))
     wq, wk = random_qtensor(Q.Q8_0, (64, 64), 1), random_qtensor(Q.Q8_0, (32, 64), 2)
-    assert attention.fuse_rows(wq, wk, random_qtensor(Q.Q4_K, (32, 256), 3), (None,) * 3)[0] is None
-    w, sizes = attention.fuse_rows(wq, wk, random_qtensor(Q.Q8_0, (32, 64), 3), (None,) * 3)
+    assert attention.fuse_rows((wq, wk, random_qtensor(Q.Q4_K, (32, 256), 3)), (None,) * 3)[0] is None
+    w, sizes = attention.fuse_rows((wq, wk, random_qtensor(Q.Q8_0, (32, 64), 3)), (None,) * 3)
     assert sizes == [64, 32, 32] and w.shape == (128, 64)
-    assert attention.fuse_rows(wq, wk, random_qtensor(Q.Q8_0, (32, 64), 3), (torch.zeros(64), None, None))[0] is None
+    assert attention.fuse_rows((wq, wk, random_qtensor(Q.Q8_0, (32, 64), 3)), (torch.zeros(64), None, None))[0] is None
 
 
 def test_delta_net_input_projections_fused_give_the_same_logits_and_text(hf_and_gguf, monkeypatch):
@@ -68,3 +68,18 @@ def test_delta_net_input_projections_fused_give_the_same_logits_and_text(hf_and_
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (got - want).abs().max()
     sp = SamplingParams(temperature=0)
     assert list(Engine(fused, n_slots=2).generate(IDS, sp, 12)) == list(Engine(plain, n_slots=2).generate(IDS, sp, 12))
+
+
+def test_swiglu_gate_and_up_fused_give_the_same_output(monkeypatch):
+    """Dense layers and shared experts: gate and up as one weight (one GEMV a step on a GPU)."""
+    from strata.layers.ffn import SwiGLU
+
+    g, u, d = (random_qtensor(Q.Q8_0, s, i) for i, s in enumerate(((96, 64), (96, 64), (64, 96))))
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    plain = SwiGLU(g, u, d)
+    assert plain.gate_up is None
+    monkeypatch.setattr(attention, "FUSE_QKV_ON", ("cpu",))
+    fused = SwiGLU(g, u, d)
+    assert fused.gate_up is not None and fused.sizes == [96, 96]
+    assert torch.allclose(fused(x), plain(x), rtol=1e-5, atol=1e-5)
+    assert SwiGLU(g, random_qtensor(Q.Q4_K, (96, 256), 4), d).gate_up is None  # (another format and width)
