@@ -68,7 +68,8 @@ class ExpertConfig:
         "cache slots per layer: uniform, or spread as --expert-profile's routing predicts most hits",
         choices=CACHE_LAYOUTS))
     promote_min: float = field(default=0.0, metadata=opt("decayed uses needed before an expert is cached"))
-    swap_budget: int = field(default=4, metadata=opt("expert copies per layer per step"))
+    swap_budget: int = field(default=4, metadata=opt(
+        "cached experts replaced per layer per step (empty slots fill past it; 0 freezes the cache)"))
     low_ram: bool = field(default=False, metadata=opt("read experts from the memory-mapped file (no pinned copy)"))
     expert_profile: str | None = field(default=None, metadata=opt("routing profile to fill the cache from"))
     expert_profile_save: str | None = field(default=None, metadata=opt(

@@ -60,7 +60,8 @@ def register(sub) -> None:
     g.add_argument("--vs", action="append", default=[], choices=PEERS, help="also measure llama.cpp / transformers")
     g.add_argument("--llama-server", default=None, help="llama-server binary (default: peers/llama.cpp/build/bin; "
                    "without one, llama.cpp's CPU build from xllamacpp)")
-    g.add_argument("--llama-bench", default=None, help="llama-bench binary (default: peers/llama.cpp/build/bin)")
+    g.add_argument("--llama-bench", default=None, help="llama-bench binary (default: peers/llama.cpp/build/bin); "
+                   "none: skip it (a 128K row's llama-bench adds two more 128K prefills)")
     g.add_argument("--n-cpu-moe", type=int, default=None, help="llama.cpp's --n-cpu-moe (default: fitted to --vram-gb)")
     g.add_argument("--peer-threads", type=int, default=0, help="peer CPU threads (default: physical cores)")
     g = p.add_argument_group("server started by the bench (strata serve flags)")
@@ -414,7 +415,7 @@ def _run_peer(peer: str, args, plan: Plan, model: str, model_ctx, synthetic, out
                            "n_cpu_moe": n_cpu_moe, "fit": fit, **srv}
     except StrataError as e:
         out["llamacpp"] = {"how": "llama.cpp server", "error": str(e)}
-    bench_bin = llamacpp.find_binary("llama-bench", args.llama_bench)
+    bench_bin = None if args.llama_bench == "none" else llamacpp.find_binary("llama-bench", args.llama_bench)
     if bench_bin is not None and "sweep" in plan.suites:
         try:
             out["llama-bench"] = llamacpp.run_llama_bench(
