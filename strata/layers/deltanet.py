@@ -21,11 +21,11 @@ import torch.nn.functional as F
 
 from strata.kv.cache import KVCache, Segment
 from strata.layers.attention import fuse_rows, row_views
-from strata.layers.norm import rms_norm
 from strata.ops import registry
 from strata.quant import QTensor, qmatmul
 
 delta_decode = registry.op("delta_decode")
+gated_rms_norm = registry.op("gated_rms_norm")
 
 CHUNK = 64
 _SLOT_INDEX: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
@@ -154,8 +154,8 @@ class GatedDeltaNet:
             beta = ba[..., : self.r].reshape(n, self.hv).sigmoid()
             g = self.a * F.softplus(ba[..., self.r:].reshape(n, self.hv) + self.dt_bias)  # [n, Hv], <= 0
             o = self._segments(qkv, g, beta, segments, st)
-        o = rms_norm(o, self.norm, self.eps) * F.silu(z)  # the gated RMSNorm (plain weight, not 1 + w)
-        return qmatmul(o.reshape(n, self.hv * self.dv).to(x.dtype), self.wout)
+        # the gated RMSNorm (plain weight, not 1 + w), [n, Hv * Dv] in x's dtype
+        return qmatmul(gated_rms_norm(o, z, self.norm, self.eps, x.dtype), self.wout)
 
     def _segments(self, qkv, g, beta, segments: list[Segment], st) -> torch.Tensor:
         """Segment by segment (prefill chunks, verify segments, a lone decode token): o [n, Hv, Dv]."""

@@ -15,7 +15,9 @@ updated in place (no gather or scatter copies):
                                            L2-normalised (q scaled by 1/sqrt(Dk)), then on a [Dk, BLOCK_V] tile
                                            of the state: decay, prediction, delta write, o = S^T q
 
-The conv runs first because the value heads sharing a key head read the same q and k channels. Reference twin:
+The conv runs first because the value heads sharing a key head read the same q and k channels. The layer's output
+norm, rms_norm(o) * w * silu(z) in the out projection's dtype, is one more launch (`gated_rms_norm`, where torch
+spends four), for prompt chunks too. Reference twin:
 `strata.ops.reference.delta_decode` (the layer's torch math). Tests run both kernels in Triton's interpreter on
 the CPU (tests/ops/test_deltanet_interpret.py); a GPU takes them once their GPU test has passed there
 (GPU_TESTED).
@@ -91,6 +93,38 @@ if triton is not None:
         tl.store(O + (b * HV + h) * DV + vv, tl.sum(q[:, None] * s, axis=0))
 
 
+if triton is not None:
+
+    @triton.jit
+    def _gated_norm_kernel(O, Z, W, OUT, H, D, so0, so1, sz0, sz1, eps, BLOCK: tl.constexpr):
+        i = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        dd = tl.arange(0, BLOCK)
+        m = dd < D
+        o = tl.load(O + i * so0 + h * so1 + dd, mask=m, other=0.0).to(tl.float32)
+        z = tl.load(Z + i * sz0 + h * sz1 + dd, mask=m, other=0.0).to(tl.float32)
+        w = tl.load(W + dd, mask=m, other=0.0).to(tl.float32)
+        y = o / tl.sqrt(tl.sum(o * o, axis=0) / D + eps) * w * (z / (1.0 + tl.exp(-z)))
+        tl.store(OUT + (i * H + h) * D + dd, y.to(OUT.dtype.element_ty), mask=m)
+
+
+def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
+                   dtype: torch.dtype) -> torch.Tensor:
+    n, H, D = o.shape
+    out = torch.empty(n, H * D, dtype=dtype, device=o.device)
+    if n:
+        _gated_norm_kernel[(n, H)](o, z, weight, out, H, D, o.stride(0), o.stride(1), z.stride(0), z.stride(1), float(eps),
+                                   BLOCK=triton.next_power_of_2(D), num_warps=1 if D <= 256 else 4)
+    return out
+
+
+def _takes_norm(o, z, weight, eps, dtype) -> bool:
+    return (triton is not None and o.is_cuda and (GPU_TESTED or triton_interpreting()) and o.dim() == 3
+            and o.dtype == torch.float32 and o.stride(-1) == 1 and z.shape == o.shape and z.stride(-1) == 1
+            and z.dtype == torch.float32 and weight.is_contiguous() and weight.numel() == o.shape[-1]
+            and dtype in (torch.float32, torch.bfloat16, torch.float16))
+
+
 def delta_decode(qkv: torch.Tensor, ba: torch.Tensor, conv_all: torch.Tensor, conv_w: torch.Tensor,
                  ssm_all: torch.Tensor, slots: torch.Tensor, dt_bias: torch.Tensor, a: torch.Tensor, hk: int,
                  dk: int, dv: int) -> torch.Tensor:
@@ -126,3 +160,4 @@ def _takes(qkv, ba, conv_all, conv_w, ssm_all, slots, dt_bias, a, hk, dk, dv) ->
 
 if triton is not None:
     registry.op("delta_decode").register("triton", delta_decode, _takes)
+    registry.op("gated_rms_norm").register("triton", gated_rms_norm, _takes_norm)

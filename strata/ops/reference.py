@@ -332,3 +332,13 @@ def delta_decode(qkv: torch.Tensor, ba: torch.Tensor, conv_all: torch.Tensor, co
     s = s + k.unsqueeze(-1) * ((v - predicted) * beta.unsqueeze(-1)).unsqueeze(-2)
     ssm_all.index_copy_(0, slots, s)
     return torch.einsum("bhk,bhkv->bhv", q, s)
+
+
+@reference("gated_rms_norm")
+def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """A delta-net layer's output norm: o, z [n, H, D] float32 (z's rows may be strided) -> rms_norm(o) * weight *
+    silu(z) as [n, H * D] in `dtype` (the out projection's input)."""
+    of = o.float()
+    y = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    return (y * F.silu(z.float())).reshape(o.shape[0], -1).to(dtype)

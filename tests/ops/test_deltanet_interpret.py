@@ -43,6 +43,22 @@ CASES = textwrap.dedent("""
             assert torch.equal(s1[untouched].cpu(), ssm[untouched].cpu()) and torch.equal(c1[untouched].cpu(),
                                                                                          conv[untouched].cpu())
         print("ok")
+
+    def check_norm(dev, kernel=deltanet.gated_rms_norm):
+        g = torch.Generator().manual_seed(1)
+        # (tokens, heads, D, out dtype): a decode row, a prompt chunk's transposed output, an odd D (masked block)
+        for n, H, D, dt, transposed in ((1, 4, 128, torch.bfloat16, False), (5, 2, 64, torch.float32, True),
+                                        (3, 3, 48, torch.float16, False)):
+            o = torch.randn(H, n, D, generator=g).to(dev).transpose(0, 1) if transposed else \
+                torch.randn(n, H, D, generator=g).to(dev)
+            z = torch.randn(n, H * D + 7, generator=g).to(dev)[:, 7:].view(n, H, D)  # a view of the fused product
+            w = torch.rand(D, generator=g).to(dev) + 0.5
+            out = kernel(o, z, w, 1e-6, dt)
+            ref = reference.gated_rms_norm(o, z, w, 1e-6, dt)
+            assert out.dtype == dt and out.shape == (n, H * D)
+            tol = 1e-5 if dt == torch.float32 else 1e-2
+            assert torch.allclose(out.float().cpu(), ref.float().cpu(), rtol=tol, atol=tol), (n, H, D, dt)
+        print("ok")
 """)
 
 
@@ -54,6 +70,21 @@ def _run(script: str) -> subprocess.CompletedProcess:
 def test_delta_decode_kernels_match_their_twin_in_the_interpreter():
     r = _run(CASES + "\ncheck('cpu')\n")
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+def test_gated_norm_kernel_matches_its_twin_in_the_interpreter():
+    r = _run(CASES + "\ncheck_norm('cpu')\n")
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+def test_the_comparison_catches_a_norm_without_its_gate():
+    broken = CASES + textwrap.dedent("""
+        def no_gate(o, z, w, eps, dt):
+            return deltanet.gated_rms_norm(o, torch.full_like(z, 30.0), w, eps, dt)  # silu(30) ~ 30: no gate
+        check_norm('cpu', no_gate)
+    """)
+    r = _run(broken)
+    assert r.returncode != 0 and "AssertionError" in r.stderr, r.stderr[-3000:]
 
 
 def test_the_comparison_catches_a_wrong_gate():
@@ -79,6 +110,7 @@ def test_delta_decode_kernels_match_their_twin_on_cuda_and_in_a_graph():
     ns: dict = {}
     exec(CASES, ns)
     ns["check"]("cuda")
+    ns["check_norm"]("cuda")
     from strata.ops import deltanet, reference
 
     dev = torch.device("cuda")
