@@ -3,15 +3,14 @@ interpreter on the CPU and (marked gpu) compiled on CUDA, inside a CUDA graph; a
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
+
+from tests.ops.interpreted import assert_caught, assert_passes  # noqa: E402
 
 CASES = textwrap.dedent("""
     import torch
@@ -62,19 +61,12 @@ CASES = textwrap.dedent("""
 """)
 
 
-def _run(script: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-
-
 def test_delta_decode_kernels_match_their_twin_in_the_interpreter():
-    r = _run(CASES + "\ncheck('cpu')\n")
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+    assert_passes(CASES + "\ncheck('cpu')\n")
 
 
 def test_gated_norm_kernel_matches_its_twin_in_the_interpreter():
-    r = _run(CASES + "\ncheck_norm('cpu')\n")
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+    assert_passes(CASES + "\ncheck_norm('cpu')\n")
 
 
 def test_the_comparison_catches_a_norm_without_its_gate():
@@ -83,8 +75,7 @@ def test_the_comparison_catches_a_norm_without_its_gate():
             return deltanet.gated_rms_norm(o, torch.full_like(z, 30.0), w, eps, dt)  # silu(30) ~ 30: no gate
         check_norm('cpu', no_gate)
     """)
-    r = _run(broken)
-    assert r.returncode != 0 and "AssertionError" in r.stderr, r.stderr[-3000:]
+    assert_caught(broken)
 
 
 def test_the_comparison_catches_a_wrong_gate():
@@ -99,8 +90,7 @@ def test_the_comparison_catches_a_wrong_gate():
             return deltanet.delta_decode(qkv, ba.view(ba.shape[0], -1), *rest)
         check('cpu', no_beta)
     """)
-    r = _run(broken)
-    assert r.returncode != 0 and "AssertionError" in r.stderr, r.stderr[-3000:]
+    assert_caught(broken)
 
 
 @pytest.mark.gpu

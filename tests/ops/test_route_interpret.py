@@ -3,15 +3,14 @@ and (marked gpu) compiled on CUDA, inside a CUDA graph, for each gating the fami
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
+
+from tests.ops.interpreted import assert_caught, assert_passes  # noqa: E402
 
 CASES = textwrap.dedent("""
     import torch
@@ -57,19 +56,12 @@ CASES = textwrap.dedent("""
 """)
 
 
-def _run(script: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-
-
 def test_route_kernel_matches_its_twin_in_the_interpreter():
-    r = _run(CASES + "\ncheck('cpu')\n")
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+    assert_passes(CASES + "\ncheck('cpu')\n")
 
 
 def test_router_logits_kernel_matches_its_twin_in_the_interpreter():
-    r = _run(CASES + "\ncheck_logits('cpu')\n")
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+    assert_passes(CASES + "\ncheck_logits('cpu')\n")
 
 
 def test_the_comparison_catches_wrong_logits():
@@ -78,8 +70,7 @@ def test_the_comparison_catches_wrong_logits():
             return route.router_logits(x, w, None)
         check_logits('cpu', no_bias)
     """)
-    r = _run(broken)
-    assert r.returncode != 0 and "AssertionError" in r.stderr, r.stderr[-3000:]
+    assert_caught(broken)
 
 
 def test_the_comparison_catches_a_wrong_choice():
@@ -89,8 +80,7 @@ def test_the_comparison_catches_a_wrong_choice():
             return route.route_topk(logits, k, sig, norm, scale, None)
         check('cpu', no_bias)
     """)
-    r = _run(broken)
-    assert r.returncode != 0 and "AssertionError" in r.stderr, r.stderr[-3000:]
+    assert_caught(broken)
 
 
 def test_moe_routing_takes_the_op_and_keeps_group_limited_routing_in_torch():
