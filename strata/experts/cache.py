@@ -85,6 +85,16 @@ class ChunkStage:
         p = self.pending
         return p.index if p is not None and p.layer == layer else {}
 
+    def held(self, layer: int, expert: int) -> tuple[tuple[QTensor, QTensor, QTensor], int, object] | None:
+        """(the buffer's stacks, the expert's row there, the event after its copy) of an expert copied ahead for
+        `layer`, without taking the prefetch; None if it was not."""
+        p = self.pending
+        got = p.index.get(expert) if p is not None and p.layer == layer else None
+        if got is None:
+            return None
+        b, j = got
+        return self.bufs[b], j, next(ev for bb, _, ev in p.batches if bb == b)
+
     def prefetched_for(self, layer: int) -> Prefetch | None:
         """The prefetch made for `layer` (once: taken by the call), None if there is none."""
         p, self.pending = self.pending, None
@@ -364,6 +374,16 @@ class ExpertCache:
         ev = torch.cuda.Event()
         ev.record(torch.cuda.current_stream(self.device))
         return ev
+
+    def promote_row(self, layer: int, src: tuple[QTensor, QTensor, QTensor], row: int, slot: int, after=None):
+        """Copy row `row` of the stacks `src` (a chunk buffer holding an expert copied ahead for this chunk) into
+        pool `slot`, on the device, on the main stream after the event `after` (its copy): the chunk streams it
+        anyway, so the cache admits it without a second trip over PCIe; returns its event (CUDA) or None."""
+        self.wait(after)
+        for d, s in zip(self._slot_views(layer, slot), src):
+            d.copy_(s.raw[row], non_blocking=True)
+        self.promoted += 1
+        return self.record()
 
     def copy_slots(self, layer: int, experts: list[int], slots: list[int]):
         """Copy experts[i] into pool slot slots[i] (one stream switch, one event for all: the decode hand-off's

@@ -132,10 +132,16 @@ class EagerLayer:
         cpu_experts, stream, swaps = dec.cpu, set(dec.stream), dec.swaps
         cache.begin_copies()
         admitted: dict[int, tuple[int, object]] = {}
+        stage = cache.chunk_stage(layer) if pre else None
         for sw in swaps:
             gs = cache.slot(layer, sw.slot)
-            admitted[sw.admit] = (gs, cache.copy(layer, sw.admit, gs))
-            t.pending[li][sw.admit] = admitted[sw.admit][1]
+            held = stage.held(layer, sw.admit) if stage is not None else None
+            if held is not None:  # copied ahead into a chunk buffer for this chunk: into its slot on the device
+                ev = cache.promote_row(layer, held[0], held[1], gs, after=held[2])
+            else:
+                ev = cache.copy(layer, sw.admit, gs)
+            admitted[sw.admit] = (gs, ev)
+            t.pending[li][sw.admit] = ev
         t_pcie = prof.mark() if prof else None
         if stream:
             self._stream(layer, pool, x, self._select(grouped, stream, int), admitted, y, t_pcie)

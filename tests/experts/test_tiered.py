@@ -361,6 +361,22 @@ def test_chunk_buffers_match_resident(model_path, reference, monkeypatch, stage_
     _check_stats(ex, len(PROMPT) + len(DECODE))
 
 
+def test_experts_copied_ahead_are_admitted_from_their_chunk_buffer(model_path, reference, monkeypatch):
+    """A prompt chunk fills the empty cache with experts the next-layer prefetch already copied into a chunk
+    buffer: those go into their slots on the device (no second copy from the host), and decoding from those slots
+    gives the oracle's logits."""
+    import strata.experts.tiered_eager as tiered
+
+    monkeypatch.setattr(tiered, "GROUPED_CHUNKS_ON_CPU", True)
+    monkeypatch.setenv("STRATA_CHUNK_STAGE_MIB", "0.02")
+    lm = _load(model_path, backend_kw=dict(staging=2), slots=4, cpu_plan="000")
+    ex = lm.model.experts
+    out = _run(lm)
+    assert (out - reference).abs().max().item() <= 1e-5
+    assert ex.cache.prefetched > 0 and ex.cache.promoted > 0  # (the chunk path promotes nothing otherwise)
+    _check_stats(ex, len(PROMPT) + len(DECODE))
+
+
 def test_runs_of_consecutive_experts():
     from strata.experts.cache import _runs
 
