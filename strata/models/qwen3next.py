@@ -21,7 +21,7 @@ from strata import StrataError
 from strata.gguf.reader import GGUFModel
 from strata.kv.cache import KVCache, Segment
 from strata.kv.recurrent import HybridCache, RecurrentState
-from strata.layers.attention import _as_dtype, _cache_step, _gqa, _linear, _one_query
+from strata.layers.attention import _as_dtype, _cache_step, _gqa, _one_query, fuse_rows, row_views
 from strata.layers.deltanet import GatedDeltaNet, legacy_split
 from strata.layers.moe import Routing
 from strata.layers.rotary import Rotary
@@ -79,13 +79,20 @@ class GatedAttention:
         self.eps, self.scale = args.norm_eps, args.head_dim ** -0.5
         self.wq, self.wk, self.wv, self.wo = w["attn_q"], w["attn_k"], w["attn_v"], w["attn_output"]
         self.q_norm, self.k_norm = w["attn_q_norm"], w["attn_k_norm"]
+        # on a GPU q (with its gates), k and v as one weight: one GEMV a step (each a view of it)
+        self.wqkv, self.qkv_sizes = fuse_rows((self.wq, self.wk, self.wv))
+        if self.wqkv is not None:
+            self.wq, self.wk, self.wv = row_views(self.wqkv, self.qkv_sizes)
 
     def __call__(self, x: torch.Tensor, pos: torch.Tensor, segments: list[Segment], kv: KVCache) -> torch.Tensor:
         n = x.shape[0]
-        qg = qmatmul(x, self.wq).view(n, self.n_heads, 2 * self.hd)  # per head: [query, gate]
+        if self.wqkv is not None:
+            qg, k, v = qmatmul(x, self.wqkv).split(self.qkv_sizes, dim=-1)
+        else:
+            qg, k, v = (qmatmul(x, w) for w in (self.wq, self.wk, self.wv))
+        qg = qg.view(n, self.n_heads, 2 * self.hd)  # per head: [query, gate]
         q, gate = qg[..., : self.hd], qg[..., self.hd :]  # (strided views: the rotary reads them in place)
-        k = _linear(x, self.wk, None).view(n, self.n_kv, self.hd)
-        v = _linear(x, self.wv, None).view(n, self.n_kv, self.hd)
+        k, v = k.view(n, self.n_kv, self.hd), v.view(n, self.n_kv, self.hd)
         q, k = self.rotary.qk(q, k, pos, self.q_norm, self.k_norm, self.eps)
         outs, i = [], 0
         for seg in segments:

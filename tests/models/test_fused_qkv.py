@@ -49,7 +49,8 @@ def test_weights_of_different_formats_are_not_fused(monkeypatch):
 
 
 def test_delta_net_input_projections_fused_give_the_same_logits_and_text(hf_and_gguf, monkeypatch):
-    """Qwen3-Next's recurrent layers: qkv, gate and ba as one weight (one GEMV a step on a GPU), the same logits."""
+    """Qwen3-Next: the recurrent layers' qkv, gate and ba as one weight, and the gated attention's q, k and v (one
+    GEMV a step each on a GPU): the same logits and text."""
     from strata.layers.deltanet import GatedDeltaNet
 
     _, path = hf_and_gguf("qwen3next", "q8_0")
@@ -64,6 +65,10 @@ def test_delta_net_input_projections_fused_give_the_same_logits_and_text(hf_and_
     fused = load_model(str(path), cfg, with_tokenizer=False)
     d = deltas(fused)[0]
     assert d.w_in is not None and d.wqkv.raw.data_ptr() == d.w_in.raw.data_ptr()
+    from strata.models.qwen3next import GatedAttention  # its gated attention layers: q (with gates), k, v as one
+
+    gated = [b.attn for b in fused.model.blocks if isinstance(getattr(b, "attn", None), GatedAttention)]
+    assert gated and all(a.wqkv is not None for a in gated)
     want, got = forward_all(plain, IDS), forward_all(fused, IDS)
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (got - want).abs().max()
     sp = SamplingParams(temperature=0)
