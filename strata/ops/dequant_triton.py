@@ -1,4 +1,4 @@
-"""One-launch GGML dequantization in Triton: Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, IQ4_NL, IQ4_XS and MXFP4 blocks
+"""One-launch GGML dequantization in Triton: Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, IQ2_XXS, IQ3_XXS, IQ4_NL, IQ4_XS and MXFP4 blocks
 (uint8) -> float32, bfloat16 or float16, bit-identical in float32 to the torch reference in `strata.quant.dequant`.
 
 The reference builds each chunk with ~15-20 elementwise torch ops (shifts, masks, casts, products), each a
@@ -229,6 +229,54 @@ if triton is not None:
         y = d * tl.load(tab + q)
         _store(dst + pid * (BB * 32) + blk[:, None] * 32 + j, y, m)
 
+    @triton.jit
+    def _u32(p, m):
+        """The little-endian u32 at byte pointers p (any alignment), as int64 (its bits, never negative)."""
+        return (_u8(p, m) | (_u8(p + 1, m) << 8) | (_u8(p + 2, m) << 16)).to(tl.int64) | (
+            _u8(p + 3, m).to(tl.int64) << 24)
+
+    @triton.jit
+    def _iq2_xxs_kernel(src, dst, n_blocks, grid, signs, BB: tl.constexpr):
+        # block (66 bytes / 256 weights): f16 d, then per group g of 32 weights two u32: 4 grid indices (bytes)
+        # and 4 x 7-bit sign indices + a 4-bit scale (bits 28-31). Weight t of g: grid[byte t // 8][t % 8],
+        # sign ksigns[index t // 8][t % 8]; w = ((d * (0.5 + scale)) * 0.25 * grid) * sign
+        pid = tl.program_id(0).to(tl.int64)
+        blk = tl.arange(0, BB)
+        m2 = (pid * BB + blk < n_blocks)[:, None]
+        b2 = (src + pid * (BB * 66) + blk * 66)[:, None]
+        g = tl.arange(0, 8)[None, :]
+        t = tl.arange(0, 32)[None, None, :]
+        d = _f16(b2, m2)
+        w1 = _u32(b2 + 2 + 8 * g + 4, m2)  # [BB, 8]
+        db = ((d * (0.5 + (w1 >> 28).to(tl.float32))) * 0.25)[:, :, None]
+        m3 = m2[:, :, None]
+        gi = _u8(b2[:, :, None] + 2 + 8 * g[:, :, None] + t // 8, m3)  # [BB, 8, 32]
+        si = ((w1[:, :, None] >> (7 * (t // 8))) & 127).to(tl.int32)
+        y = (db * tl.load(grid + gi * 8 + t % 8)) * tl.load(signs + si * 8 + t % 8)
+        o = (g * 32)[:, :, None] + t
+        _store(dst + pid * (BB * 256) + blk[:, None, None] * 256 + o, y, m3)
+
+    @triton.jit
+    def _iq3_xxs_kernel(src, dst, n_blocks, grid, signs, BB: tl.constexpr):
+        # block (98 bytes / 256 weights): f16 d, 64 grid index bytes (4 weights each), 8 u32 (per group of 32:
+        # 4 x 7-bit sign indices + a 4-bit scale). Weight t of g: grid[byte 8 g + t // 4][t % 4], sign
+        # ksigns[index t // 8][t % 8]; w = ((d * (0.5 + scale)) * 0.5 * grid) * sign
+        pid = tl.program_id(0).to(tl.int64)
+        blk = tl.arange(0, BB)
+        m2 = (pid * BB + blk < n_blocks)[:, None]
+        b2 = (src + pid * (BB * 98) + blk * 98)[:, None]
+        g = tl.arange(0, 8)[None, :]
+        t = tl.arange(0, 32)[None, None, :]
+        d = _f16(b2, m2)
+        sc = _u32(b2 + 66 + 4 * g, m2)  # [BB, 8]
+        db = ((d * (0.5 + (sc >> 28).to(tl.float32))) * 0.5)[:, :, None]
+        m3 = m2[:, :, None]
+        gi = _u8(b2[:, :, None] + 2 + 8 * g[:, :, None] + t // 4, m3)  # [BB, 8, 32]
+        si = ((sc[:, :, None] >> (7 * (t // 8))) & 127).to(tl.int32)
+        y = (db * tl.load(grid + gi * 4 + t % 4)) * tl.load(signs + si * 8 + t % 8)
+        o = (g * 32)[:, :, None] + t
+        _store(dst + pid * (BB * 256) + blk[:, None, None] * 256 + o, y, m3)
+
     # qtype -> (kernel, bytes per block, weights per block, blocks per program): ~4K weights per program
     KERNELS = {
         Q.Q8_0: (_q8_0_kernel, 34, 32, 128),
@@ -239,17 +287,32 @@ if triton is not None:
         Q.IQ4_NL: (_iq4_nl_kernel, 18, 32, 128),
         Q.IQ4_XS: (_iq4_xs_kernel, 136, 256, 16),
         Q.MXFP4: (_mxfp4_kernel, 17, 32, 128),
+        Q.IQ2_XXS: (_iq2_xxs_kernel, 66, 256, 16),
+        Q.IQ3_XXS: (_iq3_xxs_kernel, 98, 256, 16),
     }
 else:  # pragma: no cover
     KERNELS = {}
 
-# formats whose kernel takes a value table (strata.quant.iquants' name for it) after n_blocks
-TABLES = {Q.IQ4_NL: "iq4nl", Q.IQ4_XS: "iq4nl", Q.MXFP4: "mxfp4"}
+# formats whose kernel takes value tables (strata.quant.iquants' names for them) after n_blocks
+TABLES = {Q.IQ4_NL: ("iq4nl",), Q.IQ4_XS: ("iq4nl",), Q.MXFP4: ("mxfp4",), Q.IQ2_XXS: ("IQ2_XXS", "ksigns"),
+          Q.IQ3_XXS: ("IQ3_XXS", "ksigns")}
 
 SUPPORTED = frozenset(KERNELS)
 
 
-def supports(qtype, dtype: torch.dtype) -> bool:
+# the IQ2_XXS and IQ3_XXS kernels (a prompt chunk's i-quant experts, B3's recipe) are taken on a GPU once their GPU
+# test has passed there (tests/ops/test_prefill_ops_gpu.py; tools/gpu/gated.sh); the interpreter runs them
+IQ_GPU_TESTED = False
+_GATED = frozenset({Q.IQ2_XXS, Q.IQ3_XXS})
+
+
+def supports(qtype, dtype: torch.dtype, cuda: bool = False) -> bool:
+    """Whether a kernel dequantizes `qtype` into `dtype` (cuda: on a GPU, where the gated ones wait for their
+    GPU test)."""
+    if cuda and qtype in _GATED and not IQ_GPU_TESTED:
+        from strata.config import triton_interpreting
+
+        return triton_interpreting()
     return qtype in KERNELS and dtype in OUT_DTYPES
 
 
@@ -272,7 +335,7 @@ def dequantize_blocks(blocks: torch.Tensor, qtype, out: torch.Tensor | None = No
         if qtype in TABLES:
             from strata.quant.iquants import table
 
-            args += (table(TABLES[qtype], flat.device),)
+            args += tuple(table(name, flat.device) for name in TABLES[qtype])
         kernel[(triton.cdiv(n_blocks, bb),)](*args, BB=bb, num_warps=NUM_WARPS, enable_fp_fusion=False)
     if dst is not out:
         out.copy_(dst)
@@ -280,4 +343,5 @@ def dequantize_blocks(blocks: torch.Tensor, qtype, out: torch.Tensor | None = No
 
 
 registry.op("dequantize_blocks").register(
-    "triton", dequantize_blocks, lambda flat, qt, out: flat.is_cuda and available() and supports(qt, out.dtype))
+    "triton", dequantize_blocks,
+    lambda flat, qt, out: flat.is_cuda and available() and supports(qt, out.dtype, cuda=True))

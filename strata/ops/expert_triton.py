@@ -63,7 +63,7 @@ PROGRAMS_PER_SM = 8  # fewer rows per program until a launch has this many (one-
 TILE = {Q.Q4_K: (16384, 128), Q.Q5_K: (8192, 128), Q.Q8_0: (8192, 128), Q.Q6_K: (8192, 128),
         # the lookup-table formats (strata.ops.iquant_triton): one gathered codebook value per weight (not tuned)
         Q.IQ4_XS: (8192, 64), Q.IQ2_XXS: (4096, 64), Q.IQ3_XXS: (4096, 64), Q.MXFP4: (4096, 64),
-        Q.IQ2_S: (4096, 64)}
+        Q.IQ2_S: (4096, 64), Q.IQ4_NL: (4096, 64)}
 
 
 def available() -> bool:
@@ -93,6 +93,8 @@ if triton is not None:
             return iquant_triton.iq3xxs_tile(row, xp, tab, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
         elif QT == 39:  # MXFP4
             return iquant_triton.mxfp4_tile(row, xp, tab, it * (KW // 32), K // 32, BN, KW // 32, EVEN)
+        elif QT == 20:  # IQ4_NL
+            return iquant_triton.iq4nl_tile(row, xp, tab, it * (KW // 32), K // 32, BN, KW // 32, EVEN)
         else:  # Q8_0
             return q8_0_tile(row, xp, it * (KW // 32), K // 32, BN, KW // 32, EVEN)
 
@@ -158,8 +160,8 @@ if triton is not None:
 
 
 def block_len(qtype) -> int:
-    """Weights per block of a supported format (the K- and i-quants: 256, Q8_0 and MXFP4: 32)."""
-    return 32 if qtype in (Q.Q8_0, Q.MXFP4) else 256
+    """Weights per block of a supported format (the K- and i-quants: 256, Q8_0, MXFP4 and IQ4_NL: 32)."""
+    return 32 if qtype in (Q.Q8_0, Q.MXFP4, Q.IQ4_NL) else 256
 
 
 def codebooks_for(qtypes, other: torch.Tensor) -> torch.Tensor:
@@ -180,6 +182,11 @@ def aligned(raw: torch.Tensor) -> bool:
 # IQ3_XXS tiles once computed wrong sums compiled while the interpreter agreed: written in rank-4 tensors, with their
 # scale words assembled in uint32, they pass on an H200.)
 LOOKUP_ON_GPU = frozenset({Q.IQ4_XS, Q.MXFP4, Q.IQ2_XXS, Q.IQ3_XXS, Q.IQ2_S})
+# IQ4_NL (the rows of an i-quant mix that are not whole 256-blocks: GLM-4.5-Air's 1,408-wide down projections)
+# joins once its GPU test has passed (tools/gpu/gated.sh)
+IQ4NL_GPU_TESTED = False
+if IQ4NL_GPU_TESTED:
+    LOOKUP_ON_GPU = LOOKUP_ON_GPU | {Q.IQ4_NL}
 # The same for the block formats of strata.ops.kquant_triton: Q5_K (llama.cpp's _M and Unsloth's _XL mixes keep
 # some experts and projections in it) joins once tests/experts/test_expert_triton.py and tests/ops/test_qgemv.py
 # have passed it on a GPU.

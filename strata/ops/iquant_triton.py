@@ -1,5 +1,5 @@
 """Triton tiles of the lookup-table formats for the fused expert kernels and the decode GEMV
-(`strata.ops.expert_triton`): IQ2_XXS, IQ2_S, IQ3_XXS, IQ4_XS (the i-quants of the seeds' GLM / Qwen mixes) and MXFP4
+(`strata.ops.expert_triton`): IQ2_XXS, IQ2_S, IQ3_XXS, IQ4_XS (the i-quants of the seeds' GLM / Qwen mixes), IQ4_NL and MXFP4
 (gpt-oss's experts), read in place from the GGML blocks, no dequantized copy.
 
 Each tile takes BN rows (byte pointers) of NB consecutive blocks, decodes them in registers and returns the BN dot
@@ -64,7 +64,7 @@ T_P2S = T_P2XXS + 256 * 2
 T_P3XXS = T_P2S + 1024 * 2
 T_PSIGN = T_P3XXS + 256
 T_SIZE = T_PSIGN + 128
-FORMATS = {Q.IQ2_XXS: 66, Q.IQ3_XXS: 98, Q.IQ4_XS: 136, Q.MXFP4: 17, Q.IQ2_S: 82}  # bytes per block
+FORMATS = {Q.IQ2_XXS: 66, Q.IQ3_XXS: 98, Q.IQ4_XS: 136, Q.MXFP4: 17, Q.IQ2_S: 82, Q.IQ4_NL: 18}  # bytes per block
 _TABLES: dict[torch.device, torch.Tensor] = {}
 _LOCK = threading.Lock()
 
@@ -249,6 +249,25 @@ if triton is not None:
         x = tl.load(xp + xo, mask=sm[:, None, None], other=0.0).to(tl.float32)
         part = tl.sum(grid * sg * x[None], axis=3) * db
         return tl.sum(tl.sum(part, axis=2), axis=1)
+
+    @triton.jit
+    def iq4nl_tile(row, xp, tab, b0, nblk, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
+        # IQ4_NL: MXFP4's nibble layout (low nibbles weights 0-15, high 16-31) with an f16 scale and the IQ4_NL
+        # codebook: what llama.cpp's quantizer writes for an i-quant mix's rows that are not whole 256-blocks
+        j = tl.arange(0, 16)
+        sb, sm = _blocks(b0, nblk, NB, EVEN)
+        m2 = sm[None, :]
+        blk = row[:, None] + sb[None, :] * 18  # [BN, NB] (2-byte aligned)
+        d = _f16v(blk, m2)
+        q = tl.load(blk[:, :, None] + 2 + j.to(tl.int64)[None, None, :], mask=m2[:, :, None], other=0,
+                    eviction_policy="evict_first").to(tl.int32)  # [BN, NB, 16]
+        lo = tl.load(tab + C_IQ4NL + (q & 15))
+        hi = tl.load(tab + C_IQ4NL + (q >> 4))
+        xo = sb[:, None] * 32 + j.to(tl.int64)[None, :]  # [NB, 16]
+        xl = tl.load(xp + xo, mask=sm[:, None], other=0.0).to(tl.float32)
+        xh = tl.load(xp + xo + 16, mask=sm[:, None], other=0.0).to(tl.float32)
+        part = tl.sum(lo * xl[None] + hi * xh[None], axis=2) * d  # [BN, NB]
+        return tl.sum(part, axis=1)
 
     @triton.jit
     def mxfp4_tile(row, xp, tab, b0, nblk, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):

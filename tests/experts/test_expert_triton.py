@@ -35,8 +35,11 @@ SCRIPT = textwrap.dedent("""
                                   # Q5_K (the fifth bits): alone, and as the down of a Q4_K expert in 2 iterations
                                   (Q.Q5_K, Q.Q5_K, 256, 256, 64, None), (Q.Q4_K, Q.Q5_K, 512, 256, 64, 256),
                                   # IQ2_S (its 1024-entry grid, explicit sign bytes, two scales a sub-block)
-                                  (Q.IQ2_S, Q.IQ2_S, 256, 256, 64, None), (Q.IQ2_S, Q.IQ3_XXS, 512, 256, 64, 256)):
-        if qd in (Q.Q8_0, Q.MXFP4):
+                                  (Q.IQ2_S, Q.IQ2_S, 256, 256, 64, None), (Q.IQ2_S, Q.IQ3_XXS, 512, 256, 64, 256),
+                                  # IQ4_NL: a down whose K (96) is not whole 256-blocks, as in B3's recipe; a gate
+                                  # read in two iterations
+                                  (Q.IQ2_XXS, Q.IQ4_NL, 256, 96, 64, None), (Q.IQ4_NL, Q.IQ4_NL, 128, 64, 64, 64)):
+        if ff == 96:  # (a 32-block down: Q8_0, MXFP4, IQ4_NL)
             assert plan((qd,), d, ff, 3, cpu, bn, bk)[2] is False, "the down tile must have masked blocks"
         if bk:
             assert plan((qg, qg), ff, d, 3, cpu, bn, bk)[1] < d, "several iterations"
@@ -99,7 +102,7 @@ def test_triton_kernels_match_the_torch_op_in_the_interpreter():
 @pytest.mark.parametrize("qg,qd,d,ff", [("Q4_K", "Q4_K", 2048, 768), ("Q8_0", "Q6_K", 512, 256),
                                         ("IQ2_XXS", "IQ3_XXS", 2048, 768),
                                         ("IQ4_XS", "MXFP4", 512, 288), ("Q5_K", "Q5_K", 2048, 768),
-                                        ("IQ2_S", "IQ2_S", 2048, 768)])
+                                        ("IQ2_S", "IQ2_S", 2048, 768), ("IQ2_XXS", "IQ4_NL", 2048, 1408)])
 def test_cuda_misses_read_from_pinned_host_memory(qg, qd, d, ff, monkeypatch):
     """On the GPU the kernels read a missed expert from pinned host RAM (mapped over the bus), through the op
     the direct decode path calls, and equal the torch reference; a pageable stack is left to the reference."""

@@ -17,7 +17,7 @@ OPS = ("rms_norm", "qk_norm_rope", "qk_norm_rope_kv", "router_logits", "one_quer
 KERNELS = {"strata.ops.fused", "strata.ops.decode_attention", "strata.ops.decode_attention_kv",
            "strata.ops.dequant_triton", "strata.ops.expert_triton",
            "strata.ops.qgemv", "strata.ops.cpu_gemv", "strata.ops.host_stage", "strata.ops.route", "strata.ops.host_rows",
-           "strata.ops.combine",
+           "strata.ops.combine", "strata.ops.deltanet",
            "strata.ops.iquant_triton", "strata.ops.kquant_triton"}
 ROOT = Path(__file__).parents[2] / "strata"
 
