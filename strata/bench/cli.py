@@ -243,17 +243,18 @@ def _phases(plan: Plan) -> list[tuple[list[str], int]]:
 
 
 def _past_context(plan: Plan, model_ctx: int | None) -> None:
-    """A length past the model's trained context would start both servers only to skip it: said at once, with the
-    flag that runs it anyway (the servers then get that context, as llama.cpp's -c past n_ctx_train)."""
+    """A suite whose every length lies past the model's trained context would start both servers only to skip it
+    all: said at once, with the flag that runs it anyway (the servers then get that context, as llama.cpp's -c past
+    n_ctx_train). Where some lengths fit, the others are skipped with a note, as before."""
     if not model_ctx:
         return
-    need = max([0] + [max(c.lengths) + c.gen for name, c in (("sweep", plan.sweep), ("needle", plan.needle))
-                      if name in plan.suites])
-    if need > model_ctx:
-        need = -(-(need + 64) // 256) * 256  # (as the servers' context is rounded)
-        raise StrataError(f"the lengths asked for need a context of {need} tokens (prompt + generated), past the "
-                          f"model's trained context of {model_ctx}: pass -c {need} to run them there anyway "
-                          f"(speed only: past its trained context a model's text is its own), or shorter --lengths")
+    for name, c in (("sweep", plan.sweep), ("needle", plan.needle)):
+        if name in plan.suites and c.lengths and min(c.lengths) + c.gen > model_ctx:
+            need = -(-(max(c.lengths) + c.gen + 64) // 256) * 256  # (as the servers' context is rounded)
+            raise StrataError(f"{name}: every length asked for needs more context than the model's trained "
+                              f"{model_ctx} tokens (up to {need} with the tokens generated): pass -c {need} to run "
+                              f"them there anyway (speed only: past its trained context a model's text is its own), "
+                              f"or shorter lengths")
 
 
 def _run_started(args, plan: Plan, model: str, model_ctx: int | None, synthetic, out_dir: Path, label: str,

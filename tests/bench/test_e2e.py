@@ -156,8 +156,23 @@ def test_a_length_past_the_models_context_is_refused_before_any_server_starts(ti
     rc = main(["bench", "sweep", "-m", tiny, "--out", str(tmp_path), "--lengths", "128K", "--runs", "1"])
     assert rc != 0
     err = capsys.readouterr().err
-    assert "past the model's trained context of" in err and "pass -c 131328" in err, err
+    assert "sweep: every length asked for needs more context than the model's trained" in err, err
+    assert "pass -c 131328" in err, err
     assert not list((tmp_path).rglob("*.log"))  # no server was started
+
+
+def test_lengths_that_partly_fit_the_context_run_and_skip_the_rest():
+    """The default lengths on a short-context model: those that fit run, the rest are skipped with a note (only a
+    suite with nothing to run is refused up front)."""
+    from types import SimpleNamespace
+
+    from strata.bench.cli import _past_context
+
+    sweep = SimpleNamespace(lengths=(1024, 4096, 32768), gen=128)
+    needle = SimpleNamespace(lengths=(4096,), gen=16)
+    _past_context(SimpleNamespace(suites=["sweep"], sweep=sweep, needle=needle), 2048)  # (1K fits)
+    with pytest.raises(StrataError, match="needle: every length"):
+        _past_context(SimpleNamespace(suites=["sweep", "needle"], sweep=sweep, needle=needle), 2048)
 
 
 def test_bench_refuses_a_server_that_is_not_there(tmp_path):
