@@ -1,5 +1,6 @@
-"""One-launch GGML dequantization in Triton: Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, IQ2_XXS, IQ3_XXS, IQ4_NL, IQ4_XS and MXFP4 blocks
-(uint8) -> float32, bfloat16 or float16, bit-identical in float32 to the torch reference in `strata.quant.dequant`.
+"""One-launch GGML dequantization in Triton: Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, IQ2_XXS, IQ2_S, IQ3_XXS, IQ4_NL, IQ4_XS and
+MXFP4 blocks (uint8) -> float32, bfloat16 or float16, bit-identical in float32 to the torch reference in
+`strata.quant.dequant`.
 
 The reference builds each chunk with ~15-20 elementwise torch ops (shifts, masks, casts, products), each a
 kernel launch and a pass over memory; here one program decodes BB whole blocks in registers and writes them
@@ -277,6 +278,30 @@ if triton is not None:
         o = (g * 32)[:, :, None] + t
         _store(dst + pid * (BB * 256) + blk[:, None, None] * 256 + o, y, m3)
 
+    @triton.jit
+    def _iq2_s_kernel(src, dst, n_blocks, grid, signs, BB: tl.constexpr):
+        # block (82 bytes / 256 weights): f16 d, 32 grid index low bytes, 32 sign bytes, 8 bytes of index high
+        # bits (2 a group of 8), 8 bytes of 4-bit scales (16 weights each, low nibble first). Weight w (group
+        # w // 8): grid[low | high << 8][w % 8], sign bit w % 8 of sign byte w // 8;
+        # w = ((d * (0.5 + scale)) * 0.25 * grid) * sign
+        pid = tl.program_id(0).to(tl.int64)
+        blk = tl.arange(0, BB)
+        m2 = (pid * BB + blk < n_blocks)[:, None]
+        b2 = (src + pid * (BB * 82) + blk * 82)[:, None]
+        g = tl.arange(0, 8)[None, :, None]
+        t = tl.arange(0, 32)[None, None, :]
+        d = _f16(b2, m2)[:, :, None]
+        m3 = m2[:, :, None]
+        b3 = b2[:, :, None]
+        gi = 4 * g + t // 8  # [1, 8, 32] the weight's group of 8
+        idx = _u8(b3 + 2 + gi, m3) | (((_u8(b3 + 66 + gi // 4, m3) >> (2 * (gi % 4))) & 3) << 8)
+        si = 2 * g + t // 16  # its scale's index
+        nib = (_u8(b3 + 74 + si // 2, m3) >> (4 * (si % 2))) & 0x0F
+        db = (d * (0.5 + nib.to(tl.float32))) * 0.25
+        y = (db * tl.load(grid + idx * 8 + t % 8)) * tl.load(signs + _u8(b3 + 34 + gi, m3) * 8 + t % 8)
+        o = g * 32 + t
+        _store(dst + pid * (BB * 256) + blk[:, None, None] * 256 + o, y, m3)
+
     # qtype -> (kernel, bytes per block, weights per block, blocks per program): ~4K weights per program
     KERNELS = {
         Q.Q8_0: (_q8_0_kernel, 34, 32, 128),
@@ -289,21 +314,22 @@ if triton is not None:
         Q.MXFP4: (_mxfp4_kernel, 17, 32, 128),
         Q.IQ2_XXS: (_iq2_xxs_kernel, 66, 256, 16),
         Q.IQ3_XXS: (_iq3_xxs_kernel, 98, 256, 16),
+        Q.IQ2_S: (_iq2_s_kernel, 82, 256, 16),
     }
 else:  # pragma: no cover
     KERNELS = {}
 
 # formats whose kernel takes value tables (strata.quant.iquants' names for them) after n_blocks
 TABLES = {Q.IQ4_NL: ("iq4nl",), Q.IQ4_XS: ("iq4nl",), Q.MXFP4: ("mxfp4",), Q.IQ2_XXS: ("IQ2_XXS", "ksigns"),
-          Q.IQ3_XXS: ("IQ3_XXS", "ksigns")}
+          Q.IQ3_XXS: ("IQ3_XXS", "ksigns"), Q.IQ2_S: ("IQ2_S", "bytesigns")}
 
 SUPPORTED = frozenset(KERNELS)
 
 
-# the IQ2_XXS and IQ3_XXS kernels (a prompt chunk's i-quant experts, B3's recipe) are taken on a GPU once their GPU
+# the IQ2_XXS, IQ3_XXS and IQ2_S kernels (a prompt chunk's i-quant experts, B3's recipe) are taken on a GPU once their GPU
 # test has passed there (tests/ops/test_prefill_ops_gpu.py; tools/gpu/gated.sh); the interpreter runs them
 IQ_GPU_TESTED = False
-_GATED = frozenset({Q.IQ2_XXS, Q.IQ3_XXS})
+_GATED = frozenset({Q.IQ2_XXS, Q.IQ3_XXS, Q.IQ2_S})
 
 
 def supports(qtype, dtype: torch.dtype, cuda: bool = False) -> bool:
