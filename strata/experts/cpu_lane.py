@@ -148,14 +148,14 @@ def int4_supported(ew: ExpertWeights) -> bool:
     return all(t.shape[-1] % GROUP == 0 and t.shape[-2] % 64 == 0 for t in (ew.gate, ew.down))
 
 
-NATIVE_TYPES = frozenset({Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.IQ4_XS, Q.IQ2_XXS, Q.IQ3_XXS, Q.IQ2_S, Q.MXFP4})
+NATIVE_TYPES = frozenset({Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.IQ4_XS, Q.IQ2_XXS, Q.IQ3_XXS, Q.IQ2_S, Q.MXFP4, Q.IQ4_NL})
 NATIVE_ACTS = frozenset({"swiglu_oai"})  # the ExpertAct kinds the native kernel computes (with their biases)
 
 
 def native_width(qtype) -> int:
-    """The row length a format needs for the native kernel: its 32-wide blocks (Q8_0, MXFP4) read activations
-    quantized per 256 with a partial last block; the others need whole 256-blocks."""
-    return 32 if qtype in (Q.Q8_0, Q.MXFP4) else 256
+    """The row length a format needs for the native kernel: its 32-wide blocks (Q8_0, MXFP4, IQ4_NL) read
+    activations quantized per 256 with a partial last block; the others need whole 256-blocks."""
+    return 32 if qtype in (Q.Q8_0, Q.MXFP4, Q.IQ4_NL) else 256
 
 
 def native_supported(ew: ExpertWeights) -> bool:

@@ -288,24 +288,58 @@ static float dot_iq4xs(const uint8_t *row, int nb, const int8_t *xq, const float
 #endif
 }
 
+/* IQ4_NL (18 bytes / 32 weights): f16 d, 16 bytes of 4-bit indices into the same codebook (low nibbles: weights
+   0-15, high: 16-31); w = d * kvalues[q]: IQ4_XS's lookup without sub-block scales, Q8_0's block walk. An i-quant
+   mix writes it for rows that are not whole 256-blocks (GLM-4.5-Air's 1,408-wide expert down projections). */
+static float dot_iq4nl(const uint8_t *row, int K, const int8_t *xq, const float *xd) {
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m128i m4 = _mm_set1_epi8(0x0F), lut = _mm_loadu_si128((const __m128i *)KVALUES_IQ4NL);
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 fsum = _mm256_setzero_ps();
+    for (int i = 0; i < K / 32; i++) {
+        const uint8_t *blk = row + i * 18;
+        if ((i & 3) == 0) PREFETCH_AHEAD(blk, K / 32 * 18, 72);
+        __m128i q = _mm_loadu_si128((const __m128i *)(blk + 2));
+        __m256i w = _mm256_set_m128i(_mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(q, 4), m4)),
+                                     _mm_shuffle_epi8(lut, _mm_and_si128(q, m4)));  /* weights 0-15 | 16-31 */
+        __m256i x = _mm256_loadu_si256((const __m256i *)(xq + 32 * i));
+        __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), ones);
+        fsum = _mm256_fmadd_ps(_mm256_set1_ps(f16(blk) * xd[i / 8]), _mm256_cvtepi32_ps(p), fsum);
+    }
+    return hsum8(fsum);
+#else
+    float sum = 0.f;
+    for (int i = 0; i < K / 32; i++) {
+        const uint8_t *blk = row + i * 18;
+        const int8_t *x = xq + 32 * i;
+        int32_t s = 0;
+        for (int l = 0; l < 16; l++) s += KVALUES_IQ4NL[blk[2 + l] & 15] * x[l] + KVALUES_IQ4NL[blk[2 + l] >> 4] * x[l + 16];
+        sum += f16(blk) * xd[i / 8] * (float)s;
+    }
+    return sum;
+#endif
+}
+
 #include "cpu_native_iq.h"   /* IQ2_XXS / IQ3_XXS / IQ2_S: their tables, dot_iqxxs and dot_iq2s */
 #include "cpu_native_fmt.h"  /* Q5_K and MXFP4: dot_q5k, dot_mxfp4(_tail) */
 
 enum { FMT_Q4K = 0, FMT_Q6K = 1, FMT_Q80 = 2, FMT_IQ4XS = 3, FMT_IQ2XXS = 4, FMT_IQ3XXS = 5, FMT_Q5K = 6,
-       FMT_MXFP4 = 7, FMT_IQ2S = 8, N_FMT = 9 };
+       FMT_MXFP4 = 7, FMT_IQ2S = 8, FMT_IQ4NL = 9, N_FMT = 10 };
 
 /* the weights a block of the format spans: its rows' lengths are multiples of it */
-static inline int fmt_width(int fmt) { return fmt == FMT_Q80 || fmt == FMT_MXFP4 ? 32 : 256; }
+static inline int fmt_width(int fmt) { return fmt == FMT_Q80 || fmt == FMT_MXFP4 || fmt == FMT_IQ4NL ? 32 : 256; }
 
 static inline int row_bytes(int fmt, int K) {
     static const int per256[] = {144, 210, 0, 136, 66, 98, 176, 136, 82};
-    return fmt == FMT_Q80 ? K / 32 * 34 : fmt == FMT_MXFP4 ? K / 32 * 17 : K / 256 * per256[fmt];
+    return fmt == FMT_Q80 ? K / 32 * 34 : fmt == FMT_MXFP4 ? K / 32 * 17 : fmt == FMT_IQ4NL ? K / 32 * 18
+         : K / 256 * per256[fmt];
 }
 
 static inline float dot_row(int fmt, const uint8_t *row, int K, const int8_t *q, const float *qd,
                             const int32_t *qs, const int32_t *q16) {
     if (fmt == FMT_Q80) return dot_q8_0(row, K, q, qd);
     if (fmt == FMT_IQ4XS) return dot_iq4xs(row, K / 256, q, qd);
+    if (fmt == FMT_IQ4NL) return dot_iq4nl(row, K, q, qd);
     if (fmt == FMT_Q5K) return dot_q5k(row, K / 256, q, qd, qs);
     if (fmt == FMT_MXFP4) return K % 256 ? dot_mxfp4_tail(row, K, q, qd, qs) : dot_mxfp4(row, K, q, qd, qs);
     if (fmt == FMT_IQ2S) return dot_iq2s(row, K / 256, q, qd);

@@ -157,11 +157,12 @@ def _set_tables(lib: ctypes.CDLL) -> None:
     lib.strata_native_tables(*(ctypes.c_void_p(a.ctypes.data) for a in _TABLES))
 
 
-# the kernel's format codes (FMT_Q4K, ..., FMT_MXFP4, FMT_IQ2S)
-FORMATS = {"Q4_K": 0, "Q6_K": 1, "Q8_0": 2, "IQ4_XS": 3, "IQ2_XXS": 4, "IQ3_XXS": 5, "Q5_K": 6, "MXFP4": 7, "IQ2_S": 8}
+# the kernel's format codes (FMT_Q4K, ..., FMT_MXFP4, FMT_IQ2S, FMT_IQ4NL)
+FORMATS = {"Q4_K": 0, "Q6_K": 1, "Q8_0": 2, "IQ4_XS": 3, "IQ2_XXS": 4, "IQ3_XXS": 5, "Q5_K": 6, "MXFP4": 7, "IQ2_S": 8,
+           "IQ4_NL": 9}
 # the weights a block spans (the kernel's fmt_width): a row's length must be a multiple of it. The activations are
 # quantized per 256 with a partial last block, which only the 32-wide formats' dot products can read.
-WIDTHS = {f: 32 if f in ("Q8_0", "MXFP4") else 256 for f in FORMATS}
+WIDTHS = {f: 32 if f in ("Q8_0", "MXFP4", "IQ4_NL") else 256 for f in FORMATS}
 # the gated activations (ACT_SWIGLU, ACT_OAI): plain SwiGLU, and gpt-oss's clamped one with its alpha and limit
 ACTS = {"swiglu": 0, "swiglu_oai": 1}
 

@@ -1,4 +1,4 @@
-"""The native CPU kernel's Q5_K and MXFP4 dot products (strata/ops/cpu_native_fmt.h), through the CPU lane's
+"""The native CPU kernel's Q5_K, MXFP4 (strata/ops/cpu_native_fmt.h) and IQ4_NL dot products, through the CPU lane's
 entry (CpuLane -> NativeExperts), against gguf-py's dequantizer and a float matmul: at the tolerance the Q4_K tests
 use, and tighter against the kernel's own activation rounding emulated in numpy (which isolates the weights'
 decoding: a wrong fifth bit or exponent on a few weights fails it). The AVX2 build and the plain C loops agree."""
@@ -19,9 +19,11 @@ from tests.ops.native_oracle import check_builds, check_lane
 from tests.ops.native_oracle import native_or_skip as _native_or_skip
 from tests.ops.native_oracle import reference, rel as _rel
 
-# gate/up format, down format: all-Q5_K, the K-quant mixes that keep Q5_K for some projections, all-MXFP4
+# gate/up format, down format: all-Q5_K, the K-quant mixes that keep Q5_K for some projections, all-MXFP4, and
+# an i-quant mix's IQ4_NL downs (its rows not whole 256-blocks)
 MIXES = [pytest.param(gu, dn, id=f"{gu.name}-{dn.name}")
-         for gu, dn in [(Q.Q5_K, Q.Q5_K), (Q.Q5_K, Q.Q6_K), (Q.Q4_K, Q.Q5_K), (Q.MXFP4, Q.MXFP4)]]
+         for gu, dn in [(Q.Q5_K, Q.Q5_K), (Q.Q5_K, Q.Q6_K), (Q.Q4_K, Q.Q5_K), (Q.MXFP4, Q.MXFP4),
+                        (Q.IQ2_XXS, Q.IQ4_NL), (Q.IQ4_NL, Q.IQ4_NL)]]
 # (d, ff): K from 256 to 2048 for both the gate/up rows (K = d) and the down rows (K = ff)
 SHAPES = [(256, 512), (768, 256), (1280, 1024), (2048, 768)]
 
@@ -97,3 +99,12 @@ def test_mxfp4_subnormal_scales_are_gguf_pys():
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
         ref = reference(ew, e, x.numpy().astype(np.float64))[:, :tiny]
         assert _rel(got, ref) < 3e-2
+
+
+def test_iq4_nl_down_rows_that_are_not_whole_256_blocks():
+    """GLM-4.5-Air's experts: 1,408-wide down rows (44 IQ4_NL blocks, the activations' last 256-block partial)."""
+    _native_or_skip()
+    ew = _experts(Q.IQ2_XXS, Q.IQ4_NL, 3, 512, 1408, seed=7)
+    lane = CpuLane({0: ew}, kernel="auto", dtype=torch.bfloat16)
+    assert lane.kernel[0] == "native"
+    check_lane(lane, ew, 512)
