@@ -237,46 +237,45 @@ if triton is not None:
             _u8(p + 3, m).to(tl.int64) << 24)
 
     @triton.jit
-    def _iq2_xxs_kernel(src, dst, n_blocks, grid, signs, BB: tl.constexpr):
-        # block (66 bytes / 256 weights): f16 d, then per group g of 32 weights two u32: 4 grid indices (bytes)
-        # and 4 x 7-bit sign indices + a 4-bit scale (bits 28-31). Weight t of g: grid[byte t // 8][t % 8],
-        # sign ksigns[index t // 8][t % 8]; w = ((d * (0.5 + scale)) * 0.25 * grid) * sign
+    def _iqxxs(src, dst, n_blocks, grid, signs, BB: tl.constexpr, THREE: tl.constexpr):
+        # IQ2_XXS (66 bytes / 256 weights): f16 d, then per group g of 32 weights two u32: 4 grid indices (bytes,
+        # 8 weights each) and 4 x 7-bit sign indices + a 4-bit scale (bits 28-31); w = ((d * (0.5 + scale)) *
+        # 0.25 * grid) * sign. IQ3_XXS (98 bytes): f16 d, 64 grid index bytes (4 weights each, 8 a group), then per
+        # group a u32 of sign indices and scale; factor 0.5. Weight t of g: sign ksigns[index t // 8][t % 8]
         pid = tl.program_id(0).to(tl.int64)
         blk = tl.arange(0, BB)
         m2 = (pid * BB + blk < n_blocks)[:, None]
-        b2 = (src + pid * (BB * 66) + blk * 66)[:, None]
+        if THREE:
+            b2 = (src + pid * (BB * 98) + blk * 98)[:, None]
+        else:
+            b2 = (src + pid * (BB * 66) + blk * 66)[:, None]
         g = tl.arange(0, 8)[None, :]
         t = tl.arange(0, 32)[None, None, :]
         d = _f16(b2, m2)
-        w1 = _u32(b2 + 2 + 8 * g + 4, m2)  # [BB, 8]
-        db = ((d * (0.5 + (w1 >> 28).to(tl.float32))) * 0.25)[:, :, None]
+        if THREE:  # the group's sign indices and scale: after the 64 grid index bytes
+            w1 = _u32(b2 + 66 + 4 * g, m2)  # [BB, 8]
+            db = ((d * (0.5 + (w1 >> 28).to(tl.float32))) * 0.5)[:, :, None]
+        else:  # the second u32 of the group's pair
+            w1 = _u32(b2 + 2 + 8 * g + 4, m2)
+            db = ((d * (0.5 + (w1 >> 28).to(tl.float32))) * 0.25)[:, :, None]
         m3 = m2[:, :, None]
-        gi = _u8(b2[:, :, None] + 2 + 8 * g[:, :, None] + t // 8, m3)  # [BB, 8, 32]
         si = ((w1[:, :, None] >> (7 * (t // 8))) & 127).to(tl.int32)
-        y = (db * tl.load(grid + gi * 8 + t % 8)) * tl.load(signs + si * 8 + t % 8)
+        if THREE:  # a grid index byte a 4 weights
+            gi = _u8(b2[:, :, None] + 2 + 8 * g[:, :, None] + t // 4, m3)  # [BB, 8, 32]
+            y = (db * tl.load(grid + gi * 4 + t % 4)) * tl.load(signs + si * 8 + t % 8)
+        else:  # a grid index byte a 8 weights
+            gi = _u8(b2[:, :, None] + 2 + 8 * g[:, :, None] + t // 8, m3)
+            y = (db * tl.load(grid + gi * 8 + t % 8)) * tl.load(signs + si * 8 + t % 8)
         o = (g * 32)[:, :, None] + t
         _store(dst + pid * (BB * 256) + blk[:, None, None] * 256 + o, y, m3)
 
     @triton.jit
+    def _iq2_xxs_kernel(src, dst, n_blocks, grid, signs, BB: tl.constexpr):
+        _iqxxs(src, dst, n_blocks, grid, signs, BB, False)
+
+    @triton.jit
     def _iq3_xxs_kernel(src, dst, n_blocks, grid, signs, BB: tl.constexpr):
-        # block (98 bytes / 256 weights): f16 d, 64 grid index bytes (4 weights each), 8 u32 (per group of 32:
-        # 4 x 7-bit sign indices + a 4-bit scale). Weight t of g: grid[byte 8 g + t // 4][t % 4], sign
-        # ksigns[index t // 8][t % 8]; w = ((d * (0.5 + scale)) * 0.5 * grid) * sign
-        pid = tl.program_id(0).to(tl.int64)
-        blk = tl.arange(0, BB)
-        m2 = (pid * BB + blk < n_blocks)[:, None]
-        b2 = (src + pid * (BB * 98) + blk * 98)[:, None]
-        g = tl.arange(0, 8)[None, :]
-        t = tl.arange(0, 32)[None, None, :]
-        d = _f16(b2, m2)
-        sc = _u32(b2 + 66 + 4 * g, m2)  # [BB, 8]
-        db = ((d * (0.5 + (sc >> 28).to(tl.float32))) * 0.5)[:, :, None]
-        m3 = m2[:, :, None]
-        gi = _u8(b2[:, :, None] + 2 + 8 * g[:, :, None] + t // 4, m3)  # [BB, 8, 32]
-        si = ((sc[:, :, None] >> (7 * (t // 8))) & 127).to(tl.int32)
-        y = (db * tl.load(grid + gi * 4 + t % 4)) * tl.load(signs + si * 8 + t % 8)
-        o = (g * 32)[:, :, None] + t
-        _store(dst + pid * (BB * 256) + blk[:, None, None] * 256 + o, y, m3)
+        _iqxxs(src, dst, n_blocks, grid, signs, BB, True)
 
     @triton.jit
     def _iq2_s_kernel(src, dst, n_blocks, grid, signs, BB: tl.constexpr):
