@@ -10,7 +10,9 @@ fitted through them, and a sequence drafts the m (up to what its n-gram or MTP d
 E(m) / cost(1 + m); m = 0 is a plain step. Its p is the decayed count of drafts that stood over those tried
 (a draft after a rejected one is never tried: the geometric model's estimate).
 
-Until both plain and verify steps have been timed the drafters' own adaptation decides (as before); a sequence
+Until both plain and verify steps have been timed the drafters' own adaptation decides (as before), except that
+once verify steps are timed and plain ones are not (a drafter that offers a draft at every step, as an MTP block
+does), the next steps are plain until MIN_PLAIN of them are timed; a sequence
 whose drafts the cost rules out still tries one every `EXPLORE` steps, so a change in the text (an agent starting
 to re-emit a file it was given) is noticed. Pure Python: strata.engine.spec applies it, tests/engine checks it.
 """
@@ -51,6 +53,12 @@ class DraftCost:
         slope = max(0.0, sum((t - mt) * (c - mc) for t, c in pts) / var) if var > 0 else 0.0
         base = max(1e-6, mc - slope * (mt - 1))
         return base, slope
+
+    def wants_plain(self) -> bool:
+        """Verify steps are timed but too few plain ones: a drafter that offers a draft at every step (an MTP
+        block always predicts) would otherwise leave the fit unknown for good, and its length unchecked."""
+        verify = sum(len(v) for t, v in self.times.items() if t > 1)
+        return verify >= MIN_VERIFY and len(self.times.get(1, ())) < MIN_PLAIN
 
     def best(self, p: float, offered: int) -> int | None:
         """The number of drafts, 0..offered, with the most tokens per ms at acceptance p; None: not known yet."""
@@ -98,8 +106,8 @@ def choose(cost: DraftCost | None, acc: Acceptance, offered: int) -> int:
     if cost is None or offered <= 0:
         return offered
     m = cost.best(acc.p, offered)
-    if m is None:  # not yet timed: the drafter's own length
-        return offered
+    if m is None:  # not yet timed: the drafter's own length, or a plain step to time one
+        return 0 if cost.wants_plain() else offered
     if m == 0:
         acc.skipped += 1
         if acc.skipped % EXPLORE == 0:  # a look now and then: the text may have started to repeat its context

@@ -67,6 +67,22 @@ def test_the_drafters_length_until_both_kinds_of_step_are_timed():
     assert choose(None, acc, 6) == 6  # (no cost model: the drafter decides)
 
 
+def test_a_drafter_that_always_offers_gets_plain_steps_timed():
+    """An MTP block offers drafts at every step, so no plain step was ever timed and the drafter's length stood for
+    good (--draft-max 3 on text whose chained drafts stand half the time: slower than no drafts). Once verify steps
+    are timed, plain steps are taken until enough are, then the cost decides."""
+    c, acc = DraftCost(), _acc(0.5, m=3)
+    assert choose(c, acc, 3) == 3  # nothing timed: the drafter's length
+    for _ in range(dc.MIN_VERIFY):
+        c.record(4, 22.0)  # a verify step of 3 drafts: 2.2x a plain one (the development machine's CPU)
+    picks = []
+    for _ in range(dc.MIN_PLAIN):
+        picks.append(choose(c, acc, 3))
+        c.record(1, 10.0)  # (the engine times the plain step it chose)
+    assert picks == [0] * dc.MIN_PLAIN
+    assert c.line() is not None and choose(c, acc, 3) < 3  # at p = 0.5 three chained drafts do not pay here
+
+
 def test_acceptance_estimate_follows_the_runs():
     assert _acc(0.0).p == pytest.approx(0.0, abs=0.02)
     assert _acc(1.0).p == pytest.approx(1.0)
