@@ -20,6 +20,7 @@ from strata.ops import registry
 from strata.ops.reference import gqa_attention as _gqa  # the one-segment attention (tests/layers)
 from strata.ops.reference import sink_attention
 from strata.quant import QTensor, qmatmul
+from strata.quant.matmul import CPU_ROWS_ALONE
 
 _ARANGES: dict[tuple[int, torch.device], torch.Tensor] = {}
 
@@ -72,6 +73,22 @@ def _causal_mask(seg: Segment, device):
     q = torch.arange(seg.start, seg.end, device=device).unsqueeze(1)
     k = torch.arange(seg.end, device=device).unsqueeze(0)
     return k <= q  # [n, L]
+
+
+def units(segments: list[Segment], x: torch.Tensor) -> list[Segment]:
+    """The segments as attention computes them: on the CPU, one of 2 .. CPU_ROWS_ALONE tokens (a verify step's, a
+    short prompt tail's) becomes one-token segments, each computed as a one-token step computes it (its KV row
+    written, its own prefix read). A product over the whole segment would sum in another order than a one-token
+    step does, and a token's logits would depend on the tokens beside it (strata.quant.matmul.CPU_ROWS_ALONE)."""
+    if x.is_cuda or all(s.n == 1 or s.window or s.n > CPU_ROWS_ALONE for s in segments):
+        return segments
+    out = []
+    for s in segments:
+        if 1 < s.n <= CPU_ROWS_ALONE and not s.window:
+            out.extend(Segment(s.slot, s.start + j, 1) for j in range(s.n))
+        else:
+            out.append(s)
+    return out
 
 
 def _cache_step(kv: KVCache, layer: int, seg: Segment, k: torch.Tensor, v: torch.Tensor | None,
@@ -204,7 +221,7 @@ class GQAttention:
         if not written:
             q, k = self.rotary.qk(q, k, pos, self.q_norm, self.k_norm, self.eps)  # one launch on CUDA
         outs, i = [], 0
-        for seg in segments:
+        for seg in units(segments, x):
             one = bool(seg.window) and seg.n == 1  # a static decode step's query: split over the keys on a GPU
             if written:
                 ks, vs = _as_dtype(*kv.read_window(self.layer, seg.slot, seg.window), x.dtype)
@@ -275,7 +292,7 @@ class SinkAttention(GQAttention):
         q, k = self.rotary.qk(q, k, pos)
         sinks = self.sinks if self.sinks.device == x.device else self.sinks.to(x.device)
         outs, i = [], 0
-        for seg in segments:
+        for seg in units(segments, x):
             kk, vv = k[i : i + seg.n], v[i : i + seg.n]
             if seg.window:
                 kv.write_at(self.layer, seg.slot, seg.pos_t, kk, vv)
@@ -345,14 +362,29 @@ class MLAttention:
         k_pe = kv_a[:, self.lora :].unsqueeze(1)  # [n, 1, rope]
         q_pe, k_pe = self.rotary.qk(q_pe, k_pe, pos)  # one launch on CUDA (strided views are read in place)
         kb, vb = self._kv_b(x.dtype)
-        q_lat = torch.einsum("nhd,hdc->nhc", q_nope, kb)  # [n, H, lora]
-        q_full = torch.cat([q_lat, q_pe], dim=-1)  # [n, H, lora + rope]
         latent = torch.cat([c_kv, k_pe.squeeze(1)], dim=-1).unsqueeze(1)  # [n, 1, lora + rope]
-        out = torch.empty(n, self.h, self.lora, dtype=x.dtype, device=x.device)
+        segs = units(segments, x)
+        if x.is_cuda:
+            o = self._attend(q_nope, q_pe, latent, segs, kv, kb, vb)
+        else:  # (CPU: each sequence's, each verify row's products as a one-token step computes them)
+            outs, i = [], 0
+            for seg in segs:
+                r = slice(i, i + seg.n)
+                outs.append(self._attend(q_nope[r], q_pe[r], latent[r], [seg], kv, kb, vb))
+                i += seg.n
+            o = torch.cat(outs)
+        return qmatmul(o.reshape(n, self.h * self.vd), self.wo)
+
+    def _attend(self, q_nope, q_pe, latent, segments: list[Segment], kv: KVCache, kb, vb) -> torch.Tensor:
+        """The absorbed attention of the rows of `segments` (their latents written to the cache) -> [m, H, v]."""
+        m = q_nope.shape[0]
+        q_lat = torch.einsum("nhd,hdc->nhc", q_nope, kb)  # [m, H, lora]
+        q_full = torch.cat([q_lat, q_pe], dim=-1)  # [m, H, lora + rope]
+        out = torch.empty(m, self.h, self.lora, dtype=q_nope.dtype, device=q_nope.device)
         i = 0
         for seg in segments:
             ks, _, mask = _cache_step(kv, self.layer, seg, latent[i : i + seg.n], None)  # [L, 1, lora + rope]
-            ks = ks.to(x.dtype).transpose(0, 1).unsqueeze(0)  # [1, 1, L, lora + rope]: one latent "head"
+            ks = ks.to(q_nope.dtype).transpose(0, 1).unsqueeze(0)  # [1, 1, L, lora + rope]: one latent "head"
             qs = q_full[i : i + seg.n].transpose(0, 1).unsqueeze(0)  # [1, H, n, lora + rope]
             o = F.scaled_dot_product_attention(
                 qs, ks, ks[..., : self.lora], attn_mask=mask, scale=self.scale,
@@ -360,5 +392,4 @@ class MLAttention:
             )
             out[i : i + seg.n] = o[0].transpose(0, 1)
             i += seg.n
-        o = torch.einsum("nhc,hvc->nhv", out, vb)  # [n, H, v]
-        return qmatmul(o.reshape(n, self.h * self.vd), self.wo)
+        return torch.einsum("nhc,hvc->nhv", out, vb)  # [m, H, v]

@@ -23,6 +23,7 @@ from strata.kv.cache import KVCache, Segment
 from strata.layers.attention import fuse_rows, row_views
 from strata.ops import registry
 from strata.quant import QTensor, qmatmul
+from strata.quant.matmul import CPU_ROWS_ALONE
 
 delta_decode = registry.op("delta_decode")
 gated_rms_norm = registry.op("gated_rms_norm")
@@ -150,16 +151,17 @@ class GatedDeltaNet:
             o = delta_decode(qkv, ba, st.conv[self.layer], self.conv_w, st.ssm[self.layer], slots, self.dt_bias,
                              self.a, self.hk, self.dk, self.dv)
         else:
-            ba = ba.view(n, self.hk, 2 * self.r)
-            beta = ba[..., : self.r].reshape(n, self.hv).sigmoid()
-            g = self.a * F.softplus(ba[..., self.r:].reshape(n, self.hv) + self.dt_bias)  # [n, Hv], <= 0
-            o = self._segments(qkv, g, beta, segments, st)
+            o = self._segments(qkv, ba, segments, st)
         # the gated RMSNorm (plain weight, not 1 + w), [n, Hv * Dv] in x's dtype
         return qmatmul(gated_rms_norm(o, z, self.norm, self.eps, x.dtype), self.wout)
 
-    def _segments(self, qkv, g, beta, segments: list[Segment], st) -> torch.Tensor:
+    def _segments(self, qkv, ba, segments: list[Segment], st) -> torch.Tensor:
         """Segment by segment (prefill chunks, verify segments, a lone decode token): o [n, Hv, Dv]."""
+        n = qkv.shape[0]
         conv_all, ssm_all = st.conv[self.layer], st.ssm[self.layer]
+        bav = ba.view(n, self.hk, 2 * self.r)
+        beta = bav[..., : self.r].reshape(n, self.hv).sigmoid()
+        g = self.a * F.softplus(bav[..., self.r:].reshape(n, self.hv) + self.dt_bias)  # [n, Hv], <= 0
         outs, i = [], 0
         for seg in segments:
             conv_s, ssm_s = conv_all[seg.slot], ssm_all[seg.slot]
@@ -169,6 +171,13 @@ class GatedDeltaNet:
             track = seg.slot in st.track  # a verify segment: keep the state after each token
             if track:
                 inputs = torch.cat([conv_s, qkv[i : i + seg.n]])
+            if _stepwise(seg, qkv):
+                o, states = self._token_by_token(qkv[i : i + seg.n], ba[i : i + seg.n], seg.slot, st, track)
+                if track:
+                    st.pending[(self.layer, seg.slot)] = (states, inputs)
+                outs.append(o)
+                i += seg.n
+                continue
             mixed, new_conv = causal_conv(qkv[i : i + seg.n], conv_s, self.conv_w)
             conv_s.copy_(new_conv)
             q, k, v = mixed.split([self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], dim=-1)
@@ -189,6 +198,26 @@ class GatedDeltaNet:
                 outs.append(o)
             i += seg.n
         return outs[0] if len(outs) == 1 else torch.cat(outs)  # [n, Hv, Dv]
+
+    def _token_by_token(self, qkv, ba, slot: int, st, track: bool):
+        """A segment's tokens one at a time through the decode step's own recurrence (`delta_decode` on the slot's
+        states in place) -> (o [n, Hv, Dv], the state after each token [n, Hv, Dk, Dv] when `track`, else None)."""
+        conv_all, ssm_all = st.conv[self.layer], st.ssm[self.layer]
+        slots = _slot_index((slot,), qkv.device)
+        outs, states = [], []
+        for j in range(qkv.shape[0]):
+            outs.append(delta_decode(qkv[j : j + 1], ba[j : j + 1], conv_all, self.conv_w, ssm_all, slots,
+                                     self.dt_bias, self.a, self.hk, self.dk, self.dv))
+            if track:
+                states.append(ssm_all[slot].clone())
+        return torch.cat(outs), (torch.stack(states) if track else None)
+
+
+def _stepwise(seg: Segment, x: torch.Tensor) -> bool:
+    """Whether a segment runs token by token as decode steps do: on the CPU, a continuation of up to
+    CPU_ROWS_ALONE tokens (a verify segment), so that each token's output is the one a one-token step gives
+    (strata.layers.attention.units says why); a prompt's first chunk and GPU steps keep the chunked form."""
+    return not x.is_cuda and 1 <= seg.n <= CPU_ROWS_ALONE and (bool(seg.window) or seg.start > 0)
 
 
 def _slot_index(slots: tuple[int, ...], device: torch.device) -> torch.Tensor:

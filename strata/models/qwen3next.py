@@ -21,7 +21,7 @@ from strata import StrataError
 from strata.gguf.reader import GGUFModel
 from strata.kv.cache import KVCache, Segment
 from strata.kv.recurrent import HybridCache, RecurrentState
-from strata.layers.attention import _as_dtype, _cache_step, _gqa, _one_query, fuse_rows, row_views
+from strata.layers.attention import _as_dtype, _cache_step, _gqa, _one_query, fuse_rows, row_views, units
 from strata.layers.deltanet import GatedDeltaNet, legacy_split
 from strata.layers.moe import Routing
 from strata.layers.rotary import Rotary
@@ -95,7 +95,7 @@ class GatedAttention:
         k, v = k.view(n, self.n_kv, self.hd), v.view(n, self.n_kv, self.hd)
         q, k = self.rotary.qk(q, k, pos, self.q_norm, self.k_norm, self.eps)
         outs, i = [], 0
-        for seg in segments:
+        for seg in units(segments, x):
             one = bool(seg.window) and seg.n == 1
             ks, vs, mask = _cache_step(kv, self.layer, seg, k[i : i + seg.n], v[i : i + seg.n], want_mask=not one)
             ks, vs = _as_dtype(ks, vs, x.dtype)

@@ -181,6 +181,14 @@ def combine_choices(y: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> tor
     """y [N, k, d] per-choice expert outputs, w [N, k] -> [N, d] in dtype, summed in float32 (a large N in slices
     of tokens: the products are a float32 temporary as large as y)."""
     N, k, d = y.shape
+    if not y.is_cuda:
+        # choice by choice, a product then a sum (no fused multiply-add): elementwise, so a token's sum is the
+        # same whatever tokens are beside it (a reduction over the choices' axis is blocked by the batch's shape)
+        wf = w.float()
+        acc = y[:, 0].float() * wf[:, 0:1]
+        for j in range(1, k):
+            acc = acc + y[:, j].float() * wf[:, j:j + 1]
+        return acc.to(dtype)
     step = max(1, COMBINE_ELEMENTS // max(k * d, 1))
     if N <= step:
         return (y.float() * w.unsqueeze(-1).float()).sum(1).to(dtype)

@@ -55,6 +55,23 @@ def register_kernel(device_type: str, qtype: GGMLQuantizationType | None, fn: Ke
     KERNELS[(device_type, qtype)] = fn
 
 
+# Rows of x up to which a CPU product computes each row by itself, as the same call a one-row step makes: BLAS picks
+# its blocking by the number of rows, so a row's sums (and with them a router's near tie, or a sampled token) would
+# otherwise depend on the rows beside it: a speculative verify step would not give a token the logits a one-token
+# step gives it, nor a step of several sequences each its own. Past it (prompt chunks) one product for all rows.
+CPU_ROWS_ALONE = 64
+
+
+def _linear(x2d: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x2d @ w.T; on the CPU each of up to CPU_ROWS_ALONE rows by itself (batch invariant)."""
+    n = x2d.shape[0]
+    if x2d.is_cuda or n > CPU_ROWS_ALONE:
+        return F.linear(x2d, w)
+    # each row copied to memory of its own: BLAS's path (and so its sums) can follow the row's alignment, which a
+    # row of a larger batch does not share with a one-row step's input
+    return torch.cat([F.linear(x2d[i:i + 1].clone(), w) for i in range(n)])
+
+
 def _chunked(x2d: torch.Tensor, w: QTensor, dtype: torch.dtype) -> torch.Tensor:
     """[T, in] @ W.T computed in `dtype`, dequantizing at most ~CHUNK_ELEMENTS weights at a time."""
     out_f, in_f = w.shape
@@ -64,11 +81,11 @@ def _chunked(x2d: torch.Tensor, w: QTensor, dtype: torch.dtype) -> torch.Tensor:
     budget = dequant.CHUNK_ELEMENTS * (8 if x2d.is_cuda else 1)
     rows = max(1, budget // in_f)
     if rows >= out_f:
-        return F.linear(x2d, dequantize_flat(w.raw, w.qtype, dtype).view(out_f, in_f))
+        return _linear(x2d, dequantize_flat(w.raw, w.qtype, dtype).view(out_f, in_f))
     y = torch.empty(x2d.shape[0], out_f, dtype=dtype, device=x2d.device)      # [T, out]
     for r in range(0, out_f, rows):
         wc = dequantize_flat(w.raw[r:r + rows], w.qtype, dtype).view(-1, in_f)  # [rows, in]
-        y[:, r:r + wc.shape[0]] = x2d @ wc.t()
+        y[:, r:r + wc.shape[0]] = _linear(x2d, wc)
     return y
 
 

@@ -101,6 +101,23 @@ FAMILIES = {
     ),
 }
 
+# The families again with widths as real models have them (every row a multiple of 32 values): torch's CPU
+# elementwise kernels (silu, sigmoid, ...) compute a tensor's last elements, its size modulo two vectors, by other
+# code than the rest, so with an odd width which of a row's elements take that path depends on how many rows are
+# beside it (tests/engine/test_batch_invariance.py)
+_ALIGNED = {
+    "qwen3moe": dict(moe_intermediate_size=64, head_dim=32),
+    "mixtral": dict(intermediate_size=64),
+    "deepseek_v3": dict(intermediate_size=128, moe_intermediate_size=64, q_lora_rank=64, kv_lora_rank=32,
+                        qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16),
+    "glm4moe": dict(hidden_size=64, moe_intermediate_size=64, intermediate_size=128, head_dim=32,
+                    partial_rotary_factor=0.5),
+    "gpt_oss": dict(intermediate_size=64, head_dim=32),
+    "qwen3next": dict(intermediate_size=128, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+                      head_dim=32, linear_key_head_dim=16, linear_value_head_dim=32),
+}
+for _f, _kw in _ALIGNED.items():
+    FAMILIES[_f + "_aligned"] = dict(FAMILIES[_f], kw={**FAMILIES[_f]["kw"], **_kw})
 
 def _append_mtp_blocks(model, out: Path, n: int, std: float) -> None:
     """Add n MTP blocks to the saved checkpoint as GLM's releases carry them: `model.layers.{L+j}.*`, a decoder

@@ -1,0 +1,86 @@
+"""Batch invariance on the CPU's default path (int8-rounded activations, not the float32 reference): a row's
+logits do not depend on the rows computed beside it. A speculative verify step of T tokens must give each token
+the logits a one-token step gives it (else a near tie in a router or a sampler resolves differently and the drafted
+text parts from the plain text), and a decode step of several sequences each sequence's logits alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from strata.config import EngineConfig
+from strata.engine.loader import load_model
+from strata.kv.cache import Segment
+
+# every family, with real models' widths (hf_fixtures says why)
+FAMILIES = [f + "_aligned" for f in ("qwen3moe", "deepseek_v3", "glm4moe", "gpt_oss", "qwen3next", "mixtral")]
+
+
+def _model(hf_and_gguf, family):
+    _, path = hf_and_gguf(family, "q8_0")
+    cfg = EngineConfig(model=str(path), device="cpu", ctx_size=256)
+    return load_model(str(path), cfg, with_tokenizer=False).model
+
+
+def _prefill(m, kv, slot, prompt):
+    n = len(prompt)
+    m.forward(torch.tensor(prompt), torch.arange(n), [Segment(slot, 0, n)], kv)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_verify_rows_logits_are_a_one_token_steps(family, hf_and_gguf):
+    m = _model(hf_and_gguf, family)
+    prompt = [(37 * i + 11) % 900 + 3 for i in range(70)]
+    nxt = [5, 301, 77, 650, 12]
+    n, T = len(prompt), len(nxt)
+    kv = m.new_kv_cache(1, 256)
+    _prefill(m, kv, 0, prompt)
+    one = torch.cat([m.forward(torch.tensor([nxt[j]]), torch.tensor([n + j]), [Segment(0, n + j, 1)], kv,
+                               all_logits=True) for j in range(T)])
+    kv2 = m.new_kv_cache(1, 256)
+    _prefill(m, kv2, 0, prompt)
+    rows = m.forward(torch.tensor(nxt), torch.arange(n, n + T), [Segment(0, n, T)], kv2, all_logits=True)
+    assert torch.equal(rows, one), (rows - one).abs().max().item()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_decode_steps_sequences_are_each_alone(family, hf_and_gguf):
+    m = _model(hf_and_gguf, family)
+    prompts = [[(37 * i + 11 * s) % 900 + 3 for i in range(20 + 9 * s)] for s in range(3)]
+    nxt = [5, 301, 77]
+    kv = m.new_kv_cache(3, 256)
+    for s, p in enumerate(prompts):
+        _prefill(m, kv, s, p)
+    segs = [Segment(s, len(p), 1) for s, p in enumerate(prompts)]
+    together = m.forward(torch.tensor(nxt), torch.tensor([len(p) for p in prompts]), segs, kv)
+    for s, p in enumerate(prompts):
+        kv1 = m.new_kv_cache(1, 256)
+        _prefill(m, kv1, 0, p)
+        alone = m.forward(torch.tensor([nxt[s]]), torch.tensor([len(p)]), [Segment(0, len(p), 1)], kv1)
+        assert torch.equal(together[s:s + 1], alone), (family, s, (together[s] - alone[0]).abs().max().item())
+
+
+@pytest.mark.parametrize("source", ["mtp", "ngram"])
+def test_the_embedded_models_sampled_text_is_the_same_with_drafts(source):
+    """The embedded default model on the default CPU path: seeded sampled text, token for token, with drafts of its
+    MTP block or n-grams as without (before each token's logits were its own, a near tie between two experts could
+    resolve one way in a verify step and the other in a one-token step, and the texts parted)."""
+    from strata.engine.engine import Engine
+    from strata.engine.sampler import SamplingParams
+    from strata.models.default import default_model_path
+
+    path = str(default_model_path(warn=False))
+    plain = Engine(load_model(path, EngineConfig(model=path, device="cpu", ctx_size=512)), n_slots=1)
+    drafted = Engine(load_model(path, EngineConfig(model=path, device="cpu", ctx_size=512, draft_max=3,
+                                                   draft_source=source)), n_slots=1)
+    tok = plain.lm.tokenizer
+    drafts = 0
+    for k, text in enumerate(("def add(a, b):", "class Stack:\n    def __init__(self):",
+                              "import os\n\nfor name in os.listdir(")):
+        prompt = tok.encode(text)
+        for temperature in (0.8, 1.2):
+            sp = SamplingParams(temperature=temperature, seed=3 + k)
+            ref = list(plain.generate(prompt, sp, 60))
+            assert list(drafted.generate(prompt, sp, 60)) == ref, (text, temperature)
+            drafts += drafted.last.draft_n
+    assert drafts > 0
