@@ -95,6 +95,11 @@ class ExpertConfig:
         "the prefill chunk buffers lent to the expert cache as extra slots between prompts (a prompt borrows them "
         "back, their experts forgotten; decode refills them): on, off, or auto (on for a GPU where tested)",
         flag="--chunk-buffer-loan", dest="chunk_buffer_loan", choices=("auto", "on", "off")))
+    prefill_loan: str = field(default="auto", metadata=opt(
+        "the VRAM a prompt chunk's activations take lent to the expert cache as extra slots between prompts (a "
+        "prompt evicts them and hands their memory back to the device for its activations; decode refills them): "
+        "on, off, or auto (on for a GPU where tested; needs the chunk buffers' loan)",
+        flag="--prefill-loan", dest="prefill_loan", choices=("auto", "on", "off")))
     decode_misses: str = field(default="auto", metadata=opt(
         "how a graphed decode step serves missed experts. handoff: each MoE layer's routing goes to the host, "
         "which splits the misses between the CPU lane and PCIe copies into staging slots (--cpu-plan); direct: "

@@ -22,6 +22,7 @@ import torch
 
 from strata import StrataError
 from strata.config import ExpertConfig, chunk_ring_size, chunk_stage_mib
+from strata.experts.releasable import Releasable
 from strata.experts.resident import ExpertWeights
 from strata.experts import sizing
 from strata.experts.store import ExpertStore
@@ -135,6 +136,8 @@ class SlotPool:
     stage_base: int  # first staging slot
     staging: int
     loan_base: int = 0  # first row of the chunk buffers when they lie in the pool (lent between prompts)
+    act_base: int = 0  # first row of the prefill activations' VRAM lent as slots (released during prompts)
+    releasable: list = field(default_factory=list)  # its projections' Releasable buffers (strata.experts.releasable)
     base: dict[int, int] = field(default_factory=dict)  # layer -> first slot
     stage_next: int = 0  # ring position
 
@@ -199,10 +202,12 @@ def cap_to_budget(device: torch.device, vram_gb: float) -> float:
     index = device.index if device.index is not None else torch.cuda.current_device()  # "cuda" names no index
     torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), index)
     _CAPPED.add(index)
+    CAP_BYTES[index] = cap
     return cap / GiB
 
 
 _CAPPED: set[int] = set()  # devices whose allocator a budget capped in this process
+CAP_BYTES: dict[int, int] = {}  # device -> the cap in bytes (strata.experts.loan moves it by the lent VRAM)
 
 
 def release_caps() -> None:
@@ -215,10 +220,12 @@ class ExpertCache:
     """The slot pools, the device expert_map and the copy machinery for `store`'s layers."""
 
     def __init__(self, store: ExpertStore, slots: int | list[int], staging: int, device: torch.device,
-                 chunk_experts: int = 0, loan: bool = False):
+                 chunk_experts: int = 0, loan: bool = False, act_slots: int = 0):
         """slots: per layer, one count for all (uniform) or a list in `store.layer_ids` order. loan: the prefill
         chunk buffers lie in the pool, past the staging ring, and are lent to the layers as extra slots between
-        prompts (`loan_slots`; a chunk step borrows them back: TieredExperts.borrow)."""
+        prompts (`loan_slots`; a chunk step borrows them back: TieredExperts.borrow). act_slots: with the loan, each
+        layer's slots in the VRAM a prompt chunk's activations take, lent the same way and released to the device
+        while a prompt runs (`--prefill-loan`: strata.experts.releasable)."""
         per = [int(slots)] * len(store.layer_ids) if isinstance(slots, (int, np.integer)) else [int(v) for v in slots]
         if len(per) != len(store.layer_ids) or min(per, default=0) < 0 or staging < 1:
             raise StrataError(f"expert cache needs slots >= 0 for each of {len(store.layer_ids)} layers and staging "
@@ -253,24 +260,35 @@ class ExpertCache:
         # the chunk buffers' slots in the pool (loan) and each layer's share of them as extra cache slots
         self.ring = sizing.chunk_ring(self.chunk_experts, chunk_ring_size())  # (buffers, experts each)
         self.loan_slots: dict[int, int] = {i: 0 for i in self.layer_ids}
+        self.act_slots: dict[int, int] = {i: 0 for i in self.layer_ids}  # of those, in the activations' VRAM
         self.rows: dict[int, np.ndarray] = {}  # layer -> the pool row of each of its slots (lent ones last)
         try:
             for sig, layers in groups.items():
                 cached = sum(self.layer_slots[i] for i in layers)
                 lent = self.ring[0] * self.ring[1] if loan else 0
-                n = cached + staging + lent
+                act = int(act_slots) * len(layers) if loan else 0
+                n = cached + staging + lent + act
                 ew = store[layers[0]]
-                ts = [QTensor(torch.zeros((n, *t.raw.shape[1:]), dtype=torch.uint8, device=device), t.qtype,
-                              (n, *t.shape[1:])) for t in (ew.gate, ew.up, ew.down)]
-                pool = SlotPool(sig, *ts, stage_base=cached, staging=staging, loan_base=cached + staging)
+                spare = [Releasable((n, *t.raw.shape[1:]), device, n - act) for t in (ew.gate, ew.up, ew.down)] \
+                    if act else []
+                ts = [QTensor(spare[j].raw if act else torch.zeros((n, *t.raw.shape[1:]), dtype=torch.uint8,
+                                                                   device=device), t.qtype, (n, *t.shape[1:]))
+                      for j, t in enumerate((ew.gate, ew.up, ew.down))]
+                pool = SlotPool(sig, *ts, stage_base=cached, staging=staging, loan_base=cached + staging,
+                                act_base=n - act, releasable=spare)
                 share = min(lent // len(layers), store.n_experts) if lent else 0
                 base = 0
                 for j, i in enumerate(layers):
                     pool.base[i] = base
                     own = self.layer_slots[i]
                     self.loan_slots[i] = max(0, min(share, store.n_experts - own))
+                    extra = max(0, min(act // len(layers), store.n_experts - own - self.loan_slots[i]))
+                    self.act_slots[i] = extra
                     self.rows[i] = np.concatenate([base + np.arange(own, dtype=np.int64), pool.loan_base + j * share
-                                                   + np.arange(self.loan_slots[i], dtype=np.int64)])
+                                                   + np.arange(self.loan_slots[i], dtype=np.int64),
+                                                   pool.act_base + j * (act // len(layers))
+                                                   + np.arange(extra, dtype=np.int64)])
+                    self.loan_slots[i] += extra
                     base += own
                     self.pool_of[i] = pool
                 self.pools.append(pool)

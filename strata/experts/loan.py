@@ -1,4 +1,5 @@
-"""The prefill chunk buffers lent to the expert cache between prompts (`--chunk-buffer-loan`).
+"""The prefill chunk buffers lent to the expert cache between prompts (`--chunk-buffer-loan`), and with them the
+VRAM a prompt chunk's activations take (`--prefill-loan`, strata.experts.releasable).
 
 The buffers a prompt's chunks stream experts through sit idle while sequences decode. With the loan they are rows
 of the slot pool (strata.experts.cache: past the staging ring), and each layer's policy counts its share of them as
@@ -10,11 +11,16 @@ device once (a prompt's worth of work, not a step's): the rows' readers and writ
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
 
+from strata.experts import cache as cache_mod
+from strata.experts import releasable
 from strata.experts.tiered_eager import PAIRS_MAX
+
+log = logging.getLogger("strata")
 
 # auto takes the loan on a GPU: its GPU test (tests/experts/test_chunk_loan.py) has passed there
 GPU_TESTED = True
@@ -22,6 +28,67 @@ GPU_TESTED = True
 
 def loan_tested() -> bool:
     return GPU_TESTED
+
+
+# slots a layer a CPU run lends as a GPU lends its prefill activations' VRAM (a CPU has none: the tests set it)
+CPU_ACT_SLOTS = 0
+
+
+def prefill_loan_slots(t, act_bytes: int) -> int:
+    """--prefill-loan: the slots a layer the VRAM of a prompt chunk's activations holds between prompts (0: off).
+    auto: on for a GPU once its GPU test has passed there (releasable.GPU_TESTED), with the chunk buffers' loan."""
+    want = t.ex.prefill_loan
+    if want == "off" or not t._loan_wanted() or (want == "auto" and not (t.cuda and releasable.GPU_TESTED)):
+        return 0
+    if t.cuda and not releasable.available():
+        log.warning("strata: --prefill-loan: the CUDA driver's virtual memory calls are not reachable here; off")
+        return 0
+    per_slot = sum(t.store.expert_nbytes(i) for i in t.layer_ids)  # one slot in every layer
+    n = int(act_bytes) // per_slot if t.cuda else CPU_ACT_SLOTS
+    if n:
+        log.info("strata: the prefill activations' VRAM (%.2f GiB) lent to the cache between prompts: %d more slots "
+                 "a layer while decoding", n * per_slot / 2**30, n)
+    return n
+
+
+def _shift_cap(device: torch.device, delta: int) -> None:
+    """Move the cap on torch's allocator (cache.cap_to_budget) by `delta` bytes: VRAM the pool handed back to the
+    device is the prompt's to allocate, and no longer once the pool maps it again."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index in cache_mod.CAP_BYTES:
+        cache_mod.CAP_BYTES[index] += int(delta)
+        total = torch.cuda.mem_get_info(device)[1]
+        torch.cuda.set_per_process_memory_fraction(min(1.0, max(cache_mod.CAP_BYTES[index], 0) / total), index)
+
+
+def release_activations(t) -> int:
+    """A prompt borrows the lent rows in the activations' VRAM: their memory goes back to the device (the rows'
+    experts are already evicted and their readers done); returns the bytes released."""
+    freed = sum(r.release() for pool in t.cache.pools for r in pool.releasable)
+    if freed and t.cuda:
+        _shift_cap(t.device, freed)
+    return freed
+
+
+def restore_activations(t) -> bool:
+    """Map the activations' VRAM into the pool again after a prompt (its blocks given back to the device first);
+    False when the device has no room for it now (those rows stay out of the cache until the next prompt)."""
+    bufs = [r for pool in t.cache.pools for r in pool.releasable if r.released]
+    if not bufs:
+        return True
+    if t.cuda:
+        torch.cuda.empty_cache()  # the prompt's freed activations, back to the device
+        _shift_cap(t.device, -sum(r.lendable() for r in bufs))
+    try:
+        for r in bufs:
+            r.restore()
+    except torch.OutOfMemoryError as e:
+        if t.cuda:
+            _shift_cap(t.device, sum(r.lendable() for r in bufs if r.released))
+        log.warning("strata: the prefill activations' VRAM could not go back to the expert cache (%s); its slots "
+                    "stay empty until the next prompt", e)
+        return False
+    return True
 
 
 def loan_turn(t, ctx) -> None:
@@ -39,6 +106,7 @@ def loan_turn(t, ctx) -> None:
                 cache.upload_map(li, t.policy.expert_map()[li])
         if t.cuda:  # (once a prompt) copies into those rows and their readers finish before a chunk's
             torch.cuda.synchronize(t.device)
+        release_activations(t)
         cache.lent = False
         t.loans += 1
         t.loan_ms += (time.perf_counter() - t0) * 1e3  # (the sync included: what a prompt waits for the loan)
@@ -47,8 +115,10 @@ def loan_turn(t, ctx) -> None:
             torch.cuda.synchronize(t.device)
         for st in cache._chunk_stage.values():
             st.pending = None
+        back = restore_activations(t)
         for li, layer in enumerate(t.layer_ids):
             if cache.loan_slots[layer]:
-                t.policy.set_capacity(li, cache.layer_slots[layer] + cache.loan_slots[layer])
+                out = 0 if back else cache.act_slots[layer]
+                t.policy.set_capacity(li, cache.layer_slots[layer] + cache.loan_slots[layer] - out)
         cache.lent = True
 

@@ -38,7 +38,7 @@ from strata.experts.stats import ExpertStats, StepProfile
 from strata.experts.store import ExpertStore
 from strata.experts.tiered_decode import GraphedDecode
 from strata.experts.tiered_direct import DirectDecode, supported as direct_supported
-from strata.experts.loan import loan_tested, loan_turn
+from strata.experts.loan import loan_tested, loan_turn, prefill_loan_slots
 from strata.experts.tiered_eager import PAIRS_MAX, EagerLayer
 from strata.experts.tuner import LaneSetting, PlanTuner, lane_candidates
 
@@ -144,7 +144,8 @@ class TieredExperts:
             prof = RoutingProfile.load(self.ex.expert_profile, L, E)
             sizes = [self.store.expert_nbytes(i) for i in self.layer_ids]
             slots = layer_slots(prof.counts, sum(slots * b for b in sizes), sizes)
-        self.cache = ExpertCache(self.store, slots, staging, self.device, chunk_experts=chunk, loan=self._loan_wanted())
+        self.cache = ExpertCache(self.store, slots, staging, self.device, chunk_experts=chunk, loan=self._loan_wanted(),
+                                 act_slots=prefill_loan_slots(self, act_bytes))
         # the policy's slots per layer: its own and, between prompts, its share of the lent chunk buffers
         caps = [self.cache.layer_slots[i] + self.cache.loan_slots[i] for i in self.layer_ids]
         slots = caps[0] if len(set(caps)) == 1 else caps
