@@ -117,6 +117,7 @@ class VramSplit:
     n_experts: int  # per layer
     chunk_experts: int = 0  # experts per chunk buffer
     prefill_chunk: int = 0  # tokens
+    lent_slots: int = 0  # per layer, in the chunk buffers' and prefill activations' VRAM between prompts (the loans)
 
     PARTS = tuple(SPLIT_LABELS)
 
@@ -137,7 +138,7 @@ class VramSplit:
         out: dict = {"budget_gib": round(self.budget / GiB, 3)}
         out.update({f"{p}_gib": round(getattr(self, p) / GiB, 3) for p in self.PARTS})
         out.update(slots_per_layer=self.slots, n_experts=self.n_experts, cache_share=round(self.cache_share, 4),
-                   prefill_chunk=self.prefill_chunk, chunk_experts=self.chunk_experts)
+                   prefill_chunk=self.prefill_chunk, chunk_experts=self.chunk_experts, lent_slots=self.lent_slots)
         return out
 
     def _shown(self) -> list[str]:
@@ -150,7 +151,8 @@ class VramSplit:
         if p == "chunk_buffers" and self.chunk_experts:
             return f"{self.chunk_experts} experts per buffer"
         if p == "cache":
-            return (f"{self.slots} of {self.n_experts} slots per layer, {100 * self.cache_share:.1f}% of the "
+            lent = f" (+{self.lent_slots} lent between prompts)" if self.lent_slots else ""
+            return (f"{self.slots} of {self.n_experts} slots per layer{lent}, {100 * self.cache_share:.1f}% of the "
                     "budget")
         return ""
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import logging
 import time
+from dataclasses import replace
 from typing import Callable
 
 import numpy as np
@@ -148,6 +149,8 @@ class TieredExperts:
                                  act_slots=prefill_loan_slots(self, act_bytes))
         # the policy's slots per layer: its own and, between prompts, its share of the lent chunk buffers
         caps = [self.cache.layer_slots[i] + self.cache.loan_slots[i] for i in self.layer_ids]
+        if self.vram_split is not None:
+            self.vram_split = replace(self.vram_split, lent_slots=self.cache.loan_slots[self.layer_ids[0]])
         slots = caps[0] if len(set(caps)) == 1 else caps
         if self.cuda and self.ex.vram_gb is not None and alloc_cap_enabled():
             cap = cap_to_budget(self.device, self.ex.vram_gb)

@@ -97,6 +97,18 @@ def test_needs_the_chunk_buffers_loan(model_path, chunked_on_cpu):
     assert not any(eng.model.experts.cache.act_slots.values())
 
 
+def test_the_split_shows_the_lent_slots():
+    from dataclasses import replace
+
+    from strata.experts.sizing import GiB, MiB, split_budget
+
+    s = split_budget(8 * GiB, context=GiB, dense=GiB, reserve=700 * MiB, staging=0, prefill=GiB,
+                     expert_bytes=2 * MiB, per_slot=96 * MiB, n_experts=128)
+    lent = replace(s, lent_slots=11)
+    assert "slots per layer (+11 lent between prompts)" in lent.render() and lent.as_dict()["lent_slots"] == 11
+    assert "lent" not in s.render()
+
+
 def test_a_releasable_buffer_on_the_cpu():
     r = releasable.Releasable((6, 2, 8), torch.device("cpu"), 4)
     r.raw.fill_(7)
