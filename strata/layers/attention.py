@@ -91,6 +91,16 @@ def units(segments: list[Segment], x: torch.Tensor) -> list[Segment]:
     return out
 
 
+def attend(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, mask, seg: Segment, scale: float) -> torch.Tensor:
+    """_gqa of a segment's queries q [n, H, D] over the slot's keys up to its end. On the CPU a segment of 2 ..
+    CPU_ROWS_ALONE queries (a verify step's) goes one query at a time, each over its own prefix of the keys read once:
+    what a one-token step computes, bit for bit (a masked product sums in another order: `units`)."""
+    if 1 < seg.n <= CPU_ROWS_ALONE and not seg.window and not q.is_cuda:
+        return torch.cat([_gqa(q[j:j + 1], ks[:seg.start + j + 1], vs[:seg.start + j + 1], None, scale)
+                          for j in range(seg.n)])
+    return _gqa(q, ks, vs, mask, scale)
+
+
 def _cache_step(kv: KVCache, layer: int, seg: Segment, k: torch.Tensor, v: torch.Tensor | None,
                 want_mask: bool = True):
     """Write a segment's K/V and return (keys, values, mask) to attend over: the slot's prefix, or for a
@@ -221,7 +231,7 @@ class GQAttention:
         if not written:
             q, k = self.rotary.qk(q, k, pos, self.q_norm, self.k_norm, self.eps)  # one launch on CUDA
         outs, i = [], 0
-        for seg in units(segments, x):
+        for seg in segments:
             one = bool(seg.window) and seg.n == 1  # a static decode step's query: split over the keys on a GPU
             if written:
                 ks, vs = _as_dtype(*kv.read_window(self.layer, seg.slot, seg.window), x.dtype)
@@ -240,7 +250,7 @@ class GQAttention:
             if one:
                 outs.append(_one_query(q[i : i + 1], ks, vs, seg, self.scale, k.dtype))
             else:
-                outs.append(_gqa(q[i : i + seg.n], ks, vs, mask, self.scale))  # [n, H, Dv]
+                outs.append(attend(q[i : i + seg.n], ks, vs, mask, seg, self.scale))  # [n, H, Dv]
             i += seg.n
         out = outs[0] if len(outs) == 1 else torch.cat(outs)  # [n, H, Dv]
         return qmatmul(out.reshape(n, self.n_heads * self.vd), self.wo)

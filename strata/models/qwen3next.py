@@ -21,7 +21,7 @@ from strata import StrataError
 from strata.gguf.reader import GGUFModel
 from strata.kv.cache import KVCache, Segment
 from strata.kv.recurrent import HybridCache, RecurrentState
-from strata.layers.attention import _as_dtype, _cache_step, _gqa, _one_query, fuse_rows, row_views, units
+from strata.layers.attention import _as_dtype, _cache_step, _one_query, attend, fuse_rows, row_views
 from strata.layers.deltanet import GatedDeltaNet, legacy_split
 from strata.layers.moe import Routing
 from strata.layers.rotary import Rotary
@@ -95,14 +95,14 @@ class GatedAttention:
         k, v = k.view(n, self.n_kv, self.hd), v.view(n, self.n_kv, self.hd)
         q, k = self.rotary.qk(q, k, pos, self.q_norm, self.k_norm, self.eps)
         outs, i = [], 0
-        for seg in units(segments, x):
+        for seg in segments:
             one = bool(seg.window) and seg.n == 1
             ks, vs, mask = _cache_step(kv, self.layer, seg, k[i : i + seg.n], v[i : i + seg.n], want_mask=not one)
             ks, vs = _as_dtype(ks, vs, x.dtype)
             if one:
                 outs.append(_one_query(q[i : i + 1], ks, vs, seg, self.scale, k.dtype))
             else:
-                outs.append(_gqa(q[i : i + seg.n], ks, vs, mask, self.scale))
+                outs.append(attend(q[i : i + seg.n], ks, vs, mask, seg, self.scale))
             i += seg.n
         out = outs[0] if len(outs) == 1 else torch.cat(outs)  # [n, H, D]
         out = out * torch.sigmoid(gate.to(out.dtype))

@@ -27,17 +27,19 @@ def _prefill(m, kv, slot, prompt):
     m.forward(torch.tensor(prompt), torch.arange(n), [Segment(slot, 0, n)], kv)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_a_verify_rows_logits_are_a_one_token_steps(family, hf_and_gguf):
+@pytest.mark.parametrize("family,kv_type", [(f, None) for f in FAMILIES]
+                         + [("glm4moe_aligned", "q8_0"), ("qwen3next_aligned", "q4_0"), ("deepseek_v3_aligned", "q8_0")])
+def test_a_verify_rows_logits_are_a_one_token_steps(family, kv_type, hf_and_gguf):
+    """(kv_type: K and V stored quantized, read back dequantized)"""
     m = _model(hf_and_gguf, family)
     prompt = [(37 * i + 11) % 900 + 3 for i in range(70)]
     nxt = [5, 301, 77, 650, 12]
     n, T = len(prompt), len(nxt)
-    kv = m.new_kv_cache(1, 256)
+    kv = m.new_kv_cache(1, 256, k_type=kv_type, v_type=kv_type)
     _prefill(m, kv, 0, prompt)
     one = torch.cat([m.forward(torch.tensor([nxt[j]]), torch.tensor([n + j]), [Segment(0, n + j, 1)], kv,
                                all_logits=True) for j in range(T)])
-    kv2 = m.new_kv_cache(1, 256)
+    kv2 = m.new_kv_cache(1, 256, k_type=kv_type, v_type=kv_type)
     _prefill(m, kv2, 0, prompt)
     rows = m.forward(torch.tensor(nxt), torch.arange(n, n + T), [Segment(0, n, T)], kv2, all_logits=True)
     assert torch.equal(rows, one), (rows - one).abs().max().item()
