@@ -17,7 +17,7 @@ import time
 import torch
 
 from strata.experts import cache as cache_mod
-from strata.experts import releasable
+from strata.experts import releasable, sizing
 from strata.experts.tiered_eager import PAIRS_MAX
 
 log = logging.getLogger("strata")
@@ -36,9 +36,10 @@ CPU_ACT_SLOTS = 0
 
 def prefill_loan_slots(t, act_bytes: int) -> int:
     """--prefill-loan: the slots a layer the VRAM of a prompt chunk's activations holds between prompts (0: off).
-    auto: on for a GPU once its GPU test has passed there (releasable.GPU_TESTED), with the chunk buffers' loan."""
+    auto: on for a GPU once its GPU test has passed there (sizing.PREFILL_LOAN_GPU_TESTED), with the chunk
+    buffers' loan."""
     want = t.ex.prefill_loan
-    if want == "off" or not t._loan_wanted() or (want == "auto" and not (t.cuda and releasable.GPU_TESTED)):
+    if want == "off" or not t._loan_wanted() or (want == "auto" and not (t.cuda and sizing.PREFILL_LOAN_GPU_TESTED)):
         return 0
     if t.cuda and not releasable.available():
         log.warning("strata: --prefill-loan: the CUDA driver's virtual memory calls are not reachable here; off")

@@ -26,8 +26,6 @@ from strata import StrataError
 
 log = logging.getLogger("strata")
 
-# taken on a GPU (auto) once its GPU test (tests/experts/test_prefill_loan.py) has passed there
-GPU_TESTED = False
 PIECE = 4 << 20  # bytes of physical memory a handle (a multiple of the driver's granularity, 2 MiB): the lent rows'
 # first and last pieces are partly other rows or past the end, so smaller pieces waste less; each is a few driver
 # calls when a prompt ends

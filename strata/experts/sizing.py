@@ -88,6 +88,20 @@ def cache_slots(left: int, expert_bytes: int, per_slot: int, n_experts: int, n_s
     return slots, chunk, buffers
 
 
+# --prefill-loan's auto takes it on a GPU once its GPU test (tests/experts/test_prefill_loan.py) has passed there
+PREFILL_LOAN_GPU_TESTED = False
+
+
+def lent_slots(split: "VramSplit", n_layers: int, per_slot: int, prefill_loan: bool | None = None) -> int:
+    """Slots a layer a GPU's cache gets between prompts beyond the split's own, as strata.experts.cache lays them
+    out: the share of the prefill chunk buffers (--chunk-buffer-loan, on for GPUs) and, with the prefill loan (by
+    default where its GPU test passed), the VRAM of a prompt chunk's activations."""
+    n = 2 * split.chunk_experts // max(int(n_layers), 1)
+    if PREFILL_LOAN_GPU_TESTED if prefill_loan is None else prefill_loan:
+        n += split.prefill // max(int(per_slot), 1)
+    return int(max(0, min(n, split.n_experts - split.slots)))
+
+
 # the parts of a VRAM split, in the order they are reported
 SPLIT_LABELS = {"context": "CUDA context", "dense": "dense weights", "kv": "KV cache",
                 "other": "torch allocator cache", "prefill": "prefill activations", "chunk_buffers": "chunk buffers",

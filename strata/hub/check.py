@@ -10,11 +10,11 @@ becomes slots, each holding one expert of one layer. Expert tensors are the ones
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from strata.experts.sizing import (DEFAULT_CTX, OUTSIDE_GROWTH_MIB, VRAM_RESERVE_MIB, VramSplit, kv_row_bytes,
-                                   prefill_bytes_per_token, prefill_chunk_for, prefill_left, split_budget,
+                                   lent_slots, prefill_bytes_per_token, prefill_chunk_for, prefill_left, split_budget,
                                    staging_slots)
 from strata.hub.machine import MachineInfo
 from strata.hub.verify import GGUFHeader, read_gguf_header
@@ -58,6 +58,7 @@ class ModelFootprint:
     @property
     def n_expert_total(self) -> int:
         return self.n_expert * self.n_moe_layers
+
 
 
 def kv_bytes_per_token(h: GGUFHeader, cache_type_k: str = "f16", cache_type_v: str = "f16") -> int:
@@ -260,6 +261,7 @@ def fit(fp: ModelFootprint, machine: MachineInfo, ctx: int = 0, vram_budget: int
                              reserve=VRAM_RESERVE, staging=staging, prefill=prefill, expert_bytes=fp.slot_bytes,
                              per_slot=fp.expert_bytes // fp.n_expert,  # one expert in every layer
                              n_experts=fp.n_expert, prefill_chunk=chunk)
+        split = replace(split, lent_slots=lent_slots(split, fp.n_moe_layers, fp.expert_bytes // fp.n_expert))
     vram_needed = held + VRAM_RESERVE + staging + prefill
     # the experts pinned, and the input embedding pinned beside them when it is served from host RAM
     ram_needed = fp.expert_bytes + (fp.embed_bytes if fp.n_expert else 0) + RAM_HEADROOM + host_kv

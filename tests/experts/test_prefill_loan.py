@@ -107,6 +107,12 @@ def test_the_split_shows_the_lent_slots():
     lent = replace(s, lent_slots=11)
     assert "slots per layer (+11 lent between prompts)" in lent.render() and lent.as_dict()["lent_slots"] == 11
     assert "lent" not in s.render()
+    # as the cache lays the loans out: the chunk buffers' share, and the activations' VRAM with the prefill loan
+    from strata.experts.sizing import lent_slots
+
+    chunk = 2 * s.chunk_experts // 48
+    assert lent_slots(s, 48, 96 * MiB, prefill_loan=False) == chunk
+    assert lent_slots(s, 48, 96 * MiB, prefill_loan=True) == chunk + GiB // (96 * MiB)
 
 
 def test_a_releasable_buffer_on_the_cpu():

@@ -40,7 +40,7 @@ GATED=(
   "tests/engine/test_mtp.py|strata/engine/mtp.py|s/^GRAPHS_GPU_TESTED = False/GRAPHS_GPU_TESTED = True/"
   # the prefill activations' VRAM lent to the expert cache between prompts (then measure: B1 at 8 GiB, slots a
   # layer and decode against the run without it, `tools/gpu/compare_flags.sh "--prefill-loan off" "--prefill-loan on"`)
-  "tests/experts/test_prefill_loan.py|strata/experts/releasable.py|s/^GPU_TESTED = False/GPU_TESTED = True/"
+  "tests/experts/test_prefill_loan.py|strata/experts/sizing.py|s/^PREFILL_LOAN_GPU_TESTED = False/PREFILL_LOAN_GPU_TESTED = True/"
 )
 
 log="$OUT/gated.log"
