@@ -65,9 +65,26 @@ def warm_up(engine, tokenizer, say: Callable[[str], None], tune_s: float) -> dic
     if path is not None:  # (a tuned hand-off may have moved to the staged path at the captures' first step)
         why = getattr(experts, "path_reason", "")
         say(f"decode misses: {path}" + (f" ({why})" if why else ""))
+    split = getattr(engine, "vram_split", None)
+    if split is not None and engine.device.type == "cuda":
+        say(vram_after_warm_up(engine.device, split, out))
     # the warm-up's text is nobody's conversation: no slot keeps it, no request's counts include it
     engine.slot_tokens = {s: [] for s in range(engine.n_slots)}
     if experts is not None:
         experts.begin_request()
     out["seconds"] = round(time.perf_counter() - t0, 3)
     return out
+
+
+def vram_after_warm_up(device, split, out: dict) -> str:
+    """What the budget holds once prompts ran and decode steps were captured (what the reserve is measured by:
+    the device's use against the budget, and torch's allocated / cached bytes); recorded in `out`."""
+    import torch
+
+    free, total = torch.cuda.mem_get_info(device)
+    used, alloc, held = total - free, torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+    out.update(vram_used_gib=round(used / 2**30, 3), torch_allocated_gib=round(alloc / 2**30, 3),
+               torch_reserved_gib=round(held / 2**30, 3), budget_gib=round(split.budget / 2**30, 3))
+    return (f"VRAM after warm-up: {used / 2**30:.2f} GiB of the {split.budget / 2**30:.2f} GiB budget in use (torch: "
+            f"{alloc / 2**30:.2f} allocated, {held / 2**30:.2f} held; {(split.budget - used) / 2**20:.0f} MiB of the "
+            f"budget free, the reserve {split.reserve / 2**20:.0f} MiB)")

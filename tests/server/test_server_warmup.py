@@ -86,3 +86,23 @@ def test_without_warmup_the_cost_models_plan_is_kept(tiered_lm, with_tuner):
         oai = openai.OpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0)
         oai.chat.completions.create(model="tiny", messages=MSG, max_tokens=12, temperature=0.8, seed=3)
         assert _timed(experts.tuner) == 0
+
+
+@pytest.mark.gpu
+def test_cuda_vram_after_warm_up_is_measured_against_the_budget():
+    import torch
+
+    from strata.experts.sizing import GiB, MiB, split_budget
+    from strata.server.warmup import vram_after_warm_up
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    split = split_budget(8 * GiB, context=GiB, reserve=700 * MiB, staging=0, prefill=0, expert_bytes=MiB,
+                         per_slot=48 * MiB, n_experts=128)
+    x = torch.ones(64 * MiB // 4, device=dev)
+    out: dict = {}
+    line = vram_after_warm_up(dev, split, out)
+    assert "of the 8.00 GiB budget in use" in line and "the reserve 700 MiB" in line
+    assert out["torch_allocated_gib"] >= 64 / 1024 and out["vram_used_gib"] > 0
+    del x
