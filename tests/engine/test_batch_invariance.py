@@ -86,3 +86,24 @@ def test_the_embedded_models_sampled_text_is_the_same_with_drafts(source):
             assert list(drafted.generate(prompt, sp, 60)) == ref, (text, temperature)
             drafts += drafted.last.draft_n
     assert drafts > 0
+
+
+def test_the_embedded_models_sampled_text_is_the_same_beside_other_sequences():
+    """Four seeded sampled requests decoding together in one engine write, each, the text it writes alone."""
+    from strata.engine.engine import Engine, Sequence
+    from strata.engine.sampler import SamplingParams
+    from strata.models.default import default_model_path
+
+    path = str(default_model_path(warn=False))
+    lm = load_model(path, EngineConfig(model=path, device="cpu", ctx_size=512))
+    tok = lm.tokenizer
+    prompts = [tok.encode(t) for t in ("def add(a, b):", "class Stack:", "import os\n", "# parse the")]
+    params = [SamplingParams(temperature=1.2, seed=s) for s in (1, 2, 3, 4)]
+    alone = [list(Engine(lm, n_slots=1).generate(p, sp, 120)) for p, sp in zip(prompts, params)]
+    eng = Engine(lm, n_slots=4)
+    seqs = [Sequence(list(p), sp, 120, set()) for p, sp in zip(prompts, params)]
+    for s in seqs:
+        eng.add(s)
+    while any(not s.finished for s in seqs):
+        eng.step()
+    assert [s.output for s in seqs] == alone
