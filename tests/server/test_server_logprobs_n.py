@@ -168,7 +168,8 @@ def test_n_streamed_client_leaving_frees_every_slot(server):
     """A client that leaves a stream of n choices mid-way cancels all of them: both slots are idle again."""
     import time
 
-    body = {"messages": MSG, "max_tokens": 400, "n": 2, "stream": True, "temperature": 1.0, "ignore_eos": True}
+    body = {"messages": MSG, "max_tokens": 400, "n": 2, "stream": True, "temperature": 1.0, "ignore_eos": True,
+            "seed": 5}
     with httpx.Client(timeout=60) as c, c.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
         seen = set()
         for line in r.iter_lines():
