@@ -41,8 +41,10 @@ def prefill_loan_slots(t, act_bytes: int) -> int:
     want = t.ex.prefill_loan
     if want == "off" or not t._loan_wanted() or (want == "auto" and not (t.cuda and sizing.PREFILL_LOAN_GPU_TESTED)):
         return 0
-    if t.cuda and not releasable.available():
-        log.warning("strata: --prefill-loan: the CUDA driver's virtual memory calls are not reachable here; off")
+    why = None if not t.cuda else ("the CUDA driver is not reachable" if not releasable.available()
+                                   else releasable.probe(t.device))
+    if why is not None:
+        log.warning("strata: --prefill-loan off: the CUDA driver's virtual memory calls failed here (%s)", why)
         return 0
     per_slot = sum(t.store.expert_nbytes(i) for i in t.layer_ids)  # one slot in every layer
     n = int(act_bytes) // per_slot if t.cuda else CPU_ACT_SLOTS

@@ -213,6 +213,19 @@ class Releasable:
         return got
 
 
+def probe(device: torch.device) -> str | None:
+    """Whether a releasable range can be made on `device` here: None, or why not (the driver's answer: some
+    platforms, virtualized GPUs among them, refuse its virtual memory calls)."""
+    try:
+        r = Releasable((2, PIECE), device, 1)
+        r.release()
+        r.restore()
+        r.range.close()
+    except (StrataError, OSError, AttributeError, RuntimeError) as e:
+        return str(e)
+    return None
+
+
 def available() -> bool:
     """Whether the driver's virtual memory management can be reached here (a GPU with libcuda)."""
     if not torch.cuda.is_available():

@@ -128,6 +128,7 @@ def test_cuda_device_range_gives_memory_back_and_maps_it_again():
     if not releasable.available():
         pytest.skip("needs CUDA and its driver")
     dev = torch.device("cuda", torch.cuda.current_device())
+    assert releasable.probe(dev) is None  # (what the engine asks before it lends)
     piece = releasable.PIECE
     r = releasable.Releasable((16, piece // 4), dev, 4)  # 4 pieces, the last 3 lendable
     r.raw.copy_(torch.arange(16, device=dev, dtype=torch.uint8)[:, None].expand(16, piece // 4))
