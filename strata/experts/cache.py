@@ -266,7 +266,11 @@ class ExpertCache:
             for sig, layers in groups.items():
                 cached = sum(self.layer_slots[i] for i in layers)
                 lent = self.ring[0] * self.ring[1] if loan else 0
-                act = int(act_slots) * len(layers) if loan else 0
+                share = min(lent // len(layers), store.n_experts) if lent else 0
+                # (no layer holds more slots than it has experts)
+                room = max(store.n_experts - self.layer_slots[i] - min(share, store.n_experts - self.layer_slots[i])
+                           for i in layers)
+                act = min(int(act_slots), max(room, 0)) * len(layers) if loan else 0
                 n = cached + staging + lent + act
                 ew = store[layers[0]]
                 spare = [Releasable((n, *t.raw.shape[1:]), device, n - act) for t in (ew.gate, ew.up, ew.down)] \
@@ -276,7 +280,6 @@ class ExpertCache:
                       for j, t in enumerate((ew.gate, ew.up, ew.down))]
                 pool = SlotPool(sig, *ts, stage_base=cached, staging=staging, loan_base=cached + staging,
                                 act_base=n - act, releasable=spare)
-                share = min(lent // len(layers), store.n_experts) if lent else 0
                 base = 0
                 for j, i in enumerate(layers):
                     pool.base[i] = base

@@ -91,6 +91,18 @@ def test_off_and_auto_on_the_cpu_lend_nothing(model_path, chunked_on_cpu):
         assert not any(cache.act_slots.values()) and not any(p.releasable for p in cache.pools)
 
 
+def test_no_layer_gets_more_slots_than_experts(model_path, chunked_on_cpu, monkeypatch):
+    """A large lent VRAM (a small model's) is cut to the experts a layer has; the pool holds no unused rows."""
+    monkeypatch.setattr(loan, "CPU_ACT_SLOTS", 100)
+    eng = _engine(model_path, "cpu", True, slots=1, cpu_plan="000", chunk_loan="on", prefill_loan="on")
+    list(eng.generate(A, SamplingParams(temperature=0), 2))
+    cache = eng.model.experts.cache
+    first = cache.layer_ids[0]
+    assert 1 + cache.loan_slots[first] == 8 and cache.act_slots[first] > 0
+    pool = cache.pool_of[first]
+    assert pool.gate.raw.shape[0] - pool.act_base == cache.act_slots[first] * len(cache.layer_ids)
+
+
 def test_needs_the_chunk_buffers_loan(model_path, chunked_on_cpu):
     eng = _engine(model_path, "cpu", True, slots=1, cpu_plan="000", chunk_loan="off", prefill_loan="on")
     list(eng.generate(A, SamplingParams(temperature=0), 2))
