@@ -16,6 +16,11 @@ if TYPE_CHECKING:
     from strata.engine.engine import Sequence
 
 
+
+# what ends `strata chat` besides Ctrl-D (llama.cpp's and Ollama's words for it)
+QUIT = frozenset({"/exit", "/quit", "/bye"})
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Flags shared by every command that loads a model (generate, chat, serve, bench), generated from
     EngineConfig's and ExpertConfig's fields (help, type, default and choices are written there once)."""
@@ -207,7 +212,8 @@ def cmd_chat(args) -> int:
             import readline  # noqa: F401 - line editing and history for input()
         except ImportError:
             pass
-    print("strata chat: type a message, /reset to start over, Ctrl-C stops a reply, Ctrl-D quits", file=sys.stderr)
+    print("strata chat: type a message, /reset to start over, Ctrl-C stops a reply, Ctrl-D or /exit quits",
+          file=sys.stderr)
     while True:
         try:
             # the prompt only on a terminal: piped output is the replies alone
@@ -220,6 +226,8 @@ def cmd_chat(args) -> int:
             return 130
         if not line.strip():
             continue
+        if line.strip() in QUIT:
+            return 0
         if line.strip() == "/reset":
             msgs = msgs[:1] if args.system else []
             continue

@@ -30,6 +30,13 @@ def test_chat_through_a_pipe_several_turns():
     assert not any(line.startswith("> ") for line in r.stdout.splitlines()), r.stdout
 
 
+def test_chat_quits_on_exit_and_says_nothing_of_it():
+    """/exit (or /quit, /bye) ends the chat as Ctrl-D does: the lines after it are never read, nor is it a message."""
+    r = subprocess.run(CHAT, input="Hello\n/exit\nWhat is a list?\n", capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert len(_turns(r.stderr)) == 1 and "/exit" not in r.stdout
+
+
 def _read_until(fd: int, pattern: bytes, timeout: float) -> bytes:
     buf = b""
     end = time.monotonic() + timeout
