@@ -26,7 +26,7 @@ log = logging.getLogger("strata")
 
 # the block's graphed forwards are taken by default on a GPU once their GPU test has passed there
 # (tools/gpu/test.sh tests/engine/test_mtp.py); --cuda-graphs given takes them before that
-GRAPHS_GPU_TESTED = False
+GRAPHS_GPU_TESTED = True
 
 
 class MtpDrafter:

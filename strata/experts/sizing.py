@@ -89,7 +89,7 @@ def cache_slots(left: int, expert_bytes: int, per_slot: int, n_experts: int, n_s
 
 
 # --prefill-loan's auto takes it on a GPU once its GPU test (tests/experts/test_prefill_loan.py) has passed there
-PREFILL_LOAN_GPU_TESTED = False
+PREFILL_LOAN_GPU_TESTED = True
 
 
 def lent_slots(split: "VramSplit", n_layers: int, per_slot: int, prefill_loan: bool | None = None) -> int:

@@ -37,7 +37,7 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
 # taken on a GPU once tests/ops/test_deltanet_interpret.py's GPU test has passed there (tools/gpu/gated.sh)
-GPU_TESTED = False
+GPU_TESTED = True
 BLOCK_C = 256
 BLOCK_V = 32
 

@@ -327,7 +327,7 @@ SUPPORTED = frozenset(KERNELS)
 
 # the IQ2_XXS, IQ3_XXS and IQ2_S kernels (a prompt chunk's i-quant experts, B3's recipe) are taken on a GPU once their GPU
 # test has passed there (tests/ops/test_prefill_ops_gpu.py; tools/gpu/gated.sh); the interpreter runs them
-IQ_GPU_TESTED = False
+IQ_GPU_TESTED = True
 _GATED = frozenset({Q.IQ2_XXS, Q.IQ3_XXS, Q.IQ2_S})
 
 

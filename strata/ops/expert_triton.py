@@ -184,7 +184,7 @@ def aligned(raw: torch.Tensor) -> bool:
 LOOKUP_ON_GPU = frozenset({Q.IQ4_XS, Q.MXFP4, Q.IQ2_XXS, Q.IQ3_XXS, Q.IQ2_S})
 # IQ4_NL (the rows of an i-quant mix that are not whole 256-blocks: GLM-4.5-Air's 1,408-wide down projections)
 # joins once its GPU test has passed (tools/gpu/gated.sh)
-IQ4NL_GPU_TESTED = False
+IQ4NL_GPU_TESTED = True
 if IQ4NL_GPU_TESTED:
     LOOKUP_ON_GPU = LOOKUP_ON_GPU | {Q.IQ4_NL}
 # The same for the block formats of strata.ops.kquant_triton: Q5_K (llama.cpp's _M and Unsloth's _XL mixes keep

@@ -16,7 +16,7 @@ from strata.config import EngineConfig, ExpertConfig
 from strata.engine.engine import Engine
 from strata.engine.loader import load_model
 from strata.experts.cache import budget_slots
-from strata.experts.sizing import (VramSplit, prefill_bytes_per_token, prefill_chunk_for, prefill_left,
+from strata.experts.sizing import (VramSplit, lent_slots, prefill_bytes_per_token, prefill_chunk_for, prefill_left,
                                    split_budget, staging_slots)
 from strata.hub.check import CUDA_CONTEXT_ESTIMATE, VRAM_RESERVE, fit, model_footprint
 from strata.hub.machine import CPUInfo, MachineInfo
@@ -103,7 +103,10 @@ def test_check_and_the_engine_split_a_budget_alike(model_path, store, monkeypatc
     assert chunk == f.prefill_chunk
     cfg = ExpertConfig(mode="tiered", vram_gb=budget / GiB)
     slots, chunk_experts, split = budget_slots(cfg, store, torch.device("cuda"), staging_slots(K), chunk * bpt)
-    assert split.itemized(kv, chunk) == f.vram_split
+    # (the engine sets its lent slots once its cache is laid out: tests/experts/test_prefill_loan.py)
+    engine_split = split.itemized(kv, chunk)
+    assert dataclasses.replace(engine_split, lent_slots=f.vram_split.lent_slots) == f.vram_split
+    assert f.vram_split.lent_slots == lent_slots(engine_split, fp.n_moe_layers, fp.expert_bytes // fp.n_expert)
     assert (slots, chunk_experts) == (f.slots, f.vram_split.chunk_experts)
     if extra == 400_000:
         assert 0 < slots < fp.n_expert  # some slots, not all: the test sizes a real partial cache

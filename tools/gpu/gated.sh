@@ -23,24 +23,16 @@ GATED=(
   "tests/ops/test_decode_attention_kv.py||"
   "tests/ops/test_fused_interpret.py tests/layers/test_kv_fold_wiring.py||"
   "tests/ops/test_route_interpret.py||"
-  "tests/ops/test_qgemv.py||"  # (tests/experts/test_expert_triton.py: with the IQ4_NL entry below)
+  "tests/ops/test_qgemv.py||"
   "tests/layers/test_causal_bias.py||"
   "tests/experts/test_staged_prefetch.py tests/experts/test_budget_long_prompt.py||"
-  # the IQ4_NL tile (an i-quant mix's rows that are not whole 256-blocks: B3's down projections; then measure B3,
-  # docs/BENCHMARKS.md "Waiting on the GPU machine"). (The packed IQ2_XXS / IQ2_S / IQ3_XXS tiles these tests also
-  # compile passed on an H200 but measured slower than the lookup tiles: their flag stays off.)
-  "tests/experts/test_expert_triton.py|strata/ops/expert_triton.py|s/^IQ4NL_GPU_TESTED = False/IQ4NL_GPU_TESTED = True/"
-  # the gated delta-net decode step in two launches (then measure: B2, `MODEL=scratch/b2.gguf PRESET=qwen3-next-80b-a3b
-  # BUDGET=24 LENGTHS=4K SUITES=sweep RUNS=1 tools/gpu/bench_b1.sh run` against its 74.4 tok/s)
-  "tests/ops/test_deltanet_interpret.py|strata/ops/deltanet.py|s/^GPU_TESTED = False/GPU_TESTED = True/"
-  # the IQ2_XXS / IQ3_XXS dequantizers (a prompt chunk's i-quant experts: B3's prefill)
-  "tests/ops/test_prefill_ops_gpu.py|strata/ops/dequant_triton.py|s/^IQ_GPU_TESTED = False/IQ_GPU_TESTED = True/"
-  # the MTP block's graphed forwards (then measure: tools/bench_spec.py -m strata/data/strata-tiny.gguf --device
-  # cuda --draft-source mtp --drafts 0,1,2,3)
-  "tests/engine/test_mtp.py|strata/engine/mtp.py|s/^GRAPHS_GPU_TESTED = False/GRAPHS_GPU_TESTED = True/"
-  # the prefill activations' VRAM lent to the expert cache between prompts (then measure: B1 at 8 GiB, slots a
-  # layer and decode against the run without it, `tools/gpu/compare_flags.sh "--prefill-loan off" "--prefill-loan on"`)
-  "tests/experts/test_prefill_loan.py|strata/experts/sizing.py|s/^PREFILL_LOAN_GPU_TESTED = False/PREFILL_LOAN_GPU_TESTED = True/"
+  # (also taken after passing on an H200: the IQ4_NL tile, the gated delta-net decode step in two launches, the
+  # IQ2_XXS / IQ3_XXS / IQ2_S prompt-chunk dequantizers, the MTP block's graphed forwards, the prefill loan)
+  "tests/experts/test_expert_triton.py||"
+  "tests/ops/test_deltanet_interpret.py||"
+  "tests/ops/test_prefill_ops_gpu.py||"
+  "tests/engine/test_mtp.py||"
+  "tests/experts/test_prefill_loan.py||"
 )
 
 log="$OUT/gated.log"
