@@ -202,3 +202,22 @@ def test_kv_cache_types_reach_the_peer(b1, tmp_path):
     srv, how = llamacpp.llamacpp_server(str(b1), tmp_path / "log", parallel=1, ctx=1024, threads=2, n_cpu_moe=30,
                                         binary=tmp_path / "llama-server", cache_types=("q8_0", "q8_0"))
     assert "-ctk q8_0 -ctv q8_0" in how and "--n-cpu-moe 30" in how
+
+
+def test_a_context_past_the_trained_one_reaches_llama_server(b1, tmp_path):
+    """llama-server caps a slot at the GGUF's trained context ("the slot context ... exceeds the training context
+    of the model - capping") and then refuses longer prompts: past it, the bench raises the GGUF's context_length
+    for it, as strata's server takes the same -c; at or under it, llama-server's argv is unchanged."""
+    from strata.hub.verify import read_gguf_header
+
+    header = read_gguf_header(b1)
+    trained = int(header.arch_value("context_length"))
+    key = f"{header.architecture}.context_length"
+    assert llamacpp.context_override(b1, trained) == []
+    assert llamacpp.context_override(b1, trained + 256) == ["--override-kv", f"{key}=int:{trained + 256}"]
+    srv, how = llamacpp.llamacpp_server(str(b1), tmp_path / "log", parallel=2, ctx=trained + 256, threads=2,
+                                        binary=tmp_path / "llama-server")
+    assert f"-c {2 * (trained + 256)} -np 2" in how and f"--override-kv {key}=int:{trained + 256}" in how
+    _, how = llamacpp.llamacpp_server(str(b1), tmp_path / "log", parallel=1, ctx=trained, threads=2,
+                                      binary=tmp_path / "llama-server")
+    assert "--override-kv" not in how

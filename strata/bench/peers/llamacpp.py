@@ -190,6 +190,20 @@ def run_llama_bench(binary: Path, model: str, *, budget_gib: float | None, lengt
 # llama.cpp's server
 
 
+def context_override(model: str | Path, ctx: int) -> list[str]:
+    """llama-server caps each slot's context at the model's trained one (with one warning line, then refuses the
+    longer prompts): a slot context past it (the bench's -c, as strata's server takes it) gets the GGUF's
+    context_length raised to it, which is how llama.cpp runs past the trained context (speed only)."""
+    from strata.hub.local import resolve_model
+    from strata.hub.verify import read_gguf_header
+
+    header = read_gguf_header(resolve_model(str(model))[0])
+    trained = int(header.arch_value("context_length", 0) or 0)
+    if not trained or ctx <= trained:
+        return []
+    return ["--override-kv", f"{header.architecture}.context_length=int:{int(ctx)}"]
+
+
 def llamacpp_server(model: str, log: Path, *, parallel: int, ctx: int, threads: int, n_cpu_moe: int | None = None,
                     binary: Path | None = None, port: int | None = None,
                     cache_types: tuple[str, str] | None = None) -> tuple[ServerProcess, str]:
@@ -204,6 +218,7 @@ def llamacpp_server(model: str, log: Path, *, parallel: int, ctx: int, threads: 
             argv += ["--n-cpu-moe", str(n_cpu_moe)]
         if cache_types:
             argv += ["-ctk", cache_types[0], "-ctv", cache_types[1]]
+        argv += context_override(model, ctx)
         how = f"llama-server `{' '.join(argv[3:])}`"
     else:
         argv = [sys.executable, "-m", "strata.bench.peers.xllamacpp_server", "--model", str(model), "--port", str(port),
