@@ -380,3 +380,31 @@ def calibrate(lm, model_path: str, *, knobs: Sequence[str] = KNOBS, repeats: int
     if save:
         say(f"saved {result['path']}")
     return result
+
+
+def cmd_calibrate(args) -> int:
+    """`strata calibrate`: the checks on its flags, then calibrate() on the loaded model."""
+    import json
+
+    from strata.engine.cli import load_from_args
+
+    knobs = [k.strip() for k in args.knobs.split(",") if k.strip()]
+    bad = [k for k in knobs if k not in KNOBS]
+    if bad:
+        raise StrataError(f"unknown knob {bad[0]!r} (knobs: {', '.join(KNOBS)})")
+    if args.repeats < 1 or args.decode_tokens < 2 or args.prompt_tokens < 1:
+        raise StrataError("--repeats >= 1, --decode-tokens >= 2 and --prompt-tokens >= 1 are needed")
+    if args.experts_mode == "resident":
+        raise StrataError("calibrate tunes tiered experts: drop --experts resident")
+    if args.expert_routing != "model" and not args.no_save:  # it would become this model's saved setting
+        raise StrataError(f"calibrate with --expert-routing {args.expert_routing} tunes for random routing, not the "
+                          "model's: add --no-save (the result is not saved as this model's calibration)")
+    if args.vram_gb is None and args.expert_slots is None:
+        raise StrataError("calibrate tunes the tiered experts for a VRAM budget: pass --vram-gb (or --expert-slots)")
+    lm = load_from_args(args)
+    res = calibrate(lm, str(lm.cfg.model), knobs=knobs, repeats=args.repeats, decode_tokens=args.decode_tokens,
+                    prompt_tokens=args.prompt_tokens, threshold=args.threshold, save=not args.no_save,
+                    say=lambda m: print(m, flush=True))
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1, default=str), encoding="utf-8")
+    return 0

@@ -257,6 +257,17 @@ def _past_context(plan: Plan, model_ctx: int | None) -> None:
                               f"or shorter lengths")
 
 
+def _phase_ctx(args, plan: Plan, model_ctx: int | None, names: list[str]) -> int:
+    """A phase's context per slot: -c where given, else what its suites need (at most the trained context)."""
+    return args.ctx_size or (plan.conc_ctx(model_ctx) if names == ["concurrency"] else plan.long_ctx(model_ctx))
+
+
+def peer_kv_tokens(args, plan: Plan, model_ctx: int | None) -> int:
+    """The most KV tokens any phase's server holds (llama.cpp's -c: the context per slot times the slots), for the
+    peer's VRAM fit: -c where given, past the trained context too."""
+    return max(_phase_ctx(args, plan, model_ctx, names) * parallel for names, parallel in _phases(plan))
+
+
 def _run_started(args, plan: Plan, model: str, model_ctx: int | None, synthetic, out_dir: Path, label: str,
                  start) -> tuple[dict, dict]:
     """Run the plan's phases on servers made by `start(parallel, ctx, log) -> (ServerProcess, description)`."""
@@ -265,10 +276,7 @@ def _run_started(args, plan: Plan, model: str, model_ctx: int | None, synthetic,
 
     suites, phases = {}, []
     for names, parallel in _phases(plan):
-        if args.ctx_size:
-            ctx = args.ctx_size
-        else:
-            ctx = plan.conc_ctx(model_ctx) if names == ["concurrency"] else plan.long_ctx(model_ctx)
+        ctx = _phase_ctx(args, plan, model_ctx, names)
         log = out_dir / "logs" / f"{label}-{names[0]}.log"
         proc, how = start(parallel, ctx, log)
         _say(f"{label}: starting {how} (log {log})")
@@ -401,7 +409,7 @@ def _run_peer(peer: str, args, plan: Plan, model: str, model_ctx, synthetic, out
     kv_types = peer_cache_types(args)
     if n_cpu_moe is None and server_bin is not None and args.vram_gb is not None:
         sizes = llamacpp.layer_sizes(model, kv_types or ("f16", "f16"))
-        ctx = plan.long_ctx(model_ctx)
+        ctx = peer_kv_tokens(args, plan, model_ctx)
         n_cpu_moe, est = llamacpp.fit_n_cpu_moe(sizes, int(args.vram_gb * llamacpp.GiB), ctx)
         fit = {"n_cpu_moe": n_cpu_moe, "estimated_vram_bytes": est, "ctx": ctx}
         _say(f"llama.cpp: --n-cpu-moe {n_cpu_moe} fits {args.vram_gb} GiB (estimated {est / llamacpp.GiB:.2f} GiB)")
@@ -437,11 +445,9 @@ def _device(server: dict, args) -> str:
 
 
 def _fresh_dir(root: Path, name: str) -> Path:
-    d = root / name
-    i = 2
+    d, i = root / name, 2
     while d.exists():
-        d = root / f"{name}-{i}"
-        i += 1
+        d, i = root / f"{name}-{i}", i + 1
     d.mkdir(parents=True)
     return d
 
@@ -471,28 +477,6 @@ def _x(v) -> str:
 
 
 def cmd_calibrate(args) -> int:
-    import json
+    from strata.bench.calibrate import cmd_calibrate as run  # (the engine's imports only when it runs)
 
-    from strata.bench.calibrate import KNOBS, calibrate
-    from strata.engine.cli import load_from_args
-
-    knobs = [k.strip() for k in args.knobs.split(",") if k.strip()]
-    bad = [k for k in knobs if k not in KNOBS]
-    if bad:
-        raise StrataError(f"unknown knob {bad[0]!r} (knobs: {', '.join(KNOBS)})")
-    if args.repeats < 1 or args.decode_tokens < 2 or args.prompt_tokens < 1:
-        raise StrataError("--repeats >= 1, --decode-tokens >= 2 and --prompt-tokens >= 1 are needed")
-    if args.experts_mode == "resident":
-        raise StrataError("calibrate tunes tiered experts: drop --experts resident")
-    if args.expert_routing != "model" and not args.no_save:  # it would become this model's saved setting
-        raise StrataError(f"calibrate with --expert-routing {args.expert_routing} tunes for random routing, not the "
-                          "model's: add --no-save (the result is not saved as this model's calibration)")
-    if args.vram_gb is None and args.expert_slots is None:
-        raise StrataError("calibrate tunes the tiered experts for a VRAM budget: pass --vram-gb (or --expert-slots)")
-    lm = load_from_args(args)
-    res = calibrate(lm, str(lm.cfg.model), knobs=knobs, repeats=args.repeats, decode_tokens=args.decode_tokens,
-                    prompt_tokens=args.prompt_tokens, threshold=args.threshold, save=not args.no_save,
-                    say=lambda m: print(m, flush=True))
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1, default=str), encoding="utf-8")
-    return 0
+    return run(args)

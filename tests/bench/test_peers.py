@@ -221,3 +221,23 @@ def test_a_context_past_the_trained_one_reaches_llama_server(b1, tmp_path):
     _, how = llamacpp.llamacpp_server(str(b1), tmp_path / "log", parallel=1, ctx=trained, threads=2,
                                       binary=tmp_path / "llama-server")
     assert "--override-kv" not in how
+
+
+def test_the_peer_fit_counts_the_kv_its_servers_get():
+    """llama.cpp's --n-cpu-moe is fitted for the KV its servers hold: -c where given (past the trained context:
+    a 128K run was once fitted for the trained 40,960 tokens and its llama-server used 4.4 GiB over the budget), and
+    a concurrency phase's context per slot times its slots."""
+    from strata.bench.cli import Plan, peer_kv_tokens
+    from strata.cli import build_parser
+
+    def kv(*argv):
+        args = build_parser().parse_args(["bench", *argv, "-m", "x.gguf"])
+        return peer_kv_tokens(args, Plan(args), 40960)
+
+    assert kv("sweep", "--lengths", "128K", "-c", "131328") == 131328
+    assert kv("sweep", "--lengths", "1K") == 1280  # (1K + 128 generated + 64, in whole 256s)
+    assert kv("sweep", "--lengths", "32K", "--gen", "128") == 33024
+    conc = kv("concurrency", "--workers", "1,4")
+    args = build_parser().parse_args(["bench", "concurrency", "--workers", "1,4", "-m", "x.gguf"])
+    assert conc == 4 * Plan(args).conc_ctx(40960)
+    assert kv("sweep", "concurrency", "--workers", "1,4", "-c", "8192") == 4 * 8192
