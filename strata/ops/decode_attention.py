@@ -29,6 +29,17 @@ except ImportError:  # pragma: no cover - depends on the install
 
 BLOCK_N = 64  # keys per inner step
 TARGET_PROGRAMS = 256  # Hkv x splits: enough programs to spread one query's keys over an H100/H200's SMs
+# The grid is fixed by the window (a captured graph replays it at every position); with dynamic splits each program
+# takes its share of the keys up to the position read on the device, so a short context in a long window spreads
+# over every split instead of running in the first few. Taken on a GPU once the GPU tests have passed it
+# (tests/ops/test_decode_attention.py, tests/ops/test_decode_attention_kv.py; tools/gpu/gated.sh).
+DYNAMIC_SPLITS_GPU_TESTED = False
+
+
+def dynamic_splits(device: torch.device) -> bool:
+    from strata.config import triton_interpreting
+
+    return device.type != "cuda" or DYNAMIC_SPLITS_GPU_TESTED or triton_interpreting()
 
 
 def available() -> bool:
@@ -55,7 +66,8 @@ if triton is not None:
     @triton.jit
     def _split_kernel(Q, K, V, POS, Mo, Lo, Ao, scale, chunk,
                       sqh, sqg, skl, skh, svl, svh,
-                      G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BN: tl.constexpr):
+                      G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BN: tl.constexpr,
+                      DYN: tl.constexpr):
         h = tl.program_id(0)
         s = tl.program_id(1)
         S = tl.num_programs(1)
@@ -64,6 +76,8 @@ if triton is not None:
         dv = tl.arange(0, DV)
         q = tl.load(Q + h * sqh + g[:, None] * sqg + d[None, :], mask=g[:, None] < G, other=0.0).to(tl.float32)
         end = tl.load(POS).to(tl.int32) + 1  # keys 0..pos are valid
+        if DYN:  # the keys up to the position shared by every split (whole BN steps; split 0 holds key 0)
+            chunk = tl.cdiv(tl.cdiv(end, BN), S) * BN
         start = s * chunk
         stop = tl.minimum(start + chunk, end)
         m_i = tl.full([GP], float("-inf"), tl.float32)
@@ -126,7 +140,7 @@ def decode_attention(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, pos_t:
     acc = torch.empty(hkv * S * GP, DV, dtype=torch.float32, device=dev)
     _split_kernel[(hkv, S)](qg, ks, vs, pos_t, m, lsum, acc, scale, chunk,
                             qg.stride(0), qg.stride(1), ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1),
-                            G=G, GP=GP, D=D, DV=DV, BN=BLOCK_N, num_warps=4)
+                            G=G, GP=GP, D=D, DV=DV, BN=BLOCK_N, DYN=dynamic_splits(q.device), num_warps=4)
     out = torch.empty(hkv, G, DV, dtype=q.dtype, device=dev)
     _merge_kernel[(hkv, G)](m, lsum, acc, out, S, out.stride(0), out.stride(1),
                             GP=GP, DV=DV, SP=max(2, triton.next_power_of_2(S)), num_warps=4)

@@ -24,7 +24,7 @@ import torch
 
 from strata.kv.quant import Blocks, rotate
 from strata.ops import registry
-from strata.ops.decode_attention import BLOCK_N, available, splits_for
+from strata.ops.decode_attention import BLOCK_N, available, dynamic_splits, splits_for
 
 try:
     import triton
@@ -87,7 +87,7 @@ if triton is not None:
     def _split_blocks_kernel(Q, K, KS, V, VS, POS, Mo, Lo, Ao, scale, chunk,
                              sqh, sqg, skl, skh, kdl, kdh, svl, svh, vdl, vdh,
                              G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-                             BN: tl.constexpr, KM: tl.constexpr, VM: tl.constexpr):
+                             BN: tl.constexpr, KM: tl.constexpr, VM: tl.constexpr, DYN: tl.constexpr):
         h = tl.program_id(0)
         s = tl.program_id(1)
         S = tl.num_programs(1)
@@ -96,6 +96,8 @@ if triton is not None:
         dv = tl.arange(0, DV)
         q = tl.load(Q + h * sqh + g[:, None] * sqg + d[None, :], mask=g[:, None] < G, other=0.0).to(tl.float32)
         end = tl.load(POS).to(tl.int32) + 1  # keys 0..pos are valid
+        if DYN:  # (strata.ops.decode_attention.DYNAMIC_SPLITS_GPU_TESTED)
+            chunk = tl.cdiv(tl.cdiv(end, BN), S) * BN
         start = s * chunk
         stop = tl.minimum(start + chunk, end)
         m_i = tl.full([GP], float("-inf"), tl.float32)
@@ -151,7 +153,8 @@ def decode_attention_blocks(q: torch.Tensor, ks, vs, pos_t: torch.Tensor, scale:
     acc = torch.empty(hkv * S * GP, DV, dtype=torch.float32, device=dev)
     _split_blocks_kernel[(hkv, S)](qg, K, KS, V, VS, pos_t, m, lsum, acc, scale, chunk,
                                    qg.stride(0), qg.stride(1), skl, skh, kdl, kdh, svl, svh, vdl, vdh,
-                                   G=G, GP=GP, D=D, DV=DV, BN=BLOCK_N, KM=_mode(ks), VM=_mode(vs), num_warps=4)
+                                   G=G, GP=GP, D=D, DV=DV, BN=BLOCK_N, KM=_mode(ks), VM=_mode(vs),
+                                   DYN=dynamic_splits(q.device), num_warps=4)
     rot_v = isinstance(vs, Blocks) and vs.h is not None
     out = torch.empty(hkv, G, DV, dtype=torch.float32 if rot_v else q.dtype, device=dev)
     _merge_kernel[(hkv, G)](m, lsum, acc, out, S, out.stride(0), out.stride(1),

@@ -129,9 +129,15 @@ def test_a_model_decodes_through_the_block_kernel(tmp_path):
 
 
 @pytest.mark.gpu
-def test_block_attention_on_cuda_and_in_a_graph():
+@pytest.mark.parametrize("dynamic", [False, True], ids=["fixed-splits", "dynamic-splits"])
+def test_block_attention_on_cuda_and_in_a_graph(monkeypatch, dynamic):
+    """(dynamic: each split's keys from the position on the device, strata.ops.decode_attention's
+    DYNAMIC_SPLITS_GPU_TESTED; replays at positions far below the window's end and at it)"""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
+    from strata.ops import decode_attention as da
+
+    monkeypatch.setattr(da, "DYNAMIC_SPLITS_GPU_TESTED", dynamic)
     ns: dict = {}
     exec(CASES, ns)
     ns["check"]("cuda")
