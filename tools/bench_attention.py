@@ -5,7 +5,8 @@
 
 For each KV type, window (the context a slot is allocated for), position (the keys attended: 0..pos), split
 layout (fixed by the window, or dynamic: each split's keys from the position on the device,
-`strata.ops.decode_attention.DYNAMIC_SPLITS_GPU_TESTED`) and target program count (`TARGET_PROGRAMS`), times the op a
+`strata.ops.decode_attention.DYNAMIC_SPLITS_GPU_TESTED`; for q8_0 / q4_0 also with the lean tiles,
+`decode_attention_kv.LEAN_GPU_TESTED`) and target program count (`TARGET_PROGRAMS`), times the op a
 decode step calls (`decode_attention` for bf16, `decode_attention_blocks` for q8_0 / q4_0) over `--layers` distinct
 layers' windows, as one CUDA graph replayed `--reps` times (CUDA events; the median replay divided by the layers),
 so the keys come from HBM and Python launch time stays out. Prints us a layer, the KV bytes read (values and
@@ -25,10 +26,14 @@ sys.path.insert(0, ".")
 
 from strata.kv.quant import QuantRows  # noqa: E402
 from strata.ops import decode_attention as da  # noqa: E402
+from strata.ops import decode_attention_kv as dak  # noqa: E402
 from strata.ops.decode_attention_kv import decode_attention_blocks  # noqa: E402
 from strata.ops.reference import one_query_blocks  # noqa: E402
 
 BYTES_PER_VALUE = {"bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
+# (dynamic splits, lean tiles): the window-sized grid as before; splits sharing the keys up to the position; and with
+# the block kernel's lean tiles (block scales once a block, f16 dot operands)
+LAYOUTS = ((False, False), (True, False), (True, True))
 
 
 def windows(kind: str, layers: int, L: int, hkv: int, D: int, g: torch.Generator):
@@ -95,7 +100,7 @@ def main() -> int:
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(1, H, D, generator=g, device="cuda").bfloat16()
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  heads {H}/{hkv} x {D}, {a.layers} layers")
-    print(f"{'kv':>5} {'window':>7} {'pos':>7} {'layout':>8} {'progs':>5} {'splits':>6} {'us/layer':>9} "
+    print(f"{'kv':>5} {'window':>7} {'pos':>7} {'layout':>13} {'progs':>5} {'splits':>6} {'us/layer':>9} "
           f"{'MB/layer':>9} {'GB/s':>7} {'%peak':>6} {'err':>8}")
     ok = True
     for kind in a.kv.split(","):
@@ -109,15 +114,16 @@ def main() -> int:
                 ref = one_query_blocks(q.float(), *layers[0], pos_t, scale)
                 for programs in (int(x) for x in a.programs.split(",")):
                     da.TARGET_PROGRAMS = programs
-                    for dyn in (False, True):
-                        da.DYNAMIC_SPLITS_GPU_TESTED = dyn
+                    for dyn, lean in LAYOUTS if kind != "bf16" else LAYOUTS[:2]:
+                        da.DYNAMIC_SPLITS_GPU_TESTED, dak.LEAN_GPU_TESTED = dyn, lean
                         out = call(kind, q, *layers[0], pos_t, scale)
                         err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
                         ok &= err < 2e-2
                         us = time_layout(kind, q, layers, pos_t, scale, a.reps)
                         gbs = mb * 1e6 / (us * 1e-6) / 1e9
                         S, _ = da.splits_for(L, hkv)
-                        print(f"{kind:>5} {L:>7} {pos:>7} {'dynamic' if dyn else 'fixed':>8} {programs:>5} {S:>6} "
+                        layout = ("dynamic" if dyn else "fixed") + ("+lean" if lean else "")
+                        print(f"{kind:>5} {L:>7} {pos:>7} {layout:>13} {programs:>5} {S:>6} "
                               f"{us:>9.1f} {mb:>9.2f} {gbs:>7.0f} {100 * gbs / (a.peak_tbs * 1000):>5.1f}% "
                               f"{err:>8.1e}", flush=True)
             del layers

@@ -36,7 +36,17 @@ except ImportError:  # pragma: no cover - depends on the install
 # interpreter tests check the same kernel against the reference on the CPU
 GPU_TESTED = True
 
+# The lean tiles (each block scale loaded once, f16 dot operands: half the registers and shared memory) are taken on a GPU once the GPU test has passed
+# them and tools/bench_attention.py has timed them against the float32 tiles (tools/gpu/gated.sh)
+LEAN_GPU_TESTED = False
+
 _MODES = {None: 0, "q8_0": 1, "q4_0": 2}
+
+
+def lean_tiles(device: torch.device) -> bool:
+    from strata.config import triton_interpreting
+
+    return device.type != "cuda" or LEAN_GPU_TESTED or triton_interpreting()
 
 
 def _mode(x) -> int:
@@ -66,28 +76,38 @@ def use_for(q: torch.Tensor, ks, vs) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _rows(P, S, n, ok, h, sl, sh, dl, dh, c, MODE: tl.constexpr):
-        """[BN, W] float32 rows at positions n of KV head h: plain (MODE 0), q8_0 (1) or q4_0 (2) blocks."""
+    def _rows(P, S, n, ok, h, sl, sh, dl, dh, c, MODE: tl.constexpr, BN: tl.constexpr, W: tl.constexpr,
+              LEAN: tl.constexpr):
+        """[BN, W] float32 rows at positions n of KV head h: plain (MODE 0), q8_0 (1) or q4_0 (2) blocks. LEAN:
+        each row's block scales loaded once ([BN, W / 32]) and broadcast over their 32 values, where the other
+        form loads the scale again for every value."""
         if MODE == 0:
             x = tl.load(P + n[:, None] * sl + h * sh + c[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-        elif MODE == 1:
-            b = tl.load(P + n[:, None] * sl + h * sh + c[None, :], mask=ok[:, None], other=0)
-            s = tl.load(S + n[:, None] * dl + h * dh + (c // 32)[None, :], mask=ok[:, None], other=0.0)
-            x = b.to(tl.int8, bitcast=True).to(tl.float32) * s.to(tl.float32)
         else:
-            # value j of a block in the low nibble of byte j, value j + 16 in the high nibble of byte j
-            at = (c // 32) * 16 + c % 16
-            b = tl.load(P + n[:, None] * sl + h * sh + at[None, :], mask=ok[:, None], other=0).to(tl.int32)
-            nib = (b >> ((c % 32) // 16 * 4)[None, :]) & 0xF
-            s = tl.load(S + n[:, None] * dl + h * dh + (c // 32)[None, :], mask=ok[:, None], other=0.0)
-            x = (nib.to(tl.float32) - 8.0) * s.to(tl.float32)
+            if MODE == 1:
+                b = tl.load(P + n[:, None] * sl + h * sh + c[None, :], mask=ok[:, None], other=0)
+                x = b.to(tl.int8, bitcast=True).to(tl.float32)
+            else:
+                # value j of a block in the low nibble of byte j, value j + 16 in the high nibble of byte j
+                at = (c // 32) * 16 + c % 16
+                b = tl.load(P + n[:, None] * sl + h * sh + at[None, :], mask=ok[:, None], other=0).to(tl.int32)
+                nib = (b >> ((c % 32) // 16 * 4)[None, :]) & 0xF
+                x = nib.to(tl.float32) - 8.0
+            if LEAN:
+                cb = tl.arange(0, W // 32)
+                sc = tl.load(S + n[:, None] * dl + h * dh + cb[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+                x = tl.reshape(tl.reshape(x, (BN, W // 32, 32)) * sc[:, :, None], (BN, W))
+            else:
+                sc = tl.load(S + n[:, None] * dl + h * dh + (c // 32)[None, :], mask=ok[:, None], other=0.0)
+                x = x * sc.to(tl.float32)
         return x
 
     @triton.jit
     def _split_blocks_kernel(Q, K, KS, V, VS, POS, Mo, Lo, Ao, scale, chunk,
                              sqh, sqg, skl, skh, kdl, kdh, svl, svh, vdl, vdh,
                              G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-                             BN: tl.constexpr, KM: tl.constexpr, VM: tl.constexpr, DYN: tl.constexpr):
+                             BN: tl.constexpr, KM: tl.constexpr, VM: tl.constexpr, DYN: tl.constexpr,
+                             LEAN: tl.constexpr):
         h = tl.program_id(0)
         s = tl.program_id(1)
         S = tl.num_programs(1)
@@ -106,15 +126,21 @@ if triton is not None:
         for n0 in range(start, stop, BN):
             n = n0 + tl.arange(0, BN)
             ok = n < stop
-            k = _rows(K, KS, n, ok, h, skl, skh, kdl, kdh, d, KM)
-            qk = tl.dot(q, tl.trans(k)) * scale  # [GP, BN]
+            k = _rows(K, KS, n, ok, h, skl, skh, kdl, kdh, d, KM, BN, D, LEAN)
+            if LEAN:  # f16 operands (a q8_0 value times its scale to ~0.05%), float32 sums, as flash attention
+                qk = tl.dot(q.to(tl.float16), tl.trans(k.to(tl.float16))) * scale  # [GP, BN]
+            else:
+                qk = tl.dot(q, tl.trans(k)) * scale
             qk = tl.where(ok[None, :], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             p = tl.exp(qk - m_new[:, None])
             alpha = tl.exp(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = _rows(V, VS, n, ok, h, svl, svh, vdl, vdh, dv, VM)
-            acc = acc * alpha[:, None] + tl.dot(p, v)
+            v = _rows(V, VS, n, ok, h, svl, svh, vdl, vdh, dv, VM, BN, DV, LEAN)
+            if LEAN:
+                acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v.to(tl.float16))
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p, v)
             m_i = m_new
         row = (h * S + s) * GP + g  # partials laid out [Hkv, S, GP], merged by decode_attention's merge kernel
         tl.store(Mo + row, m_i)
@@ -154,7 +180,7 @@ def decode_attention_blocks(q: torch.Tensor, ks, vs, pos_t: torch.Tensor, scale:
     _split_blocks_kernel[(hkv, S)](qg, K, KS, V, VS, pos_t, m, lsum, acc, scale, chunk,
                                    qg.stride(0), qg.stride(1), skl, skh, kdl, kdh, svl, svh, vdl, vdh,
                                    G=G, GP=GP, D=D, DV=DV, BN=BLOCK_N, KM=_mode(ks), VM=_mode(vs),
-                                   DYN=dynamic_splits(q.device), num_warps=4)
+                                   DYN=dynamic_splits(q.device), LEAN=lean_tiles(q.device), num_warps=4)
     rot_v = isinstance(vs, Blocks) and vs.h is not None
     out = torch.empty(hkv, G, DV, dtype=torch.float32 if rot_v else q.dtype, device=dev)
     _merge_kernel[(hkv, G)](m, lsum, acc, out, S, out.stride(0), out.stride(1),
