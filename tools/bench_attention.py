@@ -5,8 +5,8 @@
 
 For each KV type, window (the context a slot is allocated for), position (the keys attended: 0..pos), split
 layout (fixed by the window, or dynamic: each split's keys from the position on the device,
-`strata.ops.decode_attention.DYNAMIC_SPLITS_GPU_TESTED`; for q8_0 / q4_0 also with the lean tiles,
-`decode_attention_kv.LEAN_GPU_TESTED`) and target program count (`TARGET_PROGRAMS`), times the op a
+`strata.ops.decode_attention.DYNAMIC_SPLITS_GPU_TESTED`; then also with the lean tiles, its `LEAN_GPU_TESTED`)
+and target program count (`TARGET_PROGRAMS`), times the op a
 decode step calls (`decode_attention` for bf16, `decode_attention_blocks` for q8_0 / q4_0) over `--layers` distinct
 layers' windows, as one CUDA graph replayed `--reps` times (CUDA events; the median replay divided by the layers),
 so the keys come from HBM and Python launch time stays out. Prints us a layer, the KV bytes read (values and
@@ -26,13 +26,12 @@ sys.path.insert(0, ".")
 
 from strata.kv.quant import QuantRows  # noqa: E402
 from strata.ops import decode_attention as da  # noqa: E402
-from strata.ops import decode_attention_kv as dak  # noqa: E402
 from strata.ops.decode_attention_kv import decode_attention_blocks  # noqa: E402
 from strata.ops.reference import one_query_blocks  # noqa: E402
 
 BYTES_PER_VALUE = {"bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
 # (dynamic splits, lean tiles): the window-sized grid as before; splits sharing the keys up to the position; and with
-# the block kernel's lean tiles (block scales once a block, f16 dot operands)
+# the lean tiles (16-bit dot operands; q8_0 / q4_0 block scales once a block)
 LAYOUTS = ((False, False), (True, False), (True, True))
 
 
@@ -114,8 +113,8 @@ def main() -> int:
                 ref = one_query_blocks(q.float(), *layers[0], pos_t, scale)
                 for programs in (int(x) for x in a.programs.split(",")):
                     da.TARGET_PROGRAMS = programs
-                    for dyn, lean in LAYOUTS if kind != "bf16" else LAYOUTS[:2]:
-                        da.DYNAMIC_SPLITS_GPU_TESTED, dak.LEAN_GPU_TESTED = dyn, lean
+                    for dyn, lean in LAYOUTS:
+                        da.DYNAMIC_SPLITS_GPU_TESTED, da.LEAN_GPU_TESTED = dyn, lean
                         out = call(kind, q, *layers[0], pos_t, scale)
                         err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
                         ok &= err < 2e-2

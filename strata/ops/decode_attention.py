@@ -34,12 +34,25 @@ TARGET_PROGRAMS = 256  # Hkv x splits: enough programs to spread one query's key
 # over every split instead of running in the first few. Taken on a GPU once the GPU tests have passed it
 # (tests/ops/test_decode_attention.py, tests/ops/test_decode_attention_kv.py; tools/gpu/gated.sh).
 DYNAMIC_SPLITS_GPU_TESTED = False
+# The lean tiles: dot operands in 16 bits (the cache's own dtype here; f16 from q8_0 / q4_0 blocks, each block scale
+# loaded once for its 32 values) with float32 sums, as flash attention's, where the other form widens every tile
+# to float32 (twice the registers and shared memory). Taken on a GPU once its GPU tests have passed and
+# tools/bench_attention.py has timed them faster than the float32 tiles: set by hand.
+LEAN_GPU_TESTED = False
 
 
 def dynamic_splits(device: torch.device) -> bool:
     from strata.config import triton_interpreting
 
     return device.type != "cuda" or DYNAMIC_SPLITS_GPU_TESTED or triton_interpreting()
+
+
+def lean_tiles(device: torch.device, dtype: torch.dtype = torch.float16) -> bool:
+    from strata.config import triton_interpreting
+
+    if triton_interpreting():  # (the interpreter's dot multiplies bf16 operands wrongly: f16 checks the path)
+        return dtype != torch.bfloat16
+    return device.type != "cuda" or LEAN_GPU_TESTED
 
 
 def available() -> bool:
@@ -67,7 +80,7 @@ if triton is not None:
     def _split_kernel(Q, K, V, POS, Mo, Lo, Ao, scale, chunk,
                       sqh, sqg, skl, skh, svl, svh,
                       G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BN: tl.constexpr,
-                      DYN: tl.constexpr):
+                      DYN: tl.constexpr, LEAN: tl.constexpr):
         h = tl.program_id(0)
         s = tl.program_id(1)
         S = tl.num_programs(1)
@@ -86,15 +99,21 @@ if triton is not None:
         for n0 in range(start, stop, BN):
             n = n0 + tl.arange(0, BN)
             ok = n < stop
-            k = tl.load(K + n[:, None] * skl + h * skh + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-            qk = tl.dot(q, tl.trans(k)) * scale  # [GP, BN]
+            k = tl.load(K + n[:, None] * skl + h * skh + d[None, :], mask=ok[:, None], other=0.0)
+            if LEAN:  # the cache's own 16-bit rows as the dot's operands
+                qk = tl.dot(q.to(k.dtype), tl.trans(k)) * scale  # [GP, BN]
+            else:
+                qk = tl.dot(q, tl.trans(k.to(tl.float32))) * scale
             qk = tl.where(ok[None, :], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             p = tl.exp(qk - m_new[:, None])
             alpha = tl.exp(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(V + n[:, None] * svl + h * svh + dv[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p, v)
+            v = tl.load(V + n[:, None] * svl + h * svh + dv[None, :], mask=ok[:, None], other=0.0)
+            if LEAN:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
             m_i = m_new
         row = (h * S + s) * GP + g  # partials laid out [Hkv, S, GP]
         tl.store(Mo + row, m_i)
@@ -140,7 +159,8 @@ def decode_attention(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, pos_t:
     acc = torch.empty(hkv * S * GP, DV, dtype=torch.float32, device=dev)
     _split_kernel[(hkv, S)](qg, ks, vs, pos_t, m, lsum, acc, scale, chunk,
                             qg.stride(0), qg.stride(1), ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1),
-                            G=G, GP=GP, D=D, DV=DV, BN=BLOCK_N, DYN=dynamic_splits(q.device), num_warps=4)
+                            G=G, GP=GP, D=D, DV=DV, BN=BLOCK_N, DYN=dynamic_splits(q.device),
+                            LEAN=lean_tiles(q.device, ks.dtype), num_warps=4)
     out = torch.empty(hkv, G, DV, dtype=q.dtype, device=dev)
     _merge_kernel[(hkv, G)](m, lsum, acc, out, S, out.stride(0), out.stride(1),
                             GP=GP, DV=DV, SP=max(2, triton.next_power_of_2(S)), num_warps=4)

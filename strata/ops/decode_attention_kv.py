@@ -24,7 +24,7 @@ import torch
 
 from strata.kv.quant import Blocks, rotate
 from strata.ops import registry
-from strata.ops.decode_attention import BLOCK_N, available, dynamic_splits, splits_for
+from strata.ops.decode_attention import BLOCK_N, available, dynamic_splits, lean_tiles, splits_for
 
 try:
     import triton
@@ -36,17 +36,7 @@ except ImportError:  # pragma: no cover - depends on the install
 # interpreter tests check the same kernel against the reference on the CPU
 GPU_TESTED = True
 
-# The lean tiles (each block scale loaded once, f16 dot operands: half the registers and shared memory) are taken on a GPU once the GPU test has passed
-# them and tools/bench_attention.py has timed them against the float32 tiles (tools/gpu/gated.sh)
-LEAN_GPU_TESTED = False
-
 _MODES = {None: 0, "q8_0": 1, "q4_0": 2}
-
-
-def lean_tiles(device: torch.device) -> bool:
-    from strata.config import triton_interpreting
-
-    return device.type != "cuda" or LEAN_GPU_TESTED or triton_interpreting()
 
 
 def _mode(x) -> int:
@@ -78,9 +68,9 @@ if triton is not None:
     @triton.jit
     def _rows(P, S, n, ok, h, sl, sh, dl, dh, c, MODE: tl.constexpr, BN: tl.constexpr, W: tl.constexpr,
               LEAN: tl.constexpr):
-        """[BN, W] float32 rows at positions n of KV head h: plain (MODE 0), q8_0 (1) or q4_0 (2) blocks. LEAN:
-        each row's block scales loaded once ([BN, W / 32]) and broadcast over their 32 values, where the other
-        form loads the scale again for every value."""
+        """[BN, W] float32 rows at positions n of KV head h: plain (MODE 0), q8_0 (1) or q4_0 (2) blocks. LEAN
+        (strata.ops.decode_attention.LEAN_GPU_TESTED): each row's block scales loaded once ([BN, W / 32]) and
+        broadcast over their 32 values, where the other form loads the scale again for every value."""
         if MODE == 0:
             x = tl.load(P + n[:, None] * sl + h * sh + c[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
         else:

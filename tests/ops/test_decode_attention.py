@@ -48,22 +48,26 @@ CASES = textwrap.dedent("""
 
 
 def test_decode_attention_in_the_interpreter():
-    code = CASES + "\ncheck('cpu')\nprint('ok')\n"
+    # (f16 caches: the lean tiles' 16-bit dots, which the interpreter computes for f16 operands; bf16: float32 dots)
+    code = CASES + "\ncheck('cpu')\ncheck('cpu', torch.float16)\nprint('ok')\n"
     env = dict(os.environ, TRITON_INTERPRET="1")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dynamic", [False, True], ids=["fixed-splits", "dynamic-splits"])
-def test_decode_attention_on_cuda_and_in_a_graph(monkeypatch, dynamic):
+@pytest.mark.parametrize("dynamic,lean", [(False, False), (True, False), (True, True)],
+                         ids=["fixed-splits", "dynamic-splits", "dynamic-splits-lean-tiles"])
+def test_decode_attention_on_cuda_and_in_a_graph(monkeypatch, dynamic, lean):
     """(dynamic: each split's keys from the position on the device, strata.ops.decode_attention's
-    DYNAMIC_SPLITS_GPU_TESTED; replays at positions far below the window's end and at it)"""
+    DYNAMIC_SPLITS_GPU_TESTED; lean: the cache's 16-bit rows as the dots' operands, its LEAN_GPU_TESTED; replays
+    at positions far below the window's end and at it)"""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from strata.ops import decode_attention as da
 
     monkeypatch.setattr(da, "DYNAMIC_SPLITS_GPU_TESTED", dynamic)
+    monkeypatch.setattr(da, "LEAN_GPU_TESTED", lean)
     ns: dict = {}
     exec(CASES, ns)
     ns["check"]("cuda")

@@ -133,15 +133,14 @@ def test_a_model_decodes_through_the_block_kernel(tmp_path):
                          ids=["fixed-splits", "dynamic-splits", "dynamic-splits-lean-tiles"])
 def test_block_attention_on_cuda_and_in_a_graph(monkeypatch, dynamic, lean):
     """(dynamic: each split's keys from the position on the device, strata.ops.decode_attention's
-    DYNAMIC_SPLITS_GPU_TESTED; lean: the block scales loaded once a block and f16 dot operands,
-    decode_attention_kv.LEAN_GPU_TESTED; replays at positions far below the window's end and at it)"""
+    DYNAMIC_SPLITS_GPU_TESTED; lean: the block scales loaded once a block and f16 dot operands, its
+    LEAN_GPU_TESTED; replays at positions far below the window's end and at it)"""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from strata.ops import decode_attention as da
-    from strata.ops import decode_attention_kv as dak
 
     monkeypatch.setattr(da, "DYNAMIC_SPLITS_GPU_TESTED", dynamic)
-    monkeypatch.setattr(dak, "LEAN_GPU_TESTED", lean)
+    monkeypatch.setattr(da, "LEAN_GPU_TESTED", lean)
     ns: dict = {}
     exec(CASES, ns)
     ns["check"]("cuda")

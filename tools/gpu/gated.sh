@@ -23,8 +23,8 @@ GATED=(
   "tests/ops/test_decode_attention_kv.py||"
   # the decode attention's splits sharing the keys up to the position (then measure: python3 tools/bench_attention.py)
   "tests/ops/test_decode_attention.py tests/ops/test_decode_attention_kv.py|strata/ops/decode_attention.py|s/^DYNAMIC_SPLITS_GPU_TESTED = False/DYNAMIC_SPLITS_GPU_TESTED = True/"
-  # (decode_attention_kv.LEAN_GPU_TESTED, the block-KV attention's lean tiles: tested by the entry above, set by hand
-  # only where tools/bench_attention.py times them faster than the float32 tiles)
+  # (decode_attention.LEAN_GPU_TESTED, the decode attention's lean tiles: tested by the entry above, set by hand only
+  # where tools/bench_attention.py times them faster than the float32 tiles)
   "tests/ops/test_fused_interpret.py tests/layers/test_kv_fold_wiring.py||"
   "tests/ops/test_route_interpret.py||"
   "tests/ops/test_qgemv.py||"
