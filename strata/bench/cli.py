@@ -337,6 +337,7 @@ def cmd_bench(args) -> int:
     _say(f"results go to {out_dir}")
     results = {"name": name, "date": stamp, "command": command_line(), "machine": machine_record(),
                "model": mrec, "seed": plan.seed, "temperature": args.temperature, "routing": plan.routing,
+               "vram_budget_gib": args.vram_gb,
                "suites": {}, "peers": {}}
     if args.url:
         try:

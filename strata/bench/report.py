@@ -197,6 +197,21 @@ def _requests_line(results: dict) -> str:
             f"strata's expert routing: {route}")
 
 
+def _vram_line(phases: list[dict], budget_gib: float | None) -> str | None:
+    """Each phase's VRAM peak (NVML: the GPU's use above its idle baseline while that server ran) against the
+    budget both servers were given: a peer fitted past it is named, since its numbers then had more VRAM."""
+    peaks = [("+".join(ph.get("suites") or []), ph["vram_peak_bytes"]) for ph in phases if ph.get("vram_peak_bytes")]
+    if not peaks:
+        return None
+    line = "VRAM peak: " + ", ".join(f"{name} {b / 2**30:.2f} GiB" for name, b in peaks)
+    if budget_gib:
+        line += f" (budget {budget_gib:g} GiB)"
+        over = max(b for _, b in peaks) / 2**30 - budget_gib
+        if over > 0.02 * budget_gib:  # (the poll's own noise aside)
+            line += f": **{over:.2f} GiB over the budget**"
+    return line
+
+
 def markdown(results: dict) -> str:
     m, mod, srv = results.get("machine", {}), results.get("model", {}), results.get("server", {})
     chk = m.get("check", {})
@@ -235,6 +250,10 @@ def markdown(results: dict) -> str:
         whys = {d["misses_why"] for _, d in steps if d.get("misses_why")}
         for why in sorted(whys):  # why the misses took that path (the plan trials' verdict)
             lines.append(f"- decode misses' path: {why}")
+    budget = results.get("vram_budget_gib")
+    vram = _vram_line(srv.get("phases") or ([srv] if srv.get("vram_peak_bytes") else []), budget)
+    if vram:
+        lines.append(f"- strata's {vram}")
     lines.append(_requests_line(results))
     for prof in _profiles(srv):
         lines += ["", f"Per-token time breakdown ({prof.get('tokens')} tokens, the server's --profile):", ""]
@@ -250,6 +269,9 @@ def markdown(results: dict) -> str:
         ratios = results.get("ratios") or {}
         for name, p in peers.items():
             lines += ["", f"### {name}", "", f"{p.get('how', '')}"]
+            vram = _vram_line(p.get("phases") or [], budget)
+            if vram:
+                lines += ["", vram]
             if results.get("routing") == "uniform":
                 lines.append(f"\n{name} ran with its model's routing (it has no uniform override): its rows and the "
                              "ratios below set strata's worst case against the peer's ordinary routing.")

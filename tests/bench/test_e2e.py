@@ -275,3 +275,22 @@ def test_the_report_says_how_decode_steps_ran_and_why():
     assert "sweep: misses staged, graphs on, 40 launched ahead (1 dropped), chunk buffers borrowed back 3 times" in md
     assert "next-layer prefetch off (70 of 1200 prefetched experts used)" in md
     assert "- decode misses' path: staged after the trials: best hand-off plan" in md
+
+
+def test_the_report_gives_each_servers_vram_peak_against_the_budget():
+    """Both servers are meant to run in one VRAM budget: each phase's measured peak is printed beside it, and a
+    server that went past it (llama.cpp once took 19.67 GiB of a 16 GiB budget, its --n-cpu-moe fitted for less
+    KV than it got) is named."""
+    from strata.bench.report import markdown
+
+    GiB = 2 ** 30
+    md = markdown({"name": "x", "date": "d", "temperature": 0, "vram_budget_gib": 16,
+                   "server": {"url": "u", "phases": [{"suites": ["sweep"], "vram_peak_bytes": int(15.85 * GiB)}]},
+                   "peers": {"llamacpp": {"how": "llama-server", "suites": {},
+                                          "phases": [{"suites": ["sweep"], "vram_peak_bytes": int(19.67 * GiB)}]}}})
+    assert "- strata's VRAM peak: sweep 15.85 GiB (budget 16 GiB)\n" in md
+    assert "VRAM peak: sweep 19.67 GiB (budget 16 GiB): **3.67 GiB over the budget**" in md
+    # no budget (resident), no NVML (no GPU): nothing claimed
+    md = markdown({"name": "x", "date": "d", "temperature": 0,
+                   "server": {"url": "u", "phases": [{"suites": ["sweep"], "vram_peak_bytes": None}]}})
+    assert "VRAM peak" not in md
