@@ -31,14 +31,14 @@ BLOCK_N = 64  # keys per inner step
 TARGET_PROGRAMS = 256  # Hkv x splits: enough programs to spread one query's keys over an H100/H200's SMs
 # The grid is fixed by the window (a captured graph replays it at every position); with dynamic splits each program
 # takes its share of the keys up to the position read on the device, so a short context in a long window spreads
-# over every split instead of running in the first few. Taken on a GPU once the GPU tests have passed it
-# (tests/ops/test_decode_attention.py, tests/ops/test_decode_attention_kv.py; tools/gpu/gated.sh).
-DYNAMIC_SPLITS_GPU_TESTED = False
+# over every split instead of running in the first few. On since its GPU tests passed on an H200
+# (tests/ops/test_decode_attention.py, tests/ops/test_decode_attention_kv.py, kept in tools/gpu/gated.sh).
+DYNAMIC_SPLITS_GPU_TESTED = True
 # The lean tiles: dot operands in 16 bits (the cache's own dtype here; f16 from q8_0 / q4_0 blocks, each block scale
 # loaded once for its 32 values) with float32 sums, as flash attention's, where the other form widens every tile
-# to float32 (twice the registers and shared memory). Taken on a GPU once its GPU tests have passed and
-# tools/bench_attention.py has timed them faster than the float32 tiles: set by hand.
-LEAN_GPU_TESTED = False
+# to float32 (twice the registers and shared memory). On since its GPU tests passed on an H200 and
+# tools/bench_attention.py timed them faster than the float32 tiles (docs/BENCHMARKS.md, "Long context at a budget").
+LEAN_GPU_TESTED = True
 
 
 def dynamic_splits(device: torch.device) -> bool:

@@ -21,10 +21,8 @@ source tools/gpu/setup.sh
 GATED=(
   # (taken on the GPU after passing on an H200; kept here as their GPU regression set)
   "tests/ops/test_decode_attention_kv.py||"
-  # the decode attention's splits sharing the keys up to the position (then measure: python3 tools/bench_attention.py)
-  "tests/ops/test_decode_attention.py tests/ops/test_decode_attention_kv.py|strata/ops/decode_attention.py|s/^DYNAMIC_SPLITS_GPU_TESTED = False/DYNAMIC_SPLITS_GPU_TESTED = True/"
-  # (decode_attention.LEAN_GPU_TESTED, the decode attention's lean tiles: tested by the entry above, set by hand only
-  # where tools/bench_attention.py times them faster than the float32 tiles)
+  # (also: the decode attention's dynamic splits and lean tiles)
+  "tests/ops/test_decode_attention.py||"
   "tests/ops/test_fused_interpret.py tests/layers/test_kv_fold_wiring.py||"
   "tests/ops/test_route_interpret.py||"
   "tests/ops/test_qgemv.py||"
