@@ -1,6 +1,7 @@
 """What the server runs before it says ready: one forward pass, then — while the experts backend is still choosing
 its CPU / PCIe plan (`--cpu-plan auto` on a GPU, strata.experts.tuner) — sampled decoding of filler text until the
-choice is made.
+choice is made; on a GPU, prompts of the sizes requests send (alone, and several together where there are parallel
+slots), so that the prompt path's kernels are compiled and its buffers sized before the first request, not in it.
 
 The plan tuner times decode steps under each candidate plan, all-CPU ones included, and a step under a poor
 candidate can take several times a good one's. Tuned inside user requests, the first requests after start-up
@@ -25,10 +26,16 @@ WARMUP_TOKENS = 256  # per warm-up generation (the tuner's trials span several)
 CAPTURE_WINDOWS = (256, 512, 1024, 2048, 4096)  # decode windows captured for every batch size before ready
 CAPTURE_S = 30.0  # at most this long capturing (longer contexts capture when a request first reaches them)
 TUNE_TEMPERATURE = 0.8
+# Prompt lengths run once each before ready on a GPU: Triton compiles a kernel per specialisation of its integer
+# arguments (a length divisible by 16 or not), and the first request of each kind would wait for the compiles. Then,
+# with parallel slots, PACKED_PROMPTS prompts arriving together (they share a prefill chunk) and a step of them all.
+WARM_PROMPT_TOKENS = (301, 512)
+PACKED_PROMPTS = 4
 
 
-def warm_up(engine, tokenizer, say: Callable[[str], None], tune_s: float) -> dict:
-    """Warm the engine up; returns what was done ({"tuned": plan or None, "steps": decode steps, "seconds"})."""
+def warm_up(engine, tokenizer, say: Callable[[str], None], tune_s: float, prompts: bool | None = None) -> dict:
+    """Warm the engine up; returns what was done ({"tuned": plan or None, "steps": decode steps, "seconds", and
+    "prompts": warm-up prompts run}). prompts: run warm_prompts (default: on a GPU)."""
     t0 = time.perf_counter()
     say("warming up (one forward pass)")
     for _ in engine.generate(tokenizer.encode("Hello", add_special=False) or [0], max_tokens=1):
@@ -55,6 +62,10 @@ def warm_up(engine, tokenizer, say: Callable[[str], None], tune_s: float) -> dic
         out["tuned"] = experts.end_tuning()
         how = "stopped at the time bound, best measured" if bounded else "tuned"
         say(f"CPU/PCIe plan {how}: {out['tuned']} ({out['steps']} decode steps)")
+    if (prompts if prompts is not None else engine.device.type == "cuda"):
+        t1 = time.perf_counter()
+        out["prompts"] = warm_prompts(engine, tokenizer)
+        say(f"ran {out['prompts']} warm-up prompts (alone and together) in {time.perf_counter() - t1:.1f} s")
     graphs = getattr(engine, "graphs", None)
     if graphs is not None and graphs.cuda:
         t1 = time.perf_counter()
@@ -74,6 +85,39 @@ def warm_up(engine, tokenizer, say: Callable[[str], None], tune_s: float) -> dic
         experts.begin_request()
     out["seconds"] = round(time.perf_counter() - t0, 3)
     return out
+
+
+def warm_prompts(engine, tokenizer) -> int:
+    """Filler prompts of WARM_PROMPT_TOKENS tokens one at a time, then (with several slots) PACKED_PROMPTS of them
+    at once, each decoding two sampled tokens; returns how many ran. Lengths are cut to what the context holds."""
+    from strata.bench.prompts import filler_text
+    from strata.engine.sampler import SamplingParams
+    from strata.engine.sequence import Sequence
+
+    gen = 2
+    longest = engine.max_ctx - gen
+    groups = [[n] for n in WARM_PROMPT_TOKENS]
+    if engine.n_slots > 1:
+        groups.append([WARM_PROMPT_TOKENS[-1]] * min(engine.n_slots, PACKED_PROMPTS))
+    ran = 0
+    for g, lengths in enumerate(groups):
+        seqs = []
+        for j, n in enumerate(lengths):
+            n = min(n, longest)
+            toks = tokenizer.encode(filler_text(8 * n, 100 + 10 * g + j), add_special=False)[:n]
+            if len(toks) >= 2:
+                seqs.append(Sequence(toks, SamplingParams(temperature=TUNE_TEMPERATURE, seed=j), gen, set()))
+        for s in seqs:
+            engine.add(s, reuse_prefix=False)
+        try:
+            while any(not s.finished for s in seqs):
+                engine.step()
+            engine.take_failed()
+        finally:
+            for s in seqs:
+                engine.release(s, "abort")
+        ran += len(seqs)
+    return ran
 
 
 def vram_after_warm_up(device, split, out: dict) -> str:

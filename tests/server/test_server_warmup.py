@@ -88,6 +88,29 @@ def test_without_warmup_the_cost_models_plan_is_kept(tiered_lm, with_tuner):
         assert _timed(experts.tuner) == 0
 
 
+def test_warm_up_prompts_run_alone_and_together_and_leave_nothing_behind(tiered_lm):
+    """The prompts a GPU server runs before ready (kernels compiled for the prompt path before a request needs
+    them): both lengths alone, then one per slot at once; afterwards no slot holds their text and the engine
+    generates what a fresh one does."""
+    from strata.engine.engine import Engine
+    from strata.engine.sampler import SamplingParams
+    from strata.server.warmup import WARM_PROMPT_TOKENS, warm_up
+
+    said: list[str] = []
+    eng = Engine(tiered_lm, n_slots=3)
+    out = warm_up(eng, tiered_lm.tokenizer, said.append, 0, prompts=True)
+    assert out["prompts"] == len(WARM_PROMPT_TOKENS) + 3
+    assert any("warm-up prompts" in m for m in said)
+    assert not eng.running and sorted(eng.free_slots) == [0, 1, 2]
+    assert all(not t for t in eng.slot_tokens.values())
+    prompt = tiered_lm.tokenizer.encode("def add(a, b):", add_special=False)
+    greedy = SamplingParams(temperature=0)
+    fresh = Engine(tiered_lm, n_slots=3)
+    assert list(eng.generate(prompt, greedy, 12)) == list(fresh.generate(prompt, greedy, 12))
+    # a CPU server skips them by default (nothing is compiled on first use there)
+    assert "prompts" not in warm_up(Engine(tiered_lm, n_slots=1), tiered_lm.tokenizer, said.append, 0)
+
+
 @pytest.mark.gpu
 def test_cuda_vram_after_warm_up_is_measured_against_the_budget():
     import torch
