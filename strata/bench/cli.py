@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 import sys
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from strata import StrataError
 SUITES = ("sweep", "concurrency", "needle", "sanity")
 PEERS = ("llamacpp", "hf")
 LONG = ("sweep", "needle", "sanity")  # suites served with one slot and a long context
+ONE_SLOT = "concurrency-1slot"  # --one-slot-baseline: the concurrency suite's one worker on a 1-slot server
 ROUTINGS = ("model", "uniform")  # strata.config.EXPERT_ROUTINGS (not imported: `strata --help` stays torch-free)
 
 
@@ -49,6 +51,8 @@ def register(sub) -> None:
     g.add_argument("--conc-prompt", type=int, default=512, help="prompt tokens per request (default 512)")
     g.add_argument("--conc-gen", type=int, default=64, help="tokens generated per request (default 64)")
     g.add_argument("--conc-requests", type=int, default=2, help="requests per worker (default 2)")
+    g.add_argument("--one-slot-baseline", action="store_true", help="also one worker on a 1-slot server of each "
+                   "engine, beside the many-slot server's 1-worker level: what parallel slots cost a lone client")
     g = p.add_argument_group("needle / sanity")
     g.add_argument("--needle-lengths", default="4K,16K", help="haystack lengths (default 4K,16K)")
     g.add_argument("--depths", default="10,50,90", help="needle depths in percent (default 10,50,90)")
@@ -172,6 +176,10 @@ class Plan:
         self.needle = NeedleConfig(tuple(sorted(parse_sizes(args.needle_lengths))), tuple(_ints(args.depths, "--depths")))
         if any(not 0 <= d <= 100 for d in self.needle.depths):
             raise StrataError("--depths are percentages (0..100)")
+        self.one_slot = bool(getattr(args, "one_slot_baseline", False))
+        if self.one_slot and ("concurrency" not in self.suites or max(self.conc.workers) < 2 or args.url):
+            raise StrataError("--one-slot-baseline needs the concurrency suite with more than one worker, on "
+                              "servers the bench starts (not --url)")
         self.sanity_tokens = args.sanity_tokens
         if self.sanity_tokens < 1:
             raise StrataError("--sanity-tokens must be >= 1")
@@ -209,6 +217,8 @@ def run_suites(client, plan: Plan, suites: list[str], synthetic: bool | None, ta
             out[s] = run_sweep(client, plan.sweep, _say, tag=tag)
         elif s == "concurrency":
             out[s] = run_concurrency(client, plan.conc, _say, tag=tag)
+        elif s == ONE_SLOT:
+            out[s] = run_concurrency(client, replace(plan.conc, workers=(1,)), _say, tag=f"{tag}, 1 slot")
         elif s == "needle":
             out[s] = run_needle(client, plan.needle, synthetic, _say, tag=tag)
         elif s == "sanity":
@@ -239,6 +249,8 @@ def _phases(plan: Plan) -> list[tuple[list[str], int]]:
         out.append((long, 1))
     if "concurrency" in plan.suites:
         out.append((["concurrency"], max(plan.conc.workers)))
+    if plan.one_slot:
+        out.append(([ONE_SLOT], 1))
     return out
 
 
@@ -259,7 +271,8 @@ def _past_context(plan: Plan, model_ctx: int | None) -> None:
 
 def _phase_ctx(args, plan: Plan, model_ctx: int | None, names: list[str]) -> int:
     """A phase's context per slot: -c where given, else what its suites need (at most the trained context)."""
-    return args.ctx_size or (plan.conc_ctx(model_ctx) if names == ["concurrency"] else plan.long_ctx(model_ctx))
+    return args.ctx_size or (plan.conc_ctx(model_ctx) if names[0] in ("concurrency", ONE_SLOT)
+                             else plan.long_ctx(model_ctx))
 
 
 def peer_kv_tokens(args, plan: Plan, model_ctx: int | None) -> int:

@@ -143,6 +143,21 @@ def _conc_md(s: dict) -> list[str]:
                            "TTFT p90 s", "errors"], rows)
 
 
+def _one_slot_md(suites: dict) -> list[str]:
+    """--one-slot-baseline: the many-slot server's one worker against one worker on a 1-slot server."""
+    from strata.bench.cli import ONE_SLOT
+
+    conc, one = suites.get("concurrency") or {}, suites.get(ONE_SLOT) or {}
+    a = next((lv for lv in conc.get("levels", []) if lv["workers"] == 1), None)
+    b = next(iter(one.get("levels", [])), None)
+    if a is None or b is None:
+        return []
+    return ["", f"One worker on a 1-slot server: {b['aggregate_tok_s']:.1f} tok/s (latency p50 "
+                f"{_f(b['latency_s']['p50'])} s, TTFT p50 {_f(b['ttft_s']['p50'], '{:.3f}')} s); on the "
+                f"{conc.get('server_slots')}-slot server {a['aggregate_tok_s']:.1f}: "
+                f"**{_f(ratio(a['aggregate_tok_s'], b['aggregate_tok_s']))}x** of the 1-slot server's."]
+
+
 def _needle_md(s: dict) -> list[str]:
     depths = s["config"]["depths"]
     grid: dict[int, dict[int, bool]] = {}
@@ -263,6 +278,8 @@ def markdown(results: dict) -> str:
                            ("needle", "Needle in a haystack", _needle_md), ("sanity", "Sanity", _sanity_md)):
         if key in suites:
             lines += ["", f"## {title}", "", *fn(suites[key])]
+            if key == "concurrency":
+                lines += _one_slot_md(suites)
     peers = results.get("peers") or {}
     if peers:
         lines += ["", "## Peers (same run, same model file, same VRAM budget)"]
@@ -282,7 +299,7 @@ def markdown(results: dict) -> str:
             if "sweep" in ps:
                 lines += ["", *_sweep_md(ps["sweep"])]
             if "concurrency" in ps:
-                lines += ["", *_conc_md(ps["concurrency"])]
+                lines += ["", *_conc_md(ps["concurrency"]), *_one_slot_md(ps)]
             r = ratios.get(name) or {}
             if r.get("sweep"):
                 lines += ["", f"strata / {name} (> 1: strata is faster; TTFT as {name} / strata):", ""]

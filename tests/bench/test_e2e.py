@@ -294,3 +294,30 @@ def test_the_report_gives_each_servers_vram_peak_against_the_budget():
     md = markdown({"name": "x", "date": "d", "temperature": 0,
                    "server": {"url": "u", "phases": [{"suites": ["sweep"], "vram_peak_bytes": None}]}})
     assert "VRAM peak" not in md
+
+
+def test_one_slot_baseline_starts_a_one_slot_server_for_one_worker(tiny, tmp_path):
+    """--one-slot-baseline: after the concurrency phase on a slot per worker, a 1-slot server of the same engine
+    serves one worker; results.md sets the many-slot server's 1-worker level against it."""
+    rc = main(["bench", "concurrency", "-m", tiny, "--cpu-threads", "1", "--name", "slots", "--out", str(tmp_path),
+               "--workers", "1,2", "--conc-prompt", "80", "--conc-gen", "3", "--conc-requests", "1",
+               "--one-slot-baseline"])
+    assert rc == 0
+    out = next(tmp_path.iterdir())
+    res = json.loads(out.joinpath("results.json").read_text())
+    phases = res["server"]["phases"]
+    assert [(p["suites"], p["parallel"]) for p in phases] == [(["concurrency"], 2), (["concurrency-1slot"], 1)]
+    assert phases[0]["ctx"] == phases[1]["ctx"]
+    one = res["suites"]["concurrency-1slot"]
+    assert one["server_slots"] == 1 and [lv["workers"] for lv in one["levels"]] == [1]
+    assert one["levels"][0]["errors"] == 0 and one["levels"][0]["aggregate_tok_s"] > 0
+    md = out.joinpath("results.md").read_text()
+    assert "One worker on a 1-slot server: " in md and "-slot server's." in md
+    assert "on the 2-slot server" in md
+
+
+def test_one_slot_baseline_needs_more_than_one_worker(tmp_path, capsys):
+    rc = main(["bench", "concurrency", "--url", "http://127.0.0.1:9", "--out", str(tmp_path), "--workers", "1",
+               "--one-slot-baseline"])
+    assert rc != 0
+    assert "--one-slot-baseline needs the concurrency suite with more than one worker" in capsys.readouterr().err
