@@ -111,6 +111,25 @@ def test_warm_up_prompts_run_alone_and_together_and_leave_nothing_behind(tiered_
     assert "prompts" not in warm_up(Engine(tiered_lm, n_slots=1), tiered_lm.tokenizer, said.append, 0)
 
 
+@pytest.mark.parametrize("family", ["qwen3next", "gpt_oss"])
+def test_warm_up_prompts_leave_recurrent_and_windowed_families_as_fresh(hf_and_gguf, family):
+    """The same for a family with recurrent state kept per slot (qwen3next) and one with sliding-window layers
+    (gpt-oss): after the warm-up prompts on every slot, greedy text equals a fresh engine's."""
+    from strata.config import EngineConfig
+    from strata.engine.engine import Engine
+    from strata.engine.loader import load_model
+    from strata.engine.sampler import SamplingParams
+    from strata.server.warmup import warm_up
+
+    path = str(hf_and_gguf(family)[1])
+    lm = load_model(path, EngineConfig(model=path, device="cpu", dtype="float32", ctx_size=CTX))
+    eng = Engine(lm, n_slots=2)
+    assert warm_up(eng, lm.tokenizer, lambda m: None, 0, prompts=True)["prompts"] == 4
+    prompt = lm.tokenizer.encode("def add(a, b):", add_special=False)
+    greedy = SamplingParams(temperature=0)
+    assert list(eng.generate(prompt, greedy, 10)) == list(Engine(lm, n_slots=2).generate(prompt, greedy, 10))
+
+
 @pytest.mark.gpu
 def test_cuda_vram_after_warm_up_is_measured_against_the_budget():
     import torch
