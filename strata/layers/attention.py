@@ -135,6 +135,34 @@ def _one_query_blocks(kv: KVCache, layer: int, seg: Segment, q: torch.Tensor, k:
     return _ONE_QUERY_BLOCKS(q, kb, vb, seg.pos_t, scale)
 
 
+# A static (graphed) segment of 2 .. VERIFY_ROWS queries — a speculative verify step's — runs the decode step's
+# one-query kernel once per query, each at its own device-side position, instead of SDPA over the whole window under
+# an [n, window] mask: the keys read stop at each query's position (a verify step near the start of a long window
+# read all of it), and each row's attention is computed as a one-token step computes it. "cuda" takes it once
+# tests/layers/test_verify_rows.py (marked gpu) has passed on a GPU; elsewhere it is always on (the reference twin).
+VERIFY_ROWS = 8
+VERIFY_ROWS_GPU_TESTED = False
+
+
+def _verify_rows(seg: Segment, device: torch.device) -> bool:
+    return bool(seg.window) and 1 < seg.n <= VERIFY_ROWS and (device.type != "cuda" or VERIFY_ROWS_GPU_TESTED)
+
+
+def _rows_one_query(kv: KVCache, layer: int, seg: Segment, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """A static segment's n queries q [n, H, D] each over its own prefix of the window (its K/V rows k, v written
+    first, all n at once), by the one-query op a decode step calls: [n, H, Dv]."""
+    rows = [Segment(seg.slot, seg.start + j, 1, pos_t=seg.pos_t[j:j + 1], window=seg.window) for j in range(seg.n)]
+    if kv.quantized:
+        kb, vb = kv.read_window_blocks(layer, seg.slot, seg.window)
+        if vb is not None and _ONE_QUERY_BLOCKS.pick(q[:1], kb, vb, rows[0].pos_t, scale) is not None:
+            kv.write_at(layer, seg.slot, seg.pos_t, k, v)
+            return torch.cat([_ONE_QUERY_BLOCKS(q[j:j + 1], kb, vb, r.pos_t, scale) for j, r in enumerate(rows)])
+    ks, vs, _ = _cache_step(kv, layer, seg, k, v, want_mask=False)
+    ks, vs = _as_dtype(ks, vs, dtype)
+    return torch.cat([_one_query(q[j:j + 1], ks, vs, r, scale, k.dtype) for j, r in enumerate(rows)])
+
+
 def _as_dtype(ks: torch.Tensor, vs: torch.Tensor | None, dtype: torch.dtype):
     """Keys and values in the activations' dtype (a cache in another dtype: each of K and V may have its own)."""
     if ks.dtype != dtype:
@@ -244,6 +272,11 @@ class GQAttention:
                     outs.append(o)
                     i += 1
                     continue
+            if _verify_rows(seg, x.device):
+                outs.append(_rows_one_query(kv, self.layer, seg, q[i : i + seg.n], k[i : i + seg.n],
+                                            v[i : i + seg.n], self.scale, x.dtype))
+                i += seg.n
+                continue
             ks, vs, mask = _cache_step(kv, self.layer, seg, k[i : i + seg.n], v[i : i + seg.n],
                                        want_mask=not one)  # [L, Hkv, D]
             ks, vs = _as_dtype(ks, vs, x.dtype)  # (a cache in another dtype than the activations)

@@ -106,10 +106,14 @@ def test_graphed_verify_with_several_sequences_and_sampling(hf_and_gguf, monkeyp
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("rows", [False, True])  # attention.VERIFY_ROWS_GPU_TESTED: each query by the one-query op
 @pytest.mark.parametrize("experts", [None, ExpertConfig(mode="tiered", slots=1, cpu_plan="000", decode_misses="staged")])
-def test_cuda_verify_steps_are_captured_and_keep_the_text(hf_and_gguf, experts):
+def test_cuda_verify_steps_are_captured_and_keep_the_text(hf_and_gguf, experts, rows, monkeypatch):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    from strata.layers import attention
+
+    monkeypatch.setattr(attention, "VERIFY_ROWS_GPU_TESTED", rows)
     _, path = hf_and_gguf("qwen3moe")
     prompt = _prompt(1000, seed=1)
 
