@@ -165,7 +165,11 @@ class VramSplit:
         if p == "chunk_buffers" and self.chunk_experts:
             return f"{self.chunk_experts} experts per buffer"
         if p == "cache":
-            lent = f" (+{self.lent_slots} lent between prompts)" if self.lent_slots else ""
+            lent = ""
+            if self.lent_slots:  # while decoding the loans hold experts too: what the cache then has in all
+                total = self.cache + self.lent_slots * self.cache // max(self.slots, 1)
+                lent = (f" (+{self.lent_slots} lent between prompts: {self.slots + self.lent_slots} a layer, "
+                        f"{total / GiB:.2f} GiB of experts while decoding)")
             return (f"{self.slots} of {self.n_experts} slots per layer{lent}, {100 * self.cache_share:.1f}% of the "
                     "budget")
         return ""

@@ -117,7 +117,11 @@ def test_the_split_shows_the_lent_slots():
     s = split_budget(8 * GiB, context=GiB, dense=GiB, reserve=700 * MiB, staging=0, prefill=GiB,
                      expert_bytes=2 * MiB, per_slot=96 * MiB, n_experts=128)
     lent = replace(s, lent_slots=11)
-    assert "slots per layer (+11 lent between prompts)" in lent.render() and lent.as_dict()["lent_slots"] == 11
+    assert "slots per layer (+11 lent between prompts: " in lent.render() and lent.as_dict()["lent_slots"] == 11
+    per = s.cache // s.slots  # one slot in every layer
+    assert per == 96 * MiB
+    assert (f"{s.slots + 11} a layer, {(s.cache + 11 * per) / GiB:.2f} GiB of experts while decoding)"
+            in lent.render())
     assert "lent" not in s.render()
     # as the cache lays the loans out: the chunk buffers' share, and the activations' VRAM with the prefill loan
     from strata.experts.sizing import lent_slots
