@@ -136,9 +136,9 @@ def _one_query_blocks(kv: KVCache, layer: int, seg: Segment, q: torch.Tensor, k:
 
 
 # A static (graphed) segment of 2 .. VERIFY_ROWS queries — a speculative verify step's — runs the decode step's
-# one-query kernel once per query, each at its own device-side position, instead of SDPA over the whole window under
-# an [n, window] mask: the keys read stop at each query's position (a verify step near the start of a long window
-# read all of it), and each row's attention is computed as a one-token step computes it. "cuda" takes it once
+# split-key kernel with every query at its own device-side position (a q8_0 / q4_0 cache: its block kernel once per
+# query), instead of SDPA over the whole window under an [n, window] mask: the keys read stop at the last query's
+# position (a verify step near the start of a long window read all of it). "cuda" takes it once
 # tests/layers/test_verify_rows.py (marked gpu) has passed on a GPU; elsewhere it is always on (the reference twin).
 VERIFY_ROWS = 8
 VERIFY_ROWS_GPU_TESTED = False
@@ -151,7 +151,7 @@ def _verify_rows(seg: Segment, device: torch.device) -> bool:
 def _rows_one_query(kv: KVCache, layer: int, seg: Segment, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     scale: float, dtype: torch.dtype) -> torch.Tensor:
     """A static segment's n queries q [n, H, D] each over its own prefix of the window (its K/V rows k, v written
-    first, all n at once), by the one-query op a decode step calls: [n, H, Dv]."""
+    first, all n at once), by the op a decode step calls: [n, H, Dv]."""
     rows = [Segment(seg.slot, seg.start + j, 1, pos_t=seg.pos_t[j:j + 1], window=seg.window) for j in range(seg.n)]
     if kv.quantized:
         kb, vb = kv.read_window_blocks(layer, seg.slot, seg.window)
@@ -160,7 +160,8 @@ def _rows_one_query(kv: KVCache, layer: int, seg: Segment, q: torch.Tensor, k: t
             return torch.cat([_ONE_QUERY_BLOCKS(q[j:j + 1], kb, vb, r.pos_t, scale) for j, r in enumerate(rows)])
     ks, vs, _ = _cache_step(kv, layer, seg, k, v, want_mask=False)
     ks, vs = _as_dtype(ks, vs, dtype)
-    return torch.cat([_one_query(q[j:j + 1], ks, vs, r, scale, k.dtype) for j, r in enumerate(rows)])
+    # all n queries in one launch of the split kernel (each key read once for them); its twin: the [n, window] mask
+    return _one_query(q, ks, vs, seg, scale, k.dtype)
 
 
 def _as_dtype(ks: torch.Tensor, vs: torch.Tensor | None, dtype: torch.dtype):

@@ -28,6 +28,7 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
 BLOCK_N = 64  # keys per inner step
+MAX_ROWS = 64  # queries x query heads per KV head in one program (a verify step's queries share each key read)
 TARGET_PROGRAMS = 256  # Hkv x splits: enough programs to spread one query's keys over an H100/H200's SMs
 # The grid is fixed by the window (a captured graph replays it at every position); with dynamic splits each program
 # takes its share of the keys up to the position read on the device, so a short context in a long window spreads
@@ -63,7 +64,8 @@ def use_for(q: torch.Tensor, ks: torch.Tensor) -> bool:
     """Whether the split kernel takes this one-query attention (CUDA, bf16/f16, power-of-two head dims)."""
     D, DV = q.shape[-1], ks.shape[-1]
     return (available() and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and ks.dtype == q.dtype
-            and D >= 16 and D & (D - 1) == 0 and DV >= 16 and DV & (DV - 1) == 0)
+            and D >= 16 and D & (D - 1) == 0 and DV >= 16 and DV & (DV - 1) == 0
+            and q.shape[0] * (q.shape[1] // max(ks.shape[1], 1)) <= MAX_ROWS)
 
 
 def splits_for(window: int, n_kv: int) -> tuple[int, int]:
@@ -78,17 +80,25 @@ if triton is not None:
 
     @triton.jit
     def _split_kernel(Q, K, V, POS, Mo, Lo, Ao, scale, chunk,
-                      sqh, sqg, skl, skh, svl, svh,
+                      sqn, sqh, sqg, skl, skh, svl, svh,
                       G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BN: tl.constexpr,
-                      DYN: tl.constexpr, LEAN: tl.constexpr):
+                      DYN: tl.constexpr, LEAN: tl.constexpr, NQ: tl.constexpr):
         h = tl.program_id(0)
         s = tl.program_id(1)
         S = tl.num_programs(1)
-        g = tl.arange(0, GP)
+        g = tl.arange(0, GP)  # rows: query g // G's head g % G of this KV head (one query: the heads)
         d = tl.arange(0, D)
         dv = tl.arange(0, DV)
-        q = tl.load(Q + h * sqh + g[:, None] * sqg + d[None, :], mask=g[:, None] < G, other=0.0).to(tl.float32)
-        end = tl.load(POS).to(tl.int32) + 1  # keys 0..pos are valid
+        if NQ == 1:
+            q = tl.load(Q + h * sqh + g[:, None] * sqg + d[None, :], mask=g[:, None] < G, other=0.0).to(tl.float32)
+            end = tl.load(POS).to(tl.int32) + 1  # keys 0..pos are valid
+        else:  # a verify step's NQ queries at ascending positions: each key read once for all of them
+            qi = g // G
+            live = g < NQ * G
+            q = tl.load(Q + qi[:, None] * sqn + h * sqh + (g % G)[:, None] * sqg + d[None, :], mask=live[:, None],
+                        other=0.0).to(tl.float32)
+            ends = tl.load(POS + qi, mask=live, other=0).to(tl.int32) + 1  # [GP]: each row's keys 0..its pos
+            end = tl.max(ends, 0)
         if DYN:  # the keys up to the position shared by every split (whole BN steps; split 0 holds key 0)
             chunk = tl.cdiv(tl.cdiv(end, BN), S) * BN
         start = s * chunk
@@ -104,10 +114,17 @@ if triton is not None:
                 qk = tl.dot(q.to(k.dtype), tl.trans(k)) * scale  # [GP, BN]
             else:
                 qk = tl.dot(q, tl.trans(k.to(tl.float32))) * scale
-            qk = tl.where(ok[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            p = tl.exp(qk - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
+            if NQ == 1:
+                qk = tl.where(ok[None, :], qk, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(qk, 1))
+                p = tl.exp(qk - m_new[:, None])
+                alpha = tl.exp(m_i - m_new)
+            else:  # a row may have no key in this block (its position before it): keep its sums at 0, not NaN
+                qk = tl.where(ok[None, :] & (n[None, :] < ends[:, None]), qk, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(qk, 1))
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                p = tl.exp(qk - m_use[:, None])
+                alpha = tl.exp(m_i - m_use)
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(V + n[:, None] * svl + h * svh + dv[None, :], mask=ok[:, None], other=0.0)
             if LEAN:
@@ -121,8 +138,8 @@ if triton is not None:
         tl.store(Ao + row[:, None] * DV + dv[None, :], acc)
 
     @triton.jit
-    def _merge_kernel(Mo, Lo, Ao, O, S, soh, sog,
-                      GP: tl.constexpr, DV: tl.constexpr, SP: tl.constexpr):
+    def _merge_kernel(Mo, Lo, Ao, O, S, son, soh, sog,
+                      G: tl.constexpr, GP: tl.constexpr, DV: tl.constexpr, SP: tl.constexpr, NQ: tl.constexpr):
         h = tl.program_id(0)
         g = tl.program_id(1)
         s = tl.arange(0, SP)
@@ -134,37 +151,41 @@ if triton is not None:
         den = tl.sum(w * tl.load(Lo + row, mask=s < S, other=0.0), 0)
         a = tl.load(Ao + row[:, None] * DV + dv[None, :], mask=(s < S)[:, None], other=0.0)
         out = tl.sum(w[:, None] * a, 0) / den
-        tl.store(O + h * soh + g * sog + dv, out.to(O.dtype.element_ty))
+        if NQ == 1:
+            tl.store(O + h * soh + g * sog + dv, out.to(O.dtype.element_ty))
+        else:
+            tl.store(O + (g // G) * son + h * soh + (g % G) * sog + dv, out.to(O.dtype.element_ty))
 
 
 def decode_attention(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, pos_t: torch.Tensor,
                      scale: float) -> torch.Tensor:
-    """q [1, H, D], ks [L, Hkv, D], vs [L, Hkv, Dv] (strided views of a slot's cache window), pos_t [1] int64 on
-    the device (keys 0..pos attended) -> [1, H, Dv] in q's dtype. H must be a multiple of Hkv (query head h reads
-    KV head h // (H / Hkv))."""
-    _, H, D = q.shape
+    """q [n, H, D]: n queries of one slot (a decode step's one; a verify step's several, at ascending positions),
+    ks [L, Hkv, D], vs [L, Hkv, Dv] (strided views of the slot's cache window), pos_t [n] int64 on the device (query
+    i attends keys 0..pos_t[i]) -> [n, H, Dv] in q's dtype. H must be a multiple of Hkv (query head h reads KV head
+    h // (H / Hkv)); n x H / Hkv at most MAX_ROWS."""
+    NQ, H, D = q.shape
     L, hkv, _ = ks.shape
     DV = vs.shape[-1]
     G = H // hkv
     if ks.stride(-1) != 1 or vs.stride(-1) != 1:
         raise ValueError("decode_attention needs the head dim contiguous in the cache")
-    qg = q.reshape(hkv, G, D)
+    qg = q.reshape(NQ, hkv, G, D)
     if qg.stride(-1) != 1:
         qg = qg.contiguous()
     S, chunk = splits_for(L, hkv)
-    GP = max(16, triton.next_power_of_2(G))
+    GP = max(16, triton.next_power_of_2(NQ * G))
     dev = q.device
     m = torch.empty(hkv * S * GP, dtype=torch.float32, device=dev)
     lsum = torch.empty_like(m)
     acc = torch.empty(hkv * S * GP, DV, dtype=torch.float32, device=dev)
     _split_kernel[(hkv, S)](qg, ks, vs, pos_t, m, lsum, acc, scale, chunk,
-                            qg.stride(0), qg.stride(1), ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1),
-                            G=G, GP=GP, D=D, DV=DV, BN=BLOCK_N, DYN=dynamic_splits(q.device),
-                            LEAN=lean_tiles(q.device, ks.dtype), num_warps=4)
-    out = torch.empty(hkv, G, DV, dtype=q.dtype, device=dev)
-    _merge_kernel[(hkv, G)](m, lsum, acc, out, S, out.stride(0), out.stride(1),
-                            GP=GP, DV=DV, SP=max(2, triton.next_power_of_2(S)), num_warps=4)
-    return out.view(1, H, DV)
+                            qg.stride(0), qg.stride(1), qg.stride(2), ks.stride(0), ks.stride(1), vs.stride(0),
+                            vs.stride(1), G=G, GP=GP, D=D, DV=DV, BN=BLOCK_N, DYN=dynamic_splits(q.device),
+                            LEAN=lean_tiles(q.device, ks.dtype), NQ=NQ, num_warps=4)
+    out = torch.empty(NQ, hkv, G, DV, dtype=q.dtype, device=dev)
+    _merge_kernel[(hkv, NQ * G)](m, lsum, acc, out, S, out.stride(0), out.stride(1), out.stride(2),
+                                 G=G, GP=GP, DV=DV, SP=max(2, triton.next_power_of_2(S)), NQ=NQ, num_warps=4)
+    return out.view(NQ, H, DV)
 
 
 def _one_query(q, ks, vs, mask, pos_t, scale):  # the op's signature: the kernel reads pos_t, not the mask

@@ -173,8 +173,8 @@ def decode_attention_blocks(q: torch.Tensor, ks, vs, pos_t: torch.Tensor, scale:
                                    DYN=dynamic_splits(q.device), LEAN=lean_tiles(q.device), num_warps=4)
     rot_v = isinstance(vs, Blocks) and vs.h is not None
     out = torch.empty(hkv, G, DV, dtype=torch.float32 if rot_v else q.dtype, device=dev)
-    _merge_kernel[(hkv, G)](m, lsum, acc, out, S, out.stride(0), out.stride(1),
-                            GP=GP, DV=DV, SP=max(2, triton.next_power_of_2(S)), num_warps=4)
+    _merge_kernel[(hkv, G)](m, lsum, acc, out, S, 0, out.stride(0), out.stride(1),
+                            G=G, GP=GP, DV=DV, SP=max(2, triton.next_power_of_2(S)), NQ=1, num_warps=4)
     if rot_v:  # (sum p v~) H = sum p v
         return rotate(out, vs.h).to(q.dtype).view(1, H, DV)
     return out.view(1, H, DV)

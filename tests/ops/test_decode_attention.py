@@ -44,6 +44,18 @@ CASES = textwrap.dedent("""
                 assert out.shape == (1, H, DV) and out.dtype == dtype
                 err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
                 assert err < 2e-2, (H, hkv, D, L, pos, err, splits_for(L, hkv))
+            # a verify step's queries at ascending positions in one call: each row its own prefix
+            for nq, first in ((2, 0), (4, 3), (3, L - 3)):
+                if nq * (H // hkv) > 64:
+                    continue
+                q = torch.randn(nq, H, D, generator=g).to(dev, dtype)
+                pos_t = torch.arange(first, first + nq, device=dev)
+                out = decode_attention(q, ks, vs, pos_t, D ** -0.5)
+                assert out.shape == (nq, H, DV)
+                for j in range(nq):
+                    ref = reference(q[j:j + 1], ks, vs, first + j, D ** -0.5)
+                    err = ((out[j:j + 1].float() - ref).abs().max() / ref.abs().max()).item()
+                    assert err < 2e-2, (H, hkv, D, L, nq, first, j, err)
 """)
 
 
