@@ -80,12 +80,38 @@ def time_layout(kind, q, layers, pos_t, scale, reps: int) -> float:
     return statistics.median(times)
 
 
+def time_position(a, kind, q, layers, L: int, pos: int, hkv: int, D: int, scale: float) -> bool:
+    """Print one row per (programs, layout) for q [n, H, D] at positions pos-n+1..pos; False on a wrong result."""
+    nq = q.shape[0]
+    pos_t = torch.arange(pos - nq + 1, pos + 1, device="cuda")
+    mb = (pos + 1) * hkv * D * 2 * BYTES_PER_VALUE[kind] / 1e6
+    refs = [one_query_blocks(q[j:j + 1].float(), *layers[0], pos_t[j:j + 1], scale) for j in range(nq)]
+    ok = True
+    for programs in (int(x) for x in a.programs.split(",")):
+        da.TARGET_PROGRAMS = programs
+        for dyn, lean in LAYOUTS:
+            da.DYNAMIC_SPLITS_GPU_TESTED, da.LEAN_GPU_TESTED = dyn, lean
+            out = call(kind, q, *layers[0], pos_t, scale)
+            err = max(((out[j:j + 1].float() - r).abs().max() / r.abs().max()).item() for j, r in enumerate(refs))
+            ok &= err < 2e-2
+            us = time_layout(kind, q, layers, pos_t, scale, a.reps)
+            gbs = mb * 1e6 / (us * 1e-6) / 1e9
+            S, _ = da.splits_for(L, hkv)
+            layout = ("dynamic" if dyn else "fixed") + ("+lean" if lean else "")
+            print(f"{kind:>5} {L:>7} {pos:>7} {nq:>2} {layout:>13} {programs:>5} {S:>6} "
+                  f"{us:>9.1f} {mb:>9.2f} {gbs:>7.0f} {100 * gbs / (a.peak_tbs * 1000):>5.1f}% "
+                  f"{err:>8.1e}", flush=True)
+    return ok
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kv", default="bf16,q8_0", help="KV types: bf16, q8_0, q4_0")
     ap.add_argument("--windows", default="40960,131328", help="allocated context lengths (tokens)")
     ap.add_argument("--positions", default="1024,32768,131071", help="keys attended (those past a window skipped)")
     ap.add_argument("--programs", default="256", help="TARGET_PROGRAMS values to try")
+    ap.add_argument("--queries", default="1", help="queries per call (a verify step's: at positions pos-n+1..pos, "
+                    "bf16 only, each key read once for all)")
     ap.add_argument("--heads", default="32,4,128", help="query heads, KV heads, head dim (B1's)")
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--reps", type=int, default=10)
@@ -97,34 +123,20 @@ def main() -> int:
     H, hkv, D = (int(x) for x in a.heads.split(","))
     scale = D ** -0.5
     g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(1, H, D, generator=g, device="cuda").bfloat16()
+    nqs = [int(x) for x in a.queries.split(",")]
+    qs = {n: torch.randn(n, H, D, generator=g, device="cuda").bfloat16() for n in nqs}
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  heads {H}/{hkv} x {D}, {a.layers} layers")
-    print(f"{'kv':>5} {'window':>7} {'pos':>7} {'layout':>13} {'progs':>5} {'splits':>6} {'us/layer':>9} "
+    print(f"{'kv':>5} {'window':>7} {'pos':>7} {'n':>2} {'layout':>13} {'progs':>5} {'splits':>6} {'us/layer':>9} "
           f"{'MB/layer':>9} {'GB/s':>7} {'%peak':>6} {'err':>8}")
     ok = True
     for kind in a.kv.split(","):
         for L in (int(x) for x in a.windows.split(",")):
             layers = windows(kind, a.layers, L, hkv, D, g)
             for pos in (int(x) for x in a.positions.split(",")):
-                if pos >= L:
-                    continue
-                pos_t = torch.tensor([pos], device="cuda")
-                mb = (pos + 1) * hkv * D * 2 * BYTES_PER_VALUE[kind] / 1e6
-                ref = one_query_blocks(q.float(), *layers[0], pos_t, scale)
-                for programs in (int(x) for x in a.programs.split(",")):
-                    da.TARGET_PROGRAMS = programs
-                    for dyn, lean in LAYOUTS:
-                        da.DYNAMIC_SPLITS_GPU_TESTED, da.LEAN_GPU_TESTED = dyn, lean
-                        out = call(kind, q, *layers[0], pos_t, scale)
-                        err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
-                        ok &= err < 2e-2
-                        us = time_layout(kind, q, layers, pos_t, scale, a.reps)
-                        gbs = mb * 1e6 / (us * 1e-6) / 1e9
-                        S, _ = da.splits_for(L, hkv)
-                        layout = ("dynamic" if dyn else "fixed") + ("+lean" if lean else "")
-                        print(f"{kind:>5} {L:>7} {pos:>7} {layout:>13} {programs:>5} {S:>6} "
-                              f"{us:>9.1f} {mb:>9.2f} {gbs:>7.0f} {100 * gbs / (a.peak_tbs * 1000):>5.1f}% "
-                              f"{err:>8.1e}", flush=True)
+                for nq in nqs:
+                    if pos >= L or pos + 1 < nq or (nq > 1 and kind != "bf16"):
+                        continue
+                    ok &= time_position(a, kind, qs[nq], layers, L, pos, hkv, D, scale)
             del layers
             torch.cuda.empty_cache()
     return 0 if ok else 1
