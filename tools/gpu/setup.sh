@@ -7,7 +7,7 @@
 # no longer has: add it with `python3 -m pip download --no-deps -d .whl sniffio`, or the server tests fail to
 # collect), and they are installed into /tmp/site at the start of every command. Also carry peers/src for the
 # llama.cpp peer (bench/peers/llamacpp.sh fetch, or pack for the ~5 MB pruned copy). A working tree over the
-# 64 MiB a command carries: move strata/data/strata-tiny.gguf out of it first.
+# 64 MiB a command carries: `tools/gpu/slim.sh out` here first (and `back` before committing).
 #
 # Sets: PYTHONPATH (the wheels, then this tree), OUT (where results go: the device tool sets it; default
 # scratch/out), MODEL (default scratch/b1.gguf) and b1_model, which makes MODEL with `strata synth` when missing.
