@@ -113,6 +113,10 @@ def engine_argv(args) -> list[str]:
         v = getattr(args, act.dest, act.default)
         if v == act.default:
             continue
+        if isinstance(act, argparse.BooleanOptionalAction):  # --x / --no-x: the one that says v
+            pos = max((o for o in act.option_strings if not o.startswith("--no-")), key=len)
+            out.append(pos if v else f"--no-{pos[2:]}")
+            continue
         flag = max(act.option_strings, key=len)
         if act.nargs == 0:
             out.append(flag)

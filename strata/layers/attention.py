@@ -138,10 +138,11 @@ def _one_query_blocks(kv: KVCache, layer: int, seg: Segment, q: torch.Tensor, k:
 # A static (graphed) segment of 2 .. VERIFY_ROWS queries — a speculative verify step's — runs the decode step's
 # split-key kernel with every query at its own device-side position (a q8_0 / q4_0 cache: its block kernel once per
 # query), instead of SDPA over the whole window under an [n, window] mask: the keys read stop at the last query's
-# position (a verify step near the start of a long window read all of it). "cuda" takes it once
-# tests/layers/test_verify_rows.py (marked gpu) has passed on a GPU; elsewhere it is always on (the reference twin).
+# position (a verify step near the start of a long window read all of it). On "cuda" since
+# tests/layers/test_verify_rows.py (marked gpu) passed on an H200 (the flag turns it off there, for comparisons);
+# elsewhere it is always on (the reference twin).
 VERIFY_ROWS = 8
-VERIFY_ROWS_GPU_TESTED = False
+VERIFY_ROWS_GPU_TESTED = True
 
 
 def _verify_rows(seg: Segment, device: torch.device) -> bool:

@@ -21,8 +21,8 @@ source tools/gpu/setup.sh
 GATED=(
   # (taken on the GPU after passing on an H200; kept here as their GPU regression set)
   "tests/ops/test_decode_attention_kv.py||"
-  # a verify step's queries in one launch of the decode split kernel (then: tools/bench_spec.py, the MTP rows)
-  "tests/layers/test_verify_rows.py tests/engine/test_graphed_verify.py|strata/layers/attention.py|s/^VERIFY_ROWS_GPU_TESTED = False/VERIFY_ROWS_GPU_TESTED = True/"
+  # (also: a verify step's queries in one launch of the decode split kernel)
+  "tests/layers/test_verify_rows.py tests/engine/test_graphed_verify.py||"
   # (also: the decode attention's dynamic splits and lean tiles)
   "tests/ops/test_decode_attention.py||"
   "tests/ops/test_fused_interpret.py tests/layers/test_kv_fold_wiring.py||"
