@@ -1,7 +1,7 @@
 """Speculative decoding with n-gram drafts against plain decoding, on real code (the embedded model by default).
 
     python tools/bench_spec.py [engine flags: -m MODEL --device cuda --vram-gb 8 ...] [--drafts 0,4,8,16]
-                               [--gen 200] [--runs 3] [--temperature 0.8 --seed 0] [--right-drafts]
+                               [--gen 200] [--runs 3] [--temperature 0.8 --seed 0] [--right-drafts] [--trace DIR]
 
 Two prompts from Python's standard library (text nobody here wrote): `edit` — a module's source, then the same
 source again up to its middle (an agent re-emitting a file it edits: the continuation repeats the context), and
@@ -50,6 +50,36 @@ def _right(draft, plain: list[int]):
     return right
 
 
+def _trace(eng, ids, sampling, gen: int, path: str, forwards: int) -> None:
+    """One more run under torch.profiler: what a forward (a plain or a drafted step) costs on the GPU. Graph
+    replays show their kernels one by one (CUPTI), so the count is the step's launches, graphed or not."""
+    import os
+    from collections import Counter
+
+    from torch.profiler import ProfilerActivity, profile
+
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        list(eng.generate(ids, sampling, gen))
+        wall = time.perf_counter() - t0 - eng.last.prompt_ms / 1e3
+    prof.export_chrome_trace(path + ".json")
+    with open(path + ".json") as f:  # the trace's kernel records (graph replays' kernels each their own)
+        kernels = [e for e in json.load(f).get("traceEvents", []) if e.get("cat") == "kernel"]
+    # (the prompt's one forward is in the figures too, among the ~gen others)
+    busy, n = Counter(), Counter()
+    for e in kernels:
+        busy[e["name"]] += float(e.get("dur", 0.0))
+        n[e["name"]] += 1
+    total_us = sum(busy.values())
+    print(json.dumps({"trace": path + ".json", "forwards": forwards, "kernels": len(kernels),
+                      "kernels_per_forward": round(len(kernels) / forwards, 1),
+                      "gpu_busy_us_per_forward": round(total_us / forwards, 1),
+                      "wall_us_per_forward": round(wall * 1e6 / forwards, 1),
+                      "top": [[k[:60], n[k], round(v / forwards, 1)] for k, v in busy.most_common(12)]}),
+          flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_engine_args(ap)
@@ -59,6 +89,9 @@ def main() -> int:
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     ap.add_argument("--seed", type=int, default=0, help="the sampler's seed when --temperature > 0")
     ap.add_argument("--right-drafts", action="store_true", help="MTP drafts replaced by the plain text's tokens")
+    ap.add_argument("--trace", metavar="DIR", default=None, help="CUDA: after the timed runs, one more run of each "
+                    "setting under torch.profiler: a Chrome trace in DIR and, per setting, the GPU kernels a forward "
+                    "launches, their busy time and the wall time a forward, and the kernels that take the most")
     a = ap.parse_args()
     if a.model is None:
         from strata.models.default import default_model_path
@@ -85,6 +118,8 @@ def main() -> int:
                     speeds.append((len(out) - 1) / dt)
             ref.setdefault(name, out)
             steps = (len(out) - 1 - seq.draft_accepted) or 1  # forwards after the first token
+            if a.trace and eng.device.type == "cuda":
+                _trace(eng, ids, sampling, a.gen, f"{a.trace}/{name}-draft{dm}", steps)
             print(json.dumps({"prompt": name, "prompt_tokens": len(ids), "temperature": a.temperature, "draft_max": dm,
                               "decode_tok_s": round(statistics.median(speeds), 1),
                               "accepted": seq.draft_accepted, "drafted": seq.draft_n,

@@ -188,7 +188,7 @@ class DeviceDrafts:
         torch.add(self.p, ar, out=rows[:T])
         torch.add(rows[:T], 1, out=pos[:T])
         seg = Segment(slot, 0, T, pos_t=rows[:T], window=W)
-        _, x = head.forward(hidden, drawn, pos[:T], seg, mg.kv, last_only=True)
+        _, x = head.forward(hidden, drawn, pos[:T], seg, mg.kv, logits=False)  # (row a's logits below)
         xa = x.index_select(0, a.view(1))  # [1, d] the block's output at the last row that stood
         la = head.logits(xa)[0]
         self.last_logits.copy_(la)

@@ -143,6 +143,11 @@ def _one_query_blocks(kv: KVCache, layer: int, seg: Segment, q: torch.Tensor, k:
 # elsewhere it is always on (the reference twin).
 VERIFY_ROWS = 8
 VERIFY_ROWS_GPU_TESTED = True
+# such a segment's K/V rows written by the rotary kernel into a plain cache (GQAttention._fold: the slot's rows
+# expanded, slot stride 0) instead of an index_copy_ each for K and V a layer: taken on "cuda" once
+# tests/engine/test_graphed_verify.py (its cuda test, fold=True) and tests/ops/test_fused_interpret.py (marked gpu)
+# have passed there
+VERIFY_KV_FOLD_GPU_TESTED = False
 
 
 def _verify_rows(seg: Segment, device: torch.device) -> bool:
@@ -218,6 +223,9 @@ class GQAttention:
         self.bq, self.bk, self.bv = w.get("attn_q.bias"), w.get("attn_k.bias"), w.get("attn_v.bias")
         self.q_norm, self.k_norm = w.get("attn_q_norm"), w.get("attn_k_norm")
         self.scale = 1.0 / math.sqrt(self.hd)
+        # a static step's K/V rows written by the rotary kernel at the rotary's positions: only where a token's
+        # position is its cache row (an MTP block rotates row i at position i + 1, and turns this off)
+        self.fold_kv = True
         self._cast_biases: dict[torch.dtype, tuple] = {}
         self.wqkv, self.qkv_sizes = fuse_rows((self.wq, self.wk, self.wv), (self.bq, self.bk, self.bv))
         if self.wqkv is not None:  # the three become row views of the one copy (no second copy kept)
@@ -245,6 +253,24 @@ class GQAttention:
                 self._cast_biases[dtype] = got
         return got
 
+    def _fold(self, q, k, v, pos, segments: list[Segment], kv: KVCache):
+        """q' with the step's K/V rows written into a plain cache by the rotary kernel (no index_copy_ after it),
+        or None where no kernel takes the step: a decode step of sequences in slots 0 .. n-1 (token t at (slot t,
+        pos[t])), or one sequence's verify segment (every token in its slot: the slot's rows expanded n times, the
+        kernel's slot stride 0)."""
+        n, L = q.shape[0], self.layer
+        kc, vc = kv.k[L], kv.v[L]
+        if len(segments) == n and all(s.window and s.n == 1 and s.slot == j for j, s in enumerate(segments)):
+            pass
+        elif len(segments) == 1 and _verify_rows(segments[0], q.device) and (
+                q.device.type != "cuda" or VERIFY_KV_FOLD_GPU_TESTED):
+            s = segments[0].slot
+            kc = kc[s : s + 1].expand(n, *kc.shape[1:])
+            vc = vc[s : s + 1].expand(n, *vc.shape[1:])
+        else:
+            return None
+        return self.rotary.qk_into_cache(q, k, v, pos, self.q_norm, self.k_norm, self.eps, kc, vc)
+
     def __call__(self, x: torch.Tensor, pos: torch.Tensor, segments: list[Segment], kv: KVCache) -> torch.Tensor:
         n = x.shape[0]
         bq, bk, bv = self._biases(x.dtype)
@@ -252,21 +278,18 @@ class GQAttention:
         q = q.view(n, self.n_heads, self.hd)
         k = k.view(n, self.n_kv, self.hd)
         v = v.view(n, self.n_kv, self.vd)
-        written = False  # a decode step of sequences in slots 0 .. n-1 of a plain cache: K/V written by the rotary
-        if kv.plain and len(segments) == n and all(s.window and s.n == 1 and s.slot == j for j, s in enumerate(segments)):
-            qo = self.rotary.qk_into_cache(q, k, v, pos, self.q_norm, self.k_norm, self.eps, kv.k[self.layer],
-                                           kv.v[self.layer])
-            if qo is not None:
-                q, written = qo, True
-        if not written:
+        written = self._fold(q, k, v, pos, segments, kv) if self.fold_kv and kv.plain else None
+        if written is not None:
+            q = written
+        else:
             q, k = self.rotary.qk(q, k, pos, self.q_norm, self.k_norm, self.eps)  # one launch on CUDA
         outs, i = [], 0
         for seg in segments:
             one = bool(seg.window) and seg.n == 1  # a static decode step's query: split over the keys on a GPU
-            if written:
+            if written is not None:  # (the rows are in the cache): each query over its own prefix of the window
                 ks, vs = _as_dtype(*kv.read_window(self.layer, seg.slot, seg.window), x.dtype)
-                outs.append(_one_query(q[i : i + 1], ks, vs, seg, self.scale, x.dtype))
-                i += 1
+                outs.append(_one_query(q[i : i + seg.n], ks, vs, seg, self.scale, x.dtype))
+                i += seg.n
                 continue
             if one and kv.quantized:
                 o = _one_query_blocks(kv, self.layer, seg, q[i : i + 1], k[i : i + 1], v[i : i + 1], self.scale)

@@ -23,7 +23,7 @@ from strata.kv.cache import KVCache, Segment
 from strata.layers.attention import GQAttention
 from strata.layers.ffn import SwiGLU
 from strata.layers.moe import MoE, Routing
-from strata.layers.norm import rms_norm
+from strata.layers.norm import add_rms_norm, rms_norm
 from strata.layers.rotary import Rotary
 from strata.quant import dequantize, qmatmul
 
@@ -61,6 +61,7 @@ class MtpHead:
         rotary = Rotary(args.rope_dim or args.head_dim, args.rope_theta, "neox", max_ctx, args.rope_scaling)
         # the family's attention (qwen3next: gated), layer 0 of the block's own KV cache
         self.attn = getattr(model, "mtp_attention", GQAttention)(0, args, w, rotary)
+        self.attn.fold_kv = False  # row i of its cache is rotated at position i + 1: the rows are written apart
         self.attn_norm, self.ffn_norm = f("attn_norm.weight"), f("post_attention_norm.weight")
         # the trunk's routing (the block is one of its layers)
         routing = next((b.ffn.routing for b in model.blocks if isinstance(b.ffn, MoE)), None) or Routing(
@@ -91,16 +92,21 @@ class MtpHead:
         return dequantize(rows, e.qtype, (rows.shape[0], e.shape[-1])).to(self.dtype)
 
     def forward(self, h: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor, seg: Segment,
-                kv: KVCache, last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                kv: KVCache, last_only: bool = False, logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
         """h [n, d]: the trunk's (or a previous block output's) hidden states at positions pos [n] (contiguous, in
         seg's slot); tokens [n]: the tokens at pos + 1 -> (logits [n, V] float32 for the tokens at pos + 2, the
         block's output [n, d]). last_only: the logits of the last row alone ([1, V]: after a prompt only its last
-        prediction is used, and the head is most of the block's work)."""
+        prediction is used, and the head is most of the block's work); logits=False: none (None), for a caller
+        that takes another row's with `logits`."""
         e = rms_norm(self._embed(tokens), self.enorm, self.eps)
         x = qmatmul(torch.cat([e, rms_norm(h.to(self.dtype), self.hnorm, self.eps)], -1), self.eh_proj)
-        x = x + self.attn(rms_norm(x, self.attn_norm, self.eps), pos, [seg], kv)
+        # the residual adds fused into the next norm (one launch each on a GPU)
+        x, xn = add_rms_norm(x, self.attn(rms_norm(x, self.attn_norm, self.eps), pos, [seg], kv), self.ffn_norm,
+                             self.eps)
         ctx = self.model.step_context([seg], int(tokens.shape[0]))
-        x = x + self.moe(rms_norm(x, self.ffn_norm, self.eps), ctx)
+        x = x + self.moe(xn, ctx)
+        if not logits:
+            return None, x
         return self.logits(x[-1:] if last_only else x), x
 
     def logits(self, y: torch.Tensor) -> torch.Tensor:

@@ -205,7 +205,8 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor | None, pos: torch.Tensor, cos
 
     With k_cache/v_cache (a layer's cache [slots, positions, Hk, D] and [.., Hk, Dv], token t of slot t: a decode
     step's sequences in slots 0 .. N-1) k' and v go straight into the cache at each token's position, in the same
-    launch (no index_copy_ after it): returns (q', None)."""
+    launch (no index_copy_ after it): returns (q', None). A cache of slot stride 0 (one slot expanded N times:
+    a verify step's tokens, all in one slot) gets every token in that slot."""
     N, HQ, D = q.shape
     if rot % 2 or rot > D:
         raise ValueError(f"rotary dims {rot} must be even and at most the head dim {D}")

@@ -80,8 +80,13 @@ def router_logits(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None = None)
 def qk_norm_rope_kv(q, k, v, pos, cos_t, sin_t, dim: int, neox: bool, q_norm, k_norm, eps: float,
                     k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
     """qk_norm_rope, then token t's k' and v written into k_cache / v_cache [slots, positions, ...] at (slot t,
-    pos[t]) (a decode step's sequences in slots 0 .. N-1); returns q'."""
+    pos[t]) (a decode step's sequences in slots 0 .. N-1); returns q'. Caches whose slot stride is 0 (one slot's
+    rows expanded N times: a verify step's tokens, all in one slot) get every token in that slot."""
     qo, ko = qk_norm_rope(q, k, pos, cos_t, sin_t, dim, neox, q_norm, k_norm, eps)
+    if k_cache.stride(0) == 0 and v_cache.stride(0) == 0:
+        k_cache[0].index_copy_(0, pos, ko.to(k_cache.dtype))
+        v_cache[0].index_copy_(0, pos, v.to(v_cache.dtype))
+        return qo
     t = torch.arange(q.shape[0], device=q.device)
     k_cache.index_put_((t, pos), ko.to(k_cache.dtype))
     v_cache.index_put_((t, pos), v.to(v_cache.dtype))

@@ -106,14 +106,20 @@ def test_graphed_verify_with_several_sequences_and_sampling(hf_and_gguf, monkeyp
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [False, True])  # attention.VERIFY_ROWS_GPU_TESTED: each query by the one-query op
+# attention.VERIFY_ROWS_GPU_TESTED: each query by the one-query op; VERIFY_KV_FOLD_GPU_TESTED: the segment's K/V rows
+# written by the rotary kernel
+@pytest.mark.parametrize("rows,fold", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("experts", [None, ExpertConfig(mode="tiered", slots=1, cpu_plan="000", decode_misses="staged")])
-def test_cuda_verify_steps_are_captured_and_keep_the_text(hf_and_gguf, experts, rows, monkeypatch):
+def test_cuda_verify_steps_are_captured_and_keep_the_text(hf_and_gguf, experts, rows, fold, monkeypatch):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    from strata.kv.cache import KVCache
     from strata.layers import attention
 
     monkeypatch.setattr(attention, "VERIFY_ROWS_GPU_TESTED", rows)
+    monkeypatch.setattr(attention, "VERIFY_KV_FOLD_GPU_TESTED", fold)
+    writes, real_write_at = [], KVCache.write_at
+    monkeypatch.setattr(KVCache, "write_at", lambda self, *a, **kw: writes.append(1) or real_write_at(self, *a, **kw))
     _, path = hf_and_gguf("qwen3moe")
     prompt = _prompt(1000, seed=1)
 
@@ -124,9 +130,12 @@ def test_cuda_verify_steps_are_captured_and_keep_the_text(hf_and_gguf, experts, 
 
     ref = list(cuda_engine(0, False).generate(prompt, SamplingParams(temperature=0), 40))
     eng = cuda_engine(6, True)
+    writes.clear()
     out = list(eng.generate(prompt, SamplingParams(temperature=0), 40))
     assert out == ref and eng.last.draft_accepted > 0
     assert any(len(key) == 3 and key[2] > 1 for key in eng.graphs.graphs), "no verify step was captured"
+    if fold:  # no step wrote its rows by index_copy_: decode and verify steps alike, through the rotary kernel
+        assert not writes, len(writes)
 
 
 def test_a_verify_step_that_cannot_be_captured_runs_eagerly_and_decode_keeps_its_graphs(hf_and_gguf, monkeypatch):

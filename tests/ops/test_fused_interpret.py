@@ -93,6 +93,20 @@ CASES = textwrap.dedent("""
                 qr = qk_norm_rope_kv_ref(q, k, v, pos, cos, sin, rot, style == "neox", qn, kn, 1e-6, kr, vr)
                 close(qr, rq, dtype, ("twin",) + what)
                 assert torch.equal(vr[torch.arange(n), pos], v), what
+                # a verify step's tokens, all in slot 1 at their own positions: the slot's rows expanded n times
+                # (slot stride 0), kernel and twin
+                for fn in (fused.qk_norm_rope_kv, qk_norm_rope_kv_ref):
+                    kc = torch.zeros(2, 300, hk, D, dtype=dtype).to(dev)
+                    vc = torch.zeros(2, 300, hk, D, dtype=dtype).to(dev)
+                    qs = fn(q, k, v, pos, cos, sin, rot, style == "neox", qn, kn, 1e-6,
+                            kc[1:2].expand(n, 300, hk, D), vc[1:2].expand(n, 300, hk, D))
+                    close(qs, rq, dtype, ("verify rows",) + what)
+                    for t in range(n):
+                        close(kc[1, pos[t]], rk[t], dtype, ("verify k in the cache",) + what)
+                        assert torch.equal(vc[1, pos[t]], v[t]), what
+                        kc[1, pos[t]] = 0
+                        vc[1, pos[t]] = 0
+                    assert not kc.any() and not vc.any(), ("verify rows written elsewhere",) + what
 """)
 
 # The interpreter truncates float32 -> bfloat16 where compiled Triton rounds to nearest even (its default for
