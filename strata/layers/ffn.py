@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from strata.layers.attention import fuse_rows, row_views
+from strata.ops import registry
 from strata.quant import QTensor, qmatmul
+
+_SILU_MUL = registry.op("silu_mul")  # one launch on a GPU once its kernel is taken there (strata.ops.fused)
 
 
 class SwiGLU:
@@ -22,4 +24,4 @@ class SwiGLU:
             g, u = qmatmul(x, self.gate_up).split(self.sizes, dim=-1)
         else:
             g, u = qmatmul(x, self.gate), qmatmul(x, self.up)
-        return qmatmul(F.silu(g) * u, self.down)
+        return qmatmul(_SILU_MUL(g, u), self.down)

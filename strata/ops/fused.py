@@ -13,6 +13,10 @@ small); torch spends ~8 kernels on one RMSNorm (casts, pow, mean, add, rsqrt, tw
   writes k' and v into it at each token's position: the step's two index_copy_ launches a layer are gone.
   Reference twin: `strata.ops.reference.qk_norm_rope_kv`.
 
+- `silu_mul`: SwiGLU's silu(g) * u in one launch (torch: two), g and u rows read where they lie (the two halves of
+  one gate|up GEMV output), the silu rounded to the activation dtype before the product as torch's is.
+  Reference twin: `strata.ops.reference.silu_mul`.
+
 Tests run the kernels in Triton's interpreter on the CPU against the twins (tests/ops/test_fused_interpret.py).
 """
 
@@ -159,6 +163,36 @@ if triton is not None:
             tl.store(dst + heads[:, None] * DV + offs[None, :], x.to(dst.dtype.element_ty), mask=m)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _silu_mul_kernel(G, U, Y, N, sg, su, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < N
+        g = tl.load(G + row * sg + offs, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(U + row * su + offs, mask=m, other=0.0).to(tl.float32)
+        # torch's silu: x / (1 + exp(-x)) in float32, rounded to the dtype; then the product, rounded
+        s = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty).to(tl.float32)
+        tl.store(Y + row * N + offs, (s * u).to(Y.dtype.element_ty), mask=m)
+
+
+def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """silu(g) * u in one launch: g, u [..., N] (rows may be strided: views of one [.., 2N] output) -> contiguous."""
+    N = g.shape[-1]
+    g2, u2 = g.reshape(-1, N), u.reshape(-1, N)
+    if g2.stride(-1) != 1:
+        g2 = g2.contiguous()
+    if u2.stride(-1) != 1:
+        u2 = u2.contiguous()
+    y = torch.empty(g2.shape, dtype=g.dtype, device=g.device)
+    if y.numel():
+        block = min(1024, triton.next_power_of_2(N))
+        _silu_mul_kernel[(g2.shape[0], triton.cdiv(N, block))](g2, u2, y, N, g2.stride(0), u2.stride(0),
+                                                               BLOCK=block, num_warps=4)
+    return y.view(g.shape)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim of x [..., D] in one launch; output [..., D] in x's dtype."""
     D = x.shape[-1]
@@ -193,6 +227,9 @@ ADD_NORM_GPU_TESTED = True
 # the decode step's K/V rows written into the cache by qk_norm_rope itself (qk_norm_rope_kv): taken on a GPU once its
 # GPU test (tests/ops/test_fused_interpret.py, marked gpu) has passed there; the interpreter tests check it on the CPU
 KV_FOLD_GPU_TESTED = True
+# SwiGLU's silu(g) * u in one launch (dense FFNs and shared experts): taken on a GPU once its GPU test
+# (tests/ops/test_fused_interpret.py, marked gpu) has passed there
+SILU_MUL_GPU_TESTED = False
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor | None, pos: torch.Tensor, cos: torch.Tensor,
@@ -261,6 +298,9 @@ registry.op("add_rms_norm").register(
     "triton", add_rms_norm,
     lambda x, a, weight, eps: (ADD_NORM_GPU_TESTED and use_for(x) and x.dtype == a.dtype and x.is_contiguous()
                                and a.is_contiguous() and x.shape == a.shape and x.shape[-1] <= MAX_ONE_PASS))
+registry.op("silu_mul").register(
+    "triton", silu_mul,
+    lambda g, u: SILU_MUL_GPU_TESTED and use_for(g) and g.dtype == u.dtype and g.shape == u.shape and g.dim() >= 1)
 registry.op("qk_norm_rope").register("triton", qk_norm_rope, lambda q, *args, **kw: use_for(q) and q.dim() == 3)
 registry.op("qk_norm_rope_kv").register(
     "triton", qk_norm_rope_kv,

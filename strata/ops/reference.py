@@ -38,6 +38,12 @@ def add_rms_norm(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, eps: fl
     return h, op("rms_norm")(h, weight, eps)
 
 
+@reference("silu_mul")
+def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's middle: silu(g) * u (two kernels in torch; g and u may be views of one gate|up output)."""
+    return F.silu(g) * u
+
+
 def rope(x: torch.Tensor, pos: torch.Tensor, cos_t: torch.Tensor, sin_t: torch.Tensor, dim: int,
          neox: bool) -> torch.Tensor:
     """x [N, H, D]: the first `dim` of D rotated by the tables' rows at pos [N] (neox: halves; else adjacent

@@ -208,6 +208,41 @@ ADD_NORM = textwrap.dedent("""
 """)
 
 
+SILU_MUL = textwrap.dedent("""
+    import torch
+    from strata.ops import fused, reference
+
+    def check_silu_mul(dev):
+        g = torch.Generator().manual_seed(3)
+        # (rows, width, dtype): one row, several, a width past one program's block, an odd one
+        for rows, n, dtype in ((1, 96, torch.bfloat16), (3, 768, torch.bfloat16), (2, 2100, torch.float32),
+                               (4, 77, torch.bfloat16)):
+            gu = (torch.randn(rows, 2 * n, generator=g) * 4).to(dev, dtype)  # one gate|up output, split in views
+            gate, up = gu.split([n, n], dim=-1)
+            y, ry = fused.silu_mul(gate, up), reference.silu_mul(gate, up)
+            assert y.dtype == dtype and y.shape == ry.shape and y.is_contiguous(), (rows, n)
+            err = ((y.float() - ry.float()).abs().max() / ry.float().abs().max()).item()
+            assert err <= (2e-6 if dtype == torch.float32 else 2 ** -7), (rows, n, err)
+            if dtype == torch.bfloat16:  # one rounding apart at most, and rarely
+                assert (y != ry).float().mean().item() <= 0.02, (rows, n)
+        print("ok")
+""")
+
+
+def test_silu_mul_matches_its_twin_in_the_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    r = subprocess.run([sys.executable, "-c", RNE + SILU_MUL + "\ncheck_silu_mul('cpu')\n"], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+@pytest.mark.gpu
+def test_silu_mul_matches_its_twin_on_cuda():
+    ns: dict = {}
+    exec(SILU_MUL, ns)
+    ns["check_silu_mul"]("cuda")
+
+
 def test_add_rms_norm_matches_its_twin_in_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     r = subprocess.run([sys.executable, "-c", ADD_NORM + "\ncheck_add_rms_norm('cpu')\n"], env=env,

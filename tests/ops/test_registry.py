@@ -11,7 +11,7 @@ import torch
 
 from strata.ops import registry
 
-OPS = ("rms_norm", "qk_norm_rope", "qk_norm_rope_kv", "router_logits", "one_query_attention", "one_query_attention_blocks", "dequantize_blocks", "gather_expert_ffn", "qmatmul",
+OPS = ("rms_norm", "silu_mul", "qk_norm_rope", "qk_norm_rope_kv", "router_logits", "one_query_attention", "one_query_attention_blocks", "dequantize_blocks", "gather_expert_ffn", "qmatmul",
        "two_tier_expert_ffn", "stage_misses")
 # modules that hold kernels: only strata/ops itself imports them
 KERNELS = {"strata.ops.fused", "strata.ops.decode_attention", "strata.ops.decode_attention_kv",
