@@ -301,7 +301,10 @@ class Engine:
                 self._hidden, plan.graphed = self.graphs.last_hidden, True
                 return out
             except Exception as e:  # a model whose step cannot be captured still runs, eagerly
-                if self.graphs.cuda and T > 1 and not self.graphs.captured(starts, slots, T):
+                if isinstance(e, torch.OutOfMemoryError) and not self.graphs.captured(starts, slots, T):
+                    # no room for this capture beside the others: this step runs eagerly, the captures stay
+                    torch.cuda.empty_cache()
+                elif self.graphs.cuda and T > 1 and not self.graphs.captured(starts, slots, T):
                     log.warning("strata: capturing a verify step failed (%s: %s); verify steps run eagerly",
                                 type(e).__name__, e)
                     self.graphs.verify = False  # (decode steps keep their graphs)

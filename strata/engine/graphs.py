@@ -25,6 +25,7 @@ time goes to the bucket the cut names (so the breakdown adds up to the step).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
 from typing import Callable
@@ -34,6 +35,8 @@ import torch
 from strata.experts.backend import StepContext
 from strata.kv.cache import KVCache, Segment
 from strata.ops import registry
+
+log = logging.getLogger("strata")
 
 MIN_WINDOW = 256
 MAX_CAPTURES = 32  # captured sets kept (least recently used dropped): slot combinations x windows can be many
@@ -98,6 +101,8 @@ class DecodeGraphs:
         self.model, self.kv, self.slot, self.max_batch = model, kv, slot, max_batch
         # tokens one step may carry in all (a verify step: T tokens of each of its sequences)
         self.max_tokens = max(max_batch, int(max_tokens or 0))
+        self.dropped_for_memory = 0  # captures dropped to make room for another (out of VRAM)
+        self.no_room: set[tuple] = set()  # steps whose capture did not fit: they run eagerly
         self.verify = True  # verify steps (T > 1 tokens a sequence) captured too; off after a failed capture
         dev = model.device
         n = self.max_tokens
@@ -155,6 +160,28 @@ class DecodeGraphs:
         return (tuple(slots), window) if T == 1 else (tuple(slots), window, T)
 
     def _capture(self, key: tuple):
+        """Capture `key`'s step; out of VRAM, the least recently used captures are dropped (their pools freed) and
+        it is tried once more: a budget holds the captures that fit, not all of them (OutOfMemoryError when even
+        one does not)."""
+        if key in self.no_room:  # (its warm-up forwards and capture are not tried again at every step)
+            raise torch.OutOfMemoryError(f"no VRAM for the capture of {key} beside the model")
+        try:
+            try:
+                return self._capture_once(key)
+            except torch.OutOfMemoryError:
+                if not self.graphs:
+                    raise
+                n = max(1, len(self.graphs) // 2)
+                for _ in range(n):
+                    self.graphs.popitem(last=False)
+                torch.cuda.empty_cache()
+                self.dropped_for_memory += n
+                return self._capture_once(key)
+        except torch.OutOfMemoryError:
+            self.no_room.add(key)
+            raise
+
+    def _capture_once(self, key: tuple):
         slots, window = key[0], key[1]
         segs = self._segments(window, slots, key[2] if len(key) > 2 else 1)
         side = torch.cuda.Stream(self.model.device)
@@ -163,7 +190,8 @@ class DecodeGraphs:
         # steps are taken back, in place (the graphs capture these buffers)
         rec = self.kv.recurrent
         with torch.cuda.stream(side):  # warm-up: Triton compiles, allocator settles (rewrites the same K/V)
-            saved = rec.snapshot(list(slots)) if rec is not None else None
+            # (the states' copy in host memory: the budget's room is for the graphs, not for a second state)
+            saved = rec.snapshot(list(slots), host=True) if rec is not None else None
             try:
                 for _ in range(2):
                     self._forward(segs, counting=False)  # statistics skip the warm-up
@@ -209,7 +237,13 @@ class DecodeGraphs:
                     return n
                 key = (tuple(range(b)), w)
                 if key not in self.graphs:
-                    self._capture(key)
+                    try:
+                        self._capture(key)
+                    except torch.OutOfMemoryError as e:  # the rest are captured when first needed (or run eagerly)
+                        log.warning("strata: decode-step capture stopped after %d of them: out of VRAM (%s)", n,
+                                    str(e).split(".")[0])
+                        torch.cuda.empty_cache()
+                        return n
                     n += 1
         return n
 
@@ -225,6 +259,7 @@ class DecodeGraphs:
             if self.cuda:  # (once: the old path's last replay and its copies finish before its graphs go)
                 torch.cuda.synchronize(self.model.device)
             self.graphs.clear()
+            self.no_room.clear()
             if self.cuda:  # their pools' memory goes back now, not by a free inside the next capture
                 torch.cuda.empty_cache()
             self.epoch = epoch

@@ -56,13 +56,18 @@ class RecurrentState:
             for t in d.values():
                 t[[a, b]] = t[[b, a]]
 
-    def snapshot(self, slots: list[int] | None = None) -> dict:
+    def snapshot(self, slots: list[int] | None = None, host: bool = False) -> dict:
         """A copy of the given slots' state (all slots: None), for `restore` after work that must not count (a
-        CUDA-graph warm-up, a forward that ran out of memory half-way)."""
+        CUDA-graph warm-up, a forward that ran out of memory half-way); host: the copy in host memory (no VRAM
+        taken beside the states themselves)."""
         idx = list(range(self.n_slots)) if slots is None else sorted(set(slots))
+
+        def copy(t: torch.Tensor) -> torch.Tensor:
+            return t[idx].to("cpu") if host else t[idx].clone()
+
         return {"slots": idx,
-                "conv": {i: t[idx].clone() for i, t in self.conv.items()},
-                "ssm": {i: t[idx].clone() for i, t in self.ssm.items()}}
+                "conv": {i: copy(t) for i, t in self.conv.items()},
+                "ssm": {i: copy(t) for i, t in self.ssm.items()}}
 
     def restore(self, snap: dict) -> None:
         """Put a snapshot back, in place (captured graphs hold these buffers' addresses)."""

@@ -147,7 +147,7 @@ VERIFY_ROWS_GPU_TESTED = True
 # expanded, slot stride 0) instead of an index_copy_ each for K and V a layer: taken on "cuda" once
 # tests/engine/test_graphed_verify.py (its cuda test, fold=True) and tests/ops/test_fused_interpret.py (marked gpu)
 # have passed there
-VERIFY_KV_FOLD_GPU_TESTED = False
+VERIFY_KV_FOLD_GPU_TESTED = True
 
 
 def _verify_rows(seg: Segment, device: torch.device) -> bool:

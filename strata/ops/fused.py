@@ -229,7 +229,7 @@ ADD_NORM_GPU_TESTED = True
 KV_FOLD_GPU_TESTED = True
 # SwiGLU's silu(g) * u in one launch (dense FFNs and shared experts): taken on a GPU once its GPU test
 # (tests/ops/test_fused_interpret.py, marked gpu) has passed there
-SILU_MUL_GPU_TESTED = False
+SILU_MUL_GPU_TESTED = True
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor | None, pos: torch.Tensor, cos: torch.Tensor,

@@ -23,10 +23,8 @@ GATED=(
   "tests/ops/test_decode_attention_kv.py||"
   # (also: a verify step's queries in one launch of the decode split kernel)
   "tests/layers/test_verify_rows.py||"
-  # a verify step's K/V rows written by the rotary kernel (then: tools/bench_spec.py, the MTP rows)
-  "tests/engine/test_graphed_verify.py tests/ops/test_fused_interpret.py|strata/layers/attention.py|s/^VERIFY_KV_FOLD_GPU_TESTED = False/VERIFY_KV_FOLD_GPU_TESTED = True/"
-  # SwiGLU's silu(g) * u in one launch (dense FFNs, shared experts)
-  "tests/ops/test_fused_interpret.py|strata/ops/fused.py|s/^SILU_MUL_GPU_TESTED = False/SILU_MUL_GPU_TESTED = True/"
+  # (also: a verify step's K/V rows written by the rotary kernel, SwiGLU's silu(g) * u in one launch)
+  "tests/engine/test_graphed_verify.py tests/ops/test_fused_interpret.py||"
   # (also: the decode attention's dynamic splits and lean tiles)
   "tests/ops/test_decode_attention.py||"
   "tests/ops/test_fused_interpret.py tests/layers/test_kv_fold_wiring.py||"
