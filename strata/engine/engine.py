@@ -28,7 +28,7 @@ from strata.engine.slots import compact
 from strata.engine.spec_device import DeviceDrafts
 from strata.engine.spec import accept, draft_for
 from strata.engine.step_plan import StepPlan
-from strata.experts.sizing import VramSplit, prefill_bytes_per_token, prefill_chunk_for, prefill_left
+from strata.experts.sizing import VramSplit, model_prefill_bytes, prefill_chunk_for, prefill_left
 from strata.kv.window import new_kv_cache
 
 log = logging.getLogger("strata")
@@ -61,7 +61,7 @@ class Engine:
             act = 0
             cuda = self.device.type == "cuda"
             if cuda:  # room for a large chunk: each chunk streams the uncached experts once
-                bpt = prefill_bytes_per_token(lm.args.d_model, lm.args.n_experts_used)
+                bpt = model_prefill_bytes(lm.args)
                 chunk = chunk or prefill_chunk_for(self._vram_left(), bpt)
                 act = chunk * bpt
             split = experts.setup(lm.args.n_experts_used, act)

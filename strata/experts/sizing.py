@@ -45,7 +45,25 @@ def prefill_bytes_per_token(d_model: int, k: int) -> int:
     once and the choices combined in one product, a 4K chunk had taken 1.54 GiB reserved above the weights, KV
     and expert cache.) Less room than a chunk takes makes the prefill slower under the budget's cap, as torch
     then returns and re-maps memory inside the chunk."""
-    return int(d_model) * (7 * max(1, int(k)) + 60)
+    return prefill_bytes_for(d_model, k)
+
+
+def prefill_bytes_for(d_model: int, k: int, mixer: int = 0) -> int:
+    """prefill_bytes_per_token with a sequence mixer whose prompt-chunk temporaries outgrow attention's: `mixer`
+    bytes a token (a gated delta-net layer's chunked form: `deltanet_prefill_bytes`). A layer's mixer and its MoE
+    run one after the other, so the larger of the two is what a chunk needs beside the shared d·60."""
+    d, k = int(d_model), max(1, int(k))
+    return d * 60 + max(7 * k * d, int(mixer))
+
+
+def deltanet_prefill_bytes(hk: int, hv: int, dk: int, dv: int) -> int:
+    """VRAM one prompt token takes in a gated delta-net layer's chunked form (strata.layers.deltanet): its float32
+    q, k, v per value head, padded and transposed, the chunk's decayed copies, the triangular solves' outputs and
+    the [heads, chunk, chunk] products, about 17 floats per value head and state dim, plus the conv's float32
+    inputs and outputs (3 per conv channel). Measured on the CPU (the same torch code runs on a GPU): 273 KB a token
+    of Qwen3-Next's 32 x 128 x 128 heads at a 4K chunk, 330 at 1K, above the layer's inputs; this gives 377."""
+    conv = 2 * int(hk) * int(dk) + int(hv) * int(dv)
+    return 4 * (17 * int(hv) * max(int(dk), int(dv)) + 3 * conv)
 
 
 def prefill_chunk_for(left_bytes: int, bytes_per_token: int) -> int:
@@ -218,3 +236,11 @@ def kv_row_bytes(n: int, kind: str) -> int:
     """Bytes of one cached row (a head's key or value, or MLA's latent) of n values stored as `kind`."""
     per, nbytes = KV_TYPE_BLOCKS[kind]
     return -(-n // per) * nbytes
+
+
+def model_prefill_bytes(args) -> int:
+    """prefill_bytes_for a loaded model's args (ModelArgs): its hidden size, top-k and, for a hybrid model, its
+    delta-net layers' chunked form."""
+    lin = args.extra.get("linear") if getattr(args, "extra", None) else None
+    mixer = deltanet_prefill_bytes(lin["hk"], lin["hv"], lin["dk"], lin["dv"]) if lin else 0
+    return prefill_bytes_for(args.d_model, getattr(args, "n_experts_used", 0) or 1, mixer)

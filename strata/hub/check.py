@@ -13,9 +13,9 @@ import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from strata.experts.sizing import (DEFAULT_CTX, OUTSIDE_GROWTH_MIB, VRAM_RESERVE_MIB, VramSplit, kv_row_bytes,
-                                   lent_slots, prefill_bytes_per_token, prefill_chunk_for, prefill_left, split_budget,
-                                   staging_slots)
+from strata.experts.sizing import (DEFAULT_CTX, OUTSIDE_GROWTH_MIB, VRAM_RESERVE_MIB, VramSplit,
+                                   deltanet_prefill_bytes, kv_row_bytes, lent_slots, prefill_bytes_for,
+                                   prefill_chunk_for, prefill_left, split_budget, staging_slots)
 from strata.hub.machine import MachineInfo
 from strata.hub.verify import GGUFHeader, read_gguf_header
 
@@ -54,6 +54,7 @@ class ModelFootprint:
     # it from host RAM (EngineConfig.host_embed), so it is not part of the dense weights on the GPU
     embed_bytes: int = 0
     state_bytes_per_slot: int = 0  # recurrent layers' state per sequence (qwen3next's delta-net), beside the KV
+    mixer_prefill_bytes: int = 0  # a prompt token's VRAM in a delta-net layer's chunked form (sizing.deltanet_prefill_bytes)
 
     @property
     def n_expert_total(self) -> int:
@@ -108,6 +109,16 @@ def state_bytes_per_slot(h: GGUFHeader) -> int:
     return n_recurrent * per_layer * 4
 
 
+def mixer_prefill_bytes(h: GGUFHeader) -> int:
+    """sizing.deltanet_prefill_bytes from a hybrid model's metadata (0 for a model of attention layers only)."""
+    keys = ("ssm.group_count", "ssm.time_step_rank", "ssm.state_size", "ssm.inner_size")
+    vals = [h.arch_value(k) for k in keys]
+    if any(v is None for v in vals) or not int(vals[1]):
+        return 0
+    hk, hv, dk, inner = (int(v) for v in vals)
+    return deltanet_prefill_bytes(hk, hv, dk, inner // hv)
+
+
 def model_footprint(paths: list[Path], cache_type_k: str = KV_CACHE_TYPE,
                     cache_type_v: str = KV_CACHE_TYPE) -> ModelFootprint:
     """Sizes from the tensor tables of a model's GGUF file(s) (all shards; metadata from the first); the KV as
@@ -150,6 +161,7 @@ def model_footprint(paths: list[Path], cache_type_k: str = KV_CACHE_TYPE,
         slot_bytes=slot,
         kv_bytes_per_token=kv_bytes_per_token(first, cache_type_k, cache_type_v),
         state_bytes_per_slot=state_bytes_per_slot(first),
+        mixer_prefill_bytes=mixer_prefill_bytes(first),
         context_length=first.arch_value("context_length"),
         d_model=int(first.arch_value("embedding_length", 0) or 0),
         embed_bytes=embed if has_head else 0,
@@ -200,7 +212,8 @@ def stage_footprints(paths: list[Path], size: int, spec: str = "auto", cache_typ
             kv_bytes_per_token=int(round(whole.kv_bytes_per_token * share)),
             context_length=whole.context_length, d_model=whole.d_model,
             embed_bytes=embed if not tied and first else 0,
-            state_bytes_per_slot=int(round(whole.state_bytes_per_slot * share)))))
+            state_bytes_per_slot=int(round(whole.state_bytes_per_slot * share)),
+            mixer_prefill_bytes=whole.mixer_prefill_bytes)))
     return out
 
 
@@ -254,7 +267,7 @@ def fit(fp: ModelFootprint, machine: MachineInfo, ctx: int = 0, vram_budget: int
     # does on a GPU
     chunk, prefill, split = 0, 0, None
     if fp.n_expert:
-        bpt = prefill_bytes_per_token(fp.d_model, fp.n_expert_used)
+        bpt = prefill_bytes_for(fp.d_model, fp.n_expert_used, fp.mixer_prefill_bytes)
         chunk = prefill_chunk_for(prefill_left(vram_budget, held, VRAM_RESERVE), bpt)
         prefill = chunk * bpt
         split = split_budget(vram_budget, context=CUDA_CONTEXT_ESTIMATE, dense=dense, kv=kv,

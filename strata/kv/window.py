@@ -398,7 +398,7 @@ def _auto(model, cfg, n_slots: int, max_ctx: int, n_layers: int, dtype, k_type, 
     dev = torch.device(model.device)
     if dev.type != "cuda":
         return None  # on a CPU the KV is in RAM either way
-    from strata.experts.sizing import PREFILL_TARGET, prefill_bytes_per_token, prefill_left
+    from strata.experts.sizing import PREFILL_TARGET, model_prefill_bytes, prefill_left
 
     ex = cfg.experts
     free, total = torch.cuda.mem_get_info(dev)
@@ -412,7 +412,7 @@ def _auto(model, cfg, n_slots: int, max_ctx: int, n_layers: int, dtype, k_type, 
     # chunk's activations beside it (the engine sizes both after the KV cache)
     store = getattr(model.experts, "store", None)  # (the tiered backend's host copy; None: resident or dense)
     expert_min = 2 * k * sum(store.expert_nbytes(i) for i in model.experts.layer_ids) if store is not None else 0
-    expert_min += PREFILL_TARGET * prefill_bytes_per_token(args.d_model, k)
+    expert_min += PREFILL_TARGET * model_prefill_bytes(args)
     return auto_tokens(left, per_token, n_slots * max_ctx, stage, expert_min, page)
 
 
