@@ -6,6 +6,7 @@
                                                  # the expert kernel per weight format, bytes/s against Q4_K's
     python tools/bench_kernels.py --expert-formats Q4_K,IQ2_XXS,IQ2_S,IQ3_XXS --iq-tiles packed
                                                  # the 2- and 3-bit formats' packed tiles (one setting a process)
+    python tools/bench_kernels.py --rows 1,2,3,4,8   # the dense GEMV at T rows of x: one-row kernel vs kquant_rows
 
 
 Times `strata.ops.qgemv._gemv` (the CUDA qmatmul for Q8_0 / Q4_K / Q6_K) at T = 1 for the Qwen3-30B-A3B decode
@@ -92,6 +93,29 @@ def bench_gemv(qt, N: int, K: int, reps: int, peak: float) -> bool:
     del copies
     # bf16 output: one rounding of a float32 sum (2^-9 relative rms)
     return report(f"gemv {qt.name:<5} N={N:<6} K={K}", t, wbytes + 2 * K + 2 * N, plan, err, 1e-2, peak)
+
+
+def bench_rows(qt, N: int, K: int, T: int, reps: int, peak: float) -> bool:
+    """T rows of x through the one-row kernel (a program per row) and kquant_rows (each block decoded once)."""
+    dev = torch.device("cuda")
+    w = random_qtensor(qt, (N, K), rng=int(qt) * 7 + N, scale=0.02, device=dev)
+    wbytes = w.raw.numel()
+    copies = [w] + [QTensor(w.raw.clone(), qt, w.shape) for _ in range(min(1023, COLD_BYTES // wbytes))]
+    x = torch.randn(T, K, device=dev).bfloat16()
+    ref = reference_qmatmul(x.float(), w)
+    ok, base = True, None
+    for rows in (False, True) if T > 1 else (False,):
+        y = qgemv._gemv(x, w, rows=rows)
+        err = ((y.float() - ref).norm() / ref.norm()).item()
+        calls = [(lambda c=c: qgemv._gemv(x, c, rows=rows)) for c in copies]
+        t = time_graph(calls * -(-MIN_CALLS // len(calls)), reps)
+        base = base or t
+        ok &= report(f"gemv {qt.name:<5} N={N:<6} K={K} T={T} {'rows' if rows else 'one-row'}", t,
+                     wbytes + 2 * T * (K + N), None, err, 1e-2, peak)
+        if rows:
+            print(f"   rows kernel: {base / t:.2f}x the one-row kernel", flush=True)
+    del copies
+    return ok
 
 
 def bench_experts(reps: int, peak: float, qt=Q.Q4_K) -> tuple[bool, float]:
@@ -200,6 +224,8 @@ def main() -> int:
                          "against Q4_K's, instead of the default set")
     ap.add_argument("--iq-tiles", choices=("auto", "lookup", "packed"), default="auto",
                     help="the IQ2_XXS / IQ2_S / IQ3_XXS tiles: as strata takes them (auto), or one kind")
+    ap.add_argument("--rows", default=None, help="comma-separated row counts of x (e.g. 1,2,3,4,8): the dense GEMV "
+                    "shapes at each, the one-row kernel against kquant_rows (2-8 rows), instead of the default set")
     a = ap.parse_args()
     if a.iq_tiles != "auto":  # before any kernel compiles: a compiled kernel keeps what it read
         import triton.language as tl
@@ -217,6 +243,14 @@ def main() -> int:
         print(f"total {time.perf_counter() - t0:.1f} s")
         return 0
     ok = True
+    if a.rows:
+        for qt in (Q.Q8_0, Q.Q4_K, Q.Q6_K):
+            for N, K in GEMV_SHAPES[:4] + [(8192, 384)]:
+                for T in (int(v) for v in a.rows.split(",")):
+                    ok &= bench_rows(qt, N, K, T, a.reps, a.peak_tbs)
+                torch.cuda.empty_cache()
+        print(f"total {time.perf_counter() - t0:.1f} s")
+        return 0 if ok else 1
     if a.expert_formats:  # the expert kernel per format; bytes/s of each against the first (Q4_K: put it first)
         base = None
         for name in a.expert_formats.split(","):

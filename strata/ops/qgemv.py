@@ -12,20 +12,28 @@ from __future__ import annotations
 
 import torch
 
-from strata.ops import expert_triton
+from strata.ops import expert_triton, kquant_rows
 from strata.quant.matmul import KERNELS, _cuda_dequant_matmul, register_kernel
 from strata.quant.qtensor import QTensor
 
 MAX_ROWS = 8
+# 2-8 rows of x (a verify step, a batch of sequences) against Q8_0 / Q4_K / Q6_K weights by the kernel that decodes
+# each block once for all of them (strata.ops.kquant_rows): taken on a GPU once tests/ops/test_qgemv.py's rows
+# test has passed there; the interpreter tests run it on the CPU
+ROWS_GPU_TESTED = False
 
 
-def _gemv(x2d: torch.Tensor, w: QTensor, block_n: int | None = None, block_k: int | None = None) -> torch.Tensor:
-    """x2d [T, K] @ W.T -> [T, N] in x2d's dtype (float32 for integer x). block_n / block_k: see expert_triton.plan."""
+def _gemv(x2d: torch.Tensor, w: QTensor, block_n: int | None = None, block_k: int | None = None,
+          rows: bool | None = None) -> torch.Tensor:
+    """x2d [T, K] @ W.T -> [T, N] in x2d's dtype (float32 for integer x). block_n / block_k: see expert_triton.plan
+    (the one-row kernel). rows: 2-8 rows by kquant_rows (default: ROWS_GPU_TESTED; never with block_k)."""
     T, K = x2d.shape
     raw = w.raw
     if T > MAX_ROWS or K % expert_triton.block_len(w.qtype) or not x2d.is_contiguous() \
             or not expert_triton.aligned(raw):
         return _cuda_dequant_matmul(x2d, w)
+    if (ROWS_GPU_TESTED if rows is None else rows) and block_k is None and kquant_rows.usable(T, w.qtype, K):
+        return kquant_rows.gemv_rows(x2d, w, block_n)
     N = w.shape[0]
     out = torch.empty(T, N, dtype=x2d.dtype if x2d.dtype.is_floating_point else torch.float32, device=x2d.device)
     if T == 0:

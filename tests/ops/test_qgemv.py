@@ -28,3 +28,28 @@ def test_qgemv_matches_reference(qt, rows, monkeypatch):
     assert rel < 1e-5, rel
     out = qmatmul(x.cuda().bfloat16(), w.to("cuda")).float().cpu()
     assert ((out - ref).norm() / ref.norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("qt", [Q.Q4_K, Q.Q6_K, Q.Q8_0])
+@pytest.mark.parametrize("shape", [(1000, 2048), (8192, 384), (77, 768), (2048, 1408)])
+def test_gemv_of_several_rows_matches_one_row_kernel(qt, shape):
+    """kquant_rows (each block decoded once for 2-8 rows of x) against the one-row kernel and the reference, the
+    rows test qgemv.ROWS_GPU_TESTED waits for; shapes: B1's, strata-tiny's head, a partial last program, and a
+    row length of 44 Q8_0 blocks (GLM-4.5-Air's 1,408)."""
+    from strata.ops import kquant_rows, qgemv
+
+    N, K = shape
+    if not kquant_rows.usable(2, qt, K):
+        pytest.skip(f"{qt.name} rows of {K}")
+    w = random_qtensor(qt, (N, K), rng=N + K, scale=0.05)
+    wd = w.to("cuda")
+    for T in range(2, 9):
+        x = torch.randn(T, K, generator=torch.Generator().manual_seed(T))
+        ref = reference_qmatmul(x, w)
+        xd = x.cuda()
+        rows = qgemv._gemv(xd, wd, rows=True).cpu()
+        one = qgemv._gemv(xd, wd, rows=False).cpu()
+        assert ((rows - ref).norm() / ref.norm()).item() < 1e-5, T
+        assert ((rows - one).norm() / ref.norm()).item() < 1e-6, T
+        rb = qgemv._gemv(xd.bfloat16(), wd, rows=True).float().cpu()
+        assert ((rb - ref).norm() / ref.norm()).item() < 1e-2, T

@@ -68,3 +68,48 @@ def test_gemv_matches_gguf_dequant_in_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+ROWS = textwrap.dedent("""
+    import numpy as np, torch
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import dequantize
+    from strata.ops import kquant_rows, qgemv
+    from strata.quant import random_qtensor
+    cpu = torch.device("cpu")
+    cases = (  # qtype, N, K, rows of x, block_n
+        (Q.Q8_0, 20, 96, 2, None),    # 3 blocks, KW 32: 3 iterations
+        (Q.Q8_0, 9, 1408, 5, 4),      # 44 blocks, KW 128 (4 blocks), N tail of 1
+        (Q.Q4_K, 17, 768, 3, None),   # 3 iterations of one superblock
+        (Q.Q4_K, 8, 512, 8, 2),
+        (Q.Q6_K, 13, 512, 4, None),
+        (Q.Q6_K, 5, 768, 7, 4),
+    )
+    for qt, N, K, T, bn in cases:
+        assert kquant_rows.usable(T, qt, K)
+        w = random_qtensor(qt, (N, K), rng=int(qt) * 1000 + K + T, scale=0.05)
+        ref_w = torch.from_numpy(dequantize(w.raw.numpy(), qt).astype(np.float64)).reshape(N, K)
+        x = torch.randn(T, K, generator=torch.Generator().manual_seed(K + T))
+        ref = x.double() @ ref_w.T
+        scale = x.double().abs() @ ref_w.abs().T
+        y = qgemv._gemv(x, w, block_n=bn, rows=True)
+        assert y.shape == (T, N) and y.dtype == torch.float32
+        err = ((y.double() - ref).abs() / scale).max().item()
+        assert err < 1e-6, (qt.name, N, K, T, err)
+        one = qgemv._gemv(x, w, rows=False)  # the one-row kernel: the same sums up to float32 rounding
+        assert ((y.double() - one.double()).abs() / scale).max().item() < 1e-6
+        # bf16 activations and output, as the engine calls it
+        yb = qgemv._gemv(x.bfloat16(), w, block_n=bn, rows=True)
+        refb = x.bfloat16().double() @ ref_w.T
+        assert yb.dtype == torch.bfloat16
+        assert ((yb.double() - refb).abs() - 2.0 ** -7 * refb.abs()).max().item() <= 1e-6 * scale.max().item()
+    assert not kquant_rows.usable(1, Q.Q4_K, 256) and not kquant_rows.usable(9, Q.Q4_K, 256)
+    assert not kquant_rows.usable(2, Q.Q5_K, 256) and not kquant_rows.usable(2, Q.Q4_K, 96)
+    print("ok")
+""")
+
+
+def test_gemv_of_several_rows_decodes_once_and_matches_in_the_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    r = subprocess.run([sys.executable, "-c", ROWS], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]

@@ -18,7 +18,7 @@ KERNELS = {"strata.ops.fused", "strata.ops.decode_attention", "strata.ops.decode
            "strata.ops.dequant_triton", "strata.ops.expert_triton",
            "strata.ops.qgemv", "strata.ops.cpu_gemv", "strata.ops.host_stage", "strata.ops.route", "strata.ops.host_rows",
            "strata.ops.combine", "strata.ops.deltanet",
-           "strata.ops.iquant_triton", "strata.ops.kquant_triton"}
+           "strata.ops.iquant_triton", "strata.ops.kquant_triton", "strata.ops.kquant_rows"}
 ROOT = Path(__file__).parents[2] / "strata"
 
 
