@@ -53,6 +53,20 @@ class PieceRecorder:
         self._g: torch.cuda.CUDAGraph | None = None
         self._pool = None
         self.profile: Callable[[str, float], None] | None = None  # (bucket, ms) sink when profiling
+        self.forks: list = []  # side streams forked from the capture since the last cut (joined before a cut)
+
+    def fork(self, stream) -> None:
+        """`stream` now waits on the capture (a prefetch forked from it): a piece must not end before the capture
+        stream has joined it back (CUDA refuses to end a capture with unjoined work), so the next cut joins it.
+        Only a cut inside the fork's span needs it: the profiler's per-span cuts."""
+        if self.capturing:
+            self.forks.append(stream)
+
+    def _join(self) -> None:
+        cur = torch.cuda.current_stream()
+        for s in self.forks:
+            cur.wait_stream(s)
+        self.forks = []
 
     def cut(self, fn: Handoff | None = None, label: str = "dense_other") -> None:
         """End the current piece here (its work counts as `label`); `fn` runs on the host after it."""
@@ -62,6 +76,7 @@ class PieceRecorder:
                 if post is not None:
                     post()
             return
+        self._join()
         self._g.capture_end()
         self.pieces.append((self._g, fn, label))
         self._begin()
@@ -84,9 +99,10 @@ class PieceRecorder:
                 self._g.capture_end()
             except Exception:  # the capture was already invalidated: nothing to end
                 pass
-        self._g, self.capturing, self.pieces = None, False, []
+        self._g, self.capturing, self.pieces, self.forks = None, False, [], []
 
     def finish(self, label: str = "dense_other") -> list:
+        self._join()
         self._g.capture_end()
         self.pieces.append((self._g, None, label))
         self._g, self.capturing = None, False

@@ -175,13 +175,13 @@ class DirectDecode:
                 rec.dev[li, 2].fill_(-1)
         nxt = t.next_moe.get(layer) if ahead else None
         if nxt is not None and nxt.layer in t.index:  # forked before this layer's own copies: the bus stays busy
-            self._prefetch(t.index[nxt.layer], nxt, x, rec)  # through this layer's compute
+            self._prefetch(t.index[nxt.layer], nxt, x, rec, getattr(ctx, "recorder", None))  # through this layer's compute
         if self.stage:  # (beyond the staging slots, misses are still read in place)
             slots = stage_misses(slots, flat, host, stacks, pool.stage_base, n_stage)
         y = two_tier_expert_ffn(x, pool.gate, pool.up, pool.down, slots, host, flat, repeat=k)  # (pair p: row p // k)
         return combine(y.view(N, k, -1), w, x.dtype)
 
-    def _prefetch(self, nl: int, moe, x: torch.Tensor, rec: "_Record") -> None:
+    def _prefetch(self, nl: int, moe, x: torch.Tensor, rec: "_Record", recorder=None) -> None:
         """Stage the next MoE layer's (index nl) predicted misses into its prefetch region, on the side stream
         (after this layer's routing, on the main stream so far: the region's last reader, the layer two before, is
         queued before it)."""
@@ -195,6 +195,8 @@ class DirectDecode:
         main = torch.cuda.current_stream(t.device) if self.side is not None else None
         if main is not None:
             self.side.wait_stream(main)
+            if recorder is not None:  # (a cut before the next layer joins it: the profiler's)
+                recorder.fork(self.side)
         with torch.cuda.stream(self.side) if main is not None else nullcontext():
             # [N * k] the tokens' predicted experts; the first k distinct misses among them fit the region (a
             # one-token step: all of them), the rest are left to the layer's own staging

@@ -303,3 +303,16 @@ def test_cuda_tuner_verdict_recaptures_the_step_without_the_handoff(model_path, 
     ex = again.model.experts
     _logits(again, 4)
     assert ex.tuner is None and ex.decode_misses_path == "staged" and "earlier run" in ex.path_reason
+
+
+@pytest.mark.gpu
+def test_cuda_direct_decode_under_the_profiler_keeps_its_graphs(model_path):
+    """`--profile` cuts a graphed step at every timed span, between a layer's prefetch fork and the next layer's
+    join: each cut joins the forked stream first (CUDA refuses to end a capture with unjoined work; the engine
+    then decoded without graphs), and the text is the resident one's."""
+    ref = _logits(_engine(model_path, "cuda", True, mode="resident"), 20)
+    eng = _engine(model_path, "cuda", True, slots=3, cpu_plan="000", decode_misses="direct", profile=True)
+    out = _logits(eng, 20)
+    assert ((out - ref).abs().max() / ref.abs().max()).item() <= 1e-5
+    pieces = next(iter(eng.graphs.graphs.values()))[0]
+    assert len(pieces) > 1, "the profiler's cuts"
