@@ -94,7 +94,11 @@ class Ahead:
         eng = self.eng
         for s in seqs:  # (a paused drafting sequence: this step is one of its steps without drafts)
             pause_step(eng, s)
-        logits = eng.graphs.step_batch(torch.stack(toks), [s.pos for s in seqs], [s.slot for s in seqs])
+        try:
+            logits = eng.graphs.step_batch(torch.stack(toks), [s.pos for s in seqs], [s.slot for s in seqs])
+        except torch.OutOfMemoryError:  # its capture does not fit: the scheduler's step runs it (eagerly)
+            torch.cuda.empty_cache()
+            return
         drawn = [sample(logits[i], s.params, None, u=s.seed_draw(s.pos + 1)) for i, s in enumerate(seqs)]
         vals = torch.stack(drawn)
         cuda = vals.is_cuda

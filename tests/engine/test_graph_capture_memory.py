@@ -69,3 +69,25 @@ def test_a_step_whose_capture_does_not_fit_runs_eagerly_and_keeps_the_graphs(hf_
     monkeypatch.setattr(eng.graphs, "captured", lambda *a, **k: False)
     assert list(eng.generate(ids, SamplingParams(temperature=0), 12)) == ref
     assert tried and eng.graphs is not None
+
+
+def test_a_step_launched_ahead_whose_capture_does_not_fit_is_left_to_the_scheduler(hf_and_gguf, monkeypatch):
+    _, path = hf_and_gguf("qwen3moe")
+    ids = torch.randint(0, 1001, (30,), generator=torch.Generator().manual_seed(3)).tolist()
+    lm = load_model(str(path), EngineConfig(device="cpu", dtype="float32", cuda_graphs=False))
+    ref = list(Engine(lm, n_slots=1).generate(ids, SamplingParams(temperature=0), 10))
+
+    cfg = EngineConfig(device="cpu", dtype="float32", cuda_graphs=True, decode_ahead=True)
+    eng = Engine(load_model(str(path), cfg), n_slots=1)
+    assert eng.ahead is not None
+    real, refused = eng.graphs.step_batch, []
+
+    def ahead_does_not_fit(tokens, *a, **k):
+        if isinstance(tokens, torch.Tensor):  # (a step launched ahead takes its tokens on the device)
+            refused.append(1)
+            raise torch.OutOfMemoryError("no VRAM for the capture")
+        return real(tokens, *a, **k)
+
+    monkeypatch.setattr(eng.graphs, "step_batch", ahead_does_not_fit)
+    assert list(eng.generate(ids, SamplingParams(temperature=0), 10)) == ref
+    assert refused and eng.ahead.launched == 0
