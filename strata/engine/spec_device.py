@@ -27,12 +27,19 @@ same code runs eagerly (tests).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from strata.engine.sampler import position_uniform_t, sample_rows
 from strata.kv.cache import Segment
+
+log = logging.getLogger("strata")
+
+
+class _NoCapture(RuntimeError):
+    """A drafted step's capture failed (out of VRAM, or a step that cannot be captured)."""
 
 
 @dataclass
@@ -99,11 +106,19 @@ class DeviceDrafts:
                 return None
             if self.live != (s.id, s.pos) and not self._enter(s):
                 return None
-            p = self._launch(s, s.pos)
+            try:
+                p = self._launch(s, s.pos)
+            except _NoCapture as e:  # (the host's drafted steps take over: nothing of this step was kept)
+                log.warning("strata: capturing the drafted step failed (%s); drafted steps run from the host", e)
+                self.live, eng.device_drafts = None, None
+                return None
         self.pending = None
         s = p.seq
         if self.ahead and self._takes(s, ahead=1):
-            self.pending = self._launch(s, s.pos + self.m + 1)  # (its start: at most this far)
+            try:
+                self.pending = self._launch(s, s.pos + self.m + 1)  # (its start: at most this far)
+            except _NoCapture:  # (this window's capture does not fit: steps one at a time from here)
+                self.pending, self.ahead = None, False
         out = self._collect(p)
         if self.pending is not None and (s.finished or s not in eng.running):
             self.pending = None  # its rows lie past the sequence's end, in nobody's record
@@ -122,7 +137,12 @@ class DeviceDrafts:
             key = (s.slot, W, how)
             g = self.graphs.get(key)
             if g is None:
-                g = self._capture(key, pr)
+                try:
+                    g = self._capture(key, pr)
+                except Exception as e:  # noqa: BLE001 - out of VRAM, or a step that cannot be captured
+                    if isinstance(e, torch.OutOfMemoryError):
+                        torch.cuda.empty_cache()
+                    raise _NoCapture(f"{type(e).__name__}: {str(e).split(chr(10))[0]}") from e
             g.replay()
         self.steps += 1
         host = torch.empty(self.out.shape, dtype=torch.long, pin_memory=self.cuda)

@@ -435,3 +435,40 @@ def test_a_sampled_sequences_drafted_steps_on_the_device(path, temperature):
     assert list(eng.generate(prompt, sp, 40)) == ref == list(host.generate(prompt, sp, 40))
     assert eng.device_drafts.steps > 0
     assert list(eng.generate(prompt, SamplingParams(temperature=temperature, seed=12), 40)) != ref
+
+
+@pytest.mark.parametrize("ahead_only", [False, True])
+def test_a_drafted_step_whose_capture_fails_is_left_to_the_host(path, monkeypatch, ahead_only):
+    """A GPU's drafted-step capture out of VRAM (simulated here: the capture raises where the CPU runs the step
+    eagerly): the first step's failure hands drafting back to the host's path, a step launched ahead only stops
+    launching ahead; the text is plain decoding's either way."""
+    prompt = _prompt(40, 7)
+    ref = list(_engine(path).generate(prompt, GREEDY, 30))
+    eng = _engine(path, 2, "mtp", graphs=True)
+    dd = eng.device_drafts
+    assert dd is not None
+    fails = []
+
+    def capture(key, pr):
+        fails.append(key)
+        raise torch.OutOfMemoryError("no VRAM for the capture")
+
+    real_launch = dd._launch
+
+    def launch(s, far):
+        if ahead_only and far == s.pos:  # the step itself runs; only the one launched ahead fails
+            return real_launch(s, far)
+        dd.cuda = True
+        try:
+            return real_launch(s, far)
+        finally:
+            dd.cuda = False
+
+    monkeypatch.setattr(dd, "_capture", capture)
+    monkeypatch.setattr(dd, "_launch", launch)
+    assert list(eng.generate(prompt, GREEDY, 30)) == ref
+    assert fails
+    if ahead_only:
+        assert eng.device_drafts is dd and not dd.ahead and dd.steps > 0
+    else:
+        assert eng.device_drafts is None
