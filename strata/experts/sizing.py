@@ -56,14 +56,24 @@ def prefill_bytes_for(d_model: int, k: int, mixer: int = 0) -> int:
     return d * 60 + max(7 * k * d, int(mixer))
 
 
+# strata.layers.deltanet's CHUNK and GROUP (kept here so that `strata check` sizes a hybrid model without torch;
+# tests/experts/test_prefill_sizing.py keeps them equal)
+DELTANET_CHUNK, DELTANET_GROUP = 64, 8
+
+
 def deltanet_prefill_bytes(hk: int, hv: int, dk: int, dv: int) -> int:
-    """VRAM one prompt token takes in a gated delta-net layer's chunked form (strata.layers.deltanet): its float32
-    q, k, v per value head, padded and transposed, the chunk's decayed copies, the triangular solves' outputs and
-    the [heads, chunk, chunk] products, about 17 floats per value head and state dim, plus the conv's float32
-    inputs and outputs (3 per conv channel). Measured on the CPU (the same torch code runs on a GPU): 273 KB a token
-    of Qwen3-Next's 32 x 128 x 128 heads at a 4K chunk, 330 at 1K, above the layer's inputs; this gives 377."""
-    conv = 2 * int(hk) * int(dk) + int(hv) * int(dv)
-    return 4 * (17 * int(hv) * max(int(dk), int(dv)) + 3 * conv)
+    """VRAM one prompt token takes in a gated delta-net layer (strata.layers.deltanet), float32: the input
+    projections' output (the conv's channels, the gate z, ba) and the conv's, q and k per value head, the output;
+    and the delta rule's temporaries of a group of chunks (padded q, k, v, the [chunk, chunk] products, the
+    triangular solves' outputs, the decayed copies: ~11 per state dim and 2 per chunk row a value head and token,
+    for GROUP x CHUNK tokens whatever the prompt chunk), spread over a 2048-token prompt chunk (more a token on a
+    shorter one, less on a longer). Tracked tensor by tensor on the CPU (the same torch code runs on a GPU): 119 KB a
+    token of Qwen3-Next's 32 x 128 x 128 heads above the projections' output at a 4K chunk, 142 at 2K; this gives
+    192 with that output."""
+    hk, hv, d, c = int(hk), int(hv), max(int(dk), int(dv)), DELTANET_CHUNK
+    conv = 2 * hk * int(dk) + hv * int(dv)
+    group = DELTANET_GROUP * c * hv * (11 * d + 2 * c) // 2048
+    return 4 * (2 * conv + hv * int(dv) + 4 * hv * d + group)
 
 
 def prefill_chunk_for(left_bytes: int, bytes_per_token: int) -> int:

@@ -29,6 +29,7 @@ delta_decode = registry.op("delta_decode")
 gated_rms_norm = registry.op("gated_rms_norm")
 
 CHUNK = 64
+GROUP = 8  # chunks whose solves and products are batched together in a prompt (delta_chunked)
 _SLOT_INDEX: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
 
 
@@ -39,9 +40,13 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 def causal_conv(x: torch.Tensor, state: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [n, C] new inputs, state [K-1, C] the inputs before them, w [C, K] -> (silu(conv) [n, C], the new state
     [K-1, C]: the last K-1 inputs)."""
-    k = w.shape[1]
+    k, n = w.shape[1], x.shape[0]
     full = torch.cat([state, x])  # [K-1+n, C]
-    out = (full.unfold(0, k, 1) * w).sum(-1)  # window t covers inputs t .. t+K-1, the last being token t
+    # window t covers inputs t .. t+K-1, the last being token t: K shifted multiply-adds of [n, C] (the same sums
+    # as a product over [n, C, K] windows, without that K-times-larger temporary: a long prompt's largest here)
+    out = full[0:n] * w[:, 0]
+    for j in range(1, k):
+        out += full[j:j + n] * w[:, j]
     return F.silu(out), full[full.shape[0] - (k - 1):]
 
 
@@ -68,43 +73,52 @@ def delta_steps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
 
 
 def delta_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                  state: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+                  state: torch.Tensor, chunk: int = CHUNK, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
     """A run of T tokens: q, k [T, H, Dk], v [T, H, Dv], g, beta [T, H], state [H, Dk, Dv] (before the run; not
     modified) -> (o [T, H, Dv], the state after the run).
 
     In a chunk starting from state S0, with c_t the cumulative log decay from the chunk's start to t, the writes
     u_t = beta_t (v_t - S_{t-1}'^T k_t) satisfy (I + A) u = beta v - beta exp(c) k S0, A[t, j] = beta_t exp(c_t - c_j)
     k_t.k_j for j < t. Then o_t = exp(c_t) q_t S0 + sum_{j<=t} exp(c_t - c_j) (q_t.k_j) u_j and the chunk's end
-    state is exp(c_C) S0 + sum_j exp(c_C - c_j) k_j u_j^T."""
+    state is exp(c_C) S0 + sum_j exp(c_C - c_j) k_j u_j^T.
+
+    The chunks' own work (the triangular solves, the [chunk, chunk] products) is batched over `group` chunks at a
+    time: a prompt chunk's temporaries then grow with the group, not with the prompt (they were most of a 4K
+    prompt's VRAM in this layer), in the same few launches per group."""
     t_len, h, dk = k.shape
     c = min(chunk, t_len)
-    pad = (-t_len) % c
-    # padded tokens have beta = 0 (no write) and g = 0 (no decay): they leave the state as it is
-    q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)).transpose(0, 1) for x in (q, k, v))  # [H, T', D]
-    g, beta = (F.pad(x, (0, 0, 0, pad)).transpose(0, 1) for x in (g, beta))  # [H, T']
-    n = q.shape[1] // c
-    q, k, v = (x.reshape(h, n, c, x.shape[-1]) for x in (q, k, v))  # [H, N, C, D]
-    g, beta = g.reshape(h, n, c), beta.reshape(h, n, c)
-    cum = g.cumsum(-1)  # [H, N, C]
+    n = -(-t_len // c)
+    out = torch.empty(t_len, h, v.shape[-1], dtype=v.dtype, device=v.device)
     causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
-    # exp(c_i - c_j) for j <= i, 0 above the diagonal (masked before exp: c_i - c_j > 0 there could overflow)
-    decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()  # [H, N, C, C]
-    kb = k * beta.unsqueeze(-1)
     eye = torch.eye(c, dtype=q.dtype, device=q.device)
-    system = eye + (kb @ k.transpose(-1, -2) * decay).tril(-1)  # I + A, unit lower triangular
-    u0 = torch.linalg.solve_triangular(system, v * beta.unsqueeze(-1), upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(system, kb * cum.exp().unsqueeze(-1), upper=False, unitriangular=True)
-    inner = q @ k.transpose(-1, -2) * decay  # [H, N, C, C]
-    q_dec = q * cum.exp().unsqueeze(-1)  # reads of the chunk's start state
-    k_dec = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)  # writes decayed to the chunk's end
-    end_decay = cum[..., -1].exp()[..., None, None]  # [H, N, 1, 1]
-    out = torch.empty_like(v)
     s = state
-    for i in range(n):
-        u = u0[:, i] - w[:, i] @ s  # [H, C, Dv]
-        out[:, i] = q_dec[:, i] @ s + inner[:, i] @ u
-        s = s * end_decay[:, i] + k_dec[:, i].transpose(-1, -2) @ u
-    return out.reshape(h, n * c, -1)[:, :t_len].transpose(0, 1), s
+    for g0 in range(0, n, group):
+        a, b = g0 * c, min(t_len, (g0 + group) * c)
+        m = -(-(b - a) // c)
+        pad = m * c - (b - a)
+        # padded tokens have beta = 0 (no write) and g = 0 (no decay): they leave the state as it is
+        qg, kg, vg = (F.pad(x[a:b], (0, 0, 0, 0, 0, pad)).transpose(0, 1).reshape(h, m, c, x.shape[-1])
+                      for x in (q, k, v))  # [H, M, C, D]
+        gg, bg = (F.pad(x[a:b], (0, 0, 0, pad)).transpose(0, 1).reshape(h, m, c) for x in (g, beta))
+        cum = gg.cumsum(-1)  # [H, M, C]
+        # exp(c_i - c_j) for j <= i, 0 above the diagonal (masked before exp: c_i - c_j > 0 there could overflow)
+        decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()  # [H, M, C, C]
+        kb = kg * bg.unsqueeze(-1)
+        system = eye + (kb @ kg.transpose(-1, -2) * decay).tril(-1)  # I + A, unit lower triangular
+        u0 = torch.linalg.solve_triangular(system, vg * bg.unsqueeze(-1), upper=False, unitriangular=True)
+        w = torch.linalg.solve_triangular(system, kb * cum.exp().unsqueeze(-1), upper=False, unitriangular=True)
+        del kb, system
+        inner = qg @ kg.transpose(-1, -2) * decay  # [H, M, C, C]
+        q_dec = qg * cum.exp().unsqueeze(-1)  # reads of the chunk's start state
+        k_dec = kg * (cum[..., -1:] - cum).exp().unsqueeze(-1)  # writes decayed to the chunk's end
+        end_decay = cum[..., -1].exp()[..., None, None]  # [H, M, 1, 1]
+        og = torch.empty_like(vg)
+        for i in range(m):
+            u = u0[:, i] - w[:, i] @ s  # [H, C, Dv]
+            og[:, i] = q_dec[:, i] @ s + inner[:, i] @ u
+            s = s * end_decay[:, i] + k_dec[:, i].transpose(-1, -2) @ u
+        out[a:b] = og.reshape(h, m * c, -1)[:, : b - a].transpose(0, 1)
+    return out, s
 
 
 class GatedDeltaNet:
