@@ -292,3 +292,27 @@ def test_strata_check_counts_the_state_per_sequence(path, lm):
     assert fp.state_bytes_per_slot > 0 and fp.state_bytes_per_slot == eng.kv.recurrent.nbytes // 2
     # check sizes the KV as a GPU holds it (bf16): the attention layers only
     assert fp.kv_bytes_per_token == lm.model.kv_bytes_per_token(torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["staged", "direct"])
+def test_cuda_tiered_graphs_keep_their_captures(hf_and_gguf, mode):
+    """Experts offloaded (2 slots a layer, misses staged or read in place) under captured decode steps: the tokens of
+    the resident model on the same device, and the steps stay graphed (a capture failure would fall back to eager,
+    as B2's profile run once did)."""
+    q8 = hf_and_gguf("qwen3next", "q8_0")[1]
+    a, b = _prompt(13, seed=15), _prompt(8, seed=16)
+
+    def engine(**ex):
+        cfg = EngineConfig(device="cuda", dtype="float32", ctx_size=1024, cuda_graphs=True, n_slots=2,
+                           experts=ExpertConfig(**ex))
+        return Engine(load_model(str(q8), cfg, with_tokenizer=False), n_slots=2, prefill_chunk=6)
+
+    want = _run_all(engine(mode="resident"), [_seq(a), _seq(b)])
+    eng = engine(mode="tiered", slots=2, cpu_plan="000", decode_misses=mode)
+    assert _run_all(eng, [_seq(a), _seq(b)]) == want
+    assert eng.graphs is not None and eng.graphs.graphs
+    ex = eng.model.experts
+    if ex.direct is not None:
+        ex.direct.flush()
+    assert ex.stats.pcie > 0 and ex.stats.cpu == 0
