@@ -29,8 +29,8 @@ def staging_slots(k: int) -> int:
     return max(2 * int(k), 8)
 CHUNK_STAGE_MIB = 256  # per buffer, at most (STRATA_CHUNK_STAGE_MIB sets a size by hand for benchmarks)
 CHUNK_STAGE_SHARE = 16  # at most 1/16 of the bytes left for the expert cache, per buffer
-# chunk buffers in the ring. Measured on the H200 machine (B1, 8 GiB, PCIe only, 4K prefill): 2 buffers 8,536
-# tok/s, 4 7,321, 8 5,794 — the chunk path is bound by the host's launches, and each buffer is one grouped call
+# chunk buffers in the ring: more buffers in flight measured slower (the chunk path is bound by the host's launches,
+# and each buffer is one grouped call; docs/BENCHMARKS.md, "What was tried and did not pay")
 CHUNK_RING = 2
 PREFILL_TARGET = 4096  # tokens: the prefill chunk a GPU's expert cache leaves room for by default
 

@@ -296,7 +296,8 @@ class DirectDecode:
 
 def _prefetch_programs(t) -> int:
     """--expert-prefetch-programs, or a quarter of the GPU's SMs: the copy must keep the link busy without taking
-    the SMs the layer's own kernels run on (an H200's 132 SMs: 33; 32 measured fastest of 8, 16 and 32 there)."""
+    the SMs the layer's own kernels run on (docs/BENCHMARKS.md, "The decode settings in process": a quarter of
+    the SMs measured fastest of the counts tried)."""
     if t.ex.prefetch_programs is not None:
         return t.ex.prefetch_programs
     if not t.cuda:

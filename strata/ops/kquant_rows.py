@@ -1,7 +1,7 @@
 """The decode GEMV for a few rows of x at once (a verify step's 2-8 tokens, a batch of decoding sequences): Q8_0,
 Q4_K and Q6_K weights decoded once per program and dotted with every row, where `qgemv`'s one-row kernel runs a
 program per row of x and each one decodes the same blocks again (the repeated bytes come from L2; the decoding,
-~8-13 instructions a weight, is paid per row: three rows took 1.7x one row's time on an H200).
+~8-13 instructions a weight, is paid per row: docs/BENCHMARKS.md, "Speculative decoding", has the measurement).
 
 The tiles mirror `strata.ops.kquant_triton`'s (same block layouts, same float tricks) with the rows of x as a
 static loop over the decoded weights: each row's partial dot product ([BN]) is added into its row of an [RP, BN]
