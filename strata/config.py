@@ -89,7 +89,7 @@ class ExpertConfig:
     prefetch_programs: int | None = field(default=None, metadata=opt(
         "with the prefetch on the staged path: programs the side stream's copy kernel runs (each looping over its "
         "share of the copies), so the layer's own kernels keep the other SMs; 0: one program per copy part; "
-        "default: a quarter of the GPU's SMs (33 on an H200, where 32 measured fastest of 8, 16 and 32)",
+        "default: a quarter of the GPU's SMs (measured fastest of the counts tried)",
         flag="--expert-prefetch-programs", dest="expert_prefetch_programs"))
     chunk_loan: str = field(default="auto", metadata=opt(
         "the prefill chunk buffers lent to the expert cache as extra slots between prompts (a prompt borrows them "

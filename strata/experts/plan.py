@@ -147,10 +147,9 @@ def decode_lanes_ms(
 
 HANDOFF_MARGIN = 0.9  # the hand-off must be expected this much faster than staging to be chosen by `auto`
 # What leaving the one-graph step costs a token-layer beyond its lanes: the graph cut in pieces around the host's
-# turn, the host's planning, DMA copies instead of the staging kernel. Measured on the H200 machine (B1, 8 GiB,
-# PCIe only on both paths): the hand-off path's token took 21.0 ms where the staged one took 14.4 ms for the same
-# misses, 0.14 ms a token-layer. Without it `auto` picked the hand-off there (the lanes alone looked ~20% faster),
-# and decode ran at ~2/3 of the staged rate.
+# turn, the host's planning, DMA copies instead of the staging kernel: the two paths' tokens timed for the same
+# misses (docs/BENCHMARKS.md, "Measurements behind the engine's constants"). Without it `auto` picked the hand-off
+# (the lanes alone looked faster), and decode ran at ~2/3 of the staged rate.
 HANDOFF_STEP_MS = 0.14
 
 
@@ -369,8 +368,8 @@ def prefill_split(
     """Split a prefill chunk's non-resident experts between streaming to the GPU and the CPU.
 
     `cpu_max_tokens`: experts routed more tokens than this always stream (the CPU's per-token cost was measured
-    up to that many; past it the straight line is an extrapolation, and on the H200 machine it put enough of a
-    4K chunk on the CPU to halve the prefill: 2,063-4,252 tok/s against 4,158-7,132 streaming everything).
+    up to that many; past it the straight line is an extrapolation, which once put enough of a 4K chunk on the CPU
+    to halve the prefill: docs/BENCHMARKS.md, "Measurements behind the engine's constants").
 
     An expert with n tokens costs the CPU `cpu_ms_per_expert + n * cpu_ms_per_token_expert` and the
     GPU `pcie_ms_per_expert + gpu_ms_per_expert + n * gpu_ms_per_token_expert`; the CPU's relative
@@ -379,7 +378,7 @@ def prefill_split(
 
     `serial`: the lanes do not overlap — the smallest CPU lane + GPU lane wins. So it is when the thread that
     computes the CPU share is the one that issues the GPU's work and the GPU's queue is short (a CUDA chunk,
-    bound by the host's launches: on the H200 machine 20 CPU pairs a 4K prompt, priced as parallel, cost it 8%).
+    bound by the host's launches: a few CPU pairs a prompt, priced as parallel, made it measurably slower).
     """
     res = set(resident)
     gpu_base = 0.0

@@ -2,14 +2,14 @@
 
 The cost model (`strata.experts.plan`) predicts a plan from per-expert costs measured in isolation, but a decode
 step's real cost of a miss also holds the host hand-off, the CPU lane's thread wake-up and the copy latency
-(measured on the H200: 0.14 ms per PCIe miss and 0.18 ms per CPU miss in decode, against 0.06 and 0.13 in
-isolation), and those depend on the machine. So `auto` starts from the model's plan and then times decode steps
+(in decode about twice what a miss costs timed in isolation: docs/BENCHMARKS.md, "Measurements behind the
+engine's constants"), and those depend on the machine. So `auto` starts from the model's plan and then times decode steps
 under each candidate — the model's plan, all misses over PCIe, all on the CPU — in interleaved trials (a round
 visits every candidate for `trial` steps, in alternating order; `rounds` rounds, after `warmup` steps in which
-the cache fills), and keeps the candidate whose misses cost least. Misses come in bursts (measured on the H200
-with greedy text: the median step had no miss, one step in ten had over a hundred), so a trial's time says more
-about which steps it drew than about its plan: a median ignored the misses altogether (every candidate's was
-8.33 ms), and a mean favoured whoever drew the quiet steps. Given each step's miss count, the tuner fits
+the cache fills), and keeps the candidate whose misses cost least. Misses come in bursts (on greedy text the
+median step has none, a few steps very many), so a trial's time says more about which steps it drew than about its
+plan: a median ignored the misses altogether (every candidate's was the same), and a mean favoured whoever drew
+the quiet steps. Given each step's miss count, the tuner fits
 step time = base + cost_per_miss[candidate] · misses over all timed steps (one base shared by all) and keeps the
 cheapest cost per miss among the candidates that drew enough misses to be priced (trialling on, up to 3x the
 rounds, while fewer than two did); without counts, or with fewer than two priced, the lowest mean step time. (With the first version — two
@@ -50,8 +50,8 @@ class LaneSetting:
 
 def lane_candidates(model_plan: CpuPlan, k: int, threads: int, native: bool = False) -> list[LaneSetting]:
     """The measured plan, all-PCIe, half-and-half and a third to the CPU at the lane's threads; all-CPU at the lane's
-    threads, half and a quarter of them (a decode miss is a small GEMV whose best thread count is the machine's: on
-    the H200 machine 14 > 16 > 8 > 4 with the native kernel, 4 > 8 > 14 > 16 with torch's int4 one). The third:
+    threads, half and a quarter of them (a decode miss is a small GEMV whose best thread count is the machine's and
+    the kernel's: docs/BENCHMARKS.md, "Measurements behind the engine's constants"). The third:
     the host's DRAM feeds both lanes, and next to PCIe copies the CPU lane read ~20% slower and the copies ~25%
     (tools/host_lane_overlap.py), so a smaller CPU share can beat both half-and-half and PCIe alone. With the
     native kernel (`native`) a quarter of the threads is left out: there it was always the slowest (sampled text,
@@ -129,7 +129,7 @@ class PlanTuner:
             if self._slot >= self.rounds * n and self._slot % n == 0:
                 # misses counted but fewer than two candidates drew enough of them to price: more rounds, up to 3x
                 # (with two priced, the rest cannot win anyway: on repeating text the candidates tried late stay
-                # quiet however long they are tried — measured on the H200 machine, 3x the rounds priced none more)
+                # quiet however long they are tried: 3x the rounds priced none more where it was measured)
                 if self._counted() and sum(self.priced()) < 2 and self._slot < 3 * self.rounds * n:
                     return self.plan
                 self._finish()
@@ -167,8 +167,8 @@ class PlanTuner:
         """What the choice minimises, as seconds per step: with the per-miss fit, base + cost per miss × the mean
         misses per step over the priced candidates' trials (so they compare at the same misses; an unpriced
         candidate cannot be chosen: on repeating text the candidates tried late drew next to no misses, and their
-        quiet steps said nothing about their lanes — measured on the H200 machine, the tuner then chose the CPU
-        lane at 4 threads, 0.143 ms a miss, over PCIe's 0.077); else the mean step time."""
+        quiet steps said nothing about their lanes, and the tuner once chose a lane twice as slow a miss:
+        docs/BENCHMARKS.md, "Measurements behind the engine's constants"); else the mean step time."""
         fit = self.per_miss()
         if fit is None:
             return self.means()

@@ -15,8 +15,8 @@ interpreter on the CPU; see tests/experts/test_expert_triton.py). The tiles that
 `strata.ops.kquant_triton` (Q8_0 and the K-quants, with their block layouts) and `strata.ops.iquant_triton`.
 
 Why the kernels look as they do. A decode GEMV reads each weight byte once, so it needs many bytes in flight
-(latency) and few instructions per weight (on an H200, ~33 T thread-instructions/s against 8.5 T Q4_K
-weights/s at 4.8 TB/s):
+(latency) and few instructions per weight (a GPU issues only a few instructions per weight byte its HBM delivers:
+docs/BENCHMARKS.md, "Measurements behind the engine's constants"):
 - One loop iteration of a program decodes a whole [BN rows, KW weights] tile (KW divides K when it can, so
   tiles need no masks), not one block per row: several KB of quants per program in flight at once.
 - `plan` gives each program one warp and 512 weights a row per iteration, then halves BN (from 8 rows) until
@@ -222,10 +222,9 @@ def plan(qtypes, N: int, K: int, batch: int, device: torch.device, block_n: int 
     that, so tiles need no masks; if that is small (K = 96: 32), the next power of two >= K, the blocks past K
     masked), ROWS_MAX rows halved until the launch has PROGRAMS_PER_SM programs per SM (the interpreter on the
     CPU counts as one SM) and the tile is within the format's TILE. Measured over every (BN, KW, warps) of the
-    Qwen3-30B-A3B decode shapes on an H200 (`tools/bench_kernels.py --sweep`): one-warp programs with 256-512
-    weights a row per iteration were the fastest or within 15% of it for every shape, where the earlier rule
-    (multi-warp programs, whole 2048-weight rows per iteration) took up to 1.75x as long (the expert GLU,
-    the LM head). block_n / block_k override (powers of two; block_k a multiple of the block length).
+    Qwen3-30B-A3B decode shapes (`tools/bench_kernels.py --sweep`; docs/BENCHMARKS.md): one-warp programs with
+    256-512 weights a row per iteration were the fastest or close to it for every shape, where the earlier rule
+    (multi-warp programs, whole 2048-weight rows per iteration) was much slower for the expert GLU and the LM head. block_n / block_k override (powers of two; block_k a multiple of the block length).
 
     host: the launch may read missed experts from pinned host RAM over the bus, where a program needs many more
     bytes in flight than in HBM: such launches keep the wide tiles they were measured with (`_plan_wide`; the

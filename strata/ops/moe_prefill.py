@@ -35,8 +35,8 @@ CPU_WEIGHT_BYTES = 4 << 20
 # These two bound a prefill chunk's VRAM beside the expert cache (strata.experts.sizing.prefill_bytes_per_token):
 # at 256 MiB each a 4K chunk of a Qwen3-30B-A3B layer peaked at 1.27 GiB above the weights.
 ACT_BYTES = 128 << 20
-# With every expert resident there is no budget to share: the larger batches (fewer launches) are ~8% faster on a
-# 4K chunk of B1 (10,304 against 9,445 tok/s, H200)
+# With every expert resident there is no budget to share: the larger batches (fewer launches) are faster on a 4K
+# chunk (docs/BENCHMARKS.md, "Measurements behind the engine's constants")
 ROOMY_BYTES = 256 << 20
 # Rows of a batch's output widened to float32 at a time on their way into y (the float32 copy of a whole batch
 # was the largest temporary of a chunk)
