@@ -188,6 +188,16 @@ def _profiles(srv: dict) -> list[dict]:
     return out + [ph["server"]["profile"] for ph in srv.get("phases", []) if (ph.get("server") or {}).get("profile")]
 
 
+def _pressure_note(d: dict) -> str:
+    """The server's signs of a tight budget (a CUDA server reports them; absent: not measured)."""
+    if d.get("alloc_retries") is None:
+        return ""
+    out = f", allocator retries {d['alloc_retries']}"
+    if d.get("captures_dropped") or d.get("captures_no_room"):
+        out += f", captures dropped {d.get('captures_dropped', 0)} / not fitting {d.get('captures_no_room', 0)}"
+    return out
+
+
 def _prefetch_note(p: dict | None) -> str:
     """The next-layer prefetch's part of the decode-steps line: what it copied ahead and its layer used."""
     if not p:
@@ -261,7 +271,7 @@ def markdown(results: dict) -> str:
             f"{d.get('launched_ahead', 0)} launched ahead ({d.get('ahead_dropped', 0)} dropped)"
             + (f", chunk buffers borrowed back {d['chunk_buffer_loans']} times"
                f" ({d.get('chunk_buffer_borrow_ms', 0):.1f} ms in all)" if d.get("chunk_buffer_loans")
-               is not None else "") + _prefetch_note(d.get("prefetch")) for names, d in steps))
+               is not None else "") + _prefetch_note(d.get("prefetch")) + _pressure_note(d) for names, d in steps))
         whys = {d["misses_why"] for _, d in steps if d.get("misses_why")}
         for why in sorted(whys):  # why the misses took that path (the plan trials' verdict)
             lines.append(f"- decode misses' path: {why}")

@@ -54,7 +54,22 @@ def _decode_steps(engine) -> dict:
             "launched_ahead": ahead.launched if ahead is not None else 0,
             "ahead_dropped": ahead.dropped if ahead is not None else 0,
             "verify_cost_ms": _verify_cost(engine),
-            "prefetch": _prefetch(experts)}
+            "prefetch": _prefetch(experts),
+            **_memory_pressure(engine)}
+
+
+def _memory_pressure(engine) -> dict:
+    """Signs of a budget too tight for the steps (CUDA): torch's allocator retries (each one frees its cached blocks
+    and waits for the device: a decode step that allocates at the cap pays that every time), and decode-step
+    captures dropped or refused for want of VRAM (those steps run eagerly)."""
+    if engine.device.type != "cuda":
+        return {}
+    import torch
+
+    g = getattr(engine, "graphs", None)
+    return {"alloc_retries": int(torch.cuda.memory_stats(engine.device).get("num_alloc_retries", 0)),
+            "captures_dropped": g.dropped_for_memory if g is not None else 0,
+            "captures_no_room": len(g.no_room) if g is not None else 0}
 
 
 def _prefetch(experts) -> dict | None:

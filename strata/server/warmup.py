@@ -127,8 +127,10 @@ def vram_after_warm_up(device, split, out: dict) -> str:
 
     free, total = torch.cuda.mem_get_info(device)
     used, alloc, held = total - free, torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+    retries = int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))  # (at the budget's cap: slow steps)
     out.update(vram_used_gib=round(used / 2**30, 3), torch_allocated_gib=round(alloc / 2**30, 3),
-               torch_reserved_gib=round(held / 2**30, 3), budget_gib=round(split.budget / 2**30, 3))
+               torch_reserved_gib=round(held / 2**30, 3), budget_gib=round(split.budget / 2**30, 3),
+               alloc_retries=retries)
     return (f"VRAM after warm-up: {used / 2**30:.2f} GiB of the {split.budget / 2**30:.2f} GiB budget in use (torch: "
-            f"{alloc / 2**30:.2f} allocated, {held / 2**30:.2f} held; {(split.budget - used) / 2**20:.0f} MiB of the "
-            f"budget free, the reserve {split.reserve / 2**20:.0f} MiB)")
+            f"{alloc / 2**30:.2f} allocated, {held / 2**30:.2f} held, {retries} allocator retries; "
+            f"{(split.budget - used) / 2**20:.0f} MiB of the budget free, the reserve {split.reserve / 2**20:.0f} MiB)")

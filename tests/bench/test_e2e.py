@@ -275,6 +275,22 @@ def test_the_report_says_how_decode_steps_ran_and_why():
     assert "sweep: misses staged, graphs on, 40 launched ahead (1 dropped), chunk buffers borrowed back 3 times" in md
     assert "next-layer prefetch off (70 of 1200 prefetched experts used)" in md
     assert "- decode misses' path: staged after the trials: best hand-off plan" in md
+    assert "allocator retries" not in md  # (not reported: a CPU server)
+    steps.update(alloc_retries=212, captures_dropped=3, captures_no_room=1)
+    md = markdown({"name": "x", "date": "d", "temperature": 0,
+                   "server": {"url": "u", "phases": [{"suites": ["sweep"], "server": {"decode_steps": steps}}]}})
+    assert ", allocator retries 212, captures dropped 3 / not fitting 1" in md
+
+
+def test_a_cpu_server_reports_no_memory_pressure(hf_and_gguf):
+    from strata.config import EngineConfig
+    from strata.engine.engine import Engine
+    from strata.engine.loader import load_model
+    from strata.server.app import _decode_steps
+
+    _, path = hf_and_gguf("qwen3moe")
+    steps = _decode_steps(Engine(load_model(str(path), EngineConfig(device="cpu", dtype="float32")), n_slots=1))
+    assert "alloc_retries" not in steps and steps["graphs"] is False
 
 
 def test_the_report_gives_each_servers_vram_peak_against_the_budget():
