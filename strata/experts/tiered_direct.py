@@ -167,8 +167,14 @@ class DirectDecode:
         if ahead:
             n_stage = pool.staging - 2 * k  # the last 2k slots: the prefetch regions of odd and even layers
             if self._issued == li:  # the previous layer staged this one's predicted misses: wait, then use them
-                if self.side is not None:
+                recorder = getattr(ctx, "recorder", None)
+                capturing = recorder is not None and recorder.capturing
+                # (a cut since the fork joined it already, as the piece ended: a capture may not wait on a stream
+                # outside it, so then there is nothing to wait for here)
+                if self.side is not None and (not capturing or self.side in recorder.forks):
                     torch.cuda.current_stream(t.device).wait_stream(self.side)
+                    if capturing:
+                        recorder.forks.remove(self.side)
                 self._hold = None  # (main-stream work from here on is ordered after the side stream's reads)
                 slots = torch.where(slots >= 0, slots, self.pmap[li].index_select(0, flat))
             else:  # (the first MoE layer: nothing predicted for it)
