@@ -35,6 +35,7 @@ from gguf import GGMLQuantizationType as Q  # noqa: E402
 from strata.ops import expert_triton, qgemv  # noqa: E402
 from strata.ops.expert_gather import _torch_gather_ffn  # noqa: E402
 from strata.quant import random_qtensor  # noqa: E402
+from strata.quant.formats import block_geometry  # noqa: E402
 from strata.quant.matmul import reference_qmatmul  # noqa: E402
 from strata.quant.qtensor import QTensor  # noqa: E402
 
@@ -246,6 +247,8 @@ def main() -> int:
     if a.rows:
         for qt in (Q.Q8_0, Q.Q4_K, Q.Q6_K):
             for N, K in GEMV_SHAPES[:4] + [(8192, 384)]:
+                if K % block_geometry(qt)[0]:  # (a row of 384 is whole blocks of Q8_0's 32 only)
+                    continue
                 for T in (int(v) for v in a.rows.split(",")):
                     ok &= bench_rows(qt, N, K, T, a.reps, a.peak_tbs)
                 torch.cuda.empty_cache()

@@ -124,7 +124,12 @@ def main() -> int:
                               "decode_tok_s": round(statistics.median(speeds), 1),
                               "accepted": seq.draft_accepted, "drafted": seq.draft_n,
                               "tokens_per_forward": round((len(out) - 1) / steps, 2),
-                              "same_text": out == ref[name]}), flush=True)
+                              "same_text": out == ref[name],
+                              # what chose the draft lengths (strata.engine.draft_cost): the fitted step cost (ms of
+                              # a one-token step, ms per further token) and the sequence's acceptance estimate
+                              "cost_fit": [round(v, 4) for v in fit] if (fit := eng.draft_cost and
+                                                                          eng.draft_cost.line()) else None,
+                              "acceptance_p": round(seq.draft_acc.p, 3)}), flush=True)
     return 0
 
 

@@ -101,14 +101,18 @@ class Acceptance:
         return self.stood / self.tried if self.tried > 0 else 0.5
 
 
-def choose(cost: DraftCost | None, acc: Acceptance, offered: int) -> int:
-    """How many of the `offered` drafts to verify (0: a plain step)."""
+def choose(cost: DraftCost | None, acc: Acceptance, offered: int, peek: bool = False) -> int:
+    """How many of the `offered` drafts to verify (0: a plain step). peek: what the next step would choose, its
+    step not counted (the decode-ahead check asks before the step; the step itself then counts once, as drafted
+    or as launched without drafts: strata.engine.spec.pause_step)."""
     if cost is None or offered <= 0:
         return offered
     m = cost.best(acc.p, offered)
     if m is None:  # not yet timed: the drafter's own length, or a plain step to time one
         return 0 if cost.wants_plain() else offered
     if m == 0:
+        if peek:
+            return offered if (acc.skipped + 1) % EXPLORE == 0 else 0
         acc.skipped += 1
         if acc.skipped % EXPLORE == 0:  # a look now and then: the text may have started to repeat its context
             return offered

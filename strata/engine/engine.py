@@ -181,8 +181,8 @@ class Engine:
         (the conversation cache keeps it beside the KV rows); None otherwise, or for a model without one."""
         if self.recurrent is None or self._state_tokens.get(slot) != tuple(self.slot_tokens[slot]):
             return None
-        snap = self.recurrent.snapshot([slot])
-        return {k: {i: t.cpu() for i, t in snap[k].items()} for k in ("conv", "ssm")}
+        snap = self.recurrent.snapshot([slot], host=True)
+        return {k: snap[k] for k in ("conv", "ssm")}
 
     def load_slot(self, slot: int, tokens: list[int], state: dict | None = None) -> None:
         """A free slot now holds `tokens` (their KV rows written by the caller) and, for a recurrent model, the
@@ -321,9 +321,11 @@ class Engine:
         ctx = self.model.step_context(segs, len(toks), phase=phase, graphs=self.graphs is not None)
         # a prefill chunk that runs out of memory is run again in smaller chunks: a recurrent state must first be
         # put back as it was (its layers before the failure had already folded the chunk in)
+        # (in host memory: the step has not borrowed back the VRAM lent to the expert cache yet, and a prompt's
+        # chunk is long beside the copy)
         snap = None
         if self.recurrent is not None and plan.prefill is not None and self.prefill_chunk > 256:
-            snap = self.recurrent.snapshot([seg.slot for seg in segs])
+            snap = self.recurrent.snapshot([seg.slot for seg in segs], host=True)
         hidden = [] if self.mtp is not None else None
         try:
             logits = self.model.forward(t, p, segs, self.kv, rows=plan.rows, ctx=ctx, hidden_out=hidden)

@@ -86,13 +86,20 @@ def may_draft(engine, s) -> bool:
     """Whether the sequence's next step may carry drafts, as known before its last token is read: not while its
     drafts are paused or while none pays at its acceptance (strata.engine.ahead launches such steps ahead)."""
     room = _room(engine, s)
-    return room > 0 and s.draft_pause <= 0 and choose(getattr(engine, "draft_cost", None), s.draft_acc, room) > 0
+    return room > 0 and s.draft_pause <= 0 and choose(getattr(engine, "draft_cost", None), s.draft_acc, room,
+                                                      peek=True) > 0
 
 
 def pause_step(engine, s) -> None:
-    """A step of the sequence went without drafts before `draft_for` saw it (launched ahead): a pause counts it."""
-    if s.draft_pause > 0 and _room(engine, s) > 0:
+    """A step of the sequence went without drafts before `draft_for` saw it (launched ahead): a pause counts it,
+    as does the count of steps the costs kept from drafting (its next look at drafts comes after EXPLORE)."""
+    room = _room(engine, s)
+    if room <= 0:
+        return
+    if s.draft_pause > 0:
         s.draft_pause -= 1
+    else:
+        choose(getattr(engine, "draft_cost", None), s.draft_acc, room)
 
 
 def draft_for(engine, s) -> list[int]:

@@ -63,7 +63,9 @@ class RecurrentState:
         idx = list(range(self.n_slots)) if slots is None else sorted(set(slots))
 
         def copy(t: torch.Tensor) -> torch.Tensor:
-            return t[idx].to("cpu") if host else t[idx].clone()
+            if host:  # slot by slot from views: a gather (t[idx]) would take its size in VRAM first
+                return torch.stack([t[s].to("cpu") for s in idx])
+            return t[idx].clone()
 
         return {"slots": idx,
                 "conv": {i: copy(t) for i, t in self.conv.items()},

@@ -170,3 +170,30 @@ def test_drafting_sequences_launch_ahead_while_their_drafts_are_paused(hf_and_gg
     assert a.last.draft_steps > 0 and a.last.draft_accepted == 0    # drafted steps, none stood ...
     assert a.ahead.launched > 0                                       # ... and paused steps launched ahead
     assert a.last.draft_steps <= b.last.draft_steps
+
+
+def test_drafts_ruled_out_by_their_cost_are_still_looked_at_while_steps_launch_ahead(hf_and_gguf, monkeypatch):
+    """With the measured costs ruling drafts out, a sequence still tries one every draft_cost.EXPLORE steps (the
+    text may start to repeat its context) when its plain steps are launched ahead: the check before a launch
+    only peeks, and the launched step counts once."""
+    import strata.engine.draft_cost as dc
+    from strata.engine.spec import NgramDrafter
+
+    _, path = hf_and_gguf("qwen3moe")
+    cfg = EngineConfig(device="cpu", dtype="float32", cuda_graphs=True, decode_ahead=True, draft_max=4)
+    eng = Engine(load_model(str(path), cfg, with_tokenizer=False), n_slots=1)
+    prompt, sp = _prompt(40, 4), SamplingParams(temperature=0)
+    ref = list(Engine(load_model(str(path), EngineConfig(device="cpu", dtype="float32"), with_tokenizer=False),
+                      n_slots=1).generate(prompt, sp, 6 * dc.EXPLORE))
+    full = prompt + ref
+    monkeypatch.setattr(NgramDrafter, "draft", lambda self, k: [(full[len(self.tokens)] + 1) % 1000] if k else [])
+    cost = dc.DraftCost()
+    for _ in range(dc.WINDOW):  # verify steps far dearer than plain ones: no draft pays at any acceptance
+        cost.record(1, 10.0)
+        cost.record(5, 100.0)
+    cost.record = lambda t, ms: None
+    eng.draft_cost = cost
+    assert list(eng.generate(prompt, sp, 6 * dc.EXPLORE)) == ref
+    assert eng.ahead.launched > 0
+    # a look every EXPLORE steps (none stands, so each look is followed by a pause of 1, 2, 4 ... steps)
+    assert 3 <= eng.last.draft_steps <= 6, eng.last.draft_steps

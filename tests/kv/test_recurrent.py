@@ -31,6 +31,36 @@ def test_snapshot_restores_the_chosen_slots_in_place():
     assert [st.conv[0].data_ptr(), st.ssm[2].data_ptr()] == buffers
 
 
+def test_host_snapshot_takes_no_device_copy_and_restores():
+    """A host snapshot (the engine's before a prompt chunk, while the VRAM lent to the expert cache is not yet
+    borrowed back) reads each slot through a view: a gather by index would first take its size on the device."""
+    from torch.overrides import TorchFunctionMode
+
+    class Gathers(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.Tensor.__getitem__ and isinstance(args[1], (list, torch.Tensor)):
+                self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    st = _store()
+    before = {i: (st.conv[i].clone(), st.ssm[i].clone()) for i in st.layers}
+    with Gathers() as g:
+        snap = st.snapshot([2, 0], host=True)
+    assert g.n == 0
+    assert all(t.device.type == "cpu" and t.shape[0] == 2 for d in ("conv", "ssm") for t in snap[d].values())
+    for i in st.layers:
+        st.conv[i].zero_()
+        st.ssm[i].zero_()
+    st.restore(snap)
+    for i in st.layers:
+        for got, want in zip((st.conv[i], st.ssm[i]), before[i]):
+            assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
+
+
 def test_keep_takes_the_state_after_n_tokens():
     st = _store()
     n_tok = 4

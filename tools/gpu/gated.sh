@@ -29,8 +29,8 @@ GATED=(
   "tests/ops/test_decode_attention.py||"
   "tests/ops/test_fused_interpret.py tests/layers/test_kv_fold_wiring.py||"
   "tests/ops/test_route_interpret.py||"
-  # the dense GEMV of 2-8 rows of x with each block decoded once (verify steps, batches of sequences)
-  "tests/ops/test_qgemv.py|strata/ops/qgemv.py|s/^ROWS_GPU_TESTED = False/ROWS_GPU_TESTED = True/"
+  # (also: the dense GEMV of 2-8 rows of x with each block decoded once; passed, but kept off: slower, see qgemv.py)
+  "tests/ops/test_qgemv.py||"
   "tests/layers/test_causal_bias.py||"
   "tests/experts/test_staged_prefetch.py tests/experts/test_budget_long_prompt.py||"
   # (also taken after passing on an H200: the IQ4_NL tile, the gated delta-net decode step in two launches, the
