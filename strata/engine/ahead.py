@@ -16,20 +16,31 @@ The sampled draw is keyed by the drawn token's position (sampler.position_unifor
 Taken only when nothing needs the host between the steps: every running sequence is decoding in the step (none
 waits for its prompt), none asks for log-probabilities, a grammar or repetition penalties (whose window holds the
 token not yet read), none may draft in the next step (n-gram drafts paused after failing, or paying at no length
-at the sequence's acceptance: text that does not repeat its context then decodes at the plain speed), each has room for two more tokens, the model keeps no recurrent state or MTP
-block (their state would absorb the dropped token), and no CPU/PCIe plan is being tuned (the tuner fits each
-step's time to that step's misses, which a step in flight would blur). An embedding table in host RAM is read by the graph itself
-from the token ids in device memory (strata.ops.host_rows).
+at the sequence's acceptance: text that does not repeat its context then decodes at the plain speed), each has
+room for two more tokens, the model has no MTP block (its drafts need the host each step), and no CPU/PCIe plan
+is being tuned (the tuner fits each step's time to that step's misses, which a step in flight would blur).
+
+A recurrent layer's state (gated delta-net) has no row to leave unread: the step ahead folds its input token into
+the state in place. So before each launch the slots' states are copied aside on the device
+(`RecurrentState.save`, one copy a step, in stream order), and a sequence that stops at the token read next takes
+its state back from that copy when it is released (`Ahead.released`): the slot then holds the state after its
+recorded content, which the conversation cache keeps and a follow-up prompt reuses.
+
+An embedding table in host RAM is read by the graph itself from the token ids in device memory
+(strata.ops.host_rows).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from strata.engine.sampler import sample
 from strata.engine.spec import may_draft, pause_step
+
+log = logging.getLogger("strata")
 
 
 @dataclass
@@ -38,6 +49,7 @@ class _Pending:
     drawn: list  # per sequence, its drawn token (0-d device tensor)
     host: torch.Tensor  # the drawn tokens, copied to host memory
     ready: object  # event after that copy (None on a CPU)
+    restored: set  # slots whose recurrent state was put back (their sequence stopped before reading the step)
 
 
 def _plain(s, eng) -> bool:
@@ -59,8 +71,15 @@ class Ahead:
     @staticmethod
     def usable(engine) -> bool:
         g = engine.graphs
-        return (g is not None and engine.recurrent is None and engine.mtp is None
-                and getattr(engine.lm.cfg, "decode_ahead", True))
+        return g is not None and engine.mtp is None and getattr(engine.lm.cfg, "decode_ahead", True)
+
+    def released(self, s) -> None:
+        """A sequence leaves the engine: if the step in flight carries its (now unread) token, its recurrent
+        state goes back to the one before that step (queued after the step; the step's other sequences go on)."""
+        p, rec = self.pending, self.eng.recurrent
+        if p is not None and rec is not None and s in p.seqs and s.slot not in p.restored:
+            rec.load_saved(s.slot)
+            p.restored.add(s.slot)
 
     def _can(self, seqs: list) -> bool:
         eng = self.eng
@@ -92,6 +111,15 @@ class Ahead:
         if not self._can(seqs):
             return
         eng = self.eng
+        if eng.recurrent is not None:  # the states as they are before this step's token (released() puts them back)
+            try:
+                eng.recurrent.save([s.slot for s in seqs])
+            except torch.OutOfMemoryError:  # no room for the copy: steps go one at a time from now on
+                torch.cuda.empty_cache()
+                eng.ahead = None
+                log.warning("strata: no VRAM for a copy of the recurrent state: decode steps are no longer launched "
+                            "one ahead")
+                return
         for s in seqs:  # (a paused drafting sequence: this step is one of its steps without drafts)
             pause_step(eng, s)
         try:
@@ -108,7 +136,7 @@ class Ahead:
         if cuda:
             ready = torch.cuda.Event()
             ready.record()
-        self.pending = _Pending(list(seqs), drawn, host, ready)
+        self.pending = _Pending(list(seqs), drawn, host, ready, set())
         self.launched += 1
 
     def collect(self) -> list:
@@ -118,6 +146,11 @@ class Ahead:
         self.pending = None
         live = [s for s in p.seqs if s in eng.running and not s.finished]
         self.dropped += len(p.seqs) - len(live)
+        if eng.recurrent is not None:  # (a stopped sequence not released yet: its state goes back now)
+            for s in p.seqs:
+                if s not in live and s.slot not in p.restored:
+                    eng.recurrent.load_saved(s.slot)
+                    p.restored.add(s.slot)
         for s in live:  # the step consumed each one's last token, at its position
             s.pos += 1
             eng.slot_tokens[s.slot].append(s.output[-1])

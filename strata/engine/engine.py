@@ -205,6 +205,8 @@ class Engine:
         if self.mtp is not None:
             self.mtp.forget(seq)
         if seq in self.running:
+            if self.ahead is not None:  # (a step in flight may hold its unread token: strata.engine.ahead)
+                self.ahead.released(seq)
             self.running.remove(seq)
             self.free_slots.append(seq.slot)
             if self.recurrent is not None and seq.slot not in self._state_bad:

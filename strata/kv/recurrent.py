@@ -32,6 +32,8 @@ class RecurrentState:
         # (layer, slot) -> (the state after each of the segment's tokens [n, H, Dk, Dv], the conv's inputs
         # [K-1+n, C]: its state before the segment, then the segment's)
         self.pending: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._saved: dict | None = None  # `save`'s standing copy of every slot's state (None until first used)
+        self._pairs: dict[tuple[int, ...], tuple[list, list]] = {}
 
     @staticmethod
     def bytes_per_slot(n_layers: int, conv_shape, ssm_shape, dtype: torch.dtype = torch.float32) -> int:
@@ -70,6 +72,27 @@ class RecurrentState:
         return {"slots": idx,
                 "conv": {i: copy(t) for i, t in self.conv.items()},
                 "ssm": {i: copy(t) for i, t in self.ssm.items()}}
+
+    def save(self, slots: list[int]) -> None:
+        """Copy the given slots' state aside on the device (one standing copy of every slot's state, made on first
+        use), for `load_saved`: a decode step launched ahead of the host's read of its input token folds that
+        token in, and a sequence that stopped at it takes the state back (strata.engine.ahead). Raises
+        torch.OutOfMemoryError when the copy has no room."""
+        if self._saved is None:
+            self._saved = {k: {i: torch.empty_like(t) for i, t in d.items()}
+                           for k, d in (("conv", self.conv), ("ssm", self.ssm))}
+        key = tuple(slots)
+        if key not in self._pairs:  # the views, once per set of slots (a step's copy is one foreach call)
+            src = [d[i][s] for d in (self.conv, self.ssm) for i in self.layers for s in key]
+            dst = [self._saved[k][i][s] for k in ("conv", "ssm") for i in self.layers for s in key]
+            self._pairs[key] = (dst, src)
+        dst, src = self._pairs[key]
+        torch._foreach_copy_(dst, src)
+
+    def load_saved(self, slot: int) -> None:
+        """Put back the state `save` set aside for `slot` (in stream order: after the step that changed it)."""
+        torch._foreach_copy_([d[i][slot] for d in (self.conv, self.ssm) for i in self.layers],
+                             [self._saved[k][i][slot] for k in ("conv", "ssm") for i in self.layers])
 
     def restore(self, snap: dict) -> None:
         """Put a snapshot back, in place (captured graphs hold these buffers' addresses)."""
