@@ -318,13 +318,14 @@ def test_cuda_tiered_graphs_keep_their_captures(hf_and_gguf, mode):
     assert ex.stats.pcie > 0 and ex.stats.cpu == 0
 
 
-def test_steps_launched_ahead_keep_the_state_of_what_the_slot_holds(path, lm):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_steps_launched_ahead_keep_the_state_of_what_the_slot_holds(path, lm, device):
     """Decode steps launched one ahead (strata.engine.ahead) fold their unread input token into the recurrent
     state; a sequence that stops at that token takes the state back. Against steps one at a time: the same text,
     the same reuse of the slot by a follow-up turn, the same state after each turn (a stop token and a length
     limit, the stop found while the step after it is in flight)."""
     def engine(ahead: bool) -> Engine:
-        cfg = EngineConfig(device="cpu", dtype="float32", ctx_size=1024, cuda_graphs=True, decode_ahead=ahead)
+        cfg = EngineConfig(device=device, dtype="float32", ctx_size=1024, cuda_graphs=True, decode_ahead=ahead)
         return Engine(load_model(str(path), cfg, with_tokenizer=False), n_slots=1, prefill_chunk=6)
 
     on, off = engine(True), engine(False)
@@ -340,9 +341,9 @@ def test_steps_launched_ahead_keep_the_state_of_what_the_slot_holds(path, lm):
             out = list(eng.generate(prompt, GREEDY, n, stop_ids=stops))
             outs.append((out, eng.last.cached, eng.slot_tokens[0][:]))
         assert outs[0] == outs[1]
-        for i in lm.model.recurrent_layers:
-            assert torch.allclose(on.kv.recurrent.ssm[i][0], off.kv.recurrent.ssm[i][0], atol=1e-6)
-            assert torch.equal(on.kv.recurrent.conv[i][0], off.kv.recurrent.conv[i][0])
+        for i in lm.model.recurrent_layers:  # (graphed and eager steps may differ in the last bits on a GPU)
+            assert torch.allclose(on.kv.recurrent.ssm[i][0], off.kv.recurrent.ssm[i][0], atol=1e-5)
+            assert torch.allclose(on.kv.recurrent.conv[i][0], off.kv.recurrent.conv[i][0], atol=1e-6)
         prev = prompt + outs[0][0]
     assert on.ahead.launched > 0 and on.ahead.dropped > 0
     assert off.last.cached > 0  # the follow-up turns reused the slot
