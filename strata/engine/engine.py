@@ -224,6 +224,7 @@ class Engine:
         if not self.running:
             return []
         t0 = time.perf_counter()
+        captures = self.graphs.captures if self.graphs is not None else 0
         plan = self._schedule()
         logits = self._run(plan)
         if logits is None:
@@ -232,7 +233,9 @@ class Engine:
         if self.ahead is not None and picks:
             self.ahead.after_draw(plan, picks)  # the next step queued before this one's tokens are read
         out = self._postprocess(picks, self._logprobs(picks, logits)) if picks else []
-        if self.draft_cost is not None and plan.prefill is None and len(plan.segs) == 1:
+        # (a step that captured its graphs first took that capture's time too: no sample of what a step costs)
+        if self.draft_cost is not None and plan.prefill is None and len(plan.segs) == 1 \
+                and (self.graphs is None or self.graphs.captures == captures):
             self.draft_cost.record(plan.segs[0].n, (time.perf_counter() - t0) * 1e3)
         if self.mtp is not None and self._hidden is not None:  # the MTP block reads what this step settled
             at = 0

@@ -120,6 +120,7 @@ class DecodeGraphs:
         self.dropped_for_memory = 0  # captures dropped to make room for another (out of VRAM)
         self.no_room: set[tuple] = set()  # steps whose capture did not fit: they run eagerly
         self.verify = True  # verify steps (T > 1 tokens a sequence) captured too; off after a failed capture
+        self.captures = 0  # captures tried (a step that captured is no sample of a step's cost: draft_cost)
         dev = model.device
         n = self.max_tokens
         self.tok = torch.zeros(n, dtype=torch.long, device=dev)  # static inputs
@@ -181,6 +182,7 @@ class DecodeGraphs:
         one does not)."""
         if key in self.no_room:  # (its warm-up forwards and capture are not tried again at every step)
             raise torch.OutOfMemoryError(f"no VRAM for the capture of {key} beside the model")
+        self.captures += 1
         try:
             try:
                 return self._capture_once(key)

@@ -128,3 +128,35 @@ def test_the_engine_stops_verifying_drafts_that_never_stand(hf_and_gguf, monkeyp
     without_cost = len(verified) - n_before
     assert n_before < without_cost, (n_before, without_cost)  # fewer verify steps with the costs known
     assert n_before <= 80 // dc.EXPLORE + 6, n_before
+
+
+def test_steps_that_capture_their_graphs_are_not_timed(hf_and_gguf, monkeypatch):
+    """A step that first captured its CUDA graphs (a verify step's first of each length, a new attention window)
+    took the capture's time as well: the engine leaves it out of the step costs, or one capture of a rare length
+    would rule drafts out for good (seen on a GPU: a fitted 128 ms per drafted token). The captures are simulated
+    on the CPU's static path: the first step of each shape counts one and takes 50 ms more."""
+    import time
+
+    from strata.config import EngineConfig
+    from strata.engine.engine import Engine
+    from strata.engine.loader import load_model
+
+    _, path = hf_and_gguf("qwen3moe")
+    cfg = EngineConfig(device="cpu", dtype="float32", cuda_graphs=True, draft_max=4, decode_ahead=False)
+    eng = Engine(load_model(str(path), cfg, with_tokenizer=False), n_slots=1)
+    g, seen = eng.graphs, set()
+    real = g.step_batch
+
+    def step_batch(tokens, positions, slots, T=1):
+        if (len(slots), T) not in seen:
+            seen.add((len(slots), T))
+            g.captures += 1
+            time.sleep(0.05)
+        return real(tokens, positions, slots, T)
+
+    monkeypatch.setattr(g, "step_batch", step_batch)
+    prompt = _prompt(30, seed=3)
+    list(eng.generate(prompt + prompt, GREEDY, 40))  # (the repeat: n-gram drafts of several lengths)
+    assert len(seen) > 2  # plain steps and verify steps of more than one length were graphed
+    times = [ms for v in eng.draft_cost.times.values() for ms in v]
+    assert times and max(times) < 50, sorted(times)[-3:]
