@@ -38,6 +38,8 @@ from strata.ops import registry
 from strata.ops.expert_gather import two_tier_expert_ffn, two_tier_fast
 
 stage_misses = registry.op("stage_misses")
+lookup_slots = registry.op("lookup_slots")  # (each a launch on a GPU: strata.ops.host_stage)
+commit_prefetch = registry.op("commit_prefetch")
 
 log = logging.getLogger("strata")
 
@@ -157,13 +159,11 @@ class DirectDecode:
         rec.layers.add(li)
         flat = ids.view(-1)  # [N*k], pair p = token p // k, choice p % k
         pool, ew = t.cache.pool_of[layer], t.store[layer]
-        slots = t.cache.map[li].index_select(0, flat)
-        rec.dev[li, 0].copy_(flat)
-        rec.dev[li, 1].copy_(slots)  # (the cache's view: a prefetched expert still counts as a miss)
         host = (ew.gate, ew.up, ew.down)
         stacks = (pool.gate, pool.up, pool.down)
         n_stage = pool.staging
         ahead = self.prefetch and (N == 1 or self.prefetch_batches) and pool.staging >= 3 * k
+        pmap, fill = None, False
         if ahead:
             n_stage = pool.staging - 2 * k  # the last 2k slots: the prefetch regions of odd and even layers
             if self._issued == li:  # the previous layer staged this one's predicted misses: wait, then use them
@@ -176,9 +176,12 @@ class DirectDecode:
                     if capturing:
                         recorder.forks.remove(self.side)
                 self._hold = None  # (main-stream work from here on is ordered after the side stream's reads)
-                slots = torch.where(slots >= 0, slots, self.pmap[li].index_select(0, flat))
+                pmap = self.pmap[li]
             else:  # (the first MoE layer: nothing predicted for it)
-                rec.dev[li, 2].fill_(-1)
+                fill = True
+        # the pairs' slots (a prefetched expert in its staging slot) and the record's rows: the experts, their slots
+        # in the cache (its view: a prefetched expert still counts as a miss), -1 for nothing prefetched
+        slots = lookup_slots(flat, t.cache.map[li], rec.dev[li], pmap, fill)
         nxt = t.next_moe.get(layer) if ahead else None
         if nxt is not None and nxt.layer in t.index:  # forked before this layer's own copies: the bus stays busy
             self._prefetch(t.index[nxt.layer], nxt, x, rec, getattr(ctx, "recorder", None))  # through this layer's compute
@@ -210,10 +213,7 @@ class DirectDecode:
             s_n = t.cache.map[nl].index_select(0, pid)
             out = stage_misses(s_n, pid, (ew.gate, ew.up, ew.down), (pool.gate, pool.up, pool.down), region, k,
                                programs=self.programs)
-            staged = torch.where(s_n < 0, out, torch.full_like(out, -1))  # (a miss past the k: still negative)
-            self.pmap[nl].fill_(-1)
-            self.pmap[nl].index_copy_(0, pid, staged)
-            rec.dev[nl, 2, :pid.numel()].copy_(torch.where(staged >= 0, pid, torch.full_like(pid, -1)))
+            commit_prefetch(pid, s_n, out, self.pmap[nl], rec.dev[nl, 2, :pid.numel()])
         self._issued = nl
         # x was made on the main stream: held until the next layer joins the side stream, so that its memory is
         # not handed to main-stream work the side stream's reads could still overlap

@@ -103,6 +103,51 @@ if triton is not None:
             _copy_part(j, c, t, e, lead, rank, h0, h1, h2, p0, p1, p2, w0, w1, w2, base, n, BLOCK)
 
 
+    @triton.jit
+    def _lookup_kernel(flat, smap, pmap, rec, out, P, R, PB: tl.constexpr, MODE: tl.constexpr):
+        """lookup_slots in one program: MODE 0 plain, 1 with the prefetch's map, 2 filling the record's row 2."""
+        i = tl.arange(0, PB)
+        m = i < P
+        e = tl.load(flat + i, mask=m, other=0).to(tl.int64)
+        s = tl.load(smap + e, mask=m, other=-1)
+        tl.store(rec + i, e, mask=m)
+        tl.store(rec + R + i, s, mask=m)
+        if MODE == 1:
+            s = tl.where(s >= 0, s, tl.load(pmap + e, mask=m, other=-1))
+        if MODE == 2:
+            tl.store(rec + 2 * R + i, tl.full([PB], -1, tl.int64), mask=m)
+        tl.store(out + i, s, mask=m)
+
+    @triton.jit
+    def _commit_kernel(pid, cached, staged, pmap, rec2, P, E, PB: tl.constexpr, EB: tl.constexpr):
+        """commit_prefetch in one program: the map cleared, a barrier, then the staged experts written."""
+        a = tl.arange(0, EB)
+        tl.store(pmap + a, tl.full([EB], -1, tl.int64), mask=a < E)
+        tl.debug_barrier()  # (the clearing stores land before the writes below, made by other threads)
+        i = tl.arange(0, PB)
+        m = i < P
+        e = tl.load(pid + i, mask=m, other=0).to(tl.int64)
+        got = tl.where(tl.load(cached + i, mask=m, other=0) < 0, tl.load(staged + i, mask=m, other=-1), -1)
+        tl.store(pmap + e, got, mask=m)
+        tl.store(rec2 + i, tl.where(got >= 0, e, -1), mask=m)
+
+
+def triton_lookup_slots(flat, slot_map, rec, pmap=None, fill: bool = False) -> torch.Tensor:
+    P = flat.shape[0]
+    out = torch.empty(P, dtype=slot_map.dtype, device=flat.device)
+    if P:
+        mode = 1 if pmap is not None else 2 if fill else 0
+        _lookup_kernel[(1,)](flat, slot_map, pmap if pmap is not None else slot_map, rec, out, P, rec.stride(0),
+                             PB=triton.next_power_of_2(P), MODE=mode, num_warps=1)
+    return out
+
+
+def triton_commit_prefetch(pid, cached, staged, pmap, rec2) -> None:
+    P, E = pid.shape[0], pmap.shape[0]
+    _commit_kernel[(1,)](pid, cached, staged, pmap, rec2, P, E, PB=triton.next_power_of_2(max(P, 1)),
+                         EB=triton.next_power_of_2(E), num_warps=4)
+
+
 def _words(raw: torch.Tensor) -> torch.Tensor:
     """A stack's bytes as u32 words [n, words of one expert] (int32 view: the copy moves bits)."""
     return raw.view(raw.shape[0], -1).view(torch.int32)
@@ -140,6 +185,29 @@ def _when(slots, eids, host, pool, base, n, programs: int = 0) -> bool:
 
 
 registry.op("stage_misses").register("triton", triton_stage_misses, _when)
+
+# The bookkeeping around the staging, a MoE layer's ~15 small torch launches in a decode step (the cache map's
+# lookups, `where`, fills and the record's copies), in one launch each side: taken on a GPU once
+# tests/ops/test_host_stage.py's GPU test has passed there (the interpreter tests run them on the CPU).
+BOOKKEEPING_GPU_TESTED = False
+
+
+def _one_program(t: torch.Tensor, *_a, **_k) -> bool:
+    return BOOKKEEPING_GPU_TESTED and triton is not None and t.is_cuda and t.shape[0] <= 4096
+
+
+def _lookup_when(flat, slot_map, rec, pmap=None, fill=False) -> bool:
+    return _one_program(flat) and rec.is_contiguous() and rec.dtype == slot_map.dtype == torch.int64
+
+
+def _commit_when(pid, cached, staged, pmap, rec2) -> bool:
+    return _one_program(pid) and pmap.shape[0] <= 4096 and pmap.is_contiguous() and rec2.is_contiguous()
+
+
+registry.op("lookup_slots").register("triton", triton_lookup_slots, _lookup_when)
+registry.op("commit_prefetch").register("triton", triton_commit_prefetch, _commit_when)
+lookup_slots = registry.op("lookup_slots")
+commit_prefetch = registry.op("commit_prefetch")
 # slots [P] int64 (negative: a miss), eids [P] int64, host: the layer's expert stacks where they lie (QTensors [E,
 # ...], pinned on CUDA), pool: the pool's stacks (QTensors [S, ...]), base/n: the staging slots base .. base+n ->
 # slots [P]: each distinct missed expert (first n, in order of first occurrence) copied into a staging slot and its

@@ -287,6 +287,35 @@ def stage_misses(slots: torch.Tensor, eids: torch.Tensor, host, pool, base: int,
     return out
 
 
+@reference("lookup_slots")
+def lookup_slots(flat: torch.Tensor, slot_map: torch.Tensor, rec: torch.Tensor, pmap: torch.Tensor | None = None,
+                 fill: bool = False) -> torch.Tensor:
+    """A MoE layer's pairs in the expert cache: flat [P] each pair's expert, slot_map [E] the layer's slot of each
+    expert (-1: not cached) -> slots [P]; rec [3, P] (the step's record of the layer) gets the experts in row 0 and
+    their cached slots in row 1; with pmap [E] (the slots a prefetch staged the layer's predicted misses in, -1
+    elsewhere) a pair the cache misses takes its prefetched slot; fill: row 2 (what a prefetch staged) set to -1."""
+    slots = slot_map.index_select(0, flat)
+    rec[0].copy_(flat)
+    rec[1].copy_(slots)
+    if pmap is not None:
+        slots = torch.where(slots >= 0, slots, pmap.index_select(0, flat))
+    elif fill:
+        rec[2].fill_(-1)
+    return slots
+
+
+@reference("commit_prefetch")
+def commit_prefetch(pid: torch.Tensor, cached: torch.Tensor, staged: torch.Tensor, pmap: torch.Tensor,
+                    rec2: torch.Tensor) -> None:
+    """After a prefetch staged the next layer's predicted experts pid [P] (cached [P]: their slots in the cache,
+    staged [P]: stage_misses' output): pmap [E] holds the staging slot of each expert it staged (-1 elsewhere,
+    hits included), and rec2 [P] (the record's row 2) each pair's expert where it was staged, else -1."""
+    got = torch.where(cached < 0, staged, torch.full_like(staged, -1))  # (a miss past the region: still negative)
+    pmap.fill_(-1)
+    pmap.index_copy_(0, pid, got)
+    rec2.copy_(torch.where(got >= 0, pid, torch.full_like(pid, -1)))
+
+
 def torch_gather_ffn(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor,
                      slots: torch.Tensor, act=None, eids: torch.Tensor | None = None) -> torch.Tensor:
     """The batched torch gathered FFN; with `act` (strata.experts.resident.ExpertAct) each pair's biases, by

@@ -21,6 +21,10 @@ Nothing else registers kernels, and no caller checks for a kernel itself.
                                                                                         from pinned host RAM)
     stage_misses        reference.stage_misses               host_stage                (Triton, CUDA: distinct
                                                                                         misses into staging slots)
+    lookup_slots        reference.lookup_slots               host_stage                (Triton, CUDA: a layer's
+                                                                                        pairs in the cache, one launch)
+    commit_prefetch     reference.commit_prefetch            host_stage                (Triton, CUDA: a prefetch's
+                                                                                        map and record, one launch)
     route_topk          reference.route_topk                 route.route_topk          (Triton, CUDA)
     router_logits       reference.router_logits              route.router_logits       (Triton, CUDA: float
                                                                                         routers, x as it is)

@@ -120,9 +120,13 @@ def test_batches_and_text_unchanged(model_path, flag):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("slots,programs", [(0, 16), (3, 16), (3, 0), (0, 1)])
-def test_cuda_prefetch_is_one_graph_and_matches_resident(model_path, slots, programs):
+@pytest.mark.parametrize("bookkeeping", [False, True])
+def test_cuda_prefetch_is_one_graph_and_matches_resident(model_path, slots, programs, bookkeeping, monkeypatch):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    import strata.ops.host_stage as hs
+
+    monkeypatch.setattr(hs, "BOOKKEEPING_GPU_TESTED", bookkeeping)  # (lookups and the prefetch's map in one launch)
     ref = _logits(_engine(model_path, "cuda", True, mode="resident"), 40)
     # the slot count as given: on a GPU the prefill loan would lend this tiny model enough slots for every expert
     # (nothing missed, nothing to prefetch)

@@ -137,7 +137,11 @@ def test_handoff_is_the_default(model_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["direct", "staged"])
 @pytest.mark.parametrize("slots", [0, 3, 8])
-def test_cuda_direct_decode_is_one_graph_and_matches_resident(model_path, slots, mode):
+@pytest.mark.parametrize("bookkeeping", [False, True])
+def test_cuda_direct_decode_is_one_graph_and_matches_resident(model_path, slots, mode, bookkeeping, monkeypatch):
+    import strata.ops.host_stage as hs
+
+    monkeypatch.setattr(hs, "BOOKKEEPING_GPU_TESTED", bookkeeping)  # (the cache lookups in one launch, or torch's)
     ref = _logits(_engine(model_path, "cuda", True, mode="resident"), 40)
     # the slot count as given (on a GPU the prefill loan would lend this tiny model slots: hits at 0 slots)
     eng = _engine(model_path, "cuda", True, slots=slots, cpu_plan="000", decode_misses=mode, prefill_loan="off")

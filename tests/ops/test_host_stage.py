@@ -88,3 +88,64 @@ def test_twin_stages_each_distinct_miss_once():
     for src, dst in zip(host, pool):
         assert torch.equal(dst.raw[2], src.raw[3]) and torch.equal(dst.raw[3], src.raw[4])
         assert not dst.raw[4].any() and not dst.raw[0].any()
+
+
+BOOKKEEPING = textwrap.dedent("""
+    import torch
+    from strata.ops.host_stage import triton_commit_prefetch, triton_lookup_slots
+    from strata.ops.reference import commit_prefetch, lookup_slots
+    dev = torch.device(DEVICE)
+    g = torch.Generator().manual_seed(0)
+    E = 40
+    for P in (1, 8, 10, 80):  # a token's k, and several tokens' pairs (not a power of two)
+        for trial in range(4):
+            smap = torch.randint(-1, 30, (E,), generator=g)
+            smap[torch.rand(E, generator=g) < 0.5] = -1  # half the experts not cached
+            pmap = torch.full((E,), -1, dtype=torch.int64)
+            pmap[torch.randperm(E, generator=g)[:6]] = torch.arange(50, 56)
+            flat = torch.randint(0, E, (P,), generator=g)
+            for mode in ("plain", "prefetched", "fill"):
+                outs = []
+                for fn, d in ((lookup_slots, torch.device("cpu")), (triton_lookup_slots, dev)):
+                    rec = torch.full((3, P), 7, dtype=torch.int64, device=d)
+                    got = fn(flat.to(d), smap.to(d), rec, pmap.to(d) if mode == "prefetched" else None,
+                             mode == "fill")
+                    outs.append((got.cpu().tolist(), rec.cpu().tolist()))
+                assert outs[0] == outs[1], (P, mode, outs)
+            # a prefetch's result: predicted experts (repeats), the cache's slots, stage_misses' output
+            pid = torch.randint(0, E, (P,), generator=g)
+            cached = smap[pid]
+            staged = torch.where(cached < 0, torch.randint(-3, 9, (P,), generator=g), cached)
+            ref = []
+            for e in set(pid.tolist()):  # (the kernel stages one slot an expert: its pairs agree)
+                staged[pid == e] = staged[pid == e][0]
+            for fn, d in ((commit_prefetch, torch.device("cpu")), (triton_commit_prefetch, dev)):
+                pm = torch.randint(0, 9, (E,), dtype=torch.int64, device=d)
+                rec2 = torch.full((P,), 7, dtype=torch.int64, device=d)
+                fn(pid.to(d), cached.to(d), staged.to(d), pm, rec2)
+                ref.append((pm.cpu().tolist(), rec2.cpu().tolist()))
+            assert ref[0] == ref[1], (P, ref)
+    print("ok")
+""")
+
+
+def _run_bookkeeping(device: str, interpret: bool) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    r = subprocess.run([sys.executable, "-c", f"DEVICE = {device!r}\n" + BOOKKEEPING], env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
+
+
+def test_bookkeeping_kernels_match_their_twins_in_the_interpreter():
+    """lookup_slots and commit_prefetch (a MoE layer's cache lookups and a prefetch's map, one launch each)."""
+    pytest.importorskip("triton")
+    _run_bookkeeping("cpu", interpret=True)
+
+
+@pytest.mark.gpu
+def test_bookkeeping_kernels_match_their_twins_on_the_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    _run_bookkeeping("cuda", interpret=False)
