@@ -347,3 +347,31 @@ def test_steps_launched_ahead_keep_the_state_of_what_the_slot_holds(path, lm, de
         prev = prompt + outs[0][0]
     assert on.ahead.launched > 0 and on.ahead.dropped > 0
     assert off.last.cached > 0  # the follow-up turns reused the slot
+
+
+def test_two_sequences_ahead_one_stopping_keep_each_state(path, lm):
+    """Two sequences decode in one step launched ahead; the first stops on a stop token while the step after it is
+    in flight: it takes its state back, the other goes on. Texts and both slots' states as without the step
+    ahead (and the first slot's state then serves a follow-up turn)."""
+    def engine(ahead: bool) -> Engine:
+        cfg = EngineConfig(device="cpu", dtype="float32", ctx_size=1024, cuda_graphs=True, decode_ahead=ahead,
+                           n_slots=2)
+        return Engine(load_model(str(path), cfg, with_tokenizer=False), n_slots=2, prefill_chunk=64)
+
+    a, b = _prompt(14, seed=21), _prompt(9, seed=22)
+    stop = _alone(lm, a, 12)[4]
+    got = []
+    for ahead in (True, False):
+        eng = engine(ahead)
+        seqs = [Sequence.of(Request(a, GREEDY, 12, {stop})), _seq(b, n=16)]
+        outs = _run_all(eng, seqs)
+        states = {i: (eng.kv.recurrent.ssm[i].clone(), eng.kv.recurrent.conv[i].clone())
+                  for i in lm.model.recurrent_layers}
+        follow = a + outs[0] + _prompt(4, seed=23)
+        more = list(eng.generate(follow, GREEDY, 6))
+        got.append((outs, states, more, eng.last.cached, (eng.ahead.launched, eng.ahead.dropped) if eng.ahead else 0))
+    (o1, s1, m1, c1, (launched, dropped)), (o2, s2, m2, c2, _) = got
+    assert launched > 0 and dropped > 0 and len(o1[0]) < 12 and c2 > 0
+    assert o1 == o2 and m1 == m2 and c1 == c2
+    for i in lm.model.recurrent_layers:
+        assert torch.allclose(s1[i][0], s2[i][0], atol=1e-5) and torch.allclose(s1[i][1], s2[i][1], atol=1e-6)
