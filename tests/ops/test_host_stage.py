@@ -56,11 +56,11 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _run(device: str, interpret: bool) -> None:
+def _run(device: str, interpret: bool, script: str = SCRIPT) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     if interpret:
         env["TRITON_INTERPRET"] = "1"
-    r = subprocess.run([sys.executable, "-c", f"DEVICE = {device!r}\n" + SCRIPT], env=env, capture_output=True,
+    r = subprocess.run([sys.executable, "-c", f"DEVICE = {device!r}\n" + script], env=env, capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
 
@@ -129,23 +129,14 @@ BOOKKEEPING = textwrap.dedent("""
 """)
 
 
-def _run_bookkeeping(device: str, interpret: bool) -> None:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    if interpret:
-        env["TRITON_INTERPRET"] = "1"
-    r = subprocess.run([sys.executable, "-c", f"DEVICE = {device!r}\n" + BOOKKEEPING], env=env, capture_output=True,
-                       text=True, timeout=300)
-    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
-
-
 def test_bookkeeping_kernels_match_their_twins_in_the_interpreter():
     """lookup_slots and commit_prefetch (a MoE layer's cache lookups and a prefetch's map, one launch each)."""
     pytest.importorskip("triton")
-    _run_bookkeeping("cpu", interpret=True)
+    _run("cpu", interpret=True, script=BOOKKEEPING)
 
 
 @pytest.mark.gpu
 def test_bookkeeping_kernels_match_their_twins_on_the_gpu():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    _run_bookkeeping("cuda", interpret=False)
+    _run("cuda", interpret=False, script=BOOKKEEPING)
