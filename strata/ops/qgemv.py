@@ -19,9 +19,9 @@ from strata.quant.qtensor import QTensor
 MAX_ROWS = 8
 # 2-8 rows of x (a verify step, a batch of sequences) against Q8_0 / Q4_K / Q6_K weights by the kernel that decodes
 # each block once for all of them (strata.ops.kquant_rows). Its GPU test passes, but it stays off by default: timed
-# on the GPU machine it is slower than the one-row kernel for Q4_K at every shape and for Q8_0 below 2,048 output
-# rows, and its sums are not the one-row kernel's bit for bit, so a drafted step's greedy text could differ from
-# plain decoding's (docs/BENCHMARKS.md, "Speculative decoding"). The interpreter tests run it on the CPU.
+# on the GPU machine it is slower than the one-row kernel for Q4_K and for the smaller Q8_0 weights, and its sums
+# are not the one-row kernel's bit for bit, so a drafted step's greedy text could differ from plain decoding's
+# (docs/BENCHMARKS.md, "Speculative decoding"). The interpreter tests run it on the CPU.
 ROWS_GPU_TESTED = False
 
 
