@@ -227,15 +227,14 @@ class Engine:
         captures = self.graphs.captures if self.graphs is not None else 0
         plan = self._schedule()
         logits = self._run(plan)
-        if logits is None:
-            return self.step()  # out of memory in a prefill chunk: the same work again in smaller chunks
+        if logits is None:  # out of memory (a prefill chunk: smaller chunks; a decode step: the lent VRAM back)
+            return self.step()
         picks = self._draw(plan, logits)
         if self.ahead is not None and picks:
             self.ahead.after_draw(plan, picks)  # the next step queued before this one's tokens are read
         out = self._postprocess(picks, self._logprobs(picks, logits)) if picks else []
-        # (a step that captured its graphs first took that capture's time too: no sample of what a step costs)
         if self.draft_cost is not None and plan.prefill is None and len(plan.segs) == 1 \
-                and (self.graphs is None or self.graphs.captures == captures):
+                and (self.graphs is None or self.graphs.captures == captures):  # (a capture's time: no sample)
             self.draft_cost.record(plan.segs[0].n, (time.perf_counter() - t0) * 1e3)
         if self.mtp is not None and self._hidden is not None:  # the MTP block reads what this step settled
             at = 0
@@ -324,10 +323,8 @@ class Engine:
         phase = "decode" if plan.prefill is None else "prefill" if all(not s.prompt_done for s in plan.owners) \
             else "mixed"
         ctx = self.model.step_context(segs, len(toks), phase=phase, graphs=self.graphs is not None)
-        # a prefill chunk that runs out of memory is run again in smaller chunks: a recurrent state must first be
-        # put back as it was (its layers before the failure had already folded the chunk in)
-        # (in host memory: the step has not borrowed back the VRAM lent to the expert cache yet, and a prompt's
-        # chunk is long beside the copy)
+        # a prefill chunk out of memory runs again in smaller chunks: a recurrent state is put back first (its layers
+        # before the failure folded the chunk in); the copy in host memory (the lent VRAM is not borrowed back yet)
         snap = None
         if self.recurrent is not None and plan.prefill is not None and self.prefill_chunk > 256:
             snap = self.recurrent.snapshot([seg.slot for seg in segs], host=True)
@@ -471,6 +468,12 @@ class Engine:
             self.prefill_chunk //= 2
             log.warning("strata: out of memory %s during a prefill chunk: chunks of %d tokens from now on "
                         "(--prefill-chunk sets it)", where, self.prefill_chunk)
+            return
+        # a decode step beside the prompt activations' VRAM lent to the cache: that VRAM back, the step again (not
+        # with recurrent layers: those before the failure folded the step's tokens in)
+        if prefill is None and self.recurrent is None and getattr(self.model.experts, "give_back_loan", bool)():
+            log.warning("strata: out of memory %s in a decode step: the prompt activations' VRAM lent to the expert "
+                        "cache goes back to the device from now on (--prefill-loan off: from the start)", where)
             return
         raise StrataError(f"out of memory {where}: lower --ctx-size, --parallel or --prefill-chunk, or raise the "
                           "budget (--vram-gb / --vram-reserve-mib)")

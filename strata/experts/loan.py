@@ -75,7 +75,10 @@ def release_activations(t) -> int:
 
 def restore_activations(t) -> bool:
     """Map the activations' VRAM into the pool again after a prompt (its blocks given back to the device first);
-    False when the device has no room for it now (those rows stay out of the cache until the next prompt)."""
+    False when the device has no room for it now (those rows stay out of the cache until the next prompt), or once
+    a step ran out of memory beside them (`end_activation_loan`: for good)."""
+    if getattr(t, "act_loan_ended", False):
+        return False
     bufs = [r for pool in t.cache.pools for r in pool.releasable if r.released]
     if not bufs:
         return True
@@ -125,3 +128,25 @@ def loan_turn(t, ctx) -> None:
                 t.policy.set_capacity(li, cache.layer_slots[layer] + cache.loan_slots[layer] - out)
         cache.lent = True
 
+
+
+def end_activation_loan(t) -> bool:
+    """A decode step ran out of VRAM while the prompt activations' VRAM was the cache's: their rows' experts are
+    evicted, the VRAM goes back to the device, and it is not lent again (the step can then run once more). False
+    when nothing was lent there."""
+    cache = t.cache
+    if cache is None or getattr(t, "act_loan_ended", False) or not any(cache.act_slots.values()):
+        return False
+    t.act_loan_ended = True
+    if not cache.lent:  # (a prompt holds them now; restore_activations keeps them out from here on)
+        return True
+    if t.cuda:  # (the rows' readers and the copies landing there finish first)
+        torch.cuda.synchronize(t.device)
+    for li, layer in enumerate(t.layer_ids):
+        if cache.act_slots[layer]:
+            cap = cache.layer_slots[layer] + cache.loan_slots[layer] - cache.act_slots[layer]
+            for e in t.policy.set_capacity(li, cap):
+                t.pending[li].pop(e, None)
+            cache.upload_map(li, t.policy.expert_map()[li])
+    release_activations(t)
+    return True

@@ -39,7 +39,7 @@ from strata.experts.stats import ExpertStats, StepProfile
 from strata.experts.store import ExpertStore
 from strata.experts.tiered_decode import GraphedDecode
 from strata.experts.tiered_direct import DirectDecode, supported as direct_supported
-from strata.experts.loan import loan_tested, loan_turn, prefill_loan_slots
+from strata.experts.loan import end_activation_loan, loan_tested, loan_turn, prefill_loan_slots
 from strata.experts.tiered_eager import PAIRS_MAX, EagerLayer
 from strata.experts.tuner import LaneSetting, PlanTuner, lane_candidates
 
@@ -380,6 +380,11 @@ class TieredExperts:
             loan_turn(self, ctx)
         if ctx.counting:
             self._begin_step(ctx)
+
+    def give_back_loan(self) -> bool:
+        """Out of VRAM in a decode step: the prompt activations' VRAM lent to the cache goes back for good
+        (strata.experts.loan.end_activation_loan); False when none was lent."""
+        return end_activation_loan(self)
 
     def _loan_wanted(self) -> bool:
         """--chunk-buffer-loan: on, off, or auto (on for a GPU: its GPU test has passed there, loan.GPU_TESTED)."""

@@ -83,6 +83,38 @@ def test_a_prompt_releases_the_rows_and_their_experts(model_path, chunked_on_cpu
     assert seen and seen[0] == (True, True, 0)
 
 
+def test_a_decode_step_out_of_memory_takes_the_lent_activations_back(model_path, reference, chunked_on_cpu,
+                                                                     monkeypatch, caplog):
+    """A decode step that runs out of VRAM beside the lent activations: their rows' experts are evicted, the VRAM
+    goes back to the device for good, the step runs again and the text is the resident one; later prompts keep
+    the rows out of the cache (before: the request failed with an out-of-memory error)."""
+    eng = _engine(model_path, "cpu", False, slots=1, cpu_plan="000", chunk_loan="on", prefill_loan="on")
+    ex, sp = eng.model.experts, SamplingParams(temperature=0)
+    a = list(eng.generate(A, sp, 24))
+    cache = ex.cache
+    first = cache.layer_ids[0]
+    assert cache.lent and cache.act_slots[first] == 2
+    inner, failed = eng.model.forward, []
+
+    def forward(t, p, segs, kv, **kw):  # B's third decode step runs out of memory once
+        if eng.last is not None and len(eng.last.output) == 3 and segs[0].n == 1 and not failed:
+            failed.append(True)
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        return inner(t, p, segs, kv, **kw)
+
+    monkeypatch.setattr(eng.model, "forward", forward)
+    with caplog.at_level("WARNING", logger="strata"):
+        b = list(eng.generate(B, sp, 24))
+    assert failed and "in a decode step" in caplog.text
+    assert [a, b] == reference
+    pool = cache.pool_of[first]
+    assert all(r.released for r in pool.releasable) and int((cache.map >= pool.act_base).sum()) == 0
+    chunk_share = cache.loan_slots[first] - 2
+    assert all(ex.policy.capacity(li) == 1 + chunk_share for li in range(len(cache.layer_ids)))
+    assert list(eng.generate(A, sp, 24)) == a  # the next prompt: the rows stay out, the text the same
+    assert all(r.released for r in pool.releasable) and cache.lent
+
+
 def test_off_and_auto_on_the_cpu_lend_nothing(model_path, chunked_on_cpu):
     for how in ("off", "auto"):
         eng = _engine(model_path, "cpu", True, slots=1, cpu_plan="000", chunk_loan="on", prefill_loan=how)
