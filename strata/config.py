@@ -98,7 +98,8 @@ class ExpertConfig:
     prefill_loan: str = field(default="auto", metadata=opt(
         "the VRAM a prompt chunk's activations take lent to the expert cache as extra slots between prompts (a "
         "prompt evicts them and hands their memory back to the device for its activations; decode refills them): "
-        "on, off, or auto (on for a GPU where tested; needs the chunk buffers' loan)",
+        "on, off, or auto (on for a GPU where tested; needs the chunk buffers' loan; a decode step out of VRAM "
+        "beside it ends it, with a warning)",
         flag="--prefill-loan", dest="prefill_loan", choices=("auto", "on", "off")))
     decode_misses: str = field(default="auto", metadata=opt(
         "how a graphed decode step serves missed experts. handoff: each MoE layer's routing goes to the host, "
