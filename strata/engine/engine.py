@@ -18,10 +18,11 @@ import torch
 from strata import StrataError
 from strata.engine.ahead import Ahead
 from strata.engine.draft_cost import DraftCost
+from strata.engine.draw import draw
 from strata.engine.loader import LoadedModel
 from strata.engine.mtp import drafter_for
 from strata.engine.request import Request
-from strata.engine.sampler import SamplingParams, sample, token_logprobs
+from strata.engine.sampler import SamplingParams, token_logprobs
 from strata.engine.sequence import Sequence  # (the engine's sequence; callers import it from here too)
 from strata.engine.slots import common_prefix as _common_prefix
 from strata.engine.slots import compact
@@ -340,43 +341,7 @@ class Engine:
             return None
 
     def _draw(self, plan: "StepPlan", logits: torch.Tensor) -> list:
-        """Advance what the forward consumed and draw each sequence's token(s), on the device: [(sequence, its
-        drafts, the segment's tokens, the tokens drawn at its rows, the logits row of a single draw)]."""
-        picks = []
-        r, at = 0, 0
-        for s, seg in zip(plan.owners, plan.segs):
-            seg_toks, at = plan.toks[at:at + seg.n], at + seg.n
-            d = plan.drafts.get(s.id, [])
-            r, mine = r + 1 + len(d), range(r, r + 1 + len(d))
-            if not d:  # (a verify segment advances by what stands, once it is known)
-                s.pos += seg.n
-                self.slot_tokens[s.slot] += seg_toks
-            if not s.prompt_done:
-                continue  # a middle prefill chunk: no token yet
-            pr = s.params
-            if d and pr.greedy and s.logits_processor is None and not (
-                    pr.penalty_last_n and (pr.repetition_penalty != 1.0 or pr.presence_penalty or pr.frequency_penalty)):
-                # a greedy verify segment without penalties: every row's argmax in one op (one launch on a GPU)
-                picks.append((s, d, seg_toks, list(logits[mine.start:mine.stop].float().argmax(-1).unbind(0)), None))
-                continue
-            ctx = s.context() if pr.penalty_last_n else []
-            drawn = []
-            try:  # a sequence's own logits processor (a grammar) may fail: that fails it, not the batch
-                for j, i in enumerate(mine):  # row j predicts the token after the segment's first j + 1 tokens
-                    window = (ctx + d[:j])[-pr.penalty_last_n:] if pr.penalty_last_n else []
-                    recent = torch.tensor(window, device=self.device, dtype=torch.long)
-                    row = logits[i] if s.logits_processor is None else s.logits_processor(logits[i])
-                    # the drawn token's position: a plain segment has advanced s.pos past its tokens already
-                    drawn.append(sample(row, pr, recent, u=s.seed_draw(s.pos + j + 1 if d else s.pos)))
-            except Exception as e:  # noqa: BLE001 - reported with the sequence (take_failed)
-                log.exception("strata: sequence %d failed drawing its token", s.id)
-                if d:  # its state folded drafts in that will not be taken back
-                    self._state_bad.add(s.slot)
-                s.finished, s.finish_reason, s.error = True, "error", f"{type(e).__name__}: {e}"
-                self.failed.append(s)
-                continue
-            picks.append((s, d, seg_toks, drawn, i))
-        return picks
+        return draw(self, plan, logits)  # (strata.engine.draw)
 
     def take_failed(self) -> list[Sequence]:
         """The sequences that failed in their own part of the last steps (finish_reason "error", `error` says why);
