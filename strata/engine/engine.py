@@ -52,6 +52,12 @@ class Engine:
         self.recurrent = self.kv.recurrent
         self._state_tokens: dict[int, tuple[int, ...]] = {}  # slot -> the tokens its state absorbed, when freed
         self._state_bad: set[int] = set()  # slots whose state a failed forward left half-advanced
+        cfg = lm.cfg
+        if self.recurrent is not None and self.device.type == "cuda" and not self.kv.eager_only \
+                and getattr(cfg, "decode_ahead", True) \
+                and getattr(cfg, "cuda_graphs", None) is not False and not (
+                    getattr(cfg, "draft_max", 0) and getattr(cfg, "draft_source", "auto") != "ngram"):
+            self.recurrent.reserve_saved()  # (steps launched ahead copy the states aside: in the KV's VRAM share)
         experts = self.model.experts  # an ExpertsBackend (strata.experts.backend), None for a dense model
         self.expert_stats = experts.stats if experts is not None else None  # cumulative counts, None: none kept
         chunk = prefill_chunk or lm.cfg.prefill_chunk
@@ -71,7 +77,6 @@ class Engine:
                 self.vram_split = split.itemized(self.kv.nbytes if cuda else 0, chunk if cuda else 0)
                 log.info("strata: %s", self.vram_split.render())
         self.prefill_chunk = chunk or self._default_chunk()
-        cfg = lm.cfg
         self.draft_max = getattr(cfg, "draft_max", 0)
         self.draft_ngram = (getattr(cfg, "draft_ngram_min", 2), getattr(cfg, "draft_ngram_max", 4))
         # what a step of T tokens of one sequence costs here, so drafts are made only where they pay

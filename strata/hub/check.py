@@ -255,6 +255,8 @@ def fit(fp: ModelFootprint, machine: MachineInfo, ctx: int = 0, vram_budget: int
     kv = fp.kv_bytes_per_token * ctx + fp.state_bytes_per_slot  # one sequence: its KV and any recurrent state
     if vram_budget is None:
         return _fit_cpu(fp, machine, ctx, kv)
+    kv += fp.state_bytes_per_slot  # (a GPU: a copy of the state for the decode step launched ahead; not with
+    # a KV window below, whose steps run one at a time)
     host_kv, window = 0, 0
     if kv_window and kv_window < ctx:
         host_kv, window = fp.kv_bytes_per_token * ctx, int(kv_window)

@@ -42,7 +42,9 @@ class RecurrentState:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for d in (self.conv, self.ssm) for t in d.values())
+        """The states, and `save`'s standing copy once made (`reserve_saved`: counted with the KV cache)."""
+        dicts = (self.conv, self.ssm) + ((self._saved["conv"], self._saved["ssm"]) if self._saved else ())
+        return sum(t.numel() * t.element_size() for d in dicts for t in d.values())
 
     def keep(self, slot: int, n: int) -> None:
         """After a verify segment in `slot`: its state is the one after the segment's first n tokens."""
@@ -78,9 +80,7 @@ class RecurrentState:
         use), for `load_saved`: a decode step launched ahead of the host's read of its input token folds that
         token in, and a sequence that stopped at it takes the state back (strata.engine.ahead). Raises
         torch.OutOfMemoryError when the copy has no room."""
-        if self._saved is None:
-            self._saved = {k: {i: torch.empty_like(t) for i, t in d.items()}
-                           for k, d in (("conv", self.conv), ("ssm", self.ssm))}
+        self.reserve_saved()
         key = tuple(slots)
         if key not in self._pairs:  # the views, once per set of slots (a step's copy is one foreach call)
             src = [d[i][s] for d in (self.conv, self.ssm) for i in self.layers for s in key]
@@ -88,6 +88,12 @@ class RecurrentState:
             self._pairs[key] = (dst, src)
         dst, src = self._pairs[key]
         torch._foreach_copy_(dst, src)
+
+    def reserve_saved(self) -> None:
+        """Make `save`'s copy now (an engine that will launch steps ahead, before the budget is divided)."""
+        if self._saved is None:
+            self._saved = {k: {i: torch.empty_like(t) for i, t in d.items()}
+                           for k, d in (("conv", self.conv), ("ssm", self.ssm))}
 
     def load_saved(self, slot: int) -> None:
         """Put back the state `save` set aside for `slot` (in stream order: after the step that changed it)."""

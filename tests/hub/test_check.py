@@ -335,3 +335,20 @@ def test_a_missing_native_kernel_is_a_warning():
     assert any("native CPU kernel is unavailable (no C compiler found" in w for w in m.warnings())
     assert MachineInfo([], "none", 32 * GiB, 30 * GiB, CPUInfo("cpu", 8, 16, native_kernel=""), "/", 100 * GiB
                        ).warnings() == []
+
+
+def test_fit_counts_a_recurrent_state_twice_on_a_gpu():
+    """A hybrid model (qwen3next's delta-net) on a GPU: its state per sequence, and the copy the decode step
+    launched ahead sets aside (strata.engine.ahead); in RAM alone, once; with a KV window (no step ahead), once."""
+    import dataclasses
+
+    state = 75 * 2**20
+    h = dataclasses.replace(QWEN, state_bytes_per_slot=state)
+    ctx = 8192
+    gpu, plain = fit(h, _machine(vram_free=24 * GiB), ctx), fit(QWEN, _machine(vram_free=24 * GiB), ctx)
+    assert gpu.kv_bytes - plain.kv_bytes == 2 * state
+    cpu, cpu0 = fit(h, _machine(), ctx), fit(QWEN, _machine(), ctx)
+    assert cpu.kv_bytes - cpu0.kv_bytes == state
+    w, w0 = fit(h, _machine(vram_free=24 * GiB), ctx, kv_window=2048), fit(QWEN, _machine(vram_free=24 * GiB), ctx,
+                                                                           kv_window=2048)
+    assert w.kv_bytes - w0.kv_bytes == state
