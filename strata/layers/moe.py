@@ -17,6 +17,7 @@ import torch
 from strata.layers.ffn import SwiGLU
 from strata.ops import registry
 from strata.quant import QTensor, qmatmul
+from strata.quant.formats import FLOAT_TYPES
 
 _ROUTER_LOGITS = registry.op("router_logits")
 
@@ -80,20 +81,33 @@ class MoE:
         self.router_bias = router_bias.float() if router_bias is not None else None
         self.experts, self.shared, self.shared_gate = experts, shared, shared_gate
         self.uniform = False  # --expert-routing uniform (set once at load: strata.models.base.CausalLM)
+        # a float shared-expert gate of the router's format rides along as the router's last row: its logit comes
+        # with the routing's (one launch a layer on a GPU instead of a matmul of its own)
+        self._gate_row = None
+        if shared_gate is not None and router_bias is None and shared_gate.qtype == router.qtype \
+                and shared_gate.qtype in FLOAT_TYPES and tuple(shared_gate.shape) == (1, router.shape[1]) \
+                and shared_gate.raw.device == router.raw.device and len(router.shape) == 2:
+            self._gate_row = router.shape[0]
+            self.router = QTensor(torch.cat([router.raw, shared_gate.raw]), router.qtype,
+                                  (router.shape[0] + 1, router.shape[1]))
 
     def route_ids(self, x: torch.Tensor) -> torch.Tensor:
         """The experts this layer's router picks for x [N, d] -> ids [N, k] (a backend predicting this layer's
         routing from an earlier layer's input)."""
-        return route(self._logits(x), self.routing, self.bias)[0]
+        return route(self._logits(x)[0], self.routing, self.bias)[0]
 
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return _ROUTER_LOGITS(x, self.router, self.router_bias)  # [N, E] float32
+    def _logits(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The router's logits [N, E] float32, and the shared expert's gate logit [N, 1] where it rides along."""
+        out = _ROUTER_LOGITS(x, self.router, self.router_bias)
+        if self._gate_row is None:
+            return out, None
+        return out[:, :self._gate_row], out[:, self._gate_row:]
 
     def __call__(self, x: torch.Tensor, ctx) -> torch.Tensor:
         """x [N, d] -> [N, d] within the step `ctx` (strata.experts.backend.StepContext)."""
         prof = ctx.profiler
         t = prof.mark() if prof else None
-        logits = self._logits(x)  # [N, E]
+        logits, gate = self._logits(x)  # [N, E], [N, 1] or None
         ids, w = route(logits, self.routing, self.bias)
         if self.uniform:  # the router still ran (its cost stays in the step); its choice is dropped
             ids, w = uniform_route(x.shape[0], self.routing, logits.device)
@@ -105,7 +119,9 @@ class MoE:
         if self.shared is not None:
             t = prof.mark() if prof else None
             s = self.shared(x)
-            if self.shared_gate is not None:
+            if gate is not None:
+                s = s * torch.sigmoid(gate).to(s.dtype)
+            elif self.shared_gate is not None:
                 s = s * torch.sigmoid(qmatmul(x, self.shared_gate))
             out = out + s
             if prof:
