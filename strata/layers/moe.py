@@ -119,11 +119,12 @@ class MoE:
         if self.shared is not None:
             t = prof.mark() if prof else None
             s = self.shared(x)
-            if gate is not None:
-                s = s * torch.sigmoid(gate).to(s.dtype)
+            if gate is not None:  # (the gate's product and the sum in one op)
+                out = torch.addcmul(out, s, torch.sigmoid(gate).to(s.dtype))
             elif self.shared_gate is not None:
-                s = s * torch.sigmoid(qmatmul(x, self.shared_gate))
-            out = out + s
+                out = out + s * torch.sigmoid(qmatmul(x, self.shared_gate))
+            else:
+                out = out + s
             if prof:
                 prof.span("router_shared", t)
         return out
