@@ -67,6 +67,10 @@ class ExpertConfig:
     cache_layout: str = field(default="uniform", metadata=opt(
         "cache slots per layer: uniform, or spread as --expert-profile's routing predicts most hits",
         choices=CACHE_LAYOUTS))
+    cache_decay: str = field(default="auto", metadata=opt(
+        "lfu-decay's memory: each step scales the experts' use counts by this (0 < d <= 1; 1: plain counts); auto: "
+        "1 - k / (10 E), about ten uses of an evenly routed expert remembered (0.998 for 512 experts top-10)",
+        metavar="D|auto"))
     promote_min: float = field(default=0.0, metadata=opt("decayed uses needed before an expert is cached"))
     swap_budget: int = field(default=4, metadata=opt(
         "cached experts replaced per layer per step (empty slots fill past it; 0 freezes the cache)"))
@@ -126,6 +130,22 @@ class ExpertConfig:
             raise StrataError("--vram-gb must be positive")
         if self.prefetch_programs is not None and self.prefetch_programs < 0:
             raise StrataError(f"--expert-prefetch-programs must be >= 0, got {self.prefetch_programs}")
+        self.decay_value(1, 1)  # (a bad --cache-decay fails here, before the model loads)
+
+    def decay_value(self, n_experts: int, k: int) -> float:
+        """--cache-decay as a number for a model of n_experts routed top-k."""
+        from strata.experts.policy import auto_decay
+
+        text = str(self.cache_decay).strip().lower()
+        if text == "auto":
+            return auto_decay(n_experts, k)
+        try:
+            d = float(text)
+        except ValueError:
+            d = float("nan")
+        if not 0.0 < d <= 1.0:
+            raise StrataError(f"--cache-decay must be a number in (0, 1] or auto, got {self.cache_decay!r}")
+        return d
 
 
 @dataclass

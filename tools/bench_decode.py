@@ -67,6 +67,12 @@ def main() -> int:
                     help="sample the continuation (seeded per run) instead of greedy: a synthetic model's greedy "
                          "text repeats, which flatters an expert cache")
     ap.add_argument("--sweep", default="", help="comma-separated PLAN@THREADS settings measured in turn")
+    ap.add_argument("--host-profile", type=int, default=0, metavar="N",
+                    help="run Python's profiler over the measured decode steps: the host's top N functions by their "
+                         "own time, in ms a step (stderr and the JSON line's host_profile)")
+    ap.add_argument("--dump-routing", default="", metavar="FILE.npz",
+                    help="save every routing the expert cache's policy observed (prefill chunks and decode steps, "
+                         "warm-up included): input for tools/sim_expert_cache.py")
     ap.add_argument("--cpu-exact", action="store_true", help="CPU qmatmul as the float32 reference for every batch "
                     "(no native int8-activation GEMV for decode): the baseline of a CPU run's decode")
     a = ap.parse_args()
@@ -81,6 +87,7 @@ def main() -> int:
     eng = Engine(lm, n_slots=max(1, a.parallel))
     dev = lm.model.device
     experts = lm.model.experts
+    routing = RoutingLog(getattr(experts, "policy", None)) if a.dump_routing else None
     combos = [(p or None, None) for p in a.sweep_plans.split(",") if p] or [(None, None)]
     if a.sweep_threads:
         combos = [(p, int(t)) for p, _ in combos for t in a.sweep_threads.split(",") if t]
@@ -96,9 +103,77 @@ def main() -> int:
         if th:
             torch.set_num_threads(th)
         (measure_parallel if a.parallel > 1 else measure)(a, lm, eng, experts, dev, label, load_s)
+    if routing is not None:
+        routing.save(a.dump_routing, lm.args.n_experts_used)
     if callable(getattr(experts, "close", None)):
         experts.close()  # writes --expert-profile-save
     return 0
+
+
+class RoutingLog:
+    """--dump-routing: every `observe` the cache policy gets, in order, with the policy's step count (one decode
+    step's layers share a step; a prefill chunk's layers too, with many ids each)."""
+
+    def __init__(self, policy):
+        if policy is None:
+            raise SystemExit("--dump-routing: this model's experts have no cache policy (all resident?)")
+        self.layer, self.step, self.ids = [], [], []
+        inner = policy.observe
+
+        def observe(layer, ids):
+            self.layer.append(int(layer))
+            self.step.append(int(policy.steps))
+            self.ids.append(np.asarray(ids, dtype=np.int32).reshape(-1).copy())
+            return inner(layer, ids)
+
+        policy.observe = observe
+        self.policy = policy
+
+    def save(self, path: str, k: int) -> None:
+        pol = self.policy
+        lens = np.array([len(x) for x in self.ids], dtype=np.int64)
+        np.savez_compressed(path, layer=np.array(self.layer, dtype=np.int32), step=np.array(self.step, np.int64),
+                            offsets=np.concatenate([[0], np.cumsum(lens)]),
+                            ids=np.concatenate(self.ids) if self.ids else np.zeros(0, np.int32),
+                            slots=np.array([pol.capacity(i) for i in range(pol.n_layers)], dtype=np.int32),
+                            n_experts=pol.n_experts, k=k)
+        print(f"bench_decode: wrote {len(self.layer)} observations to {path}", file=sys.stderr)
+
+
+class HostProfile:
+    """--host-profile: cProfile switched on around the measured decode steps only."""
+
+    def __init__(self, n: int):
+        import cProfile
+
+        self.n, self.prof, self.steps = n, cProfile.Profile(), 0
+
+    def __enter__(self):
+        self.prof.enable()
+        return self
+
+    def __exit__(self, *exc):
+        self.prof.disable()
+
+    def report(self) -> list:
+        import io
+        import pstats
+
+        st = pstats.Stats(self.prof, stream=io.StringIO())
+        rows = []
+        for (file, line, fn), (_cc, nc, tt, ct, _callers) in st.stats.items():
+            rows.append((tt, ct, nc, f"{Path(file).name}:{line}({fn})"))
+        rows.sort(reverse=True)
+        steps = max(1, self.steps)
+        out = [{"fn": name, "calls_per_step": round(nc / steps, 1), "own_ms_per_step": round(tt * 1e3 / steps, 3),
+                "cum_ms_per_step": round(ct * 1e3 / steps, 3)} for tt, ct, nc, name in rows[:self.n]]
+        total = sum(r[0] for r in rows) * 1e3 / steps
+        print(f"host profile: {total:.2f} ms of Python a decode step (profiled; the profiler adds its own)",
+              file=sys.stderr)
+        for r in out:
+            print(f"  {r['own_ms_per_step']:8.3f} own {r['cum_ms_per_step']:8.3f} cum {r['calls_per_step']:8.1f} "
+                  f"calls  {r['fn']}", file=sys.stderr)
+        return out
 
 
 class GcClock:
@@ -153,6 +228,7 @@ def measure(a, lm, eng, experts, dev, label, load_s) -> None:
     routed = None  # [L, E] expert uses of the measured decode steps (the routing skew on these prompts)
     stats = None  # expert statistics of the measured runs' decode steps (prefill chunks excluded)
     decode_s = 0.0  # the measured runs' decode time (first token to last), for the miss lanes' GB/s
+    hp = HostProfile(a.host_profile) if a.host_profile else None
     for r in range(a.runs + 1):
         ids = make_prompt(lm.tokenizer, a.prompt_tokens, salt=r * 7919 + 13 + a.salt)
         sp = SamplingParams(temperature=a.temperature, seed=1000 + r) if a.temperature else SamplingParams(temperature=0)
@@ -171,7 +247,12 @@ def measure(a, lm, eng, experts, dev, label, load_s) -> None:
         u0 = pol.usage().copy() if pol is not None and r > 0 else None
         while not seq.finished:
             m0 = st.cpu + st.pcie if st is not None else 0
-            eng.step()
+            if hp is not None and r > 0:
+                with hp:
+                    eng.step()
+                hp.steps += 1
+            else:
+                eng.step()
             t_now = time.perf_counter()
             run_steps.append((t_now - t_prev) * 1e3)
             run_misses.append((st.cpu + st.pcie - m0) if st is not None else 0)
@@ -264,6 +345,8 @@ def measure(a, lm, eng, experts, dev, label, load_s) -> None:
                           file=sys.stderr)
                 print(ka.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60),
                       file=sys.stderr)
+    if hp is not None:
+        res["host_profile"] = hp.report()
     if a.trace_decode and dev.type == "cuda":
         res["decode_trace"] = trace_decode(a, lm, eng, a.trace_decode)
     if getattr(experts, "cache", None) is not None:

@@ -272,6 +272,7 @@ def _reconfigure(b, s: Setting, old: Setting) -> None:
         kw = {"swap_budget": s.swap_budget}
         if s.cache_policy == "lfu-decay":
             kw["promote_min"] = s.promote_min
+            kw["decay"] = ex.decay_value(E, b.k)
         b.policy = make_policy(s.cache_policy, L, E, b.cache.slots, **kw)
         b.pending = [{} for _ in b.layer_ids]
         for li in range(L):

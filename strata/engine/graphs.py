@@ -25,9 +25,11 @@ time goes to the bucket the cut names (so the breakdown adds up to the step).
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections import OrderedDict
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -42,6 +44,22 @@ MIN_WINDOW = 256
 MAX_CAPTURES = 32  # captured sets kept (least recently used dropped): slot combinations x windows can be many
 
 Handoff = Callable[[], "Callable[[], None] | None"]
+
+
+@contextmanager
+def collector_paused():
+    """Python's cycle collector run first, then held off while a graph captures: a collection mid-capture can free
+    pinned host buffers of objects dropped earlier (an engine of a previous request or test), and the host
+    allocator's event calls for them are not allowed while this thread's stream captures: the capture fails
+    ("operation not permitted when stream is capturing")."""
+    gc.collect()
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 class PieceRecorder:
@@ -217,13 +235,14 @@ class DecodeGraphs:
                 if saved is not None:
                     rec.restore(saved)
             side.synchronize()
-            self.rec.start(torch.cuda.graph_pool_handle())
-            try:
-                out = self._forward(segs, live=False)  # the hand-offs run at each replay
-            except BaseException:
-                self.rec.abort()
-                raise
-            pieces = self.rec.finish()
+            with collector_paused():
+                self.rec.start(torch.cuda.graph_pool_handle())
+                try:
+                    out = self._forward(segs, live=False)  # the hand-offs run at each replay
+                except BaseException:
+                    self.rec.abort()
+                    raise
+                pieces = self.rec.finish()
         torch.cuda.current_stream().wait_stream(side)
         entry = (pieces, out, self.last_hidden)
         self.remember(key, entry)

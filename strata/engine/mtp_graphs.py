@@ -21,6 +21,7 @@ from collections import OrderedDict
 
 import torch
 
+from strata.engine.graphs import collector_paused
 from strata.kv.cache import KVCache, Segment
 
 MIN_WINDOW = 256
@@ -132,11 +133,12 @@ class MtpGraphs:
                 self._forward(key)
             side.synchronize()
             g = torch.cuda.CUDAGraph()
-            g.capture_begin(pool=torch.cuda.graph_pool_handle(), capture_error_mode="thread_local")
-            try:
-                logits, x = self._forward(key)
-            finally:
-                g.capture_end()
+            with collector_paused():
+                g.capture_begin(pool=torch.cuda.graph_pool_handle(), capture_error_mode="thread_local")
+                try:
+                    logits, x = self._forward(key)
+                finally:
+                    g.capture_end()
         torch.cuda.current_stream().wait_stream(side)
         got = (g, logits, x)
         self.graphs[key] = got

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from strata.engine.graphs import collector_paused
 from strata.engine.sampler import position_uniform_t, sample_rows
 from strata.kv.cache import Segment
 
@@ -243,11 +244,12 @@ class DeviceDrafts:
             self.p.copy_(saved[1])
             side.synchronize()
             g = torch.cuda.CUDAGraph()
-            g.capture_begin(pool=torch.cuda.graph_pool_handle(), capture_error_mode="thread_local")
-            try:
-                self._body(slot, W, pr)
-            finally:
-                g.capture_end()
+            with collector_paused():
+                g.capture_begin(pool=torch.cuda.graph_pool_handle(), capture_error_mode="thread_local")
+                try:
+                    self._body(slot, W, pr)
+                finally:
+                    g.capture_end()
         torch.cuda.current_stream().wait_stream(side)
         self.graphs[key] = g
         return g

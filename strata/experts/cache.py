@@ -383,6 +383,11 @@ class ExpertCache:
         """Copy one expert from the host store into `slot` of its layer's pool; returns its event (CUDA) or None."""
         return self._copy_experts(layer, [expert], [slot], self.side)
 
+    def copy_into(self, layer: int, experts: list[int], slots: list[int]):
+        """copy() of several experts of a layer into their slots in one call: one event after them all (CUDA) or
+        None."""
+        return self._copy_experts(layer, experts, slots, self.side)
+
     def promote(self, layer: int, src_slot: int, dst_slot: int):
         """Copy a pool slot into another on the device, on the main stream (after every queued reader of
         either): a streamed expert admitted to the cache from its staging slot instead of over PCIe again;

@@ -27,9 +27,21 @@ import numpy as np
 from strata import StrataError
 from strata.experts.slots import SlotPolicy, Swap
 
-__all__ = ["POLICIES", "CachePolicy", "DecayedCountPolicy", "LRUPolicy", "SlotPolicy", "Swap", "make_policy"]
+__all__ = ["POLICIES", "CachePolicy", "auto_decay", "DecayedCountPolicy", "LRUPolicy", "SlotPolicy", "Swap", "make_policy"]
 
 POLICIES = ("lfu-decay", "lru")
+
+# --cache-decay auto: the counts' memory, 1 / (1 - decay) steps, holds AUTO_USES uses of an evenly routed expert
+# (E / k steps each). A shorter memory ranks a model of many experts on its last few tokens' noise: B2's 512 experts
+# top-10 at the former fixed 0.95 (20 steps, 0.4 such uses) swapped ~40 experts a token for no more hits than a
+# memory of 500 steps that swaps almost none (docs/BENCHMARKS.md, "The expert cache's memory").
+AUTO_USES = 10.0
+
+
+def auto_decay(n_experts: int, k: int) -> float:
+    """The decay that remembers AUTO_USES uses of an evenly routed expert, within [0.95, 0.999]."""
+    return min(0.999, max(0.95, 1.0 - k / (AUTO_USES * max(1, n_experts))))
+
 
 # the decay scale is renormalised before float64 could overflow (1e300); at decay=0.95 that is
 # every ~4600 steps and costs one pass over [L, E]

@@ -158,6 +158,7 @@ class TieredExperts:
         kw = dict(swap_budget=self.ex.swap_budget)
         if self.ex.cache_policy == "lfu-decay":
             kw["promote_min"] = self.ex.promote_min
+            kw["decay"] = self.ex.decay_value(E, k)
         if self._make_policy is not None:
             self.policy = self._make_policy(L, E, slots)
         else:

@@ -254,8 +254,11 @@ class DirectDecode:
             swaps = admit(pol, li, ids_l)
             if swaps:
                 cache.begin_copies()  # after the main stream's work so far: the step in flight reads victims
-                for sw in swaps:
-                    t.pending[li][sw.admit] = cache.copy(layer, sw.admit, cache.slot(layer, sw.slot))
+                # (the layer's admissions in one copy call and one event: each call costs the host ~0.1 ms)
+                admitted = [sw.admit for sw in swaps]
+                ev = cache.copy_into(layer, admitted, [cache.slot(layer, sw.slot) for sw in swaps])
+                for e in admitted:
+                    t.pending[li][e] = ev
                 if counting:
                     t.count(0, 0, 0, 0, swaps=len(swaps))
             if t.poll(li, upload=False) or swaps:  # victims leave the map, finished copies enter it

@@ -187,9 +187,10 @@ def _when(slots, eids, host, pool, base, n, programs: int = 0) -> bool:
 registry.op("stage_misses").register("triton", triton_stage_misses, _when)
 
 # The bookkeeping around the staging, a MoE layer's ~15 small torch launches in a decode step (the cache map's
-# lookups, `where`, fills and the record's copies), in one launch each side: taken on a GPU once
-# tests/ops/test_host_stage.py's GPU test has passed there (the interpreter tests run them on the CPU).
-BOOKKEEPING_GPU_TESTED = False
+# lookups, `where`, fills and the record's copies), in one launch each side: taken on a GPU since
+# tests/ops/test_host_stage.py's GPU test passed on an H200 (the interpreter tests run them on the CPU; B2's decode
+# step went from ~2,100 to ~1,300 launches with these and the shared gate's: docs/BENCHMARKS.md, "B2 at 24 GiB").
+BOOKKEEPING_GPU_TESTED = True
 
 
 def _one_program(t: torch.Tensor, *_a, **_k) -> bool:

@@ -117,3 +117,34 @@ def test_graphed_bf16_step_with_split_attention_matches_sdpa(hf_and_gguf, monkey
     sdpa = DecodeGraphs(lm.model, eng.kv, slot=0).step(ids[-1], len(ids)).float()
     assert ((split - sdpa).abs().max() / sdpa.abs().max()).item() < 3e-2
     assert split.argmax().item() == sdpa.argmax().item()
+
+
+def test_capture_runs_with_the_collector_paused_after_collecting():
+    """A cycle dropped before a capture is collected first (its pinned buffers freed outside the capture), the
+    collector stays off during it (no collection can free such buffers mid-capture) and is on again after."""
+    import gc
+
+    from strata.engine.graphs import collector_paused
+
+    freed = []
+
+    class Cycle:
+        def __init__(self):
+            self.me = self
+
+        def __del__(self):
+            freed.append(True)
+
+    Cycle()
+    assert gc.isenabled()
+    with collector_paused():
+        assert freed == [True]
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collector_paused():
+            pass
+        assert not gc.isenabled()  # (left as it was found)
+    finally:
+        gc.enable()
