@@ -196,8 +196,9 @@ class TieredExperts:
             log.info("strata: the prefill chunk buffers (%d experts) lent to the cache between prompts: %s more slots "
                      "a layer while decoding", self.cache.ring[0] * self.cache.ring[1],
                      self.cache.loan_slots[self.layer_ids[0]])
-        log.info("strata: expert cache %s slots/layer (%.2f GiB), decode misses %s, plan %s, CPU kernel %s", slots,
-                 self.cache.nbytes() / 2**30, ("staged by the GPU (staged)" if self.direct.stage else "read in place (direct)")
+        log.info("strata: expert cache %s slots/layer (%.2f GiB, %s), decode misses %s, plan %s, CPU kernel %s",
+                 slots, self.cache.nbytes() / 2**30, self.ex.cache_policy + (
+                     f" decay {kw['decay']:.4g}" if "decay" in kw else ""), ("staged by the GPU (staged)" if self.direct.stage else "read in place (direct)")
                  if self.direct else "handed off", self.plan,
                  ",".join(sorted(set(self.lane.kernel.values()))) if self.lane else "-")
         if self.ex.expert_profile:
