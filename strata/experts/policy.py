@@ -127,6 +127,7 @@ class DecayedCountPolicy(SlotPolicy):
             inv = 1.0 / self._scale
             self._keys = [[k * inv for k in row] for row in self._keys]
             self._scale = 1.0
+            self._cold = [None] * self.n_layers  # (every key rescaled)
 
     def _observe_keys(self, layer: int, ids: list[int]) -> None:
         keys, scale = self._keys[layer], self._scale

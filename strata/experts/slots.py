@@ -68,6 +68,12 @@ class SlotPolicy:
         self._usage = [[0] * E for _ in range(L)]  # [L][E] raw use counts
         self._keys = [[0.0] * E for _ in range(L)]  # [L][E] policy's hotness key
         self._touched: list[set[int]] = [set() for _ in range(L)]
+        # the coldest ready resident's key per layer (None: not known) and an expert holding it: a step whose hottest
+        # candidate cannot beat it plans no replacement, and knowing it spares a pass over every resident (that
+        # pass was most of the decode step's host bookkeeping). Keys only grow, so it stays right until that
+        # expert is routed or leaves (or every key is rescaled)
+        self._cold: list[float | None] = [None] * L
+        self._cold_e = [-1] * L
         self._swapped_layer = [0] * L  # swaps committed this step, per layer
         self._swapped_global = 0
 
@@ -102,6 +108,7 @@ class SlotPolicy:
             ready.extend([False] * (cap - old))
             self._n_free[layer] += cap - old
         self._caps[layer] = cap
+        self._cold[layer] = None
         return dropped
 
     def resident(self, layer: int) -> dict[int, int]:
@@ -139,6 +146,12 @@ class SlotPolicy:
     def _set_ready(self, layer: int, expert: int, slot: int) -> None:
         """Make `expert` a hit in `slot`, or (slot -1) no longer a hit."""
         slots, experts = self._ready_slots[layer], self._ready_experts[layer]
+        cold = self._cold[layer]
+        if slot >= 0:
+            if cold is not None and self._keys[layer][expert] < cold:
+                self._cold[layer], self._cold_e[layer] = self._keys[layer][expert], expert
+        elif expert == self._cold_e[layer]:
+            self._cold[layer] = None
         if slot >= 0:
             self._slot_ready[layer][slot] = True
             i = bisect.bisect(slots, slot)
@@ -176,6 +189,8 @@ class SlotPolicy:
                 usage[e] += c
             self._observe_many(layer, a, used, counts)
             self._touched[layer].update(used)
+            if self._cold_e[layer] >= 0 and counts[self._cold_e[layer]]:
+                self._cold[layer] = None
             return
         ids = [int(e) for e in expert_ids]
         usage = self._usage[layer]
@@ -185,6 +200,8 @@ class SlotPolicy:
             usage[e] += 1
         self._observe_keys(layer, ids)
         self._touched[layer].update(ids)
+        if self._cold_e[layer] in ids:  # (the coldest resident got warmer: which one is coldest is not known)
+            self._cold[layer] = None
 
     def plan_swaps(self, layer: int) -> list[Swap]:
         """Swaps worth doing now in `layer`: empty slots first, then hysteresis-gated replacements.
@@ -222,9 +239,15 @@ class SlotPolicy:
                     i += 1
         if i == len(cands):
             return swaps
+        cold = self._cold[layer]
+        if cold is not None and not self._beats(keys[cands[i]], cold):
+            return swaps  # (the hottest candidate beats no resident: the loop below would stop at once)
         # victims: ready residents, coldest first (ties: lowest slot); pending slots are untouchable
         slots, experts = self._ready_slots[layer], self._ready_experts[layer]
         vkeys = [keys[e] for e in experts]
+        if vkeys:
+            cold = min(vkeys)
+            self._cold[layer], self._cold_e[layer] = cold, experts[vkeys.index(cold)]
         while i < len(cands) and vkeys:
             cold = min(vkeys)
             if not self._beats(keys[cands[i]], cold):
@@ -320,6 +343,7 @@ class SlotPolicy:
                 self._where[layer][e] = slot
                 self._set_ready(layer, e, slot)
             self._seed(layer, freq, chosen)
+            self._cold[layer] = None  # (the seeded keys replaced the row)
 
     # --- scoring, per policy ----------------------------------------------------------------
 

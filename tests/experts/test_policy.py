@@ -503,3 +503,111 @@ def test_a_long_memory_stops_the_churn_of_many_rarely_routed_experts():
         out[decay] = (hits / (1000 * k), swaps / 1000)
     (h_old, sw_old), (h_new, sw_new) = out[0.95], out[auto_decay(E, k)]
     assert sw_new < sw_old / 4 and h_new >= h_old
+
+
+@pytest.mark.parametrize("name,decay", [("lfu-decay", 0.5), ("lfu-decay", 0.9), ("lfu-decay", 0.99), ("lru", None)])
+@pytest.mark.parametrize("seed", range(3))
+def test_the_known_coldest_resident_plans_the_same_swaps(name, decay, seed):
+    """plan_swaps skips its pass over the residents when the coldest one's key is known and the hottest candidate
+    cannot beat it: in lockstep with a twin that forgets that key before every plan, through fills, replacements,
+    pending copies, prefill-sized observations, a shrink and a regrowth (and, at decay 0.5, every key rescaled
+    within the run), the swaps are the same at every step."""
+    from strata.experts.policy import make_policy
+
+    rng = np.random.default_rng(seed)
+    E, L, k = 48, 2, 4
+    p = 1.0 / np.arange(1, E + 1) ** rng.uniform(0.8, 1.5)
+    p /= p.sum()
+    kw = dict(swap_budget=int(rng.integers(1, 4)))
+    if decay is not None:
+        kw["decay"] = decay
+    a, b = make_policy(name, L, E, 12, **kw), make_policy(name, L, E, 12, **kw)
+    pending: list[tuple[int, int]] = []
+    skipped = 0
+    for step in range(600):
+        if step in (150, 250):
+            cap = 7 if step == 150 else 12
+            da, db = a.set_capacity(1, cap), b.set_capacity(1, cap)
+            assert da == db
+            for e in da:
+                pending.remove((1, e))
+        for li, e in pending:
+            a.mark_ready(li, e)
+            b.mark_ready(li, e)
+        pending = []
+        a.tick()
+        b.tick()
+        for li in range(L):
+            n = 300 if step % 97 == 0 else k  # now and then a prefill chunk's many ids
+            ids = rng.choice(E, size=n, p=p).astype(np.int64) if n > k else \
+                rng.choice(E, size=k, replace=False, p=p).tolist()
+            a.observe(li, ids)
+            b.observe(li, ids)
+            b._cold[li] = None
+            known = a._cold[li] is not None
+            sa, sb = a.plan_swaps(li), b.plan_swaps(li)
+            assert sa == sb, (step, li)
+            skipped += known and not sa
+            a.commit(li, sa)
+            b.commit(li, sb)
+            pending += [(li, s.admit) for s in sa]
+            assert (a.expert_map() == b.expert_map()).all()
+    if decay == 0.99:  # (a memory long enough to settle: most steps take the shortcut)
+        assert skipped > 400
+
+
+def _twin_plans(a, b, layer, ids):
+    a.observe(layer, ids)
+    b.observe(layer, ids)
+    b._cold[layer] = None
+    sa, sb = a.plan_swaps(layer), b.plan_swaps(layer)
+    a.commit(layer, sa)
+    b.commit(layer, sb)
+    return sa, sb
+
+
+def test_a_cold_newcomer_lowers_the_known_coldest_key():
+    """An expert filling a slot freed by an aborted copy becomes ready colder than every resident the last pass
+    saw: the known coldest key must follow it down, or a candidate that beats only the newcomer is turned away."""
+    a, b = (DecayedCountPolicy(1, 10, 3, decay=1.0, margin=0.0, abs_margin=0.0, swap_budget=4) for _ in range(2))
+    for pol in (a, b):
+        pol.tick()
+    assert _twin_plans(a, b, 0, [0, 1, 2] * 5) == ([Swap(None, 0, 0), Swap(None, 1, 1), Swap(None, 2, 2)],) * 2
+    for pol in (a, b):
+        pol.mark_ready(0, 0)
+        pol.mark_ready(0, 1)  # (2 still copying)
+        pol.tick()
+    assert _twin_plans(a, b, 0, [3]) == ([], [])  # a full pass: the coldest ready key (5) is known now
+    assert a._cold[0] == 5.0
+    for pol in (a, b):
+        pol.abort(0, 2)
+        pol.tick()
+    sa, sb = _twin_plans(a, b, 0, [4])  # fills the freed slot: key 1
+    assert sa == sb == [Swap(None, 4, 2)]
+    for pol in (a, b):
+        pol.mark_ready(0, 4)
+        pol.tick()
+    assert a._cold[0] == 1.0
+    sa, sb = _twin_plans(a, b, 0, [6] * 3)  # beats expert 4 only
+    assert sa == sb == [Swap(4, 6, 2)]
+
+
+def test_rescaled_keys_forget_the_known_coldest_key():
+    """lfu-decay rescales every key now and then (before float64 overflows): a coldest key known from just before
+    would turn away a candidate that beats the resident's rescaled key."""
+    a, b = (DecayedCountPolicy(1, 4, 1, decay=0.5, margin=0.0, abs_margin=0.0, swap_budget=4) for _ in range(2))
+    for _ in range(495):  # (the scale is 2**495 ~ 1e149: the rescale comes in a few steps)
+        a.tick()
+        b.tick()
+    assert _twin_plans(a, b, 0, [0] * 8)[0] == [Swap(None, 0, 0)]
+    for pol in (a, b):
+        pol.mark_ready(0, 0)
+        pol.tick()
+    assert _twin_plans(a, b, 0, [1]) == ([], [])  # known: expert 0's key, in the units before the rescale
+    assert a._cold[0] is not None
+    for _ in range(8):
+        a.tick()
+        b.tick()
+    assert a._scale < 1e10  # (rescaled)
+    sa, sb = _twin_plans(a, b, 0, [2])
+    assert sa == sb == [Swap(0, 2, 0)]
