@@ -68,10 +68,11 @@ class SlotPolicy:
         self._usage = [[0] * E for _ in range(L)]  # [L][E] raw use counts
         self._keys = [[0.0] * E for _ in range(L)]  # [L][E] policy's hotness key
         self._touched: list[set[int]] = [set() for _ in range(L)]
-        # the coldest ready resident's key per layer (None: not known) and an expert holding it: a step whose hottest
-        # candidate cannot beat it plans no replacement, and knowing it spares a pass over every resident (that
-        # pass was most of the decode step's host bookkeeping). Keys only grow, so it stays right until that
-        # expert is routed or leaves (or every key is rescaled)
+        # per layer, a lower bound of the ready residents' keys (None: none known) and the expert it came from: a
+        # step whose hottest candidate cannot beat it plans no replacement, which spares a pass over every resident
+        # (that pass was most of the decode step's host bookkeeping). Keys only grow, so it stays a bound while no
+        # colder expert becomes ready (it follows one down) and no rescale shrinks every key (forgotten then); it
+        # is forgotten too when its expert is routed or leaves, so that it stays tight
         self._cold: list[float | None] = [None] * L
         self._cold_e = [-1] * L
         self._swapped_layer = [0] * L  # swaps committed this step, per layer
