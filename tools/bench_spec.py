@@ -129,7 +129,10 @@ def main() -> int:
                               # a one-token step, ms per further token) and the sequence's acceptance estimate
                               "cost_fit": [round(v, 4) for v in fit] if (fit := eng.draft_cost and
                                                                           eng.draft_cost.line()) else None,
-                              "acceptance_p": round(seq.draft_acc.p, 3)}), flush=True)
+                              "acceptance_p": round(seq.draft_acc.p, 3),
+                              # graph captures over the warm-up and the timed runs (each timed run should add none)
+                              "captures": eng.graphs.captures if eng.graphs is not None else None,
+                              "verify_graphed": eng.graphs.verify if eng.graphs is not None else None}), flush=True)
     return 0
 
 
