@@ -32,9 +32,9 @@ __all__ = ["POLICIES", "CachePolicy", "auto_decay", "DecayedCountPolicy", "LRUPo
 POLICIES = ("lfu-decay", "lru")
 
 # --cache-decay auto: the counts' memory, 1 / (1 - decay) steps, holds AUTO_USES uses of an evenly routed expert
-# (E / k steps each). A shorter memory ranks a model of many experts on its last few tokens' noise: B2's 512 experts
-# top-10 at the former fixed 0.95 (20 steps, 0.4 such uses) swapped ~40 experts a token for no more hits than a
-# memory of 500 steps that swaps almost none (docs/BENCHMARKS.md, "The expert cache's memory").
+# (E / k steps each). A shorter memory ranks a model of many experts on its last few tokens' noise and trades slots
+# on it: a fixed 0.95 did that on a 512-expert model, with no more hits than the longer memory and a copy for
+# nearly every miss (docs/BENCHMARKS.md, "B2 at 24 GiB").
 AUTO_USES = 10.0
 
 

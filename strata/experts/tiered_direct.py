@@ -254,7 +254,7 @@ class DirectDecode:
             swaps = admit(pol, li, ids_l)
             if swaps:
                 cache.begin_copies()  # after the main stream's work so far: the step in flight reads victims
-                # (the layer's admissions in one copy call and one event: each call costs the host ~0.1 ms)
+                # (the layer's admissions in one copy call and one event: the host's cost is per call, not per byte)
                 admitted = [sw.admit for sw in swaps]
                 ev = cache.copy_into(layer, admitted, [cache.slot(layer, sw.slot) for sw in swaps])
                 for e in admitted:
