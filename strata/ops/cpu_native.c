@@ -236,6 +236,40 @@ static float dot_q8_0(const uint8_t *row, int K, const int8_t *xq, const float *
 #endif
 }
 
+/* dot_q8_0 of one weight row against T rows of activations (row t's int8 at xq + t * stride, its scales at
+   xd + t * stride / 4 floats: the scratch layout), into out[t * N]: each block is loaded and its signs taken once
+   for every row, and each row's sums run in dot_q8_0's order, so every result is bit for bit its own call's. A
+   verify step's or a batch's few rows then cost less than as many calls (the second row ~half the first). */
+static void dot_q8_0_rows(const uint8_t *row, int K, int T, const int8_t *xq, const float *xd, long stride,
+                          float *out, long N) {
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int t0 = 0; t0 < T; t0 += 4) {
+        const int nt = T - t0 < 4 ? T - t0 : 4;
+        __m256 fsum[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int i = 0; i < K / 32; i++) {
+            const uint8_t *blk = row + i * 34;
+            if ((i & 1) == 0) PREFETCH_AHEAD(blk, K / 32 * 34, 68);
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(blk + 2));
+            const __m256i aw = _mm256_sign_epi8(w, w);
+            const float d = f16(blk);
+            for (int t = 0; t < nt; t++) {
+                const int8_t *x8 = xq + (long)(t0 + t) * stride;
+                const float *xs = (const float *)((const uint8_t *)xd + (long)(t0 + t) * stride);
+                const __m256i x = _mm256_loadu_si256((const __m256i *)(x8 + 32 * i));
+                const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(x, w)), ones);
+                fsum[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * xs[i / 8]), _mm256_cvtepi32_ps(p), fsum[t]);
+            }
+        }
+        for (int t = 0; t < nt; t++) out[(long)(t0 + t) * N] = hsum8(fsum[t]);
+    }
+#else
+    for (int t = 0; t < T; t++)
+        out[(long)t * N] = dot_q8_0(row, K, xq + (long)t * stride,
+                                    (const float *)((const uint8_t *)xd + (long)t * stride));
+#endif
+}
+
 /* IQ4_XS (136 bytes / 256 weights): f16 d, u16 scales_h, 4 bytes scales_l, 128 bytes of 4-bit indices into the
    IQ4_NL codebook. Sub-block j (32 weights: the low nibbles of its 16 bytes, then the high ones) has the 6-bit
    scale ls = (scales_l[j/2] >> 4*(j%2) & 15) | (scales_h >> 2j & 3) << 4, and w = d * (ls - 32) * kvalues[q]. The
@@ -431,9 +465,14 @@ int strata_native_gemv(int T, const uint8_t *w, int N, int K, int fmt, const flo
     #define G16(t) (GS(t) + K / 32)
     for (int t = 0; t < T; t++) quantize_row(x + (long)t * K, K, GQ(t), GD(t), GS(t), G16(t));
     #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int r = 0; r < N; r++)
+    for (int r = 0; r < N; r++) {
+        if (fmt == FMT_Q80 && T > 1) {  /* (each block read and signed once for all rows) */
+            dot_q8_0_rows(w + r * rb, K, T, GQ(0), GD(0), sp, out + r, N);
+            continue;
+        }
         for (int t = 0; t < T; t++)
             out[(long)t * N + r] = dot_row(fmt, w + r * rb, K, GQ(t), GD(t), GS(t), G16(t));
+    }
     #undef GQ
     #undef GD
     #undef GS

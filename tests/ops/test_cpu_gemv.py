@@ -90,3 +90,17 @@ def test_an_exact_cpu_block_takes_the_reference_in_its_thread_only():
         t.join()
     assert torch.equal(other["y"], cpu_gemv.native_qmatmul(x, w))
     assert torch.equal(qmatmul(x, w), cpu_gemv.native_qmatmul(x, w))
+
+
+@pytest.mark.parametrize("T", [2, 3, 4, 5, 9])
+@pytest.mark.parametrize("qt", FORMATS, ids=lambda q: q.name)
+def test_each_row_of_several_is_bit_for_bit_its_own_call(qt, T):
+    """A verify step's or a batch's rows (Q8_0's several-row dot product reads each block once for all of them)
+    give exactly what each row alone gives: drafted text equals plain text."""
+    native_or_skip()
+    K = 512 if cpu_native.WIDTHS[qt.name] == 256 else 352
+    w = random_qtensor(qt, (29, K), np.random.default_rng(T))
+    x = torch.randn(T, K, generator=torch.Generator().manual_seed(10 + T)) * 3
+    many = cpu_gemv.native_qmatmul(x, w)
+    for t in range(T):
+        assert torch.equal(many[t], cpu_gemv.native_qmatmul(x[t:t + 1], w)[0]), t
