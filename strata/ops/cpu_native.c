@@ -136,6 +136,67 @@ static float dot_q4k(const uint8_t *row, int nb, const int8_t *xq, const float *
 #endif
 }
 
+/* dot_q4k of one weight row against T rows of activations laid out as the scratch is (row t's int8 at
+   xq + t * stride bytes, its scales right after its K int8, its sums per 32 right after the scales), into
+   out[t * N]: each super-block's scales are unpacked and its nibbles split once for every row, and each row's sums
+   run in dot_q4k's order, so every result is bit for bit its own call's. */
+static void dot_q4k_rows(const uint8_t *row, int nb, int K, int T, const uint8_t *xs0, long stride, float *out,
+                         long N) {
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int t0 = 0; t0 < T; t0 += 4) {
+        const int nt = T - t0 < 4 ? T - t0 : 4;
+        const int8_t *q8r[4];
+        const float *xdr[4];
+        const int32_t *xsr[4];
+        for (int t = 0; t < nt; t++) {
+            const uint8_t *base = xs0 + (long)(t0 + t) * stride;
+            q8r[t] = (const int8_t *)base;
+            xdr[t] = (const float *)(base + K);
+            xsr[t] = (const int32_t *)(xdr[t] + NB256(K));
+        }
+        __m256 fsum[4], fmin[4];
+        for (int t = 0; t < 4; t++) fsum[t] = fmin[t] = _mm256_setzero_ps();
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *blk = row + b * 144;
+            PREFETCH_AHEAD(blk, nb * 144, 144);
+            uint8_t sc[8], mn[8];
+            q4k_scales(blk + 4, sc, mn);
+            const uint8_t *qs = blk + 16;
+            __m256i lo[4], hi[4];
+            for (int j = 0; j < 4; j++) {
+                __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+                lo[j] = _mm256_and_si256(v, m4);
+                hi[j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            }
+            const __m256i mn32 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)mn));
+            const float d = f16(blk), dm = f16(blk + 2);
+            for (int t = 0; t < nt; t++) {
+                const int8_t *q8 = q8r[t] + b * 256;
+                __m256i acc = _mm256_setzero_si256();
+                for (int j = 0; j < 4; j++) {
+                    __m256i plo = _mm256_maddubs_epi16(lo[j], _mm256_loadu_si256((const __m256i *)(q8 + 64 * j)));
+                    __m256i phi = _mm256_maddubs_epi16(hi[j], _mm256_loadu_si256((const __m256i *)(q8 + 64 * j + 32)));
+                    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(plo, _mm256_set1_epi16(sc[2 * j])));
+                    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(phi, _mm256_set1_epi16(sc[2 * j + 1])));
+                }
+                __m256i mprod = _mm256_mullo_epi32(mn32, _mm256_loadu_si256((const __m256i *)(xsr[t] + b * 8)));
+                const float dx = d * xdr[t][b], mx = dm * xdr[t][b];
+                fsum[t] = _mm256_fmadd_ps(_mm256_set1_ps(dx), _mm256_cvtepi32_ps(acc), fsum[t]);
+                fmin[t] = _mm256_fmadd_ps(_mm256_set1_ps(mx), _mm256_cvtepi32_ps(mprod), fmin[t]);
+            }
+        }
+        for (int t = 0; t < nt; t++) out[(long)(t0 + t) * N] = hsum8(_mm256_sub_ps(fsum[t], fmin[t]));
+    }
+#else
+    for (int t = 0; t < T; t++) {
+        const uint8_t *base = xs0 + (long)t * stride;
+        const float *xd = (const float *)(base + K);
+        out[(long)t * N] = dot_q4k(row, nb, (const int8_t *)base, xd, (const int32_t *)(xd + NB256(K)));
+    }
+#endif
+}
+
 /* one Q6_K row (nb super-blocks of 210 bytes: ql[128], qh[64], int8 scales[16], d f16):
    w = d * sc[g] * (q - 32) with q = 4 low bits from ql | 2 high bits from qh; per half of 128 weights, byte l of
    ql/qh feeds weights l, l+32, l+64, l+96 (low nibble / bits 0-1, ...), and group g covers weights 16g..16g+15 */
@@ -233,6 +294,78 @@ static float dot_q8_0(const uint8_t *row, int K, const int8_t *xq, const float *
         sum += f16(blk) * xd[i / 8] * (float)s;
     }
     return sum;
+#endif
+}
+
+/* dot_q6k of one weight row against T rows of activations laid out as the scratch is (row t's int8 at
+   xq + t * stride bytes, its scales right after its K int8, its sums per 32 and then per 16 after those), into
+   out[t * N]: each half super-block's 6-bit values and scales are unpacked once for every row, and each row's sums
+   run in dot_q6k's order (its float steps are the same; its integer ones are exact), bit for bit its own call's. */
+static void dot_q6k_rows(const uint8_t *row, int nb, int K, int T, const uint8_t *xs0, long stride, float *out,
+                         long N) {
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03);
+    for (int t0 = 0; t0 < T; t0 += 4) {
+        const int nt = T - t0 < 4 ? T - t0 : 4;
+        const int8_t *q8r[4];
+        const float *xdr[4];
+        const int32_t *x16r[4];
+        for (int t = 0; t < nt; t++) {
+            const uint8_t *base = xs0 + (long)(t0 + t) * stride;
+            q8r[t] = (const int8_t *)base;
+            xdr[t] = (const float *)(base + K);
+            x16r[t] = (const int32_t *)(xdr[t] + NB256(K)) + K / 32;
+        }
+        __m256 fsum[4];
+        for (int t = 0; t < 4; t++) fsum[t] = _mm256_setzero_ps();
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *blk = row + b * 210;
+            PREFETCH_AHEAD(blk, nb * 210, 210);
+            const int8_t *sc = (const int8_t *)(blk + 192);
+            __m256i acc[4];
+            for (int t = 0; t < 4; t++) acc[t] = _mm256_setzero_si256();
+            for (int n = 0; n < 2; n++) {
+                const uint8_t *ql = blk + 64 * n, *qhp = blk + 128 + 32 * n;
+                const int8_t *s8 = sc + 8 * n;
+                __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);
+                __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
+                __m256i qh = _mm256_loadu_si256((const __m256i *)qhp);
+                __m256i q[4], scv[4];
+                q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4));
+                q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4),
+                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m2), 4));
+                q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m2), 4));
+                q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m2), 4));
+                for (int k = 0; k < 4; k++)
+                    scv[k] = _mm256_set_m128i(_mm_set1_epi16(s8[2 * k + 1]), _mm_set1_epi16(s8[2 * k]));
+                for (int t = 0; t < nt; t++) {
+                    const int8_t *x = q8r[t] + b * 256 + 128 * n;
+                    for (int k = 0; k < 4; k++) {
+                        __m256i p = _mm256_maddubs_epi16(q[k], _mm256_loadu_si256((const __m256i *)(x + 32 * k)));
+                        acc[t] = _mm256_add_epi32(acc[t], _mm256_madd_epi16(p, scv[k]));
+                    }
+                }
+            }
+            const __m256i sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sc));
+            const __m256i sc1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 8)));
+            const float d = f16(blk + 208);
+            for (int t = 0; t < nt; t++) {
+                __m256i off0 = _mm256_mullo_epi32(sc0, _mm256_loadu_si256((const __m256i *)(x16r[t] + b * 16)));
+                __m256i off1 = _mm256_mullo_epi32(sc1, _mm256_loadu_si256((const __m256i *)(x16r[t] + b * 16 + 8)));
+                __m256i a = _mm256_sub_epi32(acc[t], _mm256_slli_epi32(_mm256_add_epi32(off0, off1), 5));
+                fsum[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * xdr[t][b]), _mm256_cvtepi32_ps(a), fsum[t]);
+            }
+        }
+        for (int t = 0; t < nt; t++) out[(long)(t0 + t) * N] = hsum8(fsum[t]);
+    }
+#else
+    for (int t = 0; t < T; t++) {
+        const uint8_t *base = xs0 + (long)t * stride;
+        const float *xd = (const float *)(base + K);
+        out[(long)t * N] = dot_q6k(row, nb, (const int8_t *)base, xd, (const int32_t *)(xd + NB256(K)) + K / 32);
+    }
 #endif
 }
 
@@ -468,6 +601,14 @@ int strata_native_gemv(int T, const uint8_t *w, int N, int K, int fmt, const flo
     for (int r = 0; r < N; r++) {
         if (fmt == FMT_Q80 && T > 1) {  /* (each block read and signed once for all rows) */
             dot_q8_0_rows(w + r * rb, K, T, GQ(0), GD(0), sp, out + r, N);
+            continue;
+        }
+        if (fmt == FMT_Q4K && T > 1) {  /* (each super-block's scales and nibbles unpacked once for all rows) */
+            dot_q4k_rows(w + r * rb, K / 256, K, T, ws, sp, out + r, N);
+            continue;
+        }
+        if (fmt == FMT_Q6K && T > 1) {  /* (each half block's 6-bit values and scales unpacked once) */
+            dot_q6k_rows(w + r * rb, K / 256, K, T, ws, sp, out + r, N);
             continue;
         }
         for (int t = 0; t < T; t++)

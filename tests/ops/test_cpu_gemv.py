@@ -104,3 +104,33 @@ def test_each_row_of_several_is_bit_for_bit_its_own_call(qt, T):
     many = cpu_gemv.native_qmatmul(x, w)
     for t in range(T):
         assert torch.equal(many[t], cpu_gemv.native_qmatmul(x[t:t + 1], w)[0]), t
+
+
+@pytest.mark.parametrize("qt", [Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+def test_several_rows_in_the_avx2_and_plain_builds(qt):
+    """The AVX2 path (-mno-avx512f) and the plain C loops: several rows give each row's own result there too,
+    and both agree with the machine's build (float order aside for the plain loops)."""
+    from tests.ops.native_oracle import build
+
+    native_or_skip()
+    avx2 = build([*cpu_native.FLAGS, "-mno-avx512f"])
+    plain = build([f for f in cpu_native.FLAGS if not f.startswith("-march")] + ["-mno-avx2", "-mno-fma"])
+    K, N, T = 512, 23, 5
+    w = random_qtensor(qt, (N, K), np.random.default_rng(3))
+    x = torch.randn(T, K, generator=torch.Generator().manual_seed(4))
+
+    def gemv(lib, xs):
+        n = xs.shape[0]
+        out = torch.empty(n, N, dtype=torch.float32)
+        ws = torch.empty(int(lib.strata_native_gemv_scratch(n, K)) + 64, dtype=torch.uint8)
+        rc = lib.strata_native_gemv(n, w.raw.data_ptr(), N, K, cpu_native.FORMATS[qt.name], xs.data_ptr(),
+                                    out.data_ptr(), 1, (ws.data_ptr() + 63) // 64 * 64)
+        assert rc == 0
+        return out
+
+    base = cpu_gemv.native_qmatmul(x, w)
+    for lib in (avx2, plain):
+        many = gemv(lib, x)
+        for t in range(T):
+            assert torch.equal(many[t], gemv(lib, x[t:t + 1].contiguous())[0]), t
+        assert ((many - base).norm() / base.norm()).item() < 1e-5
