@@ -63,6 +63,33 @@ def replay(d: dict, policy: str, skip_steps: int = 0, decode_only: bool = False,
             "swaps_per_token": swaps / max(1, tokens), "tokens": tokens}
 
 
+def stand_in(spec: str, seed: int = 1) -> dict:
+    """A routing made up where none was recorded, in a dump's layout: spec "E,k,layers,slots,zipf[,requests]":
+    experts of Zipf(zipf) popularity, a third of them reshuffled per request, each request a 1,024-token prefill
+    (one observation of every token's k choices a layer) and then 128 decode steps."""
+    E, k, L, S, zipf, *rest = (float(v) for v in spec.split(","))
+    E, k, L, S, R = int(E), int(k), int(L), int(S), int(rest[0]) if rest else 6
+    rng = np.random.default_rng(seed)
+    base = 1.0 / np.arange(1, E + 1) ** zipf
+    layer, step, ids = [], [], []
+    t = 0
+    for _ in range(R):
+        p = base.copy()
+        idx = rng.choice(E, size=E // 3, replace=False)
+        p[idx] = p[rng.permutation(idx)]
+        p /= p.sum()
+        for n in [1024] + [1] * 128:
+            t += 1
+            for li in range(L):
+                layer.append(li)
+                step.append(t)
+                ids.append(np.concatenate([rng.choice(E, size=k, replace=False, p=p) for _ in range(n)]))
+    lens = np.array([len(x) for x in ids])
+    return {"layer": np.array(layer), "step": np.array(step), "offsets": np.concatenate([[0], np.cumsum(lens)]),
+            "ids": np.concatenate(ids).astype(np.int32), "slots": np.full(L, S, dtype=np.int32), "n_experts": E,
+            "k": k}
+
+
 def static_best(d: dict, skip_steps: int = 0) -> float:
     L, E, k = len(d["slots"]), int(d["n_experts"]), int(d["k"])
     counts = np.zeros((L, E))
@@ -82,7 +109,9 @@ def _floats(s: str) -> list[float]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("dump", help="a bench_decode.py --dump-routing file")
+    ap.add_argument("dump", nargs="?", help="a bench_decode.py --dump-routing file")
+    ap.add_argument("--stand-in", metavar="E,k,LAYERS,SLOTS,ZIPF[,REQUESTS]",
+                    help="replay a made-up routing instead of a dump (see stand_in)")
     ap.add_argument("--policy", default="lfu-decay", help="lfu-decay or lru")
     ap.add_argument("--decay", default="0.95", help="comma-separated decays (lfu-decay)")
     ap.add_argument("--margin", default="0.2", help="comma-separated margins (lfu-decay)")
@@ -93,8 +122,10 @@ def main() -> int:
                     help="leave the prefill chunks out (the policy learns from decode steps only: a long generation's "
                          "steady state)")
     a = ap.parse_args()
-    d = load(a.dump)
-    print(f"{a.dump}: {len(d['layer'])} observations, {len(d['slots'])} layers x {int(d['n_experts'])} experts, "
+    if (a.dump is None) == (a.stand_in is None):
+        ap.error("give a dump file or --stand-in")
+    d = load(a.dump) if a.dump else stand_in(a.stand_in)
+    print(f"{a.dump or 'stand-in ' + a.stand_in}: {len(d['layer'])} observations, {len(d['slots'])} layers x {int(d['n_experts'])} experts, "
           f"top-{int(d['k'])}, slots {int(d['slots'].min())}-{int(d['slots'].max())}; static best hit "
           f"{static_best(d, a.skip_steps):.4f}")
     print("| policy | decay | margin | abs margin | swap budget | hit | misses/token | swaps/token |")

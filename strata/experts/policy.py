@@ -35,7 +35,7 @@ POLICIES = ("lfu-decay", "lru")
 # (E / k steps each). A shorter memory ranks a model of many experts on its last few tokens' noise and trades slots
 # on it: a fixed 0.95 did that on a 512-expert model, with no more hits than the longer memory and a copy for
 # nearly every miss (docs/BENCHMARKS.md, "B2 at 24 GiB").
-AUTO_USES = 10.0
+AUTO_USES = 5.0
 
 
 def auto_decay(n_experts: int, k: int) -> float:

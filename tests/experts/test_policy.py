@@ -454,11 +454,11 @@ def test_the_allocator_cap_is_the_budget_less_what_lies_outside_torch(monkeypatc
         C.cap_to_budget(torch.device("cuda:0"), 2)
 
 
-def test_auto_decay_remembers_ten_uses_of_an_evenly_routed_expert():
+def test_auto_decay_remembers_five_uses_of_an_evenly_routed_expert():
     from strata.experts.policy import auto_decay
 
-    assert auto_decay(512, 10) == pytest.approx(1 - 10 / 5120)  # B2's shape: ~500 steps
-    assert auto_decay(128, 8) == pytest.approx(1 - 8 / 1280)
+    assert auto_decay(512, 10) == pytest.approx(1 - 10 / 2560)  # B2's shape: ~256 steps
+    assert auto_decay(128, 8) == pytest.approx(1 - 8 / 640)
     assert auto_decay(4, 2) == 0.95 and auto_decay(100_000, 1) == 0.999  # (clamped)
 
 
@@ -467,7 +467,7 @@ def test_cache_decay_flag_reaches_the_policy_and_bad_values_say_so(tmp_path):
     from strata.config import ExpertConfig
 
     ex = ExpertConfig(cache_decay="auto")
-    assert ex.decay_value(512, 10) == pytest.approx(0.998046875)
+    assert ex.decay_value(512, 10) == pytest.approx(0.99609375)
     assert ExpertConfig(cache_decay="0.9").decay_value(512, 10) == 0.9
     for bad in ("0", "1.5", "fast", "-0.2"):
         with pytest.raises(StrataError, match="--cache-decay"):
