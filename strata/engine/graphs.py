@@ -48,11 +48,11 @@ Handoff = Callable[[], "Callable[[], None] | None"]
 
 @contextmanager
 def collector_paused():
-    """Python's cycle collector run first, then held off while a graph captures: a collection mid-capture can free
-    pinned host buffers of objects dropped earlier (an engine of a previous request or test), and the host
-    allocator's event calls for them are not allowed while this thread's stream captures: the capture fails
-    ("operation not permitted when stream is capturing")."""
-    gc.collect()
+    """Python's cycle collector held off while a graph captures: a collection mid-capture can free pinned host
+    buffers of objects dropped earlier (an engine of a previous request or test), and the host allocator's event
+    calls for them are not allowed while this thread's stream captures: the capture fails ("operation not
+    permitted when stream is capturing"). What it would have collected waits for the next collection (no collection
+    is forced here: a full one takes tens of milliseconds on a loaded heap)."""
     was = gc.isenabled()
     gc.disable()
     try:

@@ -119,9 +119,9 @@ def test_graphed_bf16_step_with_split_attention_matches_sdpa(hf_and_gguf, monkey
     assert split.argmax().item() == sdpa.argmax().item()
 
 
-def test_capture_runs_with_the_collector_paused_after_collecting():
-    """A cycle dropped before a capture is collected first (its pinned buffers freed outside the capture), the
-    collector stays off during it (no collection can free such buffers mid-capture) and is on again after."""
+def test_capture_runs_with_the_collector_paused():
+    """No cycle is collected during a capture (its pinned buffers would be freed mid-capture), and the collector is
+    as it was found afterwards."""
     import gc
 
     from strata.engine.graphs import collector_paused
@@ -135,12 +135,16 @@ def test_capture_runs_with_the_collector_paused_after_collecting():
         def __del__(self):
             freed.append(True)
 
-    Cycle()
     assert gc.isenabled()
     with collector_paused():
-        assert freed == [True]
         assert not gc.isenabled()
+        Cycle()
+        for _ in range(3000):  # (allocations that would trigger a collection)
+            [[] for _ in range(10)]
+        assert freed == []
     assert gc.isenabled()
+    gc.collect()
+    assert freed == [True]
     gc.disable()
     try:
         with collector_paused():
