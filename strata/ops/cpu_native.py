@@ -1,7 +1,8 @@
 """A native CPU kernel for the CPU lane: Q4_K / Q6_K / Q8_0 experts read in place, int8 dot products (AVX2).
 
 The C source is `cpu_native.c` beside this file, with the IQ2_XXS / IQ3_XXS / IQ2_S dot products in `cpu_native_iq.h` and
-the Q5_K / MXFP4 ones in `cpu_native_fmt.h` (included: one compilation unit). torch's fused `_weight_int4pack_mm_for_cpu` reads its repacked
+the Q5_K / MXFP4 ones in `cpu_native_fmt.h`, several rows of x against Q4_K / Q6_K / Q8_0 in `cpu_native_rows.h`
+(included: one compilation unit). torch's fused `_weight_int4pack_mm_for_cpu` reads its repacked
 copy well below what the cores can read (one token's GEMV: fork/join and wake-up per call dominate; the measured
 rates are in docs/BENCHMARKS.md), and it needs a second, repacked copy of every expert in RAM. This kernel
 reads the GGUF blocks where they lie (the store's pinned or mapped bytes: no copy), the way llama.cpp's CPU path
@@ -45,7 +46,8 @@ from strata.config import c_compiler
 log = logging.getLogger("strata")
 
 SOURCE_FILE = pathlib.Path(__file__).with_name("cpu_native.c")  # shipped as package data (pyproject.toml)
-HEADER_FILES = (SOURCE_FILE.with_name("cpu_native_iq.h"), SOURCE_FILE.with_name("cpu_native_fmt.h"))  # the headers it includes, likewise
+# the headers it includes, likewise
+HEADER_FILES = tuple(SOURCE_FILE.with_name(h) for h in ("cpu_native_iq.h", "cpu_native_fmt.h", "cpu_native_rows.h"))
 
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 _lib = None
