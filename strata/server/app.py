@@ -41,6 +41,16 @@ class ServeConfig:
     fault_after_tokens: int | None = None  # tests only: see strata.config.fault_after_tokens_for_tests
 
 
+def _cache_settings(engine) -> dict | None:
+    """The expert cache's policy, its decay (lfu-decay) and swap budget, or None without a cache."""
+    experts = getattr(engine.model, "experts", None)
+    pol = getattr(experts, "policy", None)
+    if pol is None:
+        return None
+    ex = engine.lm.cfg.experts
+    return {"policy": ex.cache_policy, "decay": getattr(pol, "decay", None), "swap_budget": ex.swap_budget}
+
+
 def _decode_steps(engine) -> dict:
     """How decode steps run: replayed graphs, launched one ahead (strata.engine.ahead), and how many so far."""
     ahead = getattr(engine, "ahead", None)
@@ -209,7 +219,9 @@ def _start_engine(app: FastAPI, cfg: ServeConfig, lm, say) -> object:
                         "warmup": warmed,
                         # how --vram-gb was divided (GiB per part, slots per layer, the cache's share); None: no
                         # budget was divided (resident experts, --expert-slots, a CPU without --vram-gb)
-                        "vram_split": engine.vram_split.as_dict() if engine.vram_split is not None else None}
+                        "vram_split": engine.vram_split.as_dict() if engine.vram_split is not None else None,
+                        # the expert cache's policy and its decay as resolved (--cache-decay auto); None: no cache
+                        "expert_cache": _cache_settings(engine)}
     worker.start()
     app.state.server = srv
     say(f"ready in {time.perf_counter() - t0:.1f}s")
@@ -307,6 +319,7 @@ def _routes(app: FastAPI) -> None:
             "structured_output": request.app.state.model_meta.get("structured_output"),
             "tool_call_format": srv.tool_format,
             "vram_split": request.app.state.metrics.settings.get("vram_split"),
+            "expert_cache": request.app.state.metrics.settings.get("expert_cache"),
             "decode_steps": _decode_steps(srv.worker.engine),
         }
 

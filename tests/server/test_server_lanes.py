@@ -38,7 +38,7 @@ def server(tiered_lm):
         yield r
 
 
-def test_timings_metrics_and_props_report_the_lanes_and_the_split(server):
+def test_timings_metrics_and_props_report_the_lanes_and_the_split(server, tiered_lm):
     oai = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
     r = oai.chat.completions.create(model="tiny", messages=MSG, max_tokens=12, temperature=0)
     t = r.model_extra["timings"]
@@ -68,6 +68,12 @@ def test_timings_metrics_and_props_report_the_lanes_and_the_split(server):
     assert split["slots_per_layer"] == SLOTS and 0 < split["cache_share"] < 1
     props = _http.get(server.url + "/props").json()
     assert props["vram_split"] == split
+    # the cache's policy and its decay as --cache-decay auto resolved it for this model's shape
+    from strata.experts.policy import auto_decay
+
+    cache = j["settings"]["expert_cache"]
+    assert cache["policy"] == "lfu-decay" and cache["swap_budget"] >= 0 and props["expert_cache"] == cache
+    assert cache["decay"] == pytest.approx(auto_decay(tiered_lm.args.n_experts, tiered_lm.args.n_experts_used))
 
 
 def test_a_resident_model_reports_no_lanes(lm):
@@ -76,6 +82,7 @@ def test_a_resident_model_reports_no_lanes(lm):
         oai = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
         t = oai.chat.completions.create(model="tiny", messages=MSG, max_tokens=3, temperature=0).model_extra["timings"]
         assert "experts_cpu_gbps" not in t
-        assert _http.get(srv.url + "/props").json()["vram_split"] is None
+        props = _http.get(srv.url + "/props").json()
+        assert props["vram_split"] is None and props["expert_cache"] is None
         text = _http.get(srv.url + "/metrics").text
         assert "strata_experts_miss_gbps 0.0" in text and "strata_vram_split_bytes" not in text
