@@ -14,14 +14,14 @@ Kernels per expert FFN (`silu(x @ gate.T) * (x @ up.T) @ down.T`):
   weight so an expert is two calls. Q8_0 (per-32-block scales, which the per-row `_weight_int8pack_mm`
   cannot take) goes as two int4 halves along a doubled k: exact up to the bf16 scales, 10 bits per weight.
 
-- `native`: Q4_K / Q5_K / Q6_K / Q8_0 / IQ4_XS / IQ2_XXS / IQ3_XXS / IQ2_S / MXFP4 experts read in place by a compiled
-  kernel (`strata.ops.cpu_native`: int8 activations, AVX2 integer dot products, every expert of a token-layer in
-  one call); needs a C compiler at first use. Rows are multiples of 256, or of 32 for Q8_0 and MXFP4; experts
+- `native`: Q2_K / Q3_K / Q4_K / Q5_K / Q6_K / Q8_0 / IQ4_XS / IQ4_NL / IQ2_XXS / IQ3_XXS / IQ2_S / MXFP4 experts read in
+  place by a compiled kernel (`strata.ops.cpu_native`: int8 activations, AVX2 integer dot products, every expert of
+  a token-layer in one call); needs a C compiler at first use. Rows are multiples of 256, or of 32 for Q8_0 and MXFP4; experts
   with biases and gpt-oss's clamped SwiGLU (`ExpertAct` kind `swiglu_oai`) go through it too.
 
 `auto` takes `native` for bf16/f16 activations and experts in those formats when the kernel builds, else `int4` for a
 repackable format (Q4_K, Q4_0, Q8_0; plain SwiGLU, and preferred for rows with a partial 256-block), else `ref`.
-Other formats (Q2_K, Q3_K, Q5_0, the other i-quants, ...) use `ref` until a kernel for them lands; with bf16/f16
+Other formats (Q4_1, Q5_0, Q5_1, the other i-quants, ...) use `ref` until a kernel for them lands; with bf16/f16
 activations that logs one warning per such format.
 
 Threads: torch's intra-op pool is process-wide; `CpuLane(threads=n)` sets it (0 leaves torch's default, one
@@ -41,6 +41,7 @@ from gguf import GGMLQuantizationType
 
 from strata import StrataError
 from strata.experts.resident import ExpertWeights, expert_ffn
+from strata.ops import cpu_native
 from strata.quant import QTensor
 from strata.quant.formats import warn_reference_path
 from strata.quant.matmul import exact_cpu
@@ -148,7 +149,7 @@ def int4_supported(ew: ExpertWeights) -> bool:
     return all(t.shape[-1] % GROUP == 0 and t.shape[-2] % 64 == 0 for t in (ew.gate, ew.down))
 
 
-NATIVE_TYPES = frozenset({Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.IQ4_XS, Q.IQ2_XXS, Q.IQ3_XXS, Q.IQ2_S, Q.MXFP4, Q.IQ4_NL})
+NATIVE_TYPES = frozenset(Q[name] for name in cpu_native.FORMATS)  # the formats the native kernel reads
 NATIVE_ACTS = frozenset({"swiglu_oai"})  # the ExpertAct kinds the native kernel computes (with their biases)
 
 
@@ -181,8 +182,6 @@ def _native_act(ew: ExpertWeights) -> dict:
 
 
 def _native_lib():
-    from strata.ops import cpu_native
-
     return cpu_native.load()
 
 
@@ -251,8 +250,6 @@ class CpuLane:
                 raise StrataError(f"layer {i}: the int4 CPU kernel does not take {ew.gate.qtype.name}/"
                                   f"{ew.down.qtype.name} experts of shape {ew.gate.shape[1:]}")
             elif kernel == "native" and _native_lib() is None:
-                from strata.ops import cpu_native
-
                 why = cpu_native.unavailable() or "it did not load"
                 raise StrataError(f"--cpu-kernel native: the native CPU kernel is unavailable: {why}")
             elif kernel == "native" and not native_supported(ew):

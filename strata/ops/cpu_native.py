@@ -47,7 +47,8 @@ log = logging.getLogger("strata")
 
 SOURCE_FILE = pathlib.Path(__file__).with_name("cpu_native.c")  # shipped as package data (pyproject.toml)
 # the headers it includes, likewise
-HEADER_FILES = tuple(SOURCE_FILE.with_name(h) for h in ("cpu_native_iq.h", "cpu_native_fmt.h", "cpu_native_rows.h"))
+HEADER_FILES = tuple(SOURCE_FILE.with_name(h) for h in ("cpu_native_iq.h", "cpu_native_fmt.h", "cpu_native_rows.h",
+                                                       "cpu_native_kq.h"))
 
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 _lib = None
@@ -159,9 +160,9 @@ def _set_tables(lib: ctypes.CDLL) -> None:
     lib.strata_native_tables(*(ctypes.c_void_p(a.ctypes.data) for a in _TABLES))
 
 
-# the kernel's format codes (FMT_Q4K, ..., FMT_MXFP4, FMT_IQ2S, FMT_IQ4NL)
+# the kernel's format codes (FMT_Q4K, ..., FMT_MXFP4, FMT_IQ2S, FMT_IQ4NL, FMT_Q2K, FMT_Q3K)
 FORMATS = {"Q4_K": 0, "Q6_K": 1, "Q8_0": 2, "IQ4_XS": 3, "IQ2_XXS": 4, "IQ3_XXS": 5, "Q5_K": 6, "MXFP4": 7, "IQ2_S": 8,
-           "IQ4_NL": 9}
+           "IQ4_NL": 9, "Q2_K": 10, "Q3_K": 11}
 # the weights a block spans (the kernel's fmt_width): a row's length must be a multiple of it. The activations are
 # quantized per 256 with a partial last block, which only the 32-wide formats' dot products can read.
 WIDTHS = {f: 32 if f in ("Q8_0", "MXFP4", "IQ4_NL") else 256 for f in FORMATS}

@@ -19,14 +19,15 @@ from tests.ops.native_oracle import check_builds, check_lane
 from tests.ops.native_oracle import native_or_skip as _native_or_skip
 from tests.ops.native_oracle import reference, rel as _rel
 
-# gate/up format, down format: all-Q5_K, the K-quant mixes that keep Q5_K for some projections, all-MXFP4, and
-# an i-quant mix's IQ4_NL downs (its rows not whole 256-blocks)
+# gate/up format, down format: all-Q5_K, the K-quant mixes that keep Q5_K for some projections, all-MXFP4, an
+# i-quant mix's IQ4_NL downs (its rows not whole 256-blocks), and the low K-quants of llama.cpp's Q2_K and Q3_K_*
+# files (Q2_K or Q3_K gate/up, the downs one step up)
 MIXES = [pytest.param(gu, dn, id=f"{gu.name}-{dn.name}")
          for gu, dn in [(Q.Q5_K, Q.Q5_K), (Q.Q5_K, Q.Q6_K), (Q.Q4_K, Q.Q5_K), (Q.MXFP4, Q.MXFP4),
-                        (Q.IQ2_XXS, Q.IQ4_NL), (Q.IQ4_NL, Q.IQ4_NL)]]
+                        (Q.IQ2_XXS, Q.IQ4_NL), (Q.IQ4_NL, Q.IQ4_NL), (Q.Q2_K, Q.Q3_K), (Q.Q3_K, Q.Q4_K),
+                        (Q.Q3_K, Q.Q2_K)]]
 # (d, ff): K from 256 to 2048 for both the gate/up rows (K = d) and the down rows (K = ff)
 SHAPES = [(256, 512), (768, 256), (1280, 1024), (2048, 768)]
-
 
 
 def _mxfp4(shape, rng) -> QTensor:
@@ -50,12 +51,6 @@ def _experts(gu, dn, E, d, ff, seed) -> ExpertWeights:
     return ExpertWeights(one(gu, (E, ff, d)), one(gu, (E, ff, d)), one(dn, (E, d, ff)))
 
 
-
-
-
-
-
-
 @pytest.mark.parametrize("d,ff", SHAPES)
 @pytest.mark.parametrize("gu,dn", MIXES)
 def test_the_lane_takes_the_format_and_matches_gguf_py(gu, dn, d, ff, caplog, monkeypatch):
@@ -68,7 +63,6 @@ def test_the_lane_takes_the_format_and_matches_gguf_py(gu, dn, d, ff, caplog, mo
     assert lane.kernel[0] == "native" and lane.nbytes() == 0
     assert not [r for r in caplog.records if "no fast kernel" in r.getMessage()]  # no reference-path warning
     check_lane(lane, ew, d)
-
 
 
 @pytest.mark.parametrize("gu,dn", MIXES)
