@@ -1,4 +1,4 @@
-"""One-launch GGML dequantization in Triton: Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, IQ2_XXS, IQ2_S, IQ3_XXS, IQ4_NL, IQ4_XS and
+"""One-launch GGML dequantization in Triton: Q4_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_0, IQ2_XXS, IQ2_S, IQ3_XXS, IQ4_NL, IQ4_XS and
 MXFP4 blocks (uint8) -> float32, bfloat16 or float16, bit-identical in float32 to the torch reference in
 `strata.quant.dequant`.
 
@@ -148,6 +148,50 @@ if triton is not None:
         y = dl * (ql | (qh << 4)).to(tl.float32) - ml
         o = (g * 32)[:, None] + c[None, :]
         _store(dst + pid * (BB * 256) + blk[:, None, None] * 256 + o[None], y, m3)
+
+    @triton.jit
+    def _q2_k_kernel(src, dst, n_blocks, BB: tl.constexpr):
+        # block (84 bytes / 256 weights): 16 bytes scale | min << 4 (group g = weights 16g..16g+15), 64 bytes of
+        # 2-bit values (weight 128n + 32j + l: bits 2j of byte 16 + 32n + l), f16 d, f16 dmin;
+        # w = (d * sc) * q - dmin * mn
+        pid = tl.program_id(0).to(tl.int64)
+        blk = tl.arange(0, BB)
+        m2 = (pid * BB + blk < n_blocks)[:, None]
+        b2 = (src + pid * (BB * 84) + blk * 84)[:, None]
+        g = tl.arange(0, 16)
+        w = (16 * g)[:, None] + tl.arange(0, 16)[None, :]  # [16, 16] weight index
+        d = _f16(b2 + 80, m2)
+        dmin = _f16(b2 + 82, m2)
+        s = _u8(b2 + g[None, :], m2)  # [BB, 16]
+        dl = (d * (s & 15).to(tl.float32))[:, :, None]
+        ml = (dmin * (s >> 4).to(tl.float32))[:, :, None]
+        m3 = m2[:, :, None]
+        b3 = b2[:, :, None]
+        q = (_u8(b3 + (16 + 32 * (w // 128) + w % 32)[None], m3) >> (2 * ((w % 128) // 32))[None]) & 3
+        y = dl * q.to(tl.float32) - ml
+        _store(dst + pid * (BB * 256) + blk[:, None, None] * 256 + w[None], y, m3)
+
+    @triton.jit
+    def _q3_k_kernel(src, dst, n_blocks, BB: tl.constexpr):
+        # block (110 bytes / 256 weights): 32 bytes hmask (weight 32k + l: bit k of byte l), 64 bytes of 2-bit
+        # values (as Q2_K's, at 32), 12 bytes of 6-bit scales (group g: nibble g // 8 of byte 96 + g % 8, high
+        # bits 2 (g // 4) of byte 104 + g % 4), f16 d; w = (d * (s - 32)) * (q - 4 * (1 - h))
+        pid = tl.program_id(0).to(tl.int64)
+        blk = tl.arange(0, BB)
+        m2 = (pid * BB + blk < n_blocks)[:, None]
+        b2 = (src + pid * (BB * 110) + blk * 110)[:, None]
+        g = tl.arange(0, 16)
+        w = (16 * g)[:, None] + tl.arange(0, 16)[None, :]
+        d = _f16(b2 + 108, m2)
+        lo = (_u8(b2 + 96 + (g % 8)[None, :], m2) >> (4 * (g // 8))[None, :]) & 15  # [BB, 16]
+        hi = (_u8(b2 + 104 + (g % 4)[None, :], m2) >> (2 * (g // 4))[None, :]) & 3
+        dl = (d * ((lo | (hi << 4)).to(tl.float32) - 32.0))[:, :, None]
+        m3 = m2[:, :, None]
+        b3 = b2[:, :, None]
+        ql = (_u8(b3 + (32 + 32 * (w // 128) + w % 32)[None], m3) >> (2 * ((w % 128) // 32))[None]) & 3
+        h = (_u8(b3 + (w % 32)[None], m3) >> (w // 32)[None]) & 1
+        y = dl * (ql.to(tl.float32) - (h ^ 1).to(tl.float32) * 4.0)
+        _store(dst + pid * (BB * 256) + blk[:, None, None] * 256 + w[None], y, m3)
 
     @triton.jit
     def _q6_k_kernel(src, dst, n_blocks, BB: tl.constexpr):
@@ -305,6 +349,8 @@ if triton is not None:
     KERNELS = {
         Q.Q8_0: (_q8_0_kernel, 34, 32, 128),
         Q.Q4_0: (_q4_0_kernel, 18, 32, 128),
+        Q.Q2_K: (_q2_k_kernel, 84, 256, 16),
+        Q.Q3_K: (_q3_k_kernel, 110, 256, 16),
         Q.Q4_K: (_q4_k_kernel, 144, 256, 16),
         Q.Q5_K: (_q5_k_kernel, 176, 256, 16),
         Q.Q6_K: (_q6_k_kernel, 210, 256, 16),
@@ -328,13 +374,16 @@ SUPPORTED = frozenset(KERNELS)
 # the IQ2_XXS, IQ3_XXS and IQ2_S kernels (a prompt chunk's i-quant experts, B3's recipe) are taken on a GPU once their GPU
 # test has passed there (tests/ops/test_prefill_ops_gpu.py; tools/gpu/gated.sh); the interpreter runs them
 IQ_GPU_TESTED = True
-_GATED = frozenset({Q.IQ2_XXS, Q.IQ3_XXS, Q.IQ2_S})
+# likewise the Q2_K and Q3_K kernels
+K23_GPU_TESTED = False
+_GATED = frozenset({Q.IQ2_XXS, Q.IQ3_XXS, Q.IQ2_S} if not IQ_GPU_TESTED else ()) | frozenset(
+    {Q.Q2_K, Q.Q3_K} if not K23_GPU_TESTED else ())
 
 
 def supports(qtype, dtype: torch.dtype, cuda: bool = False) -> bool:
     """Whether a kernel dequantizes `qtype` into `dtype` (cuda: on a GPU, where the gated ones wait for their
     GPU test)."""
-    if cuda and qtype in _GATED and not IQ_GPU_TESTED:
+    if cuda and qtype in _GATED:
         from strata.config import triton_interpreting
 
         return triton_interpreting()

@@ -51,7 +51,7 @@ try:  # Triton is optional: without it (or without a GPU) the torch grouped path
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
-SUPPORTED = frozenset({Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, *iquant_triton.FORMATS})
+SUPPORTED = frozenset({Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, *iquant_triton.FORMATS})
 KW_MAX = 2048  # weights of a row per loop iteration, at most (block_k may ask up to this)
 KW_DECODE = 512  # weights of a row per iteration by default
 ROWS_MAX = 8  # rows per program
@@ -61,6 +61,7 @@ PROGRAMS_PER_SM = 8  # fewer rows per program until a launch has this many (one-
 # ~8-10 (Q4_K), ~8.5-10 (Q8_0), ~11-13 (Q6_K) instructions per weight; the kernels this replaced took ~20 (Q8_0),
 # ~35 (Q6_K), ~50 (Q4_K) in loops of one block per row.
 TILE = {Q.Q4_K: (16384, 128), Q.Q5_K: (8192, 128), Q.Q8_0: (8192, 128), Q.Q6_K: (8192, 128),
+        Q.Q2_K: (8192, 128), Q.Q3_K: (8192, 128),  # (byte-pair loads like Q6_K's; not tuned)
         # the lookup-table formats (strata.ops.iquant_triton): one gathered codebook value per weight (not tuned)
         Q.IQ4_XS: (8192, 64), Q.IQ2_XXS: (4096, 64), Q.IQ3_XXS: (4096, 64), Q.MXFP4: (4096, 64),
         Q.IQ2_S: (4096, 64), Q.IQ4_NL: (4096, 64)}
@@ -71,7 +72,7 @@ def available() -> bool:
 
 
 if triton is not None:
-    from strata.ops.kquant_triton import q4k_tile, q5k_tile, q6k_tile, q8_0_tile
+    from strata.ops.kquant_triton import q2k_tile, q3k_tile, q4k_tile, q5k_tile, q6k_tile, q8_0_tile
 
     @triton.jit
     def _tile_dot(row, xp, tab, it, K, QT: tl.constexpr, BN: tl.constexpr, KW: tl.constexpr, EVEN: tl.constexpr):
@@ -83,6 +84,10 @@ if triton is not None:
             return q5k_tile(row, xp, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
         elif QT == 14:  # Q6_K
             return q6k_tile(row, xp, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
+        elif QT == 10:  # Q2_K
+            return q2k_tile(row, xp, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
+        elif QT == 11:  # Q3_K
+            return q3k_tile(row, xp, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
         elif QT == 23:  # IQ4_XS
             return iquant_triton.iq4xs_tile(row, xp, tab, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
         elif QT == 16:  # IQ2_XXS
@@ -191,6 +196,11 @@ if IQ4NL_GPU_TESTED:
 # some experts and projections in it) joins once tests/experts/test_expert_triton.py and tests/ops/test_qgemv.py
 # have passed it on a GPU.
 K_ON_GPU = frozenset({Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K})
+# Q2_K and Q3_K (the experts of llama.cpp's Q2_K and Q3_K_* files and of Unsloth's low-bit UD mixes) join likewise
+# (tools/gpu/gated.sh)
+K23_GPU_TESTED = False
+if K23_GPU_TESTED:
+    K_ON_GPU = K_ON_GPU | {Q.Q2_K, Q.Q3_K}
 
 
 def supports(gate, up, down) -> bool:

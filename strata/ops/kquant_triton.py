@@ -1,10 +1,14 @@
-"""Triton tiles of Q8_0 and the K-quants (Q4_K, Q5_K, Q6_K) for the fused expert kernels and the decode GEMV
+"""Triton tiles of Q8_0 and the K-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) for the fused expert kernels and the decode GEMV
 (`strata.ops.expert_triton`), read in place from the GGML blocks, no dequantized copy.
 
 Each tile takes BN rows (byte pointers) of NB consecutive blocks, decodes them in registers and returns the BN dot
 products with x (xp: a pointer to the row's K activations). Block layouts, as gguf-py dequantizes them:
 
     Q8_0    34 bytes / 32: f16 d, 32 int8; weight = d q
+    Q2_K    84 bytes / 256: 16 bytes of 4-bit scale | 4-bit min (one per 16 weights), 64 bytes of 2-bit values,
+           f16 d, f16 dmin; weight = d sc q - dmin m
+    Q3_K   110 bytes / 256: 32 bytes hmask (a third bit per weight), 64 bytes of 2-bit values, 12 bytes of 6-bit
+           scales, f16 d; weight = d (s - 32) (q + 4 h - 4)
     Q4_K   144 bytes / 256: f16 d, f16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles (byte c: low
            nibble = weight 64 (c // 32) + c % 32, high nibble = that + 32); weight = d sc q - dmin m
     Q5_K   176 bytes / 256: Q4_K's header, 32 bytes qh of fifth bits, then the 128 nibble bytes; q += 16 fifth bit
@@ -201,3 +205,78 @@ if triton is not None:
         part = tl.sum(lo * xl[None], axis=4) * sc_lo[:, :, :, None] \
             + tl.sum(hi * xh[None], axis=4) * sc_hi[:, :, :, None]  # [BN, NB, 8, 8]
         return tl.sum(tl.sum(tl.sum(part, axis=1), axis=1), axis=1)
+
+    @triton.jit
+    def q2k_tile(row, xp, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
+        """Superblocks b0 .. b0+NB (those < nsb) of BN rows of Q2_K blocks against x -> [BN] float32."""
+        return _k23_tile(row, xp, b0, nsb, BN, NB, EVEN, False)
+
+    @triton.jit
+    def q3k_tile(row, xp, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
+        """Superblocks b0 .. b0+NB (those < nsb) of BN rows of Q3_K blocks against x -> [BN] float32."""
+        return _k23_tile(row, xp, b0, nsb, BN, NB, EVEN, True)
+
+    @triton.jit
+    def _k23_tile(row, xp, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr, THREE: tl.constexpr):
+        """Q2_K (THREE false) or Q3_K superblocks against x -> [BN] float32.
+
+        Both formats' 2-bit values: byte 32n + l (l = 0..31) of the 64 feeds weights 128n + 32j + l through bits
+        2j, 2j + 1 (j = 0..3); the 16 groups of 16 weights are g = 8n + 2j + half (half = l // 16). Here a thread
+        holds a byte pair of one c = 2n + half ([.., 4, 8, 2]: Q3_K's 110-byte blocks are only 2-byte aligned) and
+        walks the four shifts j, each a group per c. Q2_K: w = d (sc & 15) q - dmin (sc >> 4) with byte g of the
+        16 scale bytes, the mins times the group's sum of x. Q3_K: w = d (s - 32) (q + 4 h - 4), h bit 4n + j of
+        hmask byte 16 half + l % 16, s 6-bit (low 4 bits: nibble g // 8 of byte 96 + g % 8, high 2: bits
+        2 (g // 4) of byte 104 + g % 4). The 3-bit value q + 4h is OR-ed into the exponent bits of 2^23 (exact).
+        """
+        c = tl.arange(0, 4)
+        n = c // 2
+        half = c % 2
+        wk = (2 * tl.arange(0, 8))[:, None] + tl.arange(0, 2)[None, :]  # [8, 2] l % 16
+        sb = (b0 + tl.arange(0, NB)).to(tl.int64)
+        if EVEN:
+            sm = tl.full([NB], 1, tl.int1)
+        else:
+            sm = sb < nsb
+        m2 = sm[None, :]
+        m3 = m2[:, :, None]
+        m5 = m2[:, :, None, None, None]
+        if THREE:
+            blk = row[:, None] + sb[None, :] * 110  # [BN, NB]
+            qoff = 32
+        else:
+            blk = row[:, None] + sb[None, :] * 84
+            qoff = 16
+        b5 = blk[:, :, None, None, None]
+        qo = (qoff + (16 * c)[:, None, None] + wk[None]).to(tl.int64)  # [4, 8, 2] its 2-bit byte
+        Q = tl.load(b5 + qo[None, None], mask=m5, other=0, eviction_policy="evict_first").to(tl.int32)
+        if THREE:
+            d = _f16(blk + 108, m2)[:, :, None]  # [BN, NB, 1]
+            ho = ((16 * half)[:, None, None] + wk[None]).to(tl.int64)
+            H = tl.load(b5 + ho[None, None], mask=m5, other=0, eviction_policy="evict_first").to(tl.int32)
+            H4 = (H >> (4 * n)[None, None, :, None, None]) << 2  # bit 4n + j at bit 2 + j
+        else:
+            d = _f16(blk + 80, m2)[:, :, None]
+            dmin = _f16(blk + 82, m2)[:, :, None]
+        xo = sb[:, None, None, None] * 256 + ((128 * n + 16 * half)[:, None, None] + wk[None]).to(tl.int64)[None]
+        xm = sm[:, None, None, None]  # [NB, 1, 1, 1]
+        acc = tl.zeros([BN, NB, 4], dtype=tl.float32)
+        for j in tl.static_range(4):
+            xj = tl.load(xp + xo + 32 * j, mask=xm, other=0.0).to(tl.float32)  # [NB, 4, 8, 2]
+            g = (8 * n + 2 * j + half)[None, None, :]  # [1, 1, 4] each c's group
+            if THREE:
+                v = ((Q >> (2 * j)) & 3) | ((H4 >> j) & 4) | 0x4B000000
+                q = v.to(tl.float32, bitcast=True) - 8388612.0  # q + 4h - 4
+                dot = tl.sum(tl.sum(q * xj[None], axis=4), axis=3)  # [BN, NB, 4]
+                lo = tl.load(blk[:, :, None] + 96 + g % 8, mask=m3, other=0).to(tl.int32)
+                hi = tl.load(blk[:, :, None] + 104 + g % 4, mask=m3, other=0).to(tl.int32)
+                s = ((lo >> (4 * (g // 8))) & 15) | (((hi >> (2 * (g // 4))) & 3) << 4)
+                acc += (s - 32).to(tl.float32) * dot
+            else:
+                q = (((Q >> (2 * j)) & 3) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+                dot = tl.sum(tl.sum(q * xj[None], axis=4), axis=3)
+                sx = tl.sum(tl.sum(xj, axis=3), axis=2)[None]  # [1, NB, 4] the group's sum of x
+                sc = tl.load(blk[:, :, None] + g, mask=m3, other=0).to(tl.int32)
+                acc += d * (sc & 15).to(tl.float32) * dot - dmin * (sc >> 4).to(tl.float32) * sx
+        if THREE:
+            acc = acc * d
+        return tl.sum(tl.sum(acc, axis=2), axis=1)

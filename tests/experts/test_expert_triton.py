@@ -38,7 +38,9 @@ SCRIPT = textwrap.dedent("""
                                   (Q.IQ2_S, Q.IQ2_S, 256, 256, 64, None), (Q.IQ2_S, Q.IQ3_XXS, 512, 256, 64, 256),
                                   # IQ4_NL: a down whose K (96) is not whole 256-blocks, as in B3's recipe; a gate
                                   # read in two iterations
-                                  (Q.IQ2_XXS, Q.IQ4_NL, 256, 96, 64, None), (Q.IQ4_NL, Q.IQ4_NL, 128, 64, 64, 64)):
+                                  (Q.IQ2_XXS, Q.IQ4_NL, 256, 96, 64, None), (Q.IQ4_NL, Q.IQ4_NL, 128, 64, 64, 64),
+                                  # Q2_K / Q3_K (llama.cpp's Q2_K and Q3_K_* mixes: the down a step up)
+                                  (Q.Q2_K, Q.Q3_K, 512, 256, 64, 256), (Q.Q3_K, Q.Q4_K, 256, 256, None, None)):
         if ff == 96:  # (a 32-block down: Q8_0, MXFP4, IQ4_NL)
             assert plan((qd,), d, ff, 3, cpu, bn, bk)[2] is False, "the down tile must have masked blocks"
         if bk:
@@ -102,7 +104,8 @@ def test_triton_kernels_match_the_torch_op_in_the_interpreter():
 @pytest.mark.parametrize("qg,qd,d,ff", [("Q4_K", "Q4_K", 2048, 768), ("Q8_0", "Q6_K", 512, 256),
                                         ("IQ2_XXS", "IQ3_XXS", 2048, 768),
                                         ("IQ4_XS", "MXFP4", 512, 288), ("Q5_K", "Q5_K", 2048, 768),
-                                        ("IQ2_S", "IQ2_S", 2048, 768), ("IQ2_XXS", "IQ4_NL", 2048, 1408)])
+                                        ("IQ2_S", "IQ2_S", 2048, 768), ("IQ2_XXS", "IQ4_NL", 2048, 1408),
+                                        ("Q2_K", "Q3_K", 2048, 768), ("Q3_K", "Q3_K", 2048, 768)])
 def test_cuda_misses_read_from_pinned_host_memory(qg, qd, d, ff, monkeypatch):
     """On the GPU the kernels read a missed expert from pinned host RAM (mapped over the bus), through the op
     the direct decode path calls, and equal the torch reference; a pageable stack is left to the reference."""
@@ -118,7 +121,7 @@ def test_cuda_misses_read_from_pinned_host_memory(qg, qd, d, ff, monkeypatch):
 
     # every format's tiles, compiled (those not yet taken on GPUs too)
     monkeypatch.setattr(expert_triton, "LOOKUP_ON_GPU", frozenset(expert_triton.iquant_triton.FORMATS))
-    monkeypatch.setattr(expert_triton, "K_ON_GPU", expert_triton.K_ON_GPU | {Q.Q5_K})
+    monkeypatch.setattr(expert_triton, "K_ON_GPU", expert_triton.K_ON_GPU | {Q.Q5_K, Q.Q2_K, Q.Q3_K})
     dev = torch.device("cuda")
     qg, qd = Q[qg], Q[qd]
     pool = [random_qtensor(qg, (3, ff, d), 1, device=dev), random_qtensor(qg, (3, ff, d), 2, device=dev),

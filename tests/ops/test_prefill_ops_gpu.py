@@ -25,7 +25,8 @@ def _same_bits(ours: torch.Tensor, ref: torch.Tensor, what) -> None:
     assert int((ours.view(bits) != ref.view(bits))[~nan].sum()) == 0, what
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ2_XXS, Q.IQ3_XXS, Q.IQ2_S],
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ2_XXS, Q.IQ3_XXS, Q.IQ2_S,
+                                   Q.Q2_K, Q.Q3_K],
                          ids=lambda q: q.name)
 def test_triton_dequant_is_bit_exact_on_cuda(qtype):
     if not triton_dequant.available():

@@ -35,6 +35,11 @@ SCRIPT = textwrap.dedent("""
         (Q.Q8_0, 9, 256, 2, None),
         (Q.Q5_K, 24, 256, None, None),
         (Q.Q5_K, 7, 768, None, 512),
+        (Q.Q2_K, 24, 256, None, None),   # the low K-quants: 2-bit values, Q3_K's third bit and 6-bit scales
+        (Q.Q2_K, 7, 768, None, 512),
+        (Q.Q3_K, 24, 256, None, None),
+        (Q.Q3_K, 9, 768, 4, None),
+        (Q.Q3_K, 7, 768, None, 512),
     )
     plans = [expert_triton.plan((qt,), N, K, 3, cpu, bn, bk) for qt, N, K, bn, bk in cases]
     assert plans[1][1:3] == (512, False) and plans[2][:3] == (2, 256, True), plans

@@ -46,6 +46,10 @@ GATED=(
   # (also taken after passing on an H200: a MoE layer's cache lookups and a prefetch's map and record in one launch
   # each, the decode step's ~15 small torch launches a layer around the staging; the engine tests run both ways)
   "tests/ops/test_host_stage.py tests/experts/test_tiered_direct.py tests/experts/test_staged_prefetch.py||"
+  # the Q2_K / Q3_K tiles (fused expert kernels and the decode GEMV)
+  "tests/experts/test_expert_triton.py tests/ops/test_qgemv.py|strata/ops/expert_triton.py|s/^K23_GPU_TESTED = False/K23_GPU_TESTED = True/"
+  # the Q2_K / Q3_K dequantizers (a prompt chunk's experts)
+  "tests/ops/test_prefill_ops_gpu.py|strata/ops/dequant_triton.py|s/^K23_GPU_TESTED = False/K23_GPU_TESTED = True/"
 )
 
 log="$OUT/gated.log"
