@@ -169,8 +169,9 @@ def main() -> None:
           f"torch {torch.__version__}; {cores} threads available")
     rows = []
     sets = {qt: experts(qt, a.experts, a.ff, a.d, seed=i)
-            for i, qt in enumerate((Q.Q4_K, Q.Q5_K, Q.MXFP4, Q.IQ4_XS, Q.IQ2_XXS, Q.IQ3_XXS, Q.Q4_0, Q.Q8_0))}
-    native = {Q.Q4_K, Q.Q5_K, Q.MXFP4, Q.IQ4_XS, Q.IQ2_XXS, Q.IQ3_XXS, Q.Q8_0}  # (the native kernel's; int4 repacks Q4_0/Q8_0/Q4_K)
+            for i, qt in enumerate((Q.Q4_K, Q.Q5_K, Q.MXFP4, Q.IQ4_XS, Q.IQ2_XXS, Q.IQ3_XXS, Q.Q3_K, Q.Q2_K, Q.Q4_0,
+                                    Q.Q8_0))}
+    native = {Q[n] for n in cpu_native.FORMATS}  # (the native kernel's; int4 repacks Q4_0/Q8_0/Q4_K)
     for th in threads:
         rows.append((th, "memory read (torch sum)", "-", 0.0, read_gbps(th)))
         rows.append((th, "bf16 GEMV, dequantized copy", "bf16", 0.0, bf16_gemv_gbps(sets[Q.Q4_K], th, min(a.experts, 8))))
