@@ -321,18 +321,20 @@ static float dot_iq4nl(const uint8_t *row, int K, const int8_t *xq, const float 
 }
 
 #include "cpu_native_iq.h"   /* IQ2_XXS / IQ3_XXS / IQ2_S: their tables, dot_iqxxs and dot_iq2s */
+#include "cpu_native_iqx.h"  /* IQ2_XS / IQ3_S / IQ1_S / IQ1_M: their tables and dot products */
 #include "cpu_native_fmt.h"  /* Q5_K and MXFP4: dot_q5k, dot_mxfp4(_tail) */
 #include "cpu_native_rows.h" /* Q4_K, Q6_K and Q8_0 against several rows of x: dot_*_rows */
 #include "cpu_native_kq.h"   /* Q2_K and Q3_K: dot_q2k, dot_q3k */
 
 enum { FMT_Q4K = 0, FMT_Q6K = 1, FMT_Q80 = 2, FMT_IQ4XS = 3, FMT_IQ2XXS = 4, FMT_IQ3XXS = 5, FMT_Q5K = 6,
-       FMT_MXFP4 = 7, FMT_IQ2S = 8, FMT_IQ4NL = 9, FMT_Q2K = 10, FMT_Q3K = 11, N_FMT = 12 };
+       FMT_MXFP4 = 7, FMT_IQ2S = 8, FMT_IQ4NL = 9, FMT_Q2K = 10, FMT_Q3K = 11,
+       FMT_IQ2XS = 12, FMT_IQ3S = 13, FMT_IQ1S = 14, FMT_IQ1M = 15, N_FMT = 16 };
 
 /* the weights a block of the format spans: its rows' lengths are multiples of it */
 static inline int fmt_width(int fmt) { return fmt == FMT_Q80 || fmt == FMT_MXFP4 || fmt == FMT_IQ4NL ? 32 : 256; }
 
 static inline int row_bytes(int fmt, int K) {
-    static const int per256[] = {144, 210, 0, 136, 66, 98, 176, 136, 82, 0, 84, 110};
+    static const int per256[] = {144, 210, 0, 136, 66, 98, 176, 136, 82, 0, 84, 110, 74, 110, 50, 56};
     return fmt == FMT_Q80 ? K / 32 * 34 : fmt == FMT_MXFP4 ? K / 32 * 17 : fmt == FMT_IQ4NL ? K / 32 * 18
          : K / 256 * per256[fmt];
 }
@@ -346,6 +348,10 @@ static inline float dot_row(int fmt, const uint8_t *row, int K, const int8_t *q,
     if (fmt == FMT_MXFP4) return K % 256 ? dot_mxfp4_tail(row, K, q, qd, qs) : dot_mxfp4(row, K, q, qd, qs);
     if (fmt == FMT_IQ2S) return dot_iq2s(row, K / 256, q, qd);
     if (fmt == FMT_Q3K) return dot_q3k(row, K / 256, q, qd, q16);
+    if (fmt == FMT_IQ2XS) return dot_iq2xs(row, K / 256, q, qd);
+    if (fmt == FMT_IQ3S) return dot_iq3s(row, K / 256, q, qd);
+    if (fmt == FMT_IQ1S) return dot_iq1s(row, K / 256, q, qd);
+    if (fmt == FMT_IQ1M) return dot_iq1m(row, K / 256, q, qd);
     if (fmt == FMT_Q2K) return dot_q2k(row, K / 256, q, qd, q16);
     if (fmt == FMT_IQ2XXS || fmt == FMT_IQ3XXS) return dot_iqxxs(fmt == FMT_IQ3XXS, row, K / 256, q, qd);
     return fmt == FMT_Q6K ? dot_q6k(row, K / 256, q, qd, q16) : dot_q4k(row, K / 256, q, qd, qs);

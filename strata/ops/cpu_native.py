@@ -1,7 +1,8 @@
 """A native CPU kernel for the CPU lane: Q4_K / Q6_K / Q8_0 experts read in place, int8 dot products (AVX2).
 
-The C source is `cpu_native.c` beside this file, with the IQ2_XXS / IQ3_XXS / IQ2_S dot products in `cpu_native_iq.h` and
-the Q5_K / MXFP4 ones in `cpu_native_fmt.h`, several rows of x against Q4_K / Q6_K / Q8_0 in `cpu_native_rows.h`
+The C source is `cpu_native.c` beside this file, with the IQ2_XXS / IQ3_XXS / IQ2_S dot products in `cpu_native_iq.h`,
+IQ2_XS / IQ3_S / IQ1_S / IQ1_M in `cpu_native_iqx.h`, Q2_K / Q3_K in `cpu_native_kq.h`, the Q5_K / MXFP4 ones in
+`cpu_native_fmt.h`, several rows of x against Q4_K / Q6_K / Q8_0 in `cpu_native_rows.h`
 (included: one compilation unit). torch's fused `_weight_int4pack_mm_for_cpu` reads its repacked
 copy well below what the cores can read (one token's GEMV: fork/join and wake-up per call dominate; the measured
 rates are in docs/BENCHMARKS.md), and it needs a second, repacked copy of every expert in RAM. This kernel
@@ -47,8 +48,8 @@ log = logging.getLogger("strata")
 
 SOURCE_FILE = pathlib.Path(__file__).with_name("cpu_native.c")  # shipped as package data (pyproject.toml)
 # the headers it includes, likewise
-HEADER_FILES = tuple(SOURCE_FILE.with_name(h) for h in ("cpu_native_iq.h", "cpu_native_fmt.h", "cpu_native_rows.h",
-                                                       "cpu_native_kq.h"))
+HEADER_FILES = tuple(SOURCE_FILE.with_name(h) for h in ("cpu_native_iq.h", "cpu_native_iqx.h", "cpu_native_fmt.h",
+                                                       "cpu_native_rows.h", "cpu_native_kq.h"))
 
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 _lib = None
@@ -121,6 +122,8 @@ def build(flags: list[str] | None = None) -> ctypes.CDLL | None:
     lib.strata_native_gemv_scratch.restype = ctypes.c_long
     lib.strata_native_tables.argtypes = [P, P, P, P]
     lib.strata_native_tables.restype = None
+    lib.strata_native_tables_x.argtypes = [P, P, P]
+    lib.strata_native_tables_x.restype = None
     _set_tables(lib)  # every build (the portable one of the tests too) gets the i-quant tables
     return lib
 
@@ -148,21 +151,26 @@ _TABLES: list = []  # the arrays the kernel's tables were filled from (kept for 
 def _set_tables(lib: ctypes.CDLL) -> None:
     """The i-quant grids and sign table, from gguf-py (the reference dequantizer's own): the kernel copies them."""
     import numpy as np
-    from gguf.quants import IQ2_S, IQ2_XXS, IQ3_XXS
+    from gguf.quants import IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS
 
-    for cls in (IQ2_XXS, IQ3_XXS, IQ2_S):
+    for cls in (IQ2_XXS, IQ3_XXS, IQ2_S, IQ2_XS, IQ3_S, IQ1_S):
         cls.init_grid()
     g2 = np.ascontiguousarray(IQ2_XXS.grid.reshape(256, 8), dtype=np.uint8)
     g3 = np.ascontiguousarray(IQ3_XXS.grid.reshape(256, 4), dtype=np.uint8)
     signs = np.frombuffer(IQ2_XXS.ksigns, dtype=np.uint8).copy()
     g2s = np.ascontiguousarray(IQ2_S.grid.reshape(1024, 8), dtype=np.uint8)
-    _TABLES[:] = [g2, g3, signs, g2s]
-    lib.strata_native_tables(*(ctypes.c_void_p(a.ctypes.data) for a in _TABLES))
+    g2x = np.ascontiguousarray(IQ2_XS.grid.reshape(512, 8), dtype=np.uint8)
+    g3s = np.ascontiguousarray(IQ3_S.grid.reshape(512, 4), dtype=np.uint8)
+    g1 = np.ascontiguousarray(IQ1_S.grid.reshape(2048, 8), dtype=np.int8)  # (IQ1_M's grid is the same)
+    _TABLES[:] = [g2, g3, signs, g2s, g2x, g3s, g1]
+    ptr = [ctypes.c_void_p(a.ctypes.data) for a in _TABLES]
+    lib.strata_native_tables(*ptr[:4])
+    lib.strata_native_tables_x(*ptr[4:])
 
 
-# the kernel's format codes (FMT_Q4K, ..., FMT_MXFP4, FMT_IQ2S, FMT_IQ4NL, FMT_Q2K, FMT_Q3K)
+# the kernel's format codes (FMT_Q4K, ..., FMT_MXFP4, FMT_IQ2S, FMT_IQ4NL, FMT_Q2K, FMT_Q3K, FMT_IQ2XS, ...)
 FORMATS = {"Q4_K": 0, "Q6_K": 1, "Q8_0": 2, "IQ4_XS": 3, "IQ2_XXS": 4, "IQ3_XXS": 5, "Q5_K": 6, "MXFP4": 7, "IQ2_S": 8,
-           "IQ4_NL": 9, "Q2_K": 10, "Q3_K": 11}
+           "IQ4_NL": 9, "Q2_K": 10, "Q3_K": 11, "IQ2_XS": 12, "IQ3_S": 13, "IQ1_S": 14, "IQ1_M": 15}
 # the weights a block spans (the kernel's fmt_width): a row's length must be a multiple of it. The activations are
 # quantized per 256 with a partial last block, which only the 32-wide formats' dot products can read.
 WIDTHS = {f: 32 if f in ("Q8_0", "MXFP4", "IQ4_NL") else 256 for f in FORMATS}

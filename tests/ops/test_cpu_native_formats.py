@@ -1,4 +1,5 @@
-"""The native CPU kernel's Q5_K, MXFP4 (strata/ops/cpu_native_fmt.h) and IQ4_NL dot products, through the CPU lane's
+"""The native CPU kernel's Q5_K, MXFP4 (strata/ops/cpu_native_fmt.h), IQ4_NL, Q2_K, Q3_K (cpu_native_kq.h) and
+IQ2_XS, IQ3_S, IQ1_S, IQ1_M (cpu_native_iqx.h) dot products, through the CPU lane's
 entry (CpuLane -> NativeExperts), against gguf-py's dequantizer and a float matmul: at the tolerance the Q4_K tests
 use, and tighter against the kernel's own activation rounding emulated in numpy (which isolates the weights'
 decoding: a wrong fifth bit or exponent on a few weights fails it). The AVX2 build and the plain C loops agree."""
@@ -21,11 +22,13 @@ from tests.ops.native_oracle import reference, rel as _rel
 
 # gate/up format, down format: all-Q5_K, the K-quant mixes that keep Q5_K for some projections, all-MXFP4, an
 # i-quant mix's IQ4_NL downs (its rows not whole 256-blocks), and the low K-quants of llama.cpp's Q2_K and Q3_K_*
-# files (Q2_K or Q3_K gate/up, the downs one step up)
+# files (Q2_K or Q3_K gate/up, the downs one step up), and the i-quants of llama.cpp's IQ2_XS / IQ3_S / IQ3_M /
+# IQ1_S / IQ1_M files
 MIXES = [pytest.param(gu, dn, id=f"{gu.name}-{dn.name}")
          for gu, dn in [(Q.Q5_K, Q.Q5_K), (Q.Q5_K, Q.Q6_K), (Q.Q4_K, Q.Q5_K), (Q.MXFP4, Q.MXFP4),
                         (Q.IQ2_XXS, Q.IQ4_NL), (Q.IQ4_NL, Q.IQ4_NL), (Q.Q2_K, Q.Q3_K), (Q.Q3_K, Q.Q4_K),
-                        (Q.Q3_K, Q.Q2_K)]]
+                        (Q.Q3_K, Q.Q2_K), (Q.IQ2_XS, Q.IQ3_S), (Q.IQ3_S, Q.IQ4_XS), (Q.IQ1_S, Q.IQ1_M),
+                        (Q.IQ1_M, Q.IQ2_XS)]]
 # (d, ff): K from 256 to 2048 for both the gate/up rows (K = d) and the down rows (K = ff)
 SHAPES = [(256, 512), (768, 256), (1280, 1024), (2048, 768)]
 
