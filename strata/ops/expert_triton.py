@@ -64,7 +64,8 @@ TILE = {Q.Q4_K: (16384, 128), Q.Q5_K: (8192, 128), Q.Q8_0: (8192, 128), Q.Q6_K: 
         Q.Q2_K: (8192, 128), Q.Q3_K: (8192, 128),  # (byte-pair loads like Q6_K's; not tuned)
         # the lookup-table formats (strata.ops.iquant_triton): one gathered codebook value per weight (not tuned)
         Q.IQ4_XS: (8192, 64), Q.IQ2_XXS: (4096, 64), Q.IQ3_XXS: (4096, 64), Q.MXFP4: (4096, 64),
-        Q.IQ2_S: (4096, 64), Q.IQ4_NL: (4096, 64)}
+        Q.IQ2_S: (4096, 64), Q.IQ4_NL: (4096, 64), Q.IQ2_XS: (4096, 64), Q.IQ3_S: (4096, 64), Q.IQ1_S: (4096, 64),
+        Q.IQ1_M: (4096, 64)}
 
 
 def available() -> bool:
@@ -72,6 +73,7 @@ def available() -> bool:
 
 
 if triton is not None:
+    from strata.ops import iquant_x_triton
     from strata.ops.kquant_triton import q2k_tile, q3k_tile, q4k_tile, q5k_tile, q6k_tile, q8_0_tile
 
     @triton.jit
@@ -100,6 +102,14 @@ if triton is not None:
             return iquant_triton.mxfp4_tile(row, xp, tab, it * (KW // 32), K // 32, BN, KW // 32, EVEN)
         elif QT == 20:  # IQ4_NL
             return iquant_triton.iq4nl_tile(row, xp, tab, it * (KW // 32), K // 32, BN, KW // 32, EVEN)
+        elif QT == 17:  # IQ2_XS
+            return iquant_x_triton.iq2xs_tile(row, xp, tab, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
+        elif QT == 21:  # IQ3_S
+            return iquant_x_triton.iq3s_tile(row, xp, tab, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
+        elif QT == 19:  # IQ1_S
+            return iquant_x_triton.iq1s_tile(row, xp, tab, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
+        elif QT == 29:  # IQ1_M
+            return iquant_x_triton.iq1m_tile(row, xp, tab, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
         else:  # Q8_0
             return q8_0_tile(row, xp, it * (KW // 32), K // 32, BN, KW // 32, EVEN)
 
@@ -192,6 +202,10 @@ LOOKUP_ON_GPU = frozenset({Q.IQ4_XS, Q.MXFP4, Q.IQ2_XXS, Q.IQ3_XXS, Q.IQ2_S})
 IQ4NL_GPU_TESTED = True
 if IQ4NL_GPU_TESTED:
     LOOKUP_ON_GPU = LOOKUP_ON_GPU | {Q.IQ4_NL}
+# IQ2_XS, IQ3_S, IQ1_S and IQ1_M (strata.ops.iquant_x_triton) likewise (tools/gpu/gated.sh)
+IQX_GPU_TESTED = False
+if IQX_GPU_TESTED:
+    LOOKUP_ON_GPU = LOOKUP_ON_GPU | {Q.IQ2_XS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M}
 # The same for the block formats of strata.ops.kquant_triton: Q5_K (llama.cpp's _M and Unsloth's _XL mixes keep
 # some experts and projections in it) joins once tests/experts/test_expert_triton.py and tests/ops/test_qgemv.py
 # have passed it on a GPU.

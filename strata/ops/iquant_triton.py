@@ -1,6 +1,7 @@
 """Triton tiles of the lookup-table formats for the fused expert kernels and the decode GEMV
 (`strata.ops.expert_triton`): IQ2_XXS, IQ2_S, IQ3_XXS, IQ4_XS (the i-quants of the seeds' GLM / Qwen mixes), IQ4_NL and MXFP4
-(gpt-oss's experts), read in place from the GGML blocks, no dequantized copy.
+(gpt-oss's experts), read in place from the GGML blocks, no dequantized copy (IQ2_XS, IQ3_S, IQ1_S and IQ1_M: their
+tiles are in `strata.ops.iquant_x_triton`, their grids in this module's table).
 
 Each tile takes BN rows (byte pointers) of NB consecutive blocks, decodes them in registers and returns the BN dot
 products with x, like the K-quant tiles beside them. The formats' codebooks (gguf-py's grids, sign patterns and
@@ -63,8 +64,13 @@ T_P2XXS = T_IQ2S + 1024 * 8
 T_P2S = T_P2XXS + 256 * 2
 T_P3XXS = T_P2S + 1024 * 2
 T_PSIGN = T_P3XXS + 256
-T_SIZE = T_PSIGN + 128
-FORMATS = {Q.IQ2_XXS: 66, Q.IQ3_XXS: 98, Q.IQ4_XS: 136, Q.MXFP4: 17, Q.IQ2_S: 82, Q.IQ4_NL: 18}  # bytes per block
+# the grids of the tiles in strata.ops.iquant_x_triton: IQ2_XS [512, 8], IQ3_S [512, 4], IQ1_S (IQ1_M's too) [2048, 8]
+T_IQ2XS = T_PSIGN + 128
+T_IQ3S = T_IQ2XS + 512 * 8
+T_IQ1S = T_IQ3S + 512 * 4
+T_SIZE = T_IQ1S + 2048 * 8
+FORMATS = {Q.IQ2_XXS: 66, Q.IQ3_XXS: 98, Q.IQ4_XS: 136, Q.MXFP4: 17, Q.IQ2_S: 82, Q.IQ4_NL: 18,  # bytes per block
+           Q.IQ2_XS: 74, Q.IQ3_S: 110, Q.IQ1_S: 50, Q.IQ1_M: 56}
 _TABLES: dict[torch.device, torch.Tensor] = {}
 _LOCK = threading.Lock()
 
@@ -82,6 +88,7 @@ def table(device: torch.device) -> torch.Tensor:
                 parts = [gguf_table(n, torch.device("cpu")).reshape(-1) for n in ("iq4nl", "mxfp4", "ksigns",
                                                                                    "IQ2_XXS", "IQ3_XXS", "IQ2_S")]
                 parts += _packed()
+                parts += [gguf_table(n, torch.device("cpu")).reshape(-1) for n in ("IQ2_XS", "IQ3_S", "IQ1_S")]
                 t = torch.cat(parts).to(torch.float32)
                 assert t.numel() == T_SIZE, t.numel()
                 t = _TABLES[device] = t.to(device)
@@ -109,6 +116,7 @@ if triton is not None:
     C_IQ4NL, C_MXFP4, C_KSIGNS, C_IQ2XXS, C_IQ3XXS, C_IQ2S = (tl.constexpr(v) for v in (
         T_IQ4NL, T_MXFP4, T_KSIGNS, T_IQ2XXS, T_IQ3XXS, T_IQ2S))
     C_P2XXS, C_P2S, C_P3XXS, C_PSIGN = (tl.constexpr(v) for v in (T_P2XXS, T_P2S, T_P3XXS, T_PSIGN))
+    C_IQ2XS, C_IQ3S, C_IQ1S = (tl.constexpr(v) for v in (T_IQ2XS, T_IQ3S, T_IQ1S))
     # which tiles the 2- and 3-bit formats take (read when a kernel compiles; the interpreter reads it per call)
     C_PACKED = tl.constexpr(PACKED_GPU_TESTED or triton_interpreting())
 

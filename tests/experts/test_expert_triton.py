@@ -1,7 +1,7 @@
 """The fused Triton expert kernels, run in Triton's interpreter on the CPU against the torch grouped op.
 
 Covers misses (negative slots), mixed formats (the K-quants, Q8_0, and the lookup formats IQ2_XXS, IQ3_XXS,
-IQ4_XS, MXFP4), Q8_0 and MXFP4 down projections whose K (96) leaves a partial block tile,
+IQ4_XS, MXFP4, IQ2_S, IQ4_NL, IQ2_XS, IQ3_S, IQ1_S, IQ1_M), Q8_0 and MXFP4 down projections whose K (96) leaves a partial block tile,
 N (ff = 96) not a multiple of the rows per program, K in several iterations (forced block_k), and misses read
 from a second stack by expert id (the host store: `host=`, `eids=`)."""
 
@@ -40,7 +40,9 @@ SCRIPT = textwrap.dedent("""
                                   # read in two iterations
                                   (Q.IQ2_XXS, Q.IQ4_NL, 256, 96, 64, None), (Q.IQ4_NL, Q.IQ4_NL, 128, 64, 64, 64),
                                   # Q2_K / Q3_K (llama.cpp's Q2_K and Q3_K_* mixes: the down a step up)
-                                  (Q.Q2_K, Q.Q3_K, 512, 256, 64, 256), (Q.Q3_K, Q.Q4_K, 256, 256, None, None)):
+                                  (Q.Q2_K, Q.Q3_K, 512, 256, 64, 256), (Q.Q3_K, Q.Q4_K, 256, 256, None, None),
+                                  # the other i-quants (strata.ops.iquant_x_triton)
+                                  (Q.IQ2_XS, Q.IQ3_S, 256, 256, 64, None), (Q.IQ1_S, Q.IQ1_M, 512, 256, 64, 256)):
         if ff == 96:  # (a 32-block down: Q8_0, MXFP4, IQ4_NL)
             assert plan((qd,), d, ff, 3, cpu, bn, bk)[2] is False, "the down tile must have masked blocks"
         if bk:
@@ -105,7 +107,8 @@ def test_triton_kernels_match_the_torch_op_in_the_interpreter():
                                         ("IQ2_XXS", "IQ3_XXS", 2048, 768),
                                         ("IQ4_XS", "MXFP4", 512, 288), ("Q5_K", "Q5_K", 2048, 768),
                                         ("IQ2_S", "IQ2_S", 2048, 768), ("IQ2_XXS", "IQ4_NL", 2048, 1408),
-                                        ("Q2_K", "Q3_K", 2048, 768), ("Q3_K", "Q3_K", 2048, 768)])
+                                        ("Q2_K", "Q3_K", 2048, 768), ("Q3_K", "Q3_K", 2048, 768),
+                                        ("IQ2_XS", "IQ3_S", 2048, 768), ("IQ1_S", "IQ1_M", 2048, 768)])
 def test_cuda_misses_read_from_pinned_host_memory(qg, qd, d, ff, monkeypatch):
     """On the GPU the kernels read a missed expert from pinned host RAM (mapped over the bus), through the op
     the direct decode path calls, and equal the torch reference; a pageable stack is left to the reference."""

@@ -48,6 +48,8 @@ GATED=(
   "tests/ops/test_host_stage.py tests/experts/test_tiered_direct.py tests/experts/test_staged_prefetch.py||"
   # the Q2_K / Q3_K tiles (fused expert kernels and the decode GEMV)
   "tests/experts/test_expert_triton.py tests/ops/test_qgemv.py|strata/ops/expert_triton.py|s/^K23_GPU_TESTED = False/K23_GPU_TESTED = True/"
+  # the IQ2_XS / IQ3_S / IQ1_S / IQ1_M tiles (strata.ops.iquant_x_triton)
+  "tests/experts/test_expert_triton.py|strata/ops/expert_triton.py|s/^IQX_GPU_TESTED = False/IQX_GPU_TESTED = True/"
   # the Q2_K / Q3_K dequantizers (a prompt chunk's experts)
   "tests/ops/test_prefill_ops_gpu.py|strata/ops/dequant_triton.py|s/^K23_GPU_TESTED = False/K23_GPU_TESTED = True/"
 )
