@@ -1,4 +1,5 @@
-"""One-launch GGML dequantization in Triton: Q4_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_0, IQ2_XXS, IQ2_S, IQ3_XXS, IQ4_NL, IQ4_XS and
+"""One-launch GGML dequantization in Triton (IQ2_XS, IQ3_S, IQ1_S and IQ1_M in `strata.ops.dequant_iqx_triton`): Q4_0,
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_0, IQ2_XXS, IQ2_S, IQ3_XXS, IQ4_NL, IQ4_XS and
 MXFP4 blocks (uint8) -> float32, bfloat16 or float16, bit-identical in float32 to the torch reference in
 `strata.quant.dequant`.
 
@@ -368,16 +369,20 @@ else:  # pragma: no cover
 TABLES = {Q.IQ4_NL: ("iq4nl",), Q.IQ4_XS: ("iq4nl",), Q.MXFP4: ("mxfp4",), Q.IQ2_XXS: ("IQ2_XXS", "ksigns"),
           Q.IQ3_XXS: ("IQ3_XXS", "ksigns"), Q.IQ2_S: ("IQ2_S", "bytesigns")}
 
+from strata.ops import dequant_iqx_triton  # noqa: E402,F401  (IQ2_XS, IQ3_S, IQ1_S, IQ1_M: into KERNELS, TABLES)
+
 SUPPORTED = frozenset(KERNELS)
 
 
 # the IQ2_XXS, IQ3_XXS and IQ2_S kernels (a prompt chunk's i-quant experts, B3's recipe) are taken on a GPU once their GPU
 # test has passed there (tests/ops/test_prefill_ops_gpu.py; tools/gpu/gated.sh); the interpreter runs them
 IQ_GPU_TESTED = True
-# likewise the Q2_K and Q3_K kernels
+# likewise the Q2_K and Q3_K kernels, and those of strata.ops.dequant_iqx_triton
 K23_GPU_TESTED = False
+IQX_GPU_TESTED = False
 _GATED = frozenset({Q.IQ2_XXS, Q.IQ3_XXS, Q.IQ2_S} if not IQ_GPU_TESTED else ()) | frozenset(
-    {Q.Q2_K, Q.Q3_K} if not K23_GPU_TESTED else ())
+    {Q.Q2_K, Q.Q3_K} if not K23_GPU_TESTED else ()) | frozenset(
+    {Q.IQ2_XS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M} if not IQX_GPU_TESTED else ())
 
 
 def supports(qtype, dtype: torch.dtype, cuda: bool = False) -> bool:

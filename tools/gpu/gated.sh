@@ -52,6 +52,8 @@ GATED=(
   "tests/experts/test_expert_triton.py|strata/ops/expert_triton.py|s/^IQX_GPU_TESTED = False/IQX_GPU_TESTED = True/"
   # the Q2_K / Q3_K dequantizers (a prompt chunk's experts)
   "tests/ops/test_prefill_ops_gpu.py|strata/ops/dequant_triton.py|s/^K23_GPU_TESTED = False/K23_GPU_TESTED = True/"
+  # the IQ2_XS / IQ3_S / IQ1_S / IQ1_M dequantizers
+  "tests/ops/test_prefill_ops_gpu.py|strata/ops/dequant_triton.py|s/^IQX_GPU_TESTED = False/IQX_GPU_TESTED = True/"
 )
 
 log="$OUT/gated.log"
