@@ -2,7 +2,7 @@
 
 The C source is `cpu_native.c` beside this file, with the IQ2_XXS / IQ3_XXS / IQ2_S dot products in `cpu_native_iq.h`,
 IQ2_XS / IQ3_S / IQ1_S / IQ1_M in `cpu_native_iqx.h`, Q2_K / Q3_K in `cpu_native_kq.h`, the Q5_K / MXFP4 ones in
-`cpu_native_fmt.h`, several rows of x against Q4_K / Q6_K / Q8_0 in `cpu_native_rows.h`
+`cpu_native_fmt.h`, Q4_0 / Q4_1 / Q5_0 / Q5_1 in `cpu_native_q32.h`, several rows of x against Q4_K / Q6_K / Q8_0 in `cpu_native_rows.h`
 (included: one compilation unit). torch's fused `_weight_int4pack_mm_for_cpu` reads its repacked
 copy well below what the cores can read (one token's GEMV: fork/join and wake-up per call dominate; the measured
 rates are in docs/BENCHMARKS.md), and it needs a second, repacked copy of every expert in RAM. This kernel
@@ -49,7 +49,8 @@ log = logging.getLogger("strata")
 SOURCE_FILE = pathlib.Path(__file__).with_name("cpu_native.c")  # shipped as package data (pyproject.toml)
 # the headers it includes, likewise
 HEADER_FILES = tuple(SOURCE_FILE.with_name(h) for h in ("cpu_native_iq.h", "cpu_native_iqx.h", "cpu_native_fmt.h",
-                                                       "cpu_native_rows.h", "cpu_native_kq.h"))
+                                                       "cpu_native_rows.h", "cpu_native_kq.h",
+                                                       "cpu_native_q32.h"))
 
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 _lib = None
@@ -170,10 +171,11 @@ def _set_tables(lib: ctypes.CDLL) -> None:
 
 # the kernel's format codes (FMT_Q4K, ..., FMT_MXFP4, FMT_IQ2S, FMT_IQ4NL, FMT_Q2K, FMT_Q3K, FMT_IQ2XS, ...)
 FORMATS = {"Q4_K": 0, "Q6_K": 1, "Q8_0": 2, "IQ4_XS": 3, "IQ2_XXS": 4, "IQ3_XXS": 5, "Q5_K": 6, "MXFP4": 7, "IQ2_S": 8,
-           "IQ4_NL": 9, "Q2_K": 10, "Q3_K": 11, "IQ2_XS": 12, "IQ3_S": 13, "IQ1_S": 14, "IQ1_M": 15}
+           "IQ4_NL": 9, "Q2_K": 10, "Q3_K": 11, "IQ2_XS": 12, "IQ3_S": 13, "IQ1_S": 14, "IQ1_M": 15, "Q4_0": 16,
+           "Q4_1": 17, "Q5_0": 18, "Q5_1": 19}
 # the weights a block spans (the kernel's fmt_width): a row's length must be a multiple of it. The activations are
 # quantized per 256 with a partial last block, which only the 32-wide formats' dot products can read.
-WIDTHS = {f: 32 if f in ("Q8_0", "MXFP4", "IQ4_NL") else 256 for f in FORMATS}
+WIDTHS = {f: 32 if f in ("Q8_0", "MXFP4", "IQ4_NL", "Q4_0", "Q4_1", "Q5_0", "Q5_1") else 256 for f in FORMATS}
 # the gated activations (ACT_SWIGLU, ACT_OAI): plain SwiGLU, and gpt-oss's clamped one with its alpha and limit
 ACTS = {"swiglu": 0, "swiglu_oai": 1}
 

@@ -1,5 +1,5 @@
 """One-launch GGML dequantization in Triton (IQ2_XS, IQ3_S, IQ1_S and IQ1_M in `strata.ops.dequant_iqx_triton`): Q4_0,
-Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_0, IQ2_XXS, IQ2_S, IQ3_XXS, IQ4_NL, IQ4_XS and
+Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_0, IQ2_XXS, IQ2_S, IQ3_XXS, IQ4_NL, IQ4_XS and
 MXFP4 blocks (uint8) -> float32, bfloat16 or float16, bit-identical in float32 to the torch reference in
 `strata.quant.dequant`.
 
@@ -102,6 +102,41 @@ if triton is not None:
         q = (_u8(b + 2 + j % 16, m) >> (4 * (j // 16))) & 0x0F
         y = d * (q.to(tl.float32) - 8.0)
         _store(dst + pid * (BB * 32) + blk[:, None] * 32 + j, y, m)
+
+    @triton.jit
+    def _q32(src, dst, n_blocks, BB: tl.constexpr, FMT: tl.constexpr):
+        # Q4_1 (FMT 1, 20 bytes: f16 d, f16 m, 16 nibble bytes; w = d * q + m), Q5_0 (2, 22 bytes: f16 d, u32 qh of
+        # fifth bits, the nibbles; w = d * (q - 16)), Q5_1 (3, 24 bytes: d, m, qh, nibbles; w = d * q + m); weight
+        # j is nibble j // 16 of byte j % 16, its fifth bit bit j of qh
+        size = 18 + 2 * FMT
+        pid = tl.program_id(0).to(tl.int64)
+        blk = tl.arange(0, BB)
+        m = (pid * BB + blk < n_blocks)[:, None]
+        b = (src + pid * (BB * size) + blk * size)[:, None]
+        j = tl.arange(0, 32)[None, :]
+        d = _f16(b, m)
+        qo = 4 if FMT == 1 else 6 if FMT == 2 else 8
+        q = (_u8(b + qo + j % 16, m) >> (4 * (j // 16))) & 0x0F
+        if FMT >= 2:
+            ho = 2 if FMT == 2 else 4
+            q = q | (((_u8(b + ho + j // 8, m) >> (j % 8)) & 1) << 4)
+        if FMT == 2:
+            y = d * (q.to(tl.float32) - 16.0)
+        else:
+            y = d * q.to(tl.float32) + _f16(b + 2, m)
+        _store(dst + pid * (BB * 32) + blk[:, None] * 32 + j, y, m)
+
+    @triton.jit
+    def _q4_1_kernel(src, dst, n_blocks, BB: tl.constexpr):
+        _q32(src, dst, n_blocks, BB, 1)
+
+    @triton.jit
+    def _q5_0_kernel(src, dst, n_blocks, BB: tl.constexpr):
+        _q32(src, dst, n_blocks, BB, 2)
+
+    @triton.jit
+    def _q5_1_kernel(src, dst, n_blocks, BB: tl.constexpr):
+        _q32(src, dst, n_blocks, BB, 3)
 
     @triton.jit
     def _q4_k_kernel(src, dst, n_blocks, BB: tl.constexpr):
@@ -350,6 +385,9 @@ if triton is not None:
     KERNELS = {
         Q.Q8_0: (_q8_0_kernel, 34, 32, 128),
         Q.Q4_0: (_q4_0_kernel, 18, 32, 128),
+        Q.Q4_1: (_q4_1_kernel, 20, 32, 128),
+        Q.Q5_0: (_q5_0_kernel, 22, 32, 128),
+        Q.Q5_1: (_q5_1_kernel, 24, 32, 128),
         Q.Q2_K: (_q2_k_kernel, 84, 256, 16),
         Q.Q3_K: (_q3_k_kernel, 110, 256, 16),
         Q.Q4_K: (_q4_k_kernel, 144, 256, 16),
@@ -377,11 +415,13 @@ SUPPORTED = frozenset(KERNELS)
 # the IQ2_XXS, IQ3_XXS and IQ2_S kernels (a prompt chunk's i-quant experts, B3's recipe) are taken on a GPU once their GPU
 # test has passed there (tests/ops/test_prefill_ops_gpu.py; tools/gpu/gated.sh); the interpreter runs them
 IQ_GPU_TESTED = True
-# likewise the Q2_K and Q3_K kernels, and those of strata.ops.dequant_iqx_triton
+# likewise the Q2_K and Q3_K kernels, Q4_1 / Q5_0 / Q5_1's, and those of strata.ops.dequant_iqx_triton
 K23_GPU_TESTED = False
+Q32_GPU_TESTED = False
 IQX_GPU_TESTED = False
 _GATED = frozenset({Q.IQ2_XXS, Q.IQ3_XXS, Q.IQ2_S} if not IQ_GPU_TESTED else ()) | frozenset(
     {Q.Q2_K, Q.Q3_K} if not K23_GPU_TESTED else ()) | frozenset(
+    {Q.Q4_1, Q.Q5_0, Q.Q5_1} if not Q32_GPU_TESTED else ()) | frozenset(
     {Q.IQ2_XS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M} if not IQX_GPU_TESTED else ())
 
 

@@ -51,7 +51,8 @@ try:  # Triton is optional: without it (or without a GPU) the torch grouped path
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
-SUPPORTED = frozenset({Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, *iquant_triton.FORMATS})
+Q32 = {Q.Q4_0: 0, Q.Q4_1: 1, Q.Q5_0: 2, Q.Q5_1: 3}  # the 32-weight formats of kquant_triton.q32_tile (its FMT)
+SUPPORTED = frozenset({Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, *Q32, *iquant_triton.FORMATS})
 KW_MAX = 2048  # weights of a row per loop iteration, at most (block_k may ask up to this)
 KW_DECODE = 512  # weights of a row per iteration by default
 ROWS_MAX = 8  # rows per program
@@ -62,6 +63,7 @@ PROGRAMS_PER_SM = 8  # fewer rows per program until a launch has this many (one-
 # ~35 (Q6_K), ~50 (Q4_K) in loops of one block per row.
 TILE = {Q.Q4_K: (16384, 128), Q.Q5_K: (8192, 128), Q.Q8_0: (8192, 128), Q.Q6_K: (8192, 128),
         Q.Q2_K: (8192, 128), Q.Q3_K: (8192, 128),  # (byte-pair loads like Q6_K's; not tuned)
+        Q.Q4_0: (8192, 128), Q.Q4_1: (8192, 128), Q.Q5_0: (8192, 128), Q.Q5_1: (8192, 128),  # (not tuned)
         # the lookup-table formats (strata.ops.iquant_triton): one gathered codebook value per weight (not tuned)
         Q.IQ4_XS: (8192, 64), Q.IQ2_XXS: (4096, 64), Q.IQ3_XXS: (4096, 64), Q.MXFP4: (4096, 64),
         Q.IQ2_S: (4096, 64), Q.IQ4_NL: (4096, 64), Q.IQ2_XS: (4096, 64), Q.IQ3_S: (4096, 64), Q.IQ1_S: (4096, 64),
@@ -74,7 +76,7 @@ def available() -> bool:
 
 if triton is not None:
     from strata.ops import iquant_x_triton
-    from strata.ops.kquant_triton import q2k_tile, q3k_tile, q4k_tile, q5k_tile, q6k_tile, q8_0_tile
+    from strata.ops.kquant_triton import q2k_tile, q3k_tile, q4k_tile, q5k_tile, q6k_tile, q8_0_tile, q32_tile
 
     @triton.jit
     def _tile_dot(row, xp, tab, it, K, QT: tl.constexpr, BN: tl.constexpr, KW: tl.constexpr, EVEN: tl.constexpr):
@@ -102,6 +104,14 @@ if triton is not None:
             return iquant_triton.mxfp4_tile(row, xp, tab, it * (KW // 32), K // 32, BN, KW // 32, EVEN)
         elif QT == 20:  # IQ4_NL
             return iquant_triton.iq4nl_tile(row, xp, tab, it * (KW // 32), K // 32, BN, KW // 32, EVEN)
+        elif QT == 2:  # Q4_0
+            return q32_tile(row, xp, it * (KW // 32), K // 32, BN, KW // 32, EVEN, 0)
+        elif QT == 3:  # Q4_1
+            return q32_tile(row, xp, it * (KW // 32), K // 32, BN, KW // 32, EVEN, 1)
+        elif QT == 6:  # Q5_0
+            return q32_tile(row, xp, it * (KW // 32), K // 32, BN, KW // 32, EVEN, 2)
+        elif QT == 7:  # Q5_1
+            return q32_tile(row, xp, it * (KW // 32), K // 32, BN, KW // 32, EVEN, 3)
         elif QT == 17:  # IQ2_XS
             return iquant_x_triton.iq2xs_tile(row, xp, tab, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
         elif QT == 21:  # IQ3_S
@@ -175,8 +185,8 @@ if triton is not None:
 
 
 def block_len(qtype) -> int:
-    """Weights per block of a supported format (the K- and i-quants: 256, Q8_0, MXFP4 and IQ4_NL: 32)."""
-    return 32 if qtype in (Q.Q8_0, Q.MXFP4, Q.IQ4_NL) else 256
+    """Weights per block of a supported format (the K- and i-quants: 256, Q8_0, MXFP4, IQ4_NL and Q32's: 32)."""
+    return 32 if qtype in (Q.Q8_0, Q.MXFP4, Q.IQ4_NL) or qtype in Q32 else 256
 
 
 def codebooks_for(qtypes, other: torch.Tensor) -> torch.Tensor:
@@ -215,6 +225,10 @@ K_ON_GPU = frozenset({Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K})
 K23_GPU_TESTED = False
 if K23_GPU_TESTED:
     K_ON_GPU = K_ON_GPU | {Q.Q2_K, Q.Q3_K}
+# and Q4_0 / Q4_1 / Q5_0 / Q5_1 (a K-quant file's rows that are not whole 256-blocks: GLM-4.5-Air's expert downs)
+Q32_GPU_TESTED = False
+if Q32_GPU_TESTED:
+    K_ON_GPU = K_ON_GPU | set(Q32)
 
 
 def supports(gate, up, down) -> bool:

@@ -1,4 +1,4 @@
-"""Triton tiles of Q8_0 and the K-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) for the fused expert kernels and the decode GEMV
+"""Triton tiles of Q8_0, the K-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) and the older Q4_0 / Q4_1 / Q5_0 / Q5_1 for the fused expert kernels and the decode GEMV
 (`strata.ops.expert_triton`), read in place from the GGML blocks, no dequantized copy.
 
 Each tile takes BN rows (byte pointers) of NB consecutive blocks, decodes them in registers and returns the BN dot
@@ -9,6 +9,7 @@ products with x (xp: a pointer to the row's K activations). Block layouts, as gg
            f16 d, f16 dmin; weight = d sc q - dmin m
     Q3_K   110 bytes / 256: 32 bytes hmask (a third bit per weight), 64 bytes of 2-bit values, 12 bytes of 6-bit
            scales, f16 d; weight = d (s - 32) (q + 4 h - 4)
+    Q4_0, Q4_1, Q5_0, Q5_1   18 / 20 / 22 / 24 bytes / 32: f16 d, [f16 m], [u32 fifth bits], 16 nibble bytes (q32_tile)
     Q4_K   144 bytes / 256: f16 d, f16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles (byte c: low
            nibble = weight 64 (c // 32) + c % 32, high nibble = that + 32); weight = d sc q - dmin m
     Q5_K   176 bytes / 256: Q4_K's header, 32 bytes qh of fifth bits, then the 128 nibble bytes; q += 16 fifth bit
@@ -280,3 +281,53 @@ if triton is not None:
         if THREE:
             acc = acc * d
         return tl.sum(tl.sum(acc, axis=2), axis=1)
+
+    @triton.jit
+    def q32_tile(row, xp, b0, nblk, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr, FMT: tl.constexpr):
+        """Blocks b0 .. b0+NB (those < nblk) of BN rows of Q4_0 (FMT 0), Q4_1 (1), Q5_0 (2) or Q5_1 (3) blocks
+        against x -> [BN] float32.
+
+        The 32-weight formats llama.cpp writes where 256-blocks do not fit a row (GLM-4.5-Air's 1,408-wide expert
+        downs: Q5_0 in Q4_K_M files, Q5_1 in Q5_K_M ones, Q4_0 in Q2_K / Q3_K ones). Block: f16 d, [f16 m], [u32 qh
+        of fifth bits], 16 nibble bytes (byte l: weights l (low) and l + 16 (high)); w = d (q - 8), d q + m,
+        d (q - 16), d q + m. A thread holds one nibble byte of a block (both its weights); the offset (-8, -16)
+        and m go through the block's sum of x. The blocks (18-24 bytes) are 2-byte aligned: qh is read as two u16.
+        """
+        FIVE: tl.constexpr = FMT >= 2
+        HAS_M: tl.constexpr = FMT % 2 == 1
+        SIZE: tl.constexpr = 18 + 2 * FMT
+        QOFF: tl.constexpr = 2 + 2 * HAS_M + 4 * FIVE
+        k = tl.arange(0, 16)
+        j = (b0 + tl.arange(0, NB)).to(tl.int64)
+        if EVEN:
+            jm = tl.full([NB], 1, tl.int1)
+        else:
+            jm = j < nblk
+        m2 = jm[None, :]
+        blk = row[:, None] + j[None, :] * SIZE  # [BN, NB]
+        d = _f16(blk, m2)
+        q = tl.load(blk[:, :, None] + QOFF + k.to(tl.int64)[None, None, :], mask=m2[:, :, None], other=0,
+                    eviction_policy="evict_first").to(tl.int32)  # [BN, NB, 16]
+        lo = q & 15
+        hi = q >> 4
+        if FIVE:
+            hp = (blk + 2 + 2 * HAS_M).to(tl.pointer_type(tl.uint16))
+            h0 = tl.load(hp, mask=m2, other=0).to(tl.int32)[:, :, None]  # bits of weights 0-15
+            h1 = tl.load(hp + 1, mask=m2, other=0).to(tl.int32)[:, :, None]  # 16-31
+            lo = lo | (((h0 >> k[None, None, :]) & 1) << 4)
+            hi = hi | (((h1 >> k[None, None, :]) & 1) << 4)
+        xo = j[:, None] * 32 + k.to(tl.int64)[None, :]  # [NB, 16]
+        xl = tl.load(xp + xo, mask=jm[:, None], other=0.0).to(tl.float32)
+        xh = tl.load(xp + xo + 16, mask=jm[:, None], other=0.0).to(tl.float32)
+        # the small integers as floats through the exponent bits (exact)
+        fl = (lo | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        fh = (hi | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        s = tl.sum(fl * xl[None] + fh * xh[None], axis=2)  # [BN, NB]
+        sx = tl.sum(xl + xh, axis=1)[None, :]  # [1, NB] the block's sum of x
+        if HAS_M:
+            part = d * s + _f16(blk + 2, m2) * sx
+        elif FIVE:
+            part = d * (s - 16.0 * sx)
+        else:
+            part = d * (s - 8.0 * sx)
+        return tl.sum(part, axis=1)

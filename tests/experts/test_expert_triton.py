@@ -42,8 +42,10 @@ SCRIPT = textwrap.dedent("""
                                   # Q2_K / Q3_K (llama.cpp's Q2_K and Q3_K_* mixes: the down a step up)
                                   (Q.Q2_K, Q.Q3_K, 512, 256, 64, 256), (Q.Q3_K, Q.Q4_K, 256, 256, None, None),
                                   # the other i-quants (strata.ops.iquant_x_triton)
-                                  (Q.IQ2_XS, Q.IQ3_S, 256, 256, 64, None), (Q.IQ1_S, Q.IQ1_M, 512, 256, 64, 256)):
-        if ff == 96:  # (a 32-block down: Q8_0, MXFP4, IQ4_NL)
+                                  (Q.IQ2_XS, Q.IQ3_S, 256, 256, 64, None), (Q.IQ1_S, Q.IQ1_M, 512, 256, 64, 256),
+                                  # the 32-weight formats of a K-quant file's short rows (a Q5_0 down of 96)
+                                  (Q.Q4_K, Q.Q5_0, 256, 96, 64, None), (Q.Q4_1, Q.Q5_1, 64, 96, None, None)):
+        if ff == 96:  # (a 32-block down: Q8_0, MXFP4, IQ4_NL, Q5_0, Q5_1)
             assert plan((qd,), d, ff, 3, cpu, bn, bk)[2] is False, "the down tile must have masked blocks"
         if bk:
             assert plan((qg, qg), ff, d, 3, cpu, bn, bk)[1] < d, "several iterations"
@@ -108,7 +110,8 @@ def test_triton_kernels_match_the_torch_op_in_the_interpreter():
                                         ("IQ4_XS", "MXFP4", 512, 288), ("Q5_K", "Q5_K", 2048, 768),
                                         ("IQ2_S", "IQ2_S", 2048, 768), ("IQ2_XXS", "IQ4_NL", 2048, 1408),
                                         ("Q2_K", "Q3_K", 2048, 768), ("Q3_K", "Q3_K", 2048, 768),
-                                        ("IQ2_XS", "IQ3_S", 2048, 768), ("IQ1_S", "IQ1_M", 2048, 768)])
+                                        ("IQ2_XS", "IQ3_S", 2048, 768), ("IQ1_S", "IQ1_M", 2048, 768),
+                                        ("Q4_K", "Q5_0", 2048, 1408), ("Q4_1", "Q5_1", 2048, 768)])
 def test_cuda_misses_read_from_pinned_host_memory(qg, qd, d, ff, monkeypatch):
     """On the GPU the kernels read a missed expert from pinned host RAM (mapped over the bus), through the op
     the direct decode path calls, and equal the torch reference; a pageable stack is left to the reference."""
@@ -124,7 +127,8 @@ def test_cuda_misses_read_from_pinned_host_memory(qg, qd, d, ff, monkeypatch):
 
     # every format's tiles, compiled (those not yet taken on GPUs too)
     monkeypatch.setattr(expert_triton, "LOOKUP_ON_GPU", frozenset(expert_triton.iquant_triton.FORMATS))
-    monkeypatch.setattr(expert_triton, "K_ON_GPU", expert_triton.K_ON_GPU | {Q.Q5_K, Q.Q2_K, Q.Q3_K})
+    monkeypatch.setattr(expert_triton, "K_ON_GPU", expert_triton.K_ON_GPU | {Q.Q5_K, Q.Q2_K, Q.Q3_K,
+                                                                            *expert_triton.Q32})
     dev = torch.device("cuda")
     qg, qd = Q[qg], Q[qd]
     pool = [random_qtensor(qg, (3, ff, d), 1, device=dev), random_qtensor(qg, (3, ff, d), 2, device=dev),

@@ -1,5 +1,5 @@
 """The native CPU kernel's Q5_K, MXFP4 (strata/ops/cpu_native_fmt.h), IQ4_NL, Q2_K, Q3_K (cpu_native_kq.h) and
-IQ2_XS, IQ3_S, IQ1_S, IQ1_M (cpu_native_iqx.h) dot products, through the CPU lane's
+IQ2_XS, IQ3_S, IQ1_S, IQ1_M (cpu_native_iqx.h), Q4_0, Q4_1, Q5_0, Q5_1 (cpu_native_q32.h) dot products, through the CPU lane's
 entry (CpuLane -> NativeExperts), against gguf-py's dequantizer and a float matmul: at the tolerance the Q4_K tests
 use, and tighter against the kernel's own activation rounding emulated in numpy (which isolates the weights'
 decoding: a wrong fifth bit or exponent on a few weights fails it). The AVX2 build and the plain C loops agree."""
@@ -23,12 +23,14 @@ from tests.ops.native_oracle import reference, rel as _rel
 # gate/up format, down format: all-Q5_K, the K-quant mixes that keep Q5_K for some projections, all-MXFP4, an
 # i-quant mix's IQ4_NL downs (its rows not whole 256-blocks), and the low K-quants of llama.cpp's Q2_K and Q3_K_*
 # files (Q2_K or Q3_K gate/up, the downs one step up), and the i-quants of llama.cpp's IQ2_XS / IQ3_S / IQ3_M /
-# IQ1_S / IQ1_M files
+# IQ1_S / IQ1_M files, and the downs of a K-quant file whose rows are not whole 256-blocks (Q5_0, Q5_1, Q4_0)
 MIXES = [pytest.param(gu, dn, id=f"{gu.name}-{dn.name}")
          for gu, dn in [(Q.Q5_K, Q.Q5_K), (Q.Q5_K, Q.Q6_K), (Q.Q4_K, Q.Q5_K), (Q.MXFP4, Q.MXFP4),
                         (Q.IQ2_XXS, Q.IQ4_NL), (Q.IQ4_NL, Q.IQ4_NL), (Q.Q2_K, Q.Q3_K), (Q.Q3_K, Q.Q4_K),
                         (Q.Q3_K, Q.Q2_K), (Q.IQ2_XS, Q.IQ3_S), (Q.IQ3_S, Q.IQ4_XS), (Q.IQ1_S, Q.IQ1_M),
-                        (Q.IQ1_M, Q.IQ2_XS)]]
+                        (Q.IQ1_M, Q.IQ2_XS),
+                        # the 32-wide formats llama.cpp writes for rows that are not whole 256-blocks
+                        (Q.Q4_K, Q.Q5_0), (Q.Q5_K, Q.Q5_1), (Q.Q3_K, Q.Q4_0), (Q.Q4_1, Q.Q4_1)]]
 # (d, ff): K from 256 to 2048 for both the gate/up rows (K = d) and the down rows (K = ff)
 SHAPES = [(256, 512), (768, 256), (1280, 1024), (2048, 768)]
 
@@ -105,3 +107,14 @@ def test_iq4_nl_down_rows_that_are_not_whole_256_blocks():
     lane = CpuLane({0: ew}, kernel="auto", dtype=torch.bfloat16)
     assert lane.kernel[0] == "native"
     check_lane(lane, ew, 512)
+
+
+def test_k_quant_downs_of_glm_4_5_air_rows():
+    """GLM-4.5-Air in a Q4_K_M / Q5_K_M file: 1,408-wide down rows, which llama.cpp's quantizer writes as Q5_0 / Q5_1
+    (44 blocks of 32, the activations' last 256-block partial)."""
+    _native_or_skip()
+    for gu, dn in ((Q.Q4_K, Q.Q5_0), (Q.Q5_K, Q.Q5_1)):
+        ew = _experts(gu, dn, 3, 512, 1408, seed=11)
+        lane = CpuLane({0: ew}, kernel="auto", dtype=torch.bfloat16)
+        assert lane.kernel[0] == "native"
+        check_lane(lane, ew, 512)

@@ -21,7 +21,7 @@ SCRIPT = textwrap.dedent("""
     from strata.quant.dequant import dequantize_flat
     from strata.quant.formats import block_geometry
     warnings.simplefilter("ignore", RuntimeWarning)  # inf * 0 in fully random blocks
-    assert dt.SUPPORTED == {Q.Q4_0, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4,
+    assert dt.SUPPORTED == {Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4,
                             Q.IQ2_XXS, Q.IQ3_XXS, Q.IQ2_S, Q.IQ2_XS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M}, dt.SUPPORTED
     rng = np.random.default_rng(0)
 
@@ -72,7 +72,7 @@ def test_formats_without_a_kernel_are_not_claimed():
     assert dt.supports(Q.IQ4_NL, torch.float16) and dt.supports(Q.IQ4_XS, torch.bfloat16)
     assert dt.supports(Q.MXFP4, torch.float32)
     assert dt.supports(Q.Q2_K, torch.float32) and dt.supports(Q.Q3_K, torch.bfloat16)
-    assert not dt.supports(Q.Q4_K, torch.float64) and not dt.supports(Q.Q5_0, torch.float32)
+    assert not dt.supports(Q.Q4_K, torch.float64) and dt.supports(Q.Q5_0, torch.float32)
     assert dt.supports(Q.IQ2_XXS, torch.float32) and dt.supports(Q.IQ3_XXS, torch.bfloat16)
     assert dt.supports(Q.IQ2_S, torch.float16)
     assert dt.supports(Q.IQ1_S, torch.float32) and dt.supports(Q.IQ3_S, torch.bfloat16)

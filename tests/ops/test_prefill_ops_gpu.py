@@ -26,7 +26,7 @@ def _same_bits(ours: torch.Tensor, ref: torch.Tensor, what) -> None:
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ2_XXS, Q.IQ3_XXS, Q.IQ2_S,
-                                   Q.Q2_K, Q.Q3_K, Q.IQ2_XS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M],
+                                   Q.Q2_K, Q.Q3_K, Q.IQ2_XS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M, Q.Q4_1, Q.Q5_0, Q.Q5_1],
                          ids=lambda q: q.name)
 def test_triton_dequant_is_bit_exact_on_cuda(qtype):
     if not triton_dequant.available():

@@ -10,7 +10,7 @@ from strata.quant.matmul import reference_qmatmul
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("qt", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q2_K, Q.Q3_K])
+@pytest.mark.parametrize("qt", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1])
 @pytest.mark.parametrize("rows", [1, 3, 8, 33])
 def test_qgemv_matches_reference(qt, rows, monkeypatch):
     from strata.ops import expert_triton, qgemv

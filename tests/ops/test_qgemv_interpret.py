@@ -40,6 +40,10 @@ SCRIPT = textwrap.dedent("""
         (Q.Q3_K, 24, 256, None, None),
         (Q.Q3_K, 9, 768, 4, None),
         (Q.Q3_K, 7, 768, None, 512),
+        (Q.Q4_0, 9, 96, None, None),     # the 32-weight formats: a partial tile, K of 1,408 (GLM-4.5-Air's downs)
+        (Q.Q4_1, 9, 800, None, 256),
+        (Q.Q5_0, 20, 1408, None, None),
+        (Q.Q5_1, 7, 256, 2, None),
     )
     plans = [expert_triton.plan((qt,), N, K, 3, cpu, bn, bk) for qt, N, K, bn, bk in cases]
     assert plans[1][1:3] == (512, False) and plans[2][:3] == (2, 256, True), plans

@@ -52,6 +52,9 @@ GATED=(
   "tests/experts/test_expert_triton.py|strata/ops/expert_triton.py|s/^IQX_GPU_TESTED = False/IQX_GPU_TESTED = True/"
   # the Q2_K / Q3_K dequantizers (a prompt chunk's experts)
   "tests/ops/test_prefill_ops_gpu.py|strata/ops/dequant_triton.py|s/^K23_GPU_TESTED = False/K23_GPU_TESTED = True/"
+  # the Q4_0 / Q4_1 / Q5_0 / Q5_1 tiles and the Q4_1 / Q5_0 / Q5_1 dequantizers
+  "tests/experts/test_expert_triton.py tests/ops/test_qgemv.py|strata/ops/expert_triton.py|s/^Q32_GPU_TESTED = False/Q32_GPU_TESTED = True/"
+  "tests/ops/test_prefill_ops_gpu.py|strata/ops/dequant_triton.py|s/^Q32_GPU_TESTED = False/Q32_GPU_TESTED = True/"
   # the IQ2_XS / IQ3_S / IQ1_S / IQ1_M dequantizers
   "tests/ops/test_prefill_ops_gpu.py|strata/ops/dequant_triton.py|s/^IQX_GPU_TESTED = False/IQX_GPU_TESTED = True/"
 )
