@@ -1,4 +1,5 @@
-"""Decode-sized qmatmul on CUDA: Q4_K / Q6_K / Q8_0 weights read in place by the Triton GEMV of `expert_triton`.
+"""Decode-sized qmatmul on CUDA: Q4_K / Q5_K / Q6_K / Q8_0 (and, once tested, the lookup formats') weights read in place
+by the Triton GEMV of `expert_triton`.
 
 A decode step multiplies a handful of rows by each dense weight; dequantizing the whole weight per call
 (the fallback) moves ~5 bytes per weight where the blocks hold ~1 (Q8_0), ~0.82 (Q6_K: the usual LM head) or
@@ -23,6 +24,11 @@ MAX_ROWS = 8
 # are not the one-row kernel's bit for bit, so a drafted step's greedy text could differ from plain decoding's
 # (docs/BENCHMARKS.md, "Speculative decoding"). The interpreter tests run it on the CPU.
 ROWS_GPU_TESTED = False
+# Dense weights in the lookup formats (an IQ4_XS or IQ2_XXS file's attention and shared-expert weights) through the
+# same one-row kernel: its tiles have passed the fused expert kernels' GPU tests, this entry joins once
+# tests/ops/test_qgemv.py has passed it on a GPU (tools/gpu/gated.sh); until then such weights are dequantized each
+# call
+LOOKUP_GPU_TESTED = False
 
 
 def _gemv(x2d: torch.Tensor, w: QTensor, block_n: int | None = None, block_k: int | None = None,
@@ -53,10 +59,15 @@ def install() -> bool:
     modules); returns whether it did."""
     if not expert_triton.available() or not torch.cuda.is_available():
         return False
-    for qt in expert_triton.K_ON_GPU:  # (the formats whose tiles have run on a GPU)
+    for qt in formats():  # (the formats whose tiles have run on a GPU)
         if (("cuda", qt)) not in KERNELS:
             register_kernel("cuda", qt, _gemv)
     return True
+
+
+def formats() -> frozenset:
+    """The weight formats this GEMV takes on a GPU."""
+    return expert_triton.K_ON_GPU | (expert_triton.LOOKUP_ON_GPU if LOOKUP_GPU_TESTED else frozenset())
 
 
 install()  # this module is one of strata.ops.registry.KERNEL_MODULES: imported on the first op call

@@ -10,14 +10,20 @@ from strata.quant.matmul import reference_qmatmul
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("qt", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1])
+@pytest.mark.parametrize("qt", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1,
+                                Q.IQ4_XS, Q.IQ4_NL, Q.IQ2_XXS, Q.IQ2_S, Q.IQ3_XXS, Q.MXFP4, Q.IQ2_XS, Q.IQ3_S,
+                                Q.IQ1_S, Q.IQ1_M])
 @pytest.mark.parametrize("rows", [1, 3, 8, 33])
 def test_qgemv_matches_reference(qt, rows, monkeypatch):
-    from strata.ops import expert_triton, qgemv
+    from strata.ops import expert_triton, iquant_triton, qgemv
     from strata.quant import matmul
 
-    # every format with a tile, the ones not yet taken on GPUs (expert_triton.K_ON_GPU) too
-    monkeypatch.setattr(expert_triton, "K_ON_GPU", expert_triton.K_ON_GPU | {qt})
+    # every format with a tile, the ones not yet taken on GPUs (expert_triton.K_ON_GPU, LOOKUP_ON_GPU) too
+    if qt in iquant_triton.FORMATS:
+        monkeypatch.setattr(qgemv, "LOOKUP_GPU_TESTED", True)
+        monkeypatch.setattr(expert_triton, "LOOKUP_ON_GPU", expert_triton.LOOKUP_ON_GPU | {qt})
+    else:
+        monkeypatch.setattr(expert_triton, "K_ON_GPU", expert_triton.K_ON_GPU | {qt})
     monkeypatch.setattr(matmul, "KERNELS", dict(matmul.KERNELS))
     assert qgemv.install()
     w = random_qtensor(qt, (1000, 2048), rng=1, scale=0.05)

@@ -44,6 +44,10 @@ SCRIPT = textwrap.dedent("""
         (Q.Q4_1, 9, 800, None, 256),
         (Q.Q5_0, 20, 1408, None, None),
         (Q.Q5_1, 7, 256, 2, None),
+        (Q.IQ4_XS, 9, 512, None, None),  # dense weights in the lookup formats (qgemv.LOOKUP_GPU_TESTED)
+        (Q.IQ2_XXS, 7, 768, None, 512),
+        (Q.IQ3_S, 5, 256, None, None),
+        (Q.MXFP4, 9, 96, None, None),
     )
     plans = [expert_triton.plan((qt,), N, K, 3, cpu, bn, bk) for qt, N, K, bn, bk in cases]
     assert plans[1][1:3] == (512, False) and plans[2][:3] == (2, 256, True), plans

@@ -55,6 +55,8 @@ GATED=(
   # the Q4_0 / Q4_1 / Q5_0 / Q5_1 tiles and the Q4_1 / Q5_0 / Q5_1 dequantizers
   "tests/experts/test_expert_triton.py tests/ops/test_qgemv.py|strata/ops/expert_triton.py|s/^Q32_GPU_TESTED = False/Q32_GPU_TESTED = True/"
   "tests/ops/test_prefill_ops_gpu.py|strata/ops/dequant_triton.py|s/^Q32_GPU_TESTED = False/Q32_GPU_TESTED = True/"
+  # dense weights in the lookup formats through the one-row GEMV
+  "tests/ops/test_qgemv.py|strata/ops/qgemv.py|s/^LOOKUP_GPU_TESTED = False/LOOKUP_GPU_TESTED = True/"
   # the IQ2_XS / IQ3_S / IQ1_S / IQ1_M dequantizers
   "tests/ops/test_prefill_ops_gpu.py|strata/ops/dequant_triton.py|s/^IQX_GPU_TESTED = False/IQX_GPU_TESTED = True/"
 )
