@@ -162,9 +162,9 @@ def native_width(qtype) -> int:
 
 
 def native_supported(ew: ExpertWeights) -> bool:
-    """The native kernel takes this layer's experts: gate and up of one format, each projection in NATIVE_TYPES
+    """The native kernel takes this layer's experts: each projection in NATIVE_TYPES (gate's and up's may differ)
     with rows a multiple of native_width, and plain SwiGLU or an activation in NATIVE_ACTS."""
-    return (all(t.qtype in NATIVE_TYPES for t in (ew.gate, ew.up, ew.down)) and ew.gate.qtype == ew.up.qtype
+    return (all(t.qtype in NATIVE_TYPES for t in (ew.gate, ew.up, ew.down))
             and not _short_rows(ew) and (ew.act is None or ew.act.kind in NATIVE_ACTS)
             and all(t.raw.is_contiguous() for t in (ew.gate, ew.up, ew.down)))
 
@@ -269,7 +269,8 @@ class CpuLane:
                 from strata.ops.cpu_native import NativeExperts
 
                 self._native[i] = NativeExperts(ew.gate.raw, ew.up.raw, ew.down.raw, fmt_gate_up=ew.gate.qtype.name,
-                                                fmt_down=ew.down.qtype.name, **_native_act(ew))
+                                                fmt_up=ew.up.qtype.name, fmt_down=ew.down.qtype.name,
+                                                **_native_act(ew))
 
     def set_threads(self, threads: int) -> None:
         """The lane's thread count from now on (torch's intra-op pool, which the native kernel follows too)."""

@@ -126,7 +126,7 @@ def _cpu_native(ew: "ExpertWeights"):
             from strata.ops.cpu_native import NativeExperts
 
             got = NativeExperts(ew.gate.raw, ew.up.raw, ew.down.raw, fmt_gate_up=ew.gate.qtype.name,
-                                fmt_down=ew.down.qtype.name, **_native_act(ew))
+                                fmt_up=ew.up.qtype.name, fmt_down=ew.down.qtype.name, **_native_act(ew))
         ew._cpu_native = got
     return got
 

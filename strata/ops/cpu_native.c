@@ -380,7 +380,7 @@ static inline float glu(int act, float g, float u, float alpha, float limit) {
 static inline long scratch_per(int K) { return K + 4L * (NB256(K) + K / 32 + K / 16); }
 
 /* n experts, each over its own activations x[e] (d floats): out[e] (d floats) =
-   down[e] . glu(gate[e] . x + gb[e], up[e] . x + ub[e]) + db[e]; gate/up [ff, d] and down [d, ff] in format fgu /
+   down[e] . glu(gate[e] . x + gb[e], up[e] . x + ub[e]) + db[e]; gate, up [ff, d] and down [d, ff] in formats fg, fu,
    fdn. gb, ub, db: NULL (no bias) or each row's bias vector (ff, ff, d floats); act, alpha, limit: glu's.
    ws: scratch of n * (scratch_per(d) + scratch_per(ff)) bytes plus n * ff floats (64-byte aligned).
    Returns 0, or -1 (nothing computed) where d or ff is not a multiple of its format's block width or a format
@@ -388,13 +388,14 @@ static inline long scratch_per(int K) { return K + 4L * (NB256(K) + K / 32 + K /
 long strata_native_scratch(int n, int d, int ff) { return (long)n * (scratch_per(d) + scratch_per(ff) + 4L * ff); }
 
 int strata_native_experts(int n, const uint8_t *const *gate, const uint8_t *const *up, const uint8_t *const *down,
-                          const float *const *x, float *out, int d, int ff, int fgu, int fdn, int threads,
+                          const float *const *x, float *out, int d, int ff, int fg, int fu, int fdn, int threads,
                           uint8_t *ws, const float *const *gb, const float *const *ub, const float *const *db,
                           int act, float alpha, float limit) {
-    if (fgu < 0 || fgu >= N_FMT || fdn < 0 || fdn >= N_FMT || (act != ACT_SWIGLU && act != ACT_OAI) || d <= 0 ||
-        ff <= 0 || d % fmt_width(fgu) || ff % fmt_width(fdn))
+    if (fg < 0 || fg >= N_FMT || fu < 0 || fu >= N_FMT || fdn < 0 || fdn >= N_FMT ||
+        (act != ACT_SWIGLU && act != ACT_OAI) || d <= 0 || ff <= 0 || d % fmt_width(fg) || d % fmt_width(fu) ||
+        ff % fmt_width(fdn))
         return -1;
-    const int rg = row_bytes(fgu, d), rd = row_bytes(fdn, ff);
+    const int rg = row_bytes(fg, d), ru = row_bytes(fu, d), rd = row_bytes(fdn, ff);
     float *h = (float *)ws;                                   /* n * ff floats */
     uint8_t *sx = ws + 4L * n * ff, *sh = sx + (long)n * scratch_per(d);
     #define XQ(e) ((int8_t *)(sx + (long)(e) * scratch_per(d)))
@@ -412,8 +413,8 @@ int strata_native_experts(int n, const uint8_t *const *gate, const uint8_t *cons
         #pragma omp for schedule(static)
         for (long r = 0; r < (long)n * ff; r++) {
             int e = (int)(r / ff), i = (int)(r % ff);
-            float g = dot_row(fgu, gate[e] + (long)i * rg, d, XQ(e), XD(e), XS(e), X16(e));
-            float u = dot_row(fgu, up[e] + (long)i * rg, d, XQ(e), XD(e), XS(e), X16(e));
+            float g = dot_row(fg, gate[e] + (long)i * rg, d, XQ(e), XD(e), XS(e), X16(e));
+            float u = dot_row(fu, up[e] + (long)i * ru, d, XQ(e), XD(e), XS(e), X16(e));
             if (gb) g += gb[e][i];
             if (ub) u += ub[e][i];
             h[r] = glu(act, g, u, alpha, limit);

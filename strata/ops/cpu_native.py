@@ -113,7 +113,7 @@ def build(flags: list[str] | None = None) -> ctypes.CDLL | None:
         return None
     f = lib.strata_native_experts
     P, I = ctypes.c_void_p, ctypes.c_int
-    f.argtypes = [I, P, P, P, P, P, I, I, I, I, I, P, P, P, P, I, ctypes.c_float, ctypes.c_float]
+    f.argtypes = [I, P, P, P, P, P, I, I, I, I, I, I, P, P, P, P, I, ctypes.c_float, ctypes.c_float]
     f.restype = I
     lib.strata_native_scratch.argtypes = [I, I, I]
     lib.strata_native_scratch.restype = ctypes.c_long
@@ -182,13 +182,14 @@ ACTS = {"swiglu": 0, "swiglu_oai": 1}
 
 class NativeExperts:
     """Calls of the native kernel for one layer's experts: gate/up raw blocks [E, ff, ...] and down [E, d, ...],
-    each projection in one of FORMATS (`fmt_gate_up`, `fmt_down`: its names). `act` one of ACTS (with `alpha` and
+    each projection in one of FORMATS (`fmt_gate_up`, `fmt_down`: its names; `fmt_up` where up's differs from gate's).
+    `act` one of ACTS (with `alpha` and
     `limit` for swiglu_oai); `gate_b`, `up_b` [E, ff] and `down_b` [E, d]: per-expert biases, or None."""
 
     def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, threads: int | None = None, *,
                  fmt_gate_up: str = "Q4_K", fmt_down: str = "Q4_K", lib: ctypes.CDLL | None = None,
                  act: str = "swiglu", alpha: float = 1.702, limit: float = 7.0, gate_b: torch.Tensor | None = None,
-                 up_b: torch.Tensor | None = None, down_b: torch.Tensor | None = None):
+                 up_b: torch.Tensor | None = None, down_b: torch.Tensor | None = None, fmt_up: str | None = None):
         lib = lib or load()
         if lib is None:
             raise RuntimeError("the native CPU kernel is unavailable")
@@ -199,8 +200,9 @@ class NativeExperts:
         self.gate, self.up, self.down = gate, up, down  # kept alive: the kernel reads their memory
         self.E, self.ff = gate.shape[0], gate.shape[1]
         self.d = down.shape[1]
-        self.fgu, self.fdn = FORMATS[fmt_gate_up], FORMATS[fmt_down]
-        wgu, wdn = WIDTHS[fmt_gate_up], WIDTHS[fmt_down]
+        fmt_up = fmt_up or fmt_gate_up
+        self.fg, self.fu, self.fdn = FORMATS[fmt_gate_up], FORMATS[fmt_up], FORMATS[fmt_down]
+        wgu, wdn = max(WIDTHS[fmt_gate_up], WIDTHS[fmt_up]), WIDTHS[fmt_down]
         if self.d % wgu or self.ff % wdn:
             raise ValueError(f"the native kernel needs rows whose lengths are multiples of their format's block "
                              f"({fmt_gate_up}: {wgu}, {fmt_down}: {wdn}), got d {self.d}, ff {self.ff}")
@@ -271,9 +273,10 @@ class NativeExperts:
                 bias[j] = base + (4 + j) * step
         threads = max(1, self.threads or torch.get_num_threads())
         rc = self._f(n, base, base + step, base + 2 * step, base + 3 * step, out.data_ptr(), self.d, self.ff,
-                     self.fgu, self.fdn, threads, self._work(n), *bias, self.act, self.alpha, self.limit)
+                     self.fg, self.fu, self.fdn, threads, self._work(n), *bias, self.act, self.alpha, self.limit)
         if rc:
-            raise ValueError(f"the native kernel refused d {self.d}, ff {self.ff} for formats {self.fgu}/{self.fdn}")
+            raise ValueError(f"the native kernel refused d {self.d}, ff {self.ff} for formats "
+                             f"{self.fg}/{self.fu}/{self.fdn}")
         return out
 
 

@@ -130,3 +130,16 @@ def test_auto_keeps_int4_for_all_q4_0_experts_and_native_for_mixes():
     lane = CpuLane({0: ew}, kernel="auto", dtype=torch.bfloat16)
     assert lane.kernel[0] == "native"
     check_lane(lane, ew, 256)
+
+
+def test_gate_and_up_in_different_formats():
+    """A file whose gate and up projections differ (an override such as llama-quant's --tensor-type): the native
+    kernel reads each in its own format."""
+    _native_or_skip()
+    rng = np.random.default_rng(9)
+    E, d, ff = 3, 512, 768
+    ew = ExpertWeights(random_qtensor(Q.Q2_K, (E, ff, d), rng), random_qtensor(Q.Q3_K, (E, ff, d), rng),
+                       random_qtensor(Q.Q4_K, (E, d, ff), rng))
+    lane = CpuLane({0: ew}, kernel="auto", dtype=torch.bfloat16)
+    assert lane.kernel[0] == "native"
+    check_lane(lane, ew, d)

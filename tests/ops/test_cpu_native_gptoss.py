@@ -132,9 +132,12 @@ def test_rows_a_format_cannot_take_are_refused(caplog, monkeypatch):
         cpu_native.NativeExperts(gate, gate, torch.zeros(E, d, 198, dtype=torch.uint8), fmt_gate_up="Q4_K",
                                  fmt_down="MXFP4")
     f = cpu_native.load().strata_native_experts
-    assert f(1, None, None, None, None, None, d, ff, cpu_native.FORMATS["Q6_K"], cpu_native.FORMATS["MXFP4"], 1,
+    F = cpu_native.FORMATS
+    assert f(1, None, None, None, None, None, d, ff, F["Q6_K"], F["Q6_K"], F["MXFP4"], 1,
              None, None, None, None, 1, ALPHA, LIMIT) == -1
-    assert f(1, None, None, None, None, None, 2880, 2880, cpu_native.FORMATS["MXFP4"], cpu_native.FORMATS["Q5_K"],
+    assert f(1, None, None, None, None, None, 2880, 2880, F["MXFP4"], F["MXFP4"], F["Q5_K"],
+             1, None, None, None, None, 0, 0.0, 0.0) == -1
+    assert f(1, None, None, None, None, None, 2880, 2880, F["MXFP4"], F["Q4_K"], F["MXFP4"],  # up: 256-wide
              1, None, None, None, None, 0, 0.0, 0.0) == -1
     # the lane: MXFP4 as if its blocks were 512 wide, so that rows of 352 do not fit
     ew = _experts(Q.MXFP4, Q.MXFP4, E, d, ff, seed=2)
