@@ -236,90 +236,7 @@ static float dot_q8_0(const uint8_t *row, int K, const int8_t *xq, const float *
 #endif
 }
 
-/* IQ4_XS (136 bytes / 256 weights): f16 d, u16 scales_h, 4 bytes scales_l, 128 bytes of 4-bit indices into the
-   IQ4_NL codebook. Sub-block j (32 weights: the low nibbles of its 16 bytes, then the high ones) has the 6-bit
-   scale ls = (scales_l[j/2] >> 4*(j%2) & 15) | (scales_h >> 2j & 3) << 4, and w = d * (ls - 32) * kvalues[q]. The
-   codebook's values are int8, none 0: a byte shuffle looks them up, and the sign trick of Q8_0 multiplies them. */
-static const int8_t KVALUES_IQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
-
-static inline int iq4xs_scale(const uint8_t *blk, int j) {
-    uint16_t sh = (uint16_t)(blk[2] | (blk[3] << 8));
-    return (((blk[4 + j / 2] >> (4 * (j % 2))) & 15) | (((sh >> (2 * j)) & 3) << 4)) - 32;
-}
-
-static float dot_iq4xs(const uint8_t *row, int nb, const int8_t *xq, const float *xd) {
-#if defined(__AVX2__) && defined(__FMA__)
-    const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)KVALUES_IQ4NL));
-    __m256 fsum = _mm256_setzero_ps();
-    for (int b = 0; b < nb; b++) {
-        const uint8_t *blk = row + b * 136;
-        PREFETCH_AHEAD(blk, nb * 136, 136);
-        const float dd = f16(blk) * xd[b];
-        const int8_t *x = xq + 256 * b;
-        for (int j = 0; j < 8; j += 2) {  /* two sub-blocks: their 32 bytes in the two 128-bit lanes */
-            __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 8 + 16 * j));
-            __m256i wl = _mm256_shuffle_epi8(lut, _mm256_and_si256(q, m4));                       /* j lo | j+1 lo */
-            __m256i wh = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(q, 4), m4)); /* j hi | j+1 hi */
-            __m256i x0 = _mm256_loadu_si256((const __m256i *)(x + 32 * j));
-            __m256i x1 = _mm256_loadu_si256((const __m256i *)(x + 32 * j + 32));
-            __m256i xl = _mm256_permute2x128_si256(x0, x1, 0x20), xh = _mm256_permute2x128_si256(x0, x1, 0x31);
-            __m256i p = _mm256_add_epi32(
-                _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wl, wl), _mm256_sign_epi8(xl, wl)), ones),
-                _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wh, wh), _mm256_sign_epi8(xh, wh)), ones));
-            float s0 = dd * (float)iq4xs_scale(blk, j), s1 = dd * (float)iq4xs_scale(blk, j + 1);
-            fsum = _mm256_fmadd_ps(_mm256_setr_ps(s0, s0, s0, s0, s1, s1, s1, s1), _mm256_cvtepi32_ps(p), fsum);
-        }
-    }
-    return hsum8(fsum);
-#else
-    float sum = 0.f;
-    for (int b = 0; b < nb; b++) {
-        const uint8_t *blk = row + b * 136;
-        for (int j = 0; j < 8; j++) {
-            const uint8_t *q = blk + 8 + 16 * j;
-            const int8_t *x = xq + 256 * b + 32 * j;
-            int32_t s = 0;
-            for (int l = 0; l < 16; l++) s += KVALUES_IQ4NL[q[l] & 15] * x[l] + KVALUES_IQ4NL[q[l] >> 4] * x[l + 16];
-            sum += f16(blk) * xd[b] * (float)iq4xs_scale(blk, j) * (float)s;
-        }
-    }
-    return sum;
-#endif
-}
-
-/* IQ4_NL (18 bytes / 32 weights): f16 d, 16 bytes of 4-bit indices into the same codebook (low nibbles: weights
-   0-15, high: 16-31); w = d * kvalues[q]: IQ4_XS's lookup without sub-block scales, Q8_0's block walk. An i-quant
-   mix writes it for rows that are not whole 256-blocks (GLM-4.5-Air's 1,408-wide expert down projections). */
-static float dot_iq4nl(const uint8_t *row, int K, const int8_t *xq, const float *xd) {
-#if defined(__AVX2__) && defined(__FMA__)
-    const __m128i m4 = _mm_set1_epi8(0x0F), lut = _mm_loadu_si128((const __m128i *)KVALUES_IQ4NL);
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 fsum = _mm256_setzero_ps();
-    for (int i = 0; i < K / 32; i++) {
-        const uint8_t *blk = row + i * 18;
-        if ((i & 3) == 0) PREFETCH_AHEAD(blk, K / 32 * 18, 72);
-        __m128i q = _mm_loadu_si128((const __m128i *)(blk + 2));
-        __m256i w = _mm256_set_m128i(_mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(q, 4), m4)),
-                                     _mm_shuffle_epi8(lut, _mm_and_si128(q, m4)));  /* weights 0-15 | 16-31 */
-        __m256i x = _mm256_loadu_si256((const __m256i *)(xq + 32 * i));
-        __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), ones);
-        fsum = _mm256_fmadd_ps(_mm256_set1_ps(f16(blk) * xd[i / 8]), _mm256_cvtepi32_ps(p), fsum);
-    }
-    return hsum8(fsum);
-#else
-    float sum = 0.f;
-    for (int i = 0; i < K / 32; i++) {
-        const uint8_t *blk = row + i * 18;
-        const int8_t *x = xq + 32 * i;
-        int32_t s = 0;
-        for (int l = 0; l < 16; l++) s += KVALUES_IQ4NL[blk[2 + l] & 15] * x[l] + KVALUES_IQ4NL[blk[2 + l] >> 4] * x[l + 16];
-        sum += f16(blk) * xd[i / 8] * (float)s;
-    }
-    return sum;
-#endif
-}
-
+#include "cpu_native_iq4.h"  /* IQ4_XS and IQ4_NL: dot_iq4xs, dot_iq4nl */
 #include "cpu_native_iq.h"   /* IQ2_XXS / IQ3_XXS / IQ2_S: their tables, dot_iqxxs and dot_iq2s */
 #include "cpu_native_iqx.h"  /* IQ2_XS / IQ3_S / IQ1_S / IQ1_M: their tables and dot products */
 #include "cpu_native_fmt.h"  /* Q5_K and MXFP4: dot_q5k, dot_mxfp4(_tail) */
@@ -374,6 +291,26 @@ static inline float glu(int act, float g, float u, float alpha, float limit) {
         return (u + 1.f) * (g / (1.f + expf(-alpha * g)));
     }
     return g / (1.f + expf(-g)) * u;
+}
+
+/* one weight row against the T activation rows of a run (scratch rows at xs0 + t * stride, laid out as
+   quantize_row writes them), into out[t * N]: Q4_K, Q6_K and Q8_0 unpack each block once for every row
+   (cpu_native_rows.h, bit for bit the one-row sums), the others take their one-row function per row (the weight
+   row then comes from the cache after the first) */
+static inline void dot_rows(int fmt, const uint8_t *row, int K, int T, const uint8_t *xs0, long stride, float *out,
+                            long N) {
+    if (T > 1 && fmt == FMT_Q4K) { dot_q4k_rows(row, K / 256, K, T, xs0, stride, out, N); return; }
+    if (T > 1 && fmt == FMT_Q6K) { dot_q6k_rows(row, K / 256, K, T, xs0, stride, out, N); return; }
+    if (T > 1 && fmt == FMT_Q80) {
+        dot_q8_0_rows(row, K, T, (const int8_t *)xs0, (const float *)(xs0 + K), stride, out, N);
+        return;
+    }
+    for (int t = 0; t < T; t++) {
+        const uint8_t *base = xs0 + (long)t * stride;
+        const float *xd = (const float *)(base + K);
+        const int32_t *xs = (const int32_t *)(xd + NB256(K));
+        out[(long)t * N] = dot_row(fmt, row, K, (const int8_t *)base, xd, xs, xs + K / 32);
+    }
 }
 
 /* scratch per expert row set: activations d and intermediate ff, each as int8 + scales + sums per 32 and 16 */
@@ -447,22 +384,7 @@ int strata_native_gemv(int T, const uint8_t *w, int N, int K, int fmt, const flo
     #define G16(t) (GS(t) + K / 32)
     for (int t = 0; t < T; t++) quantize_row(x + (long)t * K, K, GQ(t), GD(t), GS(t), G16(t));
     #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int r = 0; r < N; r++) {
-        if (fmt == FMT_Q80 && T > 1) {  /* (each block read and signed once for all rows) */
-            dot_q8_0_rows(w + r * rb, K, T, GQ(0), GD(0), sp, out + r, N);
-            continue;
-        }
-        if (fmt == FMT_Q4K && T > 1) {  /* (each super-block's scales and nibbles unpacked once for all rows) */
-            dot_q4k_rows(w + r * rb, K / 256, K, T, ws, sp, out + r, N);
-            continue;
-        }
-        if (fmt == FMT_Q6K && T > 1) {  /* (each half block's 6-bit values and scales unpacked once) */
-            dot_q6k_rows(w + r * rb, K / 256, K, T, ws, sp, out + r, N);
-            continue;
-        }
-        for (int t = 0; t < T; t++)
-            out[(long)t * N + r] = dot_row(fmt, w + r * rb, K, GQ(t), GD(t), GS(t), G16(t));
-    }
+    for (int r = 0; r < N; r++) dot_rows(fmt, w + r * rb, K, T, ws, sp, out + r, N);
     #undef GQ
     #undef GD
     #undef GS

@@ -48,9 +48,9 @@ log = logging.getLogger("strata")
 
 SOURCE_FILE = pathlib.Path(__file__).with_name("cpu_native.c")  # shipped as package data (pyproject.toml)
 # the headers it includes, likewise
-HEADER_FILES = tuple(SOURCE_FILE.with_name(h) for h in ("cpu_native_iq.h", "cpu_native_iqx.h", "cpu_native_fmt.h",
-                                                       "cpu_native_rows.h", "cpu_native_kq.h",
-                                                       "cpu_native_q32.h"))
+HEADER_FILES = tuple(SOURCE_FILE.with_name(h) for h in (
+    "cpu_native_iq4.h", "cpu_native_iq.h", "cpu_native_iqx.h", "cpu_native_fmt.h", "cpu_native_rows.h", "cpu_native_kq.h",
+    "cpu_native_q32.h"))
 
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 _lib = None
