@@ -115,11 +115,10 @@ if triton is not None:
         b = (src + pid * (BB * size) + blk * size)[:, None]
         j = tl.arange(0, 32)[None, :]
         d = _f16(b, m)
-        qo = 4 if FMT == 1 else 6 if FMT == 2 else 8
+        qo = 2 + 2 * (FMT % 2) + 4 * (FMT // 2)  # the nibbles past d, [m] and [qh]
         q = (_u8(b + qo + j % 16, m) >> (4 * (j // 16))) & 0x0F
         if FMT >= 2:
-            ho = 2 if FMT == 2 else 4
-            q = q | (((_u8(b + ho + j // 8, m) >> (j % 8)) & 1) << 4)
+            q = q | (((_u8(b + 2 + 2 * (FMT % 2) + j // 8, m) >> (j % 8)) & 1) << 4)
         if FMT == 2:
             y = d * (q.to(tl.float32) - 16.0)
         else:

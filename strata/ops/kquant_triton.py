@@ -293,10 +293,9 @@ if triton is not None:
         d (q - 16), d q + m. A thread holds one nibble byte of a block (both its weights); the offset (-8, -16)
         and m go through the block's sum of x. The blocks (18-24 bytes) are 2-byte aligned: qh is read as two u16.
         """
-        FIVE: tl.constexpr = FMT >= 2
-        HAS_M: tl.constexpr = FMT % 2 == 1
-        SIZE: tl.constexpr = 18 + 2 * FMT
-        QOFF: tl.constexpr = 2 + 2 * HAS_M + 4 * FIVE
+        # (arithmetic on the constexpr FMT: the block's size and the nibbles' offset past d, [m] and [qh])
+        SIZE = 18 + 2 * FMT
+        QOFF = 2 + 2 * (FMT % 2) + 4 * (FMT // 2)
         k = tl.arange(0, 16)
         j = (b0 + tl.arange(0, NB)).to(tl.int64)
         if EVEN:
@@ -310,8 +309,8 @@ if triton is not None:
                     eviction_policy="evict_first").to(tl.int32)  # [BN, NB, 16]
         lo = q & 15
         hi = q >> 4
-        if FIVE:
-            hp = (blk + 2 + 2 * HAS_M).to(tl.pointer_type(tl.uint16))
+        if FMT >= 2:  # Q5_0, Q5_1: the fifth bits
+            hp = (blk + 2 + 2 * (FMT % 2)).to(tl.pointer_type(tl.uint16))
             h0 = tl.load(hp, mask=m2, other=0).to(tl.int32)[:, :, None]  # bits of weights 0-15
             h1 = tl.load(hp + 1, mask=m2, other=0).to(tl.int32)[:, :, None]  # 16-31
             lo = lo | (((h0 >> k[None, None, :]) & 1) << 4)
@@ -324,9 +323,9 @@ if triton is not None:
         fh = (hi | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
         s = tl.sum(fl * xl[None] + fh * xh[None], axis=2)  # [BN, NB]
         sx = tl.sum(xl + xh, axis=1)[None, :]  # [1, NB] the block's sum of x
-        if HAS_M:
+        if FMT % 2 == 1:  # Q4_1, Q5_1: + m
             part = d * s + _f16(blk + 2, m2) * sx
-        elif FIVE:
+        elif FMT == 2:
             part = d * (s - 16.0 * sx)
         else:
             part = d * (s - 8.0 * sx)
