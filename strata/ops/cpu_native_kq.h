@@ -87,6 +87,20 @@ static inline void q3k_scales(const uint8_t *s, int8_t *out) {
     for (int j = 0; j < 16; j++) out[j] = (int8_t)(u[j] - 32);
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+/* q3k_scales' 16 values in a vector (built from the four words in registers: byte stores then a vector load would
+   stall on store forwarding) */
+static inline __m128i q3k_scales_v(const uint8_t *s) {
+    uint32_t a0, a1, a2;
+    __builtin_memcpy(&a0, s, 4); __builtin_memcpy(&a1, s + 4, 4); __builtin_memcpy(&a2, s + 8, 4);
+    const __m128i v = _mm_setr_epi32((int)((a0 & 0x0F0F0F0Fu) | ((a2 & 0x03030303u) << 4)),
+                                     (int)((a1 & 0x0F0F0F0Fu) | (((a2 >> 2) & 0x03030303u) << 4)),
+                                     (int)(((a0 >> 4) & 0x0F0F0F0Fu) | (((a2 >> 4) & 0x03030303u) << 4)),
+                                     (int)(((a1 >> 4) & 0x0F0F0F0Fu) | (((a2 >> 6) & 0x03030303u) << 4)));
+    return _mm_sub_epi8(v, _mm_set1_epi8(32));
+}
+#endif
+
 /* Q3_K (110 bytes / 256 weights): hmask[32], qs[64] of 2-bit values, 12 bytes of 6-bit scales, f16 d.
    w = d * (s - 32) * (q + 4 h - 4), q in 0..3 and h the weight's bit of hmask (weight 32k + l: bit k of hmask[l]).
    Per group: (s - 32) * ((q + 4h) . x8 - 4 * sum of the group's x8), the unsigned 0..7 values through maddubs
@@ -98,9 +112,7 @@ static float dot_q3k(const uint8_t *row, int nb, const int8_t *xq, const float *
     for (int b = 0; b < nb; b++) {
         const uint8_t *blk = row + b * 110;
         PREFETCH_AHEAD(blk, nb * 110, 110);
-        int8_t s[16];
-        q3k_scales(blk + 96, s);
-        const __m128i s8 = _mm_loadu_si128((const __m128i *)s);
+        const __m128i s8 = q3k_scales_v(blk + 96);
         const int8_t *x = xq + b * 256;
         const __m256i h = _mm256_loadu_si256((const __m256i *)blk);
         __m256i acc = _mm256_setzero_si256();
