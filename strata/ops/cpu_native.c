@@ -83,6 +83,17 @@ static inline void q4k_scales(const uint8_t *s, uint8_t *sc, uint8_t *mn) {
     __builtin_memcpy(sc, o, 8); __builtin_memcpy(mn, o + 2, 8);
 }
 
+#if defined(__AVX2__)
+/* q4k_scales' 8 mins as the low 8 bytes of a vector, built in registers (reading the mn array back as one 8-byte
+   load would wait on the two 4-byte stores that wrote it: no store forwarding) */
+static inline __m128i q4k_mins_v(const uint8_t *s) {
+    uint32_t w1, w2;
+    __builtin_memcpy(&w1, s + 4, 4); __builtin_memcpy(&w2, s + 8, 4);
+    const uint64_t lo = w1 & 0x3F3F3F3Fu, hi = ((w2 >> 4) & 0x0F0F0F0Fu) | (((w1 >> 6) & 0x03030303u) << 4);
+    return _mm_cvtsi64_si128((long long)(lo | (hi << 32)));
+}
+#endif
+
 /* one Q4_K row (nb super-blocks of 144 bytes) . the quantized activations */
 static float dot_q4k(const uint8_t *row, int nb, const int8_t *xq, const float *xd, const int32_t *xs) {
 #if defined(__AVX2__) && defined(__FMA__)
@@ -105,7 +116,7 @@ static float dot_q4k(const uint8_t *row, int nb, const int8_t *xq, const float *
             acc = _mm256_add_epi32(acc, _mm256_madd_epi16(phi, _mm256_set1_epi16(sc[2 * j + 1])));
         }
         /* mins . sums of the activations per 32, eight lanes at once */
-        __m256i mprod = _mm256_mullo_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)mn)),
+        __m256i mprod = _mm256_mullo_epi32(_mm256_cvtepu8_epi32(q4k_mins_v(blk + 4)),
                                            _mm256_loadu_si256((const __m256i *)(xs + b * 8)));
         const float dx = f16(blk) * xd[b], mx = f16(blk + 2) * xd[b];
         fsum = _mm256_fmadd_ps(_mm256_set1_ps(dx), _mm256_cvtepi32_ps(acc), fsum);

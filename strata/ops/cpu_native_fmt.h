@@ -31,7 +31,7 @@ static float dot_q5k(const uint8_t *row, int nb, const int8_t *xq, const float *
             acc = _mm256_add_epi32(acc, _mm256_madd_epi16(plo, _mm256_set1_epi16(sc[2 * j])));
             acc = _mm256_add_epi32(acc, _mm256_madd_epi16(phi, _mm256_set1_epi16(sc[2 * j + 1])));
         }
-        __m256i mprod = _mm256_mullo_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)mn)),
+        __m256i mprod = _mm256_mullo_epi32(_mm256_cvtepu8_epi32(q4k_mins_v(blk + 4)),
                                            _mm256_loadu_si256((const __m256i *)(xs + b * 8)));
         const float dx = f16(blk) * xd[b], mx = f16(blk + 2) * xd[b];
         fsum = _mm256_fmadd_ps(_mm256_set1_ps(dx), _mm256_cvtepi32_ps(acc), fsum);

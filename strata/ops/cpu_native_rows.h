@@ -36,7 +36,7 @@ static void dot_q4k_rows(const uint8_t *row, int nb, int K, int T, const uint8_t
                 lo[j] = _mm256_and_si256(v, m4);
                 hi[j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
             }
-            const __m256i mn32 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)mn));
+            const __m256i mn32 = _mm256_cvtepu8_epi32(q4k_mins_v(blk + 4));
             const float d = f16(blk), dm = f16(blk + 2);
             for (int t = 0; t < nt; t++) {
                 const int8_t *q8 = q8r[t] + b * 256;
