@@ -55,6 +55,10 @@ class ModelFootprint:
     embed_bytes: int = 0
     state_bytes_per_slot: int = 0  # recurrent layers' state per sequence (qwen3next's delta-net), beside the KV
     mixer_prefill_bytes: int = 0  # a prompt token's VRAM in a delta-net layer's chunked form (sizing.deltanet_prefill_bytes)
+    # bytes per weight format (GGML type name), routed experts and the rest apart: what llama.cpp's loader lists as
+    # "type q4_K: N tensors", here weighted by size
+    expert_formats: dict[str, int] = field(default_factory=dict)
+    dense_formats: dict[str, int] = field(default_factory=dict)
 
     @property
     def n_expert_total(self) -> int:
@@ -129,6 +133,7 @@ def model_footprint(paths: list[Path], cache_type_k: str = KV_CACHE_TYPE,
     per_layer: dict[int, int] = {}  # layer -> bytes of its routed experts
     n_expert = int(first.arch_value("expert_count", 0) or 0)
     embed, has_head = 0, False
+    formats: tuple[dict[str, int], dict[str, int]] = ({}, {})  # experts, the rest
     # multi-token-prediction blocks (glm4moe's nextn) after the trunk are kept in host RAM and never run: not
     # part of what the GPU holds, nor of the KV
     trunk = int(first.arch_value("block_count", 0) or 0) - int(first.arch_value("nextn_predict_layers", 0) or 0)
@@ -141,6 +146,8 @@ def model_footprint(paths: list[Path], cache_type_k: str = KV_CACHE_TYPE,
             if t.name == "token_embd.weight":
                 embed = t.n_bytes
             has_head = has_head or t.name == "output.weight"
+            kind = formats[0 if "_exps" in t.name else 1]
+            kind[_type_name(t.ggml_type)] = kind.get(_type_name(t.ggml_type), 0) + t.n_bytes
             if "_exps" not in t.name:
                 continue
             expert += t.n_bytes
@@ -165,7 +172,19 @@ def model_footprint(paths: list[Path], cache_type_k: str = KV_CACHE_TYPE,
         context_length=first.arch_value("context_length"),
         d_model=int(first.arch_value("embedding_length", 0) or 0),
         embed_bytes=embed if has_head else 0,
+        expert_formats=dict(sorted(formats[0].items(), key=lambda kv: -kv[1])),
+        dense_formats=dict(sorted(formats[1].items(), key=lambda kv: -kv[1])),
     )
+
+
+def _type_name(ggml_type: int) -> str:
+    """A GGML type's name (gguf-py's), or its number where gguf-py does not know it."""
+    from gguf import GGMLQuantizationType
+
+    try:
+        return GGMLQuantizationType(ggml_type).name
+    except ValueError:
+        return f"type {ggml_type}"
 
 
 def stage_footprints(paths: list[Path], size: int, spec: str = "auto", cache_type_k: str = KV_CACHE_TYPE,

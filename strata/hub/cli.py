@@ -272,6 +272,9 @@ def _print_report(machine, fp, verdict) -> None:
             f"  {fp.n_moe_layers} MoE layers x {fp.n_expert} experts (top-{fp.n_expert_used}), "
             f"{fp.slot_bytes / (1 << 20):.1f} MiB per expert"
         )
+    for what, found in (("expert", fp.expert_formats), ("dense", fp.dense_formats)):
+        if found:
+            con.print(f"  {what} formats: " + ", ".join(f"{name} {_g(n)}" for name, n in found.items()))
     kv_tok = fp.kv_bytes_per_token / 1024
     if verdict.kv_window:
         con.print(f"  KV cache: {kv_tok:.1f} KiB per token, {_g(verdict.kv_host_bytes)} for {verdict.ctx} tokens in "

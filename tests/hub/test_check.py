@@ -97,6 +97,7 @@ def test_model_footprint(tmp_path):
     assert fp.slot_bytes == 3 * 8 * 16 * 2  # one expert of one layer: its gate, up and down rows
     assert fp.kv_bytes_per_token == 2 * 2 * (4 + 4) * 2  # layers x kv heads x (k + v head dim) x f16
     assert fp.context_length == 4096 and fp.architecture == "qwen3moe"
+    assert fp.expert_formats == {"F16": expert} and fp.dense_formats == {"F32": dense}  # bytes per format
 
 
 def _header(**arch) -> GGUFHeader:
@@ -215,9 +216,11 @@ def test_check_cli(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["fit"]["ok"] and out["fit"]["slots"] == 4 and out["model"]["n_expert"] == 4
     assert out["machine"]["ram_total"] > 0
+    assert out["model"]["expert_formats"] == {"F16": 2 * 3 * 4 * 8 * 16 * 2}
     assert main(["check", "-m", str(m), "--vram-gb", "0.5"]) == 1  # below the reserve alone
     text = capsys.readouterr().out
     assert "verdict: it cannot run" in text and "would fit with:" in text
+    assert "expert formats: F16 " in text and "dense formats: F32 " in text
     assert main(["check"]) == 0
     text = capsys.readouterr().out
     assert "RAM" in text and "SIMD" in text
