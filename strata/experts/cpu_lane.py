@@ -236,10 +236,7 @@ class CpuLane:
                 # kernel's partial blocks are untimed against it); native takes the rest (gpt-oss's MXFP4, 2880)
                 whole = ew.gate.shape[-1] % 256 == 0 and ew.down.shape[-1] % 256 == 0
                 int4 = low and ew.act is None and int4_supported(ew) and repack
-                # all-Q4_0 experts: torch's int4 kernel reads its repack faster than the native kernel reads
-                # the blocks (docs/BENCHMARKS.md, "The CPU lane per weight format"), so it keeps them
-                q4_0 = {ew.gate.qtype, ew.up.qtype, ew.down.qtype} == {Q.Q4_0}
-                if native and (whole or not int4) and not (int4 and q4_0):
+                if native and (whole or not int4):
                     want = "native"  # reads the stored blocks in place: no repacked copy, one call per token-layer
                 elif int4:
                     want = "int4"

@@ -120,16 +120,14 @@ def test_k_quant_downs_of_glm_4_5_air_rows():
         check_lane(lane, ew, 512)
 
 
-def test_auto_keeps_int4_for_all_q4_0_experts_and_native_for_mixes():
-    """All-Q4_0 experts keep torch's int4 repack (faster than the native kernel on them); a Q3_K file's Q4_0 downs
-    (no repack: gate/up are not int4 formats) take the native kernel."""
+def test_q4_0_experts_take_the_native_kernel():
+    """Q4_0 experts (all of them, or a Q3_K file's downs) are read in place by the native kernel, no int4 repack."""
     _native_or_skip()
-    lane = CpuLane({0: _experts(Q.Q4_0, Q.Q4_0, 2, 256, 256, seed=3)}, kernel="auto", dtype=torch.bfloat16)
-    assert lane.kernel[0] == "int4"
-    ew = _experts(Q.Q3_K, Q.Q4_0, 3, 256, 256, seed=4)
-    lane = CpuLane({0: ew}, kernel="auto", dtype=torch.bfloat16)
-    assert lane.kernel[0] == "native"
-    check_lane(lane, ew, 256)
+    for gu, E in ((Q.Q4_0, 3), (Q.Q3_K, 3)):
+        ew = _experts(gu, Q.Q4_0, E, 256, 256, seed=4)
+        lane = CpuLane({0: ew}, kernel="auto", dtype=torch.bfloat16)
+        assert lane.kernel[0] == "native" and lane.nbytes() == 0
+        check_lane(lane, ew, 256)
 
 
 def test_gate_and_up_in_different_formats():
