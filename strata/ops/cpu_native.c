@@ -40,6 +40,27 @@ static inline float hsum8(__m256 v) {  /* the sum of 8 floats */
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+/* for formats of 32-weight blocks, eight blocks (one 256-block of activations) at a time: lane k of the result is
+   the sum of p[k]'s 8 int32 lanes (two rounds of pairwise adds within 128-bit halves, then the halves) */
+static inline __m256i sum8x8(const __m256i *p) {
+    const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+    const __m256i c = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, c, 0x20), _mm256_permute2x128_si256(a, c, 0x31));
+}
+
+static inline short h16at(const uint8_t *p) { short v; __builtin_memcpy(&v, p, 2); return v; }
+
+/* the f16 at byte off of eight consecutive blocks of `size` bytes, as floats (put together in a register: a vector
+   load of values stored one by one would wait on those stores) */
+static inline __m256 f16x8(const uint8_t *b0, int size, int off) {
+    return _mm256_cvtph_ps(_mm_setr_epi16(h16at(b0 + off), h16at(b0 + size + off), h16at(b0 + 2 * size + off),
+                                          h16at(b0 + 3 * size + off), h16at(b0 + 4 * size + off),
+                                          h16at(b0 + 5 * size + off), h16at(b0 + 6 * size + off),
+                                          h16at(b0 + 7 * size + off)));
+}
+#endif
+
 /* x[K] -> int8 per 256 (scale xd[NB256(K)]), sums per 32 (xs[K/32]) and per 16 (x16[K/16]). K is a multiple of 32:
    where it is not one of 256 the last block is partial (len < 256, its own scale), which only the formats of
    32-wide blocks read (their dot products walk K/32 blocks); a format of 256-wide blocks needs whole ones. */

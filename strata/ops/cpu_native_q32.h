@@ -36,7 +36,6 @@ static inline __m256i q32_values(const uint8_t *q, uint32_t qh, int five) {
 #endif
 
 static inline uint32_t q32_qh(const uint8_t *p) { uint32_t v; __builtin_memcpy(&v, p, 4); return v; }
-static inline short q32_h16(const uint8_t *p) { short v; __builtin_memcpy(&v, p, 2); return v; }
 
 /* fmt: 0 Q4_0, 1 Q4_1, 2 Q5_0, 3 Q5_1 (bytes 18, 20, 22, 24); xs: the activations' sums per 32 */
 static inline __attribute__((always_inline)) float dot_q32(int fmt, const uint8_t *row, int K, const int8_t *xq,
@@ -62,21 +61,12 @@ static inline __attribute__((always_inline)) float dot_q32(int fmt, const uint8_
             p[k] = _mm256_madd_epi16(_mm256_maddubs_epi16(v, _mm256_loadu_si256((const __m256i *)(xq + 32 * (i + k)))),
                                      ones);
         }
-        /* lane k of s: block k's sum (two rounds of pairwise adds within 128-bit halves, then the halves) */
-        const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
-        const __m256i c = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
-        __m256i sums = _mm256_add_epi32(_mm256_permute2x128_si256(a, c, 0x20), _mm256_permute2x128_si256(a, c, 0x31));
+        __m256i sums = sum8x8(p);
         const __m256i xs8 = _mm256_loadu_si256((const __m256i *)(xs + i));
         if (bias) sums = _mm256_sub_epi32(sums, _mm256_mullo_epi32(xs8, _mm256_set1_epi32(bias)));
         const __m256 x8 = _mm256_set1_ps(xd[i / 8]);
-        /* the eight f16 scales (and m) put together in a register (a vector load of stored halves would stall) */
-        #define Q32_F16X8(off) _mm256_cvtph_ps(_mm_setr_epi16(                                              \
-            q32_h16(b0 + (off)), q32_h16(b0 + size + (off)), q32_h16(b0 + 2 * size + (off)),                \
-            q32_h16(b0 + 3 * size + (off)), q32_h16(b0 + 4 * size + (off)), q32_h16(b0 + 5 * size + (off)), \
-            q32_h16(b0 + 6 * size + (off)), q32_h16(b0 + 7 * size + (off))))
-        fsum = _mm256_fmadd_ps(_mm256_mul_ps(Q32_F16X8(0), x8), _mm256_cvtepi32_ps(sums), fsum);
-        if (has_m) fsum = _mm256_fmadd_ps(_mm256_mul_ps(Q32_F16X8(2), x8), _mm256_cvtepi32_ps(xs8), fsum);
-        #undef Q32_F16X8
+        fsum = _mm256_fmadd_ps(_mm256_mul_ps(f16x8(b0, size, 0), x8), _mm256_cvtepi32_ps(sums), fsum);
+        if (has_m) fsum = _mm256_fmadd_ps(_mm256_mul_ps(f16x8(b0, size, 2), x8), _mm256_cvtepi32_ps(xs8), fsum);
     }
 #endif
     for (; i < K / 32; i++) {
