@@ -17,11 +17,22 @@ static float dot_iq4xs(const uint8_t *row, int nb, const int8_t *xq, const float
     const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)KVALUES_IQ4NL));
     __m256 fsum = _mm256_setzero_ps();
+    const __m256i sl_shift = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+    const __m256i sh_shift = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
     for (int b = 0; b < nb; b++) {
         const uint8_t *blk = row + b * 136;
         PREFETCH_AHEAD(blk, nb * 136, 136);
         const float dd = f16(blk) * xd[b];
         const int8_t *x = xq + 256 * b;
+        /* the 8 sub-block scales (iq4xs_scale) in one vector: low 4 bits from the scales_l word, high 2 from
+           scales_h, times d * xd */
+        uint32_t slw;
+        __builtin_memcpy(&slw, blk + 4, 4);
+        const __m256i lsv = _mm256_sub_epi32(_mm256_or_si256(
+            _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)slw), sl_shift), _mm256_set1_epi32(15)),
+            _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(blk[2] | (blk[3] << 8)), sh_shift),
+                                               _mm256_set1_epi32(3)), 4)), _mm256_set1_epi32(32));
+        const __m256 scf = _mm256_mul_ps(_mm256_cvtepi32_ps(lsv), _mm256_set1_ps(dd));
         for (int j = 0; j < 8; j += 2) {  /* two sub-blocks: their 32 bytes in the two 128-bit lanes */
             __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 8 + 16 * j));
             __m256i wl = _mm256_shuffle_epi8(lut, _mm256_and_si256(q, m4));                       /* j lo | j+1 lo */
@@ -32,8 +43,8 @@ static float dot_iq4xs(const uint8_t *row, int nb, const int8_t *xq, const float
             __m256i p = _mm256_add_epi32(
                 _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wl, wl), _mm256_sign_epi8(xl, wl)), ones),
                 _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wh, wh), _mm256_sign_epi8(xh, wh)), ones));
-            float s0 = dd * (float)iq4xs_scale(blk, j), s1 = dd * (float)iq4xs_scale(blk, j + 1);
-            fsum = _mm256_fmadd_ps(_mm256_setr_ps(s0, s0, s0, s0, s1, s1, s1, s1), _mm256_cvtepi32_ps(p), fsum);
+            const __m256 s01 = _mm256_permutevar8x32_ps(scf, _mm256_setr_epi32(j, j, j, j, j + 1, j + 1, j + 1, j + 1));
+            fsum = _mm256_fmadd_ps(s01, _mm256_cvtepi32_ps(p), fsum);
         }
     }
     return hsum8(fsum);
