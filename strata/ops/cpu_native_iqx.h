@@ -139,17 +139,32 @@ static inline __m256i iq1_prod(__m256i w, const int8_t *x) {
     return _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)x), w));
 }
 
+/* a super-block's 32 IQ1_S grid indices as uint32, in vectors: index 8v + t (sub-block j = 2v + t / 4, group
+   l = t % 4) = its byte | (bits 3l.. of qh[j]) << 8, the two qh words of a vector shifted lane by lane (128
+   scalar operations a super-block otherwise) */
+static inline void iq1s_prep(const uint8_t *blk, uint32_t *idx) {
+    const __m256i sh = _mm256_setr_epi32(0, 3, 6, 9, 16, 19, 22, 25), seven = _mm256_set1_epi32(7);
+    for (int v = 0; v < 4; v++) {
+        const __m256i hw = _mm256_set1_epi32((int)u32le(blk + 34 + 4 * v));  /* qh[2v] | qh[2v + 1] << 16 */
+        const __m256i top = _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(hw, sh), seven), 8);
+        const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 2 + 8 * v)));
+        _mm256_store_si256((__m256i *)(idx + 8 * v), _mm256_or_si256(lo, top));
+    }
+}
+
 static float dot_iq1s(const uint8_t *row, int nb, const int8_t *xq, const float *xd) {
     __m256 fsum = _mm256_setzero_ps();
+    uint32_t idx[32] __attribute__((aligned(32)));
     for (int b = 0; b < nb; b++) {
         const uint8_t *blk = row + (long)b * 50;
         PREFETCH_AHEAD(blk, nb * 50, 50);
         const int8_t *x = xq + 256 * b;
+        iq1s_prep(blk, idx);
         __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
         for (int j = 0; j < 8; j++) {
             const uint32_t qh = u16le(blk + 34 + 2 * j);
-            const __m256i g = tab4x64(IQ1_GRID8, iq1s_idx(blk, qh, j, 0), iq1s_idx(blk, qh, j, 1),
-                                      iq1s_idx(blk, qh, j, 2), iq1s_idx(blk, qh, j, 3));
+            const uint32_t *ix = idx + 4 * j;
+            const __m256i g = tab4x64(IQ1_GRID8, ix[0], ix[1], ix[2], ix[3]);
             const __m256i w = _mm256_add_epi8(g, _mm256_set1_epi8(qh & 0x8000 ? -1 : 1));
             const __m256i p = _mm256_madd_epi16(iq1_prod(w, x + 32 * j),
                                                 _mm256_set1_epi16((short)(2 * ((qh >> 12) & 7) + 1)));
