@@ -245,7 +245,22 @@ static float dot_q8_0(const uint8_t *row, int K, const int8_t *xq, const float *
 #if defined(__AVX2__) && defined(__FMA__)
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 fsum = _mm256_setzero_ps();
-    for (int i = 0; i < K / 32; i++) {
+    int i = 0;
+#if defined(__F16C__)
+    for (; i + 8 <= K / 32; i += 8) {  /* eight blocks a step: one scale conversion and multiply-add for them */
+        const uint8_t *b0 = row + (long)i * 34;
+        PREFETCH_AHEAD(b0, K / 32 * 34, 272);
+        __m256i p[8];
+        for (int k = 0; k < 8; k++) {
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(b0 + 34 * k + 2));
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + 32 * (i + k)));
+            p[k] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), ones);
+        }
+        fsum = _mm256_fmadd_ps(_mm256_mul_ps(f16x8(b0, 34, 0), _mm256_set1_ps(xd[i / 8])),
+                               _mm256_cvtepi32_ps(sum8x8(p)), fsum);
+    }
+#endif
+    for (; i < K / 32; i++) {
         const uint8_t *blk = row + i * 34;
         if ((i & 1) == 0) PREFETCH_AHEAD(blk, K / 32 * 34, 68);
         __m256i w = _mm256_loadu_si256((const __m256i *)(blk + 2));

@@ -147,7 +147,28 @@ static void dot_q8_0_rows(const uint8_t *row, int K, int T, const int8_t *xq, co
     for (int t0 = 0; t0 < T; t0 += 4) {
         const int nt = T - t0 < 4 ? T - t0 : 4;
         __m256 fsum[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-        for (int i = 0; i < K / 32; i++) {
+        int i = 0;
+#if defined(__F16C__)
+        for (; i + 8 <= K / 32; i += 8) {  /* dot_q8_0's eight-block steps, row after row (the blocks stay in L1) */
+            const uint8_t *b0 = row + (long)i * 34;
+            PREFETCH_AHEAD(b0, K / 32 * 34, 272);
+            const __m256 d8 = f16x8(b0, 34, 0);
+            for (int t = 0; t < nt; t++) {
+                const int8_t *x8 = xq + (long)(t0 + t) * stride;
+                const float *xs = (const float *)((const uint8_t *)xd + (long)(t0 + t) * stride);
+                __m256i p[8];
+                for (int k = 0; k < 8; k++) {
+                    const __m256i w = _mm256_loadu_si256((const __m256i *)(b0 + 34 * k + 2));
+                    const __m256i x = _mm256_loadu_si256((const __m256i *)(x8 + 32 * (i + k)));
+                    p[k] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)),
+                                             ones);
+                }
+                fsum[t] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(xs[i / 8])),
+                                          _mm256_cvtepi32_ps(sum8x8(p)), fsum[t]);
+            }
+        }
+#endif
+        for (; i < K / 32; i++) {
             const uint8_t *blk = row + i * 34;
             if ((i & 1) == 0) PREFETCH_AHEAD(blk, K / 32 * 34, 68);
             const __m256i w = _mm256_loadu_si256((const __m256i *)(blk + 2));
