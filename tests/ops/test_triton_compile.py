@@ -1,0 +1,100 @@
+"""Every weight format's Triton kernels compile for the GPUs strata runs on, here on the CPU machine: Triton lowers
+them to PTX and ptxas (shipped with Triton) assembles them for sm_90 (the H200 the GPU tests run on) and sm_86
+(GeForce RTX 30, the consumer cards strata is for; RTX 40's sm_89 takes the same code). Triton's interpreter checks
+what the kernels compute; only a compile catches what the interpreter lets through (a construct the code generator
+refuses, a shape it cannot lower), so a tile waiting on its GPU test does not fail there for a reason the CPU could
+have shown. (What the compiled code computes still needs the GPU: tools/gpu/gated.sh.)"""
+
+from __future__ import annotations
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+
+from strata.config import triton_interpreting  # noqa: E402
+
+ARCHS = (90, 86)
+
+
+def _compile(kernel, signature: dict, constexprs: dict, arch: int):
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    return triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                          target=GPUTarget("cuda", arch, 32))
+
+
+@pytest.fixture(scope="module")
+def compiles():
+    """Skip where this Triton cannot compile for CUDA on a machine without one (no NVIDIA backend or ptxas)."""
+    if triton_interpreting():
+        pytest.skip("TRITON_INTERPRET is set: the kernels would not be compiled")
+    from strata.ops import dequant_triton
+
+    try:
+        k = _compile(dequant_triton.KERNELS[Q.Q8_0][0], {"src": "*u8", "dst": "*fp32", "n_blocks": "i32",
+                                                         "BB": "constexpr"}, {"BB": 128}, 90)
+    except Exception as e:  # noqa: BLE001 - whatever this install lacks, the check cannot run here
+        pytest.skip(f"Triton cannot compile for CUDA here: {type(e).__name__}: {str(e)[:200]}")
+    assert k.asm.get("cubin"), "ptxas assembled nothing"
+    return _compile
+
+
+def _gemv_signature(x: str) -> dict:
+    return {"x": x, "w": "*u8", "slots": "*i64", "hw": "*u8", "eids": "*i64", "tab": "*fp32", "out": "*fp32",
+            "P": "i32", "N": "i32", "K": "i32", "slot_bytes": "i64", "row_bytes": "i64", "QT": "constexpr",
+            "BN": "constexpr", "KW": "constexpr", "EVEN": "constexpr", "GATHER": "constexpr", "HOST": "constexpr"}
+
+
+def _formats():
+    from strata.ops import expert_triton
+
+    return sorted(expert_triton.SUPPORTED, key=int)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_formats_gemv_and_glu_compile(compiles, arch):
+    from strata.ops import expert_triton
+
+    failed = []
+    for qt in _formats():
+        kw = 4 * expert_triton.block_len(qt)  # several blocks an iteration, as plan() gives for the decode shapes
+        try:
+            # the dense GEMV, and the down projection gathered from the slot pool with misses read from the host
+            compiles(expert_triton._gemv_kernel, _gemv_signature("*bf16"),
+                     {"QT": int(qt), "BN": 8, "KW": kw, "EVEN": True, "GATHER": False, "HOST": False}, arch)
+            compiles(expert_triton._gemv_kernel, _gemv_signature("*fp32"),
+                     {"QT": int(qt), "BN": 4, "KW": kw, "EVEN": False, "GATHER": True, "HOST": True}, arch)
+            compiles(expert_triton._glu_kernel,
+                     {"x": "*bf16", "gate": "*u8", "up": "*u8", "slots": "*i64", "hgate": "*u8", "hup": "*u8",
+                      "eids": "*i64", "tab": "*fp32", "out": "*fp32", "P": "i32", "N": "i32", "K": "i32", "R": "i32",
+                      "g_slot_bytes": "i64", "u_slot_bytes": "i64", "g_row_bytes": "i64", "u_row_bytes": "i64",
+                      "QG": "constexpr", "QU": "constexpr", "BN": "constexpr", "KW": "constexpr",
+                      "EVEN": "constexpr", "HOST": "constexpr"},
+                     {"QG": int(qt), "QU": int(qt), "BN": 8, "KW": kw, "EVEN": True, "HOST": True}, arch)
+        except Exception as e:  # noqa: BLE001 - collect every format's failure, then report them together
+            failed.append(f"{qt.name}: {type(e).__name__}: {str(e)[:600]}")
+    assert not failed, "\n".join(failed)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_dequantizer_compiles(compiles, arch):
+    import inspect
+
+    from strata.ops import dequant_triton
+
+    failed = []
+    for qt, (kernel, _, _, bb) in sorted(dequant_triton.KERNELS.items(), key=lambda kv: int(kv[0])):
+        sig = {"src": "*u8", "dst": "*bf16", "n_blocks": "i32"}
+        sig.update({name: "*fp32" for name in dequant_triton.TABLES.get(qt, ())})  # the codebooks' pointers
+        sig["BB"] = "constexpr"
+        names = list(sig)
+        params = list(inspect.signature(kernel.fn).parameters)
+        sig = dict(zip(params, (sig[n] for n in names)))  # (the kernels name their table arguments their own way)
+        try:
+            compiles(kernel, sig, {params[-1]: bb}, arch)
+        except Exception as e:  # noqa: BLE001
+            failed.append(f"{qt.name}: {type(e).__name__}: {str(e)[:600]}")
+    assert not failed, "\n".join(failed)
