@@ -161,3 +161,43 @@ static float dot_q3k(const uint8_t *row, int nb, const int8_t *xq, const float *
     return sum;
 #endif
 }
+
+/* TQ2_0 (66 bytes / 256 weights: the ternary format of BitNet-style models): qs[64] of 2-bit values in Q2_K's
+   layout, then f16 d; w = d * (q - 1). The block's sum: d * (q . x8 - the sum of its x8). */
+static float dot_tq2_0(const uint8_t *row, int nb, const int8_t *xq, const float *xd, const int32_t *xs) {
+    float sum = 0.f;
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256i m3 = _mm256_set1_epi8(3), ones = _mm256_set1_epi16(1);
+    __m256 fsum = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = row + b * 66;
+        PREFETCH_AHEAD(blk, nb * 66, 66);
+        const int8_t *x = xq + b * 256;
+        __m256i acc = _mm256_setzero_si256();
+        for (int n = 0; n < 2; n++) {
+            __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 32 * n));
+            for (int j = 0; j < 4; j++) {
+                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(
+                    _mm256_and_si256(q, m3), _mm256_loadu_si256((const __m256i *)(x + 128 * n + 32 * j))), ones));
+                q = _mm256_srli_epi16(q, 2);
+            }
+        }
+        int32_t sx = 0;
+        for (int k = 0; k < 8; k++) sx += xs[b * 8 + k];
+        acc = _mm256_sub_epi32(acc, _mm256_setr_epi32(sx, 0, 0, 0, 0, 0, 0, 0));
+        fsum = _mm256_fmadd_ps(_mm256_set1_ps(f16(blk + 64) * xd[b]), _mm256_cvtepi32_ps(acc), fsum);
+    }
+    sum = hsum8(fsum);
+#else
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = row + b * 66;
+        const int8_t *x = xq + b * 256;
+        int32_t isum = 0;
+        for (int w = 0; w < 256; w++)
+            isum += ((blk[32 * (w / 128) + w % 32] >> (2 * ((w % 128) / 32))) & 3) * x[w] - x[w];
+        sum += xd[b] * f16(blk + 64) * (float)isum;
+    }
+    (void)xs;
+#endif
+    return sum;
+}
