@@ -6,6 +6,7 @@
                                                  # the expert kernel per weight format, bytes/s against Q4_K's
     python tools/bench_kernels.py --expert-formats Q4_K,IQ2_XXS,IQ2_S,IQ3_XXS --iq-tiles packed
                                                  # the 2- and 3-bit formats' packed tiles (one setting a process)
+    python tools/bench_kernels.py --expert-formats Q4_K,IQ2_XXS,IQ2_S,IQ3_XXS --iq-tiles dp4a    # their dp4a tiles
     python tools/bench_kernels.py --rows 1,2,3,4,8   # the dense GEMV at T rows of x: one-row kernel vs kquant_rows
 
 
@@ -223,17 +224,19 @@ def main() -> int:
     ap.add_argument("--expert-formats", default=None,
                     help="comma-separated weight formats: the expert kernel in each (B1's expert shapes), its bytes/s "
                          "against Q4_K's, instead of the default set")
-    ap.add_argument("--iq-tiles", choices=("auto", "lookup", "packed"), default="auto",
-                    help="the IQ2_XXS / IQ2_S / IQ3_XXS tiles: as strata takes them (auto), or one kind")
+    ap.add_argument("--iq-tiles", choices=("auto", "lookup", "packed", "dp4a"), default="auto",
+                    help="the IQ2_XXS / IQ2_S / IQ3_XXS tiles: as strata takes them (auto), or one kind (dp4a: "
+                         "four weights a step against int8 activations, strata.ops.iquant_dp4a_triton)")
     ap.add_argument("--rows", default=None, help="comma-separated row counts of x (e.g. 1,2,3,4,8): the dense GEMV "
                     "shapes at each, the one-row kernel against kquant_rows (2-8 rows), instead of the default set")
     a = ap.parse_args()
     if a.iq_tiles != "auto":  # before any kernel compiles: a compiled kernel keeps what it read
         import triton.language as tl
 
-        from strata.ops import iquant_triton
+        from strata.ops import iquant_dp4a_triton, iquant_triton
 
         iquant_triton.C_PACKED = tl.constexpr(a.iq_tiles == "packed")
+        iquant_dp4a_triton.C_DP4A = tl.constexpr(a.iq_tiles == "dp4a")
     if not torch.cuda.is_available() or not expert_triton.available():
         print("bench_kernels: needs a CUDA GPU and Triton", file=sys.stderr)
         return 1

@@ -75,7 +75,7 @@ def available() -> bool:
 
 
 if triton is not None:
-    from strata.ops import iquant_x_triton
+    from strata.ops import iquant_dp4a_triton, iquant_x_triton
     from strata.ops.kquant_triton import q2k_tile, q3k_tile, q4k_tile, q5k_tile, q6k_tile, q8_0_tile, q32_tile
 
     @triton.jit
@@ -95,11 +95,11 @@ if triton is not None:
         elif QT == 23:  # IQ4_XS
             return iquant_triton.iq4xs_tile(row, xp, tab, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
         elif QT == 16:  # IQ2_XXS
-            return iquant_triton.iq2xxs_tile(row, xp, tab, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
+            return iquant_dp4a_triton.iq2xxs_tile(row, xp, tab, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
         elif QT == 22:  # IQ2_S
-            return iquant_triton.iq2s_tile(row, xp, tab, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
+            return iquant_dp4a_triton.iq2s_tile(row, xp, tab, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
         elif QT == 18:  # IQ3_XXS
-            return iquant_triton.iq3xxs_tile(row, xp, tab, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
+            return iquant_dp4a_triton.iq3xxs_tile(row, xp, tab, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
         elif QT == 39:  # MXFP4
             return iquant_triton.mxfp4_tile(row, xp, tab, it * (KW // 32), K // 32, BN, KW // 32, EVEN)
         elif QT == 20:  # IQ4_NL

@@ -31,7 +31,9 @@ def test_qgemv_matches_reference(qt, rows, monkeypatch):
     ref = reference_qmatmul(x, w)
     out = qmatmul(x.cuda(), w.to("cuda")).cpu()
     rel = ((out - ref).norm() / ref.norm()).item()
-    assert rel < 1e-5, rel
+    from strata.ops.iquant_dp4a_triton import rounds_activations
+
+    assert rel < (1e-2 if rounds_activations(qt) else 1e-5), rel  # (x rounded to int8 by the dp4a tiles)
     out = qmatmul(x.cuda().bfloat16(), w.to("cuda")).float().cpu()
     assert ((out - ref).norm() / ref.norm()).item() < 1e-2
 

@@ -98,3 +98,35 @@ def test_every_dequantizer_compiles(compiles, arch):
         except Exception as e:  # noqa: BLE001
             failed.append(f"{qt.name}: {type(e).__name__}: {str(e)[:600]}")
     assert not failed, "\n".join(failed)
+
+
+
+DP4A = """
+import sys, triton, triton.language as tl
+from strata.ops import iquant_dp4a_triton
+iquant_dp4a_triton.C_DP4A = tl.constexpr(True)  # before any kernel is hashed in this process
+from gguf import GGMLQuantizationType as Q
+from strata.ops import expert_triton
+from tests.ops.test_triton_compile import _compile, _gemv_signature
+for qt in (Q.IQ2_XXS, Q.IQ2_S, Q.IQ3_XXS):
+    k = _compile(expert_triton._gemv_kernel, _gemv_signature("*fp32"),
+                 {"QT": int(qt), "BN": 8, "KW": 512, "EVEN": False, "GATHER": True, "HOST": True}, int(sys.argv[1]))
+    assert "dp4a.s32.s32" in k.asm["ptx"], qt.name
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_dp4a_tiles_compile(compiles, arch):
+    """The IQ2_XXS / IQ2_S / IQ3_XXS tiles that multiply four weights at a time (strata.ops.iquant_dp4a_triton, off
+    until their GPU test passes) compile, and their PTX multiplies with dp4a. In a process of its own: a kernel's
+    hash, and with it what Triton's cache hands back, keeps the flags it read first."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, *sys.path])}
+    r = subprocess.run([sys.executable, "-c", DP4A, str(arch)], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]

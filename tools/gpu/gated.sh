@@ -51,6 +51,8 @@ GATED=(
   # dense weights in the lookup formats through the one-row GEMV (the same file's tests check the tiles above as
   # dense weights)
   "tests/ops/test_qgemv.py|strata/ops/qgemv.py|s/^LOOKUP_GPU_TESTED = False/LOOKUP_GPU_TESTED = True/"
+  # the IQ2_XXS / IQ2_S / IQ3_XXS tiles that multiply four weights at a time against int8 activations (dp4a)
+  "tests/experts/test_iquant_dp4a.py|strata/ops/iquant_dp4a_triton.py|s/^DP4A_GPU_TESTED = False/DP4A_GPU_TESTED = True/"
   # the prompt chunks' Q2_K / Q3_K, Q4_1 / Q5_0 / Q5_1 and IQ2_XS / IQ3_S / IQ1_S / IQ1_M dequantizers
   "tests/ops/test_prefill_ops_gpu.py|strata/ops/dequant_triton.py|s/^K23_GPU_TESTED = False/K23_GPU_TESTED = True/;s/^Q32_GPU_TESTED = False/Q32_GPU_TESTED = True/;s/^IQX_GPU_TESTED = False/IQX_GPU_TESTED = True/"
 )

@@ -1,0 +1,179 @@
+"""The dp4a tiles of IQ2_XXS, IQ2_S and IQ3_XXS (`strata.ops.iquant_dp4a_triton`: four weights a step against
+activations rounded to int8 per 32), in Triton's interpreter on the CPU and compiled on a GPU.
+
+Two oracles: with activations the int8 rounding leaves unchanged (int8 values times a power of two per 32) the tiles
+equal the float64 product with gguf-py's dequantized weights; with any activations they equal W @ quantize_x(x)
+(the rounding's torch twin) up to a rounding tie decided the other way (a GPU's division is not IEEE's), and stay
+within the rounding's error of the float product."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("triton")
+
+COMMON = textwrap.dedent("""
+    import numpy as np, torch, triton, triton.language as tl
+    from gguf import GGMLQuantizationType as Q
+    from strata.ops import iquant_dp4a_triton as dp
+    dp.C_DP4A = tl.constexpr(True)  # before any kernel compiles in this process
+    from strata.ops import expert_triton as et
+    from strata.ops.expert_gather import _torch_gather_ffn
+    from strata.quant import random_qtensor
+    from strata.quant.dequant import dequantize
+
+    def deq(t, s):
+        return dequantize(t.raw[s].cpu(), t.qtype, tuple(t.shape[1:])).double()
+
+    def exact_x(n, k, gen):
+        # int8 values (each block's largest 127) times 2^e per 32: the int8 rounding leaves them as they are
+        q = torch.randint(-127, 128, (n, k // 32, 32), generator=gen).float()
+        q[:, :, 7] = 127.0 * torch.where(torch.rand(n, k // 32, generator=gen) < 0.5, -1.0, 1.0)
+        e = torch.randint(-8, 3, (n, k // 32, 1), generator=gen).float()
+        return (q * 2.0 ** e).reshape(n, k)
+
+    def gemv(x, w, slots, bn, kw):
+        # the gathered GEMV (the down projection's kernel) of x [P, K] against pool w [S, N, K]
+        P, (N, K) = x.shape[0], w.shape[1:]
+        out = torch.empty(P, N, device=x.device)
+        tab = et.codebooks_for((w.qtype,), out)
+        even = K % kw == 0
+        et._gemv_kernel[(P * triton.cdiv(N, bn),)](x, w.raw, slots, w.raw, slots, tab, out, P, N, K, w.raw[0].numel(),
+                                                   w.raw.shape[-1], QT=int(w.qtype), BN=bn, KW=kw, EVEN=even,
+                                                   GATHER=True, HOST=False)
+        return out
+
+    def q8_ffn(x, g, u, dn, slots):
+        # the expert FFN with x and the GLU's output rounded as the tiles round them, in float64
+        out = torch.zeros(len(slots), dn.shape[1], dtype=torch.float64)
+        for i, s in enumerate(slots.tolist()):
+            if s >= 0:
+                xq = dp.quantize_x(x[i].cpu().float()).double()
+                a, b = deq(g, s) @ xq, deq(u, s) @ xq
+                out[i] = deq(dn, s) @ dp.quantize_x((a / (1 + torch.exp(-a)) * b).float()).double()
+        return out
+
+    def rel(a, b):
+        return ((a.double().cpu() - b.double().cpu()).norm() / b.double().cpu().norm()).item()
+""")
+
+INTERPRETED = COMMON + textwrap.dedent("""
+    rng = np.random.default_rng(0)
+    gen = torch.Generator().manual_seed(0)
+    # exact: every format, one iteration and several, a partial last tile (K = 768 in tiles of 512)
+    for qt in (Q.IQ2_XXS, Q.IQ2_S, Q.IQ3_XXS):
+        for K, kw in ((512, 512), (512, 256), (768, 512)):
+            w = random_qtensor(qt, (2, 64, K), rng)
+            x = exact_x(3, K, gen)
+            slots = torch.tensor([1, 0, 1])
+            y = gemv(x, w, slots, 32, kw)
+            for i, s in enumerate(slots.tolist()):
+                r = deq(w, s) @ x[i].double()
+                assert rel(y[i], r) < 1e-6, (qt.name, K, kw, i, rel(y[i], r))
+            # the tile's own rounding differs from x's: the float product is no longer the answer
+            xr = torch.randn(1, K)
+            yr = gemv(xr, w, slots[:1], 32, kw)
+            assert rel(yr[0], deq(w, 1) @ dp.quantize_x(xr[0]).double()) < 5e-3
+            assert 1e-5 < rel(yr[0], deq(w, 1) @ xr[0].double()) < 3e-2, qt.name
+    # the GLU kernel (gate and up in these formats, x exact) under a Q8_0 down, which reads its input as floats:
+    # the float product, with a miss, misses read from a host stack, a token's choices on its one row of x
+    for qg, d, ff in ((Q.IQ2_XXS, 512, 256), (Q.IQ2_S, 256, 96), (Q.IQ3_XXS, 768, 64)):
+        g, u = (random_qtensor(qg, (2, ff, d), rng) for _ in range(2))
+        dn = random_qtensor(Q.Q8_0, (2, d, ff), rng)
+        x = exact_x(4, d, gen)
+        slots = torch.tensor([1, -1, 0, 1])
+        y = et.triton_expert_ffn(x, g, u, dn, slots, block_n=32)
+        ref = _torch_gather_ffn(x, g, u, dn, slots.clamp(min=0))
+        assert torch.equal(y[1], torch.zeros(d))
+        for i in (0, 2, 3):
+            assert rel(y[i], ref[i]) < 1e-5, (qg.name, i, rel(y[i], ref[i]))
+        hg, hu = (random_qtensor(qg, (3, ff, d), rng) for _ in range(2))
+        hd = random_qtensor(Q.Q8_0, (3, d, ff), rng)
+        eids = torch.tensor([2, 0, 1, 2])
+        yh = et.triton_expert_ffn(x, g, u, dn, slots, block_n=32, host=(hg, hu, hd), eids=eids)
+        refh = _torch_gather_ffn(x, hg, hu, hd, eids)
+        assert rel(yh[1], refh[1]) < 1e-5 and rel(yh[0], ref[0]) < 1e-5
+        y2 = et.triton_expert_ffn(x[:2], g, u, dn, slots, block_n=32, repeat=2)
+        ref2 = _torch_gather_ffn(x[:2].repeat_interleave(2, 0), g, u, dn, slots.clamp(min=0))
+        for i in (0, 2, 3):
+            assert rel(y2[i], ref2[i]) < 1e-5, ("repeat", qg.name, i)
+    # the whole FFN in these formats with any activations: the rounding's error, no more (a tie in the GLU's output
+    # decided the other way moves a result by ~0.5%)
+    for qg, qd, d, ff in ((Q.IQ2_XXS, Q.IQ3_XXS, 512, 256), (Q.IQ2_S, Q.IQ2_XXS, 256, 256), (Q.IQ3_XXS, Q.IQ2_S, 256, 512)):
+        g, u = (random_qtensor(qg, (2, ff, d), rng) for _ in range(2))
+        dn = random_qtensor(qd, (2, d, ff), rng)
+        x = torch.randn(3, d).bfloat16()
+        slots = torch.tensor([1, -1, 0])
+        y = et.triton_expert_ffn(x, g, u, dn, slots, block_n=64)
+        ref = q8_ffn(x, g, u, dn, slots)
+        fl = _torch_gather_ffn(x.float(), g, u, dn, slots.clamp(min=0))
+        for i in (0, 2):
+            print(qg.name, qd.name, i, rel(y[i], ref[i]), rel(ref[i], fl[i]))
+            assert rel(y[i], ref[i]) < 2e-2 and rel(y[i], fl[i]) < 5e-2, (qg.name, qd.name, i)
+    print("ok")
+""")
+
+GPU = COMMON + textwrap.dedent("""
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(0)
+    for qt in (Q.IQ2_XXS, Q.IQ2_S, Q.IQ3_XXS):
+        for K, kw in ((2048, 512), (2048, 2048), (768, 512)):
+            w = random_qtensor(qt, (3, 768, K), 1, device=dev)
+            x = exact_x(4, K, gen).to(dev)
+            slots = torch.tensor([2, 0, 1, 2], device=dev)
+            y = gemv(x, w, slots, 8, kw)
+            for i, s in enumerate(slots.tolist()):
+                assert rel(y[i], deq(w, s) @ x[i].cpu().double()) < 1e-6, (qt.name, K, kw, i)
+    for qg, qd, d, ff in ((Q.IQ2_XXS, Q.IQ3_XXS, 2048, 768), (Q.IQ2_S, Q.IQ2_S, 2048, 768),
+                          (Q.IQ3_XXS, Q.IQ2_XXS, 768, 512)):
+        g, u = (random_qtensor(qg, (4, ff, d), s, device=dev) for s in (1, 2))
+        dn = random_qtensor(qd, (4, d, ff), 3, device=dev)
+        x = torch.randn(6, d, device=dev).bfloat16()
+        slots = torch.tensor([3, -1, 0, 2, 1, 0], device=dev)
+        for bk in (None, 256):
+            y = et.triton_expert_ffn(x, g, u, dn, slots, block_k=bk)
+            ref = q8_ffn(x, g, u, dn, slots.cpu())
+            assert torch.equal(y[1], torch.zeros_like(y[1]))
+            for i in (0, 2, 3, 4, 5):
+                assert rel(y[i], ref[i]) < 5e-3, (qg.name, qd.name, bk, i, rel(y[i], ref[i]))
+    print("ok")
+""")
+
+
+def _run(script: str, interpret: bool):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+def test_dp4a_tiles_in_the_interpreter():
+    _run(INTERPRETED, True)
+
+
+@pytest.mark.gpu
+def test_cuda_dp4a_tiles():
+    """The tiles compiled for the GPU (taken there once this passes: DP4A_GPU_TESTED), in a process of their own so
+    that they are what compiles."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    _run(GPU, False)
+
+
+def test_quantize_x_rounds_half_away_from_zero():
+    import torch
+
+    from strata.ops.iquant_dp4a_triton import quantize_x
+
+    x = torch.zeros(32)
+    x[0], x[1], x[2], x[3] = 127.0, 0.5, -0.5, 1.5  # scale 1: ties go away from zero
+    assert quantize_x(x)[:4].tolist() == [127.0, 1.0, -1.0, 2.0]
+    assert torch.equal(quantize_x(torch.zeros(64)), torch.zeros(64))
