@@ -79,9 +79,10 @@ if triton is not None:
     from strata.ops.kquant_triton import q2k_tile, q3k_tile, q4k_tile, q5k_tile, q6k_tile, q8_0_tile, q32_tile
 
     @triton.jit
-    def _tile_dot(row, xp, tab, it, K, QT: tl.constexpr, BN: tl.constexpr, KW: tl.constexpr, EVEN: tl.constexpr):
+    def _tile_dot(row, xp, xq, tab, it, K, QT: tl.constexpr, BN: tl.constexpr, KW: tl.constexpr, EVEN: tl.constexpr):
         """Iteration `it` (weights it*KW .. it*KW+KW of K) of BN rows (byte pointers) against x -> [BN].
-        EVEN: KW divides K (no tile has blocks past the row's end). tab: the lookup formats' codebooks."""
+        EVEN: KW divides K (no tile has blocks past the row's end). tab: the lookup formats' codebooks. xq: the row
+        of x rounded to int8 (`iquant_dp4a_triton.quantize_rows`) where a dp4a tile reads it."""
         if QT == 12:  # Q4_K
             return q4k_tile(row, xp, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
         elif QT == 13:  # Q5_K
@@ -95,11 +96,11 @@ if triton is not None:
         elif QT == 23:  # IQ4_XS
             return iquant_triton.iq4xs_tile(row, xp, tab, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
         elif QT == 16:  # IQ2_XXS
-            return iquant_dp4a_triton.iq2xxs_tile(row, xp, tab, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
+            return iquant_dp4a_triton.iq2xxs_tile(row, xp, xq, tab, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
         elif QT == 22:  # IQ2_S
-            return iquant_dp4a_triton.iq2s_tile(row, xp, tab, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
+            return iquant_dp4a_triton.iq2s_tile(row, xp, xq, tab, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
         elif QT == 18:  # IQ3_XXS
-            return iquant_dp4a_triton.iq3xxs_tile(row, xp, tab, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
+            return iquant_dp4a_triton.iq3xxs_tile(row, xp, xq, tab, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
         elif QT == 39:  # MXFP4
             return iquant_triton.mxfp4_tile(row, xp, tab, it * (KW // 32), K // 32, BN, KW // 32, EVEN)
         elif QT == 20:  # IQ4_NL
@@ -124,7 +125,7 @@ if triton is not None:
             return q8_0_tile(row, xp, it * (KW // 32), K // 32, BN, KW // 32, EVEN)
 
     @triton.jit
-    def _glu_kernel(x, gate, up, slots, hgate, hup, eids, tab, out, P, N, K, R, g_slot_bytes, u_slot_bytes,
+    def _glu_kernel(x, xq, gate, up, slots, hgate, hup, eids, tab, out, P, N, K, R, g_slot_bytes, u_slot_bytes,
                     g_row_bytes, u_row_bytes, QG: tl.constexpr, QU: tl.constexpr, BN: tl.constexpr, KW: tl.constexpr,
                     EVEN: tl.constexpr, HOST: tl.constexpr):
         pid = tl.program_id(0)
@@ -143,19 +144,20 @@ if triton is not None:
                 s = s - s  # (keeps its int64 type: a Triton if-block may not retype it)
         if s >= 0:
             xp = x + (p // R) * K  # R pairs a row of x (a token's k choices read its one row)
+            xqp = xq + (p // R) * (K // 32 * 9)
             grow = gb + n * g_row_bytes  # [BN]
             urow = ub + n * u_row_bytes
             g = tl.zeros([BN], dtype=tl.float32)
             u = tl.zeros([BN], dtype=tl.float32)
             for it in range(0, tl.cdiv(K, KW)):  # both tiles of an iteration in flight together
-                g += _tile_dot(grow, xp, tab, it, K, QG, BN, KW, EVEN)
-                u += _tile_dot(urow, xp, tab, it, K, QU, BN, KW, EVEN)
+                g += _tile_dot(grow, xp, xqp, tab, it, K, QG, BN, KW, EVEN)
+                u += _tile_dot(urow, xp, xqp, tab, it, K, QU, BN, KW, EVEN)
             tl.store(out + p * N + n, g / (1.0 + tl.exp(-g)) * u, mask=nm)
         else:  # a miss: no weight is read
             tl.store(out + p * N + n, tl.zeros([BN], dtype=tl.float32), mask=nm)
 
     @triton.jit
-    def _gemv_kernel(x, w, slots, hw, eids, tab, out, P, N, K, slot_bytes, row_bytes, QT: tl.constexpr,
+    def _gemv_kernel(x, xq, w, slots, hw, eids, tab, out, P, N, K, slot_bytes, row_bytes, QT: tl.constexpr,
                      BN: tl.constexpr, KW: tl.constexpr, EVEN: tl.constexpr, GATHER: tl.constexpr,
                      HOST: tl.constexpr):
         """out[p] = x[p] @ W.T for W = slot slots[p] of w (GATHER) or w itself; out in its own dtype. HOST: a
@@ -178,7 +180,7 @@ if triton is not None:
             row = base + n * row_bytes  # [BN]
             acc = tl.zeros([BN], dtype=tl.float32)
             for it in range(0, tl.cdiv(K, KW)):
-                acc += _tile_dot(row, x + p * K, tab, it, K, QT, BN, KW, EVEN)
+                acc += _tile_dot(row, x + p * K, xq + p * (K // 32 * 9), tab, it, K, QT, BN, KW, EVEN)
             tl.store(out + p * N + n, acc.to(out.dtype.element_ty), mask=nm)
         else:
             tl.store(out + p * N + n, tl.zeros([BN], dtype=out.dtype.element_ty), mask=nm)
@@ -352,10 +354,10 @@ def triton_expert_ffn(x: torch.Tensor, gate, up, down, slots: torch.Tensor, bloc
     tab = codebooks_for((gate.qtype, up.qtype, down.qtype), a)
     bn, kw, even, warps = plan((gate.qtype, up.qtype), ff, d, P, x.device, block_n, block_k, host is not None)
     _glu_kernel[(P * triton.cdiv(ff, bn),)](
-        x, g, u, slots, hg, hu, ids, tab, a, P, ff, d, repeat, g[0].numel(), u[0].numel(), g.shape[-1], u.shape[-1],
+        x, iquant_dp4a_triton.int8_rows(x, (gate.qtype, up.qtype)), g, u, slots, hg, hu, ids, tab, a, P, ff, d, repeat, g[0].numel(), u[0].numel(), g.shape[-1], u.shape[-1],
         QG=int(gate.qtype), QU=int(up.qtype), BN=bn, KW=kw, EVEN=even, HOST=host is not None, num_warps=warps)
     bn, kw, even, warps = plan((down.qtype,), d, ff, P, x.device, block_n, block_k, host is not None)
     _gemv_kernel[(P * triton.cdiv(d, bn),)](
-        a, dn, slots, hd, ids, tab, y, P, d, ff, dn[0].numel(), dn.shape[-1], QT=int(down.qtype), BN=bn, KW=kw,
+        a, iquant_dp4a_triton.int8_rows(a, (down.qtype,)), dn, slots, hd, ids, tab, y, P, d, ff, dn[0].numel(), dn.shape[-1], QT=int(down.qtype), BN=bn, KW=kw,
         EVEN=even, GATHER=True, HOST=host is not None, num_warps=warps)
     return y

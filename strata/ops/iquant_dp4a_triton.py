@@ -46,14 +46,30 @@ def quantize_x(x: torch.Tensor) -> torch.Tensor:
     inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
     q = xf * inv
     q = torch.trunc(q + torch.where(q >= 0, 0.5, -0.5))
-    return (q * (amax / 127.0)).reshape(x.shape)
+    return (q * (amax * (1.0 / 127.0))).reshape(x.shape)  # (the scale as the kernel stores it)
+
+
+def quantize_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [R, K] (K a multiple of 32, on the GPU or in the interpreter) -> int32 [R, K / 32 * 9]: what the dp4a
+    tiles read, each sub-block of 32 as 8 words of four int8 and its scale's bits (`quantize_x` is its float twin)."""
+    R, K = x.shape
+    out = torch.empty(R, K // 32 * 9, dtype=torch.int32, device=x.device)
+    if R:
+        _quantize_kernel[(R, triton.cdiv(K // 32, 32))](x, out, K, BS=32)
+    return out
+
+
+def int8_rows(x: torch.Tensor, qtypes) -> torch.Tensor:
+    """`quantize_rows(x)` where a tile of one of `qtypes` reads it, else x itself (a pointer the kernels take but do
+    not read)."""
+    return quantize_rows(x) if any(rounds_activations(q) for q in qtypes) else x
 
 
 if triton is not None:
     # (the interpreter keeps the float tiles unless a test asks for these: the other tests compare with float products)
     C_DP4A = tl.constexpr(DP4A_GPU_TESTED and not triton_interpreting())
     C_INTERP = tl.constexpr(triton_interpreting())
-    from strata.ops.iquant_triton import C_P2S, C_P2XXS, C_P3XXS, C_PSIGN, _f16v, _subblocks, _u32h
+    from strata.ops.iquant_triton import C_P2S, C_P2XXS, C_P3XXS, C_PONES, _f16v, _subblocks, _u16, _u32h
     from strata.ops.iquant_triton import iq2s_tile as _iq2s_other
     from strata.ops.iquant_triton import iq2xxs_tile as _iq2xxs_other
     from strata.ops.iquant_triton import iq3xxs_tile as _iq3xxs_other
@@ -75,117 +91,131 @@ if triton is not None:
                                              [a, b, tl.zeros_like(a)], dtype=tl.int32, is_pure=True, pack=1)
 
     @triton.jit
-    def _xq(xp, sb, ib, sm):
-        """The tile's activations [S sub-blocks, 8 words] as int32 words of four int8 (weight 4 k + r of a
-        sub-block in byte r of word k), and each sub-block's scale [S]."""
+    def _quantize_kernel(x, out, K, BS: tl.constexpr):
+        """Row pid(0) of x [R, K], sub-blocks pid(1) * BS .. of 32: int8 per 32 (scale max|x| / 127, half away from
+        zero) as 8 int32 words of four (weight 4 k + r in byte r of word k) and the scale's bits, 9 words each."""
+        row = tl.program_id(0).to(tl.int64)
+        s = tl.program_id(1) * BS + tl.arange(0, BS)
+        sm = s < K // 32
         k = tl.arange(0, 8)
         r = tl.arange(0, 4)
-        xo = sb[:, None, None] * 256 + 32 * ib[:, None, None] + (4 * k)[None, :, None] + r[None, None, :]
-        x = tl.load(xp + xo, mask=sm[:, None, None], other=0.0).to(tl.float32)  # [S, 8, 4]
-        amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)  # [S]
+        xo = row * K + s[:, None, None] * 32 + (4 * k)[None, :, None] + r[None, None, :]
+        v = tl.load(x + xo, mask=sm[:, None, None], other=0.0).to(tl.float32)  # [BS, 8, 4]
+        amax = tl.max(tl.max(tl.abs(v), axis=2), axis=1)  # [BS]
         inv = tl.where(amax > 0, 127.0 / tl.where(amax > 0, amax, 1.0), 0.0)
-        q = x * inv[:, None, None]
+        q = v * inv[:, None, None]
         qi = (q + tl.where(q >= 0, 0.5, -0.5)).to(tl.int32)  # (to int: toward zero)
         # packed in uint32: a byte shifted into bit 31 of an int32 is undefined in compiled code
-        w = tl.sum((qi & 255).to(tl.uint32) << (8 * r).to(tl.uint32)[None, None, :], axis=2)  # [S, 8]
-        return w.to(tl.int32, bitcast=True), amax * (1.0 / 127.0)
+        w = tl.sum((qi & 255).to(tl.uint32) << (8 * r).to(tl.uint32)[None, None, :], axis=2)  # [BS, 8]
+        o = row * (K // 32 * 9) + s.to(tl.int64) * 9
+        tl.store(out + o[:, None] + k[None, :], w.to(tl.int32, bitcast=True), mask=sm[:, None])
+        tl.store(out + o + 8, (amax * (1.0 / 127.0)).to(tl.int32, bitcast=True), mask=sm)
 
     @triton.jit
-    def _signed(mag, nib):
-        """Int32 words of four magnitude bytes (each 1..127) negated where bits 0-3 of nib are set."""
-        ones = ((nib.to(tl.uint32) * 0x00204081) & 0x01010101)  # bit r of nib -> 1 in byte r
-        return ((mag.to(tl.uint32) ^ (ones * 255)) + ones).to(tl.int32, bitcast=True)
+    def _xq2(xq, sb, ib, sm):
+        """The tile's activations from `quantize_rows`'s 9 words a sub-block: its int8 words as [S sub-blocks, 4
+        groups of 8 weights] for each half of a group (words 2 g and 2 g + 1), and the sub-blocks' scales [S]."""
+        o = ((sb * 8 + ib) * 9)[:, None] + 2 * tl.arange(0, 4)[None, :]
+        x0 = tl.load(xq + o, mask=sm[:, None], other=0)
+        x1 = tl.load(xq + o + 1, mask=sm[:, None], other=0)
+        return x0, x1, tl.load(xq + (sb * 8 + ib) * 9 + 8, mask=sm, other=0).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _iq2xxs(row, xp, tab, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
-        # word k of a sub-block: weights 4 k .. 4 k + 3, group k // 2 (its grid index byte and sign index), half
-        # k % 2 of the group's grid entry and of its sign byte
+    def _signed(mag, ones):
+        """Int32 words of four magnitude bytes (each 1..127) negated where `ones` has a 1 in their byte."""
+        o = ones.to(tl.uint32)
+        return ((mag.to(tl.uint32) ^ (o * 255)) + o).to(tl.int32, bitcast=True)
+
+    @triton.jit
+    def _ones(nib):
+        """Bits 0-3 of nib as a word with 1 in byte r where bit r is set."""
+        return (nib.to(tl.uint32) * 0x00204081) & 0x01010101
+
+    @triton.jit
+    def _iq2xxs(row, xq, tab, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
+        # group g of a sub-block (weights 8 g .. 8 g + 7): grid index byte g, sign index g; its two halves are
+        # words 2 g, 2 g + 1 of the grid entry, of the activations and of the sign table's entry pair
         itab = tab.to(tl.pointer_type(tl.int32))
         sb, ib, sm = _subblocks(b0, nsb, NB, EVEN)
         m2 = sm[None, :]
-        k = tl.arange(0, 8)
-        lg = (k // 2)[None, None, :]
-        h = (k % 2)[None, None, :]
+        g = tl.arange(0, 4)[None, None, :]
         blk = row[:, None] + sb[None, :] * 66  # [BN, S]
         d = _f16v(blk, m2)
         w0 = _u32h(blk + 2 + 8 * ib[None, :], m2)  # the sub-block's 4 grid index bytes
         w1 = _u32h(blk + 6 + 8 * ib[None, :], m2)  # 4 x 7-bit sign indices, the 4-bit scale
-        gi = ((w0[:, :, None] >> (8 * lg).to(tl.uint32)) & 255).to(tl.int32)  # [BN, S, 8]
-        si = ((w1[:, :, None] >> (7 * lg).to(tl.uint32)) & 127).to(tl.int32)
-        mag = tl.load(itab + C_P2XXS + 2 * gi + h)
-        nib = (tl.load(itab + C_PSIGN + si) >> (4 * h)) & 15
-        xw, xs = _xq(xp, sb, ib, sm)
-        isum = tl.sum(_dp4a(_signed(mag, nib), xw[None]), axis=2)  # [BN, S]
+        gi = ((w0[:, :, None] >> (8 * g).to(tl.uint32)) & 255).to(tl.int32)  # [BN, S, 4]
+        si = ((w1[:, :, None] >> (7 * g).to(tl.uint32)) & 127).to(tl.int32)
+        gp = itab + C_P2XXS + 2 * gi
+        sp = itab + C_PONES + 2 * si
+        x0, x1, xs = _xq2(xq, sb, ib, sm)
+        dot = _dp4a(_signed(tl.load(gp), tl.load(sp)), x0[None]) + _dp4a(_signed(tl.load(gp + 1), tl.load(sp + 1)),
+                                                                         x1[None])
         db = d * (0.5 + (w1 >> 28).to(tl.float32)) * 0.25
-        return tl.sum(isum.to(tl.float32) * db * xs[None, :], axis=1)
+        return tl.sum(tl.sum(dot, axis=2).to(tl.float32) * db * xs[None, :], axis=1)
 
     @triton.jit
-    def _iq2s(row, xp, tab, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
-        # word k: group lg = k // 2 (index byte qs[4 ib + lg] and 2 bits of qh[ib]; its own sign byte), half k % 2;
-        # groups 0-1 take the low scale nibble of scales[ib], 2-3 the high
+    def _iq2s(row, xq, tab, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
+        # group g (weights 8 g ..): index byte qs[4 ib + g] and 2 bits of qh[ib], its own sign byte; groups 0-1 take
+        # the low scale nibble of scales[ib], 2-3 the high; its halves as in _iq2xxs
         itab = tab.to(tl.pointer_type(tl.int32))
         sb, ib, sm = _subblocks(b0, nsb, NB, EVEN)
         m2 = sm[None, :]
         m3 = m2[:, :, None]
-        k = tl.arange(0, 8)
-        lg = (k // 2)[None, None, :]
-        h = (k % 2)[None, None, :]
+        g = tl.arange(0, 4)[None, None, :]
         blk = row[:, None] + sb[None, :] * 82
         d = _f16v(blk, m2)
-        g = blk[:, :, None] + 2 + 4 * ib[None, :, None] + lg.to(tl.int64)  # [BN, S, 8]
-        lo8 = tl.load(g, mask=m3, other=0, eviction_policy="evict_first").to(tl.int32)
-        sgb = tl.load(g + 32, mask=m3, other=0, eviction_policy="evict_first").to(tl.int32)
+        gb = blk[:, :, None] + 2 + 4 * ib[None, :, None] + g.to(tl.int64)  # [BN, S, 4]
+        lo8 = tl.load(gb, mask=m3, other=0, eviction_policy="evict_first").to(tl.int32)
+        sgb = tl.load(gb + 32, mask=m3, other=0, eviction_policy="evict_first").to(tl.int32)
         qh = tl.load(blk + 66 + ib[None, :], mask=m2, other=0).to(tl.int32)  # [BN, S]
         sc = tl.load(blk + 74 + ib[None, :], mask=m2, other=0).to(tl.int32)
-        gi = lo8 | (((qh[:, :, None] >> (2 * lg)) & 3) << 8)
-        mag = tl.load(itab + C_P2S + 2 * gi + h)
-        nib = (sgb >> (4 * h)) & 15
-        odd = 2 * ((sc[:, :, None] >> (4 * (lg // 2))) & 15) + 1  # [BN, S, 8] the half's 2 s + 1
-        xw, xs = _xq(xp, sb, ib, sm)
-        isum = tl.sum(_dp4a(_signed(mag, nib), xw[None]) * odd, axis=2)  # [BN, S]
-        return tl.sum(isum.to(tl.float32) * (d * 0.125) * xs[None, :], axis=1)
+        gp = itab + C_P2S + 2 * (lo8 | (((qh[:, :, None] >> (2 * g)) & 3) << 8))
+        x0, x1, xs = _xq2(xq, sb, ib, sm)
+        dot = _dp4a(_signed(tl.load(gp), _ones(sgb & 15)), x0[None]) + _dp4a(_signed(tl.load(gp + 1), _ones(sgb >> 4)),
+                                                                            x1[None])
+        odd = 2 * ((sc[:, :, None] >> (4 * (g // 2))) & 15) + 1  # [BN, S, 4] the group's half's 2 s + 1
+        return tl.sum(tl.sum(dot * odd, axis=2).to(tl.float32) * (d * 0.125) * xs[None, :], axis=1)
 
     @triton.jit
-    def _iq3xxs(row, xp, tab, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
-        # word k: grid index byte k of the sub-block (one entry is four weights), signs from sign index k // 2,
-        # half k % 2 of its byte
+    def _iq3xxs(row, xq, tab, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
+        # group g of a sub-block (weights 8 g ..): grid index bytes 2 g, 2 g + 1 (one entry is four weights: its
+        # halves), sign index g
         itab = tab.to(tl.pointer_type(tl.int32))
         sb, ib, sm = _subblocks(b0, nsb, NB, EVEN)
         m2 = sm[None, :]
-        m3 = m2[:, :, None]
-        k = tl.arange(0, 8)
+        g = tl.arange(0, 4)[None, None, :]
         blk = row[:, None] + sb[None, :] * 98
         d = _f16v(blk, m2)
         sc = _u32h(blk + 66 + 4 * ib[None, :], m2)  # [BN, S]
-        gi = tl.load(blk[:, :, None] + 2 + 8 * ib[None, :, None] + k.to(tl.int64)[None, None, :], mask=m3, other=0,
-                     eviction_policy="evict_first").to(tl.int32)  # [BN, S, 8]
-        si = ((sc[:, :, None] >> (7 * (k // 2)).to(tl.uint32)[None, None, :]) & 127).to(tl.int32)
-        mag = tl.load(itab + C_P3XXS + gi)
-        nib = (tl.load(itab + C_PSIGN + si) >> (4 * (k % 2))[None, None, :]) & 15
-        xw, xs = _xq(xp, sb, ib, sm)
-        isum = tl.sum(_dp4a(_signed(mag, nib), xw[None]), axis=2)
+        gi = _u16(blk[:, :, None] + 2 + 8 * ib[None, :, None] + 2 * g.to(tl.int64), m2[:, :, None])  # [BN, S, 4]
+        si = ((sc[:, :, None] >> (7 * g).to(tl.uint32)) & 127).to(tl.int32)
+        sp = itab + C_PONES + 2 * si
+        x0, x1, xs = _xq2(xq, sb, ib, sm)
+        dot = _dp4a(_signed(tl.load(itab + C_P3XXS + (gi & 255)), tl.load(sp)), x0[None]) \
+            + _dp4a(_signed(tl.load(itab + C_P3XXS + (gi >> 8)), tl.load(sp + 1)), x1[None])
         db = d * (0.5 + (sc >> 28).to(tl.float32)) * 0.5
-        return tl.sum(isum.to(tl.float32) * db * xs[None, :], axis=1)
+        return tl.sum(tl.sum(dot, axis=2).to(tl.float32) * db * xs[None, :], axis=1)
 
-    # What the fused expert kernels call for these formats: the dp4a tiles where taken, else iquant_triton's.
+    # What the fused expert kernels call for these formats: the dp4a tiles where taken (xq: the row's words from
+    # `quantize_rows`), else iquant_triton's (xp: the row of x).
 
     @triton.jit
-    def iq2xxs_tile(row, xp, tab, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
+    def iq2xxs_tile(row, xp, xq, tab, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
         if C_DP4A:
-            return _iq2xxs(row, xp, tab, b0, nsb, BN, NB, EVEN)
+            return _iq2xxs(row, xq, tab, b0, nsb, BN, NB, EVEN)
         else:
             return _iq2xxs_other(row, xp, tab, b0, nsb, BN, NB, EVEN)
 
     @triton.jit
-    def iq2s_tile(row, xp, tab, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
+    def iq2s_tile(row, xp, xq, tab, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
         if C_DP4A:
-            return _iq2s(row, xp, tab, b0, nsb, BN, NB, EVEN)
+            return _iq2s(row, xq, tab, b0, nsb, BN, NB, EVEN)
         else:
             return _iq2s_other(row, xp, tab, b0, nsb, BN, NB, EVEN)
 
     @triton.jit
-    def iq3xxs_tile(row, xp, tab, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
+    def iq3xxs_tile(row, xp, xq, tab, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
         if C_DP4A:
-            return _iq3xxs(row, xp, tab, b0, nsb, BN, NB, EVEN)
+            return _iq3xxs(row, xq, tab, b0, nsb, BN, NB, EVEN)
         else:
             return _iq3xxs_other(row, xp, tab, b0, nsb, BN, NB, EVEN)

@@ -68,7 +68,10 @@ T_PSIGN = T_P3XXS + 256
 T_IQ2XS = T_PSIGN + 128
 T_IQ3S = T_IQ2XS + 512 * 8
 T_IQ1S = T_IQ3S + 512 * 4
-T_SIZE = T_IQ1S + 2048 * 8
+# the dp4a tiles' signs (strata.ops.iquant_dp4a_triton): entry 2 i + h, the 4 signs of half h of sign byte i as a
+# word with 1 in each negative weight's byte
+T_PONES = T_IQ1S + 2048 * 8
+T_SIZE = T_PONES + 256
 FORMATS = {Q.IQ2_XXS: 66, Q.IQ3_XXS: 98, Q.IQ4_XS: 136, Q.MXFP4: 17, Q.IQ2_S: 82, Q.IQ4_NL: 18,  # bytes per block
            Q.IQ2_XS: 74, Q.IQ3_S: 110, Q.IQ1_S: 50, Q.IQ1_M: 56}
 _TABLES: dict[torch.device, torch.Tensor] = {}
@@ -89,10 +92,22 @@ def table(device: torch.device) -> torch.Tensor:
                                                                                    "IQ2_XXS", "IQ3_XXS", "IQ2_S")]
                 parts += _packed()
                 parts += [gguf_table(n, torch.device("cpu")).reshape(-1) for n in ("IQ2_XS", "IQ3_S", "IQ1_S")]
+                parts += [_ones()]
                 t = torch.cat(parts).to(torch.float32)
                 assert t.numel() == T_SIZE, t.numel()
                 t = _TABLES[device] = t.to(device)
     return t
+
+
+def _ones() -> torch.Tensor:
+    """T_PONES as float32 holding int32 bits."""
+    import gguf.quants as gq
+    import numpy as np
+
+    signs = np.frombuffer(gq.IQ2_XXS.ksigns, dtype=np.uint8).astype(np.int64)
+    half = np.stack([signs & 15, signs >> 4], axis=1).reshape(-1)  # [256]: byte i's low then high 4 signs
+    ones = sum(((half >> r) & 1) << (8 * r) for r in range(4))
+    return torch.from_numpy(ones.astype(np.int32)).view(torch.float32)
 
 
 def _packed() -> list[torch.Tensor]:
@@ -116,7 +131,7 @@ if triton is not None:
     C_IQ4NL, C_MXFP4, C_KSIGNS, C_IQ2XXS, C_IQ3XXS, C_IQ2S = (tl.constexpr(v) for v in (
         T_IQ4NL, T_MXFP4, T_KSIGNS, T_IQ2XXS, T_IQ3XXS, T_IQ2S))
     C_P2XXS, C_P2S, C_P3XXS, C_PSIGN = (tl.constexpr(v) for v in (T_P2XXS, T_P2S, T_P3XXS, T_PSIGN))
-    C_IQ2XS, C_IQ3S, C_IQ1S = (tl.constexpr(v) for v in (T_IQ2XS, T_IQ3S, T_IQ1S))
+    C_IQ2XS, C_IQ3S, C_IQ1S, C_PONES = (tl.constexpr(v) for v in (T_IQ2XS, T_IQ3S, T_IQ1S, T_PONES))
     # which tiles the 2- and 3-bit formats take (read when a kernel compiles; the interpreter reads it per call)
     C_PACKED = tl.constexpr(PACKED_GPU_TESTED or triton_interpreting())
 

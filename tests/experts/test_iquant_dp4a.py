@@ -43,7 +43,7 @@ COMMON = textwrap.dedent("""
         out = torch.empty(P, N, device=x.device)
         tab = et.codebooks_for((w.qtype,), out)
         even = K % kw == 0
-        et._gemv_kernel[(P * triton.cdiv(N, bn),)](x, w.raw, slots, w.raw, slots, tab, out, P, N, K, w.raw[0].numel(),
+        et._gemv_kernel[(P * triton.cdiv(N, bn),)](x, dp.quantize_rows(x), w.raw, slots, w.raw, slots, tab, out, P, N, K, w.raw[0].numel(),
                                                    w.raw.shape[-1], QT=int(w.qtype), BN=bn, KW=kw, EVEN=even,
                                                    GATHER=True, HOST=False)
         return out
@@ -65,6 +65,14 @@ COMMON = textwrap.dedent("""
 INTERPRETED = COMMON + textwrap.dedent("""
     rng = np.random.default_rng(0)
     gen = torch.Generator().manual_seed(0)
+    # the rounding kernel against its torch twin: rows of 1,088 (a last program of 2 of its 32 sub-blocks), a zero
+    # sub-block, bf16 and float32 x
+    for dt in (torch.bfloat16, torch.float32):
+        x = torch.randn(3, 1088, generator=gen).to(dt)
+        x[1, 64:96] = 0
+        words = dp.quantize_rows(x).reshape(3, 34, 9)
+        back = words[:, :, :8].contiguous().view(torch.int8).float() * words[:, :, 8:].contiguous().view(torch.float32)
+        assert torch.equal(back.reshape(3, 1088), dp.quantize_x(x)), dt
     # exact: every format, one iteration and several, a partial last tile (K = 768 in tiles of 512)
     for qt in (Q.IQ2_XXS, Q.IQ2_S, Q.IQ3_XXS):
         for K, kw in ((512, 512), (512, 256), (768, 512)):

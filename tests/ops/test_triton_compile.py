@@ -43,7 +43,7 @@ def compiles():
 
 
 def _gemv_signature(x: str) -> dict:
-    return {"x": x, "w": "*u8", "slots": "*i64", "hw": "*u8", "eids": "*i64", "tab": "*fp32", "out": "*fp32",
+    return {"x": x, "xq": "*i32", "w": "*u8", "slots": "*i64", "hw": "*u8", "eids": "*i64", "tab": "*fp32", "out": "*fp32",
             "P": "i32", "N": "i32", "K": "i32", "slot_bytes": "i64", "row_bytes": "i64", "QT": "constexpr",
             "BN": "constexpr", "KW": "constexpr", "EVEN": "constexpr", "GATHER": "constexpr", "HOST": "constexpr"}
 
@@ -68,7 +68,7 @@ def test_every_formats_gemv_and_glu_compile(compiles, arch):
             compiles(expert_triton._gemv_kernel, _gemv_signature("*fp32"),
                      {"QT": int(qt), "BN": 4, "KW": kw, "EVEN": False, "GATHER": True, "HOST": True}, arch)
             compiles(expert_triton._glu_kernel,
-                     {"x": "*bf16", "gate": "*u8", "up": "*u8", "slots": "*i64", "hgate": "*u8", "hup": "*u8",
+                     {"x": "*bf16", "xq": "*i32", "gate": "*u8", "up": "*u8", "slots": "*i64", "hgate": "*u8", "hup": "*u8",
                       "eids": "*i64", "tab": "*fp32", "out": "*fp32", "P": "i32", "N": "i32", "K": "i32", "R": "i32",
                       "g_slot_bytes": "i64", "u_slot_bytes": "i64", "g_row_bytes": "i64", "u_row_bytes": "i64",
                       "QG": "constexpr", "QU": "constexpr", "BN": "constexpr", "KW": "constexpr",
