@@ -30,7 +30,8 @@ sign table (three loads a weight: the load units' limit, well under Q4_K's bytes
 tiles load per group of 8 (IQ3_XXS: 4) weights: the grid index, the entry's magnitudes as bytes in int32 words,
 and the sign byte, then cut each weight's magnitude and sign out with shifts (under half a load a weight). The
 packed ones pass their GPU tests but measured slower there (the shifts and int32 unpacking cost more than the
-loads they save), so a GPU takes the lookup tiles (PACKED_GPU_TESTED); the interpreter runs both.
+loads they save), so a GPU takes the lookup tiles (PACKED_GPU_TESTED); the interpreter runs both. A third kind,
+four weights a step against int8 activations, is in `strata.ops.iquant_dp4a_triton` (behind its own flag).
 """
 
 from __future__ import annotations
