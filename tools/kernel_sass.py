@@ -1,6 +1,7 @@
 """Instructions a weight in the GPU code of the fused expert kernel's tiles, counted on a machine without a GPU.
 
     python tools/kernel_sass.py --formats Q4_K,IQ2_XXS,IQ2_S,IQ3_XXS --tiles dp4a
+    python tools/kernel_sass.py --formats Q4_K,Q8_0 --kq-tiles dp4a
     python tools/kernel_sass.py --formats IQ2_XXS --tiles lookup --bn 8 --kw 512 --warps 1 --ops
 
 Triton compiles the gathered GEMV (`strata.ops.expert_triton._gemv_kernel`, the down projection's kernel) for the
@@ -8,8 +9,8 @@ format, ptxas assembles it for --arch, and nvdisasm (both shipped with Triton) l
 the instructions of the K loop's body, times the threads, over the weights one iteration decodes (BN rows x KW):
 lane-instructions a weight. A tile whose speed is set by instruction issue (Q4_K's, on an H200: ~1 TB/s, a fifth of
 HBM) runs at about the inverse ratio; it says nothing of memory stalls, so a GPU has the last word
-(`tools/bench_kernels.py --expert-formats`). --tiles picks the 2- and 3-bit formats' tiles (lookup, packed, dp4a);
---ops prints the loop's opcodes by count.
+(`tools/bench_kernels.py --expert-formats`). --tiles picks the 2- and 3-bit formats' tiles (lookup, packed, dp4a),
+--kq-tiles Q8_0's and Q4_K's (float, dp4a); --ops prints the loop's opcodes by count.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ import tempfile
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--formats", default="Q4_K,IQ2_XXS,IQ2_S,IQ3_XXS")
-    ap.add_argument("--tiles", choices=("lookup", "packed", "dp4a"), default="lookup")
+    ap.add_argument("--tiles", choices=("lookup", "packed", "dp4a"), default="lookup",
+                    help="the IQ2_XXS / IQ2_S / IQ3_XXS tiles")
+    ap.add_argument("--kq-tiles", choices=("float", "dp4a"), default="float", help="the Q8_0 / Q4_K tiles")
     ap.add_argument("--bn", type=int, default=8, help="rows a program (default 8, the decode plan's for Q4_K)")
     ap.add_argument("--kw", type=int, default=512, help="weights of a row an iteration (default 512)")
     ap.add_argument("--warps", type=int, default=1)
@@ -40,10 +43,11 @@ def main() -> int:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from strata.ops import iquant_dp4a_triton, iquant_triton
+    from strata.ops import dp4a_triton, iquant_triton
 
     # before any kernel is hashed: a kernel keeps the flags it read first
-    iquant_dp4a_triton.C_DP4A = tl.constexpr(a.tiles == "dp4a")
+    dp4a_triton.C_DP4A = tl.constexpr(a.tiles == "dp4a")
+    dp4a_triton.C_KQ = tl.constexpr(a.kq_tiles == "dp4a")
     iquant_triton.C_PACKED = tl.constexpr(a.tiles == "packed")
     from strata.ops import expert_triton
 
@@ -53,7 +57,7 @@ def main() -> int:
            "HOST": "constexpr"}
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     line = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*)")
-    print(f"sm_{a.arch}, {a.tiles} tiles, BN {a.bn} x KW {a.kw}, {a.warps} warp(s); triton {triton.__version__}")
+    print(f"sm_{a.arch}, {a.tiles} / {a.kq_tiles} tiles, BN {a.bn} x KW {a.kw}, {a.warps} warp(s); triton {triton.__version__}")
     for name in a.formats.split(","):
         qt = Q[name.strip()]
         k = triton.compile(ASTSource(fn=expert_triton._gemv_kernel, signature=sig,

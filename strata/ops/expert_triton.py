@@ -75,16 +75,16 @@ def available() -> bool:
 
 
 if triton is not None:
-    from strata.ops import iquant_dp4a_triton, iquant_x_triton
-    from strata.ops.kquant_triton import q2k_tile, q3k_tile, q4k_tile, q5k_tile, q6k_tile, q8_0_tile, q32_tile
+    from strata.ops import dp4a_triton, iquant_x_triton
+    from strata.ops.kquant_triton import q2k_tile, q3k_tile, q5k_tile, q6k_tile, q32_tile
 
     @triton.jit
     def _tile_dot(row, xp, xq, tab, it, K, QT: tl.constexpr, BN: tl.constexpr, KW: tl.constexpr, EVEN: tl.constexpr):
         """Iteration `it` (weights it*KW .. it*KW+KW of K) of BN rows (byte pointers) against x -> [BN].
         EVEN: KW divides K (no tile has blocks past the row's end). tab: the lookup formats' codebooks. xq: the row
-        of x rounded to int8 (`iquant_dp4a_triton.quantize_rows`) where a dp4a tile reads it."""
+        of x rounded to int8 (`dp4a_triton.quantize_rows`) where a dp4a tile reads it."""
         if QT == 12:  # Q4_K
-            return q4k_tile(row, xp, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
+            return dp4a_triton.q4k_dp4a_tile(row, xp, xq, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
         elif QT == 13:  # Q5_K
             return q5k_tile(row, xp, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
         elif QT == 14:  # Q6_K
@@ -96,11 +96,11 @@ if triton is not None:
         elif QT == 23:  # IQ4_XS
             return iquant_triton.iq4xs_tile(row, xp, tab, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
         elif QT == 16:  # IQ2_XXS
-            return iquant_dp4a_triton.iq2xxs_tile(row, xp, xq, tab, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
+            return dp4a_triton.iq2xxs_tile(row, xp, xq, tab, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
         elif QT == 22:  # IQ2_S
-            return iquant_dp4a_triton.iq2s_tile(row, xp, xq, tab, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
+            return dp4a_triton.iq2s_tile(row, xp, xq, tab, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
         elif QT == 18:  # IQ3_XXS
-            return iquant_dp4a_triton.iq3xxs_tile(row, xp, xq, tab, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
+            return dp4a_triton.iq3xxs_tile(row, xp, xq, tab, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
         elif QT == 39:  # MXFP4
             return iquant_triton.mxfp4_tile(row, xp, tab, it * (KW // 32), K // 32, BN, KW // 32, EVEN)
         elif QT == 20:  # IQ4_NL
@@ -122,7 +122,7 @@ if triton is not None:
         elif QT == 29:  # IQ1_M
             return iquant_x_triton.iq1m_tile(row, xp, tab, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
         else:  # Q8_0
-            return q8_0_tile(row, xp, it * (KW // 32), K // 32, BN, KW // 32, EVEN)
+            return dp4a_triton.q8_0_dp4a_tile(row, xp, xq, it * (KW // 32), K // 32, BN, KW // 32, EVEN)
 
     @triton.jit
     def _glu_kernel(x, xq, gate, up, slots, hgate, hup, eids, tab, out, P, N, K, R, g_slot_bytes, u_slot_bytes,
@@ -354,10 +354,10 @@ def triton_expert_ffn(x: torch.Tensor, gate, up, down, slots: torch.Tensor, bloc
     tab = codebooks_for((gate.qtype, up.qtype, down.qtype), a)
     bn, kw, even, warps = plan((gate.qtype, up.qtype), ff, d, P, x.device, block_n, block_k, host is not None)
     _glu_kernel[(P * triton.cdiv(ff, bn),)](
-        x, iquant_dp4a_triton.int8_rows(x, (gate.qtype, up.qtype)), g, u, slots, hg, hu, ids, tab, a, P, ff, d, repeat, g[0].numel(), u[0].numel(), g.shape[-1], u.shape[-1],
+        x, dp4a_triton.int8_rows(x, (gate.qtype, up.qtype)), g, u, slots, hg, hu, ids, tab, a, P, ff, d, repeat, g[0].numel(), u[0].numel(), g.shape[-1], u.shape[-1],
         QG=int(gate.qtype), QU=int(up.qtype), BN=bn, KW=kw, EVEN=even, HOST=host is not None, num_warps=warps)
     bn, kw, even, warps = plan((down.qtype,), d, ff, P, x.device, block_n, block_k, host is not None)
     _gemv_kernel[(P * triton.cdiv(d, bn),)](
-        a, iquant_dp4a_triton.int8_rows(a, (down.qtype,)), dn, slots, hd, ids, tab, y, P, d, ff, dn[0].numel(), dn.shape[-1], QT=int(down.qtype), BN=bn, KW=kw,
+        a, dp4a_triton.int8_rows(a, (down.qtype,)), dn, slots, hd, ids, tab, y, P, d, ff, dn[0].numel(), dn.shape[-1], QT=int(down.qtype), BN=bn, KW=kw,
         EVEN=even, GATHER=True, HOST=host is not None, num_warps=warps)
     return y

@@ -31,7 +31,7 @@ tiles load per group of 8 (IQ3_XXS: 4) weights: the grid index, the entry's magn
 and the sign byte, then cut each weight's magnitude and sign out with shifts (under half a load a weight). The
 packed ones pass their GPU tests but measured slower there (the shifts and int32 unpacking cost more than the
 loads they save), so a GPU takes the lookup tiles (PACKED_GPU_TESTED); the interpreter runs both. A third kind,
-four weights a step against int8 activations, is in `strata.ops.iquant_dp4a_triton` (behind its own flag).
+four weights a step against int8 activations, is in `strata.ops.dp4a_triton` (behind its own flag).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ T_PSIGN = T_P3XXS + 256
 T_IQ2XS = T_PSIGN + 128
 T_IQ3S = T_IQ2XS + 512 * 8
 T_IQ1S = T_IQ3S + 512 * 4
-# the dp4a tiles' signs (strata.ops.iquant_dp4a_triton): entry 2 i + h, the 4 signs of half h of sign byte i as a
+# the dp4a tiles' signs (strata.ops.dp4a_triton): entry 2 i + h, the 4 signs of half h of sign byte i as a
 # word with 1 in each negative weight's byte
 T_PONES = T_IQ1S + 2048 * 8
 T_SIZE = T_PONES + 256

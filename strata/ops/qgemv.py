@@ -47,7 +47,7 @@ def _gemv(x2d: torch.Tensor, w: QTensor, block_n: int | None = None, block_k: in
     if T == 0:
         return out
     bn, kw, even, warps = expert_triton.plan((w.qtype,), N, K, T, x2d.device, block_n, block_k)
-    from strata.ops.iquant_dp4a_triton import int8_rows
+    from strata.ops.dp4a_triton import int8_rows
 
     expert_triton._gemv_kernel[(T * expert_triton.triton.cdiv(N, bn),)](
         x2d, int8_rows(x2d, (w.qtype,)), raw, out, raw, out, expert_triton.codebooks_for((w.qtype,), out), out, T, N, K, raw.numel(),

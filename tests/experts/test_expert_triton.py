@@ -143,7 +143,7 @@ def test_cuda_misses_read_from_pinned_host_memory(qg, qd, d, ff, monkeypatch):
     y = two_tier_expert_ffn(x, *pool, slots, pinned, eids)
     hit = _torch_gather_ffn(x.float(), *pool, slots.clamp(min=0))
     miss = _torch_gather_ffn(x.float(), *[QTensor(t.raw.to(dev), t.qtype, t.shape) for t in host], eids)
-    from strata.ops.iquant_dp4a_triton import rounds_activations
+    from strata.ops.dp4a_triton import rounds_activations
 
     tol = 3e-2 if rounds_activations(qg) or rounds_activations(qd) else 1e-5  # (the dp4a tiles round x to int8)
     for i in range(5):
@@ -158,8 +158,8 @@ PACKED_GPU = textwrap.dedent("""
     from gguf import GGMLQuantizationType as Q
     from strata.ops import iquant_triton
     iquant_triton.C_PACKED = tl.constexpr(True)  # before any kernel compiles in this process
-    from strata.ops import iquant_dp4a_triton
-    iquant_dp4a_triton.C_DP4A = tl.constexpr(False)  # (which would take precedence)
+    from strata.ops import dp4a_triton
+    dp4a_triton.C_DP4A = tl.constexpr(False)  # (which would take precedence)
     from strata.ops.expert_gather import _torch_gather_ffn
     from strata.ops.expert_triton import triton_expert_ffn
     from strata.quant import random_qtensor

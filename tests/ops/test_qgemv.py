@@ -31,7 +31,7 @@ def test_qgemv_matches_reference(qt, rows, monkeypatch):
     ref = reference_qmatmul(x, w)
     out = qmatmul(x.cuda(), w.to("cuda")).cpu()
     rel = ((out - ref).norm() / ref.norm()).item()
-    from strata.ops.iquant_dp4a_triton import rounds_activations
+    from strata.ops.dp4a_triton import rounds_activations
 
     assert rel < (1e-2 if rounds_activations(qt) else 1e-5), rel  # (x rounded to int8 by the dp4a tiles)
     out = qmatmul(x.cuda().bfloat16(), w.to("cuda")).float().cpu()
@@ -58,6 +58,9 @@ def test_gemv_of_several_rows_matches_one_row_kernel(qt, shape):
         rows = qgemv._gemv(xd, wd, rows=True).cpu()
         one = qgemv._gemv(xd, wd, rows=False).cpu()
         assert ((rows - ref).norm() / ref.norm()).item() < 1e-5, T
-        assert ((rows - one).norm() / ref.norm()).item() < 1e-6, T
+        from strata.ops.dp4a_triton import rounds_activations
+
+        # (the one-row kernel's dp4a tiles, where taken, round x to int8: the rows kernel keeps floats)
+        assert ((rows - one).norm() / ref.norm()).item() < (1e-2 if rounds_activations(qt) else 1e-6), T
         rb = qgemv._gemv(xd.bfloat16(), wd, rows=True).float().cpu()
         assert ((rb - ref).norm() / ref.norm()).item() < 1e-2, T

@@ -103,12 +103,13 @@ def test_every_dequantizer_compiles(compiles, arch):
 
 DP4A = """
 import sys, triton, triton.language as tl
-from strata.ops import iquant_dp4a_triton
-iquant_dp4a_triton.C_DP4A = tl.constexpr(True)  # before any kernel is hashed in this process
+from strata.ops import dp4a_triton
+dp4a_triton.C_DP4A = tl.constexpr(True)  # before any kernel is hashed in this process
+dp4a_triton.C_KQ = tl.constexpr(True)
 from gguf import GGMLQuantizationType as Q
 from strata.ops import expert_triton
 from tests.ops.test_triton_compile import _compile, _gemv_signature
-for qt in (Q.IQ2_XXS, Q.IQ2_S, Q.IQ3_XXS):
+for qt in (Q.IQ2_XXS, Q.IQ2_S, Q.IQ3_XXS, Q.Q4_K, Q.Q8_0):
     k = _compile(expert_triton._gemv_kernel, _gemv_signature("*fp32"),
                  {"QT": int(qt), "BN": 8, "KW": 512, "EVEN": False, "GATHER": True, "HOST": True}, int(sys.argv[1]))
     assert "dp4a.s32.s32" in k.asm["ptx"], qt.name
@@ -118,8 +119,8 @@ print("ok")
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_dp4a_tiles_compile(compiles, arch):
-    """The IQ2_XXS / IQ2_S / IQ3_XXS tiles that multiply four weights at a time (strata.ops.iquant_dp4a_triton, off
-    until their GPU test passes) compile, and their PTX multiplies with dp4a. In a process of its own: a kernel's
+    """The Q8_0 / Q4_K / IQ2_XXS / IQ2_S / IQ3_XXS tiles that multiply four weights at a time (strata.ops.dp4a_triton,
+    off until their GPU test passes) compile, and their PTX multiplies with dp4a. In a process of its own: a kernel's
     hash, and with it what Triton's cache hands back, keeps the flags it read first."""
     import os
     import subprocess

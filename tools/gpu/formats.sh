@@ -2,7 +2,7 @@
 # The weight formats on the GPU machine in one call: the gated GPU tests (tools/gpu/gated.sh, APPLY=1: the flags
 # of the tiles, GEMV and dequantizers whose tests pass are set in this working copy), then the fused expert
 # kernel's bytes per second per format against Q4_K (tools/bench_kernels.py --expert-formats; the IQ2_XXS / IQ2_S /
-# IQ3_XXS lookup tiles beside their dp4a tiles), then, with DECODE=1,
+# IQ3_XXS lookup tiles beside their dp4a tiles, and Q8_0's and Q4_K's float and dp4a tiles), then, with DECODE=1,
 # a B1-shaped model in llama.cpp's Q3_K_M expert mix (Q3_K gate/up, Q4_K down) decoded in process at BUDGET GiB
 # beside the same model in Q4_K (tools/bench_decode.py, sampled). docs/BENCHMARKS.md, "Waiting on the GPU machine",
 # lists what each step settles.
@@ -21,13 +21,18 @@ APPLY=1 bash tools/gpu/gated.sh
 machine_line > "$OUT/kernels.txt"
 timeout 300 python3 tools/bench_kernels.py \
   --expert-formats "${FORMATS:-Q4_K,Q2_K,Q3_K,Q4_0,Q5_0,Q5_1,IQ2_XS,IQ3_S,IQ1_S,IQ1_M,IQ4_XS}" >> "$OUT/kernels.txt" 2>&1
-# the 2- and 3-bit formats' dp4a tiles (strata.ops.iquant_dp4a_triton) against their lookup tiles, one process each
+# the 2- and 3-bit formats' dp4a tiles (strata.ops.dp4a_triton) against their lookup tiles, one process each
 for tiles in lookup dp4a; do
   echo "== --iq-tiles $tiles" >> "$OUT/kernels.txt"
   timeout 200 python3 tools/bench_kernels.py --expert-formats Q4_K,IQ2_XXS,IQ2_S,IQ3_XXS --iq-tiles "$tiles" \
     >> "$OUT/kernels.txt" 2>&1
 done
-grep -E "^==|expert ffn|of Q4_K|total" "$OUT/kernels.txt"
+# Q8_0's and Q4_K's dp4a tiles against their float tiles: the default set (the B1 decode GEMVs and expert kernel)
+for tiles in float dp4a; do
+  echo "== --kq-tiles $tiles" >> "$OUT/kernels.txt"
+  timeout 200 python3 tools/bench_kernels.py --kq-tiles "$tiles" >> "$OUT/kernels.txt" 2>&1
+done
+grep -E "^==|expert ffn|gemv|of Q4_K|total" "$OUT/kernels.txt"
 
 if [[ "${DECODE:-0}" == 1 ]]; then
   for mix in "q4k:--experts-type Q4_K" "q3km:--experts-type Q3_K --experts-down-type Q4_K"; do

@@ -1,5 +1,5 @@
-"""The dp4a tiles of IQ2_XXS, IQ2_S and IQ3_XXS (`strata.ops.iquant_dp4a_triton`: four weights a step against
-activations rounded to int8 per 32), in Triton's interpreter on the CPU and compiled on a GPU.
+"""The dp4a tiles of Q8_0, Q4_K, IQ2_XXS, IQ2_S and IQ3_XXS (`strata.ops.dp4a_triton`: four weights a step
+against activations rounded to int8 per 32), in Triton's interpreter on the CPU and compiled on a GPU.
 
 Two oracles: with activations the int8 rounding leaves unchanged (int8 values times a power of two per 32) the tiles
 equal the float64 product with gguf-py's dequantized weights; with any activations they equal W @ quantize_x(x)
@@ -20,8 +20,9 @@ pytest.importorskip("triton")
 COMMON = textwrap.dedent("""
     import numpy as np, torch, triton, triton.language as tl
     from gguf import GGMLQuantizationType as Q
-    from strata.ops import iquant_dp4a_triton as dp
+    from strata.ops import dp4a_triton as dp
     dp.C_DP4A = tl.constexpr(True)  # before any kernel compiles in this process
+    dp.C_KQ = tl.constexpr(True)
     from strata.ops import expert_triton as et
     from strata.ops.expert_gather import _torch_gather_ffn
     from strata.quant import random_qtensor
@@ -74,7 +75,7 @@ INTERPRETED = COMMON + textwrap.dedent("""
         back = words[:, :, :8].contiguous().view(torch.int8).float() * words[:, :, 8:].contiguous().view(torch.float32)
         assert torch.equal(back.reshape(3, 1088), dp.quantize_x(x)), dt
     # exact: every format, one iteration and several, a partial last tile (K = 768 in tiles of 512)
-    for qt in (Q.IQ2_XXS, Q.IQ2_S, Q.IQ3_XXS):
+    for qt in (Q.IQ2_XXS, Q.IQ2_S, Q.IQ3_XXS, Q.Q4_K, Q.Q8_0):
         for K, kw in ((512, 512), (512, 256), (768, 512)):
             w = random_qtensor(qt, (2, 64, K), rng)
             x = exact_x(3, K, gen)
@@ -88,11 +89,12 @@ INTERPRETED = COMMON + textwrap.dedent("""
             yr = gemv(xr, w, slots[:1], 32, kw)
             assert rel(yr[0], deq(w, 1) @ dp.quantize_x(xr[0]).double()) < 5e-3
             assert 1e-5 < rel(yr[0], deq(w, 1) @ xr[0].double()) < 3e-2, qt.name
-    # the GLU kernel (gate and up in these formats, x exact) under a Q8_0 down, which reads its input as floats:
+    # the GLU kernel (gate and up in these formats, x exact) under a Q6_K down, which reads its input as floats:
     # the float product, with a miss, misses read from a host stack, a token's choices on its one row of x
-    for qg, d, ff in ((Q.IQ2_XXS, 512, 256), (Q.IQ2_S, 256, 96), (Q.IQ3_XXS, 768, 64)):
+    for qg, d in ((Q.IQ2_XXS, 512), (Q.IQ2_S, 256), (Q.IQ3_XXS, 768), (Q.Q4_K, 512), (Q.Q8_0, 256)):
+        ff = 256
         g, u = (random_qtensor(qg, (2, ff, d), rng) for _ in range(2))
-        dn = random_qtensor(Q.Q8_0, (2, d, ff), rng)
+        dn = random_qtensor(Q.Q6_K, (2, d, ff), rng)
         x = exact_x(4, d, gen)
         slots = torch.tensor([1, -1, 0, 1])
         y = et.triton_expert_ffn(x, g, u, dn, slots, block_n=32)
@@ -101,7 +103,7 @@ INTERPRETED = COMMON + textwrap.dedent("""
         for i in (0, 2, 3):
             assert rel(y[i], ref[i]) < 1e-5, (qg.name, i, rel(y[i], ref[i]))
         hg, hu = (random_qtensor(qg, (3, ff, d), rng) for _ in range(2))
-        hd = random_qtensor(Q.Q8_0, (3, d, ff), rng)
+        hd = random_qtensor(Q.Q6_K, (3, d, ff), rng)
         eids = torch.tensor([2, 0, 1, 2])
         yh = et.triton_expert_ffn(x, g, u, dn, slots, block_n=32, host=(hg, hu, hd), eids=eids)
         refh = _torch_gather_ffn(x, hg, hu, hd, eids)
@@ -112,7 +114,8 @@ INTERPRETED = COMMON + textwrap.dedent("""
             assert rel(y2[i], ref2[i]) < 1e-5, ("repeat", qg.name, i)
     # the whole FFN in these formats with any activations: the rounding's error, no more (a tie in the GLU's output
     # decided the other way moves a result by ~0.5%)
-    for qg, qd, d, ff in ((Q.IQ2_XXS, Q.IQ3_XXS, 512, 256), (Q.IQ2_S, Q.IQ2_XXS, 256, 256), (Q.IQ3_XXS, Q.IQ2_S, 256, 512)):
+    for qg, qd, d, ff in ((Q.IQ2_XXS, Q.IQ3_XXS, 512, 256), (Q.IQ2_S, Q.IQ2_XXS, 256, 256), (Q.IQ3_XXS, Q.IQ2_S, 256, 512),
+                          (Q.Q4_K, Q.Q8_0, 512, 256), (Q.Q8_0, Q.Q4_K, 256, 512)):
         g, u = (random_qtensor(qg, (2, ff, d), rng) for _ in range(2))
         dn = random_qtensor(qd, (2, d, ff), rng)
         x = torch.randn(3, d).bfloat16()
@@ -121,7 +124,6 @@ INTERPRETED = COMMON + textwrap.dedent("""
         ref = q8_ffn(x, g, u, dn, slots)
         fl = _torch_gather_ffn(x.float(), g, u, dn, slots.clamp(min=0))
         for i in (0, 2):
-            print(qg.name, qd.name, i, rel(y[i], ref[i]), rel(ref[i], fl[i]))
             assert rel(y[i], ref[i]) < 2e-2 and rel(y[i], fl[i]) < 5e-2, (qg.name, qd.name, i)
     print("ok")
 """)
@@ -129,7 +131,7 @@ INTERPRETED = COMMON + textwrap.dedent("""
 GPU = COMMON + textwrap.dedent("""
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
-    for qt in (Q.IQ2_XXS, Q.IQ2_S, Q.IQ3_XXS):
+    for qt in (Q.IQ2_XXS, Q.IQ2_S, Q.IQ3_XXS, Q.Q4_K, Q.Q8_0):
         for K, kw in ((2048, 512), (2048, 2048), (768, 512)):
             w = random_qtensor(qt, (3, 768, K), 1, device=dev)
             x = exact_x(4, K, gen).to(dev)
@@ -138,7 +140,7 @@ GPU = COMMON + textwrap.dedent("""
             for i, s in enumerate(slots.tolist()):
                 assert rel(y[i], deq(w, s) @ x[i].cpu().double()) < 1e-6, (qt.name, K, kw, i)
     for qg, qd, d, ff in ((Q.IQ2_XXS, Q.IQ3_XXS, 2048, 768), (Q.IQ2_S, Q.IQ2_S, 2048, 768),
-                          (Q.IQ3_XXS, Q.IQ2_XXS, 768, 512)):
+                          (Q.IQ3_XXS, Q.IQ2_XXS, 768, 512), (Q.Q4_K, Q.Q4_K, 2048, 768), (Q.Q8_0, Q.Q8_0, 2048, 768)):
         g, u = (random_qtensor(qg, (4, ff, d), s, device=dev) for s in (1, 2))
         dn = random_qtensor(qd, (4, d, ff), 3, device=dev)
         x = torch.randn(6, d, device=dev).bfloat16()
@@ -167,8 +169,8 @@ def test_dp4a_tiles_in_the_interpreter():
 
 @pytest.mark.gpu
 def test_cuda_dp4a_tiles():
-    """The tiles compiled for the GPU (taken there once this passes: DP4A_GPU_TESTED), in a process of their own so
-    that they are what compiles."""
+    """The tiles compiled for the GPU (taken there once this passes: DP4A_GPU_TESTED, KQ_DP4A_GPU_TESTED), in a
+    process of their own so that they are what compiles."""
     import torch
 
     if not torch.cuda.is_available():
@@ -179,7 +181,7 @@ def test_cuda_dp4a_tiles():
 def test_quantize_x_rounds_half_away_from_zero():
     import torch
 
-    from strata.ops.iquant_dp4a_triton import quantize_x
+    from strata.ops.dp4a_triton import quantize_x
 
     x = torch.zeros(32)
     x[0], x[1], x[2], x[3] = 127.0, 0.5, -0.5, 1.5  # scale 1: ties go away from zero

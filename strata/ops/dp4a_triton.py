@@ -1,17 +1,20 @@
-"""IQ2_XXS, IQ2_S and IQ3_XXS tiles that multiply four weights at a time (`dp4a`) against int8 activations.
+"""Tiles that multiply four weights at a time (`dp4a`) against int8 activations: Q8_0 and Q4_K (the dense weights
+and experts of most files), IQ2_XXS, IQ2_S and IQ3_XXS (the 2- and 3-bit i-quants).
 
-The lookup and packed tiles of `strata.ops.iquant_triton` decode each weight to a float: a grid value, a sign and a
-multiply-add per weight, 2.6-3.1x Q4_K's time for fewer bytes (docs/BENCHMARKS.md, "The GPU lane per weight
-format"). Here a tile element is a 32-bit word of four weights: the grid entry's magnitudes come as bytes in one
-word (the packed codebooks, one load per four weights), the four signs are applied to the bytes with integer
-operations (no carry crosses a byte: every magnitude is at least 4), and one `dp4a` multiplies the four signed
-bytes by four int8 activations and adds them. The activations are rounded to int8 per sub-block of 32 (scale
-max|x| / 127, round half away from zero) inside the tile, as llama.cpp's CUDA kernels do (its q8_1), so the result is
-the float product with x rounded that way: `quantize_x` is the torch twin of that rounding, and the tests hold the
-tiles to W @ quantize_x(x) in float64.
+The float tiles (`strata.ops.kquant_triton`, `strata.ops.iquant_triton`) turn every weight into a float and
+multiply-add it: ~8 instructions a weight for Q4_K and Q8_0, 26-38 for the lookup tiles of the i-quants, which set
+their speed (docs/BENCHMARKS.md, "The GPU lane per weight format"). Here a tile element is a 32-bit word of four
+weights and one `dp4a` multiplies its four bytes by four int8 activations and adds them: Q8_0's words are its
+quants, Q4_K's are a word of nibbles masked (low) or shifted and masked (high), an i-quant's are its grid entry's
+magnitudes as bytes (one table load per four weights) with its four signs applied at once (a word from a table of
+1-bytes s, then `(m ^ 255 s) + s`: no carry crosses a byte, every magnitude being at least 4). The activations are
+rounded to int8 per 32 once per call (`quantize_rows`: scale max|x| / 127, half away from zero, as llama.cpp's CUDA
+kernels round theirs), so a result is the float product with x rounded that way; `quantize_x` is the rounding's
+torch twin and the tests hold the tiles to it.
 
 `dp4a` is inline PTX on a GPU; Triton's interpreter cannot run PTX, so there it is the same sum byte by byte
-(`_dp4a`). A GPU takes these tiles once their GPU test passes there (DP4A_GPU_TESTED; `tools/gpu/gated.sh`).
+(`_dp4a`). A GPU takes these tiles once their GPU test passes there: DP4A_GPU_TESTED (the i-quants),
+KQ_DP4A_GPU_TESTED (Q8_0, Q4_K); `tools/gpu/gated.sh`.
 """
 
 from __future__ import annotations
@@ -20,9 +23,17 @@ import torch
 from gguf import GGMLQuantizationType
 
 from strata.config import triton_interpreting
-# the dp4a tiles on a GPU: their GPU test (tests/experts/test_iquant_dp4a.py) passes there, and they were timed
+
+Q = GGMLQuantizationType
+
+# the dp4a tiles on a GPU: their GPU test (tests/experts/test_dp4a.py) passes there, and they were timed
 # against the lookup tiles (`tools/bench_kernels.py --iq-tiles dp4a`); until then a GPU keeps the lookup tiles
 DP4A_GPU_TESTED = False
+# Q8_0's and Q4_K's dp4a tiles on a GPU (every dense GEMV and expert of most files then rounds its activations to
+# int8): their GPU test passes there and they were timed against the float tiles (`--kq-tiles dp4a`)
+KQ_DP4A_GPU_TESTED = False
+IQ_FORMATS = frozenset({Q.IQ2_XXS, Q.IQ2_S, Q.IQ3_XXS})
+KQ_FORMATS = frozenset({Q.Q8_0, Q.Q4_K})
 
 try:
     import triton
@@ -34,8 +45,9 @@ except ImportError:  # pragma: no cover - depends on the install
 def rounds_activations(qtype) -> bool:
     """Whether a GPU's tiles of `qtype` round the activations to int8 (the dp4a tiles, where taken): their results
     then differ from the float product by that rounding (~1% of an expert's output, two roundings deep)."""
-    on = bool(C_DP4A) if triton is not None else False
-    return on and qtype in (GGMLQuantizationType.IQ2_XXS, GGMLQuantizationType.IQ2_S, GGMLQuantizationType.IQ3_XXS)
+    if triton is None:
+        return False
+    return (bool(C_DP4A) and qtype in IQ_FORMATS) or (bool(C_KQ) and qtype in KQ_FORMATS)
 
 
 def quantize_x(x: torch.Tensor) -> torch.Tensor:
@@ -68,8 +80,10 @@ def int8_rows(x: torch.Tensor, qtypes) -> torch.Tensor:
 if triton is not None:
     # (the interpreter keeps the float tiles unless a test asks for these: the other tests compare with float products)
     C_DP4A = tl.constexpr(DP4A_GPU_TESTED and not triton_interpreting())
+    C_KQ = tl.constexpr(KQ_DP4A_GPU_TESTED and not triton_interpreting())
     C_INTERP = tl.constexpr(triton_interpreting())
-    from strata.ops.iquant_triton import C_P2S, C_P2XXS, C_P3XXS, C_PONES, _f16v, _subblocks, _u16, _u32h
+    from strata.ops.iquant_triton import C_P2S, C_P2XXS, C_P3XXS, C_PONES, _blocks, _f16v, _subblocks, _u16, _u32h
+    from strata.ops.kquant_triton import _u32, q4k_tile, q8_0_tile
     from strata.ops.iquant_triton import iq2s_tile as _iq2s_other
     from strata.ops.iquant_triton import iq2xxs_tile as _iq2xxs_other
     from strata.ops.iquant_triton import iq3xxs_tile as _iq3xxs_other
@@ -195,6 +209,78 @@ if triton is not None:
             + _dp4a(_signed(tl.load(itab + C_P3XXS + (gi >> 8)), tl.load(sp + 1)), x1[None])
         db = d * (0.5 + (sc >> 28).to(tl.float32)) * 0.5
         return tl.sum(tl.sum(dot, axis=2).to(tl.float32) * db * xs[None, :], axis=1)
+
+    @triton.jit
+    def _q8_0(row, xq, b0, nblk, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
+        # a block is one of quantize_rows' sub-blocks: its 32 quants as 8 words (2-byte aligned: two halves each)
+        w = tl.arange(0, 8).to(tl.int64)
+        j, jm = _blocks(b0, nblk, NB, EVEN)  # [NB]
+        m2 = jm[None, :]
+        blk = row[:, None] + j[None, :] * 34  # [BN, NB]
+        d = _f16v(blk, m2)
+        q = _u32h(blk[:, :, None] + 2 + 4 * w[None, None, :], m2[:, :, None]).to(tl.int32, bitcast=True)
+        xo = j * 9
+        xw = tl.load(xq + xo[:, None] + w[None, :], mask=jm[:, None], other=0)  # [NB, 8]
+        xs = tl.load(xq + xo + 8, mask=jm, other=0).to(tl.float32, bitcast=True)
+        isum = tl.sum(_dp4a(q, xw[None]), axis=2)  # [BN, NB]
+        return tl.sum(isum.to(tl.float32) * d * xs[None, :], axis=1)
+
+    @triton.jit
+    def _q4k(row, xq, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
+        # group g of a superblock: its 32 quant bytes as 8 words, low nibbles sub-block 2 g (weights 64 g + 4 w + k
+        # in byte k of word w), high nibbles sub-block 2 g + 1; quantize_rows' sub-blocks 8 sb + 2 g and + 1
+        g = tl.arange(0, 4)
+        wd = tl.arange(0, 8).to(tl.int64)
+        sb, sm = _blocks(b0, nsb, NB, EVEN)
+        m2 = sm[None, :]
+        blk = row[:, None] + sb[None, :] * 144  # [BN, NB]
+        d = _f16v(blk, m2)[:, :, None]
+        dmin = _f16v(blk + 2, m2)[:, :, None]
+        s0 = _u32(blk + 4, m2)
+        s1 = _u32(blk + 8, m2)
+        s2 = _u32(blk + 12, m2)
+        # 6-bit scale / min of sub-block j as kquant_triton's Q4_K tile unpacks them (llama.cpp's get_scale_min_k4)
+        sc_a = s0 & 0x3F3F3F3F
+        mn_a = s1 & 0x3F3F3F3F
+        sc_b = (s2 & 0x0F0F0F0F) | ((s0 >> 2) & 0x30303030)
+        mn_b = ((s2 >> 4) & 0x0F0F0F0F) | ((s1 >> 2) & 0x30303030)
+        first = (g < 2)[None, None, :]
+        sh = (16 * (g % 2))[None, None, :]
+        scw = tl.where(first, sc_a[:, :, None], sc_b[:, :, None])  # [BN, NB, 4]
+        mnw = tl.where(first, mn_a[:, :, None], mn_b[:, :, None])
+        W = tl.load((blk + 16).to(tl.pointer_type(tl.uint32))[:, :, None, None] + (8 * g.to(tl.int64))[None, None, :, None]
+                    + wd[None, None, None, :], mask=m2[:, :, None, None], other=0,
+                    eviction_policy="evict_first")  # [BN, NB, 4, 8]
+        lo = (W & 0x0F0F0F0F).to(tl.int32, bitcast=True)
+        hi = ((W >> 4) & 0x0F0F0F0F).to(tl.int32, bitcast=True)
+        xo = (sb[:, None] * 8 + 2 * g[None, :]) * 9  # [NB, 4] sub-block 2 g's words
+        xm = sm[:, None, None]
+        xl = tl.load(xq + xo[:, :, None] + wd[None, None, :], mask=xm, other=0)  # [NB, 4, 8]
+        xh = tl.load(xq + xo[:, :, None] + 9 + wd[None, None, :], mask=xm, other=0)
+        fl = tl.load(xq + xo + 8, mask=sm[:, None], other=0).to(tl.float32, bitcast=True)[None]  # [1, NB, 4]
+        fh = tl.load(xq + xo + 17, mask=sm[:, None], other=0).to(tl.float32, bitcast=True)[None]
+        one = tl.full([NB, 4, 8], 0x01010101, tl.int32)
+        sl = tl.sum(_dp4a(one, xl), axis=2)[None].to(tl.float32) * fl  # [1, NB, 4] the sub-blocks' sums of x
+        shs = tl.sum(_dp4a(one, xh), axis=2)[None].to(tl.float32) * fh
+        dl = tl.sum(_dp4a(lo, xl[None]), axis=3) * ((scw >> sh) & 63).to(tl.int32)  # [BN, NB, 4] scale x sum of q x
+        dh = tl.sum(_dp4a(hi, xh[None]), axis=3) * ((scw >> (sh + 8)) & 63).to(tl.int32)
+        part = d * (dl.to(tl.float32) * fl + dh.to(tl.float32) * fh) \
+            - dmin * (((mnw >> sh) & 63).to(tl.float32) * sl + ((mnw >> (sh + 8)) & 63).to(tl.float32) * shs)
+        return tl.sum(tl.sum(part, axis=2), axis=1)
+
+    @triton.jit
+    def q8_0_dp4a_tile(row, xp, xq, b0, nblk, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
+        if C_KQ:
+            return _q8_0(row, xq, b0, nblk, BN, NB, EVEN)
+        else:
+            return q8_0_tile(row, xp, b0, nblk, BN, NB, EVEN)
+
+    @triton.jit
+    def q4k_dp4a_tile(row, xp, xq, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
+        if C_KQ:
+            return _q4k(row, xq, b0, nsb, BN, NB, EVEN)
+        else:
+            return q4k_tile(row, xp, b0, nsb, BN, NB, EVEN)
 
     # What the fused expert kernels call for these formats: the dp4a tiles where taken (xq: the row's words from
     # `quantize_rows`), else iquant_triton's (xp: the row of x).
