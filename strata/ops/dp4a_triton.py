@@ -1,11 +1,12 @@
-"""Tiles that multiply four weights at a time (`dp4a`) against int8 activations: Q8_0 and Q4_K (the dense weights
-and experts of most files), IQ2_XXS, IQ2_S and IQ3_XXS (the 2- and 3-bit i-quants).
+"""Tiles that multiply four weights at a time (`dp4a`) against int8 activations: Q8_0, Q4_K and Q6_K (the dense
+weights, experts and LM heads of most files), IQ2_XXS, IQ2_S and IQ3_XXS (the 2- and 3-bit i-quants).
 
 The float tiles (`strata.ops.kquant_triton`, `strata.ops.iquant_triton`) turn every weight into a float and
 multiply-add it: ~8 instructions a weight for Q4_K and Q8_0, 26-38 for the lookup tiles of the i-quants, which set
 their speed (docs/BENCHMARKS.md, "The GPU lane per weight format"). Here a tile element is a 32-bit word of four
 weights and one `dp4a` multiplies its four bytes by four int8 activations and adds them: Q8_0's words are its
-quants, Q4_K's are a word of nibbles masked (low) or shifted and masked (high), an i-quant's are its grid entry's
+quants, Q4_K's are a word of nibbles masked (low) or shifted and masked (high), Q6_K's a word of nibbles with its
+2-bit tops OR-ed in (value - 32), an i-quant's are its grid entry's
 magnitudes as bytes (one table load per four weights) with its four signs applied at once (a word from a table of
 1-bytes s, then `(m ^ 255 s) + s`: no carry crosses a byte, every magnitude being at least 4). The activations are
 rounded to int8 per 32 once per call (`quantize_rows`: scale max|x| / 127, half away from zero, as llama.cpp's CUDA
@@ -14,7 +15,7 @@ torch twin and the tests hold the tiles to it.
 
 `dp4a` is inline PTX on a GPU; Triton's interpreter cannot run PTX, so there it is the same sum byte by byte
 (`_dp4a`). A GPU takes these tiles once their GPU test passes there: DP4A_GPU_TESTED (the i-quants),
-KQ_DP4A_GPU_TESTED (Q8_0, Q4_K); `tools/gpu/gated.sh`.
+KQ_DP4A_GPU_TESTED (Q8_0, Q4_K, Q6_K); `tools/gpu/gated.sh`.
 """
 
 from __future__ import annotations
@@ -29,11 +30,11 @@ Q = GGMLQuantizationType
 # the dp4a tiles on a GPU: their GPU test (tests/experts/test_dp4a.py) passes there, and they were timed
 # against the lookup tiles (`tools/bench_kernels.py --iq-tiles dp4a`); until then a GPU keeps the lookup tiles
 DP4A_GPU_TESTED = False
-# Q8_0's and Q4_K's dp4a tiles on a GPU (every dense GEMV and expert of most files then rounds its activations to
+# Q8_0's, Q4_K's and Q6_K's dp4a tiles on a GPU (every dense GEMV and expert of most files then rounds its activations to
 # int8): their GPU test passes there and they were timed against the float tiles (`--kq-tiles dp4a`)
 KQ_DP4A_GPU_TESTED = False
 IQ_FORMATS = frozenset({Q.IQ2_XXS, Q.IQ2_S, Q.IQ3_XXS})
-KQ_FORMATS = frozenset({Q.Q8_0, Q.Q4_K})
+KQ_FORMATS = frozenset({Q.Q8_0, Q.Q4_K, Q.Q6_K})
 
 try:
     import triton
@@ -83,7 +84,7 @@ if triton is not None:
     C_KQ = tl.constexpr(KQ_DP4A_GPU_TESTED and not triton_interpreting())
     C_INTERP = tl.constexpr(triton_interpreting())
     from strata.ops.iquant_triton import C_P2S, C_P2XXS, C_P3XXS, C_PONES, _blocks, _f16v, _subblocks, _u16, _u32h
-    from strata.ops.kquant_triton import _u32, q4k_tile, q8_0_tile
+    from strata.ops.kquant_triton import _u32, q4k_tile, q6k_tile, q8_0_tile
     from strata.ops.iquant_triton import iq2s_tile as _iq2s_other
     from strata.ops.iquant_triton import iq2xxs_tile as _iq2xxs_other
     from strata.ops.iquant_triton import iq3xxs_tile as _iq3xxs_other
@@ -267,6 +268,64 @@ if triton is not None:
         part = d * (dl.to(tl.float32) * fl + dh.to(tl.float32) * fh) \
             - dmin * (((mnw >> sh) & 63).to(tl.float32) * sl + ((mnw >> (sh + 8)) & 63).to(tl.float32) * shs)
         return tl.sum(tl.sum(part, axis=2), axis=1)
+
+    @triton.jit
+    def _q6k_part(ql, qh, SH: tl.constexpr, HS: tl.constexpr, scw, SB: tl.constexpr, xw, xsum, w):
+        """One quarter j of both halves: 6-bit words from ql >> SH and qh's bits moved by HS (4 - 2 j: left if
+        positive), against their x words; each word's scale is byte SB + w // 4 of scw (sign-extended)."""
+        if HS >= 0:
+            hb = (qh << HS) & 0x30303030
+        else:
+            hb = (qh >> -HS) & 0x30303030
+        q = (((ql >> SH) & 0x0F0F0F0F) | hb).to(tl.int32, bitcast=True)
+        sc = (((scw >> (8 * (SB + w // 4)).to(tl.uint32)) & 255).to(tl.int32) ^ 128) - 128
+        return (_dp4a(q, xw[None]) - 32 * xsum[None]) * sc
+
+    @triton.jit
+    def _q6k(row, xq, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
+        # half h of a superblock (weights 128 h ..), word w (l = 4 w .. 4 w + 3; llama.cpp's dequantize_row_q6_K):
+        # ql words A = 64 h + 4 w and B = A + 32, qh word 128 + 32 h + 4 w; quarter j (sub-block 4 h + j) takes the
+        # low nibbles of A (j = 0), of B (1), the high ones of A (2), of B (3), and bits 2 j, 2 j + 1 of each qh
+        # byte; value q - 32 with the int8 scale 192 + 8 h + 2 j + w // 4. 210-byte blocks: 2-byte aligned words
+        hh = tl.arange(0, 2)[None, None, :, None]
+        w = tl.arange(0, 8)[None, None, None, :]
+        sb, sm = _blocks(b0, nsb, NB, EVEN)
+        m2 = sm[None, :]
+        m4 = m2[:, :, None, None]
+        blk = row[:, None] + sb[None, :] * 210  # [BN, NB]
+        d = _f16v(blk + 208, m2)
+        b4 = blk[:, :, None, None]
+        qa = _u32h(b4 + (64 * hh + 4 * w).to(tl.int64), m4)  # [BN, NB, 2, 8]
+        qb = _u32h(b4 + (64 * hh + 32 + 4 * w).to(tl.int64), m4)
+        qh = _u32h(b4 + (128 + 32 * hh + 4 * w).to(tl.int64), m4)
+        s0 = _u32h(b4 + (192 + 8 * hh).to(tl.int64), m4)  # [BN, NB, 2, 1] scales 0-3 of the half
+        s1 = _u32h(b4 + (196 + 8 * hh).to(tl.int64), m4)  # 4-7
+        # quantize_rows' words of sub-block 8 sb + 4 h + j
+        xo = (sb * 8)[:, None] + 4 * tl.arange(0, 2)[None, :]  # [NB, 2]
+        wx = tl.arange(0, 8)[None, None, :]
+        xm = sm[:, None]
+        one = tl.full([NB, 2, 8], 0x01010101, tl.int32)
+        x0 = tl.load(xq + (xo * 9)[:, :, None] + wx, mask=xm[:, :, None], other=0)  # [NB, 2, 8]
+        x1 = tl.load(xq + ((xo + 1) * 9)[:, :, None] + wx, mask=xm[:, :, None], other=0)
+        x2 = tl.load(xq + ((xo + 2) * 9)[:, :, None] + wx, mask=xm[:, :, None], other=0)
+        x3 = tl.load(xq + ((xo + 3) * 9)[:, :, None] + wx, mask=xm[:, :, None], other=0)
+        f0 = tl.load(xq + xo * 9 + 8, mask=xm, other=0).to(tl.float32, bitcast=True)[None]  # [1, NB, 2]
+        f1 = tl.load(xq + (xo + 1) * 9 + 8, mask=xm, other=0).to(tl.float32, bitcast=True)[None]
+        f2 = tl.load(xq + (xo + 2) * 9 + 8, mask=xm, other=0).to(tl.float32, bitcast=True)[None]
+        f3 = tl.load(xq + (xo + 3) * 9 + 8, mask=xm, other=0).to(tl.float32, bitcast=True)[None]
+        p0 = tl.sum(_q6k_part(qa, qh, 0, 4, s0, 0, x0, _dp4a(one, x0), w), axis=3).to(tl.float32) * f0
+        p1 = tl.sum(_q6k_part(qb, qh, 0, 2, s0, 2, x1, _dp4a(one, x1), w), axis=3).to(tl.float32) * f1
+        p2 = tl.sum(_q6k_part(qa, qh, 4, 0, s1, 0, x2, _dp4a(one, x2), w), axis=3).to(tl.float32) * f2
+        p3 = tl.sum(_q6k_part(qb, qh, 4, -2, s1, 2, x3, _dp4a(one, x3), w), axis=3).to(tl.float32) * f3
+        part = tl.sum(p0 + p1 + p2 + p3, axis=2) * d  # [BN, NB]
+        return tl.sum(part, axis=1)
+
+    @triton.jit
+    def q6k_dp4a_tile(row, xp, xq, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
+        if C_KQ:
+            return _q6k(row, xq, b0, nsb, BN, NB, EVEN)
+        else:
+            return q6k_tile(row, xp, b0, nsb, BN, NB, EVEN)
 
     @triton.jit
     def q8_0_dp4a_tile(row, xp, xq, b0, nblk, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):

@@ -75,7 +75,7 @@ INTERPRETED = COMMON + textwrap.dedent("""
         back = words[:, :, :8].contiguous().view(torch.int8).float() * words[:, :, 8:].contiguous().view(torch.float32)
         assert torch.equal(back.reshape(3, 1088), dp.quantize_x(x)), dt
     # exact: every format, one iteration and several, a partial last tile (K = 768 in tiles of 512)
-    for qt in (Q.IQ2_XXS, Q.IQ2_S, Q.IQ3_XXS, Q.Q4_K, Q.Q8_0):
+    for qt in (Q.IQ2_XXS, Q.IQ2_S, Q.IQ3_XXS, Q.Q4_K, Q.Q8_0, Q.Q6_K):
         for K, kw in ((512, 512), (512, 256), (768, 512)):
             w = random_qtensor(qt, (2, 64, K), rng)
             x = exact_x(3, K, gen)
@@ -89,12 +89,12 @@ INTERPRETED = COMMON + textwrap.dedent("""
             yr = gemv(xr, w, slots[:1], 32, kw)
             assert rel(yr[0], deq(w, 1) @ dp.quantize_x(xr[0]).double()) < 5e-3
             assert 1e-5 < rel(yr[0], deq(w, 1) @ xr[0].double()) < 3e-2, qt.name
-    # the GLU kernel (gate and up in these formats, x exact) under a Q6_K down, which reads its input as floats:
+    # the GLU kernel (gate and up in these formats, x exact) under a Q5_K down, which reads its input as floats:
     # the float product, with a miss, misses read from a host stack, a token's choices on its one row of x
-    for qg, d in ((Q.IQ2_XXS, 512), (Q.IQ2_S, 256), (Q.IQ3_XXS, 768), (Q.Q4_K, 512), (Q.Q8_0, 256)):
+    for qg, d in ((Q.IQ2_XXS, 512), (Q.IQ2_S, 256), (Q.IQ3_XXS, 768), (Q.Q4_K, 512), (Q.Q8_0, 256), (Q.Q6_K, 256)):
         ff = 256
         g, u = (random_qtensor(qg, (2, ff, d), rng) for _ in range(2))
-        dn = random_qtensor(Q.Q6_K, (2, d, ff), rng)
+        dn = random_qtensor(Q.Q5_K, (2, d, ff), rng)
         x = exact_x(4, d, gen)
         slots = torch.tensor([1, -1, 0, 1])
         y = et.triton_expert_ffn(x, g, u, dn, slots, block_n=32)
@@ -103,7 +103,7 @@ INTERPRETED = COMMON + textwrap.dedent("""
         for i in (0, 2, 3):
             assert rel(y[i], ref[i]) < 1e-5, (qg.name, i, rel(y[i], ref[i]))
         hg, hu = (random_qtensor(qg, (3, ff, d), rng) for _ in range(2))
-        hd = random_qtensor(Q.Q6_K, (3, d, ff), rng)
+        hd = random_qtensor(Q.Q5_K, (3, d, ff), rng)
         eids = torch.tensor([2, 0, 1, 2])
         yh = et.triton_expert_ffn(x, g, u, dn, slots, block_n=32, host=(hg, hu, hd), eids=eids)
         refh = _torch_gather_ffn(x, hg, hu, hd, eids)
@@ -115,7 +115,7 @@ INTERPRETED = COMMON + textwrap.dedent("""
     # the whole FFN in these formats with any activations: the rounding's error, no more (a tie in the GLU's output
     # decided the other way moves a result by ~0.5%)
     for qg, qd, d, ff in ((Q.IQ2_XXS, Q.IQ3_XXS, 512, 256), (Q.IQ2_S, Q.IQ2_XXS, 256, 256), (Q.IQ3_XXS, Q.IQ2_S, 256, 512),
-                          (Q.Q4_K, Q.Q8_0, 512, 256), (Q.Q8_0, Q.Q4_K, 256, 512)):
+                          (Q.Q4_K, Q.Q8_0, 512, 256), (Q.Q8_0, Q.Q4_K, 256, 512), (Q.Q6_K, Q.Q6_K, 256, 256)):
         g, u = (random_qtensor(qg, (2, ff, d), rng) for _ in range(2))
         dn = random_qtensor(qd, (2, d, ff), rng)
         x = torch.randn(3, d).bfloat16()
@@ -131,7 +131,7 @@ INTERPRETED = COMMON + textwrap.dedent("""
 GPU = COMMON + textwrap.dedent("""
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
-    for qt in (Q.IQ2_XXS, Q.IQ2_S, Q.IQ3_XXS, Q.Q4_K, Q.Q8_0):
+    for qt in (Q.IQ2_XXS, Q.IQ2_S, Q.IQ3_XXS, Q.Q4_K, Q.Q8_0, Q.Q6_K):
         for K, kw in ((2048, 512), (2048, 2048), (768, 512)):
             w = random_qtensor(qt, (3, 768, K), 1, device=dev)
             x = exact_x(4, K, gen).to(dev)
@@ -140,7 +140,8 @@ GPU = COMMON + textwrap.dedent("""
             for i, s in enumerate(slots.tolist()):
                 assert rel(y[i], deq(w, s) @ x[i].cpu().double()) < 1e-6, (qt.name, K, kw, i)
     for qg, qd, d, ff in ((Q.IQ2_XXS, Q.IQ3_XXS, 2048, 768), (Q.IQ2_S, Q.IQ2_S, 2048, 768),
-                          (Q.IQ3_XXS, Q.IQ2_XXS, 768, 512), (Q.Q4_K, Q.Q4_K, 2048, 768), (Q.Q8_0, Q.Q8_0, 2048, 768)):
+                          (Q.IQ3_XXS, Q.IQ2_XXS, 768, 512), (Q.Q4_K, Q.Q4_K, 2048, 768), (Q.Q8_0, Q.Q8_0, 2048, 768),
+                          (Q.Q6_K, Q.Q6_K, 2048, 768)):
         g, u = (random_qtensor(qg, (4, ff, d), s, device=dev) for s in (1, 2))
         dn = random_qtensor(qd, (4, d, ff), 3, device=dev)
         x = torch.randn(6, d, device=dev).bfloat16()
