@@ -134,7 +134,8 @@ def test_steps_that_capture_their_graphs_are_not_timed(hf_and_gguf, monkeypatch)
     """A step that first captured its CUDA graphs (a verify step's first of each length, a new attention window)
     took the capture's time as well: the engine leaves it out of the step costs, or one capture of a rare length
     would rule drafts out for good (seen on a GPU: a fitted 128 ms per drafted token). The captures are simulated
-    on the CPU's static path: the first step of each shape counts one and takes 50 ms more."""
+    on the CPU's static path: the first step of each shape counts one and takes 400 ms more (far above a step's
+    time on a loaded 2-core machine, where plain steps were seen at up to 56 ms)."""
     import time
 
     from strata.config import EngineConfig
@@ -151,7 +152,7 @@ def test_steps_that_capture_their_graphs_are_not_timed(hf_and_gguf, monkeypatch)
         if (len(slots), T) not in seen:
             seen.add((len(slots), T))
             g.captures += 1
-            time.sleep(0.05)
+            time.sleep(0.4)
         return real(tokens, positions, slots, T)
 
     monkeypatch.setattr(g, "step_batch", step_batch)
@@ -159,4 +160,4 @@ def test_steps_that_capture_their_graphs_are_not_timed(hf_and_gguf, monkeypatch)
     list(eng.generate(prompt + prompt, GREEDY, 40))  # (the repeat: n-gram drafts of several lengths)
     assert len(seen) > 2  # plain steps and verify steps of more than one length were graphed
     times = [ms for v in eng.draft_cost.times.values() for ms in v]
-    assert times and max(times) < 50, sorted(times)[-3:]
+    assert times and max(times) < 400, sorted(times)[-3:]
