@@ -84,7 +84,7 @@ if triton is not None:
     C_KQ = tl.constexpr(KQ_DP4A_GPU_TESTED and not triton_interpreting())
     C_INTERP = tl.constexpr(triton_interpreting())
     from strata.ops.iquant_triton import C_P2S, C_P2XXS, C_P3XXS, C_PONES, _blocks, _f16v, _subblocks, _u16, _u32h
-    from strata.ops.kquant_triton import _u32, q4k_tile, q6k_tile, q8_0_tile
+    from strata.ops.kquant_triton import k4_scale_words, q4k_tile, q6k_tile, q8_0_tile
     from strata.ops.iquant_triton import iq2s_tile as _iq2s_other
     from strata.ops.iquant_triton import iq2xxs_tile as _iq2xxs_other
     from strata.ops.iquant_triton import iq3xxs_tile as _iq3xxs_other
@@ -237,18 +237,7 @@ if triton is not None:
         blk = row[:, None] + sb[None, :] * 144  # [BN, NB]
         d = _f16v(blk, m2)[:, :, None]
         dmin = _f16v(blk + 2, m2)[:, :, None]
-        s0 = _u32(blk + 4, m2)
-        s1 = _u32(blk + 8, m2)
-        s2 = _u32(blk + 12, m2)
-        # 6-bit scale / min of sub-block j as kquant_triton's Q4_K tile unpacks them (llama.cpp's get_scale_min_k4)
-        sc_a = s0 & 0x3F3F3F3F
-        mn_a = s1 & 0x3F3F3F3F
-        sc_b = (s2 & 0x0F0F0F0F) | ((s0 >> 2) & 0x30303030)
-        mn_b = ((s2 >> 4) & 0x0F0F0F0F) | ((s1 >> 2) & 0x30303030)
-        first = (g < 2)[None, None, :]
-        sh = (16 * (g % 2))[None, None, :]
-        scw = tl.where(first, sc_a[:, :, None], sc_b[:, :, None])  # [BN, NB, 4]
-        mnw = tl.where(first, mn_a[:, :, None], mn_b[:, :, None])
+        scw, mnw, sh = k4_scale_words(blk, m2)  # [BN, NB, 4]: sub-block 2 g's at bit sh, 2 g + 1's at sh + 8
         W = tl.load((blk + 16).to(tl.pointer_type(tl.uint32))[:, :, None, None] + (8 * g.to(tl.int64))[None, None, :, None]
                     + wd[None, None, None, :], mask=m2[:, :, None, None], other=0,
                     eviction_policy="evict_first")  # [BN, NB, 4, 8]

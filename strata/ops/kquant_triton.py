@@ -78,6 +78,25 @@ if triton is not None:
         return _k45_tile(row, xp, b0, nsb, BN, NB, EVEN, True)
 
     @triton.jit
+    def k4_scale_words(blk, m2):
+        """Q4_K's / Q5_K's 12 scale bytes (at blk + 4) -> (scale word, min word [BN, NB, 4], shift [1, 1, 4]): the
+        6-bit scale / min of sub-block 2 g at bit sh of group g's words, of 2 g + 1 at sh + 8 (llama.cpp's
+        get_scale_min_k4, 4 at a time: j < 4: s[j] & 63, s[j+4] & 63; j >= 4: (s[j+4] & 15) | (s[j-4] >> 6) << 4,
+        (s[j+4] >> 4) | (s[j] >> 6) << 4)."""
+        g = tl.arange(0, 4)
+        s0 = _u32(blk + 4, m2)  # [BN, NB] scale bytes 0-3
+        s1 = _u32(blk + 8, m2)  # 4-7
+        s2 = _u32(blk + 12, m2)  # 8-11
+        sc_a = s0 & 0x3F3F3F3F
+        mn_a = s1 & 0x3F3F3F3F
+        sc_b = (s2 & 0x0F0F0F0F) | ((s0 >> 2) & 0x30303030)
+        mn_b = ((s2 >> 4) & 0x0F0F0F0F) | ((s1 >> 2) & 0x30303030)
+        first = (g < 2)[None, None, :]  # groups 0, 1 hold sub-blocks 0-3 (word a), groups 2, 3 sub-blocks 4-7
+        scw = tl.where(first, sc_a[:, :, None], sc_b[:, :, None])  # [BN, NB, 4]
+        mnw = tl.where(first, mn_a[:, :, None], mn_b[:, :, None])
+        return scw, mnw, (16 * (g % 2))[None, None, :]
+
+    @triton.jit
     def _k45_tile(row, xp, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr, FIVE: tl.constexpr):
         """Q4_K (FIVE false) or Q5_K superblocks against x -> [BN] float32.
 
@@ -104,19 +123,7 @@ if triton is not None:
             blk = row[:, None] + sb[None, :] * 144
         d = _f16(blk, m2)[:, :, None]  # [BN, NB, 1]
         dmin = _f16(blk + 2, m2)[:, :, None]
-        s0 = _u32(blk + 4, m2)  # [BN, NB] scale bytes 0-3
-        s1 = _u32(blk + 8, m2)  # 4-7
-        s2 = _u32(blk + 12, m2)  # 8-11
-        # 6-bit scale / min of sub-block j, byte j % 4 of a word (llama.cpp's get_scale_min_k4, 4 at a time):
-        # j < 4: s[j] & 63, s[j+4] & 63; j >= 4: (s[j+4] & 15) | (s[j-4] >> 6) << 4, (s[j+4] >> 4) | (s[j] >> 6) << 4
-        sc_a = s0 & 0x3F3F3F3F
-        mn_a = s1 & 0x3F3F3F3F
-        sc_b = (s2 & 0x0F0F0F0F) | ((s0 >> 2) & 0x30303030)
-        mn_b = ((s2 >> 4) & 0x0F0F0F0F) | ((s1 >> 2) & 0x30303030)
-        first = (g < 2)[None, None, :]  # groups 0, 1 hold sub-blocks 0-3 (word a), groups 2, 3 sub-blocks 4-7
-        sh = (16 * (g % 2))[None, None, :]  # [1, 1, 4] shift of sub-block 2g's byte in its word
-        scw = tl.where(first, sc_a[:, :, None], sc_b[:, :, None])  # [BN, NB, 4]
-        mnw = tl.where(first, mn_a[:, :, None], mn_b[:, :, None])
+        scw, mnw, sh = k4_scale_words(blk, m2)
         a_lo = d * ((scw >> sh) & 63).to(tl.float32)  # [BN, NB, 4] d * scale of sub-block 2g
         a_hi = d * ((scw >> (sh + 8)) & 63).to(tl.float32)  # of sub-block 2g+1
         b_lo = dmin * ((mnw >> sh) & 63).to(tl.float32)
