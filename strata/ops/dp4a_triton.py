@@ -1,11 +1,12 @@
-"""Tiles that multiply four weights at a time (`dp4a`) against int8 activations: Q8_0, Q4_K and Q6_K (the dense
-weights, experts and LM heads of most files), IQ2_XXS, IQ2_S and IQ3_XXS (the 2- and 3-bit i-quants).
+"""Tiles that multiply four weights at a time (`dp4a`) against int8 activations: Q8_0, Q4_K, Q5_K and Q6_K (the
+dense weights, experts and LM heads of most files), IQ2_XXS, IQ2_S and IQ3_XXS (the 2- and 3-bit i-quants).
 
 The float tiles (`strata.ops.kquant_triton`, `strata.ops.iquant_triton`) turn every weight into a float and
 multiply-add it: ~8 instructions a weight for Q4_K and Q8_0, 26-38 for the lookup tiles of the i-quants, which set
 their speed (docs/BENCHMARKS.md, "The GPU lane per weight format"). Here a tile element is a 32-bit word of four
 weights and one `dp4a` multiplies its four bytes by four int8 activations and adds them: Q8_0's words are its
-quants, Q4_K's are a word of nibbles masked (low) or shifted and masked (high), Q6_K's a word of nibbles with its
+quants, Q4_K's are a word of nibbles masked (low) or shifted and masked (high) (Q5_K's with their fifth bits OR-ed
+in), Q6_K's a word of nibbles with its
 2-bit tops OR-ed in (value - 32), an i-quant's are its grid entry's
 magnitudes as bytes (one table load per four weights) with its four signs applied at once (a word from a table of
 1-bytes s, then `(m ^ 255 s) + s`: no carry crosses a byte, every magnitude being at least 4). The activations are
@@ -15,7 +16,7 @@ torch twin and the tests hold the tiles to it.
 
 `dp4a` is inline PTX on a GPU; Triton's interpreter cannot run PTX, so there it is the same sum byte by byte
 (`_dp4a`). A GPU takes these tiles once their GPU test passes there: DP4A_GPU_TESTED (the i-quants),
-KQ_DP4A_GPU_TESTED (Q8_0, Q4_K, Q6_K); `tools/gpu/gated.sh`.
+KQ_DP4A_GPU_TESTED (Q8_0, Q4_K, Q5_K, Q6_K); `tools/gpu/gated.sh`.
 """
 
 from __future__ import annotations
@@ -30,11 +31,11 @@ Q = GGMLQuantizationType
 # the dp4a tiles on a GPU: their GPU test (tests/experts/test_dp4a.py) passes there, and they were timed
 # against the lookup tiles (`tools/bench_kernels.py --iq-tiles dp4a`); until then a GPU keeps the lookup tiles
 DP4A_GPU_TESTED = False
-# Q8_0's, Q4_K's and Q6_K's dp4a tiles on a GPU (every dense GEMV and expert of most files then rounds its activations to
+# Q8_0's, Q4_K's, Q5_K's and Q6_K's dp4a tiles on a GPU (every dense GEMV and expert of most files then rounds its activations to
 # int8): their GPU test passes there and they were timed against the float tiles (`--kq-tiles dp4a`)
 KQ_DP4A_GPU_TESTED = False
 IQ_FORMATS = frozenset({Q.IQ2_XXS, Q.IQ2_S, Q.IQ3_XXS})
-KQ_FORMATS = frozenset({Q.Q8_0, Q.Q4_K, Q.Q6_K})
+KQ_FORMATS = frozenset({Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K})
 
 try:
     import triton
@@ -84,7 +85,7 @@ if triton is not None:
     C_KQ = tl.constexpr(KQ_DP4A_GPU_TESTED and not triton_interpreting())
     C_INTERP = tl.constexpr(triton_interpreting())
     from strata.ops.iquant_triton import C_P2S, C_P2XXS, C_P3XXS, C_PONES, _blocks, _f16v, _subblocks, _u16, _u32h
-    from strata.ops.kquant_triton import k4_scale_words, q4k_tile, q6k_tile, q8_0_tile
+    from strata.ops.kquant_triton import k4_scale_words, q4k_tile, q5k_tile, q6k_tile, q8_0_tile
     from strata.ops.iquant_triton import iq2s_tile as _iq2s_other
     from strata.ops.iquant_triton import iq2xxs_tile as _iq2xxs_other
     from strata.ops.iquant_triton import iq3xxs_tile as _iq3xxs_other
@@ -227,22 +228,39 @@ if triton is not None:
         return tl.sum(isum.to(tl.float32) * d * xs[None, :], axis=1)
 
     @triton.jit
-    def _q4k(row, xq, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
-        # group g of a superblock: its 32 quant bytes as 8 words, low nibbles sub-block 2 g (weights 64 g + 4 w + k
-        # in byte k of word w), high nibbles sub-block 2 g + 1; quantize_rows' sub-blocks 8 sb + 2 g and + 1
+    def _k45(row, xq, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr, FIVE: tl.constexpr):
+        # Q4_K, or Q5_K (FIVE). Group g of a superblock: its 32 quant bytes as 8 words, low nibbles sub-block 2 g
+        # (weights 64 g + 4 w + k in byte k of word w), high nibbles sub-block 2 g + 1; quantize_rows' sub-blocks
+        # 8 sb + 2 g and + 1. Q5_K: the same header, then 32 qh bytes (byte 4 w + k: bit j the fifth bit of that
+        # weight of sub-block j) before the nibbles
         g = tl.arange(0, 4)
         wd = tl.arange(0, 8).to(tl.int64)
         sb, sm = _blocks(b0, nsb, NB, EVEN)
         m2 = sm[None, :]
-        blk = row[:, None] + sb[None, :] * 144  # [BN, NB]
+        m4 = m2[:, :, None, None]
+        if FIVE:
+            blk = row[:, None] + sb[None, :] * 176  # [BN, NB]
+        else:
+            blk = row[:, None] + sb[None, :] * 144
         d = _f16v(blk, m2)[:, :, None]
         dmin = _f16v(blk + 2, m2)[:, :, None]
         scw, mnw, sh = k4_scale_words(blk, m2)  # [BN, NB, 4]: sub-block 2 g's at bit sh, 2 g + 1's at sh + 8
-        W = tl.load((blk + 16).to(tl.pointer_type(tl.uint32))[:, :, None, None] + (8 * g.to(tl.int64))[None, None, :, None]
-                    + wd[None, None, None, :], mask=m2[:, :, None, None], other=0,
+        if FIVE:
+            wp = (blk + 48).to(tl.pointer_type(tl.uint32))[:, :, None, None]
+        else:
+            wp = (blk + 16).to(tl.pointer_type(tl.uint32))[:, :, None, None]
+        W = tl.load(wp + (8 * g.to(tl.int64))[None, None, :, None] + wd[None, None, None, :], mask=m4, other=0,
                     eviction_policy="evict_first")  # [BN, NB, 4, 8]
-        lo = (W & 0x0F0F0F0F).to(tl.int32, bitcast=True)
-        hi = ((W >> 4) & 0x0F0F0F0F).to(tl.int32, bitcast=True)
+        lo = W & 0x0F0F0F0F
+        hi = (W >> 4) & 0x0F0F0F0F
+        if FIVE:
+            H = tl.load((blk + 16).to(tl.pointer_type(tl.uint32))[:, :, None, None] + wd[None, None, None, :],
+                        mask=m4, other=0, eviction_policy="evict_first")  # [BN, NB, 1, 8] qh words
+            g2 = (2 * g).to(tl.uint32)[None, None, :, None]
+            lo = lo | (((H >> g2) & 0x01010101) << 4)
+            hi = hi | (((H >> (g2 + 1)) & 0x01010101) << 4)
+        lo = lo.to(tl.int32, bitcast=True)
+        hi = hi.to(tl.int32, bitcast=True)
         xo = (sb[:, None] * 8 + 2 * g[None, :]) * 9  # [NB, 4] sub-block 2 g's words
         xm = sm[:, None, None]
         xl = tl.load(xq + xo[:, :, None] + wd[None, None, :], mask=xm, other=0)  # [NB, 4, 8]
@@ -326,9 +344,16 @@ if triton is not None:
     @triton.jit
     def q4k_dp4a_tile(row, xp, xq, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
         if C_KQ:
-            return _q4k(row, xq, b0, nsb, BN, NB, EVEN)
+            return _k45(row, xq, b0, nsb, BN, NB, EVEN, False)
         else:
             return q4k_tile(row, xp, b0, nsb, BN, NB, EVEN)
+
+    @triton.jit
+    def q5k_dp4a_tile(row, xp, xq, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
+        if C_KQ:
+            return _k45(row, xq, b0, nsb, BN, NB, EVEN, True)
+        else:
+            return q5k_tile(row, xp, b0, nsb, BN, NB, EVEN)
 
     # What the fused expert kernels call for these formats: the dp4a tiles where taken (xq: the row's words from
     # `quantize_rows`), else iquant_triton's (xp: the row of x).

@@ -21,8 +21,12 @@ COMMON = textwrap.dedent("""
     import numpy as np, torch, triton, triton.language as tl
     from gguf import GGMLQuantizationType as Q
     from strata.ops import dp4a_triton as dp
-    dp.C_DP4A = tl.constexpr(True)  # before any kernel compiles in this process
-    dp.C_KQ = tl.constexpr(True)
+    import sys
+    KIND = sys.argv[1] if len(sys.argv) > 1 else "all"  # iq: the i-quants' tiles, kq: the K-quants', all: both
+    dp.C_DP4A = tl.constexpr(KIND != "kq")  # before any kernel compiles in this process
+    dp.C_KQ = tl.constexpr(KIND != "iq")
+    IQ = [Q.IQ2_XXS, Q.IQ2_S, Q.IQ3_XXS] if KIND != "kq" else []
+    KQ = [Q.Q4_K, Q.Q8_0, Q.Q6_K, Q.Q5_K] if KIND != "iq" else []
     from strata.ops import expert_triton as et
     from strata.ops.expert_gather import _torch_gather_ffn
     from strata.quant import random_qtensor
@@ -75,7 +79,7 @@ INTERPRETED = COMMON + textwrap.dedent("""
         back = words[:, :, :8].contiguous().view(torch.int8).float() * words[:, :, 8:].contiguous().view(torch.float32)
         assert torch.equal(back.reshape(3, 1088), dp.quantize_x(x)), dt
     # exact: every format, one iteration and several, a partial last tile (K = 768 in tiles of 512)
-    for qt in (Q.IQ2_XXS, Q.IQ2_S, Q.IQ3_XXS, Q.Q4_K, Q.Q8_0, Q.Q6_K):
+    for qt in (Q.IQ2_XXS, Q.IQ2_S, Q.IQ3_XXS, Q.Q4_K, Q.Q8_0, Q.Q6_K, Q.Q5_K):
         for K, kw in ((512, 512), (512, 256), (768, 512)):
             w = random_qtensor(qt, (2, 64, K), rng)
             x = exact_x(3, K, gen)
@@ -89,12 +93,13 @@ INTERPRETED = COMMON + textwrap.dedent("""
             yr = gemv(xr, w, slots[:1], 32, kw)
             assert rel(yr[0], deq(w, 1) @ dp.quantize_x(xr[0]).double()) < 5e-3
             assert 1e-5 < rel(yr[0], deq(w, 1) @ xr[0].double()) < 3e-2, qt.name
-    # the GLU kernel (gate and up in these formats, x exact) under a Q5_K down, which reads its input as floats:
+    # the GLU kernel (gate and up in these formats, x exact) under a Q3_K down, which reads its input as floats:
     # the float product, with a miss, misses read from a host stack, a token's choices on its one row of x
-    for qg, d in ((Q.IQ2_XXS, 512), (Q.IQ2_S, 256), (Q.IQ3_XXS, 768), (Q.Q4_K, 512), (Q.Q8_0, 256), (Q.Q6_K, 256)):
+    for qg, d in ((Q.IQ2_XXS, 512), (Q.IQ2_S, 256), (Q.IQ3_XXS, 768), (Q.Q4_K, 512), (Q.Q8_0, 256), (Q.Q6_K, 256),
+                  (Q.Q5_K, 512)):
         ff = 256
         g, u = (random_qtensor(qg, (2, ff, d), rng) for _ in range(2))
-        dn = random_qtensor(Q.Q5_K, (2, d, ff), rng)
+        dn = random_qtensor(Q.Q3_K, (2, d, ff), rng)
         x = exact_x(4, d, gen)
         slots = torch.tensor([1, -1, 0, 1])
         y = et.triton_expert_ffn(x, g, u, dn, slots, block_n=32)
@@ -103,7 +108,7 @@ INTERPRETED = COMMON + textwrap.dedent("""
         for i in (0, 2, 3):
             assert rel(y[i], ref[i]) < 1e-5, (qg.name, i, rel(y[i], ref[i]))
         hg, hu = (random_qtensor(qg, (3, ff, d), rng) for _ in range(2))
-        hd = random_qtensor(Q.Q5_K, (3, d, ff), rng)
+        hd = random_qtensor(Q.Q3_K, (3, d, ff), rng)
         eids = torch.tensor([2, 0, 1, 2])
         yh = et.triton_expert_ffn(x, g, u, dn, slots, block_n=32, host=(hg, hu, hd), eids=eids)
         refh = _torch_gather_ffn(x, hg, hu, hd, eids)
@@ -115,7 +120,8 @@ INTERPRETED = COMMON + textwrap.dedent("""
     # the whole FFN in these formats with any activations: the rounding's error, no more (a tie in the GLU's output
     # decided the other way moves a result by ~0.5%)
     for qg, qd, d, ff in ((Q.IQ2_XXS, Q.IQ3_XXS, 512, 256), (Q.IQ2_S, Q.IQ2_XXS, 256, 256), (Q.IQ3_XXS, Q.IQ2_S, 256, 512),
-                          (Q.Q4_K, Q.Q8_0, 512, 256), (Q.Q8_0, Q.Q4_K, 256, 512), (Q.Q6_K, Q.Q6_K, 256, 256)):
+                          (Q.Q4_K, Q.Q8_0, 512, 256), (Q.Q8_0, Q.Q4_K, 256, 512), (Q.Q6_K, Q.Q6_K, 256, 256),
+                          (Q.Q5_K, Q.Q6_K, 512, 256)):
         g, u = (random_qtensor(qg, (2, ff, d), rng) for _ in range(2))
         dn = random_qtensor(qd, (2, d, ff), rng)
         x = torch.randn(3, d).bfloat16()
@@ -131,7 +137,7 @@ INTERPRETED = COMMON + textwrap.dedent("""
 GPU = COMMON + textwrap.dedent("""
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
-    for qt in (Q.IQ2_XXS, Q.IQ2_S, Q.IQ3_XXS, Q.Q4_K, Q.Q8_0, Q.Q6_K):
+    for qt in IQ + KQ:
         for K, kw in ((2048, 512), (2048, 2048), (768, 512)):
             w = random_qtensor(qt, (3, 768, K), 1, device=dev)
             x = exact_x(4, K, gen).to(dev)
@@ -139,9 +145,10 @@ GPU = COMMON + textwrap.dedent("""
             y = gemv(x, w, slots, 8, kw)
             for i, s in enumerate(slots.tolist()):
                 assert rel(y[i], deq(w, s) @ x[i].cpu().double()) < 1e-6, (qt.name, K, kw, i)
-    for qg, qd, d, ff in ((Q.IQ2_XXS, Q.IQ3_XXS, 2048, 768), (Q.IQ2_S, Q.IQ2_S, 2048, 768),
-                          (Q.IQ3_XXS, Q.IQ2_XXS, 768, 512), (Q.Q4_K, Q.Q4_K, 2048, 768), (Q.Q8_0, Q.Q8_0, 2048, 768),
-                          (Q.Q6_K, Q.Q6_K, 2048, 768)):
+    cases = [(Q.IQ2_XXS, Q.IQ3_XXS, 2048, 768), (Q.IQ2_S, Q.IQ2_S, 2048, 768), (Q.IQ3_XXS, Q.IQ2_XXS, 768, 512),
+             (Q.Q4_K, Q.Q4_K, 2048, 768), (Q.Q8_0, Q.Q8_0, 2048, 768), (Q.Q6_K, Q.Q6_K, 2048, 768),
+             (Q.Q5_K, Q.Q5_K, 2048, 768)]
+    for qg, qd, d, ff in [c for c in cases if c[0] in IQ + KQ]:
         g, u = (random_qtensor(qg, (4, ff, d), s, device=dev) for s in (1, 2))
         dn = random_qtensor(qd, (4, d, ff), 3, device=dev)
         x = torch.randn(6, d, device=dev).bfloat16()
@@ -156,11 +163,11 @@ GPU = COMMON + textwrap.dedent("""
 """)
 
 
-def _run(script: str, interpret: bool):
+def _run(script: str, interpret: bool, kind: str = "all"):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     if interpret:
         env["TRITON_INTERPRET"] = "1"
-    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-c", script, kind], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
 
@@ -169,14 +176,15 @@ def test_dp4a_tiles_in_the_interpreter():
 
 
 @pytest.mark.gpu
-def test_cuda_dp4a_tiles():
-    """The tiles compiled for the GPU (taken there once this passes: DP4A_GPU_TESTED, KQ_DP4A_GPU_TESTED), in a
-    process of their own so that they are what compiles."""
+@pytest.mark.parametrize("kind", ["iq", "kq"])
+def test_cuda_dp4a_tiles(kind):
+    """The tiles compiled for the GPU, in a process of their own so that they are what compiles: the i-quants' (iq:
+    DP4A_GPU_TESTED is set once it passes) and the K-quants' (kq: KQ_DP4A_GPU_TESTED)."""
     import torch
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    _run(GPU, False)
+    _run(GPU, False, kind)
 
 
 def test_quantize_x_rounds_half_away_from_zero():
