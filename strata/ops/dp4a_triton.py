@@ -1,22 +1,21 @@
-"""Tiles that multiply four weights at a time (`dp4a`) against int8 activations: Q8_0, Q4_K, Q5_K and Q6_K (the
-dense weights, experts and LM heads of most files), IQ2_XXS, IQ2_S and IQ3_XXS (the 2- and 3-bit i-quants).
+"""Tiles that multiply four weights at a time (`dp4a`) against int8 activations: Q8_0 and the K-quants Q2_K-Q6_K
+(the dense weights, experts and LM heads of most files), IQ2_XXS, IQ2_S and IQ3_XXS (the 2- and 3-bit i-quants).
 
 The float tiles (`strata.ops.kquant_triton`, `strata.ops.iquant_triton`) turn every weight into a float and
 multiply-add it: ~8 instructions a weight for Q4_K and Q8_0, 26-38 for the lookup tiles of the i-quants, which set
 their speed (docs/BENCHMARKS.md, "The GPU lane per weight format"). Here a tile element is a 32-bit word of four
-weights and one `dp4a` multiplies its four bytes by four int8 activations and adds them: Q8_0's words are its
-quants, Q4_K's are a word of nibbles masked (low) or shifted and masked (high) (Q5_K's with their fifth bits OR-ed
-in), Q6_K's a word of nibbles with its
-2-bit tops OR-ed in (value - 32), an i-quant's are its grid entry's
-magnitudes as bytes (one table load per four weights) with its four signs applied at once (a word from a table of
-1-bytes s, then `(m ^ 255 s) + s`: no carry crosses a byte, every magnitude being at least 4). The activations are
-rounded to int8 per 32 once per call (`quantize_rows`: scale max|x| / 127, half away from zero, as llama.cpp's CUDA
-kernels round theirs), so a result is the float product with x rounded that way; `quantize_x` is the rounding's
-torch twin and the tests hold the tiles to it.
+weights and one `dp4a` multiplies its four bytes by four int8 activations and adds them. Q8_0's words are its
+quants; Q4_K's a word of nibbles masked (low) or shifted and masked (high), Q5_K's with their fifth bits OR-ed in;
+Q6_K's nibbles with their 2-bit tops OR-ed in (value - 32); Q2_K's / Q3_K's a word's 2-bit fields, Q3_K's third bits
+OR-ed in (value - 4); an i-quant's its grid entry's magnitudes as bytes (one table load per four weights) with its
+four signs applied at once (a word from a table of 1-bytes s, then `(m ^ 255 s) + s`: no carry crosses a byte, every
+magnitude being at least 4). The activations are rounded to int8 per 32 once per call (`quantize_rows`: scale
+max|x| / 127, half away from zero, as llama.cpp's CUDA kernels round theirs), so a result is the float product with
+x rounded that way; `quantize_x` is the rounding's torch twin and the tests hold the tiles to it.
 
 `dp4a` is inline PTX on a GPU; Triton's interpreter cannot run PTX, so there it is the same sum byte by byte
 (`_dp4a`). A GPU takes these tiles once their GPU test passes there: DP4A_GPU_TESTED (the i-quants),
-KQ_DP4A_GPU_TESTED (Q8_0, Q4_K, Q5_K, Q6_K); `tools/gpu/gated.sh`.
+KQ_DP4A_GPU_TESTED (Q8_0, Q2_K-Q6_K); `tools/gpu/gated.sh`.
 """
 
 from __future__ import annotations
@@ -31,11 +30,11 @@ Q = GGMLQuantizationType
 # the dp4a tiles on a GPU: their GPU test (tests/experts/test_dp4a.py) passes there, and they were timed
 # against the lookup tiles (`tools/bench_kernels.py --iq-tiles dp4a`); until then a GPU keeps the lookup tiles
 DP4A_GPU_TESTED = False
-# Q8_0's, Q4_K's, Q5_K's and Q6_K's dp4a tiles on a GPU (every dense GEMV and expert of most files then rounds its activations to
+# Q8_0's and the K-quants' dp4a tiles on a GPU (every dense GEMV and expert of most files then rounds its activations to
 # int8): their GPU test passes there and they were timed against the float tiles (`--kq-tiles dp4a`)
 KQ_DP4A_GPU_TESTED = False
 IQ_FORMATS = frozenset({Q.IQ2_XXS, Q.IQ2_S, Q.IQ3_XXS})
-KQ_FORMATS = frozenset({Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K})
+KQ_FORMATS = frozenset({Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K})
 
 try:
     import triton
@@ -85,7 +84,7 @@ if triton is not None:
     C_KQ = tl.constexpr(KQ_DP4A_GPU_TESTED and not triton_interpreting())
     C_INTERP = tl.constexpr(triton_interpreting())
     from strata.ops.iquant_triton import C_P2S, C_P2XXS, C_P3XXS, C_PONES, _blocks, _f16v, _subblocks, _u16, _u32h
-    from strata.ops.kquant_triton import k4_scale_words, q4k_tile, q5k_tile, q6k_tile, q8_0_tile
+    from strata.ops.kquant_triton import k4_scale_words, q2k_tile, q3k_tile, q4k_tile, q5k_tile, q6k_tile, q8_0_tile
     from strata.ops.iquant_triton import iq2s_tile as _iq2s_other
     from strata.ops.iquant_triton import iq2xxs_tile as _iq2xxs_other
     from strata.ops.iquant_triton import iq3xxs_tile as _iq3xxs_other
@@ -326,6 +325,70 @@ if triton is not None:
         p3 = tl.sum(_q6k_part(qb, qh, 4, -2, s1, 2, x3, _dp4a(one, x3), w), axis=3).to(tl.float32) * f3
         part = tl.sum(p0 + p1 + p2 + p3, axis=2) * d  # [BN, NB]
         return tl.sum(part, axis=1)
+
+    @triton.jit
+    def _k23(row, xq, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr, THREE: tl.constexpr):
+        # Q2_K, or Q3_K (THREE). Half n of a superblock, word w (l = 4 w .. 4 w + 3): qs word qoff + 32 n + 4 w holds
+        # weights 128 n + 32 j + l at bits 2 j, 2 j + 1 (quarter j = sub-block 4 n + j); group of 16 g = 8 n + 2 j +
+        # w // 4. Q2_K: scale byte g (low nibble the scale, high the min): d sc q - dmin m. Q3_K: hmask word 4 w,
+        # bit 4 n + j the third bit h; value q + 4 h - 4, scale s - 32 (6 bits: nibble g // 8 of byte 96 + g % 8,
+        # bits 2 (g // 4) of byte 104 + g % 4). Both blocks read as 2-byte aligned words (Q3_K's 110 bytes)
+        nn = tl.arange(0, 2)[None, None, :, None]
+        w = tl.arange(0, 8)[None, None, None, :]
+        sb, sm = _blocks(b0, nsb, NB, EVEN)
+        m2 = sm[None, :]
+        m4 = m2[:, :, None, None]
+        if THREE:
+            blk = row[:, None] + sb[None, :] * 110  # [BN, NB]
+            d = _f16v(blk + 108, m2)[:, :, None]
+            b4 = blk[:, :, None, None]
+            QS = _u32h(b4 + (32 + 32 * nn + 4 * w).to(tl.int64), m4)  # [BN, NB, 2, 8]
+            HM = _u32h(b4 + (4 * w).to(tl.int64), m4)  # [BN, NB, 1, 8]
+        else:
+            blk = row[:, None] + sb[None, :] * 84
+            d = _f16v(blk + 80, m2)[:, :, None]
+            dmin = _f16v(blk + 82, m2)[:, :, None]
+            b4 = blk[:, :, None, None]
+            QS = _u32h(b4 + (16 + 32 * nn + 4 * w).to(tl.int64), m4)
+        xo = (sb * 8)[:, None] + 4 * tl.arange(0, 2)[None, :]  # [NB, 2] sub-block 4 n of quantize_rows' words
+        xm = sm[:, None]
+        wx = tl.arange(0, 8)[None, None, :]
+        one = tl.full([NB, 2, 8], 0x01010101, tl.int32)
+        acc = tl.zeros([BN, NB, 2], dtype=tl.float32)
+        for j in tl.static_range(4):
+            xw = tl.load(xq + ((xo + j) * 9)[:, :, None] + wx, mask=xm[:, :, None], other=0)  # [NB, 2, 8]
+            xs = tl.load(xq + (xo + j) * 9 + 8, mask=xm, other=0).to(tl.float32, bitcast=True)[None]  # [1, NB, 2]
+            xsum = _dp4a(one, xw)[None]  # [1, NB, 2, 8]
+            q = (QS >> (2 * j)) & 0x03030303
+            g = 8 * nn + 2 * j + w // 4  # [1, 1, 2, 8]
+            if THREE:
+                q = q | (((HM >> (4 * nn + j).to(tl.uint32)) & 0x01010101) << 2)
+                dot = _dp4a(q.to(tl.int32, bitcast=True), xw[None]) - 4 * xsum
+                lo = tl.load(b4 + (96 + g % 8).to(tl.int64), mask=m4, other=0).to(tl.int32)
+                hi = tl.load(b4 + (104 + g % 4).to(tl.int64), mask=m4, other=0).to(tl.int32)
+                sc = (((lo >> (4 * (g // 8))) & 15) | (((hi >> (2 * (g // 4))) & 3) << 4)) - 32
+                acc += tl.sum(dot * sc, axis=3).to(tl.float32) * xs * d
+            else:
+                dot = _dp4a(q.to(tl.int32, bitcast=True), xw[None])
+                sc = tl.load(b4 + g.to(tl.int64), mask=m4, other=0).to(tl.int32)  # [BN, NB, 2, 8]
+                a = tl.sum(dot * (sc & 15), axis=3).to(tl.float32)
+                b = tl.sum(xsum * (sc >> 4), axis=3).to(tl.float32)
+                acc += (d * a - dmin * b) * xs
+        return tl.sum(tl.sum(acc, axis=2), axis=1)
+
+    @triton.jit
+    def q2k_dp4a_tile(row, xp, xq, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
+        if C_KQ:
+            return _k23(row, xq, b0, nsb, BN, NB, EVEN, False)
+        else:
+            return q2k_tile(row, xp, b0, nsb, BN, NB, EVEN)
+
+    @triton.jit
+    def q3k_dp4a_tile(row, xp, xq, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
+        if C_KQ:
+            return _k23(row, xq, b0, nsb, BN, NB, EVEN, True)
+        else:
+            return q3k_tile(row, xp, b0, nsb, BN, NB, EVEN)
 
     @triton.jit
     def q6k_dp4a_tile(row, xp, xq, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):

@@ -76,7 +76,7 @@ def available() -> bool:
 
 if triton is not None:
     from strata.ops import dp4a_triton, iquant_x_triton
-    from strata.ops.kquant_triton import q2k_tile, q3k_tile, q32_tile
+    from strata.ops.kquant_triton import q32_tile
 
     @triton.jit
     def _tile_dot(row, xp, xq, tab, it, K, QT: tl.constexpr, BN: tl.constexpr, KW: tl.constexpr, EVEN: tl.constexpr):
@@ -90,9 +90,9 @@ if triton is not None:
         elif QT == 14:  # Q6_K
             return dp4a_triton.q6k_dp4a_tile(row, xp, xq, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
         elif QT == 10:  # Q2_K
-            return q2k_tile(row, xp, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
+            return dp4a_triton.q2k_dp4a_tile(row, xp, xq, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
         elif QT == 11:  # Q3_K
-            return q3k_tile(row, xp, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
+            return dp4a_triton.q3k_dp4a_tile(row, xp, xq, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
         elif QT == 23:  # IQ4_XS
             return iquant_triton.iq4xs_tile(row, xp, tab, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
         elif QT == 16:  # IQ2_XXS

@@ -26,7 +26,7 @@ COMMON = textwrap.dedent("""
     dp.C_DP4A = tl.constexpr(KIND != "kq")  # before any kernel compiles in this process
     dp.C_KQ = tl.constexpr(KIND != "iq")
     IQ = [Q.IQ2_XXS, Q.IQ2_S, Q.IQ3_XXS] if KIND != "kq" else []
-    KQ = [Q.Q4_K, Q.Q8_0, Q.Q6_K, Q.Q5_K] if KIND != "iq" else []
+    KQ = [Q.Q4_K, Q.Q8_0, Q.Q6_K, Q.Q5_K, Q.Q2_K, Q.Q3_K] if KIND != "iq" else []
     from strata.ops import expert_triton as et
     from strata.ops.expert_gather import _torch_gather_ffn
     from strata.quant import random_qtensor
@@ -79,7 +79,7 @@ INTERPRETED = COMMON + textwrap.dedent("""
         back = words[:, :, :8].contiguous().view(torch.int8).float() * words[:, :, 8:].contiguous().view(torch.float32)
         assert torch.equal(back.reshape(3, 1088), dp.quantize_x(x)), dt
     # exact: every format, one iteration and several, a partial last tile (K = 768 in tiles of 512)
-    for qt in (Q.IQ2_XXS, Q.IQ2_S, Q.IQ3_XXS, Q.Q4_K, Q.Q8_0, Q.Q6_K, Q.Q5_K):
+    for qt in IQ + KQ:
         for K, kw in ((512, 512), (512, 256), (768, 512)):
             w = random_qtensor(qt, (2, 64, K), rng)
             x = exact_x(3, K, gen)
@@ -93,13 +93,13 @@ INTERPRETED = COMMON + textwrap.dedent("""
             yr = gemv(xr, w, slots[:1], 32, kw)
             assert rel(yr[0], deq(w, 1) @ dp.quantize_x(xr[0]).double()) < 5e-3
             assert 1e-5 < rel(yr[0], deq(w, 1) @ xr[0].double()) < 3e-2, qt.name
-    # the GLU kernel (gate and up in these formats, x exact) under a Q3_K down, which reads its input as floats:
+    # the GLU kernel (gate and up in these formats, x exact) under an IQ4_XS down, which reads its input as floats:
     # the float product, with a miss, misses read from a host stack, a token's choices on its one row of x
     for qg, d in ((Q.IQ2_XXS, 512), (Q.IQ2_S, 256), (Q.IQ3_XXS, 768), (Q.Q4_K, 512), (Q.Q8_0, 256), (Q.Q6_K, 256),
-                  (Q.Q5_K, 512)):
+                  (Q.Q5_K, 512), (Q.Q2_K, 256), (Q.Q3_K, 512)):
         ff = 256
         g, u = (random_qtensor(qg, (2, ff, d), rng) for _ in range(2))
-        dn = random_qtensor(Q.Q3_K, (2, d, ff), rng)
+        dn = random_qtensor(Q.IQ4_XS, (2, d, ff), rng)
         x = exact_x(4, d, gen)
         slots = torch.tensor([1, -1, 0, 1])
         y = et.triton_expert_ffn(x, g, u, dn, slots, block_n=32)
@@ -108,7 +108,7 @@ INTERPRETED = COMMON + textwrap.dedent("""
         for i in (0, 2, 3):
             assert rel(y[i], ref[i]) < 1e-5, (qg.name, i, rel(y[i], ref[i]))
         hg, hu = (random_qtensor(qg, (3, ff, d), rng) for _ in range(2))
-        hd = random_qtensor(Q.Q3_K, (3, d, ff), rng)
+        hd = random_qtensor(Q.IQ4_XS, (3, d, ff), rng)
         eids = torch.tensor([2, 0, 1, 2])
         yh = et.triton_expert_ffn(x, g, u, dn, slots, block_n=32, host=(hg, hu, hd), eids=eids)
         refh = _torch_gather_ffn(x, hg, hu, hd, eids)
@@ -121,7 +121,7 @@ INTERPRETED = COMMON + textwrap.dedent("""
     # decided the other way moves a result by ~0.5%)
     for qg, qd, d, ff in ((Q.IQ2_XXS, Q.IQ3_XXS, 512, 256), (Q.IQ2_S, Q.IQ2_XXS, 256, 256), (Q.IQ3_XXS, Q.IQ2_S, 256, 512),
                           (Q.Q4_K, Q.Q8_0, 512, 256), (Q.Q8_0, Q.Q4_K, 256, 512), (Q.Q6_K, Q.Q6_K, 256, 256),
-                          (Q.Q5_K, Q.Q6_K, 512, 256)):
+                          (Q.Q5_K, Q.Q6_K, 512, 256), (Q.Q2_K, Q.Q3_K, 512, 256)):
         g, u = (random_qtensor(qg, (2, ff, d), rng) for _ in range(2))
         dn = random_qtensor(qd, (2, d, ff), rng)
         x = torch.randn(3, d).bfloat16()
@@ -147,7 +147,7 @@ GPU = COMMON + textwrap.dedent("""
                 assert rel(y[i], deq(w, s) @ x[i].cpu().double()) < 1e-6, (qt.name, K, kw, i)
     cases = [(Q.IQ2_XXS, Q.IQ3_XXS, 2048, 768), (Q.IQ2_S, Q.IQ2_S, 2048, 768), (Q.IQ3_XXS, Q.IQ2_XXS, 768, 512),
              (Q.Q4_K, Q.Q4_K, 2048, 768), (Q.Q8_0, Q.Q8_0, 2048, 768), (Q.Q6_K, Q.Q6_K, 2048, 768),
-             (Q.Q5_K, Q.Q5_K, 2048, 768)]
+             (Q.Q5_K, Q.Q5_K, 2048, 768), (Q.Q2_K, Q.Q3_K, 2048, 768)]
     for qg, qd, d, ff in [c for c in cases if c[0] in IQ + KQ]:
         g, u = (random_qtensor(qg, (4, ff, d), s, device=dev) for s in (1, 2))
         dn = random_qtensor(qd, (4, d, ff), 3, device=dev)

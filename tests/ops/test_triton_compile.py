@@ -109,7 +109,7 @@ dp4a_triton.C_KQ = tl.constexpr(True)
 from gguf import GGMLQuantizationType as Q
 from strata.ops import expert_triton
 from tests.ops.test_triton_compile import _compile, _gemv_signature
-for qt in (Q.IQ2_XXS, Q.IQ2_S, Q.IQ3_XXS, Q.Q4_K, Q.Q8_0, Q.Q6_K, Q.Q5_K):
+for qt in (Q.IQ2_XXS, Q.IQ2_S, Q.IQ3_XXS, Q.Q4_K, Q.Q8_0, Q.Q6_K, Q.Q5_K, Q.Q2_K, Q.Q3_K):
     k = _compile(expert_triton._gemv_kernel, _gemv_signature("*fp32"),
                  {"QT": int(qt), "BN": 8, "KW": 512, "EVEN": False, "GATHER": True, "HOST": True}, int(sys.argv[1]))
     assert "dp4a.s32.s32" in k.asm["ptx"], qt.name

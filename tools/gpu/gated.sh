@@ -53,7 +53,7 @@ GATED=(
   "tests/ops/test_qgemv.py|strata/ops/qgemv.py|s/^LOOKUP_GPU_TESTED = False/LOOKUP_GPU_TESTED = True/"
   # the IQ2_XXS / IQ2_S / IQ3_XXS tiles that multiply four weights at a time against int8 activations (dp4a)
   "tests/experts/test_dp4a.py::test_cuda_dp4a_tiles[iq]|strata/ops/dp4a_triton.py|s/^DP4A_GPU_TESTED = False/DP4A_GPU_TESTED = True/"
-  # Q8_0's, Q4_K's, Q5_K's and Q6_K's dp4a tiles (every dense GEMV, LM head and K-quant expert then rounds x to
+  # Q8_0's and the K-quants' dp4a tiles (every dense GEMV, LM head and K-quant expert then rounds x to
   # int8): the whole GPU suite runs with them (tools/gpu/test.sh) before the flag is set in the repository
   "tests/experts/test_dp4a.py::test_cuda_dp4a_tiles[kq] tests/ops/test_qgemv.py tests/quant/test_quant_matmul.py|strata/ops/dp4a_triton.py|s/^KQ_DP4A_GPU_TESTED = False/KQ_DP4A_GPU_TESTED = True/"
   # the prompt chunks' Q2_K / Q3_K, Q4_1 / Q5_0 / Q5_1 and IQ2_XS / IQ3_S / IQ1_S / IQ1_M dequantizers
