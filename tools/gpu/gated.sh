@@ -9,7 +9,8 @@
 #   tools/gpu/gated.sh                   # test only
 #   APPLY=1 tools/gpu/gated.sh && BUDGET=0 tools/gpu/compare_flags.sh ""    # test, enable what passed, measure
 #
-# Environment: TIMEOUT (seconds per test group, default 240), OUT (set by the device tool). Writes
+# Environment: TIMEOUT (seconds per test group, default 240), PENDING (1: only the entries whose flag is not set
+# yet, i.e. those naming a file: the regression set is skipped), OUT (set by the device tool). Writes
 # $OUT/gated.log (every pytest output), $OUT/gated.txt (the verdicts) and scratch/gated-apply.sh (the passing
 # flags as sed commands: a later command on the same warm machine runs `bash scratch/gated-apply.sh` to measure
 # with them, since each command gets a fresh copy of the tracked files). Carry .whl (see setup.sh).
@@ -68,6 +69,7 @@ apply=scratch/gated-apply.sh
 echo "# written by tools/gpu/gated.sh: the flags whose GPU tests passed on this machine" > "$apply"
 for entry in "${GATED[@]}"; do
   IFS='|' read -r tests file sub <<< "$entry"
+  [[ "${PENDING:-0}" == 1 && -z "$file" ]] && continue
   # shellcheck disable=SC2086  # tests is a word list
   timeout "${TIMEOUT:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider $tests > "$OUT/gated.one" 2>&1
   rc=$?
