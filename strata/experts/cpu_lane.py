@@ -14,7 +14,7 @@ Kernels per expert FFN (`silu(x @ gate.T) * (x @ up.T) @ down.T`):
   weight so an expert is two calls. Q8_0 (per-32-block scales, which the per-row `_weight_int8pack_mm`
   cannot take) goes as two int4 halves along a doubled k: exact up to the bf16 scales, 10 bits per weight.
 
-- `native`: Q2_K / Q3_K / Q4_K / Q5_K / Q6_K / Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / MXFP4 / TQ2_0 and the i-quants IQ4_XS /
+- `native`: Q2_K / Q3_K / Q4_K / Q5_K / Q6_K / Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / MXFP4 / TQ1_0 / TQ2_0 and the i-quants IQ4_XS /
   IQ4_NL / IQ3_XXS / IQ3_S / IQ2_XXS / IQ2_XS / IQ2_S / IQ1_S / IQ1_M: experts read in place by a compiled kernel
   (`strata.ops.cpu_native`: int8 activations, AVX2 integer dot products, every expert of a token-layer in one
   call); needs a C compiler at first use. Rows are multiples of 256, or of 32 for the 32-wide block formats (Q8_0,
@@ -23,7 +23,7 @@ Kernels per expert FFN (`silu(x @ gate.T) * (x @ up.T) @ down.T`):
 
 `auto` takes `native` for bf16/f16 activations and experts in those formats when the kernel builds, else `int4` for a
 repackable format (Q4_K, Q4_0, Q8_0; plain SwiGLU, and preferred for rows with a partial 256-block), else `ref`.
-Other formats (the ternary TQ1_0; float experts) use `ref`; with bf16/f16
+Other formats (float experts) use `ref`; with bf16/f16
 activations that logs one warning per such format.
 
 Threads: torch's intra-op pool is process-wide; `CpuLane(threads=n)` sets it (0 leaves torch's default, one

@@ -288,13 +288,13 @@ static float dot_q8_0(const uint8_t *row, int K, const int8_t *xq, const float *
 #include "cpu_native_iqx.h"  /* IQ2_XS / IQ3_S / IQ1_S / IQ1_M: their tables and dot products */
 #include "cpu_native_fmt.h"  /* Q5_K and MXFP4: dot_q5k, dot_mxfp4(_tail) */
 #include "cpu_native_rows.h" /* Q4_K, Q6_K and Q8_0 against several rows of x: dot_*_rows */
-#include "cpu_native_kq.h"   /* Q2_K, Q3_K and TQ2_0: dot_q2k, dot_q3k, dot_tq2_0 */
+#include "cpu_native_kq.h"   /* Q2_K, Q3_K, TQ2_0 and TQ1_0: dot_q2k, dot_q3k, dot_tq2_0, dot_tq1_0 */
 #include "cpu_native_q32.h"  /* Q4_0, Q4_1, Q5_0, Q5_1: dot_q32 */
 
 enum { FMT_Q4K = 0, FMT_Q6K = 1, FMT_Q80 = 2, FMT_IQ4XS = 3, FMT_IQ2XXS = 4, FMT_IQ3XXS = 5, FMT_Q5K = 6,
        FMT_MXFP4 = 7, FMT_IQ2S = 8, FMT_IQ4NL = 9, FMT_Q2K = 10, FMT_Q3K = 11,
        FMT_IQ2XS = 12, FMT_IQ3S = 13, FMT_IQ1S = 14, FMT_IQ1M = 15, FMT_Q40 = 16, FMT_Q41 = 17, FMT_Q50 = 18,
-       FMT_Q51 = 19, FMT_TQ20 = 20, N_FMT = 21 };
+       FMT_Q51 = 19, FMT_TQ20 = 20, FMT_TQ10 = 21, N_FMT = 22 };
 
 /* the weights a block of the format spans: its rows' lengths are multiples of it */
 static inline int fmt_width(int fmt) {
@@ -304,7 +304,8 @@ static inline int fmt_width(int fmt) {
 static inline int row_bytes(int fmt, int K) {
     static const int per256[] = {144, 210, 0, 136, 66, 98, 176, 136, 82, 0, 84, 110, 74, 110, 50, 56};
     return fmt == FMT_Q80 ? K / 32 * 34 : fmt == FMT_MXFP4 ? K / 32 * 17 : fmt == FMT_IQ4NL ? K / 32 * 18
-         : fmt == FMT_TQ20 ? K / 256 * 66 : fmt >= FMT_Q40 ? K / 32 * (18 + 2 * (fmt - FMT_Q40))
+         : fmt == FMT_TQ20 ? K / 256 * 66 : fmt == FMT_TQ10 ? K / 256 * 54
+         : fmt >= FMT_Q40 ? K / 32 * (18 + 2 * (fmt - FMT_Q40))
          : K / 256 * per256[fmt];
 }
 
@@ -312,6 +313,7 @@ static inline float dot_row(int fmt, const uint8_t *row, int K, const int8_t *q,
                             const int32_t *qs, const int32_t *q16) {
     if (fmt == FMT_Q80) return dot_q8_0(row, K, q, qd);
     if (fmt == FMT_TQ20) return dot_tq2_0(row, K / 256, q, qd, qs);
+    if (fmt == FMT_TQ10) return dot_tq1_0(row, K / 256, q, qd);
     if (fmt >= FMT_Q40) return dot_q32(fmt - FMT_Q40, row, K, q, qd, qs);
     if (fmt == FMT_IQ4XS) return dot_iq4xs(row, K / 256, q, qd);
     if (fmt == FMT_IQ4NL) return dot_iq4nl(row, K, q, qd);

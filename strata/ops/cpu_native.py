@@ -172,7 +172,7 @@ def _set_tables(lib: ctypes.CDLL) -> None:
 # the kernel's format codes (FMT_Q4K, ..., FMT_MXFP4, FMT_IQ2S, FMT_IQ4NL, FMT_Q2K, FMT_Q3K, FMT_IQ2XS, ...)
 FORMATS = {"Q4_K": 0, "Q6_K": 1, "Q8_0": 2, "IQ4_XS": 3, "IQ2_XXS": 4, "IQ3_XXS": 5, "Q5_K": 6, "MXFP4": 7, "IQ2_S": 8,
            "IQ4_NL": 9, "Q2_K": 10, "Q3_K": 11, "IQ2_XS": 12, "IQ3_S": 13, "IQ1_S": 14, "IQ1_M": 15, "Q4_0": 16,
-           "Q4_1": 17, "Q5_0": 18, "Q5_1": 19, "TQ2_0": 20}
+           "Q4_1": 17, "Q5_0": 18, "Q5_1": 19, "TQ2_0": 20, "TQ1_0": 21}
 # the weights a block spans (the kernel's fmt_width): a row's length must be a multiple of it. The activations are
 # quantized per 256 with a partial last block, which only the 32-wide formats' dot products can read.
 WIDTHS = {f: 32 if f in ("Q8_0", "MXFP4", "IQ4_NL", "Q4_0", "Q4_1", "Q5_0", "Q5_1") else 256 for f in FORMATS}

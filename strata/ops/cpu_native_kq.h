@@ -201,3 +201,70 @@ static float dot_tq2_0(const uint8_t *row, int nb, const int8_t *xq, const float
 #endif
     return sum;
 }
+
+/* TQ1_0 (54 bytes / 256 weights): the ternary format packed five trits a byte (qs[48]: weights 0-159 from
+   qs[0..32) and 160-239 from qs[32..48), trit n of byte q being the top of (q 3^n mod 256) * 3 >> 8) and four
+   a byte (qh[4]: weights 240-255), then f16 d; w = d * (trit - 1). The trit minus one is [q >= 86] + [q >= 171]
+   - 1 (q * 3 >> 8 crosses 1 at 86 and 2 at 171), applied to x as a sign (sign_epi8), so no offset sum is needed. */
+#if defined(__AVX2__) && defined(__FMA__)
+static inline __m256i tq1_times3(__m256i q) { return _mm256_add_epi8(_mm256_add_epi8(q, q), q); }
+
+/* x8 . (trit - 1) over 32 weights whose code bytes (already times 3^n) are q, as 16 int16 pair sums */
+static inline __m256i tq1_pairs(__m256i q, const int8_t *x) {
+    const __m256i flip = _mm256_set1_epi8((char)0x80), one = _mm256_set1_epi8(1);
+    const __m256i s = _mm256_xor_si256(q, flip);  /* q - 128: unsigned order as signed */
+    const __m256i ge86 = _mm256_cmpgt_epi8(s, _mm256_set1_epi8(85 - 128));
+    const __m256i ge171 = _mm256_cmpgt_epi8(s, _mm256_set1_epi8(170 - 128));
+    const __m256i t = _mm256_sub_epi8(_mm256_sub_epi8(_mm256_set1_epi8(-1), ge86), ge171);
+    return _mm256_maddubs_epi16(one, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)x), t));
+}
+#endif
+
+static float dot_tq1_0(const uint8_t *row, int nb, const int8_t *xq, const float *xd) {
+    float sum = 0.f;
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 fsum = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = row + b * 54;
+        PREFETCH_AHEAD(blk, nb * 54, 54);
+        const int8_t *x = xq + b * 256;
+        /* int16 lanes hold at most 8 pair sums of |x| <= 127: no overflow */
+        __m256i q = _mm256_loadu_si256((const __m256i *)blk), acc = _mm256_setzero_si256();
+        for (int n = 0; n < 5; n++) {
+            acc = _mm256_add_epi16(acc, tq1_pairs(q, x + 32 * n));
+            q = tq1_times3(q);
+        }
+        const __m128i a = _mm_loadu_si128((const __m128i *)(blk + 32));
+        __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(a), _mm_add_epi8(_mm_add_epi8(a, a), a), 1);
+        acc = _mm256_add_epi16(acc, tq1_pairs(v, x + 160));              /* a, 3a */
+        v = tq1_times3(tq1_times3(v));
+        acc = _mm256_add_epi16(acc, tq1_pairs(v, x + 192));              /* 9a, 27a */
+        int32_t h32;
+        __builtin_memcpy(&h32, blk + 48, 4);
+        const __m128i h = _mm_set1_epi32(h32), h3 = _mm_add_epi8(_mm_add_epi8(h, h), h);
+        const __m128i h9 = _mm_add_epi8(_mm_add_epi8(h3, h3), h3), h27 = _mm_add_epi8(_mm_add_epi8(h9, h9), h9);
+        const __m128i tail = _mm_blend_epi32(_mm_blend_epi32(h, h3, 0x2), _mm_blend_epi32(h9, h27, 0x8), 0xC);
+        v = tq1_times3(tq1_times3(v));                                     /* 81a, (243a: replaced by the tail) */
+        acc = _mm256_add_epi16(acc, tq1_pairs(_mm256_inserti128_si256(v, tail, 1), x + 224));
+        fsum = _mm256_fmadd_ps(_mm256_set1_ps(f16(blk + 52) * xd[b]),
+                               _mm256_cvtepi32_ps(_mm256_madd_epi16(acc, ones)), fsum);
+    }
+    sum = hsum8(fsum);
+#else
+    static const uint8_t pow3[5] = {1, 3, 9, 27, 81};
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = row + b * 54;
+        const int8_t *x = xq + b * 256;
+        int32_t isum = 0;
+        for (int w = 0; w < 256; w++) {
+            const uint8_t q = w < 160 ? (uint8_t)(blk[w % 32] * pow3[w / 32])
+                            : w < 240 ? (uint8_t)(blk[32 + (w - 160) % 16] * pow3[(w - 160) / 16])
+                                      : (uint8_t)(blk[48 + (w - 240) % 4] * pow3[(w - 240) / 4]);
+            isum += (((int)q * 3 >> 8) - 1) * x[w];
+        }
+        sum += xd[b] * f16(blk + 52) * (float)isum;
+    }
+#endif
+    return sum;
+}

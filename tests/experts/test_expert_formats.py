@@ -121,12 +121,12 @@ def test_reference_only_formats_warn_once_each(monkeypatch, caplog):
     """bf16 activations would take a fast CPU kernel; a format none of them reads logs one warning naming it,
     however many layers and lanes use it."""
     monkeypatch.setattr(formats, "_WARNED", set())                 # this process may have warned already
-    layers = {0: _layer(Q.TQ1_0, 0), 1: _layer(Q.TQ1_0, 3), 2: _layer(Q.F16, 6)}
+    layers = {0: _layer(Q.BF16, 0), 1: _layer(Q.BF16, 3), 2: _layer(Q.F16, 6)}
     with caplog.at_level(logging.WARNING, logger="strata"):
         lanes = [CpuLane(layers, dtype=torch.bfloat16) for _ in range(2)]
     msgs = [r.getMessage() for r in caplog.records if "no fast kernel" in r.getMessage()]
     assert len(msgs) == 2, msgs
-    assert "TQ1_0" in msgs[0] and "CPU lane" in msgs[0] and "F16" in msgs[1]
+    assert "BF16" in msgs[0] and "CPU lane" in msgs[0] and "F16" in msgs[1] and "BF16" not in msgs[1]
     # and the lane computes them (the reference path), as the resident expert FFN does
     x = torch.randn(3, 256).to(torch.bfloat16)
     ew = layers[2]

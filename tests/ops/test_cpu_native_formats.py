@@ -31,8 +31,8 @@ MIXES = [pytest.param(gu, dn, id=f"{gu.name}-{dn.name}")
                         (Q.IQ1_M, Q.IQ2_XS),
                         # the 32-wide formats llama.cpp writes for rows that are not whole 256-blocks
                         (Q.Q4_K, Q.Q5_0), (Q.Q5_K, Q.Q5_1), (Q.Q3_K, Q.Q4_0), (Q.Q4_1, Q.Q4_1),
-                        # the ternary TQ2_0
-                        (Q.TQ2_0, Q.TQ2_0)]]
+                        # the ternary TQ2_0 and TQ1_0
+                        (Q.TQ2_0, Q.TQ2_0), (Q.TQ1_0, Q.TQ1_0), (Q.TQ1_0, Q.TQ2_0)]]
 # (d, ff): K from 256 to 2048 for both the gate/up rows (K = d) and the down rows (K = ff)
 SHAPES = [(256, 512), (768, 256), (1280, 1024), (2048, 768)]
 
