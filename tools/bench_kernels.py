@@ -151,7 +151,7 @@ def _launch_gemv(x, w, out, bn, kw, warps, slots=None):
     gather = slots is not None
     tab = expert_triton.codebooks_for((w.qtype,), out)
     expert_triton._gemv_kernel[(P * expert_triton.triton.cdiv(N, bn),)](
-        x, int8_rows(x, (w.qtype,)), raw, slots if gather else raw, raw, out, tab, out, P, N, K, raw[0].numel() if gather else raw.numel(),
+        x, int8_rows(x, (w.qtype,), torch.bfloat16), raw, slots if gather else raw, raw, out, tab, out, P, N, K, raw[0].numel() if gather else raw.numel(),
         raw.shape[-1], QT=int(w.qtype), BN=bn, KW=kw, EVEN=K % kw == 0, GATHER=gather, HOST=False,
         num_warps=warps)
 

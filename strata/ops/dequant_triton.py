@@ -415,9 +415,9 @@ SUPPORTED = frozenset(KERNELS)
 # test has passed there (tests/ops/test_prefill_ops_gpu.py; tools/gpu/gated.sh); the interpreter runs them
 IQ_GPU_TESTED = True
 # likewise the Q2_K and Q3_K kernels, Q4_1 / Q5_0 / Q5_1's, and those of strata.ops.dequant_iqx_triton
-K23_GPU_TESTED = False
-Q32_GPU_TESTED = False
-IQX_GPU_TESTED = False
+K23_GPU_TESTED = True
+Q32_GPU_TESTED = True
+IQX_GPU_TESTED = True
 _GATED = frozenset({Q.IQ2_XXS, Q.IQ3_XXS, Q.IQ2_S} if not IQ_GPU_TESTED else ()) | frozenset(
     {Q.Q2_K, Q.Q3_K} if not K23_GPU_TESTED else ()) | frozenset(
     {Q.Q4_1, Q.Q5_0, Q.Q5_1} if not Q32_GPU_TESTED else ()) | frozenset(

@@ -29,7 +29,7 @@ Q = GGMLQuantizationType
 
 # the dp4a tiles on a GPU: their GPU test (tests/experts/test_dp4a.py) passes there, and they were timed
 # against the lookup tiles (`tools/bench_kernels.py --iq-tiles dp4a`); until then a GPU keeps the lookup tiles
-DP4A_GPU_TESTED = False
+DP4A_GPU_TESTED = True
 # Q8_0's and the K-quants' dp4a tiles on a GPU (every dense GEMV and expert of most files then rounds its activations to
 # int8): their GPU test passes there and they were timed against the float tiles (`--kq-tiles dp4a`)
 KQ_DP4A_GPU_TESTED = False
@@ -43,10 +43,17 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
 
-def rounds_activations(qtype) -> bool:
-    """Whether a GPU's tiles of `qtype` round the activations to int8 (the dp4a tiles, where taken): their results
-    then differ from the float product by that rounding (~1% of an expert's output, two roundings deep)."""
-    if triton is None:
+# Float32 activations keep the float tiles: float32 is the exact path by choice (the tests' oracles, `--dtype f32`),
+# as on the CPU lane, whose int8 kernels take bf16/f16 activations only; half-precision activations (the GPU's
+# default compute dtype) take the dp4a tiles, rounded to int8 per 32 as llama.cpp's CUDA kernels round them.
+EXACT_DTYPES = (torch.float32, torch.float64)
+
+
+def rounds_activations(qtype, dtype: torch.dtype | None = None) -> bool:
+    """Whether a GPU's tiles of `qtype` round activations of `dtype` (None: a half-precision one) to int8 (the dp4a
+    tiles, where taken): their results then differ from the float product by that rounding (~1% of an expert's
+    output, two roundings deep)."""
+    if triton is None or dtype in EXACT_DTYPES:
         return False
     return (bool(C_DP4A) and qtype in IQ_FORMATS) or (bool(C_KQ) and qtype in KQ_FORMATS)
 
@@ -72,10 +79,12 @@ def quantize_rows(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def int8_rows(x: torch.Tensor, qtypes) -> torch.Tensor:
-    """`quantize_rows(x)` where a tile of one of `qtypes` reads it, else x itself (a pointer the kernels take but do
-    not read)."""
-    return quantize_rows(x) if any(rounds_activations(q) for q in qtypes) else x
+def int8_rows(x: torch.Tensor, qtypes, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`quantize_rows(x)` where a tile of one of `qtypes` reads it for activations of `dtype` (default x's own: the
+    GLU's float32 output follows the layer's input), else x itself: the tiles take the dp4a path only when this
+    pointer holds int32 words, the float path (reading x) otherwise."""
+    dtype = x.dtype if dtype is None else dtype
+    return quantize_rows(x) if any(rounds_activations(q, dtype) for q in qtypes) else x
 
 
 if triton is not None:
@@ -378,42 +387,42 @@ if triton is not None:
 
     @triton.jit
     def q2k_dp4a_tile(row, xp, xq, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
-        if C_KQ:
+        if C_KQ and xq.dtype.element_ty == tl.int32:
             return _k23(row, xq, b0, nsb, BN, NB, EVEN, False)
         else:
             return q2k_tile(row, xp, b0, nsb, BN, NB, EVEN)
 
     @triton.jit
     def q3k_dp4a_tile(row, xp, xq, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
-        if C_KQ:
+        if C_KQ and xq.dtype.element_ty == tl.int32:
             return _k23(row, xq, b0, nsb, BN, NB, EVEN, True)
         else:
             return q3k_tile(row, xp, b0, nsb, BN, NB, EVEN)
 
     @triton.jit
     def q6k_dp4a_tile(row, xp, xq, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
-        if C_KQ:
+        if C_KQ and xq.dtype.element_ty == tl.int32:
             return _q6k(row, xq, b0, nsb, BN, NB, EVEN)
         else:
             return q6k_tile(row, xp, b0, nsb, BN, NB, EVEN)
 
     @triton.jit
     def q8_0_dp4a_tile(row, xp, xq, b0, nblk, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
-        if C_KQ:
+        if C_KQ and xq.dtype.element_ty == tl.int32:
             return _q8_0(row, xq, b0, nblk, BN, NB, EVEN)
         else:
             return q8_0_tile(row, xp, b0, nblk, BN, NB, EVEN)
 
     @triton.jit
     def q4k_dp4a_tile(row, xp, xq, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
-        if C_KQ:
+        if C_KQ and xq.dtype.element_ty == tl.int32:
             return _k45(row, xq, b0, nsb, BN, NB, EVEN, False)
         else:
             return q4k_tile(row, xp, b0, nsb, BN, NB, EVEN)
 
     @triton.jit
     def q5k_dp4a_tile(row, xp, xq, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
-        if C_KQ:
+        if C_KQ and xq.dtype.element_ty == tl.int32:
             return _k45(row, xq, b0, nsb, BN, NB, EVEN, True)
         else:
             return q5k_tile(row, xp, b0, nsb, BN, NB, EVEN)
@@ -423,21 +432,21 @@ if triton is not None:
 
     @triton.jit
     def iq2xxs_tile(row, xp, xq, tab, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
-        if C_DP4A:
+        if C_DP4A and xq.dtype.element_ty == tl.int32:
             return _iq2xxs(row, xq, tab, b0, nsb, BN, NB, EVEN)
         else:
             return _iq2xxs_other(row, xp, tab, b0, nsb, BN, NB, EVEN)
 
     @triton.jit
     def iq2s_tile(row, xp, xq, tab, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
-        if C_DP4A:
+        if C_DP4A and xq.dtype.element_ty == tl.int32:
             return _iq2s(row, xq, tab, b0, nsb, BN, NB, EVEN)
         else:
             return _iq2s_other(row, xp, tab, b0, nsb, BN, NB, EVEN)
 
     @triton.jit
     def iq3xxs_tile(row, xp, xq, tab, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
-        if C_DP4A:
+        if C_DP4A and xq.dtype.element_ty == tl.int32:
             return _iq3xxs(row, xq, tab, b0, nsb, BN, NB, EVEN)
         else:
             return _iq3xxs_other(row, xp, tab, b0, nsb, BN, NB, EVEN)

@@ -215,7 +215,7 @@ IQ4NL_GPU_TESTED = True
 if IQ4NL_GPU_TESTED:
     LOOKUP_ON_GPU = LOOKUP_ON_GPU | {Q.IQ4_NL}
 # IQ2_XS, IQ3_S, IQ1_S and IQ1_M (strata.ops.iquant_x_triton) likewise (tools/gpu/gated.sh)
-IQX_GPU_TESTED = False
+IQX_GPU_TESTED = True
 if IQX_GPU_TESTED:
     LOOKUP_ON_GPU = LOOKUP_ON_GPU | {Q.IQ2_XS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M}
 # The same for the block formats of strata.ops.kquant_triton: Q5_K (llama.cpp's _M and Unsloth's _XL mixes keep
@@ -224,11 +224,11 @@ if IQX_GPU_TESTED:
 K_ON_GPU = frozenset({Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K})
 # Q2_K and Q3_K (the experts of llama.cpp's Q2_K and Q3_K_* files and of Unsloth's low-bit UD mixes) join likewise
 # (tools/gpu/gated.sh)
-K23_GPU_TESTED = False
+K23_GPU_TESTED = True
 if K23_GPU_TESTED:
     K_ON_GPU = K_ON_GPU | {Q.Q2_K, Q.Q3_K}
 # and Q4_0 / Q4_1 / Q5_0 / Q5_1 (a K-quant file's rows that are not whole 256-blocks: GLM-4.5-Air's expert downs)
-Q32_GPU_TESTED = False
+Q32_GPU_TESTED = True
 if Q32_GPU_TESTED:
     K_ON_GPU = K_ON_GPU | set(Q32)
 
@@ -358,6 +358,6 @@ def triton_expert_ffn(x: torch.Tensor, gate, up, down, slots: torch.Tensor, bloc
         QG=int(gate.qtype), QU=int(up.qtype), BN=bn, KW=kw, EVEN=even, HOST=host is not None, num_warps=warps)
     bn, kw, even, warps = plan((down.qtype,), d, ff, P, x.device, block_n, block_k, host is not None)
     _gemv_kernel[(P * triton.cdiv(d, bn),)](
-        a, dp4a_triton.int8_rows(a, (down.qtype,)), dn, slots, hd, ids, tab, y, P, d, ff, dn[0].numel(), dn.shape[-1], QT=int(down.qtype), BN=bn, KW=kw,
+        a, dp4a_triton.int8_rows(a, (down.qtype,), x.dtype), dn, slots, hd, ids, tab, y, P, d, ff, dn[0].numel(), dn.shape[-1], QT=int(down.qtype), BN=bn, KW=kw,
         EVEN=even, GATHER=True, HOST=host is not None, num_warps=warps)
     return y

@@ -28,7 +28,7 @@ ROWS_GPU_TESTED = False
 # same one-row kernel: its tiles have passed the fused expert kernels' GPU tests, this entry joins once
 # tests/ops/test_qgemv.py has passed it on a GPU (tools/gpu/gated.sh); until then such weights are dequantized each
 # call
-LOOKUP_GPU_TESTED = False
+LOOKUP_GPU_TESTED = True
 
 
 def _gemv(x2d: torch.Tensor, w: QTensor, block_n: int | None = None, block_k: int | None = None,

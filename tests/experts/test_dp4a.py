@@ -100,10 +100,11 @@ INTERPRETED = COMMON + textwrap.dedent("""
         ff = 256
         g, u = (random_qtensor(qg, (2, ff, d), rng) for _ in range(2))
         dn = random_qtensor(Q.IQ4_XS, (2, d, ff), rng)
-        x = exact_x(4, d, gen)
+        # (bf16 activations, exact in bf16: float32 ones keep the float tiles, dp4a_triton.rounds_activations)
+        x = exact_x(4, d, gen).bfloat16()
         slots = torch.tensor([1, -1, 0, 1])
         y = et.triton_expert_ffn(x, g, u, dn, slots, block_n=32)
-        ref = _torch_gather_ffn(x, g, u, dn, slots.clamp(min=0))
+        ref = _torch_gather_ffn(x.float(), g, u, dn, slots.clamp(min=0))
         assert torch.equal(y[1], torch.zeros(d))
         for i in (0, 2, 3):
             assert rel(y[i], ref[i]) < 1e-5, (qg.name, i, rel(y[i], ref[i]))
@@ -111,10 +112,10 @@ INTERPRETED = COMMON + textwrap.dedent("""
         hd = random_qtensor(Q.IQ4_XS, (3, d, ff), rng)
         eids = torch.tensor([2, 0, 1, 2])
         yh = et.triton_expert_ffn(x, g, u, dn, slots, block_n=32, host=(hg, hu, hd), eids=eids)
-        refh = _torch_gather_ffn(x, hg, hu, hd, eids)
+        refh = _torch_gather_ffn(x.float(), hg, hu, hd, eids)
         assert rel(yh[1], refh[1]) < 1e-5 and rel(yh[0], ref[0]) < 1e-5
         y2 = et.triton_expert_ffn(x[:2], g, u, dn, slots, block_n=32, repeat=2)
-        ref2 = _torch_gather_ffn(x[:2].repeat_interleave(2, 0), g, u, dn, slots.clamp(min=0))
+        ref2 = _torch_gather_ffn(x[:2].float().repeat_interleave(2, 0), g, u, dn, slots.clamp(min=0))
         for i in (0, 2, 3):
             assert rel(y2[i], ref2[i]) < 1e-5, ("repeat", qg.name, i)
     # the whole FFN in these formats with any activations: the rounding's error, no more (a tie in the GLU's output
@@ -131,6 +132,17 @@ INTERPRETED = COMMON + textwrap.dedent("""
         fl = _torch_gather_ffn(x.float(), g, u, dn, slots.clamp(min=0))
         for i in (0, 2):
             assert rel(y[i], ref[i]) < 2e-2 and rel(y[i], fl[i]) < 5e-2, (qg.name, qd.name, i)
+    # float32 activations keep the float tiles (the exact path by choice), half-precision ones are rounded to int8
+    for qt in IQ[:1] + KQ[:1]:
+        g, u, dn = (random_qtensor(qt, (2, 256, 256), rng) for _ in range(3))
+        x, slots = torch.randn(2, 256, generator=gen), torch.tensor([0, 1])
+        assert not dp.rounds_activations(qt, torch.float32) and dp.rounds_activations(qt, torch.bfloat16)
+        y32 = et.triton_expert_ffn(x, g, u, dn, slots, block_n=64)
+        y16 = et.triton_expert_ffn(x.bfloat16(), g, u, dn, slots, block_n=64)
+        fl32 = _torch_gather_ffn(x, g, u, dn, slots)
+        fl16 = _torch_gather_ffn(x.bfloat16().float(), g, u, dn, slots)
+        for i in range(2):
+            assert rel(y32[i], fl32[i]) < 1e-5 and 1e-4 < rel(y16[i], fl16[i]) < 5e-2, (qt.name, i)
     print("ok")
 """)
 

@@ -33,7 +33,7 @@ def test_qgemv_matches_reference(qt, rows, monkeypatch):
     rel = ((out - ref).norm() / ref.norm()).item()
     from strata.ops.dp4a_triton import rounds_activations
 
-    assert rel < (1e-2 if rounds_activations(qt) else 1e-5), rel  # (x rounded to int8 by the dp4a tiles)
+    assert rel < (1e-2 if rounds_activations(qt, x.dtype) else 1e-5), rel  # (x rounded to int8 by the dp4a tiles)
     out = qmatmul(x.cuda().bfloat16(), w.to("cuda")).float().cpu()
     assert ((out - ref).norm() / ref.norm()).item() < 1e-2
 
@@ -61,6 +61,6 @@ def test_gemv_of_several_rows_matches_one_row_kernel(qt, shape):
         from strata.ops.dp4a_triton import rounds_activations
 
         # (the one-row kernel's dp4a tiles, where taken, round x to int8: the rows kernel keeps floats)
-        assert ((rows - one).norm() / ref.norm()).item() < (1e-2 if rounds_activations(qt) else 1e-6), T
+        assert ((rows - one).norm() / ref.norm()).item() < (1e-2 if rounds_activations(qt, x.dtype) else 1e-6), T
         rb = qgemv._gemv(xd.bfloat16(), wd, rows=True).float().cpu()
         assert ((rb - ref).norm() / ref.norm()).item() < 1e-2, T

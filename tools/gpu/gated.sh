@@ -46,19 +46,16 @@ GATED=(
   # (also taken after passing on an H200: a MoE layer's cache lookups and a prefetch's map and record in one launch
   # each, the decode step's ~15 small torch launches a layer around the staging; the engine tests run both ways)
   "tests/ops/test_host_stage.py tests/experts/test_tiered_direct.py tests/experts/test_staged_prefetch.py||"
-  # the Q2_K / Q3_K, Q4_0 / Q4_1 / Q5_0 / Q5_1 and IQ2_XS / IQ3_S / IQ1_S / IQ1_M tiles of the fused expert kernels
-  # and the decode GEMV (their flags together: a failing format shows in gated.log, its flag then stays off by hand)
-  "tests/experts/test_expert_triton.py|strata/ops/expert_triton.py|s/^K23_GPU_TESTED = False/K23_GPU_TESTED = True/;s/^Q32_GPU_TESTED = False/Q32_GPU_TESTED = True/;s/^IQX_GPU_TESTED = False/IQX_GPU_TESTED = True/"
-  # dense weights in the lookup formats through the one-row GEMV (the same file's tests check the tiles above as
-  # dense weights)
-  "tests/ops/test_qgemv.py|strata/ops/qgemv.py|s/^LOOKUP_GPU_TESTED = False/LOOKUP_GPU_TESTED = True/"
-  # the IQ2_XXS / IQ2_S / IQ3_XXS tiles that multiply four weights at a time against int8 activations (dp4a)
-  "tests/experts/test_dp4a.py::test_cuda_dp4a_tiles[iq]|strata/ops/dp4a_triton.py|s/^DP4A_GPU_TESTED = False/DP4A_GPU_TESTED = True/"
-  # Q8_0's and the K-quants' dp4a tiles (every dense GEMV, LM head and K-quant expert then rounds x to
-  # int8): the whole GPU suite runs with them (tools/gpu/test.sh) before the flag is set in the repository
-  "tests/experts/test_dp4a.py::test_cuda_dp4a_tiles[kq] tests/ops/test_qgemv.py tests/quant/test_quant_matmul.py|strata/ops/dp4a_triton.py|s/^KQ_DP4A_GPU_TESTED = False/KQ_DP4A_GPU_TESTED = True/"
-  # the prompt chunks' Q2_K / Q3_K, Q4_1 / Q5_0 / Q5_1 and IQ2_XS / IQ3_S / IQ1_S / IQ1_M dequantizers
-  "tests/ops/test_prefill_ops_gpu.py|strata/ops/dequant_triton.py|s/^K23_GPU_TESTED = False/K23_GPU_TESTED = True/;s/^Q32_GPU_TESTED = False/Q32_GPU_TESTED = True/;s/^IQX_GPU_TESTED = False/IQX_GPU_TESTED = True/"
+  # (taken after passing on an H200: the Q2_K / Q3_K, Q4_0 / Q4_1 / Q5_0 / Q5_1 and IQ2_XS / IQ3_S / IQ1_S / IQ1_M
+  # tiles of the fused expert kernels and the decode GEMV, and their prompt-chunk dequantizers; dense weights in the
+  # lookup formats through the one-row GEMV; the IQ2_XXS / IQ2_S / IQ3_XXS dp4a tiles)
+  "tests/experts/test_expert_triton.py tests/ops/test_prefill_ops_gpu.py||"
+  "tests/ops/test_qgemv.py tests/experts/test_dp4a.py||"
+  # Q8_0's and the K-quants' dp4a tiles (every dense GEMV, LM head and K-quant expert of a half-precision run then
+  # rounds x to int8): their own tests passed on an H200, but with the flag on three float32 tiered-against-resident
+  # tests failed there (the dp4a tiles then took float32 activations too; they no longer do), so those tests are
+  # part of this entry, and the whole GPU suite (tools/gpu/test.sh) runs with it before the flag is set
+  "tests/experts/test_dp4a.py::test_cuda_dp4a_tiles[kq] tests/ops/test_qgemv.py tests/quant/test_quant_matmul.py tests/experts/test_tiered_direct.py|strata/ops/dp4a_triton.py|s/^KQ_DP4A_GPU_TESTED = False/KQ_DP4A_GPU_TESTED = True/"
 )
 
 log="$OUT/gated.log"
