@@ -33,6 +33,10 @@ DP4A_GPU_TESTED = True
 # Q8_0's and the K-quants' dp4a tiles on a GPU (every dense GEMV and expert of most files then rounds its activations to
 # int8): their GPU test passes there and they were timed against the float tiles (`--kq-tiles dp4a`)
 KQ_DP4A_GPU_TESTED = False
+# the i-quant dp4a tiles' table reads of a word pair (a grid entry's two halves, a sign byte's two sign words) as one
+# 64-bit load instead of two 32-bit gathers: on a GPU once its GPU test passes there (tests/experts/test_dp4a.py,
+# kind "wide") and it was timed against the two loads (`tools/bench_kernels.py --iq-tiles dp4a-wide`)
+WIDE_GPU_TESTED = False
 IQ_FORMATS = frozenset({Q.IQ2_XXS, Q.IQ2_S, Q.IQ3_XXS})
 KQ_FORMATS = frozenset({Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K})
 
@@ -91,6 +95,7 @@ if triton is not None:
     # (the interpreter keeps the float tiles unless a test asks for these: the other tests compare with float products)
     C_DP4A = tl.constexpr(DP4A_GPU_TESTED and not triton_interpreting())
     C_KQ = tl.constexpr(KQ_DP4A_GPU_TESTED and not triton_interpreting())
+    C_WIDE = tl.constexpr(WIDE_GPU_TESTED and not triton_interpreting())
     C_INTERP = tl.constexpr(triton_interpreting())
     from strata.ops.iquant_triton import C_P2S, C_P2XXS, C_P3XXS, C_PONES, _blocks, _f16v, _subblocks, _u16, _u32h
     from strata.ops.kquant_triton import k4_scale_words, q2k_tile, q3k_tile, q4k_tile, q5k_tile, q6k_tile, q8_0_tile
@@ -156,6 +161,17 @@ if triton is not None:
         return (nib.to(tl.uint32) * 0x00204081) & 0x01010101
 
     @triton.jit
+    def _pair(itab, OFF: tl.constexpr, idx):
+        """Words OFF + 2 idx and OFF + 2 idx + 1 of the table (OFF even: the pair is 8-byte aligned): one 64-bit load
+        where C_WIDE, else two 32-bit ones."""
+        if C_WIDE:
+            v = tl.load(itab.to(tl.pointer_type(tl.int64)) + OFF // 2 + idx)
+            return v.to(tl.int32), (v >> 32).to(tl.int32)
+        else:
+            p = itab + OFF + 2 * idx
+            return tl.load(p), tl.load(p + 1)
+
+    @triton.jit
     def _iq2xxs(row, xq, tab, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
         # group g of a sub-block (weights 8 g .. 8 g + 7): grid index byte g, sign index g; its two halves are
         # words 2 g, 2 g + 1 of the grid entry, of the activations and of the sign table's entry pair
@@ -169,11 +185,10 @@ if triton is not None:
         w1 = _u32h(blk + 6 + 8 * ib[None, :], m2)  # 4 x 7-bit sign indices, the 4-bit scale
         gi = ((w0[:, :, None] >> (8 * g).to(tl.uint32)) & 255).to(tl.int32)  # [BN, S, 4]
         si = ((w1[:, :, None] >> (7 * g).to(tl.uint32)) & 127).to(tl.int32)
-        gp = itab + C_P2XXS + 2 * gi
-        sp = itab + C_PONES + 2 * si
+        g0, g1 = _pair(itab, C_P2XXS, gi)
+        s0, s1 = _pair(itab, C_PONES, si)
         x0, x1, xs = _xq2(xq, sb, ib, sm)
-        dot = _dp4a(_signed(tl.load(gp), tl.load(sp)), x0[None]) + _dp4a(_signed(tl.load(gp + 1), tl.load(sp + 1)),
-                                                                         x1[None])
+        dot = _dp4a(_signed(g0, s0), x0[None]) + _dp4a(_signed(g1, s1), x1[None])
         db = d * (0.5 + (w1 >> 28).to(tl.float32)) * 0.25
         return tl.sum(tl.sum(dot, axis=2).to(tl.float32) * db * xs[None, :], axis=1)
 
@@ -193,10 +208,9 @@ if triton is not None:
         sgb = tl.load(gb + 32, mask=m3, other=0, eviction_policy="evict_first").to(tl.int32)
         qh = tl.load(blk + 66 + ib[None, :], mask=m2, other=0).to(tl.int32)  # [BN, S]
         sc = tl.load(blk + 74 + ib[None, :], mask=m2, other=0).to(tl.int32)
-        gp = itab + C_P2S + 2 * (lo8 | (((qh[:, :, None] >> (2 * g)) & 3) << 8))
+        g0, g1 = _pair(itab, C_P2S, lo8 | (((qh[:, :, None] >> (2 * g)) & 3) << 8))
         x0, x1, xs = _xq2(xq, sb, ib, sm)
-        dot = _dp4a(_signed(tl.load(gp), _ones(sgb & 15)), x0[None]) + _dp4a(_signed(tl.load(gp + 1), _ones(sgb >> 4)),
-                                                                            x1[None])
+        dot = _dp4a(_signed(g0, _ones(sgb & 15)), x0[None]) + _dp4a(_signed(g1, _ones(sgb >> 4)), x1[None])
         odd = 2 * ((sc[:, :, None] >> (4 * (g // 2))) & 15) + 1  # [BN, S, 4] the group's half's 2 s + 1
         return tl.sum(tl.sum(dot * odd, axis=2).to(tl.float32) * (d * 0.125) * xs[None, :], axis=1)
 
@@ -213,10 +227,10 @@ if triton is not None:
         sc = _u32h(blk + 66 + 4 * ib[None, :], m2)  # [BN, S]
         gi = _u16(blk[:, :, None] + 2 + 8 * ib[None, :, None] + 2 * g.to(tl.int64), m2[:, :, None])  # [BN, S, 4]
         si = ((sc[:, :, None] >> (7 * g).to(tl.uint32)) & 127).to(tl.int32)
-        sp = itab + C_PONES + 2 * si
+        s0, s1 = _pair(itab, C_PONES, si)
         x0, x1, xs = _xq2(xq, sb, ib, sm)
-        dot = _dp4a(_signed(tl.load(itab + C_P3XXS + (gi & 255)), tl.load(sp)), x0[None]) \
-            + _dp4a(_signed(tl.load(itab + C_P3XXS + (gi >> 8)), tl.load(sp + 1)), x1[None])
+        dot = _dp4a(_signed(tl.load(itab + C_P3XXS + (gi & 255)), s0), x0[None]) \
+            + _dp4a(_signed(tl.load(itab + C_P3XXS + (gi >> 8)), s1), x1[None])
         db = d * (0.5 + (sc >> 28).to(tl.float32)) * 0.5
         return tl.sum(tl.sum(dot, axis=2).to(tl.float32) * db * xs[None, :], axis=1)
 

@@ -73,6 +73,9 @@ T_IQ1S = T_IQ3S + 512 * 4
 # word with 1 in each negative weight's byte
 T_PONES = T_IQ1S + 2048 * 8
 T_SIZE = T_PONES + 256
+# (the dp4a tiles may read these tables' word pairs as 64-bit words: each pair 8-byte aligned in a table whose base
+# a torch allocation aligns)
+assert T_P2XXS % 2 == 0 and T_P2S % 2 == 0 and T_PONES % 2 == 0
 FORMATS = {Q.IQ2_XXS: 66, Q.IQ3_XXS: 98, Q.IQ4_XS: 136, Q.MXFP4: 17, Q.IQ2_S: 82, Q.IQ4_NL: 18,  # bytes per block
            Q.IQ2_XS: 74, Q.IQ3_S: 110, Q.IQ1_S: 50, Q.IQ1_M: 56}
 _TABLES: dict[torch.device, torch.Tensor] = {}

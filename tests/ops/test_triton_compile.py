@@ -104,21 +104,30 @@ def test_every_dequantizer_compiles(compiles, arch):
 DP4A = """
 import sys, triton, triton.language as tl
 from strata.ops import dp4a_triton
+WIDE = sys.argv[2] == "wide"
 dp4a_triton.C_DP4A = tl.constexpr(True)  # before any kernel is hashed in this process
-dp4a_triton.C_KQ = tl.constexpr(True)
+dp4a_triton.C_KQ = tl.constexpr(not WIDE)
+dp4a_triton.C_WIDE = tl.constexpr(WIDE)
 from gguf import GGMLQuantizationType as Q
 from strata.ops import expert_triton
 from tests.ops.test_triton_compile import _compile, _gemv_signature
-for qt in (Q.IQ2_XXS, Q.IQ2_S, Q.IQ3_XXS, Q.Q4_K, Q.Q8_0, Q.Q6_K, Q.Q5_K, Q.Q2_K, Q.Q3_K):
+IQ = (Q.IQ2_XXS, Q.IQ2_S, Q.IQ3_XXS)
+for qt in IQ if WIDE else IQ + (Q.Q4_K, Q.Q8_0, Q.Q6_K, Q.Q5_K, Q.Q2_K, Q.Q3_K):
     k = _compile(expert_triton._gemv_kernel, _gemv_signature("*fp32"),
                  {"QT": int(qt), "BN": 8, "KW": 512, "EVEN": False, "GATHER": True, "HOST": True}, int(sys.argv[1]))
-    assert "dp4a.s32.s32" in k.asm["ptx"], qt.name
+    ptx = k.asm["ptx"]
+    assert "dp4a.s32.s32" in ptx, qt.name
+    # (the table's word pairs as 64-bit loads: the grid entries of IQ2_XXS / IQ2_S, the sign words of IQ2_XXS / IQ3_XXS;
+    # the kernel's own 64-bit loads, slots and expert ids, are 2)
+    if qt in IQ:
+        assert (ptx.count("ld.global.b64") > 2) == WIDE, (qt.name, ptx.count("ld.global.b64"))
 print("ok")
 """
 
 
+@pytest.mark.parametrize("wide", ["", "wide"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_dp4a_tiles_compile(compiles, arch):
+def test_dp4a_tiles_compile(compiles, arch, wide):
     """The Q8_0 / Q4_K / IQ2_XXS / IQ2_S / IQ3_XXS tiles that multiply four weights at a time (strata.ops.dp4a_triton,
     off until their GPU test passes) compile, and their PTX multiplies with dp4a. In a process of its own: a kernel's
     hash, and with it what Triton's cache hands back, keeps the flags it read first."""
@@ -129,5 +138,6 @@ def test_dp4a_tiles_compile(compiles, arch):
 
     root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, *sys.path])}
-    r = subprocess.run([sys.executable, "-c", DP4A, str(arch)], env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-c", DP4A, str(arch), wide or "narrow"], env=env, capture_output=True, text=True,
+                       timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
