@@ -220,6 +220,51 @@ static inline __m256i tq1_pairs(__m256i q, const int8_t *x) {
 }
 #endif
 
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+/* With AVX-512 64 weights a step: the unsigned compares give the masks of trit 0 (-1) and trit 2 (+1) directly,
+   and x is kept, negated or zeroed under them before one multiply-add by ones. */
+static inline __m512i tq1_acc(__m512i acc, __m512i q, const int8_t *x) {
+    const __m512i xv = _mm512_loadu_si512(x);
+    const __mmask64 neg = _mm512_cmplt_epu8_mask(q, _mm512_set1_epi8(86));
+    const __mmask64 pos = _mm512_cmpge_epu8_mask(q, _mm512_set1_epi8((char)171));
+    const __m512i y = _mm512_mask_sub_epi8(_mm512_maskz_mov_epi8(pos, xv), neg, _mm512_setzero_si512(), xv);
+#if defined(__AVX512VNNI__)
+    return _mm512_dpbusd_epi32(acc, _mm512_set1_epi8(1), y);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_set1_epi8(1), y),
+                                                   _mm512_set1_epi16(1)));
+#endif
+}
+
+static inline __m128i tq1_x3h(__m128i q) { return _mm_add_epi8(_mm_add_epi8(q, q), q); }
+
+static float dot_tq1_0(const uint8_t *row, int nb, const int8_t *xq, const float *xd) {
+    float sum = 0.f;
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = row + b * 54;
+        PREFETCH_AHEAD(blk, nb * 54, 54);
+        const int8_t *x = xq + b * 256;
+        const __m256i q = _mm256_loadu_si256((const __m256i *)blk), q3 = tq1_times3(q), q9 = tq1_times3(q3);
+        const __m256i q27 = tq1_times3(q9), q81 = tq1_times3(q27);
+        const __m128i a = _mm_loadu_si128((const __m128i *)(blk + 32)), a3 = tq1_x3h(a), a9 = tq1_x3h(a3);
+        const __m128i a27 = tq1_x3h(a9), a81 = tq1_x3h(a27);
+        int32_t h32;
+        __builtin_memcpy(&h32, blk + 48, 4);
+        const __m128i h = _mm_set1_epi32(h32), h3 = tq1_x3h(h), h9 = tq1_x3h(h3), h27 = tq1_x3h(h9);
+        const __m128i tail = _mm_blend_epi32(_mm_blend_epi32(h, h3, 0x2), _mm_blend_epi32(h9, h27, 0x8), 0xC);
+        /* weights 0-63: q, 3q; 64-127: 9q, 27q; 128-191: 81q, a, 3a; 192-255: 9a, 27a, 81a, the tail */
+        __m512i acc = tq1_acc(_mm512_setzero_si512(), _mm512_inserti64x4(_mm512_castsi256_si512(q), q3, 1), x);
+        acc = tq1_acc(acc, _mm512_inserti64x4(_mm512_castsi256_si512(q9), q27, 1), x + 64);
+        acc = tq1_acc(acc, _mm512_inserti64x4(_mm512_castsi256_si512(q81),
+                                              _mm256_inserti128_si256(_mm256_castsi128_si256(a), a3, 1), 1), x + 128);
+        acc = tq1_acc(acc, _mm512_inserti64x4(
+                  _mm512_castsi256_si512(_mm256_inserti128_si256(_mm256_castsi128_si256(a9), a27, 1)),
+                  _mm256_inserti128_si256(_mm256_castsi128_si256(a81), tail, 1), 1), x + 192);
+        sum += f16(blk + 52) * xd[b] * (float)_mm512_reduce_add_epi32(acc);
+    }
+    return sum;
+}
+#else
 static float dot_tq1_0(const uint8_t *row, int nb, const int8_t *xq, const float *xd) {
     float sum = 0.f;
 #if defined(__AVX2__) && defined(__FMA__)
@@ -268,3 +313,4 @@ static float dot_tq1_0(const uint8_t *row, int nb, const int8_t *xq, const float
 #endif
     return sum;
 }
+#endif
