@@ -9,6 +9,9 @@
     python tools/bench_kernels.py --expert-formats Q4_K,IQ2_XXS,IQ2_S,IQ3_XXS --iq-tiles dp4a    # their dp4a tiles
     python tools/bench_kernels.py --kq-tiles dp4a    # the default set with Q8_0's and Q4_K's dp4a tiles
     python tools/bench_kernels.py --rows 1,2,3,4,8   # the dense GEMV at T rows of x: one-row kernel vs kquant_rows
+    python tools/bench_kernels.py --expert-formats Q4_K,IQ2_XXS --expert-shape 4096,1408,8   # GLM-4.5-Air's experts
+    python tools/bench_kernels.py --sweep --expert-formats IQ2_XXS,IQ2_S --iq-tiles dp4a
+                                                 # every launch shape of those formats' expert GLU and down
 
 
 Times `strata.ops.qgemv._gemv` (the CUDA qmatmul for Q8_0 / Q4_K / Q6_K) at T = 1 for the Qwen3-30B-A3B decode
@@ -123,10 +126,14 @@ def bench_rows(qt, N: int, K: int, T: int, reps: int, peak: float) -> bool:
     return ok
 
 
-def bench_experts(reps: int, peak: float, qt=Q.Q4_K) -> tuple[bool, float]:
-    """The fused expert FFN over P = 8 experts of format qt; (checked, GB/s of weights and activations)."""
+B1_EXPERTS = (2048, 768, 8)  # (d, ff, P): Qwen3-30B-A3B's experts and top-k
+
+
+def bench_experts(reps: int, peak: float, qt=Q.Q4_K, shape=B1_EXPERTS) -> tuple[bool, float]:
+    """The fused expert FFN over P experts of format qt; (checked, GB/s of weights and activations)."""
     dev = torch.device("cuda")
-    S, P, d, ff = 64, 8, 2048, 768
+    d, ff, P = shape
+    S = 64
     gate, up = (random_qtensor(qt, (S, ff, d), rng=s, device=dev) for s in (1, 2))
     down = random_qtensor(qt, (S, d, ff), rng=3, device=dev)
     x = torch.randn(P, d, device=dev).bfloat16()  # [P, d]
@@ -166,13 +173,15 @@ def _launch_glu(x, gate, up, a, slots, bn, kw, warps):
         QG=int(gate.qtype), QU=int(up.qtype), BN=bn, KW=kw, EVEN=d % kw == 0, HOST=False, num_warps=warps)
 
 
-def sweep(reps: int, peak: float) -> None:
-    """Every (BN, KW, warps) of each B1 decode kernel, fastest first, beside the plan's own choice."""
+def sweep(reps: int, peak: float, formats=None, shape=B1_EXPERTS) -> None:
+    """Every (BN, KW, warps) of each B1 decode kernel, fastest first, beside the plan's own choice; with
+    `formats`, of those formats' expert GLU and down launches at `shape` only."""
     dev = torch.device("cuda")
-    S, P, d, ff = 64, 8, 2048, 768
+    d, ff, P = shape
+    S = 64
     cases = []
-    for qt, N, K in [(Q.Q8_0, 4096, 2048), (Q.Q8_0, 512, 2048), (Q.Q8_0, 2048, 4096), (Q.Q6_K, 151936, 2048),
-                     (Q.Q4_K, 4096, 2048)]:
+    for qt, N, K in [] if formats else [(Q.Q8_0, 4096, 2048), (Q.Q8_0, 512, 2048), (Q.Q8_0, 2048, 4096),
+                                        (Q.Q6_K, 151936, 2048), (Q.Q4_K, 4096, 2048)]:
         w = random_qtensor(qt, (N, K), rng=N, scale=0.02, device=dev)
         copies = [w] + [QTensor(w.raw.clone(), qt, w.shape) for _ in range(min(63, COLD_BYTES // w.raw.numel()))]
         x = torch.randn(1, K, device=dev).bfloat16()
@@ -181,25 +190,30 @@ def sweep(reps: int, peak: float) -> None:
         cases.append((f"gemv {qt.name} {N}x{K}", K, nbytes, expert_triton.plan((qt,), N, K, 1, dev),
                       lambda bn, kw, wp, copies=copies, x=x, out=out: [
                           (lambda c=c: _launch_gemv(x, c, out, bn, kw, wp)) for c in copies]))
-    gate, up = (random_qtensor(Q.Q4_K, (S, ff, d), rng=s, device=dev) for s in (1, 2))
-    down = random_qtensor(Q.Q4_K, (S, d, ff), rng=3, device=dev)
     xe = torch.randn(P, d, device=dev).bfloat16()
-    a = torch.randn(P, ff, device=dev)
+    a = torch.randn(P, ff, device=dev)  # (float32, as triton_expert_ffn's GLU output)
     y = torch.empty(P, d, device=dev)
     gen = torch.Generator().manual_seed(0)
     slot_sets = [torch.randperm(S, generator=gen)[:P].to(dev) for _ in range(MIN_CALLS)]
-    per = gate.raw[0].numel()
-    cases.append((f"glu Q4_K P={P} {ff}x{d}", d, 2 * P * per, expert_triton.plan((Q.Q4_K, Q.Q4_K), ff, d, P, dev),
-                  lambda bn, kw, wp: [(lambda s=s: _launch_glu(xe, gate, up, a, s, bn, kw, wp)) for s in slot_sets]))
-    cases.append((f"down Q4_K P={P} {d}x{ff}", ff, P * down.raw[0].numel(), expert_triton.plan((Q.Q4_K,), d, ff, P, dev),
-                  lambda bn, kw, wp: [(lambda s=s: _launch_gemv(a, down, y, bn, kw, wp, s)) for s in slot_sets]))
+    for qt in formats or (Q.Q4_K,):
+        gate, up = (random_qtensor(qt, (S, ff, d), rng=s, device=dev) for s in (1, 2))
+        down = random_qtensor(qt, (S, d, ff), rng=3, device=dev)
+        per = gate.raw[0].numel()
+        cases.append((f"glu {qt.name} P={P} {ff}x{d}", d, 2 * P * per, expert_triton.plan((qt, qt), ff, d, P, dev),
+                      lambda bn, kw, wp, gate=gate, up=up: [
+                          (lambda s=s: _launch_glu(xe, gate, up, a, s, bn, kw, wp)) for s in slot_sets]))
+        cases.append((f"down {qt.name} P={P} {d}x{ff}", ff, P * down.raw[0].numel(),
+                       expert_triton.plan((qt,), d, ff, P, dev),
+                       lambda bn, kw, wp, down=down: [
+                           (lambda s=s: _launch_gemv(a, down, y, bn, kw, wp, s)) for s in slot_sets]))
     for name, K, nbytes, plan, make in cases:
         rows = []
-        for bn in (1, 2, 4, 8, 16):
-            for kw in (256, 512, 1024, 2048):
+        # (per format: a smaller grid, every point of which compiles anew)
+        for bn in (1, 2, 4, 8) if formats else (1, 2, 4, 8, 16):
+            for kw in (256, 512, 1024) if formats else (256, 512, 1024, 2048):
                 if kw > max(256, triton_next_pow2(K)):
                     continue
-                for wp in (1, 2, 4, 8):
+                for wp in (1, 2, 4) if formats else (1, 2, 4, 8):
                     try:
                         t = time_graph(make(bn, kw, wp), reps)
                     except Exception as e:  # noqa: BLE001 - a shape the compiler refuses is a row, not a stop
@@ -237,6 +251,9 @@ def main() -> int:
                          "activations, strata.ops.dp4a_triton)")
     ap.add_argument("--rows", default=None, help="comma-separated row counts of x (e.g. 1,2,3,4,8): the dense GEMV "
                     "shapes at each, the one-row kernel against kquant_rows (2-8 rows), instead of the default set")
+    ap.add_argument("--expert-shape", default=",".join(map(str, B1_EXPERTS)),
+                    help="d,ff,P of --expert-formats and of the sweep's expert launches (default B1's; GLM-4.5-Air: "
+                         "4096,1408,8; Qwen3-Next-80B-A3B: 2048,512,10)")
     a = ap.parse_args()
     if a.kq_tiles != "auto":  # before any kernel compiles: a compiled kernel keeps what it read
         import triton.language as tl
@@ -257,8 +274,10 @@ def main() -> int:
         return 1
     t0 = time.perf_counter()
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {expert_triton.triton.__version__}")
+    shape = tuple(int(v) for v in a.expert_shape.split(","))
     if a.sweep:
-        sweep(min(a.reps, 20), a.peak_tbs)
+        fmts = [Q[n.strip().upper()] for n in a.expert_formats.split(",")] if a.expert_formats else None
+        sweep(min(a.reps, 20), a.peak_tbs, fmts, shape)
         print(f"total {time.perf_counter() - t0:.1f} s")
         return 0
     ok = True
@@ -275,7 +294,7 @@ def main() -> int:
     if a.expert_formats:  # the expert kernel per format; bytes/s of each against the first (Q4_K: put it first)
         base = None
         for name in a.expert_formats.split(","):
-            good, gbs = bench_experts(a.reps, a.peak_tbs, Q[name.strip().upper()])
+            good, gbs = bench_experts(a.reps, a.peak_tbs, Q[name.strip().upper()], shape)
             base = base or gbs
             print(f"   {name.strip()}: {gbs / base:.2f} of {a.expert_formats.split(',')[0].strip()}'s bytes/s",
                   flush=True)

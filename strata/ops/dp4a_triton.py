@@ -36,7 +36,7 @@ KQ_DP4A_GPU_TESTED = False
 # the i-quant dp4a tiles' table reads of a word pair (a grid entry's two halves, a sign byte's two sign words) as one
 # 64-bit load instead of two 32-bit gathers: on a GPU once its GPU test passes there (tests/experts/test_dp4a.py,
 # kind "wide") and it was timed against the two loads (`tools/bench_kernels.py --iq-tiles dp4a-wide`)
-WIDE_GPU_TESTED = False
+WIDE_GPU_TESTED = True
 IQ_FORMATS = frozenset({Q.IQ2_XXS, Q.IQ2_S, Q.IQ3_XXS})
 KQ_FORMATS = frozenset({Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K})
 

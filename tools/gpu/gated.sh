@@ -51,9 +51,8 @@ GATED=(
   # lookup formats through the one-row GEMV; the IQ2_XXS / IQ2_S / IQ3_XXS dp4a tiles)
   "tests/experts/test_expert_triton.py tests/ops/test_prefill_ops_gpu.py||"
   "tests/ops/test_qgemv.py tests/experts/test_dp4a.py||"
-  # the i-quants' dp4a tiles reading their table word pairs as 64-bit words (then time --iq-tiles dp4a against
-  # dp4a-wide with tools/bench_kernels.py before keeping the flag)
-  "tests/experts/test_dp4a.py::test_cuda_dp4a_tiles[wide]|strata/ops/dp4a_triton.py|s/^WIDE_GPU_TESTED = False/WIDE_GPU_TESTED = True/"
+  # (taken after passing on an H200: the i-quants' dp4a tiles reading their table word pairs as 64-bit words)
+  "tests/experts/test_dp4a.py::test_cuda_dp4a_tiles[wide]||"
   # Q8_0's and the K-quants' dp4a tiles (every dense GEMV, LM head and K-quant expert of a half-precision run then
   # rounds x to int8): their own tests passed on an H200, but with the flag on three float32 tiered-against-resident
   # tests failed there (the dp4a tiles then took float32 activations too; they no longer do), so those tests are
