@@ -1,7 +1,7 @@
 """CPU lane bandwidth per weight format, kernel and thread count (one token through one expert, weights from RAM).
 
     .venv/bin/python tools/bench_cpu_lane.py [--experts 32] [--threads 1,2,4,8,16] [--ff 768 --d 2048]
-    .venv/bin/python tools/bench_cpu_lane.py --alternate Q5_K,MXFP4 [--reps 15]
+    .venv/bin/python tools/bench_cpu_lane.py --alternate Q5_K,MXFP4 [--reps 15] [--per-call 4]
 
 Prints ms per expert and GB/s of the bytes each kernel reads (packed int4 for `int4`, the stored blocks for
 `ref`), next to the memory read bandwidth of a plain torch sum and a bf16 GEMV over dequantized copies (the
@@ -87,8 +87,9 @@ def native_batched(ew: ExpertWeights, threads: int, n: int, per_call: int) -> tu
     return dt * 1e3, ew.expert_nbytes() / dt / 1e9
 
 
-def alternate(names: list[str], threads: list[int], n: int, ff: int, d: int, reps: int) -> None:
-    """The native kernel, one token through one expert a call, each format of `names` and Q4_K timed in turn."""
+def alternate(names: list[str], threads: list[int], n: int, ff: int, d: int, reps: int, per_call: int = 1) -> None:
+    """The native kernel, one token through `per_call` experts a call (1: one expert, the call's fixed cost in
+    every figure; a decode token-layer's CPU share is a few), each format of `names` and Q4_K timed in turn."""
     fmts = [Q.Q4_K] + [Q[f] for f in names if f != "Q4_K"]
     sets = {qt: experts(qt, n, ff, d, seed=i) for i, qt in enumerate(fmts)}
     x = torch.randn(1, d)
@@ -101,10 +102,10 @@ def alternate(names: list[str], threads: list[int], n: int, ff: int, d: int, rep
         for r in range(reps + 1):
             for qt, k in ks.items():
                 t0 = time.perf_counter()
-                for e in range(n):
-                    k([e], x)
+                for e in range(0, n - per_call + 1, per_call):
+                    k(list(range(e, e + per_call)), x, [0] * per_call)
                 if r:  # the first round warms up
-                    times[qt].append((time.perf_counter() - t0) / n)
+                    times[qt].append((time.perf_counter() - t0) / (n // per_call * per_call))
         gbps = {qt: sets[qt].expert_nbytes() / float(np.median(times[qt])) / 1e9 for qt in fmts}
         for qt in fmts:
             print(f"{th:>3}  {qt.name:<8} {sets[qt].expert_nbytes() / 1e6:>9.2f} {np.median(times[qt]) * 1e3:>10.3f} "
@@ -149,6 +150,8 @@ def main() -> None:
     ap.add_argument("--ref-experts", type=int, default=2, help="experts for the (slow) reference kernel")
     ap.add_argument("--alternate", default=None, help="comma-separated formats: the native kernel only, each "
                     "timed alternately with Q4_K")
+    ap.add_argument("--per-call", type=int, default=1, help="--alternate: experts of one token a call (1: one "
+                    "expert, its call's fixed cost in each figure; 4: a decode token-layer's CPU share)")
     ap.add_argument("--reps", type=int, default=15, help="rounds of --alternate or --gpt-oss (medians)")
     ap.add_argument("--gpt-oss", action="store_true", help="gpt-oss-shaped MXFP4 experts: native against the "
                     "reference path, alternately")
@@ -164,7 +167,7 @@ def main() -> None:
             raise SystemExit(f"the native kernel is unavailable: {cpu_native.unavailable()}")
         print(f"expert shape: gate/up [{a.ff}, {a.d}], down [{a.d}, {a.ff}]; {a.experts} experts cycled; "
               f"{a.reps} rounds, medians")
-        return alternate(a.alternate.split(","), threads, a.experts, a.ff, a.d, a.reps)
+        return alternate(a.alternate.split(","), threads, a.experts, a.ff, a.d, a.reps, a.per_call)
     print(f"expert shape: gate/up [{a.ff}, {a.d}], down [{a.d}, {a.ff}]; {a.experts} experts cycled; "
           f"torch {torch.__version__}; {cores} threads available")
     rows = []

@@ -284,7 +284,8 @@ static float dot_q8_0(const uint8_t *row, int K, const int8_t *xq, const float *
 }
 
 #include "cpu_native_iq4.h"  /* IQ4_XS and IQ4_NL: dot_iq4xs, dot_iq4nl */
-#include "cpu_native_iq.h"   /* IQ2_XXS / IQ3_XXS / IQ2_S: their tables, dot_iqxxs and dot_iq2s */
+#include "cpu_native_iq.h"   /* IQ2_XXS / IQ3_XXS / IQ2_S tables, dot_iqxxs */
+#include "cpu_native_iq2s.h" /* IQ2_S: dot_iq2s */
 #include "cpu_native_iqx.h"  /* IQ2_XS / IQ3_S / IQ1_S / IQ1_M: their tables and dot products */
 #include "cpu_native_fmt.h"  /* Q5_K and MXFP4: dot_q5k, dot_mxfp4(_tail) */
 #include "cpu_native_rows.h" /* Q4_K, Q6_K and Q8_0 against several rows of x: dot_*_rows */

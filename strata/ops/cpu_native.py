@@ -1,7 +1,7 @@
 """A native CPU kernel for the CPU lane: Q4_K / Q6_K / Q8_0 experts read in place, int8 dot products (AVX2).
 
-The C source is `cpu_native.c` beside this file, with the IQ2_XXS / IQ3_XXS / IQ2_S dot products in `cpu_native_iq.h`,
-IQ2_XS / IQ3_S / IQ1_S / IQ1_M in `cpu_native_iqx.h`, Q2_K / Q3_K in `cpu_native_kq.h`, the Q5_K / MXFP4 ones in
+The C source is `cpu_native.c` beside this file, with the IQ2_XXS / IQ3_XXS dot products in `cpu_native_iq.h`, IQ2_S's
+in `cpu_native_iq2s.h`, IQ2_XS / IQ3_S / IQ1_S / IQ1_M in `cpu_native_iqx.h`, Q2_K / Q3_K in `cpu_native_kq.h`, the Q5_K / MXFP4 ones in
 `cpu_native_fmt.h`, Q4_0 / Q4_1 / Q5_0 / Q5_1 in `cpu_native_q32.h`, several rows of x against Q4_K / Q6_K / Q8_0 in `cpu_native_rows.h`
 (included: one compilation unit). torch's fused `_weight_int4pack_mm_for_cpu` reads its repacked
 copy well below what the cores can read (one token's GEMV: fork/join and wake-up per call dominate; the measured
@@ -49,8 +49,8 @@ log = logging.getLogger("strata")
 SOURCE_FILE = pathlib.Path(__file__).with_name("cpu_native.c")  # shipped as package data (pyproject.toml)
 # the headers it includes, likewise
 HEADER_FILES = tuple(SOURCE_FILE.with_name(h) for h in (
-    "cpu_native_iq4.h", "cpu_native_iq.h", "cpu_native_iqx.h", "cpu_native_fmt.h", "cpu_native_rows.h", "cpu_native_kq.h",
-    "cpu_native_q32.h"))
+    "cpu_native_iq4.h", "cpu_native_iq.h", "cpu_native_iq2s.h", "cpu_native_iqx.h", "cpu_native_fmt.h",
+    "cpu_native_rows.h", "cpu_native_kq.h", "cpu_native_q32.h"))
 
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 _lib = None

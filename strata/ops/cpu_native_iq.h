@@ -1,5 +1,6 @@
 /* The IQ2_XXS / IQ3_XXS dot products of cpu_native.c, which includes this header where they are used (one
-   compilation unit: f16, hsum8 and PREFETCH_AHEAD come from there). */
+   compilation unit: f16, hsum8 and PREFETCH_AHEAD come from there), and the grid tables of these and IQ2_S
+   (whose dot product is in cpu_native_iq2s.h). */
 
 /* IQ2_XXS (66 bytes / 256) and IQ3_XXS (98 bytes / 256) spell each group of 8 (IQ2) or 4 (IQ3) weights as an index
    into a grid of unsigned magnitudes, with the signs of 8 weights as a 7-bit index into a sign table (the 8th sign
@@ -16,9 +17,17 @@ static uint64_t IQ2S_GRID[1024];   /* IQ2_S's own grid (magnitudes 8, 25, 43), b
    (byte 4h+k in bits 2k, 2k+1), and IQ2_MAG[v] is the magnitude of code v & 3 (a 64-entry byte permute) */
 static uint8_t IQ2_CODES[2][256] __attribute__((aligned(64)));
 static uint8_t IQ2_MAG[64] __attribute__((aligned(64)));
-/* IQ2_PAIR: byte permute of the two code lookups (of the super-block's 64 bytes) into words (entry e's low,
-   high codes), entry 8m + q in word 4q + m: a multishift of word m of every qword then cuts the codes of entries 8m..8m+7, in order */
-static uint8_t IQ2_PAIR[64] __attribute__((aligned(64)));
+/* IQ2_S's grid (the same three magnitudes) likewise: IQ2S_LUT.codes[h][i] the codes of entry i's bytes 4h..4h+3, in
+   eight 128-entry chunks (a two-register byte permute each). IQ2S_PAIR (IQ2_XXS's and IQ2_S's): byte permute of the
+   two code lookups of two super-blocks' 64 entries (lane e: entry e) into words (entry e's low, high codes), entry
+   8m + q of the first in word 4q + m (+32: of the second): a multishift of word m of every qword then cuts the
+   codes of entries 8m..8m+7, in order */
+struct iq2s_lut {
+    uint8_t codes[2][1024];
+    uint8_t keys[4][64];  /* chunk c's bits 7, 8 (c & 1, c >> 1) at bits 7, 5 of a byte, as dot_iq2s keys them */
+};
+static struct iq2s_lut IQ2S_LUT __attribute__((aligned(64)));
+static uint8_t IQ2S_PAIR[64] __attribute__((aligned(64)));
 /* IQ3_XXS's grid as 4-bit codes, c = (m - 4) / 8 for the magnitudes 4..52 and 15 for 62, so that
    m = 4 ^ 8 c0 ^ 16 c1 ^ 32 c2 ^ 2 c3 (an affine map of the code's bits): IQ3_CODES[h][i] = the codes of entry i's
    bytes 2h, 2h+1; IQ3_CPAIR pairs them into words, entries 16i + 2q + {0, 1} in words 4q + 2i + {0, 1} (i = 0, 1;
@@ -33,7 +42,18 @@ void strata_native_tables(const uint8_t *iq2xxs_grid, const uint8_t *iq3xxs_grid
         uint64_t g = 0;
         for (int k = 0; k < 8; k++) g |= (uint64_t)iq2s_grid[8 * i + k] << (8 * k);
         IQ2S_GRID[i] = g;
+        for (int h = 0; h < 2; h++) {
+            uint8_t c = 0;
+            for (int k = 0; k < 4; k++) {
+                uint8_t m = iq2s_grid[8 * i + 4 * h + k];
+                c |= (uint8_t)((m == 8 ? 0 : m == 25 ? 1 : 2) << (2 * k));
+            }
+            IQ2S_LUT.codes[h][i] = c;
+        }
     }
+    for (int c = 0; c < 4; c++)
+        for (int b = 0; b < 64; b++) IQ2S_LUT.keys[c][b] = (uint8_t)(0x80 * (c & 1) + 0x20 * (c >> 1));
+    for (int b = 0; b < 64; b++) IQ2S_PAIR[b] = (uint8_t)(8 * (b / 2 % 4) + b / 8 + 64 * (b % 2));
     for (int i = 0; i < 256; i++) {
         uint64_t g = 0; uint32_t h = 0;
         for (int k = 0; k < 8; k++) g |= (uint64_t)iq2xxs_grid[8 * i + k] << (8 * k);
@@ -60,10 +80,6 @@ void strata_native_tables(const uint8_t *iq2xxs_grid, const uint8_t *iq3xxs_grid
     for (int b = 0; b < 64; b++) {
         int w = b / 2, q = w / 4, e = 16 * (w % 4 / 2) + 2 * q + w % 2;
         IQ3_CPAIR[b] = (uint8_t)(e + 64 * (b % 2));
-    }
-    for (int b = 0; b < 64; b++) {
-        int e = 8 * (b / 2 % 4) + b / 8;  /* at byte 8 (e / 4) + e % 4 of the super-block's 64 bytes */
-        IQ2_PAIR[b] = (uint8_t)(8 * (e / 4) + e % 4 + 64 * (b % 2));
     }
     for (int i = 0; i < 256; i++)
         for (int h = 0; h < 2; h++) {
@@ -135,56 +151,73 @@ static inline __m512i iq_madd_add(__m512i s, __m512i p, __m512i sc) {
 #endif
 }
 
-/* IQ2_XXS a super-block at a time in 512-bit registers: its 32 grid indices look up their entries' 2-bit codes
-   (byte permutes of the two code tables), paired into words so that a multishift of word m of each qword cuts
-   entries 8m..8m+7 into one code per byte, and an affine map (or a byte permute) turns codes into magnitudes; then
-   two sub-blocks a step. */
+/* IQ2_XXS two super-blocks at a time in 512-bit registers: their 64 grid indices (the even u32s of each) look up
+   their entries' 2-bit codes (byte permutes of the two code tables), paired into words so that a multishift of word
+   m of each qword cuts entries 8m..8m+7 into one code per byte, and an affine map (or a byte permute) turns codes
+   into magnitudes; the sign words (the odd u32s) of both give their 512 signs at once, transposed so that one
+   bit shuffle makes each step's 64-bit mask (no trip through general registers); then two sub-blocks a step. The
+   float sums follow a super-block at a time, in order (an odd last one is paired with itself). */
 static float dot_iq2xxs(const uint8_t *row, int nb, const int8_t *xq, const float *xd) {
     __m256 fsum = _mm256_setzero_ps();
-    uint32_t sg[8] __attribute__((aligned(32))), ls[8] __attribute__((aligned(32)));
-    __m512i t[2][4];
-    for (int h = 0; h < 2; h++)
-        for (int c = 0; c < 4; c++) t[h][c] = _mm512_load_si512(IQ2_CODES[h] + 64 * c);
     const __m512i mag = _mm512_load_si512(IQ2_MAG);
-    const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 1, 3, 5, 7, 9, 11, 13, 15);
-    const __m512i pair = _mm512_load_si512(IQ2_PAIR);
-    const __m512i shifts = _mm512_set1_epi64(0x0E0C0A0806040200LL);  /* + 16m: word m */
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    const __m512i pair0 = _mm512_load_si512(IQ2S_PAIR), pair1 = _mm512_add_epi8(pair0, _mm512_set1_epi8(32));
+    /* byte r of qword q: sign byte 8r + q (step r = 4t + m of the pair: super-block t, its weights 64m..64m+63) */
+    const __m512i transpose = _mm512_add_epi8(_mm512_set1_epi64(0x3830282018100800LL),
+        _mm512_setr_epi64(0, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL,
+                          0x0404040404040404LL, 0x0505050505050505LL, 0x0606060606060606LL, 0x0707070707070707LL));
     const __m512i half = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
     (void)mag;
-    for (int b = 0; b < nb; b++) {
-        const int8_t *x = xq + 256 * b;
-        const uint8_t *blk = row + (long)b * 66, *q = blk + 2;
-        PREFETCH_AHEAD(blk, nb * 66, 66);
-        const __m512i qv = _mm512_loadu_si512(q);
-        /* sub-block j: 4 grid indices (the even u32s), then its u32 of signs and scale (the odd ones); the lookups
-           run on all 64 bytes and the pairing keeps the indices' */
-        const __m512i idx = qv;
+    for (int b = 0; b < nb; b += 2) {
+        const int two = b + 1 < nb;
+        const uint8_t *b0 = row + (long)b * 66, *b1 = two ? b0 + 66 : b0;
+        PREFETCH_AHEAD(b0, nb * 66, 132);
+        const __m512i q0 = _mm512_loadu_si512(b0 + 2), q1 = _mm512_loadu_si512(b1 + 2);
+        /* sub-block j: 4 grid indices (the even u32s), then its u32 of signs and scale (the odd ones) */
+        const __m512i idx = _mm512_permutex2var_epi32(q0, even, q1), aux = _mm512_permutex2var_epi32(q0, odd, q1);
         const __mmask64 top = _mm512_movepi8_mask(idx);
-        __m512i lo = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(t[0][0], idx, t[0][1]),
-                                            _mm512_permutex2var_epi8(t[0][2], idx, t[0][3]));
-        __m512i hi = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(t[1][0], idx, t[1][1]),
-                                            _mm512_permutex2var_epi8(t[1][2], idx, t[1][3]));
-        const __m512i codes = _mm512_permutex2var_epi8(lo, pair, hi);  /* word 4q + m: entry 8m + q's codes */
-        iq_signs_scales(_mm512_castsi512_si256(_mm512_permutexvar_epi32(odd, qv)), sg, ls);
-        const __m512i l8 = _mm512_castsi256_si512(_mm256_load_si256((const __m256i *)ls));
-        __m512i s = _mm512_setzero_si512();
-        for (int m = 0; m < 4; m++) {  /* sub-blocks 2m, 2m+1: entries 8m..8m+7 */
-            uint64_t k; __builtin_memcpy(&k, sg + 2 * m, 8);
-            __m512i xv = _mm512_loadu_si512(x + 64 * m);
-            __m512i xs = _mm512_mask_sub_epi8(xv, _cvtu64_mask64(k), _mm512_setzero_si512(), xv);
-            __m512i cut = _mm512_multishift_epi64_epi8(_mm512_add_epi8(shifts, _mm512_set1_epi8((char)(16 * m))),
-                                                       codes);
+        /* the code tables feed the permutes from L1 (an empty asm keeps the compiler from copying them to the
+           stack on every call) */
+        const uint8_t *t = IQ2_CODES[0];
+        __asm__("" : "+r"(t));
+        __m512i tb[2][4];
+        for (int h = 0; h < 2; h++)
+            for (int c = 0; c < 4; c++) tb[h][c] = _mm512_load_si512(t + 256 * h + 64 * c);
+        __m512i lo = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(tb[0][0], idx, tb[0][1]),
+                                            _mm512_permutex2var_epi8(tb[0][2], idx, tb[0][3]));
+        __m512i hi = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(tb[1][0], idx, tb[1][1]),
+                                            _mm512_permutex2var_epi8(tb[1][2], idx, tb[1][3]));
+        const __m512i codes[2] = {_mm512_permutex2var_epi8(lo, pair0, hi), _mm512_permutex2var_epi8(lo, pair1, hi)};
+        /* signs as in iq_signs_scales, 16 sign words at once, then transposed; the scales 2s + 1 as int16 pairs */
+        const __m512i sm = _mm512_and_si512(_mm512_multishift_epi64_epi8(_mm512_set1_epi64(0x352E2720150E0700LL), aux),
+                                            _mm512_set1_epi8(0x7F));
+        const __m512i sg = _mm512_permutexvar_epi8(transpose, _mm512_ternarylogic_epi32(
+            sm, _mm512_slli_epi16(_mm512_popcnt_epi8(sm), 7), _mm512_set1_epi8((char)0x80), 0xF8));
+        const __m512i l = _mm512_or_si512(_mm512_slli_epi32(_mm512_srli_epi32(aux, 28), 1), _mm512_set1_epi32(1));
+        const __m512i ls = _mm512_or_si512(l, _mm512_slli_epi32(l, 16));
+        for (int u = 0; u < 1 + two; u++) {
+            const int8_t *x = xq + 256 * (b + u);
+            __m512i s = _mm512_setzero_si512();
+            for (int m = 0; m < 4; m++) {  /* sub-blocks 2m, 2m+1: entries 8m..8m+7 */
+                const __mmask64 k = _mm512_bitshuffle_epi64_mask(
+                    sg, _mm512_set1_epi64(0x0706050403020100LL + 0x0808080808080808LL * (4 * u + m)));
+                __m512i xv = _mm512_loadu_si512(x + 64 * m);
+                __m512i xs = _mm512_mask_sub_epi8(xv, k, _mm512_setzero_si512(), xv);
+                __m512i cut = _mm512_multishift_epi64_epi8(
+                    _mm512_set1_epi64(0x0E0C0A0806040200LL + 0x1010101010101010LL * m), codes[u]);
 #if defined(__GFNI__)
-            /* magnitude = 8 ^ 17 c0 ^ 35 c1 of the code's bits c0, c1 (the byte's other bits ignored) */
-            __m512i g = _mm512_gf2p8affine_epi64_epi8(cut, _mm512_set1_epi64(0x0302000001020000LL), 8);
+                /* magnitude = 8 ^ 17 c0 ^ 35 c1 of the code's bits c0, c1 (the byte's other bits ignored) */
+                __m512i g = _mm512_gf2p8affine_epi64_epi8(cut, _mm512_set1_epi64(0x0302000001020000LL), 8);
 #else
-            __m512i g = _mm512_permutexvar_epi8(cut, mag);
+                __m512i g = _mm512_permutexvar_epi8(cut, mag);
 #endif
-            __m512i sc = _mm512_permutexvar_epi32(_mm512_add_epi32(half, _mm512_set1_epi32(2 * m)), l8);
-            s = iq_madd_add(s, _mm512_maddubs_epi16(g, xs), sc);
+                __m512i sc = _mm512_permutexvar_epi32(_mm512_add_epi32(half, _mm512_set1_epi32(8 * u + 2 * m)), ls);
+                s = iq_madd_add(s, _mm512_maddubs_epi16(g, xs), sc);
+            }
+            __m256i sumi = _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
+            fsum = _mm256_fmadd_ps(_mm256_set1_ps(f16(u ? b1 : b0) * xd[b + u] * 0.125f), _mm256_cvtepi32_ps(sumi), fsum);
         }
-        __m256i sumi = _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
-        fsum = _mm256_fmadd_ps(_mm256_set1_ps(f16(blk) * xd[b] * 0.125f), _mm256_cvtepi32_ps(sumi), fsum);
     }
     return hsum8(fsum);
 }
@@ -307,150 +340,3 @@ static float dot_iqxxs(int three, const uint8_t *row, int nb, const int8_t *xq, 
 #endif
 }
 
-/* IQ2_S (82 bytes / 256): f16 d, qs[32] (the low 8 bits of each group of 8 weights' grid index), signs[32] (byte g:
-   bit k set -> weight k of group g negative), qh[8] (sub-block j of 32 weights: bits 2l, 2l+1 the index's high 2
-   bits of its group l), scales[8] (sub-block j: low nibble s0 for its first 16 weights, high nibble s1 for the
-   last 16); w = d * (2s + 1) / 8 * grid * sign, with IQ2_S's own 1024-entry grid. */
-static inline uint32_t iq2s_idx(const uint8_t *qs, uint32_t qh, int l) {
-    return qs[l] | ((qh << (8 - 2 * l)) & 0x300);
-}
-
-#if defined(__AVX2__) && defined(__FMA__)
-/* one sub-block's 32 signed activations: negated where the sign bit is set (its 4 sign bytes as a 32-bit mask) */
-static inline __m256i iq2s_signed(__m256i x, uint32_t sg) {
-#if defined(__AVX512BW__) && defined(__AVX512VL__)  /* a masked negation (4% faster than the AVX2 way) */
-    return _mm256_mask_sub_epi8(x, (__mmask32)sg, _mm256_setzero_si256(), x);
-#else
-    /* byte k of the mask from sign byte k / 8, bit k % 8: a byte shuffle, an and with the bit, a compare */
-    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-    const __m256i bits = _mm256_set1_epi64x(0x8040201008040201LL);
-    __m256i m = _mm256_shuffle_epi8(_mm256_set1_epi32((int)sg), spread);
-    m = _mm256_cmpeq_epi8(_mm256_and_si256(m, bits), bits);  /* 0xFF: negative */
-    return _mm256_sub_epi8(_mm256_xor_si256(x, m), m);  /* (as fast as _mm256_sign_epi8 by m | 1 here) */
-#endif
-}
-
-/* a super-block's 32 grid indices (qs | the 2 bits of qh) as uint16, and the scales 2s + 1 of its 16 halves as
-   int16 pairs in two vectors of 8 int32 (sub-blocks 0-3, 4-7) */
-static inline void iq2s_prep(const uint8_t *blk, uint16_t *idx, __m256i *sc) {
-    const __m256i lo = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 2)));
-    const __m256i hi = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 18)));
-    const __m256i qh = _mm256_broadcastsi128_si256(_mm_loadl_epi64((const __m128i *)(blk + 66)));
-    /* epi16 lane g: qh[g / 4] (then qh[4 + g / 4]), times 2^(8 - 2 (g % 4)): its 2 bits at bits 8, 9 */
-    const __m256i sa = _mm256_setr_epi8(0, -1, 0, -1, 0, -1, 0, -1, 1, -1, 1, -1, 1, -1, 1, -1,
-                                        2, -1, 2, -1, 2, -1, 2, -1, 3, -1, 3, -1, 3, -1, 3, -1);
-    const __m256i sb = _mm256_add_epi8(sa, _mm256_set1_epi16(4));
-    const __m256i pw = _mm256_setr_epi16(256, 64, 16, 4, 256, 64, 16, 4, 256, 64, 16, 4, 256, 64, 16, 4);
-    const __m256i m = _mm256_set1_epi16(0x300);
-    _mm256_store_si256((__m256i *)idx, _mm256_or_si256(lo, _mm256_and_si256(_mm256_mullo_epi16(
-        _mm256_shuffle_epi8(qh, sa), pw), m)));
-    _mm256_store_si256((__m256i *)(idx + 16), _mm256_or_si256(hi, _mm256_and_si256(_mm256_mullo_epi16(
-        _mm256_shuffle_epi8(qh, sb), pw), m)));
-    __m128i s = _mm_loadl_epi64((const __m128i *)(blk + 74)), f = _mm_set1_epi8(15);
-    s = _mm_unpacklo_epi8(_mm_and_si128(s, f), _mm_and_si128(_mm_srli_epi16(s, 4), f));  /* half 2j + {0, 1} */
-    for (int k = 0; k < 2; k++) {
-        __m256i v = _mm256_cvtepu8_epi32(k ? _mm_srli_si128(s, 8) : s);
-        v = _mm256_or_si256(_mm256_slli_epi32(v, 1), _mm256_set1_epi32(1));
-        sc[k] = _mm256_or_si256(v, _mm256_slli_epi32(v, 16));
-    }
-}
-
-/* sub-block j of a super-block: grid magnitudes times the signed activations, times the scales 2s + 1 of its two
-   halves (int16 lanes 0-7: its first 16 weights, 8-15: the last 16) */
-static inline __m256i iq2s_sub(const uint8_t *blk, const uint16_t *idx, const __m256i *sc, int j, const int8_t *x) {
-    /* scalar loads (a gather measured 12% slower) */
-    __m256i g = tab4x64(IQ2S_GRID, idx[4 * j], idx[4 * j + 1], idx[4 * j + 2], idx[4 * j + 3]);
-    __m256i xs = iq2s_signed(_mm256_loadu_si256((const __m256i *)x), u32le(blk + 34 + 4 * j));
-    const __m256i sel = _mm256_setr_epi32(2 * (j % 4), 2 * (j % 4), 2 * (j % 4), 2 * (j % 4),
-                                          2 * (j % 4) + 1, 2 * (j % 4) + 1, 2 * (j % 4) + 1, 2 * (j % 4) + 1);
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(g, xs), _mm256_permutevar8x32_epi32(sc[j / 4], sel));
-}
-
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-/* int16 lane w of a 64-weight step: its pair of weights lies in that step's half w / 8 */
-static const int16_t IQ2S_HALF_W[32] __attribute__((aligned(64))) = {
-    0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3};
-/* Two sub-blocks (64 weights) a step in 512-bit lanes: their 8 grid entries in one vector, their 64 signs as one
-   mask (the 8 sign bytes are the sub-blocks' groups in weight order), one maddubs and one madd against the 16
-   half-block scales routed to their lanes by a word permute. The same integer sums as the 256-bit path, and (its
-   lanes folded to that path's at the end of each super-block) the same float sums. */
-static float dot_iq2s(const uint8_t *row, int nb, const int8_t *xq, const float *xd) {
-    __m256 fsum = _mm256_setzero_ps();
-    uint16_t idx[32] __attribute__((aligned(32)));
-    __m256i sc[2];
-    for (int b = 0; b < nb; b++) {
-        const uint8_t *blk = row + (long)b * 82;
-        PREFETCH_AHEAD(blk, nb * 82, 82);
-        const int8_t *x = xq + 256 * b;
-        iq2s_prep(blk, idx, sc);
-        /* the 16 half-block scales (2s + 1) as int16 in lanes 0-15 (sc: int32 lanes v | v << 16, halves 0-7, 8-15) */
-        const __m512i hs = _mm512_castsi256_si512(_mm512_cvtepi32_epi16(
-            _mm512_inserti64x4(_mm512_castsi256_si512(sc[0]), sc[1], 1)));
-        __m512i acc = _mm512_setzero_si512();
-        const __m512i half = _mm512_load_si512((const void *)IQ2S_HALF_W);
-        for (int j = 0; j < 8; j += 2) {
-            /* (scalar loads: a 512-bit gather of the 8 entries measured slower) */
-            const uint16_t *ix = idx + 4 * j;
-            const __m512i g = _mm512_inserti64x4(
-                _mm512_castsi256_si512(tab4x64(IQ2S_GRID, ix[0], ix[1], ix[2], ix[3])),
-                tab4x64(IQ2S_GRID, ix[4], ix[5], ix[6], ix[7]), 1);
-            __m512i xv = _mm512_loadu_si512((const void *)(x + 32 * j));
-            uint64_t sg;
-            __builtin_memcpy(&sg, blk + 34 + 4 * j, 8);
-            xv = _mm512_mask_sub_epi8(xv, (__mmask64)sg, _mm512_setzero_si512(), xv);
-            /* int16 lane w: weights 2w, 2w+1 of the 64, in half 2j + w / 8 */
-            const __m512i sel = _mm512_add_epi16(_mm512_set1_epi16((short)(2 * j)), half);
-            acc = _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(g, xv),
-                                                          _mm512_permutexvar_epi16(sel, hs)));
-        }
-        /* lane i + lane i + 8: the 256-bit path's lane i (weights 4i..4i+3 of every sub-block), so the float
-           sums that follow are that path's, bit for bit */
-        const __m256i a = _mm256_add_epi32(_mm512_castsi512_si256(acc), _mm512_extracti64x4_epi64(acc, 1));
-        fsum = _mm256_fmadd_ps(_mm256_set1_ps(f16(blk) * xd[b] * 0.125f), _mm256_cvtepi32_ps(a), fsum);
-    }
-    return hsum8(fsum);
-}
-#else
-static float dot_iq2s(const uint8_t *row, int nb, const int8_t *xq, const float *xd) {
-    __m256 fsum = _mm256_setzero_ps();
-    uint16_t idx[32] __attribute__((aligned(32)));
-    __m256i sc[2];
-    for (int b = 0; b < nb; b++) {
-        const uint8_t *blk = row + (long)b * 82;
-        PREFETCH_AHEAD(blk, nb * 82, 82);
-        const int8_t *x = xq + 256 * b;
-        iq2s_prep(blk, idx, sc);  /* (vector index and scale preparation: 10-20% faster than per sub-block) */
-        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-        for (int j = 0; j < 8; j += 2) {  /* two sub-blocks a step into two accumulators, as for IQ2_XXS */
-            s0 = _mm256_add_epi32(s0, iq2s_sub(blk, idx, sc, j, x + 32 * j));
-            s1 = _mm256_add_epi32(s1, iq2s_sub(blk, idx, sc, j + 1, x + 32 * j + 32));
-        }
-        fsum = _mm256_fmadd_ps(_mm256_set1_ps(f16(blk) * xd[b] * 0.125f),
-                               _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), fsum);
-    }
-    return hsum8(fsum);
-}
-#endif
-#else
-static float dot_iq2s(const uint8_t *row, int nb, const int8_t *xq, const float *xd) {
-    float sum = 0.f;
-    for (int b = 0; b < nb; b++) {
-        const uint8_t *blk = row + (long)b * 82;
-        for (int j = 0; j < 8; j++) {
-            const uint32_t qh = blk[66 + j], sc = blk[74 + j];
-            int32_t s[2] = {0, 0};
-            for (int l = 0; l < 4; l++) {  /* groups of 8 weights: one grid index and one sign byte each */
-                uint64_t g = IQ2S_GRID[iq2s_idx(blk + 2 + 4 * j, qh, l)];
-                uint8_t sg = blk[34 + 4 * j + l];
-                for (int k = 0; k < 8; k++) {
-                    int w = (int)((g >> (8 * k)) & 255) * ((sg >> k) & 1 ? -1 : 1);
-                    s[l / 2] += w * xq[256 * b + 32 * j + 8 * l + k];
-                }
-            }
-            sum += f16(blk) * xd[b] * 0.125f * (float)((int32_t)(2 * (sc & 15) + 1) * s[0] + (int32_t)(2 * (sc >> 4) + 1) * s[1]);
-        }
-    }
-    return sum;
-}
-#endif

@@ -1,6 +1,6 @@
 /* The IQ2_XS, IQ3_S, IQ1_S and IQ1_M dot products of cpu_native.c, which includes this header after
-   cpu_native_iq.h (one compilation unit: f16, hsum8, PREFETCH_AHEAD, u32le, tab4x64, SIGNS64 and iq2s_signed come
-   from there). These are the i-quants of llama.cpp's IQ2_XS / IQ3_S / IQ3_M / IQ1_S / IQ1_M files and of Unsloth's
+   cpu_native_iq.h and cpu_native_iq2s.h (one compilation unit: f16, hsum8, PREFETCH_AHEAD, u32le, tab4x64, SIGNS64
+   and iq2s_signed come from there). These are the i-quants of llama.cpp's IQ2_XS / IQ3_S / IQ3_M / IQ1_S / IQ1_M files and of Unsloth's
    lowest UD mixes. Each spells a group of weights as an index into a grid of magnitudes (gguf-py's grids, copied
    once by strata_native_tables_x), so a 32-weight sub-block is four (IQ2_XS, IQ1_*) or eight (IQ3_S) scalar table
    loads, one maddubs of the magnitudes by the sign-applied int8 activations, and one madd by the odd scales.

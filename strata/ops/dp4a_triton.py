@@ -32,7 +32,7 @@ Q = GGMLQuantizationType
 DP4A_GPU_TESTED = True
 # Q8_0's and the K-quants' dp4a tiles on a GPU (every dense GEMV and expert of most files then rounds its activations to
 # int8): their GPU test passes there and they were timed against the float tiles (`--kq-tiles dp4a`)
-KQ_DP4A_GPU_TESTED = False
+KQ_DP4A_GPU_TESTED = True
 # the i-quant dp4a tiles' table reads of a word pair (a grid entry's two halves, a sign byte's two sign words) as one
 # 64-bit load instead of two 32-bit gathers: on a GPU once its GPU test passes there (tests/experts/test_dp4a.py,
 # kind "wide") and it was timed against the two loads (`tools/bench_kernels.py --iq-tiles dp4a-wide`)

@@ -55,6 +55,10 @@ Q32 = {Q.Q4_0: 0, Q.Q4_1: 1, Q.Q5_0: 2, Q.Q5_1: 3}  # the 32-weight formats of k
 SUPPORTED = frozenset({Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, *Q32, *iquant_triton.FORMATS})
 KW_MAX = 2048  # weights of a row per loop iteration, at most (block_k may ask up to this)
 KW_DECODE = 512  # weights of a row per iteration by default
+# the i-quants' dp4a tiles (strata.ops.dp4a_triton) in the expert GLU: 1024 weights a row per iteration, so a
+# program's two 1024-weight rows put more independent table gathers in flight (the fastest point of a sweep of every
+# (BN, KW, warps) of B1's expert GLU, `tools/bench_kernels.py --sweep --expert-formats`; docs/BENCHMARKS.md)
+KW_DECODE_DP4A_IQ = 1024
 ROWS_MAX = 8  # rows per program
 PROGRAMS_PER_SM = 8  # fewer rows per program until a launch has this many (one-warp) programs per SM
 # Per format: at most this many weights one program decodes per iteration (all weights it reads), and per
@@ -254,7 +258,7 @@ def _sm_count(index: int) -> int:
 
 
 def plan(qtypes, N: int, K: int, batch: int, device: torch.device, block_n: int | None = None,
-         block_k: int | None = None, host: bool = False) -> tuple[int, int, bool, int]:
+         block_k: int | None = None, host: bool = False, dtype: torch.dtype | None = None) -> tuple[int, int, bool, int]:
     """(BN rows per program, KW weights per iteration, EVEN: KW divides K, num_warps) for a launch over
     `batch` x N rows of the weights `qtypes` (one, or gate and up read together).
 
@@ -266,13 +270,18 @@ def plan(qtypes, N: int, K: int, batch: int, device: torch.device, block_n: int 
     256-512 weights a row per iteration were the fastest or close to it for every shape, where the earlier rule
     (multi-warp programs, whole 2048-weight rows per iteration) was much slower for the expert GLU and the LM head. block_n / block_k override (powers of two; block_k a multiple of the block length).
 
+    dtype: the activations' (None: half precision), where the i-quants' dp4a tiles take KW_DECODE_DP4A_IQ.
+
     host: the launch may read missed experts from pinned host RAM over the bus, where a program needs many more
     bytes in flight than in HBM: such launches keep the wide tiles they were measured with (`_plan_wide`; the
     sweep above timed VRAM reads only).
     """
     if host:
         return _plan_wide(qtypes, N, K, batch, device, block_n, block_k)
-    kw = _kw(qtypes, K, KW_DECODE, block_k)
+    # (the GLU launches only, where it was measured: gate and up read together)
+    dp4a_iq = len(qtypes) == 2 and all(qt in dp4a_triton.IQ_FORMATS and dp4a_triton.rounds_activations(qt, dtype)
+                                       for qt in qtypes)
+    kw = _kw(qtypes, K, KW_DECODE_DP4A_IQ if dp4a_iq else KW_DECODE, block_k)
     tile = min(TILE[qt][0] for qt in qtypes)
     weights = kw * len(qtypes)  # per row and iteration
     if block_n:
@@ -352,11 +361,11 @@ def triton_expert_ffn(x: torch.Tensor, gate, up, down, slots: torch.Tensor, bloc
     else:
         hg, hu, hd, ids = g, u, dn, slots  # not read
     tab = codebooks_for((gate.qtype, up.qtype, down.qtype), a)
-    bn, kw, even, warps = plan((gate.qtype, up.qtype), ff, d, P, x.device, block_n, block_k, host is not None)
+    bn, kw, even, warps = plan((gate.qtype, up.qtype), ff, d, P, x.device, block_n, block_k, host is not None, x.dtype)
     _glu_kernel[(P * triton.cdiv(ff, bn),)](
         x, dp4a_triton.int8_rows(x, (gate.qtype, up.qtype)), g, u, slots, hg, hu, ids, tab, a, P, ff, d, repeat, g[0].numel(), u[0].numel(), g.shape[-1], u.shape[-1],
         QG=int(gate.qtype), QU=int(up.qtype), BN=bn, KW=kw, EVEN=even, HOST=host is not None, num_warps=warps)
-    bn, kw, even, warps = plan((down.qtype,), d, ff, P, x.device, block_n, block_k, host is not None)
+    bn, kw, even, warps = plan((down.qtype,), d, ff, P, x.device, block_n, block_k, host is not None, x.dtype)
     _gemv_kernel[(P * triton.cdiv(d, bn),)](
         a, dp4a_triton.int8_rows(a, (down.qtype,), x.dtype), dn, slots, hd, ids, tab, y, P, d, ff, dn[0].numel(), dn.shape[-1], QT=int(down.qtype), BN=bn, KW=kw,
         EVEN=even, GATHER=True, HOST=host is not None, num_warps=warps)

@@ -165,14 +165,16 @@ GPU = COMMON + textwrap.dedent("""
     for qg, qd, d, ff in [c for c in cases if c[0] in IQ + KQ]:
         g, u = (random_qtensor(qg, (4, ff, d), s, device=dev) for s in (1, 2))
         dn = random_qtensor(qd, (4, d, ff), 3, device=dev)
-        x = torch.randn(6, d, device=dev).bfloat16()
+        x = torch.randn(6, d, generator=gen).bfloat16().to(dev)
         slots = torch.tensor([3, -1, 0, 2, 1, 0], device=dev)
         for bk in (None, 256):
             y = et.triton_expert_ffn(x, g, u, dn, slots, block_k=bk)
             ref = q8_ffn(x, g, u, dn, slots.cpu())
             assert torch.equal(y[1], torch.zeros_like(y[1]))
+            # (the reference rounds the GLU's output as the tiles do, but a value the float32 sums put on the other
+            # side of a rounding step moves its block by 1/127 of the block's largest: up to ~0.5% of a row)
             for i in (0, 2, 3, 4, 5):
-                assert rel(y[i], ref[i]) < 5e-3, (qg.name, qd.name, bk, i, rel(y[i], ref[i]))
+                assert rel(y[i], ref[i]) < 1e-2, (qg.name, qd.name, bk, i, rel(y[i], ref[i]))
     print("ok")
 """)
 
@@ -212,3 +214,22 @@ def test_quantize_x_rounds_half_away_from_zero():
     x[0], x[1], x[2], x[3] = 127.0, 0.5, -0.5, 1.5  # scale 1: ties go away from zero
     assert quantize_x(x)[:4].tolist() == [127.0, 1.0, -1.0, 2.0]
     assert torch.equal(quantize_x(torch.zeros(64)), torch.zeros(64))
+
+
+def test_glu_plan_of_the_dp4a_iquant_tiles(monkeypatch):
+    """The expert GLU over gate and up in an i-quant takes 1024 weights a row per iteration where the dp4a tiles
+    read it (half-precision activations), 512 otherwise (float32, the K-quants, a single weight)."""
+    import torch
+    from gguf import GGMLQuantizationType as Q
+
+    from strata.ops import dp4a_triton, expert_triton
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(dp4a_triton, "C_DP4A", True)
+    glu = expert_triton.plan((Q.IQ2_XXS, Q.IQ2_XXS), 768, 2048, 8, cpu, dtype=torch.bfloat16)
+    assert glu[1] == expert_triton.KW_DECODE_DP4A_IQ == 1024
+    assert expert_triton.plan((Q.IQ2_XXS, Q.IQ2_XXS), 768, 2048, 8, cpu, dtype=torch.float32)[1] == 512
+    assert expert_triton.plan((Q.Q4_K, Q.Q4_K), 768, 2048, 8, cpu, dtype=torch.bfloat16)[1] == 512
+    assert expert_triton.plan((Q.IQ2_XXS,), 2048, 2048, 8, cpu, dtype=torch.bfloat16)[1] == 512
+    monkeypatch.setattr(dp4a_triton, "C_DP4A", False)
+    assert expert_triton.plan((Q.IQ2_XXS, Q.IQ2_XXS), 768, 2048, 8, cpu, dtype=torch.bfloat16)[1] == 512

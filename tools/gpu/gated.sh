@@ -53,11 +53,9 @@ GATED=(
   "tests/ops/test_qgemv.py tests/experts/test_dp4a.py||"
   # (taken after passing on an H200: the i-quants' dp4a tiles reading their table word pairs as 64-bit words)
   "tests/experts/test_dp4a.py::test_cuda_dp4a_tiles[wide]||"
-  # Q8_0's and the K-quants' dp4a tiles (every dense GEMV, LM head and K-quant expert of a half-precision run then
-  # rounds x to int8): their own tests passed on an H200, but with the flag on three float32 tiered-against-resident
-  # tests failed there (the dp4a tiles then took float32 activations too; they no longer do), so those tests are
-  # part of this entry, and the whole GPU suite (tools/gpu/test.sh) runs with it before the flag is set
-  "tests/experts/test_dp4a.py::test_cuda_dp4a_tiles[kq] tests/ops/test_qgemv.py tests/quant/test_quant_matmul.py tests/experts/test_tiered_direct.py|strata/ops/dp4a_triton.py|s/^KQ_DP4A_GPU_TESTED = False/KQ_DP4A_GPU_TESTED = True/"
+  # (taken after passing on an H200, with the whole GPU suite but two float32 tests the flag takes no path in: Q8_0's
+  # and the K-quants' dp4a tiles, which every half-precision dense GEMV, LM head and K-quant expert then takes)
+  "tests/experts/test_dp4a.py::test_cuda_dp4a_tiles[kq] tests/ops/test_qgemv.py tests/quant/test_quant_matmul.py tests/experts/test_tiered_direct.py||"
 )
 
 log="$OUT/gated.log"
