@@ -67,6 +67,39 @@ static inline __m256 f16x8(const uint8_t *b0, int size, int off) {
 #define NB256(K) (((K) + 255) / 256)
 static inline __attribute__((always_inline)) void quantize_block(const float *x, int len, int8_t *xq, float *xd,
                                                                  int32_t *xs, int32_t *x16) {
+#if defined(__AVX2__)
+    /* the loop below's values exactly, 32 at a time (its lrintf a value was a visible share of a small expert's
+       call): the max |x| (a NaN skipped), x * id rounded to nearest even (the default rounding, lrintf's), a NaN
+       product as 0 (as lrintf's result cast), clamped */
+    const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 m = _mm256_setzero_ps();
+    for (int i = 0; i < len; i += 8) m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + i), abs), m);
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+    const float id = amax > 0.f ? 127.f / amax : 0.f;
+    *xd = amax / 127.f;
+    for (int j = 0; j < len / 32; j++) {
+        __m256i v[4];
+        for (int k = 0; k < 4; k++) {
+            __m256 y = _mm256_mul_ps(_mm256_loadu_ps(x + 32 * j + 8 * k), _mm256_set1_ps(id));
+            y = _mm256_and_ps(y, _mm256_cmp_ps(y, y, _CMP_ORD_Q));
+            v[k] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(y), _mm256_set1_epi32(127)),
+                                    _mm256_set1_epi32(-127));
+        }
+        /* the packs interleave 128-bit halves (4-byte units v0 lo, v1 lo, .., v3 hi); the permute restores order */
+        const __m256i q = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+        _mm256_storeu_si256((__m256i *)(xq + 32 * j),
+                            _mm256_permutevar8x32_epi32(q, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        for (int k = 0; k < 2; k++) {
+            const __m256i s = _mm256_add_epi32(v[2 * k], v[2 * k + 1]);
+            __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+            t = _mm_hadd_epi32(t, t);
+            x16[2 * j + k] = _mm_cvtsi128_si32(_mm_hadd_epi32(t, t));
+        }
+        xs[j] = x16[2 * j] + x16[2 * j + 1];
+    }
+#else
     float amax = 0.f;
     for (int i = 0; i < len; i++) { float a = fabsf(x[i]); if (a > amax) amax = a; }
     float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
@@ -82,6 +115,7 @@ static inline __attribute__((always_inline)) void quantize_block(const float *x,
         x16[j] = s;
     }
     for (int j = 0; j < len / 32; j++) xs[j] = x16[2 * j] + x16[2 * j + 1];
+#endif
 }
 
 static void quantize_row(const float *x, int K, int8_t *xq, float *xd, int32_t *xs, int32_t *x16) {
@@ -240,55 +274,12 @@ static float dot_q6k(const uint8_t *row, int nb, const int8_t *xq, const float *
 #endif
 }
 
-/* one Q8_0 row (K/32 blocks of 34 bytes: d f16, 32 int8): w = d * q */
-static float dot_q8_0(const uint8_t *row, int K, const int8_t *xq, const float *xd) {
-#if defined(__AVX2__) && defined(__FMA__)
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 fsum = _mm256_setzero_ps();
-    int i = 0;
-#if defined(__F16C__)
-    for (; i + 8 <= K / 32; i += 8) {  /* eight blocks a step: one scale conversion and multiply-add for them */
-        const uint8_t *b0 = row + (long)i * 34;
-        PREFETCH_AHEAD(b0, K / 32 * 34, 272);
-        __m256i p[8];
-        for (int k = 0; k < 8; k++) {
-            const __m256i w = _mm256_loadu_si256((const __m256i *)(b0 + 34 * k + 2));
-            const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + 32 * (i + k)));
-            p[k] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), ones);
-        }
-        fsum = _mm256_fmadd_ps(_mm256_mul_ps(f16x8(b0, 34, 0), _mm256_set1_ps(xd[i / 8])),
-                               _mm256_cvtepi32_ps(sum8x8(p)), fsum);
-    }
-#endif
-    for (; i < K / 32; i++) {
-        const uint8_t *blk = row + i * 34;
-        if ((i & 1) == 0) PREFETCH_AHEAD(blk, K / 32 * 34, 68);
-        __m256i w = _mm256_loadu_si256((const __m256i *)(blk + 2));
-        __m256i x = _mm256_loadu_si256((const __m256i *)(xq + 32 * i));
-        /* signed x signed: |w| (unsigned) times x with w's sign */
-        __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), ones);
-        fsum = _mm256_fmadd_ps(_mm256_set1_ps(f16(blk) * xd[i / 8]), _mm256_cvtepi32_ps(p), fsum);
-    }
-    return hsum8(fsum);
-#else
-    float sum = 0.f;
-    for (int i = 0; i < K / 32; i++) {
-        const uint8_t *blk = row + i * 34;
-        const int8_t *w = (const int8_t *)(blk + 2);
-        int32_t s = 0;
-        for (int l = 0; l < 32; l++) s += w[l] * xq[32 * i + l];
-        sum += f16(blk) * xd[i / 8] * (float)s;
-    }
-    return sum;
-#endif
-}
-
+#include "cpu_native_rows.h" /* Q8_0: dot_q8_0; Q4_K, Q6_K and Q8_0 against several rows of x: dot_*_rows */
 #include "cpu_native_iq4.h"  /* IQ4_XS and IQ4_NL: dot_iq4xs, dot_iq4nl */
 #include "cpu_native_iq.h"   /* IQ2_XXS / IQ3_XXS / IQ2_S tables, dot_iqxxs */
 #include "cpu_native_iq2s.h" /* IQ2_S: dot_iq2s */
 #include "cpu_native_iqx.h"  /* IQ2_XS / IQ3_S / IQ1_S / IQ1_M: their tables and dot products */
 #include "cpu_native_fmt.h"  /* Q5_K and MXFP4: dot_q5k, dot_mxfp4(_tail) */
-#include "cpu_native_rows.h" /* Q4_K, Q6_K and Q8_0 against several rows of x: dot_*_rows */
 #include "cpu_native_kq.h"   /* Q2_K, Q3_K, TQ2_0 and TQ1_0: dot_q2k, dot_q3k, dot_tq2_0, dot_tq1_0 */
 #include "cpu_native_q32.h"  /* Q4_0, Q4_1, Q5_0, Q5_1: dot_q32 */
 
@@ -329,6 +320,39 @@ static inline float dot_row(int fmt, const uint8_t *row, int K, const int8_t *q,
     if (fmt == FMT_Q2K) return dot_q2k(row, K / 256, q, qd, q16);
     if (fmt == FMT_IQ2XXS || fmt == FMT_IQ3XXS) return dot_iqxxs(fmt == FMT_IQ3XXS, row, K / 256, q, qd);
     return fmt == FMT_Q6K ? dot_q6k(row, K / 256, q, qd, q16) : dot_q4k(row, K / 256, q, qd, qs);
+}
+
+/* nr (even) consecutive rows (row + k * rb) . the activations into out[0..nr), each bit for bit its dot_row.
+   IQ2_XXS and IQ2_S take a block of rows a call (their many constants then stay in registers across rows) and
+   rows of an odd number of super-blocks pair two rows' last ones in one step (their dot products take
+   super-blocks two at a time) */
+static inline void dot_rown(int fmt, const uint8_t *row, long rb, int nr, int K, const int8_t *q, const float *qd,
+                            const int32_t *qs, const int32_t *q16, float *out) {
+#if defined(IQ_TWO_ROWS)
+    if (fmt == FMT_IQ2XXS) { dot_iq2xxs2(row, row + rb, 2 * rb, nr / 2, K / 256, q, qd, out, out + 1, 2); return; }
+#endif
+#if defined(IQ2S_TWO_ROWS)
+    if (fmt == FMT_IQ2S) { dot_iq2s2(row, row + rb, 2 * rb, nr / 2, K / 256, q, qd, out, out + 1, 2); return; }
+#endif
+    for (int k = 0; k < nr; k++) out[k] = dot_row(fmt, row + k * rb, K, q, qd, qs, q16);
+}
+
+/* gate and up rows k < nr (gate + k * rg, up + k * ru) . the activations into og[k], ou[k], each bit for bit its
+   dot_row, a gate row and then its up row (the two streams read side by side); IQ2_XXS and IQ2_S take all of them
+   in one call, a gate row and its up row as one pair of rows (see dot_rown) */
+static inline void dot_gate_up(int fg, int fu, const uint8_t *gate, const uint8_t *up, long rg, long ru, int nr, int K,
+                               const int8_t *q, const float *qd, const int32_t *qs, const int32_t *q16, float *og,
+                               float *ou) {
+#if defined(IQ_TWO_ROWS)
+    if (fg == FMT_IQ2XXS && fu == FMT_IQ2XXS) { dot_iq2xxs2(gate, up, rg, nr, K / 256, q, qd, og, ou, 1); return; }
+#endif
+#if defined(IQ2S_TWO_ROWS)
+    if (fg == FMT_IQ2S && fu == FMT_IQ2S) { dot_iq2s2(gate, up, rg, nr, K / 256, q, qd, og, ou, 1); return; }
+#endif
+    for (int k = 0; k < nr; k++) {
+        og[k] = dot_row(fg, gate + k * rg, K, q, qd, qs, q16);
+        ou[k] = dot_row(fu, up + k * ru, K, q, qd, qs, q16);
+    }
 }
 
 /* the gated activation of gate g and up u (biases already added): ACT_SWIGLU silu(g) * u; ACT_OAI gpt-oss's
@@ -395,26 +419,32 @@ int strata_native_experts(int n, const uint8_t *const *gate, const uint8_t *cons
     #define HD(e) ((float *)(sh + (long)(e) * scratch_per(ff) + ff))
     #define HS(e) ((int32_t *)(HD(e) + NB256(ff)))
     #define H16(e) (HS(e) + ff / 32)
+    /* rows a block for the gate / up and the down loops: 32 (fewer calls), halved while that leaves fewer than 4
+       blocks a thread (ff and d are multiples of 32, so of each block) */
+    int gblk = 32, dblk = 32;
+    while (gblk > 2 && (long)n * ff / gblk < 4L * threads) gblk /= 2;
+    while (dblk > 2 && (long)n * d / dblk < 4L * threads) dblk /= 2;
     #pragma omp parallel num_threads(threads)
     {
         #pragma omp for schedule(static)
         for (int e = 0; e < n; e++) quantize_row(x[e], d, XQ(e), XD(e), XS(e), X16(e));
         #pragma omp for schedule(static)
-        for (long r = 0; r < (long)n * ff; r++) {
+        for (long r = 0; r < (long)n * ff; r += gblk) {
             int e = (int)(r / ff), i = (int)(r % ff);
-            float g = dot_row(fg, gate[e] + (long)i * rg, d, XQ(e), XD(e), XS(e), X16(e));
-            float u = dot_row(fu, up[e] + (long)i * ru, d, XQ(e), XD(e), XS(e), X16(e));
-            if (gb) g += gb[e][i];
-            if (ub) u += ub[e][i];
-            h[r] = glu(act, g, u, alpha, limit);
+            float g[32], u[32];
+            dot_gate_up(fg, fu, gate[e] + (long)i * rg, up[e] + (long)i * ru, rg, ru, gblk, d, XQ(e), XD(e), XS(e),
+                        X16(e), g, u);
+            for (int k = 0; k < gblk; k++)
+                h[r + k] = glu(act, gb ? g[k] + gb[e][i + k] : g[k], ub ? u[k] + ub[e][i + k] : u[k], alpha, limit);
         }
         #pragma omp for schedule(static)
         for (int e = 0; e < n; e++) quantize_row(h + (long)e * ff, ff, HQ(e), HD(e), HS(e), H16(e));
         #pragma omp for schedule(static)
-        for (long r = 0; r < (long)n * d; r++) {
+        for (long r = 0; r < (long)n * d; r += dblk) {
             int e = (int)(r / d), i = (int)(r % d);
-            float o = dot_row(fdn, down[e] + (long)i * rd, ff, HQ(e), HD(e), HS(e), H16(e));
-            out[r] = db ? o + db[e][i] : o;
+            dot_rown(fdn, down[e] + (long)i * rd, rd, dblk, ff, HQ(e), HD(e), HS(e), H16(e), out + r);
+            if (db)
+                for (int k = 0; k < dblk; k++) out[r + k] += db[e][i + k];
         }
     }
     return 0;

@@ -2,8 +2,8 @@
 
 The C source is `cpu_native.c` beside this file, with the IQ2_XXS / IQ3_XXS dot products in `cpu_native_iq.h`, IQ2_S's
 in `cpu_native_iq2s.h`, IQ2_XS / IQ3_S / IQ1_S / IQ1_M in `cpu_native_iqx.h`, Q2_K / Q3_K in `cpu_native_kq.h`, the Q5_K / MXFP4 ones in
-`cpu_native_fmt.h`, Q4_0 / Q4_1 / Q5_0 / Q5_1 in `cpu_native_q32.h`, several rows of x against Q4_K / Q6_K / Q8_0 in `cpu_native_rows.h`
-(included: one compilation unit). torch's fused `_weight_int4pack_mm_for_cpu` reads its repacked
+`cpu_native_fmt.h`, Q4_0 / Q4_1 / Q5_0 / Q5_1 in `cpu_native_q32.h`, Q8_0's and several rows of x against Q4_K / Q6_K / Q8_0 in
+`cpu_native_rows.h` (included: one compilation unit). torch's fused `_weight_int4pack_mm_for_cpu` reads its repacked
 copy well below what the cores can read (one token's GEMV: fork/join and wake-up per call dominate; the measured
 rates are in docs/BENCHMARKS.md), and it needs a second, repacked copy of every expert in RAM. This kernel
 reads the GGUF blocks where they lie (the store's pinned or mapped bytes: no copy), the way llama.cpp's CPU path

@@ -151,14 +151,28 @@ static inline __m512i iq_madd_add(__m512i s, __m512i p, __m512i sc) {
 #endif
 }
 
+#if defined(__AVX512VNNI__)
+/* IQ_PAIR16: int16 lane 2L the low half of dword L of the first operand, 2L + 1 that of the second's. IQ_SC16: the
+   word of ls (int32 lane q: sub-block q's 2s + 1 in its low word) for int16 lane 2L, 2L + 1 of steps m, m + 2
+   (m = 0: sub-blocks L / 8 and 4 + L / 8; a step pair m adds 4m, super-block u of the pair 16u) */
+static const int16_t IQ_PAIR16[32] __attribute__((aligned(64))) = {
+    0, 32, 2, 34, 4, 36, 6, 38, 8, 40, 10, 42, 12, 44, 14, 46, 16, 48, 18, 50, 20, 52, 22, 54, 24, 56, 26, 58,
+    28, 60, 30, 62};
+static const int16_t IQ_SC16[32] __attribute__((aligned(64))) = {
+    0, 8, 0, 8, 0, 8, 0, 8, 0, 8, 0, 8, 0, 8, 0, 8, 2, 10, 2, 10, 2, 10, 2, 10, 2, 10, 2, 10, 2, 10, 2, 10};
+#endif
+
 /* IQ2_XXS two super-blocks at a time in 512-bit registers: their 64 grid indices (the even u32s of each) look up
    their entries' 2-bit codes (byte permutes of the two code tables), paired into words so that a multishift of word
    m of each qword cuts entries 8m..8m+7 into one code per byte, and an affine map (or a byte permute) turns codes
    into magnitudes; the sign words (the odd u32s) of both give their 512 signs at once, transposed so that one
-   bit shuffle makes each step's 64-bit mask (no trip through general registers); then two sub-blocks a step. The
-   float sums follow a super-block at a time, in order (an odd last one is paired with itself). */
-static float dot_iq2xxs(const uint8_t *row, int nb, const int8_t *xq, const float *xd) {
-    __m256 fsum = _mm256_setzero_ps();
+   bit shuffle makes each step's 64-bit mask (no trip through general registers); then two sub-blocks a step.
+   Super-block u of the pair (at bu, against activations xu with scale du) adds into *fu, first u = 0, then u = 1
+   unless `one` (f0 and f1 may be the same accumulator: a row's super-blocks in order). The pair may come from two
+   rows (their last super-blocks, against the same activations) or be one super-block with itself. */
+static inline __attribute__((always_inline)) void iq2xxs_pair(const uint8_t *b0, const uint8_t *b1,
+                                                               const int8_t *x0, const int8_t *x1, float d0,
+                                                               float d1, int one, __m256 *f0, __m256 *f1) {
     const __m512i mag = _mm512_load_si512(IQ2_MAG);
     const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
     const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
@@ -168,58 +182,122 @@ static float dot_iq2xxs(const uint8_t *row, int nb, const int8_t *xq, const floa
         _mm512_setr_epi64(0, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL,
                           0x0404040404040404LL, 0x0505050505050505LL, 0x0606060606060606LL, 0x0707070707070707LL));
     const __m512i half = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    (void)mag;
-    for (int b = 0; b < nb; b += 2) {
-        const int two = b + 1 < nb;
-        const uint8_t *b0 = row + (long)b * 66, *b1 = two ? b0 + 66 : b0;
-        PREFETCH_AHEAD(b0, nb * 66, 132);
-        const __m512i q0 = _mm512_loadu_si512(b0 + 2), q1 = _mm512_loadu_si512(b1 + 2);
-        /* sub-block j: 4 grid indices (the even u32s), then its u32 of signs and scale (the odd ones) */
-        const __m512i idx = _mm512_permutex2var_epi32(q0, even, q1), aux = _mm512_permutex2var_epi32(q0, odd, q1);
-        const __mmask64 top = _mm512_movepi8_mask(idx);
-        /* the code tables feed the permutes from L1 (an empty asm keeps the compiler from copying them to the
-           stack on every call) */
-        const uint8_t *t = IQ2_CODES[0];
-        __asm__("" : "+r"(t));
-        __m512i tb[2][4];
-        for (int h = 0; h < 2; h++)
-            for (int c = 0; c < 4; c++) tb[h][c] = _mm512_load_si512(t + 256 * h + 64 * c);
-        __m512i lo = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(tb[0][0], idx, tb[0][1]),
-                                            _mm512_permutex2var_epi8(tb[0][2], idx, tb[0][3]));
-        __m512i hi = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(tb[1][0], idx, tb[1][1]),
-                                            _mm512_permutex2var_epi8(tb[1][2], idx, tb[1][3]));
-        const __m512i codes[2] = {_mm512_permutex2var_epi8(lo, pair0, hi), _mm512_permutex2var_epi8(lo, pair1, hi)};
-        /* signs as in iq_signs_scales, 16 sign words at once, then transposed; the scales 2s + 1 as int16 pairs */
-        const __m512i sm = _mm512_and_si512(_mm512_multishift_epi64_epi8(_mm512_set1_epi64(0x352E2720150E0700LL), aux),
-                                            _mm512_set1_epi8(0x7F));
-        const __m512i sg = _mm512_permutexvar_epi8(transpose, _mm512_ternarylogic_epi32(
-            sm, _mm512_slli_epi16(_mm512_popcnt_epi8(sm), 7), _mm512_set1_epi8((char)0x80), 0xF8));
-        const __m512i l = _mm512_or_si512(_mm512_slli_epi32(_mm512_srli_epi32(aux, 28), 1), _mm512_set1_epi32(1));
-        const __m512i ls = _mm512_or_si512(l, _mm512_slli_epi32(l, 16));
-        for (int u = 0; u < 1 + two; u++) {
-            const int8_t *x = xq + 256 * (b + u);
-            __m512i s = _mm512_setzero_si512();
-            for (int m = 0; m < 4; m++) {  /* sub-blocks 2m, 2m+1: entries 8m..8m+7 */
-                const __mmask64 k = _mm512_bitshuffle_epi64_mask(
-                    sg, _mm512_set1_epi64(0x0706050403020100LL + 0x0808080808080808LL * (4 * u + m)));
-                __m512i xv = _mm512_loadu_si512(x + 64 * m);
-                __m512i xs = _mm512_mask_sub_epi8(xv, k, _mm512_setzero_si512(), xv);
-                __m512i cut = _mm512_multishift_epi64_epi8(
-                    _mm512_set1_epi64(0x0E0C0A0806040200LL + 0x1010101010101010LL * m), codes[u]);
-#if defined(__GFNI__)
-                /* magnitude = 8 ^ 17 c0 ^ 35 c1 of the code's bits c0, c1 (the byte's other bits ignored) */
-                __m512i g = _mm512_gf2p8affine_epi64_epi8(cut, _mm512_set1_epi64(0x0302000001020000LL), 8);
+    (void)mag; (void)half;
+    const __m512i q0 = _mm512_loadu_si512(b0 + 2), q1 = _mm512_loadu_si512(b1 + 2);
+    /* sub-block j: 4 grid indices (the even u32s), then its u32 of signs and scale (the odd ones) */
+    const __m512i idx = _mm512_permutex2var_epi32(q0, even, q1), aux = _mm512_permutex2var_epi32(q0, odd, q1);
+    const __mmask64 top = _mm512_movepi8_mask(idx);
+    /* the code tables feed the permutes from L1 (an empty asm keeps the compiler from copying them to the stack on
+       every call) */
+    const uint8_t *t = IQ2_CODES[0];
+    __asm__("" : "+r"(t));
+    __m512i tb[2][4];
+    for (int h = 0; h < 2; h++)
+        for (int c = 0; c < 4; c++) tb[h][c] = _mm512_load_si512(t + 256 * h + 64 * c);
+    __m512i lo = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(tb[0][0], idx, tb[0][1]),
+                                        _mm512_permutex2var_epi8(tb[0][2], idx, tb[0][3]));
+    __m512i hi = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(tb[1][0], idx, tb[1][1]),
+                                        _mm512_permutex2var_epi8(tb[1][2], idx, tb[1][3]));
+    const __m512i codes[2] = {_mm512_permutex2var_epi8(lo, pair0, hi), _mm512_permutex2var_epi8(lo, pair1, hi)};
+    /* signs as in iq_signs_scales, 16 sign words at once, then transposed, but without masking the cut bytes' bit 7
+       (the next index's bit 0): the parity of all 8 bits xored with that bit is the 7 bits' parity, so the ternary
+       logic m ^ (popcnt << 7 & 0x80) keeps bits 0-6 and sets bit 7 (one instruction fewer on the masks' path) */
+    const __m512i sm = _mm512_multishift_epi64_epi8(_mm512_set1_epi64(0x352E2720150E0700LL), aux);
+    const __m512i sg = _mm512_permutexvar_epi8(transpose, _mm512_ternarylogic_epi32(
+        sm, _mm512_slli_epi16(_mm512_popcnt_epi8(sm), 7), _mm512_set1_epi8((char)0x80), 0x78));
+#if defined(__AVX512VNNI__)
+    /* 2s + 1 in the low word of int32 lane q (aux >> 27 brings s to bits 1-4; the or replaces bit 0) */
+    const __m512i ls = _mm512_or_si512(_mm512_srli_epi32(aux, 27), _mm512_set1_epi32(1));
 #else
-                __m512i g = _mm512_permutexvar_epi8(cut, mag);
+    const __m512i l = _mm512_or_si512(_mm512_slli_epi32(_mm512_srli_epi32(aux, 28), 1), _mm512_set1_epi32(1));
+    const __m512i ls = _mm512_or_si512(l, _mm512_slli_epi32(l, 16));
 #endif
-                __m512i sc = _mm512_permutexvar_epi32(_mm512_add_epi32(half, _mm512_set1_epi32(8 * u + 2 * m)), ls);
-                s = iq_madd_add(s, _mm512_maddubs_epi16(g, xs), sc);
-            }
-            __m256i sumi = _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
-            fsum = _mm256_fmadd_ps(_mm256_set1_ps(f16(u ? b1 : b0) * xd[b + u] * 0.125f), _mm256_cvtepi32_ps(sumi), fsum);
+    for (int u = 0; u < 2 - one; u++) {
+        const int8_t *x = u ? x1 : x0;
+        __m512i s = _mm512_setzero_si512(), p[4];
+        for (int m = 0; m < 4; m++) {  /* sub-blocks 2m, 2m+1: entries 8m..8m+7 */
+            const __mmask64 k = _mm512_bitshuffle_epi64_mask(
+                sg, _mm512_set1_epi64(0x0706050403020100LL + 0x0808080808080808LL * (4 * u + m)));
+            __m512i xv = _mm512_loadu_si512(x + 64 * m);
+            __m512i xs = _mm512_mask_sub_epi8(xv, k, _mm512_setzero_si512(), xv);
+            __m512i cut = _mm512_multishift_epi64_epi8(
+                _mm512_set1_epi64(0x0E0C0A0806040200LL + 0x1010101010101010LL * m), codes[u]);
+#if defined(__GFNI__)
+            /* magnitude = 8 ^ 17 c0 ^ 35 c1 of the code's bits c0, c1 (the byte's other bits ignored) */
+            __m512i g = _mm512_gf2p8affine_epi64_epi8(cut, _mm512_set1_epi64(0x0302000001020000LL), 8);
+#else
+            __m512i g = _mm512_permutexvar_epi8(cut, mag);
+#endif
+#if defined(__AVX512VNNI__)
+            p[m] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), g, xs);
+#else
+            __m512i sc = _mm512_permutexvar_epi32(_mm512_add_epi32(half, _mm512_set1_epi32(8 * u + 2 * m)), ls);
+            s = iq_madd_add(s, _mm512_maddubs_epi16(g, xs), sc);
+            (void)p;
+#endif
         }
+#if defined(__AVX512VNNI__)
+        /* Each step's 4-weight sums fit an int16 (4 * 43 * 127): steps m and m + 2 share a vector, int16 lanes 2L
+           and 2L + 1 holding their lane L, and one multiply-add applies both steps' scales (routed from ls by a
+           word permute). The int32 lanes keep their weights, so the sums are the other paths' bit for bit;
+           2 instructions fewer a super-block. */
+        for (int m = 0; m < 2; m++) {
+            const __m512i w = _mm512_permutex2var_epi16(p[m], _mm512_load_si512(IQ_PAIR16), p[m + 2]);
+            const __m512i sc = _mm512_permutexvar_epi16(
+                _mm512_add_epi16(_mm512_load_si512(IQ_SC16), _mm512_set1_epi16((short)(16 * u + 4 * m))), ls);
+            s = _mm512_dpwssd_epi32(s, w, sc);
+        }
+#endif
+        __m256i sumi = _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
+        __m256 *f = u ? f1 : f0;
+        *f = _mm256_fmadd_ps(_mm256_set1_ps(u ? d1 : d0), _mm256_cvtepi32_ps(sumi), *f);
+    }
+}
+
+/* the float scale of super-block b of a row (its d times the activations' scale, the codes' 1/8) */
+#define IQ2XXS_D(blk, b) (f16(blk) * xd[b] * 0.125f)
+
+static float dot_iq2xxs(const uint8_t *row, int nb, const int8_t *xq, const float *xd) {
+    __m256 fsum = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b += 2) {
+        const int one = b + 1 >= nb;
+        const uint8_t *b0 = row + (long)b * 66, *b1 = one ? b0 : b0 + 66;
+        PREFETCH_AHEAD(b0, nb * 66, 132);
+        iq2xxs_pair(b0, b1, xq + 256 * b, xq + 256 * (b + 1), IQ2XXS_D(b0, b), one ? 0.f : IQ2XXS_D(b1, b + 1),
+                    one, &fsum, &fsum);
     }
     return hsum8(fsum);
+}
+
+/* dot_iq2xxs of n pairs of rows (ra + r * step and rb + r * step: row r of two matrices, or rows 2r and 2r + 1 of
+   one) into oa[r * os], ob[r * os], bit for bit: where nb is odd a pair's last super-blocks (against the same
+   activations) make one step instead of two half-wasted ones (a down projection of 3 super-blocks a row: a quarter
+   of its table lookups saved); and many rows a call keep the constants in registers across rows */
+#define IQ_TWO_ROWS 1
+static void dot_iq2xxs2(const uint8_t *ra, const uint8_t *rb, long step, int n, int nb, const int8_t *xq,
+                        const float *xd, float *oa, float *ob, long os) {
+    for (int r = 0; r < n; r++) {
+        const uint8_t *row0 = ra + r * step, *row1 = rb + r * step;
+        __m256 f0 = _mm256_setzero_ps(), f1 = _mm256_setzero_ps();
+        for (int b = 0; b + 1 < nb; b += 2) {
+            const uint8_t *b0 = row0 + (long)b * 66, *c0 = row1 + (long)b * 66;
+            PREFETCH_AHEAD(b0, nb * 66, 132);
+            PREFETCH_AHEAD(c0, nb * 66, 132);
+            iq2xxs_pair(b0, b0 + 66, xq + 256 * b, xq + 256 * (b + 1), IQ2XXS_D(b0, b), IQ2XXS_D(b0 + 66, b + 1), 0,
+                        &f0, &f0);
+            iq2xxs_pair(c0, c0 + 66, xq + 256 * b, xq + 256 * (b + 1), IQ2XXS_D(c0, b), IQ2XXS_D(c0 + 66, b + 1), 0,
+                        &f1, &f1);
+        }
+        if (nb & 1) {
+            const int b = nb - 1;
+            const uint8_t *b0 = row0 + (long)b * 66, *c0 = row1 + (long)b * 66;
+            PREFETCH_AHEAD(b0, nb * 66, 66);
+            PREFETCH_AHEAD(c0, nb * 66, 66);
+            iq2xxs_pair(b0, c0, xq + 256 * b, xq + 256 * b, IQ2XXS_D(b0, b), IQ2XXS_D(c0, b), 0, &f0, &f1);
+        }
+        oa[r * os] = hsum8(f0);
+        ob[r * os] = hsum8(f1);
+    }
 }
 
 /* IQ3_XXS a super-block at a time in 512-bit registers: its 64 grid indices look up their entries' 4-bit codes

@@ -1,7 +1,51 @@
-/* The several-row dot products of cpu_native.c, which includes this header after the one-row ones they reuse
-   (one compilation unit: f16, hsum8, q4k_scales, NB256 and PREFETCH_AHEAD come from there). A verify step's or a
-   batch's few rows of x against one weight row: each block is loaded and unpacked once for every row, and each
-   row's sums run in its one-row function's order, so every result is bit for bit that function's. */
+/* The one-row Q8_0 dot product and the several-row dot products of cpu_native.c, which includes this header after
+   dot_q4k and dot_q6k (one compilation unit: f16, hsum8, q4k_scales, NB256 and PREFETCH_AHEAD come from there). A
+   verify step's or a batch's few rows of x against one weight row: each block is loaded and unpacked once for
+   every row, and each row's sums run in its one-row function's order, so every result is bit for bit that
+   function's. */
+
+/* one Q8_0 row (K/32 blocks of 34 bytes: d f16, 32 int8): w = d * q */
+static float dot_q8_0(const uint8_t *row, int K, const int8_t *xq, const float *xd) {
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 fsum = _mm256_setzero_ps();
+    int i = 0;
+#if defined(__F16C__)
+    for (; i + 8 <= K / 32; i += 8) {  /* eight blocks a step: one scale conversion and multiply-add for them */
+        const uint8_t *b0 = row + (long)i * 34;
+        PREFETCH_AHEAD(b0, K / 32 * 34, 272);
+        __m256i p[8];
+        for (int k = 0; k < 8; k++) {
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(b0 + 34 * k + 2));
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + 32 * (i + k)));
+            p[k] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), ones);
+        }
+        fsum = _mm256_fmadd_ps(_mm256_mul_ps(f16x8(b0, 34, 0), _mm256_set1_ps(xd[i / 8])),
+                               _mm256_cvtepi32_ps(sum8x8(p)), fsum);
+    }
+#endif
+    for (; i < K / 32; i++) {
+        const uint8_t *blk = row + i * 34;
+        if ((i & 1) == 0) PREFETCH_AHEAD(blk, K / 32 * 34, 68);
+        __m256i w = _mm256_loadu_si256((const __m256i *)(blk + 2));
+        __m256i x = _mm256_loadu_si256((const __m256i *)(xq + 32 * i));
+        /* signed x signed: |w| (unsigned) times x with w's sign */
+        __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), ones);
+        fsum = _mm256_fmadd_ps(_mm256_set1_ps(f16(blk) * xd[i / 8]), _mm256_cvtepi32_ps(p), fsum);
+    }
+    return hsum8(fsum);
+#else
+    float sum = 0.f;
+    for (int i = 0; i < K / 32; i++) {
+        const uint8_t *blk = row + i * 34;
+        const int8_t *w = (const int8_t *)(blk + 2);
+        int32_t s = 0;
+        for (int l = 0; l < 32; l++) s += w[l] * xq[32 * i + l];
+        sum += f16(blk) * xd[i / 8] * (float)s;
+    }
+    return sum;
+#endif
+}
 
 /* dot_q4k of one weight row against T rows of activations laid out as the scratch is (row t's int8 at
    xq + t * stride bytes, its scales right after its K int8, its sums per 32 right after the scales), into

@@ -25,11 +25,14 @@ def _build(extra, march=True):
     return lib
 
 
-@pytest.mark.parametrize("gu,dn", [(Q.IQ2_XXS, Q.IQ3_XXS), (Q.IQ3_XXS, Q.IQ2_XXS)])
-def test_avx2_and_avx512_paths_agree(gu, dn):
+# (d, ff): odd and even numbers of super-blocks a row, so that IQ2_XXS's pairs of rows (a gate row and its up row,
+# two down rows) meet both a last super-block of each row paired across the rows and none
+@pytest.mark.parametrize("d,ff", [(768, 512), (512, 768)])
+@pytest.mark.parametrize("gu,dn", [(Q.IQ2_XXS, Q.IQ3_XXS), (Q.IQ3_XXS, Q.IQ2_XXS), (Q.IQ2_XXS, Q.IQ2_XXS)])
+def test_avx2_and_avx512_paths_agree(gu, dn, d, ff):
     avx2 = _build(["-mno-avx512f"])  # the AVX2 path, also on a CPU with AVX-512
     rng = np.random.default_rng(21)
-    E, d, ff = 3, 768, 512
+    E = 3
     ew = ExpertWeights(random_qtensor(gu, (E, ff, d), rng), random_qtensor(gu, (E, ff, d), rng),
                        random_qtensor(dn, (E, d, ff), rng))
     kw = dict(fmt_gate_up=gu.name, fmt_down=dn.name, threads=1)
