@@ -133,8 +133,11 @@ def model_path(tmp_path_factory):
 
 def _hit_rate(path, routing: str, graphs: bool, device: str = "cpu", slots: int = 2):
     """Greedy decode of DECODE tokens with a tiered cache of `slots` of 8 experts: (engine, hit rate, output)."""
+    # (no loans: on a GPU the prefill chunk buffers and activations are lent to the cache as extra slots between
+    # prompts by default, which would hold all 8 experts and hit ~always whatever the routing)
     cfg = EngineConfig(model=str(path), device=device, dtype="float32", cuda_graphs=graphs,
-                       experts=ExpertConfig(mode="tiered", slots=slots, routing=routing))
+                       experts=ExpertConfig(mode="tiered", slots=slots, routing=routing, chunk_loan="off",
+                                            prefill_loan="off"))
     eng = Engine(load_model(str(path), cfg, with_tokenizer=False), n_slots=1)
     torch.manual_seed(0)
     out = list(eng.generate(PROMPT, SamplingParams(temperature=0), DECODE))
