@@ -27,7 +27,7 @@ import tempfile
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--formats", default="Q4_K,IQ2_XXS,IQ2_S,IQ3_XXS")
-    ap.add_argument("--tiles", choices=("lookup", "packed", "dp4a", "dp4a-wide"), default="lookup",
+    ap.add_argument("--tiles", choices=("lookup", "packed", "dp4a", "dp4a-wide", "dp4a-signs"), default="lookup",
                     help="the IQ2_XXS / IQ2_S / IQ3_XXS tiles")
     ap.add_argument("--kq-tiles", choices=("float", "dp4a"), default="float", help="the Q8_0 / Q4_K tiles")
     ap.add_argument("--bn", type=int, default=8, help="rows a program (default 8, the decode plan's for Q4_K)")
@@ -47,7 +47,8 @@ def main() -> int:
 
     # before any kernel is hashed: a kernel keeps the flags it read first
     dp4a_triton.C_DP4A = tl.constexpr(a.tiles.startswith("dp4a"))
-    dp4a_triton.C_WIDE = tl.constexpr(a.tiles == "dp4a-wide")
+    dp4a_triton.C_WIDE = tl.constexpr(a.tiles in ("dp4a-wide", "dp4a-signs"))
+    dp4a_triton.C_ASIGN = tl.constexpr(a.tiles == "dp4a-signs")
     dp4a_triton.C_KQ = tl.constexpr(a.kq_tiles == "dp4a")
     iquant_triton.C_PACKED = tl.constexpr(a.tiles == "packed")
     from strata.ops import expert_triton

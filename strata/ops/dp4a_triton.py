@@ -15,7 +15,8 @@ x rounded that way; `quantize_x` is the rounding's torch twin and the tests hold
 
 `dp4a` is inline PTX on a GPU; Triton's interpreter cannot run PTX, so there it is the same sum byte by byte
 (`_dp4a`). A GPU takes these tiles once their GPU test passes there: DP4A_GPU_TESTED (the i-quants),
-KQ_DP4A_GPU_TESTED (Q8_0, Q2_K-Q6_K); `tools/gpu/gated.sh`.
+KQ_DP4A_GPU_TESTED (Q8_0, Q2_K-Q6_K), and their variants WIDE_GPU_TESTED and ARITH_SIGNS_GPU_TESTED;
+`tools/gpu/gated.sh`.
 """
 
 from __future__ import annotations
@@ -37,6 +38,12 @@ KQ_DP4A_GPU_TESTED = True
 # 64-bit load instead of two 32-bit gathers: on a GPU once its GPU test passes there (tests/experts/test_dp4a.py,
 # kind "wide") and it was timed against the two loads (`tools/bench_kernels.py --iq-tiles dp4a-wide`)
 WIDE_GPU_TESTED = True
+# IQ2_XXS's and IQ3_XXS's signs computed from their 7-bit index (the eighth sign is the index's parity, as gguf-py's
+# ksigns table holds it) instead of gathered from a table: one table gather a group of 8 weights where there were
+# two, for ~10 integer instructions; the tiles are bound by their gathers' latency, not by instructions. On a GPU once
+# its GPU test passes there (tests/experts/test_dp4a.py, kind "signs") and it was timed against the gathered signs
+# (`tools/bench_kernels.py --iq-tiles dp4a-signs` against `dp4a-wide`)
+ARITH_SIGNS_GPU_TESTED = False
 IQ_FORMATS = frozenset({Q.IQ2_XXS, Q.IQ2_S, Q.IQ3_XXS})
 KQ_FORMATS = frozenset({Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K})
 
@@ -96,6 +103,7 @@ if triton is not None:
     C_DP4A = tl.constexpr(DP4A_GPU_TESTED and not triton_interpreting())
     C_KQ = tl.constexpr(KQ_DP4A_GPU_TESTED and not triton_interpreting())
     C_WIDE = tl.constexpr(WIDE_GPU_TESTED and not triton_interpreting())
+    C_ASIGN = tl.constexpr(ARITH_SIGNS_GPU_TESTED and not triton_interpreting())
     C_INTERP = tl.constexpr(triton_interpreting())
     from strata.ops.iquant_triton import C_P2S, C_P2XXS, C_P3XXS, C_PONES, _blocks, _f16v, _subblocks, _u16, _u32h
     from strata.ops.kquant_triton import k4_scale_words, q2k_tile, q3k_tile, q4k_tile, q5k_tile, q6k_tile, q8_0_tile
@@ -172,6 +180,22 @@ if triton is not None:
             return tl.load(p), tl.load(p + 1)
 
     @triton.jit
+    def _ksigns(itab, si):
+        """The sign words of a group of 8 weights from its 7-bit sign index si (the table's word pair C_PONES + 2 si,
+        2 si + 1): computed where C_ASIGN (bit 7, the eighth weight's sign, is the parity of bits 0-6), else gathered."""
+        if C_ASIGN:
+            if C_INTERP:  # (no PTX there: the parity by folding)
+                p = si ^ (si >> 4)
+                p = p ^ (p >> 2)
+                p = p ^ (p >> 1)
+            else:
+                p = tl.inline_asm_elementwise("popc.b32 $0, $1;", "=r,r", [si], dtype=tl.int32, is_pure=True, pack=1)
+            full = si | ((p & 1) << 7)
+            return _ones(full & 15), _ones(full >> 4)
+        else:
+            return _pair(itab, C_PONES, si)
+
+    @triton.jit
     def _iq2xxs(row, xq, tab, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
         # group g of a sub-block (weights 8 g .. 8 g + 7): grid index byte g, sign index g; its two halves are
         # words 2 g, 2 g + 1 of the grid entry, of the activations and of the sign table's entry pair
@@ -186,7 +210,7 @@ if triton is not None:
         gi = ((w0[:, :, None] >> (8 * g).to(tl.uint32)) & 255).to(tl.int32)  # [BN, S, 4]
         si = ((w1[:, :, None] >> (7 * g).to(tl.uint32)) & 127).to(tl.int32)
         g0, g1 = _pair(itab, C_P2XXS, gi)
-        s0, s1 = _pair(itab, C_PONES, si)
+        s0, s1 = _ksigns(itab, si)
         x0, x1, xs = _xq2(xq, sb, ib, sm)
         dot = _dp4a(_signed(g0, s0), x0[None]) + _dp4a(_signed(g1, s1), x1[None])
         db = d * (0.5 + (w1 >> 28).to(tl.float32)) * 0.25
@@ -227,7 +251,7 @@ if triton is not None:
         sc = _u32h(blk + 66 + 4 * ib[None, :], m2)  # [BN, S]
         gi = _u16(blk[:, :, None] + 2 + 8 * ib[None, :, None] + 2 * g.to(tl.int64), m2[:, :, None])  # [BN, S, 4]
         si = ((sc[:, :, None] >> (7 * g).to(tl.uint32)) & 127).to(tl.int32)
-        s0, s1 = _pair(itab, C_PONES, si)
+        s0, s1 = _ksigns(itab, si)
         x0, x1, xs = _xq2(xq, sb, ib, sm)
         dot = _dp4a(_signed(tl.load(itab + C_P3XXS + (gi & 255)), s0), x0[None]) \
             + _dp4a(_signed(tl.load(itab + C_P3XXS + (gi >> 8)), s1), x1[None])

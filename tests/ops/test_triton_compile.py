@@ -104,14 +104,17 @@ def test_every_dequantizer_compiles(compiles, arch):
 DP4A = """
 import sys, triton, triton.language as tl
 from strata.ops import dp4a_triton
-WIDE = sys.argv[2] == "wide"
+SIGNS = sys.argv[2] == "signs"
+WIDE = sys.argv[2] == "wide" or SIGNS
 dp4a_triton.C_DP4A = tl.constexpr(True)  # before any kernel is hashed in this process
 dp4a_triton.C_KQ = tl.constexpr(not WIDE)
 dp4a_triton.C_WIDE = tl.constexpr(WIDE)
+dp4a_triton.C_ASIGN = tl.constexpr(SIGNS)
 from gguf import GGMLQuantizationType as Q
 from strata.ops import expert_triton
 from tests.ops.test_triton_compile import _compile, _gemv_signature
 IQ = (Q.IQ2_XXS, Q.IQ2_S, Q.IQ3_XXS)
+loads = {}
 for qt in IQ if WIDE else IQ + (Q.Q4_K, Q.Q8_0, Q.Q6_K, Q.Q5_K, Q.Q2_K, Q.Q3_K):
     k = _compile(expert_triton._gemv_kernel, _gemv_signature("*fp32"),
                  {"QT": int(qt), "BN": 8, "KW": 512, "EVEN": False, "GATHER": True, "HOST": True}, int(sys.argv[1]))
@@ -120,12 +123,16 @@ for qt in IQ if WIDE else IQ + (Q.Q4_K, Q.Q8_0, Q.Q6_K, Q.Q5_K, Q.Q2_K, Q.Q3_K):
     # (the table's word pairs as 64-bit loads: the grid entries of IQ2_XXS / IQ2_S, the sign words of IQ2_XXS / IQ3_XXS;
     # the kernel's own 64-bit loads, slots and expert ids, are 2)
     if qt in IQ:
-        assert (ptx.count("ld.global.b64") > 2) == WIDE, (qt.name, ptx.count("ld.global.b64"))
+        wide = ptx.count("ld.global.b64")
+        assert (wide > 2) == (WIDE and not (SIGNS and qt == Q.IQ3_XXS)), (qt.name, wide)
+        loads[qt] = wide
+if SIGNS:  # (their sign words computed: IQ2_XXS keeps its grid pairs' wide loads, IQ3_XXS reads no pair)
+    assert loads[Q.IQ3_XXS] == 2, loads
 print("ok")
 """
 
 
-@pytest.mark.parametrize("wide", ["", "wide"])
+@pytest.mark.parametrize("wide", ["", "wide", "signs"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_dp4a_tiles_compile(compiles, arch, wide):
     """The Q8_0 / Q4_K / IQ2_XXS / IQ2_S / IQ3_XXS tiles that multiply four weights at a time (strata.ops.dp4a_triton,

@@ -22,7 +22,7 @@ machine_line > "$OUT/kernels.txt"
 timeout 300 python3 tools/bench_kernels.py \
   --expert-formats "${FORMATS:-Q4_K,Q2_K,Q3_K,Q4_0,Q5_0,Q5_1,IQ2_XS,IQ3_S,IQ1_S,IQ1_M,IQ4_XS}" >> "$OUT/kernels.txt" 2>&1
 # the 2- and 3-bit formats' dp4a tiles (strata.ops.dp4a_triton) against their lookup tiles, one process each
-for tiles in lookup dp4a dp4a-wide; do
+for tiles in lookup dp4a dp4a-wide dp4a-signs; do
   echo "== --iq-tiles $tiles" >> "$OUT/kernels.txt"
   timeout 200 python3 tools/bench_kernels.py --expert-formats Q4_K,IQ2_XXS,IQ2_S,IQ3_XXS --iq-tiles "$tiles" \
     >> "$OUT/kernels.txt" 2>&1
