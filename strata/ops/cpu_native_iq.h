@@ -102,21 +102,6 @@ static inline __m256i tab4x64(const uint64_t *t, uint32_t i0, uint32_t i1, uint3
     return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
 }
 
-/* the 32 signs of a sub-block from its u32 of sign indices (7 bits each) */
-static inline __m256i signs32(uint32_t aux) {
-    return tab4x64(SIGNS64, aux & 127, (aux >> 7) & 127, (aux >> 14) & 127, (aux >> 21) & 127);
-}
-
-/* one sub-block: grid magnitudes g times the sign-applied activations, times the odd scale 2s + 1 */
-static inline __m256i iq_sub(__m256i g, uint32_t aux, const int8_t *x) {
-    __m256i xs = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)x), signs32(aux));
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(g, xs), _mm256_set1_epi16((short)(2 * (aux >> 28) + 1)));
-}
-
-static inline __m256i iq2_grid(uint64_t a) {  /* the 4 grid indices in a's low bytes */
-    return tab4x64(IQ2XXS_GRID, a & 255, (a >> 8) & 255, (a >> 16) & 255, (a >> 24) & 255);
-}
-
 static inline __m256i iq3_grid(const uint8_t *i8) {
     __m128i lo = _mm_cvtsi32_si128((int)IQ3XXS_GRID[i8[0]]), hi = _mm_cvtsi32_si128((int)IQ3XXS_GRID[i8[4]]);
     lo = _mm_insert_epi32(lo, (int)IQ3XXS_GRID[i8[1]], 1); hi = _mm_insert_epi32(hi, (int)IQ3XXS_GRID[i8[5]], 1);
@@ -353,18 +338,58 @@ static float dot_iq3xxs(const uint8_t *row, int nb, const int8_t *xq, const floa
 }
 
 #else
+/* Without AVX-512 the 32 signs of a sub-block come from its u32 of sign indices by vector ops (no table loads and
+   inserts): a byte shuffle of the broadcast word gives byte k of group l the word's byte holding bit 7l + k, an and
+   with that bit and a compare make 0xFF masks of the 7 coded signs, and the 8th (the group's parity, byte 7 held
+   at zero) is the low bit of the sum of its group's mask bytes, 255 each (a sad), moved to byte 7's top bit. The
+   result, or 1, is a sign operand: -1 or 1 for the coded signs, 0x81 or 0x01 for the 8th. */
+static inline __m256i iq_signs(const uint8_t *aux) {
+    const __m256i sh = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, -1, 0, 1, 1, 1, 1, 1, 1, -1,
+                                        1, 1, 2, 2, 2, 2, 2, -1, 2, 2, 2, 3, 3, 3, 3, -1);
+    const __m256i bits = _mm256_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, -128, 1, 2, 4, 8, 16, 32, -128,
+                                          64, -128, 1, 2, 4, 8, 16, -128, 32, 64, -128, 1, 2, 4, 8, -128);
+    __m256i m = _mm256_shuffle_epi8(_mm256_set1_epi32((int)u32le(aux)), sh);
+    m = _mm256_cmpeq_epi8(_mm256_and_si256(m, bits), bits);
+    const __m256i par = _mm256_slli_epi64(_mm256_sad_epu8(m, _mm256_setzero_si256()), 63);
+    return _mm256_or_si256(_mm256_or_si256(m, par), _mm256_set1_epi8(1));
+}
+
+/* the odd scales 2s + 1 (s: bits 28-31 of each u32 of v) as int16 pairs (v >> 27 brings s to bits 1-4; the or
+   replaces bit 0, the last sign index's top bit) */
+static inline __m256i iq_scales(__m256i v) {
+    const __m256i l = _mm256_or_si256(_mm256_srli_epi32(v, 27), _mm256_set1_epi32(1));
+    return _mm256_or_si256(l, _mm256_slli_epi32(l, 16));
+}
+
+/* one sub-block: grid magnitudes g times the activations signed by the word at aux, times its scale pair sc
+   (in every dword) */
+static inline __m256i iq_sub2(__m256i g, const uint8_t *aux, __m256i sc, const int8_t *x) {
+    const __m256i xs = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)x), iq_signs(aux));
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(g, xs), sc);
+}
+
 static float dot_iq2xxs(const uint8_t *row, int nb, const int8_t *xq, const float *xd) {
     __m256 fsum = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
         const uint8_t *blk = row + (long)b * 66, *q = blk + 2;
         PREFETCH_AHEAD(blk, nb * 66, 66);
         const int8_t *x = xq + 256 * b;
+        /* qword k of sc: sub-block k's scale pair twice (its u32 is dword 2k + 1 of the 64 bytes), read back as
+           broadcast loads (load ports; the empty asm keeps the compiler from routing them by shuffles instead) */
+        long long sc[8] __attribute__((aligned(32)));
+        _mm256_store_si256((__m256i *)sc, _mm256_shuffle_epi32(iq_scales(_mm256_loadu_si256((const __m256i *)q)),
+                                                               0xF5));
+        _mm256_store_si256((__m256i *)(sc + 4), _mm256_shuffle_epi32(
+            iq_scales(_mm256_loadu_si256((const __m256i *)(q + 32))), 0xF5));
+        __asm__("" : : "r"(sc) : "memory");
         __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-        for (int j = 0; j < 8; j += 2) {
-            uint64_t w0, w1;  /* a sub-block: 4 grid indices, then the u32 of signs and scale */
-            __builtin_memcpy(&w0, q + 8 * j, 8); __builtin_memcpy(&w1, q + 8 * j + 8, 8);
-            s0 = _mm256_add_epi32(s0, iq_sub(iq2_grid(w0), (uint32_t)(w0 >> 32), x + 32 * j));
-            s1 = _mm256_add_epi32(s1, iq_sub(iq2_grid(w1), (uint32_t)(w1 >> 32), x + 32 * j + 32));
+#pragma GCC unroll 4
+        for (int j = 0; j < 8; j += 2) {  /* a sub-block: 4 grid indices, then the u32 of signs and scale */
+            const uint8_t *a = q + 8 * j, *c = a + 8;
+            s0 = _mm256_add_epi32(s0, iq_sub2(tab4x64(IQ2XXS_GRID, a[0], a[1], a[2], a[3]), a + 4,
+                                              _mm256_set1_epi64x(sc[j]), x + 32 * j));
+            s1 = _mm256_add_epi32(s1, iq_sub2(tab4x64(IQ2XXS_GRID, c[0], c[1], c[2], c[3]), c + 4,
+                                              _mm256_set1_epi64x(sc[j + 1]), x + 32 * j + 32));
         }
         fsum = _mm256_fmadd_ps(_mm256_set1_ps(f16(blk) * xd[b] * 0.125f),
                                _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), fsum);
@@ -378,10 +403,19 @@ static float dot_iq3xxs(const uint8_t *row, int nb, const int8_t *xq, const floa
         const uint8_t *blk = row + (long)b * 98, *q = blk + 2;
         PREFETCH_AHEAD(blk, nb * 98, 98);
         const int8_t *x = xq + 256 * b;
+        /* qword k of sc[i]: the scale pair of sub-block 2i + k (k < 2) or 2i + k + 2 (k >= 2), twice, routed by
+           qword permutes (by immediates: no index vectors to keep in registers; broadcast loads instead measured
+           slower here, with the grid's 16 loads a sub-block) */
+        const __m256i l = iq_scales(_mm256_loadu_si256((const __m256i *)(blk + 66)));
+        const __m256i sc[2] = {_mm256_unpacklo_epi32(l, l), _mm256_unpackhi_epi32(l, l)};
         __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+#pragma GCC unroll 4
         for (int j = 0; j < 8; j += 2) {
-            s0 = _mm256_add_epi32(s0, iq_sub(iq3_grid(q + 8 * j), u32le(blk + 66 + 4 * j), x + 32 * j));
-            s1 = _mm256_add_epi32(s1, iq_sub(iq3_grid(q + 8 * j + 8), u32le(blk + 70 + 4 * j), x + 32 * j + 32));
+            const int i = j % 4 / 2, k = 2 * (j / 4);  /* sub-blocks j, j + 1: qwords k, k + 1 of sc[i] */
+            s0 = _mm256_add_epi32(s0, iq_sub2(iq3_grid(q + 8 * j), blk + 66 + 4 * j,
+                                              _mm256_permute4x64_epi64(sc[i], 0x55 * k), x + 32 * j));
+            s1 = _mm256_add_epi32(s1, iq_sub2(iq3_grid(q + 8 * j + 8), blk + 70 + 4 * j,
+                                              _mm256_permute4x64_epi64(sc[i], 0x55 * (k + 1)), x + 32 * j + 32));
         }
         fsum = _mm256_fmadd_ps(_mm256_set1_ps(f16(blk) * xd[b] * 0.25f),
                                _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), fsum);
