@@ -2,13 +2,14 @@
 
 Tensor names and metadata follow llama.cpp's converter, so files made here also load in llama.cpp (and files
 made there load here): Llama/Mixtral Q/K rows are permuted for pair-order rotary, experts are stacked into one
-`[E, out, in]` tensor per projection, DeepSeek's kv_b is split into per-head k_b/v_b, GLM's MTP blocks follow the
-trunk, gpt-oss's interleaved gate_up is split (strata.gguf.convert_gpt_oss).
+`[E, out, in]` tensor per projection, DeepSeek's kv_b is split into per-head k_b/v_b, GLM's and DeepSeek-V3's MTP
+blocks follow the trunk, gpt-oss's interleaved gate_up is split (strata.gguf.convert_gpt_oss).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from pathlib import Path
@@ -16,6 +17,8 @@ from pathlib import Path
 import torch
 
 from strata import StrataError
+
+log = logging.getLogger("strata")
 
 FILE_TYPES = {"f32": 0, "f16": 1, "q8_0": 7, "bf16": 32}  # llama.cpp's LLAMA_FTYPE values
 
@@ -100,8 +103,13 @@ def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, out_type: str = "
     w = gguf.GGUFWriter(str(tmp), arch)
     w.add_name(cfg.get("_name_or_path") or d.name)
     w.add_file_type(FILE_TYPES[out_type])
-    # GLM's MTP blocks follow the trunk as blocks n_layers.. (llama.cpp's layout: block_count counts them)
-    n_nextn = int(cfg.get("num_nextn_predict_layers") or 0) if arch == "glm4moe" else 0
+    # GLM's and DeepSeek-V3's MTP blocks follow the trunk as blocks n_layers.. (llama.cpp's layout: block_count
+    # counts them); a checkpoint that declares them without their tensors is written without
+    n_nextn = int(cfg.get("num_nextn_predict_layers") or 0) if arch in ("glm4moe", "deepseek2") else 0
+    if n_nextn and not ck.has(f"model.layers.{n_layers}.eh_proj.weight"):
+        log.warning("strata convert: %s declares %d MTP block(s) (num_nextn_predict_layers) but holds none: "
+                    "written without them", d, n_nextn)
+        n_nextn = 0
     w.add_block_count(n_layers + n_nextn)
     w.add_context_length(int(cfg.get("max_position_embeddings", 4096)))
     w.add_embedding_length(d_model)
@@ -135,7 +143,7 @@ def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, out_type: str = "
 
     n_exp = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0
     if arch == "deepseek2":
-        _deepseek(cfg, ck, w, put, n_layers, n_exp)
+        _deepseek(cfg, ck, w, put, n_layers, n_exp, n_nextn)
     elif arch == "glm4moe":
         _glm4moe(cfg, ck, w, put, n_layers, n_nextn, head_dim)
     elif arch == "gpt-oss":
@@ -202,7 +210,7 @@ def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, out_type: str = "
         if k in ck.used or "rotary_emb" in k or k.startswith("mtp."):  # (mtp.*: Qwen3-Next's MTP head)
             return False
         m = re.search(r"layers\.(\d+)\.", k)
-        # layers past the last are MTP heads, converted for glm4moe only so far
+        # layers past the last are MTP heads, converted for glm4moe and deepseek2 (n_nextn) only
         return not (m and int(m.group(1)) >= n_layers + n_nextn)
 
     left = [k for k in ck.index if unmapped(k)]
@@ -216,7 +224,9 @@ def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, out_type: str = "
     return out
 
 
-def _deepseek(cfg, ck, w, put, n_layers, n_exp):
+def _deepseek(cfg, ck, w, put, n_layers, n_exp, n_nextn=0):
+    """DeepSeek-V2/V3: llama.cpp's deepseek2 layout (the latent attention's kv_b split per head); DeepSeek-V3's MTP
+    blocks keep their block tensors plus `nextn.*`, as llama.cpp's deepseek2 loader reads them."""
     nope, rope, vd = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
     lora, qlora, h = cfg["kv_lora_rank"], cfg.get("q_lora_rank") or 0, cfg["num_attention_heads"]
     a = "deepseek2"
@@ -249,8 +259,12 @@ def _deepseek(cfg, ck, w, put, n_layers, n_exp):
         w.add_rope_scaling_factor(float(r["factor"]))
         w.add_rope_scaling_orig_ctx_len(int(r["original_max_position_embeddings"]))
         w.add_float32(f"{a}.rope.scaling.yarn_log_multiplier", 0.1 * float(r.get("mscale_all_dim", 0.0)))
-    for i in range(n_layers):
+    if n_nextn:
+        w.add_uint32(f"{a}.nextn_predict_layers", n_nextn)
+    for i in range(n_layers + n_nextn):
         p, b = f"model.layers.{i}.", f"blk.{i}."
+        if i >= n_layers:
+            _nextn_tensors(ck, put, p, b)
         s = p + "self_attn."
         if qlora:
             put(b + "attn_q_a.weight", ck.get(s + "q_a_proj.weight"))
@@ -335,14 +349,18 @@ def _glm4moe(cfg, ck, w, put, n_layers, n_nextn, head_dim):
                 for hf, gg in (("gate_proj", "ffn_gate_shexp"), ("up_proj", "ffn_up_shexp"),
                                ("down_proj", "ffn_down_shexp")):
                     put(f"{b}{gg}.weight", ck.get(f"{p}mlp.shared_experts.{hf}.weight"))
-        if i < n_layers:
-            continue
-        for hf, gg in (("eh_proj", "eh_proj"), ("enorm", "enorm"), ("hnorm", "hnorm")):
+        if i >= n_layers:
+            _nextn_tensors(ck, put, p, b)
+
+
+def _nextn_tensors(ck, put, p: str, b: str) -> None:
+    """An MTP block's own tensors (checkpoint layer prefix p) as llama.cpp names them (`blk.N.nextn.*`)."""
+    for hf, gg in (("eh_proj", "eh_proj"), ("enorm", "enorm"), ("hnorm", "hnorm")):
+        put(f"{b}nextn.{gg}.weight", ck.get(f"{p}{hf}.weight"))
+    for hf, gg in (("embed_tokens", "embed_tokens"), ("shared_head.head", "shared_head_head"),
+                   ("shared_head.norm", "shared_head_norm")):
+        if ck.has(f"{p}{hf}.weight"):
             put(f"{b}nextn.{gg}.weight", ck.get(f"{p}{hf}.weight"))
-        for hf, gg in (("embed_tokens", "embed_tokens"), ("shared_head.head", "shared_head_head"),
-                       ("shared_head.norm", "shared_head_norm")):
-            if ck.has(f"{p}{hf}.weight"):
-                put(f"{b}nextn.{gg}.weight", ck.get(f"{p}{hf}.weight"))
 
 
 def _tokenizer(d: Path, w, vocab_size: int) -> None:

@@ -91,11 +91,17 @@ def units(segments: list[Segment], x: torch.Tensor) -> list[Segment]:
     return out
 
 
+def _rows_alone(seg: Segment, x: torch.Tensor) -> bool:
+    """A CPU segment of 2 .. CPU_ROWS_ALONE queries (a verify step's): attended one query at a time (`attend`),
+    so it needs no causal mask."""
+    return 1 < seg.n <= CPU_ROWS_ALONE and not seg.window and not x.is_cuda
+
+
 def attend(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, mask, seg: Segment, scale: float) -> torch.Tensor:
     """_gqa of a segment's queries q [n, H, D] over the slot's keys up to its end. On the CPU a segment of 2 ..
     CPU_ROWS_ALONE queries (a verify step's) goes one query at a time, each over its own prefix of the keys read once:
     what a one-token step computes, bit for bit (a masked product sums in another order: `units`)."""
-    if 1 < seg.n <= CPU_ROWS_ALONE and not seg.window and not q.is_cuda:
+    if _rows_alone(seg, q):
         return torch.cat([_gqa(q[j:j + 1], ks[:seg.start + j + 1], vs[:seg.start + j + 1], None, scale)
                           for j in range(seg.n)])
     return _gqa(q, ks, vs, mask, scale)
@@ -112,7 +118,7 @@ def _cache_step(kv: KVCache, layer: int, seg: Segment, k: torch.Tensor, v: torch
         return ks, vs, (_window_mask(seg.window, seg.pos_t, k.dtype) if want_mask else None)
     kv.write(layer, seg, k, v)
     ks, vs = kv.read(layer, seg)
-    return ks, vs, _causal_mask(seg, k.device)
+    return ks, vs, (_causal_mask(seg, k.device) if want_mask else None)
 
 
 def _one_query(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, seg: Segment, scale: float,
@@ -303,7 +309,7 @@ class GQAttention:
                 i += seg.n
                 continue
             ks, vs, mask = _cache_step(kv, self.layer, seg, k[i : i + seg.n], v[i : i + seg.n],
-                                       want_mask=not one)  # [L, Hkv, D]
+                                       want_mask=not (one or _rows_alone(seg, x)))  # [L, Hkv, D]
             ks, vs = _as_dtype(ks, vs, x.dtype)  # (a cache in another dtype than the activations)
             if one:
                 outs.append(_one_query(q[i : i + 1], ks, vs, seg, self.scale, k.dtype))

@@ -318,6 +318,48 @@ def build_ffn(L: WeightLoader, args, i: int, routing, experts_out: dict):
                shared_gate=L.q(p + "ffn_gate_inp_shexp.weight", required=False))
 
 
+NEXTN_REQUIRED = ("nextn.eh_proj.weight", "nextn.enorm.weight", "nextn.hnorm.weight")
+
+
+def split_nextn(g: GGUFModel, args) -> None:
+    """`block_count` counts the MTP blocks after the trunk (`nextn_predict_layers` of them, llama.cpp's layout for
+    glm4moe and deepseek2): args.n_layers keeps the trunk's, args.extra["nextn_layers"] the blocks'."""
+    nextn = int(g.arch_get("nextn_predict_layers", 0) or 0)
+    if not 0 <= nextn < args.n_layers:
+        raise StrataError(f"{g.paths[0].name}: {g.arch}.nextn_predict_layers = {nextn} does not fit "
+                          f"block_count = {args.n_layers}")
+    args.n_layers -= nextn
+    args.extra["nextn_layers"] = nextn
+
+
+def nextn_layers(L: WeightLoader, args, layer_names: Callable[[int], list[str]]) -> list[NextNLayer]:
+    """The MTP blocks after the trunk, every tensor of each (none dropped) left in host RAM, mapped from the file,
+    for `--draft-source mtp`: the forward runs the trunk only. A block the file does not hold is skipped (llama.cpp
+    can write the MTP blocks to a file of their own, or leave them out); one it holds in part is an error naming
+    the missing tensor. layer_names(i): the block tensors block i needs besides NEXTN_REQUIRED."""
+    import logging
+
+    out = []
+    cpu = torch.device("cpu")
+    for i in range(args.n_layers, args.n_layers + args.extra.get("nextn_layers", 0)):
+        p = f"blk.{i}."
+        names = [n for n in L.g.tensors if n.startswith(p)]
+        if not names:
+            continue
+        for n in layer_names(i) + [p + r for r in NEXTN_REQUIRED]:
+            if not L.has(n):
+                raise StrataError(f"{L.g.paths[0].name}: tensor {n} is missing (needed by the MTP block)")
+        out.append(NextNLayer(i, {n[len(p):]: L.q(n, cpu) for n in sorted(names)}))
+    log = logging.getLogger("strata")
+    if args.extra.get("nextn_layers") and not out:
+        log.info("strata: %s: no MTP block tensors in this file (nextn_predict_layers = %d): trunk only",
+                 L.g.paths[0].name, args.extra["nextn_layers"])
+    for b in out:
+        log.info("strata: MTP block %d kept on the host (%.1f MiB, mapped from the file), not run by the forward",
+                 b.layer, b.nbytes / 2**20)
+    return out
+
+
 def mtp_experts_tiered(cfg, nextn: list, experts: dict) -> None:
     """With tiered experts and drafts from the MTP block asked for, the block's experts join the trunk's backend
     (its pinned store and VRAM cache, one more layer under the same budget) instead of sitting whole on the device

@@ -14,25 +14,17 @@ forward runs the trunk only and its KV cache has trunk layers only.
 
 from __future__ import annotations
 
-import logging
-
-import torch
-
 from strata import StrataError
 from strata.gguf.reader import GGUFModel
 from strata.layers.attention import GQAttention
 from strata.layers.moe import Routing
 from strata.layers.rotary import Rotary
 from strata.models.args import read_args
-from strata.models.base import NextNLayer, mtp_experts_tiered  # noqa: F401 - (NextNLayer: where callers found it)
-from strata.models.base import Block, CacheSpec, WeightLoader, build_ffn, finish_model, gqa_weights
+from strata.models.base import NEXTN_REQUIRED, NextNLayer  # noqa: F401 - (where callers found them)
+from strata.models.base import (Block, CacheSpec, WeightLoader, build_ffn, finish_model, gqa_weights,
+                                mtp_experts_tiered, nextn_layers, split_nextn)
 
-log = logging.getLogger("strata")
-
-NEXTN_REQUIRED = ("nextn.eh_proj.weight", "nextn.enorm.weight", "nextn.hnorm.weight")
 NEXTN_OPTIONAL = ("nextn.embed_tokens.weight", "nextn.shared_head_head.weight", "nextn.shared_head_norm.weight")
-
-
 
 
 def load_args(g: GGUFModel):
@@ -46,12 +38,7 @@ def load_args(g: GGUFModel):
     a.gating = "softmax" if gating == 1 else "sigmoid"  # 0 = unset: llama.cpp takes sigmoid for glm4moe
     if a.routed_scale == 0.0:  # llama.cpp writes/reads 0 as "no scaling"
         a.routed_scale = 1.0
-    nextn = int(g.arch_get("nextn_predict_layers", 0) or 0)
-    if not 0 <= nextn < a.n_layers:
-        raise StrataError(f"{g.paths[0].name}: {g.arch}.nextn_predict_layers = {nextn} does not fit "
-                          f"block_count = {a.n_layers}")
-    a.n_layers -= nextn  # block_count counts the MTP blocks after the trunk
-    a.extra["nextn_layers"] = nextn
+    split_nextn(g, a)
     if not a.is_moe:
         raise StrataError(f"{g.paths[0].name}: {g.arch} needs {g.arch}.expert_count > 0")
     if a.first_dense_layers > a.n_layers:
@@ -84,19 +71,6 @@ def _layer_names(args, i: int) -> list[str]:
     return out
 
 
-def _nextn_layer(L: WeightLoader, args, i: int) -> NextNLayer | None:
-    """Block i's MTP tensors, all of them (none is dropped), left in host RAM. None when the file holds none of
-    the block (llama.cpp can write the MTP blocks to a file of their own)."""
-    p = f"blk.{i}."
-    names = [n for n in L.g.tensors if n.startswith(p)]
-    if not names:
-        return None
-    for n in _layer_names(args, i) + [p + r for r in NEXTN_REQUIRED]:
-        _require(L, n)
-    cpu = torch.device("cpu")
-    return NextNLayer(i, {n[len(p):]: L.q(n, cpu) for n in sorted(names)})
-
-
 def build(g: GGUFModel, cfg, make_experts, max_ctx: int, args=None):
     args = args or load_args(g)
     L = WeightLoader(g, cfg.torch_device)
@@ -112,14 +86,7 @@ def build(g: GGUFModel, cfg, make_experts, max_ctx: int, args=None):
         ffn = build_ffn(L, args, i, routing, experts)
         blocks.append(Block(L.f(p + "attn_norm.weight"), attn, L.f(p + "post_attention_norm.weight"), ffn,
                             args.norm_eps))
-    mtp = range(args.n_layers, args.n_layers + args.extra["nextn_layers"])
-    nextn = [b for b in (_nextn_layer(L, args, i) for i in mtp) if b is not None]
-    if args.extra["nextn_layers"] and not nextn:
-        log.info("strata: %s: no MTP block tensors in this file (nextn_predict_layers = %d): trunk only",
-                 g.paths[0].name, args.extra["nextn_layers"])
-    for b in nextn:
-        log.info("strata: MTP block %d kept on the host (%.1f MiB, mapped from the file), not run by the forward", b.layer,
-                 b.nbytes / 2**20)
+    nextn = nextn_layers(L, args, lambda i: _layer_names(args, i))
     mtp_experts_tiered(cfg, nextn, experts)
     k, v = GQAttention.cache_shapes(args)
     model = finish_model(L, args, blocks, experts, CacheSpec(k, v), cfg.torch_dtype, make_experts)

@@ -1,5 +1,5 @@
-"""A model's multi-token-prediction block as a draft model (glm4moe's `nextn` block and qwen3next's MTP block, as
-llama.cpp's converter stores them).
+"""A model's multi-token-prediction block as a draft model (glm4moe's and deepseek2's `nextn` blocks and qwen3next's
+MTP block, as llama.cpp's converter and model loader name them).
 
 The block predicts the token after next. For position i it takes the trunk's last hidden state h_i (before the
 output norm) and the embedding of the token at i + 1:
@@ -8,8 +8,8 @@ output norm) and the embedding of the token at i + 1:
     x = a transformer block (attention over its own KV cache, post-attention norm, MoE + shared expert)
     logits = head(shared_head_norm(x))                               -> t[i+2]
 
-(llama.cpp's GLM-4.5 and Qwen3-Next MTP graphs, b11434: the same order and norms, the block's attention the
-family's own — Qwen3-Next's gated one; optional embed/head/norm tensors fall back to the trunk's.) The block's output x also stands in for the trunk's h[i+1] when drafts are chained. Its experts
+(llama.cpp's GLM-4.5, DeepSeek-V3 and Qwen3-Next MTP graphs, b11434: the same order and norms, the block's attention
+the family's own — Qwen3-Next's gated one, DeepSeek's latent one; optional embed/head/norm tensors fall back to the trunk's.) The block's output x also stands in for the trunk's h[i+1] when drafts are chained. Its experts
 go through the trunk's tiered backend as one more layer when the model's experts are tiered (within the VRAM
 budget), else they are resident on the compute device; its KV cache is a one-layer cache of its own.
 """
@@ -52,17 +52,24 @@ class MtpHead:
         self.head = q("nextn.shared_head_head.weight") if "nextn.shared_head_head.weight" in t else model.head
         self.head_norm = (f("nextn.shared_head_norm.weight") if "nextn.shared_head_norm.weight" in t
                           else model.out_norm)
-        w = {n: q(n + ".weight") for n in ("attn_q", "attn_k", "attn_v", "attn_output")}
-        for n in ("attn_q", "attn_k", "attn_v"):
-            if n + ".bias" in t:
-                w[n + ".bias"] = f(n + ".bias")
-        if "attn_q_norm.weight" in t:
-            w["attn_q_norm"], w["attn_k_norm"] = f("attn_q_norm.weight"), f("attn_k_norm.weight")
-        rotary = Rotary(args.rope_dim or args.head_dim, args.rope_theta, "neox", max_ctx, args.rope_scaling)
-        # the family's attention (qwen3next: gated), layer 0 of the block's own KV cache
-        self.attn = getattr(model, "mtp_attention", GQAttention)(0, args, w, rotary)
+        make = getattr(model, "mtp_attention_of", None)
+        if make is not None:  # the family builds the block's attention itself (deepseek2: latent attention)
+            self.attn, (self.k_shape, self.v_shape) = make(q, f, t, args, max_ctx)
+        else:
+            w = {n: q(n + ".weight") for n in ("attn_q", "attn_k", "attn_v", "attn_output")}
+            for n in ("attn_q", "attn_k", "attn_v"):
+                if n + ".bias" in t:
+                    w[n + ".bias"] = f(n + ".bias")
+            if "attn_q_norm.weight" in t:
+                w["attn_q_norm"], w["attn_k_norm"] = f("attn_q_norm.weight"), f("attn_k_norm.weight")
+            rotary = Rotary(args.rope_dim or args.head_dim, args.rope_theta, "neox", max_ctx, args.rope_scaling)
+            # the family's attention (qwen3next: gated), layer 0 of the block's own KV cache
+            self.attn = getattr(model, "mtp_attention", GQAttention)(0, args, w, rotary)
+            self.k_shape, self.v_shape = GQAttention.cache_shapes(args)
         self.attn.fold_kv = False  # row i of its cache is rotated at position i + 1: the rows are written apart
-        self.attn_norm, self.ffn_norm = f("attn_norm.weight"), f("post_attention_norm.weight")
+        # (the post-attention norm: `post_attention_norm` in glm4moe / qwen3next files, `ffn_norm` in deepseek2's)
+        post = "post_attention_norm.weight" if "post_attention_norm.weight" in t else "ffn_norm.weight"
+        self.attn_norm, self.ffn_norm = f("attn_norm.weight"), f(post)
         # the trunk's routing (the block is one of its layers)
         routing = next((b.ffn.routing for b in model.blocks if isinstance(b.ffn, MoE)), None) or Routing(
             args.n_experts, args.n_experts_used, args.gating, norm_topk=args.norm_topk, scale=args.routed_scale,
@@ -81,7 +88,6 @@ class MtpHead:
             experts = ExpertWeights(t["ffn_gate_exps.weight"], t["ffn_up_exps.weight"], t["ffn_down_exps.weight"])
             self.moe.experts = ResidentExperts({layer: experts.to(dev)})
         self.eps = args.norm_eps
-        self.k_shape, self.v_shape = GQAttention.cache_shapes(args)
 
     def new_kv_cache(self, n_slots: int, max_ctx: int, dtype: torch.dtype | None = None) -> KVCache:
         return KVCache(1, n_slots, max_ctx, self.k_shape, self.v_shape, dtype or self.dtype, self.device)

@@ -21,7 +21,7 @@ from strata import StrataError
 from strata.gguf.reader import GGUFModel
 from strata.kv.cache import KVCache, Segment
 from strata.kv.recurrent import HybridCache, RecurrentState
-from strata.layers.attention import _as_dtype, _cache_step, _one_query, attend, fuse_rows, row_views
+from strata.layers.attention import _as_dtype, _cache_step, _one_query, _rows_alone, attend, fuse_rows, row_views
 from strata.layers.deltanet import GatedDeltaNet, legacy_split
 from strata.layers.moe import Routing
 from strata.layers.rotary import Rotary
@@ -97,7 +97,8 @@ class GatedAttention:
         outs, i = [], 0
         for seg in segments:
             one = bool(seg.window) and seg.n == 1
-            ks, vs, mask = _cache_step(kv, self.layer, seg, k[i : i + seg.n], v[i : i + seg.n], want_mask=not one)
+            ks, vs, mask = _cache_step(kv, self.layer, seg, k[i : i + seg.n], v[i : i + seg.n],
+                                       want_mask=not (one or _rows_alone(seg, x)))
             ks, vs = _as_dtype(ks, vs, x.dtype)
             if one:
                 outs.append(_one_query(q[i : i + 1], ks, vs, seg, self.scale, k.dtype))

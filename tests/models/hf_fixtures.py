@@ -46,6 +46,15 @@ FAMILIES = {
                 v_head_dim=12, first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5,
                 max_position_embeddings=512, tie_word_embeddings=False),
     ),
+    # DeepSeek-V3 with its MTP block appended to the checkpoint as DeepSeek ships it (model.layers.{L})
+    "deepseek_v3_mtp": dict(
+        cls="DeepseekV3ForCausalLM", cfg="DeepseekV3Config", mtp=1,
+        kw=dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+                topk_group=1, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                v_head_dim=12, first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5,
+                num_nextn_predict_layers=1, max_position_embeddings=512, tie_word_embeddings=False),
+    ),
     "deepseek_v3_noqlora": dict(
         cls="DeepseekV3ForCausalLM", cfg="DeepseekV3Config",
         kw=dict(hidden_size=48, intermediate_size=64, moe_intermediate_size=24, num_hidden_layers=2,
@@ -120,7 +129,7 @@ for _f, _kw in _ALIGNED.items():
     FAMILIES[_f + "_aligned"] = dict(FAMILIES[_f], kw={**FAMILIES[_f]["kw"], **_kw})
 
 def _append_mtp_blocks(model, out: Path, n: int, std: float) -> None:
-    """Add n MTP blocks to the saved checkpoint as GLM's releases carry them: `model.layers.{L+j}.*`, a decoder
+    """Add n MTP blocks to the saved checkpoint as GLM's and DeepSeek-V3's releases carry them: `model.layers.{L+j}.*`, a decoder
     layer like the last one plus eh_proj, enorm, hnorm, embed_tokens and shared_head (transformers' causal LM
     builds no such layer and ignores the tensors on load; the converters must carry them)."""
     from safetensors.torch import load_file, save_file

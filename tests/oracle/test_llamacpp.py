@@ -55,6 +55,8 @@ FAMILIES = {
     "mixtral": ("mixtral", {}),
     "llama": ("llama", {}),
     "deepseek_v3": ("deepseek_v3", {}),
+    # with DeepSeek-V3's MTP block kept (blk.3 + blk.3.nextn.*): llama.cpp loads the file and runs the trunk
+    "deepseek_v3_mtp": ("deepseek_v3_mtp", {}),
     # llama.cpp reads a deepseek2 file without q_lora_rank (V2-Lite style attn_q) only when the layer count is
     # that of a known lite model (26 or 27: llama_model_deepseek2::load_arch_hparams), hence 26 layers
     "deepseek_lite": ("deepseek_v3_noqlora", {"num_hidden_layers": 26}),
@@ -62,7 +64,7 @@ FAMILIES = {
     "qwen3moe_256": ("qwen3moe", {"hidden_size": 256, "moe_intermediate_size": 256, "head_dim": 64,
                                   "num_experts": 4, "num_hidden_layers": 2}),
 }
-GREEDY = ["qwen3moe", "qwen3", "mixtral", "llama", "deepseek_v3"]
+GREEDY = ["qwen3moe", "qwen3", "mixtral", "llama", "deepseek_v3", "deepseek_v3_mtp"]
 QUANTIZED = ["qwen3moe", "qwen3", "mixtral", "llama", "deepseek_v3"]
 
 
