@@ -198,7 +198,8 @@ class EngineConfig:
         "as code edits do)"))
     draft_source: str = field(default="auto", metadata=opt(
         "where drafts come from: ngram (earlier in the context), mtp (the model's own multi-token-prediction block: "
-        "GLM-4.5/4.6's, DeepSeek-V3's, Qwen3-Next's), auto (mtp when the model has the block, else ngram)", choices=DRAFT_SOURCES))
+        "GLM-4.5/4.6's, DeepSeek-V3's, Qwen3-Next's), auto (mtp when the model has the block, else ngram)",
+        choices=DRAFT_SOURCES))
     draft_p_min: float = field(default=0.0, metadata=opt(
         "MTP drafts: stop the chain at a draft the block gives less than this probability (0: never)"))
     draft_ngram_min: int = field(default=2, metadata=opt("shortest n-gram a draft is looked up by"))
