@@ -57,6 +57,16 @@ FAMILIES = {
     "deepseek_v3": ("deepseek_v3", {}),
     # with DeepSeek-V3's MTP block kept (blk.3 + blk.3.nextn.*): llama.cpp loads the file and runs the trunk
     "deepseek_v3_mtp": ("deepseek_v3_mtp", {}),
+    "glm4moe": ("glm4moe", {}),  # (with its MTP block, blk.3.nextn.*: llama.cpp loads it and runs the trunk)
+    # llama.cpp rounds YaRN's ramp ends to whole dims (ggml_rope_yarn_corr_dims) where gpt-oss's reference does
+    # not, and strata follows the reference (strata.models.gpt_oss): here plain rotary; sinks, the sliding window
+    # shorter than the prompt, the biases and the clamped SwiGLU as the fixture has them (a wider FFN: with the
+    # fixture's, llama.cpp's greedy run ends on an end-of-generation token before 16 tokens)
+    "gpt_oss": ("gpt_oss", {"rope_parameters": dict(rope_type="default", rope_theta=150000.0),
+                            "intermediate_size": 64}),
+    # this llama.cpp build sizes attn_qkv as if the delta-net's key and value heads were one size (the released
+    # Qwen3-Next's are): equal here
+    "qwen3next": ("qwen3next", {"linear_value_head_dim": 12}),
     # llama.cpp reads a deepseek2 file without q_lora_rank (V2-Lite style attn_q) only when the layer count is
     # that of a known lite model (26 or 27: llama_model_deepseek2::load_arch_hparams), hence 26 layers
     "deepseek_lite": ("deepseek_v3_noqlora", {"num_hidden_layers": 26}),
@@ -64,7 +74,8 @@ FAMILIES = {
     "qwen3moe_256": ("qwen3moe", {"hidden_size": 256, "moe_intermediate_size": 256, "head_dim": 64,
                                   "num_experts": 4, "num_hidden_layers": 2}),
 }
-GREEDY = ["qwen3moe", "qwen3", "mixtral", "llama", "deepseek_v3", "deepseek_v3_mtp"]
+GREEDY = ["qwen3moe", "qwen3", "mixtral", "llama", "deepseek_v3", "deepseek_v3_mtp", "glm4moe", "gpt_oss",
+          "qwen3next"]
 QUANTIZED = ["qwen3moe", "qwen3", "mixtral", "llama", "deepseek_v3"]
 
 
