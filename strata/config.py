@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -129,8 +130,9 @@ class ExpertConfig:
         check_choices(self)
         if self.vram_gb is not None and self.vram_gb <= 0:
             raise StrataError("--vram-gb must be positive")
-        if self.prefetch_programs is not None and self.prefetch_programs < 0:
-            raise StrataError(f"--expert-prefetch-programs must be >= 0, got {self.prefetch_programs}")
+        check_at_least(0, ("--expert-prefetch-programs", self.prefetch_programs), ("--cpu-threads", self.cpu_threads),
+                       ("--swap-budget", self.swap_budget), ("--vram-reserve-mib", self.vram_reserve_mib),
+                       ("--promote-min", self.promote_min), ("--expert-slots", self.slots))
         self.decay_value(1, 1)  # (a bad --cache-decay fails here, before the model loads)
 
     def decay_value(self, n_experts: int, k: int) -> float:
@@ -213,11 +215,14 @@ class EngineConfig:
     experts: ExpertConfig = field(default_factory=ExpertConfig)
 
     def validate(self) -> None:
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise StrataError(f"device {self.device} requested but no CUDA GPU is available")
+        check_device(self.device)
         check_choices(self)
-        if self.ctx_size < 0 or self.prefill_chunk < 0 or self.n_slots < 1:
-            raise StrataError("context size and prefill chunk must be >= 0 and slots >= 1")
+        check_at_least(0, ("--ctx-size", self.ctx_size), ("--prefill-chunk", self.prefill_chunk),
+                       ("--draft-p-min", self.draft_p_min))
+        if self.n_slots < 1:
+            raise StrataError(f"--parallel must be >= 1, got {self.n_slots}")
+        if self.draft_p_min > 1:
+            raise StrataError(f"--draft-p-min is a probability, 0..1, got {self.draft_p_min}")
         if self.draft_max < 0 or not 1 <= self.draft_ngram_min <= self.draft_ngram_max:
             raise StrataError("--draft-max must be >= 0 and 1 <= --draft-ngram-min <= --draft-ngram-max "
                               f"(got {self.draft_max}, {self.draft_ngram_min}, {self.draft_ngram_max})")
@@ -267,6 +272,29 @@ class EngineConfig:
             return name if name in KV_QUANT_TYPES else DTYPES[name]
 
         return one(self.cache_type_k), one(self.cache_type_v)
+
+
+# what --device takes: the devices strata's kernels run on (torch.device would accept others, mps, xla, meta, and
+# fail later, deep in a load, with torch's words)
+_DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+
+
+def check_device(device: str) -> None:
+    """--device is cpu or cuda[:N], of a GPU this machine has; else one StrataError naming the value."""
+    if not _DEVICE.fullmatch(device):
+        raise StrataError(f"--device {device!r}: want cpu or cuda[:N]")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise StrataError(f"device {device} requested but no CUDA GPU is available")
+    n = torch.cuda.device_count() if device.startswith("cuda:") else 0
+    if n and int(device[5:]) >= n:
+        raise StrataError(f"device {device} requested but this machine has {n} CUDA GPU(s), cuda:0..cuda:{n - 1}")
+
+
+def check_at_least(lo, *flags: tuple[str, float | None]) -> None:
+    """Each (flag, value) is unset (None) or >= lo; else one StrataError naming the first flag that is not."""
+    for flag, value in flags:
+        if value is not None and value < lo:
+            raise StrataError(f"{flag} must be >= {lo}, got {value}")
 
 
 # --- the environment: read here only -------------------------------------------------------------------------

@@ -108,3 +108,39 @@ def test_no_module_of_strata_past_500_lines():
     long = {str(p.relative_to(ROOT)): n for p in (ROOT / "strata").rglob("*.py")
             if (n := len(p.read_text().splitlines())) > 500}
     assert not long, long
+
+
+def test_device_is_cpu_or_cuda():
+    """--device takes what strata runs on; anything else is one line naming the value, before torch sees it."""
+    EngineConfig(device="cpu").validate()
+    for bad in ("tpu", "", "xla", "mps", "meta", "cuda:abc", "cuda:", "CPU", "cpu:0", " cpu"):
+        with pytest.raises(StrataError) as e:
+            EngineConfig(device=bad).validate()
+        assert str(e.value) == f"--device {bad!r}: want cpu or cuda[:N]"
+    import torch
+
+    n = torch.cuda.device_count()
+    with pytest.raises(StrataError, match=f"device cuda:{n} requested but"):  # one past the last GPU, or none
+        EngineConfig(device=f"cuda:{n}").validate()
+
+
+@pytest.mark.parametrize("experts, flag", [
+    (dict(cpu_threads=-2), "--cpu-threads"), (dict(swap_budget=-1), "--swap-budget"),
+    (dict(vram_reserve_mib=-1), "--vram-reserve-mib"), (dict(promote_min=-0.5), "--promote-min"),
+    (dict(slots=-1), "--expert-slots"), (dict(prefetch_programs=-1), "--expert-prefetch-programs")])
+def test_negative_expert_settings_are_refused(experts, flag):
+    """Counts that cannot be negative fail in validate, on any device (the CPU lane's threads were checked only
+    where a GPU builds the lane); their zeros keep their meanings."""
+    with pytest.raises(StrataError, match=f"^{flag} must be >= 0, got -"):
+        EngineConfig(device="cpu", experts=ExpertConfig(**experts)).validate()
+    EngineConfig(device="cpu", experts=ExpertConfig(**{k: 0 for k in experts})).validate()
+
+
+def test_negative_engine_settings_are_refused():
+    for kw, needle in [(dict(ctx_size=-1), "--ctx-size must be >= 0, got -1"),
+                       (dict(prefill_chunk=-4), "--prefill-chunk must be >= 0, got -4"),
+                       (dict(draft_p_min=-0.1), "--draft-p-min must be >= 0"),
+                       (dict(draft_p_min=1.5), "--draft-p-min is a probability"),
+                       (dict(n_slots=0), "--parallel must be >= 1")]:
+        with pytest.raises(StrataError, match=re.escape(needle)):
+            EngineConfig(device="cpu", **kw).validate()

@@ -114,18 +114,82 @@ def check_run_args(args) -> None:
     sampling_from_args(args).validate()
 
 
-def _stream(engine, tok, ids, params, n, out=sys.stdout) -> "Sequence":
+def _to_stdout(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def _stream(engine, tok, ids, params, n, put=_to_stdout) -> "Sequence":
     from strata.gguf.tokenizer import StreamDecoder
 
     dec = StreamDecoder(tok)
     for t in engine.generate(ids, params, n, stop_ids=tok.eot_ids):
         if t in tok.eot_ids:
             break
-        out.write(dec.put(t))
-        out.flush()
-    out.write(dec.flush())
-    out.flush()
+        put(dec.put(t))
+    put(dec.flush())
     return engine.last
+
+
+def _user_text(text: str) -> str:
+    """Text the user typed (argv, stdin), undecodable bytes as U+FFFD: Python passes them on as lone surrogates,
+    which the tokenizer cannot encode."""
+    from strata.text import replace_surrogates
+
+    return replace_surrogates(text)
+
+
+def _lenient_stdin() -> None:
+    """stdin's bytes that are not text in its encoding read as U+FFFD: under a strict locale they would raise in
+    the middle of a chat instead."""
+    if hasattr(sys.stdin, "reconfigure"):
+        sys.stdin.reconfigure(errors="replace")
+
+
+DIM, RESET = "\x1b[2m", "\x1b[0m"
+
+
+class Reply:
+    """A chat reply as it streams, split as the server splits it (strata.server.reasoning): the answer to `out`,
+    the model's reasoning (a `<think>` block; gpt-oss's analysis channel) to `err`, dimmed on a terminal, or
+    nowhere when hidden; the reasoning never goes back into the conversation. The empty block that Qwen3-style
+    templates have the model write before every answer shows nothing. `in_reasoning`: the prompt opened the
+    block."""
+
+    def __init__(self, template: str | None, in_reasoning: bool, show_reasoning: bool = True, out=None, err=None):
+        from strata.server.reasoning import HarmonySplitter, ReasoningSplitter, uses_harmony
+
+        self.split = (HarmonySplitter if uses_harmony(template) else ReasoningSplitter)(True, in_reasoning)
+        self.show = show_reasoning
+        self.out, self.err = out or sys.stdout, err or sys.stderr
+        self.dim = self.err.isatty()
+        self.content = ""  # the answer: what the conversation keeps
+        self._thinking = ""  # the reasoning shown since the answer last wrote ("": none open)
+
+    def put(self, text: str) -> None:
+        self._write(*self.split.push(text))
+
+    def end(self) -> None:
+        """The end of the reply (or its interruption): held-back text out, the reasoning's styling closed."""
+        self._write(*self.split.flush())
+        self._close()
+
+    def _write(self, reasoning: str, content: str) -> None:
+        if reasoning and self.show:
+            self.err.write((DIM if self.dim and not self._thinking else "") + reasoning)
+            self.err.flush()
+            self._thinking += reasoning
+        if content:
+            self._close()
+            self.content += content
+            self.out.write(content)
+            self.out.flush()
+
+    def _close(self) -> None:
+        if self._thinking:  # the answer starts on a line of its own
+            self.err.write((RESET if self.dim else "") + ("" if self._thinking.endswith("\n") else "\n"))
+            self.err.flush()
+            self._thinking = ""
 
 
 def _say_split(engine) -> None:
@@ -176,7 +240,9 @@ def cmd_generate(args) -> int:
     tok = lm.tokenizer
     if tok is None:
         raise StrataError(f"{lm.cfg.model}: the model has no tokenizer in its metadata")
-    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    if args.prompt is None:
+        _lenient_stdin()
+    prompt = _user_text(args.prompt if args.prompt is not None else sys.stdin.read())
     if args.chat:
         if lm.template is None:
             raise StrataError("the model has no chat template (tokenizer.chat_template); run without --chat")
@@ -205,7 +271,9 @@ def cmd_chat(args) -> int:
         raise StrataError("the model has no chat template or tokenizer; use strata generate")
     engine = Engine(lm, n_slots=1)
     _say_split(engine)
-    msgs = [{"role": "system", "content": args.system}] if args.system else []
+    msgs = [{"role": "system", "content": _user_text(args.system)}] if args.system else []
+    template = lm.gguf.get("tokenizer.chat_template")
+    _lenient_stdin()
     interactive = sys.stdin.isatty()
     if interactive:
         try:
@@ -231,22 +299,26 @@ def cmd_chat(args) -> int:
         if line.strip() == "/reset":
             msgs = msgs[:1] if args.system else []
             continue
-        msgs.append({"role": "user", "content": line})
-        ids = lm.tokenizer.encode(lm.template.render(msgs, add_generation_prompt=True), add_special=False)
+        msgs.append({"role": "user", "content": _user_text(line)})
+        text = lm.template.render(msgs, add_generation_prompt=True)
+        ids = lm.tokenizer.encode(text, add_special=False)
         try:
             engine.check_fits(len(ids), args.n_predict)
         except StrataError as e:
             print(f"strata: {e} (use /reset)", file=sys.stderr)
             msgs.pop()
             continue
+        reply = Reply(template, text.rstrip().endswith("<think>"), show_reasoning=not args.hide_reasoning)
+        stopped = False
         try:
-            seq = _stream(engine, lm.tokenizer, ids, sampling_from_args(args), args.n_predict)
+            seq = _stream(engine, lm.tokenizer, ids, sampling_from_args(args), args.n_predict, put=reply.put)
         except KeyboardInterrupt:  # stop this reply, keep what was said, back to the prompt
-            seq = engine.last
+            seq, stopped = engine.last, True
+        reply.end()
+        if stopped:
             print(" [stopped]", end="", file=sys.stderr)
         print()
-        reply = lm.tokenizer.decode([t for t in seq.output if t not in lm.tokenizer.eot_ids])
-        msgs.append({"role": "assistant", "content": reply})
+        msgs.append({"role": "assistant", "content": reply.content})
         if args.verbose:
             _report(seq, engine)
 
@@ -265,6 +337,8 @@ def register(sub) -> None:
     add_engine_args(p)
     p.add_argument("--system", default=None, help="system prompt")
     p.add_argument("-v", "--verbose", action="store_true", help="print speed after each reply")
+    p.add_argument("--hide-reasoning", action="store_true",
+                   help="do not show the model's reasoning (<think> blocks; shown dimmed on stderr by default)")
     _add_sampling(p)
     p.set_defaults(func=cmd_chat, n_predict=512, cpu_plan_tune=False)
     from strata.engine.perplexity_cli import register as register_perplexity

@@ -165,12 +165,15 @@ def cmd_check(args: argparse.Namespace) -> int:
     from strata.hub.check import GiB, fit, model_footprint
     from strata.hub.local import default_models_dir, resolve_model
     from strata.hub.machine import probe
+    from strata.hub.verify import check_gguf_file
 
     models_dir = args.models_dir or default_models_dir()
     machine = probe(models_dir)
     fp = verdict = None
     if args.model:
         paths = resolve_model(args.model, models_dir)
+        for p in paths:  # a cut-off file loads nowhere: the check the loader makes, before any verdict
+            check_gguf_file(p)
         fp = model_footprint(paths, args.cache_type_k, args.cache_type_v)
         budget = int(args.vram_gb * GiB) if args.vram_gb is not None else None
         verdict = fit(fp, machine, args.ctx_size, budget, args.kv_vram_tokens)

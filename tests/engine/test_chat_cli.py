@@ -2,6 +2,7 @@
 Ctrl-D. The embedded strata-tiny model ends its first reply with its end-of-turn token well before -n, which is
 the path that used to crash."""
 
+import io
 import os
 import pty
 import re
@@ -75,3 +76,63 @@ def test_chat_in_a_terminal_two_turns_then_ctrl_d():
     assert "Traceback" not in text
     turns = _turns(text)
     assert len(turns) == 2 and min(turns) < 96
+
+
+def test_chat_takes_invalid_utf8_on_stdin():
+    """Bytes that are not UTF-8 typed into the chat read as U+FFFD, whatever stdin's error handler (strict, or
+    surrogateescape, which hands them on as lone surrogates the tokenizer cannot encode)."""
+    for errors in ("strict", "surrogateescape"):
+        env = {**os.environ, "LC_ALL": "C.UTF-8", "PYTHONIOENCODING": f"utf-8:{errors}"}
+        r = subprocess.run(CHAT, input=b"\xff\xfe bad utf8\nHello\n", capture_output=True, timeout=600, env=env)
+        err = r.stderr.decode("utf-8", "replace")
+        assert r.returncode == 0 and "Traceback" not in err, (errors, err)
+        assert len(_turns(err)) == 2 and r.stdout.strip(), (errors, err)
+
+
+def test_chat_prints_no_think_tags():
+    """strata-tiny's template (GLM-4.5's) has the model open every reply with an empty `<think></think>` block:
+    the chat shows the answer alone, and --hide-reasoning changes nothing of it."""
+    for extra in ([], ["--hide-reasoning"]):
+        r = subprocess.run(CHAT + extra, input="Hello\nWhat is a list?\n", capture_output=True, text=True,
+                           timeout=600)
+        assert r.returncode == 0, r.stderr
+        assert len(_turns(r.stderr)) == 2 and r.stdout.strip()
+        for tag in ("<think>", "</think>"):
+            assert tag not in r.stdout and tag not in r.stderr, (extra, r.stdout, r.stderr)
+        assert not r.stdout.startswith("\n"), r.stdout  # the blank lines after the block went with it
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_reasoning_goes_to_stderr_dimmed_and_hides_on_request():
+    """A reply's reasoning, however the tokens cut its tags, goes to stderr (dimmed on a terminal, the answer on
+    a line of its own) and never to stdout nor into the conversation; --hide-reasoning drops it."""
+    from strata.engine.cli import DIM, RESET, Reply
+
+    pieces = ["<thi", "nk>\nLet me", " think.", "</th", "ink>\n\nThe", " answer."]
+    out, err = io.StringIO(), io.StringIO()
+    r = Reply("{{ messages }}", in_reasoning=False, out=out, err=err)
+    for p in pieces:
+        r.put(p)
+    r.end()
+    assert (out.getvalue(), err.getvalue(), r.content) == ("The answer.", "Let me think.\n", "The answer.")
+    out, err = io.StringIO(), _Tty()
+    r = Reply(None, in_reasoning=True, out=out, err=err)  # the prompt opened the block
+    for p in ["\nLet me", *pieces[2:]]:
+        r.put(p)
+    r.end()
+    assert err.getvalue() == f"{DIM}Let me think.{RESET}\n" and out.getvalue() == "The answer."
+    out, err = io.StringIO(), io.StringIO()
+    r = Reply(None, in_reasoning=False, show_reasoning=False, out=out, err=err)
+    for p in pieces:
+        r.put(p)
+    r.end()
+    assert (out.getvalue(), err.getvalue()) == ("The answer.", "")
+    out, err = io.StringIO(), _Tty()
+    r = Reply(None, in_reasoning=False, out=out, err=err)  # cut off while thinking: the styling still ends
+    r.put("<think>hmm")
+    r.end()
+    assert err.getvalue() == f"{DIM}hmm{RESET}\n" and out.getvalue() == "" and r.content == ""

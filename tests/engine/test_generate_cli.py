@@ -86,3 +86,55 @@ def test_generate_and_chat_leave_the_plan_trials_to_the_server_and_calibrate():
         assert engine_config(p.parse_args([cmd])).experts.plan_tune is False
         assert engine_config(p.parse_args([cmd, "--cpu-plan-tune"])).experts.plan_tune is True
     assert engine_config(p.parse_args(["serve"])).experts.plan_tune is True
+
+
+def test_bad_engine_flags_are_one_line_before_the_model_loads():
+    """--device other than cpu / cuda[:N], and negative counts, are named in one line before anything loads
+    (torch's own words for a device came as a traceback, or only once the native kernel met a meta tensor)."""
+    for flags, needle in [
+        (["--device", "tpu"], "--device 'tpu': want cpu or cuda[:N]"),
+        (["--device", ""], "--device '': want cpu or cuda[:N]"),
+        (["--device", "xla"], "--device 'xla': want cpu or cuda[:N]"),
+        (["--device", "mps"], "--device 'mps': want cpu or cuda[:N]"),
+        (["--device", "meta"], "--device 'meta': want cpu or cuda[:N]"),
+        (["--device", "cuda:abc"], "--device 'cuda:abc': want cpu or cuda[:N]"),
+        (["--device", "cpu", "--cpu-threads", "-2"], "--cpu-threads must be >= 0, got -2"),
+        (["--device", "cpu", "--swap-budget", "-1"], "--swap-budget must be >= 0, got -1"),
+        (["--device", "cpu", "--promote-min", "-1"], "--promote-min must be >= 0"),
+        (["--device", "cpu", "-c", "-1"], "--ctx-size must be >= 0, got -1"),
+    ]:
+        r = subprocess.run([sys.executable, "-m", "strata", "generate", "-p", "x", *flags],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode != 0, flags
+        assert needle in r.stderr and "Traceback" not in r.stderr, (flags, r.stderr)
+        assert "loading" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, (flags, r.stderr)
+
+
+# bytes that are not UTF-8: Python hands them on as lone surrogates (argv always; stdin under surrogateescape)
+BAD_UTF8 = b"abc\xff\xfe def"
+
+
+def _env(stdin_errors: str) -> dict:
+    import os
+
+    # the locale fixed (a machine's own may be anything), stdin's error handler as each kind of machine has it
+    return {**os.environ, "LC_ALL": "C.UTF-8", "PYTHONIOENCODING": f"utf-8:{stdin_errors}"}
+
+
+def test_a_prompt_of_invalid_utf8_on_the_command_line_generates():
+    cmd = [sys.executable.encode(), b"-m", b"strata", b"generate", b"--device", b"cpu", b"-n", b"3",
+           b"--temperature", b"0", b"-p", BAD_UTF8]
+    r = subprocess.run(cmd, capture_output=True, timeout=300, env=_env("strict"))
+    err = r.stderr.decode("utf-8", "replace")
+    assert r.returncode == 0 and "Traceback" not in err, err
+    assert r.stdout.strip() and "generated 3 tokens" in err
+
+
+def test_a_prompt_of_invalid_utf8_on_stdin_generates():
+    for errors in ("strict", "surrogateescape"):
+        r = subprocess.run([sys.executable, "-m", "strata", "generate", "--device", "cpu", "-n", "3", "--temperature",
+                            "0"],
+                           input=BAD_UTF8, capture_output=True, timeout=300, env=_env(errors))
+        err = r.stderr.decode("utf-8", "replace")
+        assert r.returncode == 0 and "Traceback" not in err, (errors, err)
+        assert r.stdout.strip() and "generated 3 tokens" in err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -24,7 +25,7 @@ from strata.hub.check import (
 from strata.hub.machine import CPUInfo, GPUInfo, MachineInfo, parse_cpuinfo, probe
 from strata.hub.verify import GGUFHeader
 
-from .conftest import write_gguf
+from .conftest import split_set, write_gguf
 
 X86 = """processor	: 0
 vendor_id	: AuthenticAMD
@@ -355,3 +356,33 @@ def test_fit_counts_a_recurrent_state_twice_on_a_gpu():
     w, w0 = fit(h, _machine(vram_free=24 * GiB), ctx, kv_window=2048), fit(QWEN, _machine(vram_free=24 * GiB), ctx,
                                                                            kv_window=2048)
     assert w.kv_bytes - w0.kv_bytes == state
+
+
+def test_a_cut_off_model_file_is_broken_not_fit(tmp_path, capsys):
+    """A GGUF whose tensor data is cut off loads nowhere; check says so (the loader's own words: which tensor
+    ends where) and exits 1, where it used to judge the tensor table alone and say "it runs"."""
+    from strata.models.default import default_model_path
+
+    whole = default_model_path().read_bytes()
+    cut = tmp_path / "tiny.gguf"
+    cut.write_bytes(whole[: len(whole) * 3 // 4])
+    for json_flag in ([], ["--json"]):
+        assert main(["check", "-m", str(cut), *json_flag]) == 1
+        out, err = capsys.readouterr()
+        assert "it runs" not in out and '"ok": true' not in out
+        assert re.fullmatch(r"strata: error: tiny\.gguf: tensor \S+ ends at byte \d+ but the file has "
+                            rf"{len(whole) * 3 // 4} bytes \(truncated\)\n", err), err
+    (tmp_path / "whole.gguf").write_bytes(whole)
+    assert main(["check", "-m", str(tmp_path / "whole.gguf")]) == 0
+    assert "verdict: it runs" in capsys.readouterr().out
+
+
+def test_a_cut_off_shard_of_a_split_model_is_named(tmp_path, capsys):
+    files = split_set(tmp_path, "M", 3, 4096)
+    first, second = (tmp_path / name for name in sorted(files)[:2])
+    assert main(["check", "-m", str(first), "--json"]) == 0
+    capsys.readouterr()
+    second.write_bytes(files[second.name][:-100])
+    assert main(["check", "-m", str(first)]) == 1
+    err = capsys.readouterr().err
+    assert f"{second.name}: tensor blk.2.ffn_down_exps.weight ends at byte" in err and "(truncated)" in err
