@@ -18,6 +18,7 @@ Hugging Face tokenizers make.
 from __future__ import annotations
 
 import codecs
+import functools
 import logging
 import re
 from dataclasses import dataclass
@@ -291,6 +292,22 @@ class Tokenizer:
             if m:
                 return bytes([int(m.group(1), 16)])
         return text.replace(_SPM_SPACE, " ").encode("utf-8")
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int | None:
+        """No token of ``encode(text)`` stands for more than this many bytes of ``text`` (UTF-8), so a text of B
+        bytes has at least B / max_token_bytes tokens; None when no such bound holds. Lets a server refuse a text
+        far past its context without tokenizing it. Computed once (a pass over the vocabulary)."""
+        longest = max(4, max((len(b) for b in self._piece_bytes), default=0))  # (4: one character, whatever it is)
+        if self.model == "llama":
+            # a character missing from the vocabulary falls back to byte tokens; without all 256 of them it becomes
+            # <unk>, and fused unknown characters make one token of any length
+            if self.unk_id is not None and any(f"<0x{b:02X}>" not in self._vocab for b in range(256)):
+                return None
+            return longest
+        # NFC may compose up to 3 code points into one (Hangul L+V+T jamo: 9 bytes -> 3), so the text a token
+        # covers may be up to 3x its own bytes
+        return longest * 3 if self._pre.nfc else longest
 
     # ---- encode / decode
 

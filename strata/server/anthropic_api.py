@@ -98,8 +98,12 @@ def _thinking(body) -> bool | None:
     return body.thinking.type != "disabled"
 
 
-async def _prompt(srv, body, tools) -> tuple[list[int], str]:
-    text = await asyncio.to_thread(srv.render, to_chat(body), tools, _thinking(body))
+async def _prompt(srv, body, tools, max_tokens: int | None = None) -> tuple[list[int], str]:
+    # a final assistant message is a prefill: the reply continues it (and holds only the new text)
+    prefill = body.messages[-1].role == "assistant"
+    text = await asyncio.to_thread(srv.render, to_chat(body), tools, _thinking(body), prefill)
+    if max_tokens is not None:
+        srv.check_size(text, max_tokens)
     return await asyncio.to_thread(srv.encode_chat, text), text
 
 
@@ -119,8 +123,13 @@ async def messages(request: Request):
     check_model(request, body.model)
     tools = _tools(body)
     tc = body.tool_choice
+    if tc is not None and tc.type in ("any", "tool"):
+        if not tools:  # a forced call with nothing to call: refused, as OpenAI's endpoint refuses it
+            raise bad_request(f"tool_choice {tc.type!r} needs tools")
+        if tc.type == "tool" and not tc.name:
+            raise bad_request("tool_choice 'tool' needs the name of a tool")
     use_tools = tools if not (tc and tc.type == "none") else None
-    ids, text = await _prompt(srv, body, use_tools)
+    ids, text = await _prompt(srv, body, use_tools, body.max_tokens)
     max_tokens = srv.max_tokens(len(ids), body.max_tokens)
     grammar = None
     if use_tools and tc is not None and tc.type in ("any", "tool"):
@@ -158,7 +167,7 @@ async def messages(request: Request):
             else:
                 res = ev[1]
     except GenerationError as e:
-        raise APIError(500, str(e), "api_error") from None
+        raise APIError(e.status, str(e), "api_error" if e.status == 500 else "overloaded_error") from None
     for b in blocks:
         if b["type"] == "thinking":
             b["thinking"] = b["thinking"].rstrip("\n")
@@ -239,4 +248,5 @@ async def _stream(srv, job: Job, mid: str):
             for o in out:
                 yield o
     except GenerationError as e:
-        yield _ev("error", {"type": "error", "error": {"type": "api_error", "message": str(e)}})
+        kind = "api_error" if e.status == 500 else "overloaded_error"
+        yield _ev("error", {"type": "error", "error": {"type": kind, "message": str(e)}})

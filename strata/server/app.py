@@ -138,6 +138,7 @@ def create_app(cfg: ServeConfig, load: Callable[[], object] | None = None, lm=No
     app.state.model_names = {cfg.model_id, *cfg.aliases}
     app.state.model_meta = {}
     app.state.started = time.time()
+    app.state.closing = False  # shutting down: open streams end (strata.server.app.shutting_down)
     app.state.cfg = cfg
 
     from strata.server.metrics import Metrics
@@ -156,6 +157,16 @@ def create_app(cfg: ServeConfig, load: Callable[[], object] | None = None, lm=No
     app.add_middleware(AccessControl, api_key=cfg.api_key, bound_host=cfg.host, port=cfg.port,
                        cors_origins=cfg.cors_origins)
     return app
+
+
+def shutting_down(app: FastAPI) -> None:
+    """The server stops: every generation ends now with an error (OpenAI's streams then send [DONE], Anthropic's
+    an error event, a waiting non-streamed request gets a 503), and the monitor's stream ends, so that no
+    response is still open when uvicorn's grace period runs out."""
+    app.state.closing = True
+    srv = app.state.server
+    if srv is not None:
+        srv.worker.close("the server is shutting down")
 
 
 def _start_engine(app: FastAPI, cfg: ServeConfig, lm, say) -> object:
@@ -252,34 +263,36 @@ class ContainErrors:
             log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
             if started:
                 raise
-            body = json.dumps(APIError(500, f"internal error: {type(e).__name__}", "server_error").body()).encode()
+            body = json.dumps(APIError(500, f"internal error: {type(e).__name__}", "server_error")
+                              .body(scope.get("path") or "")).encode()
             await send({"type": "http.response.start", "status": 500,
                         "headers": [(b"content-type", b"application/json"),
                                     (b"content-length", str(len(body)).encode())]})
             await send({"type": "http.response.body", "body": body})
 
 
-def _error(status: int, message: str, type_: str) -> JSONResponse:
-    return JSONResponse(APIError(status, message, type_).body(), status_code=status)
+def _error(status: int, message: str, type_: str, path: str = "") -> JSONResponse:
+    return JSONResponse(APIError(status, message, type_).body(path), status_code=status)
 
 
 def _routes(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(request.url.path), status_code=e.status)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):
         if e.status_code == 404:
-            return _error(404, f"no route {request.method} {request.url.path}", "not_found_error")
+            return _error(404, f"no route {request.method} {request.url.path}", "not_found_error", request.url.path)
         if e.status_code == 405:
-            return _error(405, f"method {request.method} not allowed on {request.url.path}", "invalid_request_error")
-        return _error(e.status_code, str(e.detail), "invalid_request_error")
+            return _error(405, f"method {request.method} not allowed on {request.url.path}", "invalid_request_error",
+                          request.url.path)
+        return _error(e.status_code, str(e.detail), "invalid_request_error", request.url.path)
 
     @app.exception_handler(Exception)
     async def internal(request: Request, e: Exception):
         log.exception("unhandled error on %s", request.url.path)
-        return _error(500, f"internal error: {type(e).__name__}", "server_error")
+        return _error(500, f"internal error: {type(e).__name__}", "server_error", request.url.path)
 
     @app.get("/health")
     async def health(request: Request):

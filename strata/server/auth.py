@@ -25,6 +25,8 @@ import json
 import socket
 from urllib.parse import urlsplit
 
+from strata.server.protocol import error_body
+
 LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1", "localhost.localdomain", "ip6-localhost"}
 # the web pages and their files hold no data: they ask for the key and send it with every API call they make
 OPEN_PATHS = {"/health", "/", "/monitor"}
@@ -123,7 +125,7 @@ class AccessControl:
         if origin is not None:
             origin = origin.decode("latin-1")
             if not self.origin_allowed(origin):
-                return await _deny(send, 403, "permission_error",
+                return await _deny(scope, send, 403, "permission_error",
                                    f"Origin {origin!r} is not allowed: start strata with --cors-origin {origin} to "
                                    "let pages from it use this server")
             cors = [(b"access-control-allow-origin", origin.encode("latin-1")), (b"vary", b"Origin")]
@@ -133,19 +135,19 @@ class AccessControl:
         if self.key is not None:
             path = scope.get("path") or ""
             if path not in OPEN_PATHS and not path.startswith(OPEN_PREFIXES) and not self._key_ok(headers):
-                return await _deny(send, 401, "authentication_error",
+                return await _deny(scope, send, 401, "authentication_error",
                                    "a valid API key is required (Authorization: Bearer KEY or x-api-key: KEY)")
         else:
             host = _host_name(headers.get("host", b"").decode("latin-1"))
             if not (host in self.allowed_hosts or _is_ip(host)):
-                return await _deny(send, 403, "permission_error",
+                return await _deny(scope, send, 403, "permission_error",
                                    f"Host {host!r} is not allowed: without --api-key, strata answers only requests "
                                    "addressed to this machine (loopback, its name or an IP address)")
         if method in BODY_METHODS:
             ctype = headers.get("content-type", b"").decode("latin-1")
             media = ctype.split(";", 1)[0].strip().lower()
             if media != "application/json" and not media.endswith("+json"):
-                return await _deny(send, 415, "invalid_request_error",
+                return await _deny(scope, send, 415, "invalid_request_error",
                                    f"Content-Type must be application/json (got {ctype or 'none'!r}); with curl, "
                                    "add -H 'Content-Type: application/json'")
         return await self.app(scope, receive, send)
@@ -178,8 +180,8 @@ async def _preflight(send, cors: list, req_headers: bytes | None) -> None:
     await send({"type": "http.response.body", "body": b""})
 
 
-async def _deny(send, status: int, type_: str, message: str) -> None:
-    body = json.dumps({"error": {"type": type_, "message": message, "code": None, "param": None}}).encode()
+async def _deny(scope, send, status: int, type_: str, message: str) -> None:
+    body = json.dumps(error_body(scope.get("path") or "", type_, message)).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})

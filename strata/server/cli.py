@@ -58,10 +58,8 @@ def _say(msg: str) -> None:
 
 
 def cmd_serve(args) -> int:
-    import uvicorn
-
     from strata.config import api_key_from_env, fault_after_tokens_for_tests
-    from strata.engine.cli import load_from_args, resolve_model_path
+    from strata.engine.cli import engine_config, load_from_args, resolve_model_path
     from strata.server.app import ServeConfig, create_app, model_id_for
     from strata.server.auth import is_loopback, origin_key
 
@@ -73,6 +71,7 @@ def cmd_serve(args) -> int:
                               f"(got {o!r})")
     if args.prompt_cache_mib < 0:
         raise StrataError("--prompt-cache-mib must be >= 0")
+    engine_config(args)  # the engine's flags checked here, as generate and chat do: a bad one is one line, not two
     if args.threads:
         import torch
 
@@ -107,7 +106,7 @@ def cmd_serve(args) -> int:
 
     sock = bind(args.host, args.port)  # before saying "listening": a busy port is one line, not a false claim
     app = create_app(cfg, load=load, narrate=_say, on_error=failed)
-    server = uvicorn.Server(uvicorn_config(app, args.host, args.port))
+    server = uvicorn_server(app, args.host, args.port)
     _say(f"listening on http://{_url_host(args.host)}:{args.port} (the model loads in the background; "
          f"/health answers 503 until it is ready)")
     try:
@@ -131,6 +130,22 @@ def uvicorn_config(app, host: str, port: int, graceful_s: float = 3):
 
     return uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                           timeout_graceful_shutdown=graceful_s, timeout_keep_alive=KEEP_ALIVE_S)
+
+
+def uvicorn_server(app, host: str, port: int, graceful_s: float = 3):
+    """uvicorn's server for `app`, whose shutdown (Ctrl-C, SIGTERM) first ends the app's open streams with an
+    error event: uvicorn only waits graceful_s for them, then cancels them mid-write (a cut stream for the client,
+    tracebacks in the log)."""
+    import uvicorn
+
+    from strata.server.app import shutting_down
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            shutting_down(app)
+            await super().shutdown(sockets)
+
+    return Server(uvicorn_config(app, host, port, graceful_s))
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -9,6 +9,7 @@ held back: a stop string or a tool-call marker is decided by later tokens).
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 
 from strata import StrataError
@@ -31,7 +32,14 @@ class Result:
 
 
 class GenerationError(Exception):
-    pass
+    def __init__(self, message: str, status: int = 500):
+        super().__init__(message)
+        self.status = status  # 503: the server is shutting down (worth a retry elsewhere); 500: it failed
+
+
+# How often (seconds of wall time) a non-streaming request asks whether its client is still there: a client that
+# hung up frees its slot within this, however fast tokens come
+HANGUP_CHECK_S = 0.25
 
 
 class StopStrings:
@@ -74,12 +82,16 @@ class Server:
         self.vocab_size = getattr(lm.args, "vocab_size", None) or self.tok.vocab_size
 
     # -- prompts -------------------------------------------------------------------------------------------------
-    def render(self, messages: list[dict], tools: list[dict] | None, enable_thinking: bool | None) -> str:
+    def render(self, messages: list[dict], tools: list[dict] | None, enable_thinking: bool | None,
+               continue_final: bool = False, generation_prompt: bool = True) -> str:
+        """The prompt text. continue_final: the last (assistant) message is left open, so the reply continues it
+        (a prefill); it takes no generation prompt."""
         if self.template is None:
             raise bad_request("this model has no chat template; use /v1/completions")
         try:
-            return self.template.render(messages, tools=tools or None, add_generation_prompt=True,
-                                        enable_thinking=enable_thinking)
+            return self.template.render(messages, tools=tools or None,
+                                        add_generation_prompt=generation_prompt and not continue_final,
+                                        enable_thinking=enable_thinking, continue_final_message=continue_final)
         except APIError:
             raise
         except Exception as e:  # noqa: BLE001 - a template that rejects the conversation says why
@@ -92,6 +104,20 @@ class Server:
         if self.tok.add_bos and self.tok.bos_id is not None and (not ids or ids[0] != self.tok.bos_id):
             ids = [self.tok.bos_id] + ids
         return ids
+
+    def check_size(self, text: str, asked: int | None) -> None:
+        """Refuse, before tokenizing it, a prompt that cannot fit the context whatever its tokens: tokenizing
+        megabytes holds the interpreter for seconds, stalling every other client. A text of B bytes has at least
+        B / (the longest token's bytes) tokens (strata.gguf.tokenizer.Tokenizer.max_token_bytes)."""
+        longest = getattr(self.tok, "max_token_bytes", None)
+        if not longest or len(text) < self.ctx:  # a text this short tokenizes fast: the exact check follows
+            return
+        n_bytes = len(text.encode("utf-8", errors="surrogatepass"))
+        at_least = -(-n_bytes // longest)
+        if at_least + (asked or 0) > self.ctx or at_least >= self.ctx:
+            more = f" + max_tokens {asked}" if asked else ""
+            raise bad_request(f"the prompt of at least {at_least} tokens (a lower bound: {n_bytes} bytes, no token "
+                              f"longer than {longest} bytes){more} exceeds the context of {self.ctx} tokens")
 
     def stop_ids(self, ignore_eos: bool = False) -> set[int]:
         """The tokens that end a generation: the model's end-of-turn tokens, or none with `ignore_eos`."""
@@ -162,6 +188,7 @@ class Server:
         stops = StopStrings(job.stop)
         rs = self.splitter(job.reasoning, job.in_reasoning, calls=job.tools is not None)
         tc = ToolCallStream(self.tool_format, job.tools, enabled=job.tools is not None, forced=job.forced)
+        hangup = _Hangup(request)
         n_calls = 0
         n_tok = 0  # token events seen: the index of the next one in seq.output (and seq.token_logprobs)
         done = False
@@ -191,7 +218,7 @@ class Server:
 
         try:
             while True:
-                ev = await self._next(req, request)
+                ev = await self._next(req, hangup)
                 kind = ev[0]
                 if kind == "start":
                     continue
@@ -208,7 +235,7 @@ class Server:
                     continue
                 if kind == "error":
                     done = True
-                    raise GenerationError(ev[1])
+                    raise GenerationError(*ev[1:])
                 # done
                 done = True
                 for e in pipeline(dec.flush(), True):
@@ -231,16 +258,18 @@ class Server:
         """OpenAI's chat entry: {token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}."""
         return {**self._token(tid, lp), "top_logprobs": [self._token(i, v) for i, v in top]}
 
-    async def _next(self, req: Ticket, request):
-        if request is None:
+    async def _next(self, req: Ticket, hangup: "_Hangup"):
+        if hangup.request is None:
             return await req.events.get()
         while True:  # a non-streaming client that hangs up frees its slot too
+            # asked on the clock, not only when no event came: while tokens flow, a wait never times out
+            if await hangup.gone():
+                self.worker.cancel(req, "abort")
+                raise GenerationError("client disconnected")
             try:
-                return await asyncio.wait_for(req.events.get(), 0.25)
+                return await asyncio.wait_for(req.events.get(), HANGUP_CHECK_S)
             except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    self.worker.cancel(req, "abort")
-                    raise GenerationError("client disconnected") from None
+                continue
 
     def _result(self, req: Ticket, reason: str, stop_word: str | None) -> Result:
         seq = req.seq
@@ -266,3 +295,18 @@ class Server:
             timings.update(experts_cpu_bytes=ex.cpu_bytes, experts_pcie_bytes=ex.pcie_bytes, **seq.lane_gbps)
         return Result(reason if reason != "stop" or not stop_word else "stop", len(req.job.prompt), n_out,
                       seq.cached if seq else 0, timings, stop_word)
+
+
+class _Hangup:
+    """Whether a non-streaming request's client has gone, asked at most every HANGUP_CHECK_S (asking costs a trip
+    through the ASGI receive channel). A streaming response learns it from its failed writes instead."""
+
+    def __init__(self, request):
+        self.request = request
+        self.due = time.monotonic() + HANGUP_CHECK_S
+
+    async def gone(self) -> bool:
+        if self.request is None or time.monotonic() < self.due:
+            return False
+        self.due = time.monotonic() + HANGUP_CHECK_S
+        return await self.request.is_disconnected()

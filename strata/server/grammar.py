@@ -46,6 +46,14 @@ def bias_processor(bias: dict[str, float], vocab_size: int, device) -> "callable
     return lambda row: row.float() + vec  # [V]
 
 
+def _cause(err: str, limit: int = 600) -> str:
+    """An error text of several lines as one: the reason often comes on a later line (a regex error's first line
+    is only "regex parse error:"). Caret lines, which point into a quoted line above, mean nothing once joined."""
+    lines = [ln.strip() for ln in err.splitlines()]
+    text = " ".join(ln for ln in lines if ln and set(ln) - set("^~ "))
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 class _Wrapped:
     """The vocabulary as llguidance wants it: token bytes, control tokens marked with a 0xFF prefix."""
 
@@ -94,7 +102,7 @@ class Grammars:
             return llguidance.LLMatcher.grammar_from_json_schema(
                 schema, overrides={"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "})
         except (ValueError, TypeError, OverflowError) as e:  # a schema it cannot take (an integer past 64 bits...)
-            raise bad_request(f"json_schema: {str(e).splitlines()[0][:300] if str(e) else type(e).__name__}") from None
+            raise bad_request(f"json_schema: {_cause(str(e)) or type(e).__name__}") from None
 
     def lark(self, src: str) -> str:
         return llguidance.LLMatcher.grammar_from_lark(src)
@@ -108,7 +116,7 @@ class Grammars:
         try:
             lark = any_to_lark(src)
         except Exception as e:  # noqa: BLE001 - the converter raises bare Exceptions that name the problem
-            raise bad_request(f"grammar: {str(e).splitlines()[0][:300] if str(e) else type(e).__name__}") from None
+            raise bad_request(f"grammar: {_cause(str(e)) or type(e).__name__}") from None
         return llguidance.LLMatcher.grammar_from_lark(lark)
 
     def processor(self, grammar: str, what: str = "the output grammar") -> "callable":
@@ -117,7 +125,7 @@ class Grammars:
         ll = self._lltok()
         err = llguidance.LLMatcher.validate_grammar(grammar, ll)
         if err and not err.startswith("WARNING"):
-            raise bad_request(f"cannot build {what}: {err.splitlines()[0][:300]}")
+            raise bad_request(f"cannot build {what}: {_cause(err)}")
         return lambda: GrammarProcessor(llguidance.LLMatcher(ll, grammar, log_level=0), self.vocab_size)
 
 

@@ -137,10 +137,17 @@ async def prepare_chat(srv, body: ChatRequest) -> Job:
     kw = body.chat_template_kwargs or {}
     if isinstance(kw.get("enable_thinking"), bool):
         thinking = kw["enable_thinking"]
+    cont = body.continue_final_message
+    if cont and body.add_generation_prompt:
+        raise bad_request("continue_final_message and add_generation_prompt cannot both be true")
+    if cont and body.messages[-1].role != "assistant":
+        raise bad_request("continue_final_message needs the last message to be an assistant message")
     msgs = chat_messages(body)
-    text = await asyncio.to_thread(srv.render, msgs, use_tools, thinking)
+    text = await asyncio.to_thread(srv.render, msgs, use_tools, thinking, cont, body.add_generation_prompt is not False)
+    asked = body.max_completion_tokens or body.max_tokens
+    srv.check_size(text, asked)
     ids = await asyncio.to_thread(srv.encode_chat, text)
-    max_tokens = srv.max_tokens(len(ids), body.max_completion_tokens or body.max_tokens)
+    max_tokens = srv.max_tokens(len(ids), asked)
     grammar, what = None, "the output grammar"
     if use_tools and (only is not None or choice == "required"):
         grammar = srv.tool_call_grammar(use_tools, only, body.parallel_tool_calls is not False,
@@ -176,7 +183,7 @@ async def chat_completions(request: Request):
     try:
         outs = await run_all(srv, jobs, request)
     except GenerationError as e:
-        raise APIError(500, str(e), "server_error") from None
+        raise APIError(e.status, str(e), "server_error" if e.status == 500 else "unavailable_error") from None
     choices = []
     for i, c in enumerate(outs):
         text = "".join(c.content)
@@ -249,14 +256,16 @@ async def prepare_completion(srv, body: CompletionRequest) -> tuple[Job, str]:
         if len(p) != 1:
             raise bad_request("prompt: one prompt per request")
         p = p[0]
+    asked = body.max_tokens if body.max_tokens is not None else 16
     if isinstance(p, str):
+        srv.check_size(p, asked)
         ids = await asyncio.to_thread(srv.tok.encode, p)
         text = p
     else:
         if any(not 0 <= t < srv.vocab_size for t in p):
             raise bad_request(f"prompt: token ids must be in 0..{srv.vocab_size - 1}")
         ids, text = list(p), srv.tok.decode(p)
-    max_tokens = srv.max_tokens(len(ids), body.max_tokens if body.max_tokens is not None else 16)
+    max_tokens = srv.max_tokens(len(ids), asked)
     grammar, what = constraint(srv, body)
     job = Job(ids, sampling(body), max_tokens, srv.stop_ids(body.ignore_eos), draft_max=body.speculative_n_max,
               logprobs=body.logprobs, stop=stop_list(body.stop), logit_bias=body.logit_bias, grammar=grammar,
@@ -281,7 +290,7 @@ async def completions(request: Request):
     try:
         outs = await run_all(srv, jobs, request)
     except GenerationError as e:
-        raise APIError(500, str(e), "server_error") from None
+        raise APIError(e.status, str(e), "server_error" if e.status == 500 else "unavailable_error") from None
     choices = [{"index": i, "text": echo + "".join(c.content),
                 "logprobs": legacy_logprobs(c.logprobs if job.logprobs is not None else None, len(echo)),
                 "finish_reason": c.result.finish_reason} for i, c in enumerate(outs)]

@@ -19,8 +19,26 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.type, self.code = status, message, type_, code
 
-    def body(self) -> dict:
-        return {"error": {"type": self.type, "message": self.message, "code": self.code, "param": None}}
+    def body(self, path: str = "") -> dict:
+        return error_body(path, self.type, self.message, self.code)
+
+
+# Anthropic names these error types differently (its error types: invalid_request_error, authentication_error,
+# permission_error, not_found_error, request_too_large, rate_limit_error, api_error, overloaded_error)
+_ANTHROPIC_TYPES = {"server_error": "api_error", "unavailable_error": "overloaded_error"}
+
+
+def is_anthropic(path: str) -> bool:
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+def error_body(path: str, type_: str, message: str, code: str | None = None) -> dict:
+    """The error body for a request to `path`: Anthropic's shape on its routes (what its clients parse:
+    {"type": "error", "error": {"type", "message"}}), OpenAI's elsewhere ({"error": {"type", "message", "code",
+    "param"}})."""
+    if is_anthropic(path):
+        return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(type_, type_), "message": message}}
+    return {"error": {"type": type_, "message": message, "code": code, "param": None}}
 
 
 def bad_request(message: str) -> APIError:
@@ -161,6 +179,11 @@ class ChatRequest(SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's fields. continue_final_message: the reply continues the last (assistant) message (a prefill);
+    # add_generation_prompt false: the prompt ends after the last message with no assistant header. Unset,
+    # add_generation_prompt is true unless continue_final_message is (vLLM would have it sent as false)
+    continue_final_message: bool = False
+    add_generation_prompt: bool | None = None
 
 
 class CompletionRequest(SamplingFields):

@@ -75,7 +75,7 @@ def snapshot(app, heat: bool) -> dict:
 async def monitor_stream(request: Request):
     async def events():
         n = 0
-        while not await request.is_disconnected():
+        while not request.app.state.closing and not await request.is_disconnected():
             snap = await asyncio.to_thread(snapshot, request.app, n % HEAT_EVERY == 0)
             yield f"data: {json.dumps(snap, default=str)}\n\n"
             n += 1

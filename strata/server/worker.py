@@ -67,6 +67,8 @@ class EngineWorker:
         self.last_step_ms = 0.0
         # why the engine can serve no more (a pipeline stage died: its collectives are out of step), None: fine
         self.broken: str | None = None
+        # set when the server shuts down: every request ends with this error (streams end cleanly, not cut)
+        self.closing: str | None = None
         self._thread = threading.Thread(target=self._run, name="strata-engine", daemon=True)
 
     def start(self) -> None:
@@ -86,6 +88,9 @@ class EngineWorker:
 
             raise APIError(503, self.broken)
         req = Ticket(job, asyncio.get_running_loop())
+        if self.closing:
+            req._emit(("error", self.closing, 503))
+            return req
         with self._cv:
             self._ids += 1
             req.id = self._ids
@@ -100,6 +105,13 @@ class EngineWorker:
                 req.cancelled = reason
                 req.cancel_step = self.steps
                 self._cv.notify_all()
+
+    def close(self, message: str) -> None:
+        """End every request, waiting or running, with an error event (`message`, a 503), and any submitted from
+        now on: a server shutting down answers its open streams instead of cutting them."""
+        with self._cv:
+            self.closing = message
+            self._cv.notify_all()
 
     @property
     def n_waiting(self) -> int:
@@ -118,6 +130,10 @@ class EngineWorker:
                     self._cv.wait()
                 if self._stop:
                     break
+                if self.closing:
+                    for r in [*self.waiting, *self.active.values()]:
+                        if r.cancelled is None:
+                            r.cancelled, r.cancel_step = "shutdown", self.steps
                 dropped = [r for r in self.waiting if r.cancelled]
                 if dropped:
                     self.waiting = deque(r for r in self.waiting if not r.cancelled)
@@ -223,7 +239,7 @@ class EngineWorker:
         if self.metrics:
             self.metrics.finished(req)
         if emit:
-            req._emit(("done", reason))
+            req._emit(("error", self.closing, 503) if reason == "shutdown" else ("done", reason))
 
     # -- introspection (any thread; a snapshot, good enough for /slots and /metrics) ------------------------------
     def slots(self) -> list[dict]:

@@ -110,6 +110,15 @@ def test_bad_engine_flags_are_one_line_before_the_model_loads():
         assert "loading" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, (flags, r.stderr)
 
 
+def test_serve_names_a_bad_engine_flag_once_before_listening():
+    """strata serve checks the engine's flags before it binds and says "listening" (they were checked only in the
+    model's background load, and the error came twice, after the claim)."""
+    r = subprocess.run([sys.executable, "-m", "strata", "serve", "--port", "18977", "--device", "tpu"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert r.stderr.strip().splitlines() == ["strata: error: --device 'tpu': want cpu or cuda[:N]"], r.stderr
+
+
 # bytes that are not UTF-8: Python hands them on as lone surrogates (argv always; stdin under surrogateescape)
 BAD_UTF8 = b"abc\xff\xfe def"
 

@@ -63,13 +63,11 @@ def free_port() -> int:
 
 class Running:
     def __init__(self, app, port: int, host: str = "127.0.0.1"):
-        import uvicorn
-
-        from strata.server.cli import uvicorn_config
+        from strata.server.cli import uvicorn_server
 
         self.app, self.port, self.host = app, port, host
         self.url = f"http://{host}:{port}"
-        self.server = uvicorn.Server(uvicorn_config(app, host, port, graceful_s=2))  # the settings serve runs with
+        self.server = uvicorn_server(app, host, port, graceful_s=2)  # the server and settings serve runs with
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self):

@@ -3,12 +3,14 @@ to running alone), every request answered, and a client that hangs up frees its 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
+import pytest
 
 from .conftest import serve
 
@@ -97,3 +99,46 @@ def test_disconnect_frees_the_slot_within_one_step(lm):
         assert nxt["id"] == gone["id"] + 1
         assert 0 <= nxt["admit_step"] - gone["cancel_step"] <= 1, (gone, nxt)
         assert _http.get(s.url + "/health").json()["slots_idle"] == 1
+
+
+LONG_CTX = 8192  # (the tiny model writes the 512 tokens of the shared fixture's context in under a second)
+
+
+@pytest.fixture(scope="module")
+def long_lm(tiny_gguf):
+    from strata.config import EngineConfig
+    from strata.engine.loader import load_model
+
+    return load_model(str(tiny_gguf), EngineConfig(model=str(tiny_gguf), device="cpu", ctx_size=LONG_CTX))
+
+
+def _hang_up(url: str, path: str, body: dict) -> float:
+    """Send a non-streaming request and hang up while it generates; the seconds until the slot is idle again."""
+    with httpx.Client(timeout=0.5) as c, contextlib.suppress(httpx.ReadTimeout):
+        r = c.post(url + path, json=body)
+        raise AssertionError(f"the request finished before the client hung up: {r.text[:300]}")
+    t0 = time.time()
+    while _http.get(url + "/health").json()["slots_idle"] != 1:
+        assert time.time() - t0 < 60, "the slot stayed busy"
+        time.sleep(0.02)
+    return time.time() - t0
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Talk for a long time."}], "ignore_eos": True}),
+    # (greedy: this prompt's reply runs to max_tokens without an end of turn, which the Messages API cannot ignore)
+    ("/v1/messages", {"messages": [{"role": "user", "content": "Talk for a long time."}]}),
+])
+def test_non_streaming_hang_up_frees_the_slot_while_tokens_flow(long_lm, path, body):
+    """The server asks whether the client is still there on the clock, not only when no token came for a while
+    (while tokens flow every few milliseconds, such a wait never ran out and the slot stayed busy to max_tokens:
+    here many seconds)."""
+    max_tokens = LONG_CTX - 100
+    with serve(long_lm, parallel=1) as s:
+        w = s.state.server.worker
+        freed_s = _hang_up(s.url, path, {"model": "tiny", "max_tokens": max_tokens, "temperature": 0, **body})
+        gone = max(_recent(s.url), key=lambda r: r["id"])
+        assert gone["finish_reason"] == "abort", gone
+        assert 10 < gone["completion_tokens"] < max_tokens / 4, gone  # tokens flowed when the client left
+        assert freed_s < 1.0, freed_s
+        assert w.n_running == 0

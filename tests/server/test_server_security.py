@@ -37,6 +37,7 @@ def test_api_key_on_every_route(lm):
             r = _req(s.url, method, path, body)
             assert r.status_code == 401, (path, r.status_code)
             assert r.json()["error"]["type"] == "authentication_error"
+            assert ("type" in r.json()) == path.startswith("/v1/messages")  # Anthropic's shape on its routes
             assert _req(s.url, method, path, body, {"Authorization": "Bearer wrong"}).status_code == 401
             assert _req(s.url, method, path, body, {"x-api-key": KEY[:-1]}).status_code == 401
             want = 404 if path == "/no/such/route" else 200
@@ -92,6 +93,83 @@ def test_bad_requests_are_400(server, path, body, fragment):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and fragment in err["message"], err
+
+
+ANTHROPIC_ERRORS = [
+    ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}]}, 400, "invalid_request_error", "max_tokens"),
+    ("/v1/messages", b"{not json", 400, "invalid_request_error", "not valid JSON"),
+    ("/v1/messages", {"model": "gpt-9", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}, 404,
+     "not_found_error", "gpt-9"),
+    ("/v1/messages/count_tokens", {"messages": []}, 400, "invalid_request_error", "messages"),
+    ("/v1/messages/nothing", {}, 404, "not_found_error", "no route"),
+    # a forced tool call with no tools to call (it was answered 200)
+    ("/v1/messages", {"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], "tool_choice": {"type": "any"}},
+     400, "invalid_request_error", "needs tools"),
+    ("/v1/messages", {"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}],
+                      "tool_choice": {"type": "tool", "name": "get_weather"}}, 400, "invalid_request_error",
+     "needs tools"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,type_,fragment", ANTHROPIC_ERRORS)
+def test_anthropic_routes_answer_anthropic_error_bodies(server, path, body, status, type_, fragment):
+    if isinstance(body, bytes):
+        r = _http.post(server.url + path, content=body, headers={"content-type": "application/json"})
+    else:
+        r = _http.post(server.url + path, json=body)
+    assert r.status_code == status, r.text
+    got = r.json()
+    assert got == {"type": "error", "error": {"type": type_, "message": got["error"]["message"]}}, got
+    assert fragment in got["error"]["message"]
+
+
+def test_anthropic_client_reads_the_error(server):
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": "hi"}],
+                               tool_choice={"type": "any"})
+    assert e.value.body["type"] == "error" and "needs tools" in e.value.body["error"]["message"]
+    r = _http.post(server.url + "/v1/messages", content=b"x", headers={"content-type": "text/plain"})
+    assert r.status_code == 415 and r.json()["type"] == "error"
+    r = _http.post(server.url + "/v1/chat/completions", json={"messages": []})  # OpenAI's routes keep theirs
+    assert r.status_code == 400 and set(r.json()) == {"error"} and r.json()["error"]["param"] is None
+
+
+HUGE = "word " * 2_000_000  # 10 MB: tokenizing it would hold the interpreter for seconds
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": HUGE}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": HUGE}], "max_tokens": 4}),
+    ("/v1/completions", {"prompt": HUGE}),
+    ("/v1/messages", {"messages": [{"role": "user", "content": HUGE}], "max_tokens": 4}),
+])
+def test_a_prompt_far_past_the_context_is_refused_before_tokenizing(server, path, body):
+    t0 = time.time()
+    r = _http.post(server.url + path, json=body)
+    took = time.time() - t0
+    assert r.status_code == 400, r.text[:300]
+    msg = r.json()["error"]["message"]
+    assert "at least" in msg and "lower bound" in msg and f"context of {CTX} tokens" in msg, msg
+    assert took < 3, took  # (tokenizing it took about 9 s)
+    # the server goes on serving normal prompts
+    r = _http.post(server.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                              "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_the_early_bound_never_refuses_what_fits(lm):
+    """The bound is a lower bound: across texts of every kind, no token stands for more bytes than it says."""
+    tok = lm.tokenizer
+    longest = tok.max_token_bytes
+    texts = ["word " * 300, "\n" * 500, " " * 700, "<|im_start|>" * 50, "한국어 " * 100,
+             "\u1100\u1161\u11a8" * 100,  # decomposed Hangul: NFC composes 9 bytes into 3
+             "".join(chr(c) for c in range(0x20, 0x3000, 7))]
+    for text in texts:
+        n_bytes = len(text.encode())
+        assert len(tok.encode(text)) >= n_bytes / longest, text[:40]
 
 
 def test_not_found(server):
