@@ -12,7 +12,8 @@ import json
 import re
 from typing import Any
 
-_SURROGATE = re.compile("[\ud800-\udfff]")
+from strata.text import replace_surrogates
+
 # a surrogate can only come from a \\uD800..\\uDFFF escape (UTF-8 input cannot encode one): most bodies skip the walk
 _ESCAPE = re.compile(rb"\\[uU][dD][89a-fA-F]")
 
@@ -25,14 +26,10 @@ def decode_json(raw: bytes) -> Any:
     return value
 
 
-def _fix(s: str) -> str:
-    return _SURROGATE.sub("\ufffd", s)
-
-
 def _replace_surrogates(value: Any) -> Any:
     # iterative: json.loads accepts nesting as deep as the recursion limit, a recursive walk would not
     if isinstance(value, str):
-        return _fix(value)
+        return replace_surrogates(value)
     root = [value]
     stack = [root]
     while stack:
@@ -40,18 +37,18 @@ def _replace_surrogates(value: Any) -> Any:
         if isinstance(node, list):
             for i, v in enumerate(node):
                 if isinstance(v, str):
-                    node[i] = _fix(v)
+                    node[i] = replace_surrogates(v)
                 elif isinstance(v, (list, dict)):
                     stack.append(v)
         else:
             for k in list(node):
                 v = node[k]
                 if isinstance(v, str):
-                    v = _fix(v)
+                    v = replace_surrogates(v)
                 elif isinstance(v, (list, dict)):
                     stack.append(v)
-                if isinstance(k, str) and _SURROGATE.search(k):
+                if isinstance(k, str) and replace_surrogates(k) != k:
                     del node[k]
-                    k = _fix(k)
+                    k = replace_surrogates(k)
                 node[k] = v
     return root[0]
