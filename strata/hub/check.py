@@ -59,6 +59,9 @@ class ModelFootprint:
     # "type q4_K: N tensors", here weighted by size
     expert_formats: dict[str, int] = field(default_factory=dict)
     dense_formats: dict[str, int] = field(default_factory=dict)
+    # KV bytes per token with K and V both of a compact type (q8_0, q4_0): the "would fit with" of a context too
+    # long for the budget at the asked types
+    kv_compact_bytes: dict[str, int] = field(default_factory=dict)
 
     @property
     def n_expert_total(self) -> int:
@@ -167,6 +170,7 @@ def model_footprint(paths: list[Path], cache_type_k: str = KV_CACHE_TYPE,
         n_moe_layers=len(per_layer),
         slot_bytes=slot,
         kv_bytes_per_token=kv_bytes_per_token(first, cache_type_k, cache_type_v),
+        kv_compact_bytes={t: kv_bytes_per_token(first, t, t) for t in ("q8_0", "q4_0")},
         state_bytes_per_slot=state_bytes_per_slot(first),
         mixer_prefill_bytes=mixer_prefill_bytes(first),
         context_length=first.arch_value("context_length"),
@@ -321,6 +325,12 @@ def fit(fp: ModelFootprint, machine: MachineInfo, ctx: int = 0, vram_budget: int
         max_ctx = room // fp.kv_bytes_per_token if fp.kv_bytes_per_token else 0
         if max_ctx >= 512:
             f.fixes.append(f"a smaller context: -c {int(max_ctx) // 256 * 256} fits")
+        if not window:
+            # the first compact KV type (q8_0 before q4_0: less lost) that holds this context in the budget
+            for t, per in fp.kv_compact_bytes.items():
+                if per < fp.kv_bytes_per_token and per * ctx <= room:
+                    f.fixes.append(f"a compact KV cache: -ctk {t} -ctv {t} ({_g(per * ctx)} for {ctx} tokens)")
+                    break
         if not window and max_ctx >= 1024:
             f.fixes.append(f"the KV in host RAM and a window of it in VRAM: --kv-vram-tokens "
                            f"{int(max_ctx) // 2 // 256 * 256}")

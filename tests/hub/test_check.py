@@ -184,6 +184,33 @@ def test_fit_vram_short_says_what_fits():
     assert not fit(QWEN, _machine(), max_ctx + 1, vram_budget=6 * GiB).ok
 
 
+def test_fit_vram_short_names_the_compact_kv_type_that_fits():
+    """A context whose f16 KV overflows the budget: the first compact type (q8_0, else q4_0) that holds it is named,
+    and with it the model fits."""
+    import dataclasses
+
+    per = {"q8_0": 98304 * 34 // 64, "q4_0": 98304 * 18 // 64}  # a block of 32 values: 34 and 18 bytes for f16's 64
+    q = dataclasses.replace(QWEN, kv_compact_bytes=per)
+    for ctx, want in ((40960, "q8_0"), (65536, "q4_0")):
+        f = fit(q, _machine(), ctx, vram_budget=6 * GiB)
+        assert not f.ok
+        hint = next(x for x in f.fixes if "compact KV" in x)
+        assert f"-ctk {want} -ctv {want}" in hint, f.fixes
+        assert fit(dataclasses.replace(q, kv_bytes_per_token=per[want]), _machine(), ctx, vram_budget=6 * GiB).ok
+    # none named where even q4_0 cannot hold it
+    assert not any("compact KV" in x for x in fit(q, _machine(), 262144, vram_budget=6 * GiB).fixes)
+
+
+def test_footprint_counts_the_compact_kv_types():
+    from pathlib import Path
+
+    from strata.hub.check import model_footprint
+    from strata.models.default import default_model_path
+
+    fp = model_footprint([Path(default_model_path())])
+    assert fp.kv_compact_bytes["q4_0"] < fp.kv_compact_bytes["q8_0"] < fp.kv_bytes_per_token
+
+
 def test_engine_sizing_constants():
     from strata.config import EngineConfig, ExpertConfig
 
