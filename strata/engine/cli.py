@@ -150,14 +150,14 @@ DIM, RESET = "\x1b[2m", "\x1b[0m"
 
 
 class Reply:
-    """A chat reply as it streams, split as the server splits it (strata.server.reasoning): the answer to `out`,
+    """A chat reply as it streams, split as the server splits it (strata.reasoning): the answer to `out`,
     the model's reasoning (a `<think>` block; gpt-oss's analysis channel) to `err`, dimmed on a terminal, or
     nowhere when hidden; the reasoning never goes back into the conversation. The empty block that Qwen3-style
     templates have the model write before every answer shows nothing. `in_reasoning`: the prompt opened the
     block."""
 
     def __init__(self, template: str | None, in_reasoning: bool, show_reasoning: bool = True, out=None, err=None):
-        from strata.server.reasoning import HarmonySplitter, ReasoningSplitter, uses_harmony
+        from strata.reasoning import HarmonySplitter, ReasoningSplitter, uses_harmony
 
         self.split = (HarmonySplitter if uses_harmony(template) else ReasoningSplitter)(True, in_reasoning)
         self.show = show_reasoning

@@ -16,7 +16,7 @@ from strata import StrataError
 from strata.server.grammar import bias_processor, chain, constrained_available
 from strata.server.job import Job
 from strata.server.protocol import APIError, bad_request
-from strata.server.reasoning import HarmonySplitter, ReasoningSplitter, partial_suffix, uses_harmony
+from strata.reasoning import HarmonySplitter, ReasoningSplitter, partial_suffix, uses_harmony
 from strata.server.toolcalls import ToolCallStream, closed, tool_grammar
 from strata.server.worker import Ticket
 

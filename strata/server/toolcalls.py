@@ -11,7 +11,7 @@ Formats (what the model writes):
 - ``glm`` (GLM-4.5/4.6): ``<tool_call>NAME\n<arg_key>KEY</arg_key>\n<arg_value>VALUE</arg_value>...</tool_call>``
   (a value is JSON unless the tool's schema says string)
 - ``harmony`` (gpt-oss): a message ``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}
-  <|call|>``; the harmony splitter (strata.server.reasoning) hands it over as a block between two private-use
+  <|call|>``; the harmony splitter (strata.reasoning) hands it over as a block between two private-use
   characters, ``NAME\n{...}``
 
 Markup never reaches the answer text: a block that opens but does not parse (broken, or cut off by max_tokens
@@ -26,7 +26,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-from strata.server.reasoning import HARMONY_CALL, HARMONY_CALL_END, partial_suffix, uses_harmony
+from strata.reasoning import HARMONY_CALL, HARMONY_CALL_END, partial_suffix, uses_harmony
 
 DS_CALLS_BEGIN, DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 DS_CALL_BEGIN, DS_CALL_END, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"

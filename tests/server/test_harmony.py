@@ -3,7 +3,7 @@
 import pytest
 
 from strata.gguf.chat_template import ChatTemplate
-from strata.server.reasoning import HarmonySplitter, uses_harmony
+from strata.reasoning import HarmonySplitter, uses_harmony
 
 OUT = ("<|channel|>analysis<|message|>User asks 2+2. Easy.<|end|><|start|>assistant<|channel|>final<|message|>"
        "It is 4.")

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from strata.server.reasoning import HARMONY_CALL, HARMONY_CALL_END, HarmonySplitter
+from strata.reasoning import HARMONY_CALL, HARMONY_CALL_END, HarmonySplitter
 from strata.server.toolcalls import DS_CALL_BEGIN, DS_CALL_END, DS_CALLS_BEGIN, DS_CALLS_END, DS_SEP
 
 pytest.importorskip("llguidance")

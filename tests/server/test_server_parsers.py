@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from strata.server.reasoning import HARMONY_CALL, HARMONY_CALL_END, HarmonySplitter, ReasoningSplitter, split_reasoning
+from strata.reasoning import HARMONY_CALL, HARMONY_CALL_END, HarmonySplitter, ReasoningSplitter, split_reasoning
 from strata.server.generation import StopStrings
 from strata.server.toolcalls import (DS_CALL_BEGIN, DS_CALL_END, DS_CALLS_BEGIN, DS_CALLS_END, DS_SEP,
                                      ToolCallStream, detect_format, parse_tool_calls, tool_grammar)
