@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from strata.ops import registry
 from strata.quant import QTensor, qmatmul
+from strata.quant.matmul import group_slices
 
 log = logging.getLogger("strata")
 ACTS = ("swiglu_oai",)
@@ -202,6 +203,9 @@ class ResidentExperts:
     def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, ctx=None) -> torch.Tensor:
         ew = self.layers[layer]
         n, k = ids.shape
+        parts = None if x.is_cuda else group_slices(n, CPU_NATIVE_TOKENS)
+        if parts is not None:  # several sequences (a shared prompt chunk): each one's tokens as its step alone
+            return torch.cat([self.forward(layer, x[p], ids[p], w[p], ctx) for p in parts])
         if not x.is_cuda and n <= CPU_NATIVE_TOKENS:
             native = _cpu_native(ew)
             if native is not None:  # a decode step on the CPU: all its (token, expert) pairs in one kernel call

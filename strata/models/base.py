@@ -21,6 +21,7 @@ from strata.kv.cache import KVCache, Segment
 from strata.layers.moe import MoE
 from strata.layers.norm import add_rms_norm, rms_norm
 from strata.quant import QTensor, dequantize, qmatmul
+from strata.quant.matmul import row_groups
 
 
 # The layers this process computes when the model is split over pipeline stages (strata.engine.pipeline), None:
@@ -221,16 +222,18 @@ class CausalLM:
         x = self.embed_tokens(tokens) if embeds is None else embeds
         if prof:
             prof.span("dense_other", t)
-        x = self.run_blocks(x, pos, segments, kv, ctx)
-        if hidden_out is not None:
-            hidden_out.append(x)
-        t = prof.mark() if prof else None
-        if rows is not None:
-            x = x.index_select(0, torch.tensor(rows, device=x.device))
-        elif not all_logits and any(seg.n != 1 for seg in segments):  # (all-decode: already one row each)
-            last = torch.tensor(_last_indices(segments), device=x.device)
-            x = x.index_select(0, last)
-        logits = self.logits(x)
+        # (CPU: each sequence's rows computed as its step alone computes them, strata.quant.matmul.row_groups)
+        with row_groups([s.n for s in segments] if not x.is_cuda else ()):
+            x = self.run_blocks(x, pos, segments, kv, ctx)
+            if hidden_out is not None:
+                hidden_out.append(x)
+            t = prof.mark() if prof else None
+            if rows is not None:
+                x = x.index_select(0, torch.tensor(rows, device=x.device))
+            elif not all_logits and any(seg.n != 1 for seg in segments):  # (all-decode: already one row each)
+                last = torch.tensor(_last_indices(segments), device=x.device)
+                x = x.index_select(0, last)
+            logits = self.logits(x)
         if prof:
             prof.span("dense_other", t)
         return logits

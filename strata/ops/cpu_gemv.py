@@ -23,7 +23,7 @@ from strata.quant.qtensor import QTensor
 # rows of x up to which each weight row is dotted per row of x (decode, verify steps, an expert's share of a prompt
 # chunk): the kernel's time grows with the rows (one int8 dot product each), the fallback's is mostly the dequantizing
 # and stays flat; where the two meet is measured in docs/BENCHMARKS.md ("A model on the CPU alone")
-MAX_ROWS = 64
+MAX_ROWS = matmul.CPU_ROWS_ALONE  # (one bound for both paths: a sequence's rows take one path whatever the step)
 # weights below this many elements run on one thread: waking the others costs more than they save
 PARALLEL_MIN = 1 << 18
 

@@ -7,6 +7,7 @@ their format and no dequantized copy is ever cached.
 
 from __future__ import annotations
 
+import contextvars
 import threading
 from contextlib import contextmanager
 from typing import Callable
@@ -60,6 +61,47 @@ def register_kernel(device_type: str, qtype: GGMLQuantizationType | None, fn: Ke
 # otherwise depend on the rows beside it: a speculative verify step would not give a token the logits a one-token
 # step gives it, nor a step of several sequences each its own. Past it (prompt chunks) one product for all rows.
 CPU_ROWS_ALONE = 64
+
+
+# The rows of the step being computed, by sequence (its segments' lengths, in row order; None: one sequence). A CPU
+# product of more than CPU_ROWS_ALONE rows over several sequences computes each sequence's rows as that sequence's
+# step alone computes them: a short prompt sharing a prefill chunk with a long one would otherwise take the long
+# one's path (the float product, where alone its rows take the int8 one) and get other logits and KV than alone.
+_GROUPS: contextvars.ContextVar[tuple[int, ...] | None] = contextvars.ContextVar("strata_row_groups", default=None)
+
+
+@contextmanager
+def row_groups(sizes):
+    """Inside: the step's rows belong to sequences of these many rows each, in order (strata.models.base)."""
+    token = _GROUPS.set(tuple(int(n) for n in sizes) if len(sizes) > 1 else None)
+    try:
+        yield
+    finally:
+        _GROUPS.reset(token)
+
+
+def group_slices(n: int, alone: int) -> list[slice] | None:
+    """For a CPU product (or expert pass) over n rows whose path changes past `alone` rows: the row ranges to compute
+    apart so that each sequence's rows take the path they take alone (sequences of at most `alone` rows merged
+    while together they stay within it: that path computes each row by itself), or None where one call does."""
+    g = _GROUPS.get()
+    if g is None or n <= alone or sum(g) != n:
+        return None
+    out, start, small = [], 0, 0  # small: rows in the run of short sequences being merged
+    for size in g:
+        if size > alone or small + size > alone:
+            if small:
+                out.append(slice(start - small, start))
+                small = 0
+            if size > alone:
+                out.append(slice(start, start + size))
+                start += size
+                continue
+        small += size
+        start += size
+    if small:
+        out.append(slice(start - small, start))
+    return out if len(out) > 1 else None
 
 
 def _linear(x2d: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -116,5 +158,10 @@ def qmatmul(x: torch.Tensor, w: QTensor) -> torch.Tensor:
     registry.load()  # the kernel modules fill KERNELS on the first call (strata.ops.registry)
     kernel = KERNELS.get((dev, w.qtype)) or KERNELS.get((dev, None)) or reference_qmatmul
     lead = x.shape[:-1]
-    y = kernel(x.reshape(-1, in_f), w)                                          # [T, out]
+    x2d = x.reshape(-1, in_f)
+    parts = group_slices(x2d.shape[0], CPU_ROWS_ALONE) if dev == "cpu" else None
+    if parts is not None:  # several sequences past a decode-sized product: each one's rows as alone
+        y = torch.cat([kernel(x2d[p], w) for p in parts])
+    else:
+        y = kernel(x2d, w)                                                      # [T, out]
     return y.to(x.dtype).view(*lead, out_f)

@@ -107,3 +107,48 @@ def test_the_embedded_models_sampled_text_is_the_same_beside_other_sequences():
     while any(not s.finished for s in seqs):
         eng.step()
     assert [s.output for s in seqs] == alone
+
+
+@pytest.mark.parametrize("family", ["glm4moe_aligned", "qwen3moe_aligned", "deepseek_v3_aligned"])
+def test_a_prompt_chunk_of_several_sequences_gives_each_its_logits_alone(family, hf_and_gguf):
+    """Prompts that arrive together share a prefill chunk: a short one beside a long one (the chunk's rows past the
+    decode-sized products, whose path a short prompt alone would not take) gets the logits and KV it gets alone
+    (its rows took the long one's float path, and its text and the prompt cache's copy of it differed)."""
+    m = _model(hf_and_gguf, family)
+    long, short = [(37 * i + 11) % 900 + 3 for i in range(120)], [5, 301, 77, 650]
+    kv = m.new_kv_cache(2, 256)
+    segs = [Segment(0, 0, len(long)), Segment(1, 0, len(short))]
+    together = m.forward(torch.tensor(long + short), torch.cat([torch.arange(len(long)), torch.arange(len(short))]),
+                         segs, kv, all_logits=True)
+    for slot, p, rows in ((0, long, together[:len(long)]), (1, short, together[len(long):])):
+        kv1 = m.new_kv_cache(1, 256)
+        alone = m.forward(torch.tensor(p), torch.arange(len(p)), [Segment(0, 0, len(p))], kv1, all_logits=True)
+        assert torch.equal(rows, alone), (family, slot, (rows - alone).abs().max().item())
+        # and the next token's step reads the KV the prompt left: the same
+        nxt = m.forward(torch.tensor([9]), torch.tensor([len(p)]), [Segment(slot, len(p), 1)], kv)
+        assert torch.equal(nxt, m.forward(torch.tensor([9]), torch.tensor([len(p)]), [Segment(0, len(p), 1)], kv1))
+
+
+def test_the_embedded_models_text_is_the_same_beside_a_long_prompt():
+    """The engine's scheduling as a server meets it: a long and a short prompt added together share a prefill chunk,
+    and each writes, greedy, the text it writes alone."""
+    from strata.engine.engine import Engine, Sequence
+    from strata.engine.sampler import SamplingParams
+    from strata.models.default import default_model_path
+
+    path = str(default_model_path(warn=False))
+    lm = load_model(path, EngineConfig(model=path, device="cpu", ctx_size=1024))
+    tok = lm.tokenizer
+    import inspect
+    import json
+
+    prompts = [tok.encode(inspect.getsource(json.dumps))[:314], tok.encode("class Foo:")]
+    greedy = SamplingParams(temperature=0)
+    alone = [list(Engine(lm, n_slots=1).generate(p, greedy, 40)) for p in prompts]
+    eng = Engine(lm, n_slots=2)
+    seqs = [Sequence(list(p), greedy, 40, set()) for p in prompts]
+    for s in seqs:
+        eng.add(s)
+    while any(not s.finished for s in seqs):
+        eng.step()
+    assert [s.output for s in seqs] == alone
