@@ -34,6 +34,7 @@ class Job(Request):
     forced: bool = False  # `grammar` forces tool calls: every character of the output is call markup
     cache_prompt: bool = True  # reuse a slot's (or the prompt cache's) KV prefix
     kind: str = "chat"  # chat | completion (metrics)
+    choice: int = 0  # which of the request's n choices (metrics count a request and its prompt at choice 0 only)
     # set by Server.finish_job: built (and the grammar checked) before any output; called on the engine thread
     # at admission with the new Sequence, returns its logits processor (or None)
     make_processor: Callable | None = None
@@ -46,7 +47,7 @@ class Job(Request):
             seed = self.params.seed
             if seed is not None:
                 seed = (seed + i) % 2**64 if seed >= 0 else seed + i  # stays within what torch.Generator takes
-            out.append(dataclasses.replace(self, params=dataclasses.replace(self.params, seed=seed)))
+            out.append(dataclasses.replace(self, params=dataclasses.replace(self.params, seed=seed), choice=i))
         return out
 
 

@@ -135,11 +135,13 @@ class Metrics:
     def finished(self, req) -> None:
         seq = req.seq
         reason = req.finish_reason or "stop"
-        self._success.labels(self.model_name, reason).inc()
-        self.e2e.observe(req.t_end - req.t_submit)
+        first = getattr(req.job, "choice", 0) == 0  # a request of n choices is one request, its prompt one prompt
+        if first:
+            self._success.labels(self.model_name, reason).inc()
+            self.e2e.observe(req.t_end - req.t_submit)
         n_prompt = len(req.job.prompt)
         cached = seq.cached if seq is not None else 0
-        if seq is not None:
+        if seq is not None and first:
             self.prompt_tokens.inc(n_prompt)
         self.generation_tokens.inc(req.n_out)
         ex = seq.experts_decode if seq is not None else None
@@ -149,9 +151,9 @@ class Metrics:
             self.spec_accepted.inc(seq.draft_accepted)
         with self._lock:
             t = self.totals
-            t["requests"] += 1
-            t["prompt_tokens"] += n_prompt if seq is not None else 0
-            t["cached_tokens"] += cached
+            t["requests"] += first
+            t["prompt_tokens"] += n_prompt if seq is not None and first else 0
+            t["cached_tokens"] += cached if first else 0
             t["generated_tokens"] += req.n_out
             t["errors"] += reason == "error"
             t["aborted"] += reason == "abort"

@@ -17,6 +17,8 @@ from pathlib import Path
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 
+from strata.server.protocol import APIError
+
 WEB = Path(__file__).resolve().parent / "web"
 PERIOD_S = 1.0  # monitor snapshots per second: bounded whatever the page asks
 HEAT_EVERY = 2  # the heat map (the largest part) in every second snapshot
@@ -30,8 +32,8 @@ router = APIRouter()
 def _file(name: str):
     path = WEB / name
     if not _NAME.match(name) or path.suffix not in TYPES or not path.is_file():
-        return JSONResponse({"error": {"message": f"no route GET /web/{name}", "type": "not_found_error",
-                                       "code": 404}}, status_code=404)
+        # the body every other 404 has (strata.server.protocol.APIError)
+        return JSONResponse(APIError(404, f"no route GET /web/{name}", "not_found_error").body(), status_code=404)
     # no-cache: a page reloaded after an upgrade gets the new files (revalidated, not re-sent when unchanged)
     return FileResponse(path, media_type=TYPES[path.suffix], headers={"Cache-Control": "no-cache"})
 

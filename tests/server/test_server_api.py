@@ -8,6 +8,7 @@ required/named (the server constrains output to the model's tool-call format wit
 from __future__ import annotations
 
 import json
+import time
 
 import anthropic
 import httpx
@@ -271,3 +272,20 @@ def test_ignore_eos_generates_max_tokens(server):
     body = r.json()
     assert body["usage"]["completion_tokens"] == 24 and body["choices"][0]["finish_reason"] == "length"
     assert body["timings"]["predicted_n"] == 24
+
+
+def test_metrics_count_a_request_of_n_choices_once(server, oai):
+    """n choices are one request with one prompt (as vLLM counts them); their tokens are all generated tokens."""
+    def scrape():
+        j = _http.get(server.url + "/metrics?format=json").json()["totals"]
+        return j["requests"], j["prompt_tokens"], j["generated_tokens"]
+
+    r0, p0, g0 = scrape()
+    r = oai.completions.create(model="tiny", prompt="def f(", max_tokens=4, n=2, temperature=0.8, seed=1,
+                               extra_body={"ignore_eos": True})
+    deadline = time.time() + 10
+    while scrape()[0] == r0 and time.time() < deadline:  # (metrics are fed by the engine thread)
+        time.sleep(0.05)
+    time.sleep(0.2)
+    r1, p1, g1 = scrape()
+    assert r1 - r0 == 1 and p1 - p0 == r.usage.prompt_tokens and g1 - g0 == 8

@@ -179,6 +179,9 @@ def test_web_files_are_served_and_confined(site):
         assert r.status_code == 200 and kind in r.headers["content-type"], path
     for bad in ("/web/../app.py", "/web/%2e%2e/app.py", "/web/nothing.js", "/web/web.py"):
         assert httpx.get(site.url + bad).status_code == 404, bad
+    # a missing file's 404 has the body any other 404 has
+    missing, other = httpx.get(site.url + "/web/nothing.js").json(), httpx.get(site.url + "/nothing").json()
+    assert set(missing) == set(other) and set(missing["error"]) == set(other["error"])
 
 
 def test_monitor_stream_needs_the_key(tiered_lm):
