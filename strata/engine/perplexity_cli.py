@@ -5,9 +5,11 @@ Scores go to stdout (`[1]12.3456,[2]...` then `Final estimate: PPL = x +/- y`), 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
+from pathlib import Path
 
 from strata import StrataError
 
@@ -35,6 +37,20 @@ def _read_text(path: str) -> str:
         raise StrataError(f"cannot read {path}: {e.strerror}") from None
 
 
+def _check_base_path(path: str) -> None:
+    """The base file to write: checked before the model loads, so a bad path costs no computation."""
+    p = Path(path)
+    if p.is_dir():
+        raise StrataError(f"--kl-divergence-base {path} is a directory: give a file to save the base log-probs to")
+    parent = p.parent
+    if not parent.exists():
+        raise StrataError(f"cannot write {path}: the directory {parent} does not exist")
+    if not parent.is_dir():
+        raise StrataError(f"cannot write {path}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK):
+        raise StrataError(f"cannot write {path}: no permission to create files in {parent}")
+
+
 def cmd_perplexity(args) -> int:
     from strata.engine import perplexity as P
     from strata.engine.cli import engine_config, load_from_args, resolve_model_path
@@ -47,6 +63,8 @@ def cmd_perplexity(args) -> int:
         raise StrataError("-f/--file is required: the text to score")
     if args.chunks == 0 or args.chunks < -1:
         raise StrataError(f"--chunks must be a positive number of chunks (or -1: all), got {args.chunks}")
+    if args.kl_divergence_base and not kl:
+        _check_base_path(args.kl_divergence_base)
     engine_config(args)  # bad engine flags fail here, before anything loads
     path = resolve_model_path(args.model)
     tok, ctx_len, vocab = _model_meta(path)
@@ -100,13 +118,14 @@ def cmd_perplexity(args) -> int:
         try:
             with open(tmp, "wb") as f:
                 st = P.run_perplexity(runner, tokens, n_ctx, n_chunk, bos, save=f)
-        except OSError as e:
-            raise StrataError(f"cannot write {args.kl_divergence_base}: {e.strerror}") from None
-        except BaseException:
-            if os.path.exists(tmp):
+            os.replace(tmp, args.kl_divergence_base)
+        except BaseException as e:  # a failed write, an error, Ctrl-C: no half-written file is left
+            with contextlib.suppress(OSError):
                 os.unlink(tmp)
+            if isinstance(e, OSError):  # (a short write carries no errno: then most likely a full disk)
+                why = e.strerror or f"{e}: a short write (is the disk full?)"
+                raise StrataError(f"cannot write {args.kl_divergence_base}: {why}") from None
             raise
-        os.replace(tmp, args.kl_divergence_base)
         print(f"Final estimate: PPL = {st.ppl:.4f} +/- {st.ppl_err:.5f}")
         print(f"strata: saved the base log-probs to {args.kl_divergence_base}", file=sys.stderr)
     else:

@@ -10,7 +10,7 @@ from strata import StrataError
 # The synth presets (strata.gguf.synth.PRESETS), listed here so that `strata --help` imports nothing heavy.
 PRESET_NAMES = ("qwen3-30b-a3b", "glm-4.5-air", "qwen3-next-80b-a3b", "tiny-glm4moe", "tiny-qwen3next",
                 "qwen3-235b-a22b", "deepseek-v3", "mixtral-8x7b", "tiny-qwen3moe", "tiny-deepseek", "tiny-mixtral")
-CONVERT_TYPES = ("f32", "f16", "bf16", "q8_0")
+CONVERT_TYPES = ("auto", "f32", "f16", "bf16", "q8_0")
 
 
 def _gb(n: int) -> str:
@@ -24,7 +24,12 @@ def cmd_convert(args) -> int:
     if not src.is_dir():
         raise StrataError(f"{src} is not a directory (strata convert reads a transformers checkpoint directory)")
     out = convert(src, args.out, args.type)
-    print(f"strata: wrote {out} ({_gb(out.stat().st_size)}, {args.type})", file=sys.stderr)
+    from strata.gguf.convert import FILE_TYPES
+    from strata.gguf.header import read_gguf_header
+
+    ftype = read_gguf_header(out).metadata.get("general.file_type")  # what --type auto chose
+    name = next((k for k, v in FILE_TYPES.items() if v == ftype), args.type)
+    print(f"strata: wrote {out} ({_gb(out.stat().st_size)}, {name})", file=sys.stderr)
     return 0
 
 
@@ -73,9 +78,12 @@ def register(sub) -> None:
                        description="Convert a transformers checkpoint directory (config.json, *.safetensors, "
                                    "tokenizer.json) to one GGUF file, named and laid out as llama.cpp does.")
     p.add_argument("hf_dir", metavar="HF_DIR", help="checkpoint directory")
-    p.add_argument("out", metavar="OUT.gguf", help="output file")
-    p.add_argument("--type", default="f16", choices=CONVERT_TYPES, help="weight format (default f16; norms "
-                   "and routers stay f32)")
+    p.add_argument("out", metavar="OUT.gguf", help="output file, or an existing directory to write "
+                   "<HF_DIR name>-<TYPE>.gguf in (as llama.cpp's converter does); its directory must exist")
+    p.add_argument("--type", default="auto", choices=CONVERT_TYPES, help="weight format (default auto, as "
+                   "llama.cpp's --outtype auto: bf16 when the checkpoint's weights are bf16, else f16; norms and "
+                   "routers stay f32). Weights beyond f16's range (65504) are an error for f16 and q8_0, whose "
+                   "block scales are f16: use bf16 or f32 for those")
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("synth", help="write a synthetic model with a real model's shapes and tokenizer",

@@ -8,6 +8,7 @@ blocks follow the trunk, gpt-oss's interleaved gate_up is split (strata.gguf.con
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -21,6 +22,8 @@ from strata import StrataError
 log = logging.getLogger("strata")
 
 FILE_TYPES = {"f32": 0, "f16": 1, "q8_0": 7, "bf16": 32}  # llama.cpp's LLAMA_FTYPE values
+# The smallest magnitude f16 rounds to inf (halfway between its largest finite value, 65504, and 65536).
+F16_OVERFLOW = 65520.0
 
 
 def _permute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -36,12 +39,23 @@ class _Checkpoint:
         if not files:
             raise StrataError(f"{d}: no .safetensors files (strata convert reads safetensors checkpoints)")
         self.index: dict[str, Path] = {}
+        self.dtypes: list[tuple[str, int]] = []  # (safetensors dtype, ndim) per tensor, in checkpoint order
         for f in files:
             with safe_open(f, "pt") as h:
                 for k in h.keys():
                     self.index[k] = f
+                    sl = h.get_slice(k)  # the header's dtype and shape; no tensor data is read
+                    self.dtypes.append((sl.get_dtype(), len(sl.get_shape())))
         self._open: dict[Path, object] = {}
         self.used: set[str] = set()
+
+    def auto_type(self) -> str:
+        """llama.cpp's `--outtype auto`: the first tensor of 2+ dims stored as bf16 or f16 decides; else f16.
+        (It reads the tensors, not config.json's torch_dtype, which some fine-tunes misstate.)"""
+        for dtype, ndim in self.dtypes:
+            if ndim >= 2 and dtype in ("BF16", "F16"):
+                return dtype.lower()
+        return "f16"
 
     def has(self, k: str) -> bool:
         return k in self.index
@@ -72,14 +86,45 @@ def _rope_theta(cfg: dict) -> float:
     return float(rp.get("rope_theta", cfg.get("rope_theta", 10000.0)))
 
 
-def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, out_type: str = "f32") -> Path:
+def output_path(out: Path, d: Path, out_type: str) -> Path:
+    """Where `strata convert` writes: OUT, or OUT/<checkpoint name>-<TYPE>.gguf when OUT is a directory (as
+    llama.cpp's converter names it, less its parameter-count label). StrataError when that cannot be written."""
     import gguf
 
-    from strata.quant import QTensor
+    if out.is_dir():
+        out = out / f"{gguf.naming_convention(d.name, None, None, None, None, out_type.upper())}.gguf"
+        if out.is_dir():
+            raise StrataError(f"{out} is a directory, not a file to write the GGUF to")
+    parent = out.parent
+    if not parent.exists():
+        raise StrataError(f"cannot write {out}: the directory {parent} does not exist")
+    if not parent.is_dir():
+        raise StrataError(f"cannot write {out}: {parent} is not a directory")
+    return out
 
+
+def _range_error(name: str, a: torch.Tensor, qtype) -> str | None:
+    """Why tensor `a` cannot be written as f16 (or as Q8_0, whose block scales are f16) without infinities."""
+    import gguf
+
+    if qtype not in (gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.Q8_0) or not a.numel():
+        return None
+    m = float(a.abs().amax())
+    if qtype == gguf.GGMLQuantizationType.F16 and m >= F16_OVERFLOW:
+        return (f"tensor {name} holds values up to {m:.6g}, beyond f16's range (65504): convert with --type bf16 "
+                "or --type f32")
+    if qtype == gguf.GGMLQuantizationType.Q8_0 and m / 127 >= F16_OVERFLOW:  # (gguf-py's scale: amax / 127)
+        return (f"tensor {name} holds values up to {m:.6g}: its Q8_0 block scale ({m / 127:.6g}) is beyond the "
+                "range of the f16 that stores it (65504): convert with --type bf16 or --type f32")
+    return None
+
+
+def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, out_type: str = "f32") -> Path:
+    """Write `hf_dir` as GGUF to `out` (a file, or a directory to name it in: see output_path); out_type "auto"
+    picks bf16 or f16 as llama.cpp's `--outtype auto` does. Returns the file written."""
     d, out = Path(hf_dir), Path(out)
-    if out_type not in FILE_TYPES:
-        raise StrataError(f"--type must be one of {', '.join(FILE_TYPES)} (got {out_type})")
+    if out_type not in (*FILE_TYPES, "auto"):
+        raise StrataError(f"--type must be one of auto, {', '.join(FILE_TYPES)} (got {out_type})")
     cfg_path = d / "config.json"
     if not cfg_path.exists():
         raise StrataError(f"{d}: no config.json (not a transformers checkpoint directory)")
@@ -93,13 +138,34 @@ def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, out_type: str = "
                           "(qwen3_moe, qwen3, mixtral, llama, deepseek_v3, deepseek_v2, glm4_moe, gpt_oss, "
                           "qwen3_next)")
     ck = _Checkpoint(d)
+    if out_type == "auto":
+        out_type = ck.auto_type()
+    out = output_path(out, d, out_type)
+    # Create the temporary file now: a path that cannot be written fails before any tensor is converted.
+    tmp = out.with_name(out.name + ".tmp")
+    try:
+        open(tmp, "wb").close()
+    except OSError as e:
+        raise StrataError(f"cannot write {out} (as {tmp.name} first): {e.strerror or e}") from None
+    try:
+        _convert(d, cfg, mt, arch, ck, out, tmp, out_type)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return out
+
+
+def _convert(d: Path, cfg: dict, mt: str, arch: str, ck: _Checkpoint, out: Path, tmp: Path, out_type: str) -> None:
+    import gguf
+
+    from strata.quant import QTensor
+
     n_layers, d_model, n_head = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"]
     n_kv = cfg.get("num_key_value_heads") or n_head
     head_dim = cfg.get("head_dim") or d_model // n_head
     qtype = {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16,
              "bf16": gguf.GGMLQuantizationType.BF16, "q8_0": gguf.GGMLQuantizationType.Q8_0}[out_type]
 
-    tmp = out.with_name(out.name + ".tmp")
     w = gguf.GGUFWriter(str(tmp), arch)
     w.add_name(cfg.get("_name_or_path") or d.name)
     w.add_file_type(FILE_TYPES[out_type])
@@ -130,6 +196,8 @@ def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, out_type: str = "
         if qtype == gguf.GGMLQuantizationType.Q8_0 and a.shape[-1] % 32:
             w.add_tensor(name, a.numpy())  # row not a whole number of blocks: keep exact
             return
+        if (why := _range_error(name, a, qtype)) is not None:
+            raise StrataError(why)  # (raised before a byte is written: the temporary file is then removed)
         q = QTensor.from_float(a, qtype)
         w.add_tensor(name, q.raw.numpy().reshape(*a.shape[:-1], -1), raw_dtype=qtype)
 
@@ -216,12 +284,19 @@ def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, out_type: str = "
     left = [k for k in ck.index if unmapped(k)]
     if left:
         raise StrataError(f"{d}: checkpoint tensors strata convert does not map: {', '.join(sorted(left)[:5])}")
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    os.replace(tmp, out)
-    return out
+    try:
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        os.replace(tmp, out)
+    except OSError as e:  # a full disk, a quota, a file size limit: one line, and convert() removes tmp
+        for f in w.fout or []:
+            with contextlib.suppress(OSError):  # closing flushes, which fails the same way
+                f.close()
+        # (numpy's tofile reports a short write with no errno: the cause is then most likely space)
+        why = e.strerror or f"{e}: a short write (is the disk full?)"
+        raise StrataError(f"cannot write {out}: {why}") from None
 
 
 def _deepseek(cfg, ck, w, put, n_layers, n_exp, n_nextn=0):

@@ -26,6 +26,7 @@ from strata.hub.http import NullTask, OpenFile, Task, fetch_to_part, first_line,
 from strata.hub.verify import (
     check_gguf_file,
     hash_file,
+    marker_mismatch,
     marker_valid,
     read_marker,
     remove_marker,
@@ -364,16 +365,19 @@ def _pull_one(f: RemoteFile, opts: PullOptions, rep: Reporter, client: httpx.Cli
     short = Path(f.name).name
     f.dest.parent.mkdir(parents=True, exist_ok=True)
     if f.dest.exists():
-        if marker_valid(f.dest, f.size, f.sha256) and not opts.verify:
+        if marker_valid(f.dest, f.size, f.sha256, allow_legacy=False) and not opts.verify:
             rep.info(f"{short}: already downloaded and verified")
             return f.dest
         m = read_marker(f.dest)
         if m is not None and not opts.verify:
-            size = f.dest.stat().st_size
-            rep.warn(f"{short}: marker does not match the file (marker {m.size} bytes, file {size}); re-verifying")
+            rep.warn(f"{short}: {marker_mismatch(m, f.dest)}; re-verifying")
         remove_marker(f.dest)  # from here on the file is unproven until hashed
         digest = _hash(f, f.dest, rep)
         why = _digest_ok(f, digest)
+        if why is None and f.sha256 is None and f.git_sha1 is None and m is not None and m.size == digest.size \
+                and m.sha256.lower() != digest.sha256:
+            # changed in place: with no hash from the source, the marker's is the only record of what was fetched
+            why = f"changed since it was downloaded (sha256 {digest.sha256[:16]}..., marker {m.sha256[:16]}...)"
         if why is None and _structure_ok(f, f.dest, rep):
             write_marker(f.dest, digest, f.source, _verified_against(f))
             rep.info(f"{short}: verified")

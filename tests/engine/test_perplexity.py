@@ -179,3 +179,44 @@ def test_pieces_and_tiered_experts_give_the_same_ppl(models, text_file, capsys):
     assert _ppl(_run(capsys, *common, "--prefill-chunk", 5)) == pytest.approx(whole, rel=1e-5)
     tiered = _run(capsys, *common, "--prefill-chunk", 5, "--experts", "tiered", "--expert-slots", 3)
     assert _ppl(tiered) == pytest.approx(whole, rel=1e-5)
+
+
+def test_base_path_checked_before_computing(models, text_file, capsys, tmp_path):
+    d = tmp_path / "somedir"
+    d.mkdir()
+    args = ("-m", models["f32"], "-f", text_file, "-c", N_CTX, "--chunks", 1, "--kl-divergence-base")
+
+    def _error(capsys, *argv) -> str:  # the only line: the run never got as far as loading the model
+        capsys.readouterr()
+        assert main(["perplexity", "--device", "cpu", *map(str, argv)]) == 1
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert line.startswith("strata: error: ")
+        return line
+    assert "is a directory" in _error(capsys, *args, d)
+    assert "nowhere does not exist" in _error(capsys, *args, tmp_path / "nowhere" / "base.kl")
+    (tmp_path / "afile").write_text("x")
+    assert "afile is not a directory" in _error(capsys, *args, tmp_path / "afile" / "base.kl")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "somedir"] and not list(d.iterdir())
+
+
+def test_base_write_error_is_one_line_and_leaves_nothing(models, text_file, tmp_path):
+    # A file size limit cuts the write short part-way, as a full disk does (root ignores permissions).
+    import resource
+    import signal
+    import subprocess
+    import sys
+
+    def small_files():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG from write(), not death by signal
+        resource.setrlimit(resource.RLIMIT_FSIZE, (8 << 10, 8 << 10))
+
+    base = tmp_path / "out" / "base.kl"
+    base.parent.mkdir()
+    r = subprocess.run([sys.executable, "-B", "-m", "strata", "perplexity", "--device", "cpu", "--dtype", "f32",
+                        "-m", str(models["f32"]), "-f", str(text_file), "-c", str(N_CTX), "--chunks", "3",
+                        "--kl-divergence-base", str(base)], capture_output=True, text=True, timeout=300,
+                       preexec_fn=small_files)
+    assert r.returncode == 1, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"strata: error: cannot write {base}: ") and "Traceback" not in r.stderr, r.stderr
+    assert list(base.parent.iterdir()) == []

@@ -7,6 +7,7 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
@@ -85,3 +86,118 @@ def test_convert_cli_bad_inputs(tmp_path, hf_dir, capsys):
     with pytest.raises(SystemExit) as e:  # argparse: usage and exit status 2
         main(["convert", str(hf_dir[0]), str(out), "--type", "q4_k"])
     assert e.value.code == 2 and "invalid choice" in capsys.readouterr().err
+
+
+def _tensor_types(path) -> tuple[int, dict[str, int]]:
+    from strata.gguf.header import read_gguf_header
+
+    h = read_gguf_header(path)
+    return h.metadata["general.file_type"], {t.name: t.ggml_type for t in h.tensors}
+
+
+def _as_bf16(src: pathlib.Path, dst: pathlib.Path, big: float | None = None) -> pathlib.Path:
+    """A copy of checkpoint `src` stored as bf16 (as most released checkpoints are), optionally with one weight
+    of layer 0's q_proj set to `big`."""
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            (dst / f.name).write_bytes(f.read_bytes())
+            continue
+        ts = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in load_file(f).items()}
+        if big is not None and "model.layers.0.self_attn.q_proj.weight" in ts:
+            ts["model.layers.0.self_attn.q_proj.weight"][0, 0] = big
+        save_file(ts, dst / f.name, metadata={"format": "pt"})
+    return dst
+
+
+def test_auto_type_follows_the_checkpoint(hf_dir, tmp_path, capsys):
+    from strata.cli import main
+
+    # bf16 weights -> bf16 (as a real user runs it: the default, through the CLI)
+    bf = _as_bf16(hf_dir[0], tmp_path / "bf16")
+    r = _strata("convert", str(bf), str(tmp_path / "b.gguf"))
+    assert r.returncode == 0 and "bf16)" in r.stderr, r.stderr
+    ftype, types = _tensor_types(tmp_path / "b.gguf")
+    assert ftype == 32 and types["blk.0.attn_q.weight"] == Q.BF16 and types["blk.0.ffn_gate_inp.weight"] == Q.F32
+    # f32 weights -> f16, as llama.cpp's auto does
+    assert main(["convert", str(hf_dir[0]), str(tmp_path / "f.gguf")]) == 0
+    assert "f16)" in capsys.readouterr().err
+    ftype, types = _tensor_types(tmp_path / "f.gguf")
+    assert ftype == 1 and types["blk.0.attn_q.weight"] == Q.F16
+
+
+def test_values_beyond_f16_are_an_error(hf_dir, tmp_path, capsys):
+    from strata.cli import main
+
+    bf = _as_bf16(hf_dir[0], tmp_path / "big", big=1e8)
+    out = tmp_path / "m.gguf"
+    r = _strata("convert", str(bf), str(out), "--type", "f16")  # no RuntimeWarning, no traceback: one line
+    line = _one_error_line(r.returncode, r.stderr)
+    assert "blk.0.attn_q.weight" in line and "1.00139e+08" in line and "--type bf16" in line
+    assert not list(tmp_path.glob("*.gguf*"))  # nothing half-written left behind
+    # Q8_0 stores each block's scale (amax / 127) as f16: 1e8 / 127 does not fit either
+    assert main(["convert", str(bf), str(out), "--type", "q8_0"]) == 1
+    line = _one_error_line(1, capsys.readouterr().err)
+    assert "blk.0.attn_q.weight" in line and "Q8_0 block scale" in line
+    assert not list(tmp_path.glob("*.gguf*"))
+    # the default (auto: bf16 here) keeps the value
+    assert main(["convert", str(bf), str(out)]) == 0
+    import gguf
+
+    (t,) = [t for t in gguf.GGUFReader(out).tensors if t.name == "blk.0.attn_q.weight"]
+    vals = (t.data.view(np.uint16).astype(np.uint32) << 16).view(np.float32)  # bf16 -> f32: the high half
+    assert np.isfinite(vals).all() and np.abs(vals).max() == pytest.approx(1e8, rel=0.01)
+
+
+def test_q8_0_with_large_but_representable_scale(hf_dir, tmp_path):
+    # 1e6 overflows f16 itself but its Q8_0 scale (7874) fits: q8_0 converts as before, f16 does not
+    bf = _as_bf16(hf_dir[0], tmp_path / "big", big=1e6)
+    from strata import StrataError
+    from strata.gguf.convert import convert
+
+    with pytest.raises(StrataError, match="beyond f16's range"):
+        convert(bf, tmp_path / "a.gguf", "f16")
+    convert(bf, tmp_path / "b.gguf", "q8_0")
+    assert _tensor_types(tmp_path / "b.gguf")[1]["blk.0.attn_q.weight"] == Q.Q8_0
+
+
+def test_output_paths(hf_dir, tmp_path, capsys):
+    from strata.cli import main
+
+    def err(*args) -> str:
+        rc = main(["convert", *map(str, args)])
+        return _one_error_line(rc, capsys.readouterr().err)
+
+    # a directory: the file is named in it, as llama.cpp's converter names it
+    (tmp_path / "outdir").mkdir()
+    assert main(["convert", str(hf_dir[0]), str(tmp_path / "outdir")]) == 0
+    assert [p.name for p in (tmp_path / "outdir").iterdir()] == ["tiny-qwen3moe-F16.gguf"]
+    assert "outdir/tiny-qwen3moe-F16.gguf" in capsys.readouterr().err
+    (tmp_path / "d2" / "tiny-qwen3moe-Q8_0.gguf").mkdir(parents=True)
+    assert "is a directory" in err(hf_dir[0], tmp_path / "d2", "--type", "q8_0")
+    # a missing directory: named before anything is converted (this checkpoint's f16 error would come later)
+    big = _as_bf16(hf_dir[0], tmp_path / "big", big=1e8)
+    line = err(big, tmp_path / "nowhere" / "m.gguf", "--type", "f16")
+    assert "nowhere does not exist" in line and "attn_q" not in line
+    (tmp_path / "afile").write_text("x")
+    assert "afile is not a directory" in err(hf_dir[0], tmp_path / "afile" / "m.gguf")
+    assert not (tmp_path / "nowhere").exists() and not list(tmp_path.rglob("*.tmp"))
+
+
+def test_write_error_is_one_line_and_leaves_nothing(hf_dir, tmp_path):
+    # A file size limit makes the write fail part-way, as a full disk does (root ignores permissions).
+    import resource
+    import signal
+
+    def small_files():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG from write(), not death by signal
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
+
+    out = tmp_path / "m.gguf"
+    r = subprocess.run([sys.executable, "-B", "-m", "strata", "convert", str(hf_dir[0]), str(out), "--type", "f32"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300, preexec_fn=small_files)
+    line = _one_error_line(r.returncode, r.stderr)
+    assert line.startswith(f"strata: error: cannot write {out}: ") and ("large" in line or "disk full" in line)
+    assert list(tmp_path.iterdir()) == []

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
+import time
 
 import pytest
 
@@ -13,7 +15,7 @@ from strata.hub.pull import PullOptions, Reporter, hf_plan, pull
 from strata.hub.verify import marker_path, read_marker
 
 from .conftest import REPO, sha
-from .test_pull_faults import SHARD2, assert_exact, dest
+from .test_pull_faults import Q8, SHARD2, assert_exact, dest
 
 SHARDS = [f"Tiny-MoE-Q4_K_M-{i:05d}-of-00003.gguf" for i in (1, 2, 3)]
 
@@ -254,3 +256,70 @@ def test_pull_without_network_is_one_line(tmp_path):
     assert len(lines) == 1, r.stderr
     assert f"127.0.0.1:{port}" in lines[0] and "HF_ENDPOINT" in lines[0]
     assert not any(tmp_path.rglob("*.gguf"))
+
+
+def _rewrite_same_size(path) -> None:
+    """Flip one byte in place (the size unchanged), as an editor or a stray tool would."""
+    before = path.stat().st_mtime_ns
+    data = path.read_bytes()
+    time.sleep(0.02)  # past the file system's timestamp granularity, so the write shows in the mtime
+    path.write_bytes(data[:1000] + bytes([data[1000] ^ 1]) + data[1001:])
+    assert path.stat().st_mtime_ns != before
+
+
+def test_changed_in_place_is_refetched_without_verify(hub, tmp_path, opts, reporter, model_set):
+    _pull(hub, tmp_path, f"{REPO}:Q4_K_M", opts, reporter)
+    out = dest(tmp_path, SHARD2)
+    _rewrite_same_size(out)
+    with pytest.raises(StrataError, match="not completely downloaded or not verified"):
+        resolve_model(f"{REPO}:Q4_K_M", tmp_path / "models")  # never loaded as verified either
+    _pull(hub, tmp_path, f"{REPO}:Q4_K_M", opts, reporter)
+    assert_exact(out, model_set[SHARD2])
+    assert len(hub.gets(SHARD2)) == 2 and len(hub.gets(SHARDS[0])) == 1
+    assert any("modified since it was verified" in w for w in reporter.warnings)
+    assert not any("already downloaded" in i and SHARD2 in i for i in reporter.infos)
+
+
+def test_touched_file_is_rehashed_not_refetched(hub, tmp_path, opts, reporter, model_set):
+    (out,) = _pull(hub, tmp_path, f"{REPO}:{Q8}", opts, reporter)
+    st = out.stat()
+    os.utime(out, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # e.g. copied with a new timestamp
+    n = len(hub.gets())
+    _pull(hub, tmp_path, f"{REPO}:{Q8}", opts, reporter)
+    assert len(hub.gets()) == n and f"{Q8}: verified" in reporter.infos
+    assert read_marker(out).mtime_ns == out.stat().st_mtime_ns  # the cheap check holds again
+    reporter.infos.clear()
+    _pull(hub, tmp_path, f"{REPO}:{Q8}", opts, reporter)
+    assert reporter.infos == [f"{Q8}: already downloaded and verified"]
+
+
+def test_marker_without_mtime_is_verified_once(hub, tmp_path, opts, reporter, model_set):
+    # A marker from before mtimes were recorded: models load as before, a pull re-hashes once and upgrades it.
+    (out,) = _pull(hub, tmp_path, f"{REPO}:{Q8}", opts, reporter)
+    m = json.loads(marker_path(out).read_text())
+    del m["mtime_ns"]
+    marker_path(out).write_text(json.dumps(m))
+    assert resolve_model(f"{REPO}:{Q8}", tmp_path / "models") == [out]
+    n = len(hub.gets())
+    _pull(hub, tmp_path, f"{REPO}:{Q8}", opts, reporter)
+    assert len(hub.gets()) == n and f"{Q8}: verified" in reporter.infos
+    assert read_marker(out).mtime_ns == out.stat().st_mtime_ns
+    # ...and one whose file changed under it (same size) is fetched again
+    _rewrite_same_size(out)
+    m = json.loads(marker_path(out).read_text())
+    del m["mtime_ns"]
+    marker_path(out).write_text(json.dumps(m))
+    _pull(hub, tmp_path, f"{REPO}:{Q8}", opts, reporter)
+    assert_exact(out, model_set[Q8]) and len(hub.gets()) == n + 1
+
+
+def test_url_without_sha_changed_in_place_is_refetched(hub, tmp_path, opts, reporter, model_set):
+    # No sha256 from the source, only a size: the marker's own sha256 is what tells the change.
+    data = model_set[Q8]
+    url = hub.add_plain("x/Tiny-MoE-Q8_0.gguf", data)
+    out = tmp_path / "m.gguf"
+    _pull(hub, tmp_path, url, opts, reporter, output=out, size=len(data))
+    _rewrite_same_size(out)
+    _pull(hub, tmp_path, url, opts, reporter, output=out, size=len(data))
+    assert_exact(out, data)
+    assert any("changed since it was downloaded" in w for w in reporter.warnings)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 import shutil
 import subprocess
 
@@ -122,3 +124,19 @@ def test_marker_validity(tmp_path):
     assert not marker_valid(f)  # the file changed size under its marker
     marker_path(f).write_text("{not json")
     assert read_marker(f) is None and not marker_valid(f)
+
+
+def test_marker_records_mtime(tmp_path):
+    f = tmp_path / "x.gguf"
+    f.write_bytes(b"abc")
+    write_marker(f, hash_file(f), "src", "sha256")
+    st = f.stat()
+    assert read_marker(f).mtime_ns == st.st_mtime_ns and marker_valid(f, allow_legacy=False)
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 1))  # rewritten in place, same size
+    assert not marker_valid(f)
+    # a marker from before mtimes were kept: accepted on its size unless the caller asks for proof
+    m = json.loads(marker_path(f).read_text())
+    del m["mtime_ns"]
+    marker_path(f).write_text(json.dumps(m))
+    assert read_marker(f).mtime_ns is None
+    assert marker_valid(f) and not marker_valid(f, allow_legacy=False)
