@@ -148,3 +148,23 @@ def test_a_checkpoint_declaring_a_block_it_does_not_hold_converts_without_it(fil
     assert lm.model.nextn == []
     assert torch.equal(forward_all(lm, PROMPT), forward_all(load_model(str(files[2]), EngineConfig(**CPU32),
                                                                        with_tokenizer=False), PROMPT))
+
+
+@pytest.mark.gpu
+def test_cuda_the_blocks_graphed_latent_attention_keeps_the_text(files):
+    """On a GPU the block's forwards, latent attention included, are captured and replayed, a greedy sequence's
+    whole drafted step as one graph: plain decoding's text."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    _, _, path = files
+
+    def eng(draft_max):
+        cfg = EngineConfig(model=str(path), device="cuda", dtype="float32", ctx_size=256, draft_max=draft_max,
+                           draft_source="mtp", cuda_graphs=True)
+        return Engine(load_model(str(path), cfg, with_tokenizer=False), n_slots=1)
+
+    ref = list(eng(0).generate(PROMPT, GREEDY, 40))
+    e = eng(3)
+    assert e.mtp.graphs is not None and e.mtp.graphs.cuda
+    assert list(e.generate(PROMPT, GREEDY, 40)) == ref
+    assert e.device_drafts is not None and e.device_drafts.steps > 0
