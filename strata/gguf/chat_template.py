@@ -134,10 +134,14 @@ def _to_plain(value: Any, drop_none: bool = False) -> Any:
     return f"<{type(value).__name__}>"
 
 
-def _prepare_messages(messages: Any) -> list[dict]:
+def _prepare_messages(messages: Any, null_content: bool = False) -> list[dict]:
     out = []
     for m in messages:
+        # null_content: the one exception to dropping None, for templates that test `content is none`
+        keep_null = null_content and isinstance(m, Mapping) and "content" in m and m["content"] is None
         m = _to_plain(m, drop_none=True)  # top-level keys whose value is None are dropped (content=None, ...)
+        if keep_null:
+            m["content"] = None
         if not isinstance(m, dict):
             raise ChatTemplateError(f"chat messages must be dicts, got {type(m).__name__}")
         reasoning = next((m[k] for k in _REASONING_FIELDS if m.get(k) is not None), None)
@@ -185,15 +189,18 @@ class ChatTemplate:
 
     def render(self, messages: Any, tools: list[dict] | None = None, add_generation_prompt: bool = True,
                enable_thinking: bool | None = None, documents: list[dict] | None = None,
-               continue_final_message: bool = False, **extra: Any) -> str:
+               continue_final_message: bool = False, null_content: bool = False, **extra: Any) -> str:
         """Render ``messages`` (OpenAI-style dicts or objects) to prompt text.
 
         enable_thinking: passed to the template when not None (Qwen3-style templates switch reasoning with it).
         continue_final_message: end the text inside the last message, so that generation continues it (the
         template's end-of-turn after it is cut), like transformers' option of that name.
+        null_content: a message's ``content: None`` reaches the template as None instead of being dropped (what
+        transformers before 5 and vLLM pass): DeepSeek-R1's distills render a tool-calling turn only under
+        ``message['content'] is none`` (strata.server.template_inputs chooses when).
         extra: further template variables (e.g. ``reasoning_effort``, ``date_string``).
         """
-        chat = _prepare_messages(messages)
+        chat = _prepare_messages(messages, null_content)
         if not chat:
             raise ChatTemplateError(f"{self.name}: cannot render an empty conversation")
         if continue_final_message and add_generation_prompt:

@@ -76,7 +76,9 @@ def to_chat(body) -> list[dict]:
                     continue
                 else:
                     raise bad_request(f"messages.{i}: an assistant message cannot hold {b.type} blocks")
-            d["content"] = "".join(text)
+            # only tool_use blocks: content None, as an OpenAI client sends such a turn
+            # (strata.server.template_inputs gives the template what it takes)
+            d["content"] = "".join(text) if text or not calls else None
             if thinking:
                 d["reasoning_content"] = "".join(thinking)
             if calls:
@@ -98,6 +100,24 @@ def _thinking(body) -> bool | None:
     return body.thinking.type != "disabled"
 
 
+def _tool_use_id(call_id: str) -> str:
+    """Anthropic's ``toolu_`` id for a call: ``call_X`` becomes ``toolu_X`` (a 9-character id made for Mistral's
+    templates keeps its 9 characters after the prefix, which strata.server.template_inputs maps back)."""
+    return "toolu_" + call_id.removeprefix("call_")
+
+
+def check_budget(body, max_tokens: int | None) -> None:
+    """Anthropic's limits on thinking.budget_tokens (its API answers 400 outside them): at least 1024, and below
+    max_tokens, which counts the thinking too."""
+    t = body.thinking
+    if t is None or t.type != "enabled" or t.budget_tokens is None:
+        return
+    if t.budget_tokens < 1024:
+        raise bad_request(f"thinking.budget_tokens: must be at least 1024 (got {t.budget_tokens})")
+    if max_tokens is not None and t.budget_tokens >= max_tokens:
+        raise bad_request(f"thinking.budget_tokens ({t.budget_tokens}) must be less than max_tokens ({max_tokens})")
+
+
 async def _prompt(srv, body, tools, max_tokens: int | None = None) -> tuple[list[int], str]:
     # a final assistant message is a prefill: the reply continues it (and holds only the new text)
     prefill = body.messages[-1].role == "assistant"
@@ -112,6 +132,7 @@ async def count_tokens(request: Request):
     srv = server_of(request)
     body = parse(CountTokensRequest, await read_json(request))
     check_model(request, body.model)
+    check_budget(body, None)
     ids, _ = await _prompt(srv, body, _tools(body))
     return {"input_tokens": len(ids)}
 
@@ -121,6 +142,7 @@ async def messages(request: Request):
     srv = server_of(request)
     body = parse(MessagesRequest, await read_json(request))
     check_model(request, body.model)
+    check_budget(body, body.max_tokens)
     tools = _tools(body)
     tc = body.tool_choice
     if tc is not None and tc.type in ("any", "tool"):
@@ -163,7 +185,7 @@ async def messages(request: Request):
                     blocks.append({"type": "text", "text": ev[1]})
             elif kind == "tool_call":
                 c = ev[1]
-                blocks.append({"type": "tool_use", "id": "toolu_" + c.id[5:], "name": c.name, "input": c.args_dict()})
+                blocks.append({"type": "tool_use", "id": _tool_use_id(c.id), "name": c.name, "input": c.args_dict()})
             else:
                 res = ev[1]
     except GenerationError as e:
@@ -232,7 +254,7 @@ async def _stream(srv, job: Job, mid: str):
                                                        "delta": {"type": "text_delta", "text": ev[1]}}))
             elif kind == "tool_call":
                 c = ev[1]
-                out += open_block("tool_use", {"type": "tool_use", "id": "toolu_" + c.id[5:], "name": c.name,
+                out += open_block("tool_use", {"type": "tool_use", "id": _tool_use_id(c.id), "name": c.name,
                                                "input": {}})
                 out.append(_ev("content_block_delta", {"type": "content_block_delta", "index": index,
                                                        "delta": {"type": "input_json_delta",

@@ -51,6 +51,21 @@ def _cache_settings(engine) -> dict | None:
     return {"policy": ex.cache_policy, "decay": getattr(pol, "decay", None), "swap_budget": ex.swap_budget}
 
 
+def _kv_types(engine) -> dict:
+    """How the KV cache stores K and V (-ctk/-ctv, or --kv-dtype for both), by llama.cpp's type names. The
+    engine's cache says, where it keeps them; else the types the engine was built with."""
+    import torch
+
+    names = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+    cfg_k, cfg_v = getattr(engine.lm.cfg, "kv_cache_types", (None, None))
+    k, v = getattr(engine.kv, "k_type", None) or cfg_k, getattr(engine.kv, "v_type", None) or cfg_v
+
+    def name(t):
+        return None if t is None else t if isinstance(t, str) else names.get(t, str(t).replace("torch.", ""))
+
+    return {"cache_type_k": name(k), "cache_type_v": name(v)}
+
+
 def _decode_steps(engine) -> dict:
     """How decode steps run: replayed graphs, launched one ahead (strata.engine.ahead), and how many so far."""
     ahead = getattr(engine, "ahead", None)
@@ -222,7 +237,7 @@ def _start_engine(app: FastAPI, cfg: ServeConfig, lm, say) -> object:
                             "path": str(lm.cfg.model)}
     metrics.settings = {"model": str(lm.cfg.model), "n_ctx": engine.max_ctx, "parallel": cfg.parallel,
                         "prefill_chunk": engine.prefill_chunk, "device": str(engine.device),
-                        "dtype": str(lm.cfg.torch_dtype).replace("torch.", ""),
+                        "dtype": str(lm.cfg.torch_dtype).replace("torch.", ""), **_kv_types(engine),
                         "experts": lm.cfg.experts.mode, "expert_routing": lm.cfg.experts.routing,
                         "prompt_cache_mib": cfg.prompt_cache_mib,
                         "structured_output": structured, "tool_call_format": tool_format,
@@ -331,6 +346,7 @@ def _routes(app: FastAPI) -> None:
             "build_info": f"strata {__version__}",
             "structured_output": request.app.state.model_meta.get("structured_output"),
             "tool_call_format": srv.tool_format,
+            **_kv_types(srv.worker.engine),  # (llama-server's /props has no such fields)
             "vram_split": request.app.state.metrics.settings.get("vram_split"),
             "expert_cache": request.app.state.metrics.settings.get("expert_cache"),
             "decode_steps": _decode_steps(srv.worker.engine),

@@ -17,7 +17,8 @@ from strata.server.grammar import bias_processor, chain, constrained_available
 from strata.server.job import Job
 from strata.server.protocol import APIError, bad_request
 from strata.reasoning import HarmonySplitter, ReasoningSplitter, partial_suffix, uses_harmony
-from strata.server.toolcalls import ToolCallStream, closed, tool_grammar
+from strata.server.template_inputs import needs_short_ids, new_short_id, shorten_ids, variants
+from strata.server.toolcalls import closed, tool_grammar, tool_stream
 from strata.server.worker import Ticket
 
 
@@ -80,6 +81,9 @@ class Server:
         # gpt-oss's harmony messages carry the reasoning in the analysis channel, not in <think> tags
         self.splitter = HarmonySplitter if uses_harmony(lm.gguf.get("tokenizer.chat_template")) else ReasoningSplitter
         self.vocab_size = getattr(lm.args, "vocab_size", None) or self.tok.vocab_size
+        # Mistral's templates take only 9-character tool-call ids: the server makes such ids, and maps the ids
+        # clients send to 9 characters before rendering
+        self.short_ids = needs_short_ids(getattr(self.template, "source", None))
 
     # -- prompts -------------------------------------------------------------------------------------------------
     def render(self, messages: list[dict], tools: list[dict] | None, enable_thinking: bool | None,
@@ -88,14 +92,24 @@ class Server:
         (a prefill); it takes no generation prompt."""
         if self.template is None:
             raise bad_request("this model has no chat template; use /v1/completions")
-        try:
-            return self.template.render(messages, tools=tools or None,
-                                        add_generation_prompt=generation_prompt and not continue_final,
-                                        enable_thinking=enable_thinking, continue_final_message=continue_final)
-        except APIError:
-            raise
-        except Exception as e:  # noqa: BLE001 - a template that rejects the conversation says why
-            raise bad_request(f"the chat template rejected the messages: {str(e)[:300]}") from None
+        if self.short_ids:
+            messages = shorten_ids(messages)
+        errors = []
+        # the tool calls' content / arguments in the shape this template takes (strata.server.template_inputs)
+        for msgs, null_content in variants(messages):
+            try:
+                return self.template.render(msgs, tools=tools or None,
+                                            add_generation_prompt=generation_prompt and not continue_final,
+                                            enable_thinking=enable_thinking, continue_final_message=continue_final,
+                                            null_content=null_content)
+            except APIError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a template that rejects the conversation says why
+                errors.append(e)
+        # the reason given is the conventional input's (content "", arguments a dict: the one but last variant),
+        # not an artefact of the other shapes tried
+        e = errors[-2] if len(errors) > 1 else errors[0]
+        raise bad_request(f"the chat template rejected the messages: {str(e)[:300]}") from None
 
     def encode_chat(self, text: str) -> list[int]:
         if hasattr(self.tok, "encode_prompt"):  # BOS as the GGUF says, unless the template wrote it
@@ -187,7 +201,7 @@ class Server:
         dec = self.tok.stream_decoder()
         stops = StopStrings(job.stop)
         rs = self.splitter(job.reasoning, job.in_reasoning, calls=job.tools is not None)
-        tc = ToolCallStream(self.tool_format, job.tools, enabled=job.tools is not None, forced=job.forced)
+        tc = tool_stream(self.tool_format, job.tools, enabled=job.tools is not None, forced=job.forced)
         hangup = _Hangup(request)
         n_calls = 0
         n_tok = 0  # token events seen: the index of the next one in seq.output (and seq.token_logprobs)
@@ -212,6 +226,8 @@ class Server:
             if t:
                 out.append(("content", t))
             for call in calls:
+                if self.short_ids:
+                    call.id = new_short_id()
                 out.append(("tool_call", call))
             n_calls += len(calls)
             return out

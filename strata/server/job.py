@@ -77,7 +77,8 @@ def stop_list(stop) -> list[str]:
 
 
 def parse_arguments(args) -> dict:
-    """Tool-call arguments as a dict for the chat template (templates iterate over them)."""
+    """Tool-call arguments as a dict; a 400 unless they are a JSON object (strata.server.template_inputs decides
+    whether the chat template gets this dict or the client's string)."""
     if isinstance(args, dict):
         return args
     try:

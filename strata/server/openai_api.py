@@ -12,7 +12,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from strata.server.body import decode_json
 from strata.server.choices import chat_logprobs, check_n, legacy_logprobs, merged, run_all, usage_of
-from strata.server.protocol import APIError, ChatRequest, CompletionRequest, OtherPart, bad_request, parse
+from strata.server.protocol import (APIError, ChatRequest, CompletionRequest, OtherPart, RefusalPart, bad_request,
+                                    parse)
 from strata.server.generation import GenerationError, Result
 from strata.server.job import Job, parse_arguments, sampling, stop_list
 
@@ -59,13 +60,19 @@ def error_event(e: Exception) -> str:
 # chat
 
 
-def _text(content, where: str) -> str:
+def _text(content, where: str, role: str = "user") -> str:
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     parts = []
     for p in content:
+        if isinstance(p, RefusalPart):
+            # a refusal the model gave earlier, as OpenAI returns it in an assistant message: its text
+            if role != "assistant":
+                raise bad_request(f"{where}: a refusal content part belongs to an assistant message")
+            parts.append(p.refusal)
+            continue
         if isinstance(p, OtherPart):
             raise bad_request(f"{where}: content parts of type {p.type!r} are not supported (text only)")
         parts.append(p.text)
@@ -76,11 +83,15 @@ def chat_messages(body: ChatRequest) -> list[dict]:
     msgs = []
     for i, m in enumerate(body.messages):
         d = {"role": "system" if m.role == "developer" else m.role,
-             "content": _text(m.content, f"messages.{i}")}
+             "content": _text(m.content, f"messages.{i}", m.role)}
         if m.role == "assistant" and m.tool_calls:
+            if not d["content"]:
+                d["content"] = None  # calls and no text: the template gets None (strata.server.template_inputs)
+            # arguments as the client wrote them (checked to be a JSON object): the template gets a dict, or this
+            # string where it concatenates them as text
             d["tool_calls"] = [{"id": tc.id or f"call_{i}_{j}", "type": "function",
                                 "function": {"name": tc.function.name,
-                                             "arguments": parse_arguments(tc.function.arguments)}}
+                                             "arguments": _checked(tc.function.arguments)}}
                                for j, tc in enumerate(m.tool_calls)]
         if m.role == "tool":
             if m.tool_call_id:
@@ -91,6 +102,11 @@ def chat_messages(body: ChatRequest) -> list[dict]:
             d["reasoning_content"] = m.reasoning_content
         msgs.append(d)
     return msgs
+
+
+def _checked(args):
+    v = parse_arguments(args)  # a 400 unless a JSON object
+    return args if args else v  # (no arguments at all: {})
 
 
 def constraint(srv, body) -> tuple[str | None, str]:

@@ -79,7 +79,14 @@ class TextPart(_M):
 class OtherPart(_M):
     """A content part the server cannot use (images, audio, files): rejected with a clear message."""
 
-    type: Literal["image_url", "input_image", "input_audio", "file", "image", "refusal"]
+    type: Literal["image_url", "input_image", "input_audio", "file", "image"]
+
+
+class RefusalPart(_M):
+    """OpenAI's refusal in an assistant message of the history: read as its text."""
+
+    type: Literal["refusal"]
+    refusal: str
 
 
 class FunctionCall(_M):
@@ -95,7 +102,7 @@ class ToolCall(_M):
 
 class ChatMessage(_M):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[Union[TextPart, OtherPart]], None] = None
+    content: Union[str, list[Union[TextPart, RefusalPart, OtherPart]], None] = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None

@@ -13,6 +13,8 @@ Formats (what the model writes):
 - ``harmony`` (gpt-oss): a message ``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}
   <|call|>``; the harmony splitter (strata.reasoning) hands it over as a block between two private-use
   characters, ``NAME\n{...}``
+- ``llama3`` (Llama 3.1/3.2/3.3): the reply is one ``{"name": ..., "parameters": {...}}``, optionally after
+  ``<|python_tag|>`` (strata.server.toolcalls_llama)
 
 Markup never reaches the answer text: a block that opens but does not parse (broken, or cut off by max_tokens
 or a stop string) is left out of the text and counted in `ToolCallStream.dropped`; OpenAI's clients read
@@ -60,6 +62,7 @@ FORMATS = {
     "mistral": ToolFormat("mistral", "[TOOL_CALLS]", None),
     "glm": ToolFormat("glm", "<tool_call>", "</tool_call>"),
     "harmony": ToolFormat("harmony", HARMONY_CALL, HARMONY_CALL_END),
+    "llama3": ToolFormat("llama3", "<|python_tag|>", None),  # a call opens the reply: see toolcalls_llama
 }
 
 
@@ -76,6 +79,8 @@ def detect_format(template_source: str | None) -> str:
         return "deepseek"
     if "[TOOL_CALLS]" in src:
         return "mistral"
+    if "<|start_header_id|>ipython<|end_header_id|>" in src and '"parameters": ' in src and "<tool_call>" not in src:
+        return "llama3"  # Llama 3.1/3.2/3.3 (functionary's ipython template writes no "parameters")
     return "hermes"
 
 
@@ -227,8 +232,14 @@ PARSERS = {"hermes": _parse_hermes, "qwen3_coder": _parse_hermes, "deepseek": _p
            "mistral": _parse_mistral, "glm": _parse_glm, "harmony": _parse_harmony}
 
 
+def _llama3():
+    from strata.server import toolcalls_llama  # imports this module: loaded on first use
+
+    return toolcalls_llama
+
+
 def parse_block(fmt: str, body: str, tools: list[dict] | None = None) -> list[ParsedCall] | None:
-    return PARSERS[fmt](body, tools)
+    return (_llama3().parse_block if fmt == "llama3" else PARSERS[fmt])(body, tools)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -312,9 +323,16 @@ class ToolCallStream:
         return "", []
 
 
+def tool_stream(fmt: str, tools: list[dict] | None = None, enabled: bool = True,
+                forced: bool = False) -> ToolCallStream:
+    """The format's incremental parser: llama3's call has no markers, so it has a stream of its own."""
+    cls = _llama3().Llama3Stream if fmt == "llama3" else ToolCallStream
+    return cls(fmt, tools, enabled=enabled, forced=forced)
+
+
 def parse_tool_calls(fmt: str, text: str, tools: list[dict] | None = None) -> tuple[str, list[ParsedCall]]:
     """Whole-output parse: (remaining text, calls)."""
-    s = ToolCallStream(fmt, tools)
+    s = tool_stream(fmt, tools)
     t1, c1 = s.push(text)
     t2, c2 = s.flush()
     return (t1 + t2), c1 + c2
@@ -389,6 +407,8 @@ def tool_grammar(fmt: str, tools: list[dict], only: str | None = None, lit=_lark
     `lit(text)` writes a literal: a marker that is a special token of the vocabulary must be written as that
     token (`<[id]>`), since its text would otherwise be spelled out in ordinary tokens.
     """
+    if fmt == "llama3":  # one call: the template takes no more (parallel or not)
+        return _llama3().grammar(tools, only)
     sch = call_schema(tools, only)
     more = "(\"\\n\" call)*" if parallel else ""
     if fmt in ("hermes",):

@@ -9,23 +9,28 @@ import gguf
 import numpy as np
 
 
-def rewrite(src: Path, dst: Path, fn: Callable[[str, np.ndarray, int, tuple], tuple[np.ndarray, int]],
-            arch: str | None = None) -> Path:
+def rewrite(src: Path, dst: Path, fn: Callable[[str, np.ndarray, int, tuple], tuple[np.ndarray, int]] | None = None,
+            arch: str | None = None, meta: dict[str, str] | None = None) -> Path:
     """fn(name, raw_bytes_or_array, qtype, torch_shape) -> (data, qtype) where data is what GGUFWriter takes:
     a float32 array of the logical shape (qtype F32) or uint8 raw blocks `[..., row_bytes]`; or None to leave the
-    tensor out; or a list of (name, data, qtype): tensors written in its place (a fused pair, say).""" 
+    tensor out; or a list of (name, data, qtype): tensors written in its place (a fused pair, say); None keeps every
+    tensor as it is. meta: string metadata written in place of the source's (a chat template, say)."""
     r = gguf.GGUFReader(src)
     arch = arch or r.fields["general.architecture"].contents()
     w = gguf.GGUFWriter(str(dst), arch)
     for name, f in r.fields.items():
         if name.startswith("GGUF.") or name == "general.architecture":
             continue
+        if name in (meta or {}):
+            continue
         vt = f.types[0]
         sub = f.types[-1] if vt == gguf.GGUFValueType.ARRAY else None
         w.add_key_value(name, f.contents(), vt, sub_type=sub)
+    for name, value in (meta or {}).items():
+        w.add_key_value(name, value, gguf.GGUFValueType.STRING)
     for t in r.tensors:
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        got = fn(t.name, np.asarray(t.data), int(t.tensor_type), shape)
+        got = (fn or (lambda _n, data, qt, _s: (data, qt)))(t.name, np.asarray(t.data), int(t.tensor_type), shape)
         if got is None:
             continue
         for name, data, qt in (got if isinstance(got, list) else [(t.name, *got)]):
