@@ -92,11 +92,16 @@ def sampling_from_args(args):
                           frequency_penalty=args.frequency_penalty, seed=args.seed)
 
 
+GENERATE_N, CHAT_N = 128, 512  # tokens generated when -n is not given (fewer where the context ends sooner)
+
+
 def _add_sampling(p):
     from strata.engine.sampler import SamplingParams
 
     d = SamplingParams()
-    p.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate")
+    p.add_argument("-n", "--n-predict", type=int, default=None,
+                   help="tokens to generate (default: 128 for generate, 512 a chat reply, fewer where the context "
+                   "ends sooner)")
     p.add_argument("--temperature", "--temp", type=float, default=d.temperature, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=d.top_k)
     p.add_argument("--top-p", type=float, default=d.top_p)
@@ -109,9 +114,20 @@ def _add_sampling(p):
 
 def check_run_args(args) -> None:
     """Reject bad generation settings before the model loads (one clear line, not a traceback minutes later)."""
-    if args.n_predict <= 0:
+    if args.n_predict is not None and args.n_predict <= 0:
         raise StrataError(f"-n/--n-predict must be a positive number of tokens, got {args.n_predict}")
     sampling_from_args(args).validate()
+
+
+def _n_predict(engine, n_prompt: int, args, default: int) -> int:
+    """-n as given (the prompt and it must fit the context: one clear line if not), or `default` tokens, fewer
+    where the context ends sooner."""
+    if args.n_predict is not None:
+        engine.check_fits(n_prompt, args.n_predict)
+        return args.n_predict
+    n = min(default, engine.max_ctx - n_prompt)
+    engine.check_fits(n_prompt, max(n, 1))  # (an empty prompt, or one that fills the context: the numbers)
+    return n
 
 
 def _to_stdout(text: str) -> None:
@@ -252,8 +268,8 @@ def cmd_generate(args) -> int:
         ids = tok.encode(prompt)
     engine = Engine(lm, n_slots=1)
     _say_split(engine)
-    engine.check_fits(len(ids), args.n_predict)
-    seq = _stream(engine, tok, ids, sampling_from_args(args), args.n_predict)
+    n = _n_predict(engine, len(ids), args, GENERATE_N)
+    seq = _stream(engine, tok, ids, sampling_from_args(args), n)
     sys.stdout.write("\n")
     _report(seq, engine)
     if lm.cfg.experts.profile:
@@ -303,7 +319,7 @@ def cmd_chat(args) -> int:
         text = lm.template.render(msgs, add_generation_prompt=True)
         ids = lm.tokenizer.encode(text, add_special=False)
         try:
-            engine.check_fits(len(ids), args.n_predict)
+            n = _n_predict(engine, len(ids), args, CHAT_N)
         except StrataError as e:
             print(f"strata: {e} (use /reset)", file=sys.stderr)
             msgs.pop()
@@ -311,7 +327,7 @@ def cmd_chat(args) -> int:
         reply = Reply(template, text.rstrip().endswith("<think>"), show_reasoning=not args.hide_reasoning)
         stopped = False
         try:
-            seq = _stream(engine, lm.tokenizer, ids, sampling_from_args(args), args.n_predict, put=reply.put)
+            seq = _stream(engine, lm.tokenizer, ids, sampling_from_args(args), n, put=reply.put)
         except KeyboardInterrupt:  # stop this reply, keep what was said, back to the prompt
             seq, stopped = engine.last, True
         reply.end()
@@ -340,7 +356,7 @@ def register(sub) -> None:
     p.add_argument("--hide-reasoning", action="store_true",
                    help="do not show the model's reasoning (<think> blocks; shown dimmed on stderr by default)")
     _add_sampling(p)
-    p.set_defaults(func=cmd_chat, n_predict=512, cpu_plan_tune=False)
+    p.set_defaults(func=cmd_chat, cpu_plan_tune=False)
     from strata.engine.perplexity_cli import register as register_perplexity
 
     register_perplexity(sub)

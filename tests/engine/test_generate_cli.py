@@ -1,5 +1,6 @@
 """`strata generate`: only the generated text on stdout, statistics on stderr, same seed -> same text."""
 
+import re
 import subprocess
 import sys
 
@@ -147,3 +148,16 @@ def test_a_prompt_of_invalid_utf8_on_stdin_generates():
         err = r.stderr.decode("utf-8", "replace")
         assert r.returncode == 0 and "Traceback" not in err, (errors, err)
         assert r.stdout.strip() and "generated 3 tokens" in err
+
+
+def test_the_default_length_stops_at_the_context_and_an_asked_one_is_checked():
+    """Without -n, generate writes up to its default, fewer where the context (-c) ends sooner; an -n that does not
+    fit is one clear line."""
+    base = [sys.executable, "-m", "strata", "generate", "--device", "cpu", "-c", "64", "--temperature", "0",
+            "-p", "The capital of France is"]
+    r = subprocess.run(base, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    m = re.search(r"prompt (\d+) tokens .* generated (\d+) tokens", r.stderr)
+    assert m and int(m.group(1)) + int(m.group(2)) <= 64, r.stderr
+    r = subprocess.run(base + ["-n", "128"], capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "exceeds the context of 64 tokens" in r.stderr and "Traceback" not in r.stderr
