@@ -52,8 +52,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     from strata.experts.sizing import KV_TYPE_BLOCKS  # torch-free, as check is
 
     for short, flag, what in (("-ctk", "--cache-type-k", "K (MLA: the latent)"), ("-ctv", "--cache-type-v", "V")):
-        c.add_argument(short, flag, default="f16", choices=tuple(KV_TYPE_BLOCKS),
-                       help=f"KV cache type of {what} to plan for, as the engine's flag (default f16)")
+        c.add_argument(short, flag, default=None, choices=tuple(KV_TYPE_BLOCKS),
+                       help=f"KV cache type of {what} to plan for, as the engine's flag (default: the engine's, f16's "
+                            "size on a GPU, f32 on a CPU alone)")
     c.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1,
                    help="judge the model split over N pipeline stages (each stage's layers, VRAM and slots; stage r "
                         "on GPU r, each with --vram-gb)")
@@ -169,6 +170,9 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     models_dir = args.models_dir or default_models_dir()
     machine = probe(models_dir)
+    # the engine's KV when no type is asked: bf16 on a GPU (f16's size), the float32 activations' on a CPU alone
+    default_kv = "f16" if machine.gpus or args.vram_gb is not None else "f32"
+    args.cache_type_k, args.cache_type_v = args.cache_type_k or default_kv, args.cache_type_v or default_kv
     fp = verdict = None
     if args.model:
         paths = resolve_model(args.model, models_dir)

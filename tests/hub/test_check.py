@@ -413,3 +413,26 @@ def test_a_cut_off_shard_of_a_split_model_is_named(tmp_path, capsys):
     assert main(["check", "-m", str(first)]) == 1
     err = capsys.readouterr().err
     assert f"{second.name}: tensor blk.2.ffn_down_exps.weight ends at byte" in err and "(truncated)" in err
+
+
+def test_check_plans_the_kv_a_cpu_alone_stores():
+    """With no GPU and no budget, `strata check` counts the KV the engine keeps on a CPU (its float32 activations'
+    dtype), not a GPU's 16-bit one: the RAM it plans is what a run takes."""
+    import subprocess
+    import sys
+
+    import torch
+
+    from strata.config import EngineConfig
+    from strata.engine.loader import load_model
+    from strata.models.default import default_model_path
+
+    if torch.cuda.is_available():
+        pytest.skip("a machine with a GPU plans for the GPU's KV")
+    path = str(default_model_path(warn=False))
+    r = subprocess.run([sys.executable, "-m", "strata", "check", "-m", path, "--json"], capture_output=True,
+                       text=True, timeout=120)
+    planned = json.loads(r.stdout)["model"]["kv_bytes_per_token"]
+    kv = load_model(path, EngineConfig(model=path, device="cpu")).model.new_kv_cache(1, 16)
+    stored = sum(t.numel() * t.element_size() for t in [*kv.k, *(kv.v or [])] if t is not None) // 16
+    assert planned == stored
