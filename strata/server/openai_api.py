@@ -38,8 +38,14 @@ def server_of(request: Request):
 
 def check_model(request: Request, name: str | None) -> None:
     if name is not None and name not in request.app.state.model_names:
-        raise APIError(404, f"model {name!r} not found (this server serves {request.app.state.model_id!r})",
-                       "not_found_error", "model_not_found")
+        names = ", ".join(repr(n) for n in _names(request.app.state))
+        raise APIError(404, f"model {name!r} not found (this server serves {names})", "not_found_error",
+                       "model_not_found")
+
+
+def _names(st) -> list[str]:
+    """The model's id, then its --alias names: each a model a client can pick from /v1/models."""
+    return [st.model_id, *(n for n in sorted(st.model_names) if n != st.model_id)]
 
 
 def sse(obj) -> str:
@@ -352,18 +358,19 @@ async def _completion_stream(srv, jobs: list[Job], base: dict, echo: str, includ
 # models
 
 
-def model_card(request: Request) -> dict:
+def model_card(request: Request, name: str | None = None) -> dict:
     st = request.app.state
-    return {"id": st.model_id, "object": "model", "created": int(st.started), "owned_by": "strata",
+    return {"id": name or st.model_id, "object": "model", "created": int(st.started), "owned_by": "strata",
             "meta": st.model_meta}
 
 
 @router.get("/v1/models")
 async def models(request: Request):
-    return {"object": "list", "data": [model_card(request)]}
+    # the aliases listed as models of their own (as vLLM lists each --served-model-name): a client picks from here
+    return {"object": "list", "data": [model_card(request, n) for n in _names(request.app.state)]}
 
 
 @router.get("/v1/models/{name:path}")
 async def model(name: str, request: Request):
     check_model(request, name)
-    return model_card(request)
+    return model_card(request, name)

@@ -289,3 +289,13 @@ def test_metrics_count_a_request_of_n_choices_once(server, oai):
     time.sleep(0.2)
     r1, p1, g1 = scrape()
     assert r1 - r0 == 1 and p1 - p0 == r.usage.prompt_tokens and g1 - g0 == 8
+
+
+def test_aliases_are_listed_as_models(lm):
+    """--alias names are models a client can pick from /v1/models (each its own card), and a 404 names them all."""
+    with serve(lm, parallel=1, aliases=["foo", "bar"]) as s:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="x")
+        assert [m.id for m in c.models.list()] == ["tiny", "bar", "foo"]
+        assert c.models.retrieve("foo").id == "foo"
+        r = _http.get(s.url + "/v1/models/nope")
+        assert r.status_code == 404 and "'tiny', 'bar', 'foo'" in r.json()["error"]["message"]
