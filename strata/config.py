@@ -179,7 +179,8 @@ class EngineConfig:
     prefill_chunk: int = field(default=0, metadata=opt(
         "prompt tokens per forward (0: on a GPU with tiered experts 4096, fewer on a small budget, whose "
         "activations the expert cache leaves room for; else sized from memory; halved on its own if the device "
-        "runs out during a prompt)"))
+        "runs out during a prompt). On a CPU, pieces of up to 64 tokens take the int8 decode path and longer ones "
+        "the float one, so the chunk size can change a near tie in greedy text"))
     seed: int | None = None  # from the sampling flags
     cuda_graphs: bool | None = field(default=None, metadata=opt(
         "replay decode steps as CUDA graphs (default: on with a CUDA device; with --parallel N a step decodes "
