@@ -203,7 +203,8 @@ class Tokenizer:
         if self.model == "gpt2":
             pre = PRE_TOKENIZERS.get(self.pre)
             if pre is None:
-                log.warning("unknown tokenizer.ggml.pre %r: using llama.cpp's default BPE pre-tokenizer", self.pre)
+                log.warning("strata: unknown tokenizer.ggml.pre %r: using llama.cpp's default BPE pre-tokenizer",
+                            self.pre)
                 pre = PRE_TOKENIZERS["default"]
             self._pre = pre
             merges = []
