@@ -91,6 +91,10 @@ def _table(head: list[str], rows: list[list[str]]) -> list[str]:
             *("| " + " | ".join(r) + " |" for r in rows)]
 
 
+# the sweep table's expert columns: hits, CPU and PCIe experts per token
+EXPERT_COLUMNS = ("hit_rate", "cpu_per_token", "pcie_per_token")
+
+
 def _sweep_md(s: dict) -> list[str]:
     c = s["config"]
     if c.get("tool") == "llama-bench":
@@ -114,6 +118,7 @@ def _sweep_md(s: dict) -> list[str]:
                      _f(ex.get("cpu_per_token"), "{:.1f}"), _f(ex.get("pcie_per_token"), "{:.1f}")])
     lines += _table(["prompt", "tokens", "prefill tok/s", "decode tok/s", "TTFT s", "expert hits", "CPU exp/tok",
                      "PCIe exp/tok"], rows)
+    told = False  # the cumulative statistics' footnote, said once
     for r in s["rows"]:
         kw = r.get("kv_window")
         if kw and kw.get("hit_rate") is not None:
@@ -121,10 +126,13 @@ def _sweep_md(s: dict) -> list[str]:
                          f"VRAM, {kw['miss_bytes'] / 1e9:.2f} GB from host RAM")
         if r.get("note"):
             lines.append(f"\nNote ({fmt_size(r['length'])}): {r['note']}")
-        if r.get("experts", {}).get("cumulative"):
+        ex = r.get("experts") or {}
+        # (a server without tiered experts reports no rates, and its empty statistics come marked cumulative all
+        # the same: the columns show "-", which a footnote would only confuse)
+        if not told and ex.get("cumulative") and any(ex.get(k) is not None for k in EXPERT_COLUMNS):
             lines.append(f"\nExpert statistics at {fmt_size(r['length'])} are cumulative since the server started "
                          "(it reports no raw counts).")
-            break
+            told = True
     for sk in s.get("skipped", []):
         lines.append(f"\nSkipped {fmt_size(sk['length'])}: {sk['why']}")
     return lines
