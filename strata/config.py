@@ -35,11 +35,12 @@ KV_TYPE_CHOICES = tuple(KV_TYPE_BLOCKS)  # f32 f16 bf16 q8_0 q4_0
 
 
 def opt(help: str, *, flag: str | None = None, short: str | None = None, dest: str | None = None,
-        choices: tuple | None = None, metavar: str | None = None) -> dict:
+        choices: tuple | None = None, metavar: str | None = None, gpu: bool = False) -> dict:
     """A field's command-line flag, written once beside its default: `field(default=..., metadata=opt(...))`.
-    `flag` defaults to --the-field-name; `dest` to the field's name (the argparse attribute)."""
+    `flag` defaults to --the-field-name; `dest` to the field's name (the argparse attribute). `gpu`: the flag
+    steers only what a CUDA GPU does (graphs, VRAM, the bus), named when a CPU run is given it (gpu_only_flags)."""
     return {"cli": {"help": help, "flag": flag, "short": short, "dest": dest, "choices": choices,
-                    "metavar": metavar}}
+                    "metavar": metavar, "gpu": gpu}}
 
 
 @dataclass
@@ -91,12 +92,12 @@ class ExpertConfig:
         "host work), on the hand-off path the host does (there it cost more host time than it hid). Default: on "
         "for the staged path's one-token steps while it pays (off from the next request on when under a quarter "
         "of its experts are used), off for the hand-off; given, it stays on and steps of several sequences "
-        "prefetch too", flag="--expert-prefetch", dest="expert_prefetch"))
+        "prefetch too", flag="--expert-prefetch", dest="expert_prefetch", gpu=True))
     prefetch_programs: int | None = field(default=None, metadata=opt(
         "with the prefetch on the staged path: programs the side stream's copy kernel runs (each looping over its "
         "share of the copies), so the layer's own kernels keep the other SMs; 0: one program per copy part; "
         "default: a quarter of the GPU's SMs (measured fastest of the counts tried)",
-        flag="--expert-prefetch-programs", dest="expert_prefetch_programs"))
+        flag="--expert-prefetch-programs", dest="expert_prefetch_programs", gpu=True))
     chunk_loan: str = field(default="auto", metadata=opt(
         "the prefill chunk buffers lent to the expert cache as extra slots between prompts (a prompt borrows them "
         "back, their experts forgotten; decode refills them): on, off, or auto (on for a GPU where tested)",
@@ -106,14 +107,15 @@ class ExpertConfig:
         "prompt evicts them and hands their memory back to the device for its activations; decode refills them): "
         "on, off, or auto (on for a GPU where tested; needs the chunk buffers' loan; a decode step out of VRAM "
         "beside it ends it, with a warning)",
-        flag="--prefill-loan", dest="prefill_loan", choices=("auto", "on", "off")))
+        flag="--prefill-loan", dest="prefill_loan", choices=("auto", "on", "off"), gpu=True))
     decode_misses: str = field(default="auto", metadata=opt(
         "how a graphed decode step serves missed experts. handoff: each MoE layer's routing goes to the host, "
         "which splits the misses between the CPU lane and PCIe copies into staging slots (--cpu-plan); direct: "
         "the expert kernel reads a missed expert's weights from pinned host RAM over the bus (no copy, no host "
         "hand-off: the step is one graph) and the cache learns between steps; staged: as direct, but a kernel first copies each distinct missed expert of a layer into a VRAM staging slot (an expert several sequences share crosses the bus once; a copy kernel also moves more bytes per second than the fused kernel's reads); auto: staged on a CUDA GPU when "
         "the expert formats have the fused kernel, unless the measured costs (strata calibrate) say this "
-        "machine's CPU lane beats its link (then handoff, with the CPU taking a share); else handoff", choices=DECODE_MISSES))
+        "machine's CPU lane beats its link (then handoff, with the CPU taking a share); else handoff",
+        choices=DECODE_MISSES, gpu=True))
     # a benchmark switch, not a user setting: it changes what the model says (strata.layers.moe.uniform_route)
     routing: str = field(default="model", metadata=opt(
         "BENCHMARKS ONLY: model (the router's choice), or uniform: every MoE layer sends each token to k distinct "
@@ -172,7 +174,8 @@ class EngineConfig:
         "latest pages always, the rest least recently used); attention reads the other pages over PCIe, and the "
         "output is exactly the full cache's. The expert cache gets the VRAM it frees. auto: what the VRAM budget "
         "leaves after the weights and a minimal expert cache (no window on a CPU, or when the whole KV fits). "
-        "Unset: the whole KV in VRAM. With a window, decode steps run without CUDA graphs", metavar="N|auto"))
+        "Unset: the whole KV in VRAM. With a window, decode steps run without CUDA graphs", metavar="N|auto",
+        gpu=True))
     kv_page_tokens: int = field(default=256, metadata=opt("tokens a page of the KV window (--kv-vram-tokens)"))
     ctx_size: int = field(default=0, metadata=opt(f"context length (0: min(model, {DEFAULT_CTX}))", short="-c"))
     n_slots: int = 1  # from `strata serve --parallel`
@@ -184,15 +187,16 @@ class EngineConfig:
     seed: int | None = None  # from the sampling flags
     cuda_graphs: bool | None = field(default=None, metadata=opt(
         "replay decode steps as CUDA graphs (default: on with a CUDA device; with --parallel N a step decodes "
-        "the generating sequences together)"))
+        "the generating sequences together)", gpu=True))
     decode_ahead: bool = field(default=True, metadata=opt(
         "with CUDA graphs, launch each decode step before the host reads the previous step's tokens (the GPU "
         "takes the sampled tokens from its own memory): the host's work between steps overlaps the GPU's. Taken "
-        "when every decoding sequence samples without penalties, log-probabilities, grammars or drafts"))
+        "when every decoding sequence samples without penalties, log-probabilities, grammars or drafts",
+        gpu=True))
     host_embed: bool | None = field(default=None, metadata=opt(
         "keep the input embedding table in host RAM (a decode step gathers its rows there and copies one row per "
         "token; the table's VRAM goes to the expert cache). Default: on with tiered experts on a GPU under "
-        "--vram-gb, unless the table is also the output head"))
+        "--vram-gb, unless the table is also the output head", gpu=True))
     # speculative decoding with n-gram drafts (strata.engine.spec): at most draft_max guessed tokens verified per
     # step (0: off), found by matching the context's last draft_ngram_max .. draft_ngram_min tokens earlier in it
     draft_max: int = field(default=0, metadata=opt(
@@ -379,6 +383,25 @@ def check_choices(obj) -> None:
         if cli and cli["choices"] and value is not None and value not in cli["choices"]:  # None: not set
             raise StrataError(f"{_flag_name(f)} must be one of {', '.join(cli['choices'])} "
                               f"(got {getattr(obj, f.name)!r})")
+
+
+def gpu_only_flags(cfg: EngineConfig) -> list[str]:
+    """The GPU-only flags (opt(gpu=True)) `cfg` moves from their defaults, as typed: `--cuda-graphs`,
+    `--decode-misses staged`. A default cannot be told from the same value typed, and auto leaves the choice to
+    strata, which on a CPU is the CPU's: neither is named."""
+    from dataclasses import MISSING, fields
+
+    out = []
+    for obj in (cfg, cfg.experts):
+        for f in fields(obj):
+            if not f.metadata.get("cli", {}).get("gpu"):
+                continue
+            value = getattr(obj, f.name)
+            if value == (f.default if f.default is not MISSING else f.default_factory()) or value == "auto":
+                continue
+            name = _flag_name(f)
+            out.append(name if value is True else f"--no-{name[2:]}" if value is False else f"{name} {value}")
+    return out
 
 
 def add_flags(parser, cls) -> None:

@@ -144,3 +144,21 @@ def test_negative_engine_settings_are_refused():
                        (dict(n_slots=0), "--parallel must be >= 1")]:
         with pytest.raises(StrataError, match=re.escape(needle)):
             EngineConfig(device="cpu", **kw).validate()
+
+
+def test_gpu_only_flags_are_the_ones_typed_away_from_their_defaults():
+    """gpu_only_flags: the flags marked opt(gpu=True) that the command line moved from their defaults, as typed;
+    defaults and auto are never named."""
+    from strata.config import gpu_only_flags
+
+    def named(*argv):
+        args = _parser().parse_args(list(argv))
+        return gpu_only_flags(from_flags(EngineConfig, args, experts=from_flags(ExpertConfig, args)))
+
+    assert named() == []
+    assert named("--decode-misses", "auto", "--kv-vram-tokens", "auto", "--prefill-loan", "auto") == []
+    assert named("--vram-gb", "4", "--chunk-buffer-loan", "on", "--cpu-threads", "2") == []  # (these act on a CPU)
+    assert named("--cuda-graphs", "--decode-misses", "staged", "--kv-vram-tokens", "64") == [
+        "--kv-vram-tokens 64", "--cuda-graphs", "--decode-misses staged"]
+    assert named("--no-decode-ahead", "--no-expert-prefetch", "--expert-prefetch-programs", "8") == [
+        "--no-decode-ahead", "--no-expert-prefetch", "--expert-prefetch-programs 8"]

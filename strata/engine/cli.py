@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import time
 from typing import TYPE_CHECKING
@@ -15,7 +16,7 @@ if TYPE_CHECKING:
     from strata.config import EngineConfig
     from strata.engine.engine import Sequence
 
-
+log = logging.getLogger("strata")
 
 # what ends `strata chat` besides Ctrl-D (llama.cpp's and Ollama's words for it)
 QUIT = frozenset({"/exit", "/quit", "/bye"})
@@ -56,6 +57,7 @@ def load_from_args(args):
     from strata.engine.loader import load_model
 
     cfg = engine_config(args)
+    _say_gpu_only(cfg)  # (before a saved calibration sets any: the user's own flags)
     path = resolve_model_path(args.model)
     cfg.model = path
     _apply_saved_calibration(path, cfg)
@@ -67,6 +69,18 @@ def load_from_args(args):
     print(f"strata: loaded {lm.gguf.arch} ({lm.args.n_layers} layers, {lm.args.n_experts} experts) in "
           f"{time.perf_counter() - t0:.1f}s on {cfg.device}", file=sys.stderr)
     return lm
+
+
+def _say_gpu_only(cfg: "EngineConfig") -> None:
+    """One line naming the GPU-only flags a CPU run was given. They stay accepted (the CPU tests take them to run
+    the GPU paths' code eagerly), but a user who typed one should not think it did on the CPU what it does on a
+    GPU."""
+    from strata.config import gpu_only_flags
+
+    flags = gpu_only_flags(cfg) if cfg.torch_device.type == "cpu" else []
+    if flags:
+        log.warning("strata: %s: GPU settings, no effect on the CPU (at most their GPU code paths run eagerly)",
+                    ", ".join(flags))
 
 
 def _apply_saved_calibration(path: str, cfg) -> None:

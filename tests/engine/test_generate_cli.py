@@ -161,3 +161,20 @@ def test_the_default_length_stops_at_the_context_and_an_asked_one_is_checked():
     assert m and int(m.group(1)) + int(m.group(2)) <= 64, r.stderr
     r = subprocess.run(base + ["-n", "128"], capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and "exceeds the context of 64 tokens" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_gpu_only_flags_on_a_cpu_are_named_in_one_warning():
+    """GPU-only flags stay accepted on a CPU (the CPU tests run the GPU paths' code eagerly through them), with one
+    line naming those typed; none without them, nor for a value of auto."""
+    from strata.models.default import default_model_path
+
+    tiny = str(default_model_path())
+    r = gen(tiny, "-p", "x", "-n", "2", "--cuda-graphs", "--decode-misses", "staged", "--kv-vram-tokens", "1024",
+            "--no-decode-ahead")
+    assert r.returncode == 0, r.stderr
+    said = [ln for ln in r.stderr.splitlines() if "no effect on the CPU" in ln]
+    assert said == ["strata: --kv-vram-tokens 1024, --cuda-graphs, --no-decode-ahead, --decode-misses staged: GPU "
+                    "settings, no effect on the CPU (at most their GPU code paths run eagerly)"], r.stderr
+    for extra in ([], ["--decode-misses", "auto", "--kv-vram-tokens", "auto"]):
+        r = gen(tiny, "-p", "x", "-n", "2", *extra)
+        assert r.returncode == 0 and "no effect on the CPU" not in r.stderr, r.stderr
