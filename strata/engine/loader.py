@@ -39,7 +39,8 @@ def make_experts_factory(cfg: EngineConfig):
 
             return TieredExperts(layers, cfg)
         dev = cfg.torch_device
-        return ResidentExperts({i: (ew if dev.type == "cpu" else ew.to(dev)) for i, ew in layers.items()})
+        return ResidentExperts({i: (ew if dev.type == "cpu" else ew.to(dev)) for i, ew in layers.items()},
+                               profile=cfg.experts.profile and dev.type == "cpu")
 
     return make
 

@@ -14,6 +14,7 @@ runs a minimal one through the engine.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Callable, Protocol, runtime_checkable
@@ -80,16 +81,23 @@ class StepProfiler:
     graphed step a span's boundary is a graph cut, timed per piece by the graph runner; in an eager step of an
     engine that decodes through graphs nothing is timed (those are prefill steps)."""
 
-    def __init__(self, profile: StepProfile, device: torch.device):
+    def __init__(self, profile: StepProfile, device: torch.device, decode_only: bool = False):
+        """decode_only: time decode steps alone (prompt chunks left out), as a GPU's graphed decode is timed."""
         self.profile, self.device, self.cuda = profile, device, device.type == "cuda"
+        self.decode_only = decode_only
         self._events: list[tuple[str, object, object]] = []  # (bucket, start, end) CUDA events to resolve
         self._rec = None
         self._on = True
 
     def begin(self, ctx: StepContext) -> None:
         """How this step's spans are timed (called once per forward, before the first span)."""
-        self._rec = ctx.recorder
-        self._on = ctx.timed
+        # (a CPU never captures: its static decode steps run eagerly, so they are timed span by span as eager ones)
+        self._rec = ctx.recorder if self.cuda else None
+        self._on = self.times(ctx)
+
+    def times(self, ctx: StepContext) -> bool:
+        """Whether this step is timed (and its tokens counted)."""
+        return ctx.timed and (ctx.phase == "decode" or not self.decode_only)
 
     def mark(self):
         """A span's start (None in a graphed step: the span ends at a cut)."""
@@ -116,6 +124,13 @@ class StepProfiler:
             self._events.append((bucket, start, end))
         else:
             self.profile.add(bucket, (end - start) * 1e3)
+
+    @contextlib.contextmanager
+    def timing(self, bucket: str):
+        """The block's time charged to `bucket` (a mark before it, a span after)."""
+        start = self.mark()
+        yield
+        self.span(bucket, start)
 
     def resolve(self) -> None:
         """Fold the recorded CUDA event pairs into the profile (one device sync; profiling only)."""

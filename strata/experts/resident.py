@@ -12,6 +12,8 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from strata.experts.backend import StepProfiler
+from strata.experts.stats import StepProfile
 from strata.ops import registry
 from strata.quant import QTensor, qmatmul
 from strata.quant.matmul import group_slices
@@ -152,14 +154,19 @@ class ExpertWeights:
 
 
 class ResidentExperts:
-    """Every expert on the compute device (an `ExpertsBackend`): nothing to cache, plan or count."""
+    """Every expert on the compute device (an `ExpertsBackend`): nothing to cache, plan or count. profile: the
+    --profile timer (attention, dense, the experts' own time), for a CPU run; on a GPU only the tiered backend's
+    graphed steps have been timed piece by piece, so there the loader leaves it off."""
 
     sizes_cache = False
-    profiler = None
     stats = None
 
-    def __init__(self, layers: dict[int, ExpertWeights]):
+    def __init__(self, layers: dict[int, ExpertWeights], profile: bool = False):
         self.layers = layers
+        self.profile = StepProfile()
+        self.profiling = profile
+        # (decode steps alone: the first prompt's one-time start-up costs would swamp a short run's breakdown)
+        self.profiler = StepProfiler(self.profile, torch.device("cpu"), decode_only=True) if profile else None
 
     def setup(self, k: int, act_bytes: int = 0) -> None:
         pass
@@ -171,7 +178,8 @@ class ResidentExperts:
         pass
 
     def begin_step(self, ctx) -> None:
-        pass
+        if self.profiler is not None and self.profiler.times(ctx):  # (the tokens the breakdown divides by)
+            self.profile.add_tokens(ctx.n_tokens)
 
     def launched(self) -> None:
         pass
@@ -189,7 +197,8 @@ class ResidentExperts:
         return None
 
     def profile_report(self, measured_ms: float | None = None) -> str:
-        return ""
+        """The per-token time breakdown (with --profile), '' otherwise."""
+        return self.profiler.report(measured_ms) if self.profiler is not None else ""
 
     def tuning(self) -> bool:
         return False
@@ -201,11 +210,17 @@ class ResidentExperts:
         pass
 
     def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, ctx=None) -> torch.Tensor:
+        if self.profiler is None:
+            return self._forward(layer, x, ids, w)
+        with self.profiler.timing("experts"):
+            return self._forward(layer, x, ids, w)
+
+    def _forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         ew = self.layers[layer]
         n, k = ids.shape
         parts = None if x.is_cuda else group_slices(n, CPU_NATIVE_TOKENS)
         if parts is not None:  # several sequences (a shared prompt chunk): each one's tokens as its step alone
-            return torch.cat([self.forward(layer, x[p], ids[p], w[p], ctx) for p in parts])
+            return torch.cat([self._forward(layer, x[p], ids[p], w[p]) for p in parts])
         if not x.is_cuda and n <= CPU_NATIVE_TOKENS:
             native = _cpu_native(ew)
             if native is not None:  # a decode step on the CPU: all its (token, expert) pairs in one kernel call

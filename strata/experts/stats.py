@@ -174,6 +174,7 @@ BUCKETS: dict[str, str] = {
     "linear_attention": "linear attention",
     "mla": "MLA",
     "gpu_experts": "GPU experts",
+    "experts": "experts",  # (every expert resident: their whole time, on whichever device)
     "router_shared": "router/shared",
     "cpu_wait": "CPU wait",
     "dense_other": "dense/other",

@@ -63,3 +63,24 @@ def test_cuda_census_counts_kernels_of_replayed_graphs(hf_and_gguf):
     eng = _engine(path, "cuda")
     c = decode_census(eng, list(range(3, 20)), steps=4)
     assert c["launches"] == "kernels" and c["per_layer"] >= 5 and c["busy_ms_per_step"] > 0
+
+
+@pytest.mark.parametrize("extra", [[], ["--cuda-graphs"], ["--experts", "tiered", "--cuda-graphs"]])
+def test_generate_profile_on_a_cpu_prints_the_per_token_breakdown(extra):
+    """On a CPU `--profile` prints the per-token breakdown a GPU prints, before the census: its resident experts
+    (the CPU's default) timed as one bucket, and the static decode steps of --cuda-graphs timed eagerly (a CPU
+    captures nothing), so no row is left empty."""
+    from strata.models.default import default_model_path
+
+    cmd = [sys.executable, "-m", "strata", "generate", "-m", str(default_model_path()), "--device", "cpu", "-p",
+           "def f():", "-n", "4", "--temperature", "0", "--profile", *extra]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    err = r.stderr
+    head = re.search(r"^ +ms/tok +%$", err, re.M)
+    assert head, err[-2000:]
+    rows = dict(re.findall(r"^(\S[\w/ ]*?) +(\d+\.\d\d) +\d+\.\d", err[head.end():], re.M))
+    assert {"attention", "router/shared", "dense/other", "total"} <= set(rows), err[-2000:]
+    assert ("GPU experts" if "tiered" in extra else "experts") in rows
+    assert all(float(v) > 0 for v in rows.values()), rows
+    assert head.start() < err.index("a decode step (cpu")  # (the breakdown, then the census)
