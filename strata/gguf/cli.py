@@ -101,7 +101,8 @@ def register(sub) -> None:
                    "--experts-type; e.g. IQ3_XXS under IQ2_XXS gate/up, as 2-bit mixes store it)")
     p.add_argument("--shared-type", default=None, help="shared experts (default: --dense-type)")
     p.add_argument("--seed", type=int, default=0, help="weights seed (same seed, same bytes)")
-    p.add_argument("--layers", type=int, default=None, help="keep only the first N layers (smaller files)")
+    p.add_argument("--layers", type=int, default=None, help="keep only the first N layers (smaller files; at most "
+                   "the preset's own count)")
     p.add_argument("--no-report", action="store_true", help="skip the routing report")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_synth)

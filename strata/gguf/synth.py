@@ -166,6 +166,9 @@ def get_preset(name: str, layers: int | None = None) -> Preset:
     if layers is not None:
         if layers < 1:
             raise StrataError("--layers must be at least 1")
+        if layers > p.n_layers:  # --layers only cuts: more layers than the real model would be another model
+            raise StrataError(f"--layers {layers}: {p.name} has {p.n_layers} layers (--layers keeps the first N, "
+                              f"at most {p.n_layers})")
         p = dataclasses.replace(p, n_layers=layers, first_dense=min(p.first_dense, layers - 1))
     return p
 

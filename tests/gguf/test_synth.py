@@ -364,7 +364,9 @@ def test_synth_cli_errors(tmp_path, capsys):
 
     assert PRESET_NAMES == tuple(S.PRESETS)
     for args, want in ((["no-such-model"], "tiny-qwen3moe"), (["tiny-mixtral", "--experts-type", "NVFP4"], "Q4_K"),
-                       (["tiny-mixtral", "--layers", "0"], "--layers")):
+                       (["tiny-mixtral", "--layers", "0"], "--layers"),
+                       # more layers than the preset has is a different model, not a cut: refused, naming the count
+                       (["tiny-qwen3moe", "--layers", "1000", "-q", "--no-report"], "tiny-qwen3moe has 4 layers")):
         assert main(["synth", args[0], str(tmp_path / "x.gguf"), *args[1:]]) == 1
         err = capsys.readouterr().err.strip()
         assert err.count("\n") == 0 and err.startswith("strata: error: ") and want in err, err
