@@ -371,3 +371,32 @@ def test_synth_cli_errors(tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert err.count("\n") == 0 and err.startswith("strata: error: ") and want in err, err
     assert not list(tmp_path.iterdir())
+
+
+def test_synth_bad_seed_or_output_is_one_line(tmp_path, capsys, monkeypatch):
+    """A seed the file cannot record, or an OUT that is not a writable file path, is one error line (no traceback),
+    found before anything is written, and leaves no file behind."""
+    from strata.cli import main
+
+    (tmp_path / "d").mkdir()
+    (tmp_path / "f").write_bytes(b"")
+    (tmp_path / "t.gguf.tmp").mkdir()
+    monkeypatch.chdir(tmp_path)
+    for out, extra, want in ((tmp_path / "x.gguf", ["--seed", "-5"], "--seed -5"),
+                             (tmp_path / "x.gguf", ["--seed", "99999999999999999999999"], "4294967295"),
+                             (".", [], ". is a directory"), (tmp_path / "d", [], "d is a directory"),
+                             (tmp_path / "f" / "x.gguf", [], "f is not a directory"),
+                             (tmp_path / "t.gguf", [], "t.gguf.tmp")):
+        assert main(["synth", "tiny-qwen3moe", str(out), *extra, "--layers", "1", "-q", "--no-report"]) == 1
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and err.startswith("strata: error: ") and want in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "f", "t.gguf.tmp"]
+    assert not list((tmp_path / "d").iterdir()) and not list((tmp_path / "t.gguf.tmp").iterdir())
+    # the library call checks too, and so does a failing rename at the end (StrataError, the temporary file gone)
+    with pytest.raises(StrataError, match="is a directory"):
+        S.synth("tiny-qwen3moe", tmp_path / "d", layers=1, progress=False)
+    monkeypatch.setattr("strata.gguf.writer.os.replace", lambda a, b: (_ for _ in ()).throw(PermissionError(
+        13, "Permission denied")))
+    with pytest.raises(StrataError, match="cannot write .*y.gguf: Permission denied"):
+        S.synth("tiny-qwen3moe", tmp_path / "y.gguf", layers=1, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "f", "t.gguf.tmp"]
