@@ -1,0 +1,94 @@
+"""The web pages' own logic in headless Chromium (Debian's, driven by Playwright) against a mocked API: no model and
+no server, the page's requests answered by the test. The Markdown renderer's code-span placeholders cannot be forged
+by the text; blank chat settings are left out of the request (not sent as 0); on a CPU-only server the monitor does
+not speak of VRAM."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+from urllib.parse import urlparse
+
+import pytest
+
+sync_api = pytest.importorskip("playwright.sync_api")
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="needs Chromium (Debian's chromium package)")
+
+WEB = pathlib.Path(__file__).resolve().parents[2] / "strata" / "server" / "web"
+SITE = "http://strata.test"
+TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css", ".svg": "image/svg+xml"}
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser):
+    pg = browser.new_page(viewport={"width": 1280, "height": 860})
+    errors: list[str] = []
+    pg.on("pageerror", lambda e: errors.append(str(e)))
+    yield pg
+    pg.close()
+    assert errors == [], errors
+
+
+def _sse(*events) -> str:
+    return "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+
+
+def _serve(page, api: dict) -> list:
+    """Answer the page's requests: the static files from strata/server/web, `api` paths with (status, type, body)
+    or a function of the request giving one. Returns the list of JSON bodies posted to the API."""
+    posted: list = []
+
+    def handle(route):
+        req = route.request
+        path = urlparse(req.url).path
+        name = {"/": "index.html", "/monitor": "monitor.html"}.get(path) or path.removeprefix("/web/")
+        if path in api:
+            answer = api[path]
+            if callable(answer):
+                answer = answer(req)
+            if req.post_data:
+                posted.append(json.loads(req.post_data))
+            status, ctype, body = answer
+            return route.fulfill(status=status, content_type=ctype, body=body)
+        if (path == "/" or path == "/monitor" or path.startswith("/web/")) and (WEB / name).is_file():
+            return route.fulfill(status=200, content_type=TYPES[(WEB / name).suffix], body=(WEB / name).read_bytes())
+        return route.fulfill(status=404, content_type="application/json", body='{"error": {"message": "no"}}')
+
+    page.route(SITE + "/**", handle)
+    return posted
+
+
+BASE_API = {"/health": (200, "application/json", '{"status": "ok", "model": "m"}'),
+            "/v1/models": (200, "application/json", '{"object": "list", "data": [{"id": "m"}]}')}
+
+
+# ---- md.js ----------------------------------------------------------------------------------------------------
+
+def test_markdown_code_placeholders_cannot_be_forged(page):
+    """Model text holding NUL + digit + NUL rendered as another span's code (or <code>undefined</code>)."""
+    _serve(page, {"/blank": (200, "text/html", "<!doctype html><title>md</title>")})
+    page.goto(SITE + "/blank")  # an empty page of the site, then the renderer alone
+    page.add_script_tag(path=str(WEB / "md.js"))
+    render = lambda text: page.evaluate("(t) => md.render(t)", text)  # noqa: E731
+    html = render("a \u00000\u0000 b `x` c")
+    assert html.count("<code>") == 1 and "undefined" not in html, html
+    assert "\u0000" not in html and "\ufffd0\ufffd" in html, html
+    html = render("only \u00005\u0000 here")
+    assert "<code>" not in html and "undefined" not in html, html
+    # ordinary Markdown is unchanged
+    assert render("use `a` and `b`") == "<p>use <code>a</code> and <code>b</code></p>"
+    assert render("[site](https://x.test/a) **b**") == ('<p><a href="https://x.test/a" target="_blank" '
+                                                        'rel="noopener noreferrer">site</a> <strong>b</strong></p>')
+    # a code span inside a link's URL stays out of the href
+    html = render("[s](https://x.test/`y`)")
+    assert "<code>y</code>" in html and 'href="https://x.test/<code>' not in html, html
