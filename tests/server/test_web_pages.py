@@ -92,3 +92,35 @@ def test_markdown_code_placeholders_cannot_be_forged(page):
     # a code span inside a link's URL stays out of the href
     html = render("[s](https://x.test/`y`)")
     assert "<code>y</code>" in html and 'href="https://x.test/<code>' not in html, html
+
+
+# ---- chat.js --------------------------------------------------------------------------------------------------
+
+def test_blank_chat_settings_are_left_out(page):
+    """A cleared Max tokens or Top-p field was sent as 0, which the server refuses; blank fields are now omitted
+    (the server's default applies) and filled ones are sent as numbers."""
+    reply = (200, "text/event-stream", _sse({"choices": [{"index": 0, "delta": {"content": "ok"}}]},
+                                            {"choices": [{"index": 0, "delta": {}}], "timings": {"predicted_n": 1}}))
+    posted = _serve(page, {**BASE_API, "/v1/chat/completions": reply})
+    page.goto(SITE + "/")
+    page.wait_for_selector("body[data-ready='1']", timeout=30000)
+
+    def send(text):
+        n = len(posted)
+        page.fill("#input", text)
+        page.keyboard.press("Enter")
+        page.wait_for_function(f"document.querySelectorAll('.msg.assistant .stats').length > {n}", timeout=30000)
+        return posted[-1]
+
+    body = send("first")  # the page's defaults
+    assert (body["temperature"], body["top_p"], body["max_tokens"]) == (0.8, 0.95, 1024)
+    page.fill("#max_tokens", "")
+    page.fill("#top_p", "")
+    page.fill("#temperature", "0.25")
+    body = send("second")
+    assert "max_tokens" not in body and "top_p" not in body and body["temperature"] == 0.25, body
+    page.fill("#temperature", "")
+    page.fill("#max_tokens", "7")
+    body = send("third")
+    assert "temperature" not in body and body["max_tokens"] == 7, body
+    assert body["messages"][-1] == {"role": "user", "content": "third"} and body["stream"] is True
