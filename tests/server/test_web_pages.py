@@ -124,3 +124,35 @@ def test_blank_chat_settings_are_left_out(page):
     body = send("third")
     assert "temperature" not in body and body["max_tokens"] == 7, body
     assert body["messages"][-1] == {"role": "user", "content": "third"} and body["stream"] is True
+
+
+# ---- monitor.js -----------------------------------------------------------------------------------------------
+
+def _snapshot(device: str, slots: int, gpus: list) -> dict:
+    L, E = 8, 32
+    return {"status": "ok", "model": "m", "settings": {"device": device} if device else {},
+            "state": {"status": "idle", "running": 0, "waiting": 0, "tokens_per_second": 0.0, "slots": []},
+            "experts": {}, "totals": {}, "prompt_cache": {}, "recent_requests": [], "vram_split": None,
+            "machine": {"cpu": {"count": 2}, "ram": {"total_bytes": 8 << 30}, "gpus": gpus},
+            "cache": {"layers": L, "experts": E, "layer_ids": list(range(L)), "slots_per_layer": slots,
+                      "resident": ([1] * slots + [0] * (E - slots)) * L, "heat": None if slots == E else [128] * L * E}}
+
+
+@pytest.mark.parametrize("device,slots,gpus,want,unwanted", [
+    ("cpu", 32, [], ["8 layers × 32 experts", "all resident in RAM", "no VRAM"], ["in VRAM", "in RAM only"]),
+    ("cpu", 4, [], ["32 in cache slots", "in a cache slot (RAM)"], ["in VRAM"]),
+    ("", 32, [], ["all resident in RAM"], ["in VRAM"]),  # a server that does not say its device, no GPU seen
+    ("cuda:0", 4, [{"name": "H100"}], ["32 in VRAM (4 slots a layer)", "in RAM only"], ["CPU run"]),
+])
+def test_monitor_says_where_the_experts_are(page, device, slots, gpus, want, unwanted):
+    """A CPU-only run said "256 in VRAM" and its legend "in VRAM": there is no VRAM there."""
+    snap = (200, "text/event-stream", _sse(_snapshot(device, slots, gpus)))
+    _serve(page, {**BASE_API, "/monitor/stream": snap})
+    page.goto(SITE + "/monitor")
+    page.wait_for_selector("body[data-ready='1']", timeout=30000)
+    page.wait_for_function("document.getElementById('heat').dataset.resident !== undefined", timeout=30000)
+    text = " | ".join(page.locator(sel).inner_text() for sel in ("#heat-note", ".card.wide >> nth=1", "#vram-legend"))
+    for w in want:
+        assert w in text, (w, text)
+    for u in unwanted:
+        assert u not in text, (u, text)
