@@ -36,6 +36,9 @@ log = logging.getLogger("strata")
 
 THRESHOLD = 0.03  # a candidate must be > 3% faster than the current setting
 KNOBS = ("threads", "plan", "pcie_share", "cache_policy", "promote_min", "swap_budget")
+# the Setting field each knob's candidates vary (plan and pcie_share are both CPU plans)
+KNOB_FIELD = {"threads": "threads", "plan": "cpu_plan", "pcie_share": "cpu_plan", "cache_policy": "cache_policy",
+              "promote_min": "promote_min", "swap_budget": "swap_budget"}
 
 
 @dataclass
@@ -91,6 +94,13 @@ def paired_gain(current_ms: Sequence[float], candidate_ms: Sequence[float]) -> f
     return statistics.median(block_gains(current_ms, candidate_ms))
 
 
+def row_label(knob: str, diff: dict) -> str:
+    """A search row's label: the knob being searched when the candidate changes it, else the fields it does change.
+    A promote-min candidate carries lfu-decay with it: under lru, promote-min 0 changes only the policy, and a row
+    "promote_min  cache_policy lru -> lfu-decay" named a knob that row does not show."""
+    return knob if KNOB_FIELD.get(knob, knob) in diff else ", ".join(diff)
+
+
 def try_candidate(measure: Measure, knob: str, current: Setting, candidate: Setting, repeats: int,
                   threshold: float = THRESHOLD) -> Trial:
     """Kept only if the candidate beats the current setting by more than `threshold` in every block."""
@@ -111,8 +121,9 @@ def search(measure: Measure, start: Setting, space: Iterable[tuple[str, list[Set
                 continue
             t = try_candidate(measure, knob, current, cand, repeats, threshold)
             trials.append(t)
-            change = ", ".join(f"{k} {v[0]} -> {v[1]}" for k, v in current.diff(cand).items())
-            say(f"  {knob:<12} {change:<44} {_ms(t.current_ms)} -> {_ms(t.candidate_ms)} ms/token, "
+            diff = current.diff(cand)
+            change = ", ".join(f"{k} {v[0]} -> {v[1]}" for k, v in diff.items())
+            say(f"  {row_label(knob, diff):<12} {change:<44} {_ms(t.current_ms)} -> {_ms(t.candidate_ms)} ms/token, "
                 f"{_gains(t.current_ms, t.candidate_ms)} {'KEPT' if t.kept else ''}".rstrip())
             if t.kept:
                 current = cand

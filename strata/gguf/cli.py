@@ -36,11 +36,14 @@ def cmd_convert(args) -> int:
 def cmd_synth(args) -> int:
     import torch
 
-    from strata.gguf.synth import (REPORT_CPU_MAX_BYTES, format_report, get_preset, routing_report, synth,
-                                   type_names)
+    from strata.gguf.synth import (REPORT_CPU_MAX_BYTES, check_seed, format_report, get_preset, routing_report,
+                                   synth, type_names)
+    from strata.gguf.writer import check_output
     from strata.quant.formats import as_qtype, check_supported
 
-    get_preset(args.preset, args.layers)  # fail on a bad preset before anything is written
+    get_preset(args.preset, args.layers)  # fail on a bad preset, seed or OUT before anything is written
+    check_seed(args.seed)
+    check_output(args.out)
     for flag in ("experts_type", "dense_type", "head_type", "experts_down_type", "shared_type"):
         if getattr(args, flag) is None:
             continue
@@ -101,7 +104,8 @@ def register(sub) -> None:
                    "--experts-type; e.g. IQ3_XXS under IQ2_XXS gate/up, as 2-bit mixes store it)")
     p.add_argument("--shared-type", default=None, help="shared experts (default: --dense-type)")
     p.add_argument("--seed", type=int, default=0, help="weights seed (same seed, same bytes)")
-    p.add_argument("--layers", type=int, default=None, help="keep only the first N layers (smaller files)")
+    p.add_argument("--layers", type=int, default=None, help="keep only the first N layers (smaller files; at most "
+                   "the preset's own count)")
     p.add_argument("--no-report", action="store_true", help="skip the routing report")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_synth)

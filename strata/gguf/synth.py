@@ -34,7 +34,7 @@ from strata.gguf.synth_report import (  # noqa: F401 (the routing report: caller
     FRACTIONS, REPORT_CPU_MAX_BYTES, capture_routing, format_report, routing_report, routing_stats, sample_text,
 )
 from strata.gguf import synth_families
-from strata.gguf.writer import TensorSpec, write_streamed
+from strata.gguf.writer import TensorSpec, check_output, write_streamed
 from strata.quant.formats import FLOAT_TYPES, SUPPORTED_TYPES, as_qtype, block_geometry, check_supported
 
 Q = GGMLQuantizationType
@@ -159,6 +159,16 @@ QWEN3_ADDED = (
 CONTROL, USER_DEFINED, UNUSED = 3, 4, 5
 
 
+SEED_MAX = 2**32 - 1  # the file records the seed as a uint32 (strata.synth.seed)
+
+
+def check_seed(seed: int) -> int:
+    """seed, or StrataError: numpy's seeding refuses negatives and the metadata key holds 32 bits."""
+    if not 0 <= seed <= SEED_MAX:
+        raise StrataError(f"--seed {seed}: the seed must be a whole number from 0 to {SEED_MAX}")
+    return seed
+
+
 def get_preset(name: str, layers: int | None = None) -> Preset:
     p = PRESETS.get(name)
     if p is None:
@@ -166,6 +176,9 @@ def get_preset(name: str, layers: int | None = None) -> Preset:
     if layers is not None:
         if layers < 1:
             raise StrataError("--layers must be at least 1")
+        if layers > p.n_layers:  # --layers only cuts: more layers than the real model would be another model
+            raise StrataError(f"--layers {layers}: {p.name} has {p.n_layers} layers (--layers keeps the first N, "
+                              f"at most {p.n_layers})")
         p = dataclasses.replace(p, n_layers=layers, first_dense=min(p.first_dense, layers - 1))
     return p
 
@@ -416,6 +429,8 @@ def synth(preset: str, out: str | Path, experts_type="Q4_K", dense_type="Q8_0", 
     from strata.gguf.tokenizer_hf import write_tokenizer_metadata
 
     p = get_preset(preset, layers)
+    check_seed(seed)
+    check_output(out)  # before the tokenizer and the plan are made: a bad OUT fails at once
     et = check_supported(as_qtype(experts_type))
     specs = tensor_plan(p, et, dense_type, head_type, seed, experts_down_type, shared_type)
     w = gguf.GGUFWriter(None, p.arch)

@@ -185,6 +185,21 @@ class _Writer(threading.Thread):
                 self.free.put(buf)
 
 
+def check_output(out: str | os.PathLike) -> Path:
+    """`out` as a Path, or StrataError (one line) when no file can be written there. Checked before anything is
+    made: otherwise a directory given as OUT failed with a traceback only at the final rename, gigabytes later."""
+    out = Path(out)
+    if out.is_dir() or not out.name:  # ".", "/", an existing directory
+        raise StrataError(f"{out} is a directory, not a file to write the GGUF to")
+    parent = next((d for d in out.parents if d.exists()), None)  # missing directories are made, as before
+    if parent is not None and not parent.is_dir():
+        raise StrataError(f"cannot write {out}: {parent} is not a directory")
+    tmp = out.with_name(out.name + ".tmp")
+    if tmp.is_dir():
+        raise StrataError(f"cannot write {out}: {tmp} (the temporary file it is written as first) is a directory")
+    return out
+
+
 def write_streamed(out: str | os.PathLike, w, specs: list[TensorSpec], seed: int, progress: bool = True,
                    data: bool = True) -> dict:
     """Write `w` (a `gguf.GGUFWriter` holding the metadata) and `specs` to `out`, via `out.tmp` renamed at the end.
@@ -195,11 +210,15 @@ def write_streamed(out: str | os.PathLike, w, specs: list[TensorSpec], seed: int
     """
     from tqdm import tqdm
 
-    out = Path(out)
+    out = check_output(out)
     tmp = out.with_name(out.name + ".tmp")
-    out.parent.mkdir(parents=True, exist_ok=True)
     for s in specs:
         w.add_tensor_info(s.name, s.shape, np.dtype(np.float32), s.nbytes, raw_dtype=s.qtype)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        open(tmp, "wb").close()  # a path that cannot be written (permissions) fails before any data is made
+    except OSError as e:
+        raise StrataError(f"cannot write {out} (as {tmp.name} first): {e.strerror or e}") from None
     t0 = time.perf_counter()
     try:
         w.write_header_to_file(path=tmp)
@@ -225,6 +244,8 @@ def write_streamed(out: str | os.PathLike, w, specs: list[TensorSpec], seed: int
             f.write(b"\0" * (start - f.tell()))
             _write_data(f, bar, specs, seed, align)
         os.replace(tmp, out)
+    except OSError as e:  # the header's write or the rename (the data's own writes fail in _write_data): one line
+        raise StrataError(f"cannot write {out}: {e.strerror or e}") from None
     finally:
         w.close()
         if tmp.exists():

@@ -90,6 +90,21 @@ def test_search_walks_knob_by_knob_from_the_current_setting():
     assert trials[-1].current.threads == 8  # measured against the kept threads
 
 
+def test_search_rows_are_labelled_by_what_they_change():
+    """lru wins, then the promote-min candidates (each with lfu-decay): promote-min 0 only switches the policy back,
+    and its row said "promote_min  cache_policy lru -> lfu-decay". A row's label names what its change shows."""
+    lines: list[str] = []
+    space = [("cache_policy", [{"cache_policy": "lru"}]),
+             ("promote_min", [{"promote_min": v, "cache_policy": "lfu-decay"} for v in (0.0, 0.5)])]
+    best, _ = search(FakeCost(lambda s: 80.0 if s.cache_policy == "lru" else 100.0), S0, space, repeats=1,
+                     say=lines.append)
+    assert best.cache_policy == "lru"
+    rows = [ln.split(None, 1) for ln in lines]
+    assert [(label, change.split("  ")[0]) for label, change in rows] == [
+        ("cache_policy", "cache_policy lfu-decay -> lru"), ("cache_policy", "cache_policy lru -> lfu-decay"),
+        ("promote_min", "cache_policy lru -> lfu-decay, promote_min 0.0 -> 0.5")]
+
+
 def test_candidate_space():
     k = 8
     assert share_plan(k, 0.0) == str(CpuPlan.all_cpu(k)) and share_plan(k, 1.0) == str(CpuPlan.all_pcie(k))

@@ -364,8 +364,39 @@ def test_synth_cli_errors(tmp_path, capsys):
 
     assert PRESET_NAMES == tuple(S.PRESETS)
     for args, want in ((["no-such-model"], "tiny-qwen3moe"), (["tiny-mixtral", "--experts-type", "NVFP4"], "Q4_K"),
-                       (["tiny-mixtral", "--layers", "0"], "--layers")):
+                       (["tiny-mixtral", "--layers", "0"], "--layers"),
+                       # more layers than the preset has is a different model, not a cut: refused, naming the count
+                       (["tiny-qwen3moe", "--layers", "1000", "-q", "--no-report"], "tiny-qwen3moe has 4 layers")):
         assert main(["synth", args[0], str(tmp_path / "x.gguf"), *args[1:]]) == 1
         err = capsys.readouterr().err.strip()
         assert err.count("\n") == 0 and err.startswith("strata: error: ") and want in err, err
     assert not list(tmp_path.iterdir())
+
+
+def test_synth_bad_seed_or_output_is_one_line(tmp_path, capsys, monkeypatch):
+    """A seed the file cannot record, or an OUT that is not a writable file path, is one error line (no traceback),
+    found before anything is written, and leaves no file behind."""
+    from strata.cli import main
+
+    (tmp_path / "d").mkdir()
+    (tmp_path / "f").write_bytes(b"")
+    (tmp_path / "t.gguf.tmp").mkdir()
+    monkeypatch.chdir(tmp_path)
+    for out, extra, want in ((tmp_path / "x.gguf", ["--seed", "-5"], "--seed -5"),
+                             (tmp_path / "x.gguf", ["--seed", "99999999999999999999999"], "4294967295"),
+                             (".", [], ". is a directory"), (tmp_path / "d", [], "d is a directory"),
+                             (tmp_path / "f" / "x.gguf", [], "f is not a directory"),
+                             (tmp_path / "t.gguf", [], "t.gguf.tmp")):
+        assert main(["synth", "tiny-qwen3moe", str(out), *extra, "--layers", "1", "-q", "--no-report"]) == 1
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and err.startswith("strata: error: ") and want in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "f", "t.gguf.tmp"]
+    assert not list((tmp_path / "d").iterdir()) and not list((tmp_path / "t.gguf.tmp").iterdir())
+    # the library call checks too, and so does a failing rename at the end (StrataError, the temporary file gone)
+    with pytest.raises(StrataError, match="is a directory"):
+        S.synth("tiny-qwen3moe", tmp_path / "d", layers=1, progress=False)
+    monkeypatch.setattr("strata.gguf.writer.os.replace", lambda a, b: (_ for _ in ()).throw(PermissionError(
+        13, "Permission denied")))
+    with pytest.raises(StrataError, match="cannot write .*y.gguf: Permission denied"):
+        S.synth("tiny-qwen3moe", tmp_path / "y.gguf", layers=1, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "f", "t.gguf.tmp"]

@@ -101,6 +101,17 @@ function apiMessages() {
   return out;
 }
 
+// The sampling fields as request keys: a blank field is left out, so the server's default applies (sent as +"",
+// it was 0: refused for max_tokens and top_p, greedy decoding for temperature).
+function sampling() {
+  const out = {};
+  for (const k of ["temperature", "top_p", "max_tokens"]) {
+    const v = $(k).value.trim();
+    if (v !== "" && Number.isFinite(+v)) out[k] = +v;
+  }
+  return out;
+}
+
 async function reply() {
   const msg = { role: "assistant", content: "", reasoning: "" };
   current.messages.push(msg);
@@ -112,8 +123,7 @@ async function reply() {
   const t0 = performance.now();
   let n = 0;
   try {
-    const body = { model: modelId, stream: true, messages: apiMessages().slice(0, -1),
-      temperature: +$("temperature").value, top_p: +$("top_p").value, max_tokens: +$("max_tokens").value };
+    const body = { model: modelId, stream: true, messages: apiMessages().slice(0, -1), ...sampling() };
     const r = await strata.fetch("/v1/chat/completions", { method: "POST", signal: controller.signal,
       headers: { "Content-Type": "application/json" }, body: JSON.stringify(body) });
     await strata.readEvents(r, (ev) => {

@@ -30,12 +30,13 @@ const md = (() => {
     return out + esc(code.slice(last));
   }
 
-  function inline(s) {  // s is escaped already
+  function inline(s) {  // s is escaped already, and holds no NUL (render replaced them): the placeholders are unique
     const codes = [];
     s = s.replace(/`([^`\n]+)`/g, (_, c) => { codes.push(c); return "\u0000" + (codes.length - 1) + "\u0000"; });
+    // (a link's URL stops short of a placeholder: a code span's tags never land inside an href)
     s = s.replace(/\*\*([^*\n]+)\*\*/g, "<strong>$1</strong>")
       .replace(/(^|[^*\w])\*([^*\n]+)\*(?!\w)/g, "$1<em>$2</em>")
-      .replace(/\[([^\]\n]+)\]\((https?:\/\/[^\s)]+)\)/g, '<a href="$2" target="_blank" rel="noopener noreferrer">$1</a>');
+      .replace(/\[([^\]\n]+)\]\((https?:\/\/[^\s)\u0000]+)\)/g, '<a href="$2" target="_blank" rel="noopener noreferrer">$1</a>');
     return s.replace(/\u0000(\d+)\u0000/g, (_, i) => "<code>" + codes[+i] + "</code>");
   }
 
@@ -65,7 +66,9 @@ const md = (() => {
   }
 
   function render(text) {
-    let html = "", rest = text || "";
+    // inline() marks code spans as NUL + index + NUL: a NUL in the text itself would read as one of them (another
+    // span's code, or "undefined"). An HTML parser drops NULs anyway; U+FFFD (what they decode as) shows one was there.
+    let html = "", rest = (text || "").replace(/\u0000/g, "\uFFFD");
     for (;;) {
       const start = rest.search(/^```/m);
       if (start < 0) { html += blocks(rest); break; }

@@ -51,6 +51,10 @@ function update(s) {
   const gpus = (m.gpus || []).map((g) => g.name).filter(Boolean);
   $("machine").textContent = [m.cpu ? m.cpu.count + " CPUs" : "", m.ram ? (m.ram.total_bytes / 2 ** 30).toFixed(0) + " GiB RAM" : "",
     gpus.length ? gpus.join(", ") : "no GPU"].filter(Boolean).join(" · ");
+  // where the model runs: the server's --device (settings.device, e.g. "cpu", "cuda:0"); a server that does not
+  // say is taken to be on a GPU when NVML lists one. On a CPU there is no VRAM: the expert "cache" is RAM too.
+  const device = (s.settings && s.settings.device) || (gpus.length ? "cuda" : "cpu");
+  const onGpu = device.startsWith("cuda");
   const ex = s.experts || {};
   let hit = null, cpu = null, pcie = null;
   if (prev && prev.experts && ex.lookups !== undefined) {
@@ -77,10 +81,10 @@ function update(s) {
   chart("c-misses", [{ data: series.cpu, color: COLORS.b }, { data: series.pcie, color: COLORS.a }]);
   chart("c-lanes", [{ data: series.cpuGbps, color: COLORS.b }, { data: series.pcieGbps, color: COLORS.a }]);
   breakdown(ex.profile);
-  vram(s.vram_split);
+  vram(s.vram_split, onGpu);
   slots(s.state.slots || []);
   totals(s.totals || {}, s.prompt_cache || {});
-  if (s.cache !== undefined) heat(s.cache);
+  if (s.cache !== undefined) heat(s.cache, onGpu);
   prev = s;
   document.body.dataset.ready = "1";
 }
@@ -92,9 +96,13 @@ function breakdown(p) {
     strata.el("tr", {}, strata.el("td", {}, k), strata.el("td", {}, fmt(v, 2)))));
 }
 
-function vram(v) {
+function vram(v, onGpu) {
   const bar = $("vram"), legend = $("vram-legend");
-  if (!v) { bar.replaceChildren(); legend.textContent = "no VRAM budget (a CPU run, or no --vram-gb)"; return; }
+  if (!v) {
+    bar.replaceChildren();
+    legend.textContent = onGpu ? "no VRAM budget (no --vram-gb)" : "no VRAM: this server runs on the CPU, every weight in RAM";
+    return;
+  }
   const parts = Object.keys(VRAM_COLORS).filter((k) => v[k + "_gib"] > 0);
   bar.replaceChildren(...parts.map((k) => strata.el("span", { title: k + " " + v[k + "_gib"].toFixed(2) + " GiB",
     style: "width:" + (100 * v[k + "_gib"] / v.budget_gib) + "%;background:" + VRAM_COLORS[k] })));
@@ -115,7 +123,17 @@ function totals(t, pc) {
   $("totals").tBodies[0].replaceChildren(...rows.map(([k, v]) => strata.el("tr", {}, strata.el("td", {}, k.replace(/_/g, " ")), strata.el("td", {}, String(v)))));
 }
 
-function heat(c) {
+// The heat map's words: blue is "in the expert cache's slots", which are VRAM only on a GPU. On a CPU the slots
+// (tiered experts) are RAM, and resident experts (every expert in a slot) are all simply in RAM.
+function heatWords(c, n, onGpu) {
+  const all = c.slots_per_layer >= c.experts;
+  if (onGpu) return { hot: "in VRAM", cold: "in RAM only", note: n + " in VRAM (" + c.slots_per_layer + " slots a layer)" };
+  if (all) return { hot: "resident in RAM", cold: null, note: "all resident in RAM (a CPU run: no VRAM cache)" };
+  return { hot: "in a cache slot (RAM)", cold: "not in a slot (RAM)",
+    note: n + " in cache slots (" + c.slots_per_layer + " a layer; a CPU run: slots in RAM, no VRAM)" };
+}
+
+function heat(c, onGpu) {
   const cv = $("heat"), note = $("heat-note");
   if (!c) { note.textContent = "this model has no routed experts"; return; }
   const L = c.layers, E = c.experts, cell = Math.max(2, Math.floor((cv.clientWidth || 900) / E));
@@ -129,7 +147,11 @@ function heat(c) {
     g.fillRect(e * cell, l * cell, cell, cell);
   }
   const n = c.resident.reduce((x, y) => x + y, 0);
-  note.textContent = L + " layers × " + E + " experts, " + n + " in VRAM (" + c.slots_per_layer + " slots a layer)";
+  const w = heatWords(c, n, onGpu);
+  note.textContent = L + " layers × " + E + " experts, " + w.note;
+  $("heat-hot").textContent = w.hot + " (brighter: hotter)";
+  $("heat-cold").textContent = (w.cold || "") + " (brighter: hotter)";
+  $("heat-cold").parentElement.hidden = !w.cold;
   cv.dataset.resident = String(n);
 }
 
