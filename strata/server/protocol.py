@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 
 class APIError(Exception):
@@ -174,6 +174,13 @@ class SamplingFields(_M):
     # llama.cpp's field: this request's most draft tokens per step (n-gram drafts; 0: none), past --draft-max
     speculative_n_max: int | None = Field(default=None, ge=0, le=64, alias="speculative.n_max")
     user: str | None = None
+
+    @field_validator("seed")
+    @classmethod
+    def _random_seed(cls, v: int | None) -> int | None:
+        # llama.cpp's seed -1 (LLAMA_DEFAULT_SEED, 0xFFFFFFFF as its uint32) means "draw one": clients that send it
+        # ask for varied text, not for one fixed seed. Other negative seeds stay fixed seeds, as there
+        return None if v == -1 else v
 
 
 class ChatRequest(SamplingFields):
