@@ -2,8 +2,10 @@
 pipeline (tokens -> text -> stop strings -> reasoning / answer -> tool calls) as a stream of events.
 
 Events: ("reasoning", text), ("content", text), ("tool_call", ParsedCall), ("done", Result), and with
-`Job.logprobs` set, ("logprobs", entry) for each generated token, before the text it decodes to (which may be
-held back: a stop string or a tool-call marker is decided by later tokens).
+`Job.logprobs` set, ("logprobs", entry, offset) for each generated token, before the text it decodes to (which may
+be held back: a stop string or a tool-call marker is decided by later tokens). `offset` is how many characters the
+tokens before it decoded to: where the token's text starts in the output, or for bytes of a character that later
+tokens complete, where that character starts.
 """
 
 from __future__ import annotations
@@ -205,6 +207,7 @@ class Server:
         hangup = _Hangup(request)
         n_calls = 0
         n_tok = 0  # token events seen: the index of the next one in seq.output (and seq.token_logprobs)
+        n_chars = 0  # characters decoded so far (the legacy API's text_offset of the next token)
         done = False
 
         def pipeline(text: str, final: bool):
@@ -243,8 +246,10 @@ class Server:
                     if stops.hit or ev[1] in job.stop_ids:
                         continue
                     if job.logprobs is not None and k < len(req.seq.token_logprobs):
-                        yield ("logprobs", self.logprob_entry(ev[1], *req.seq.token_logprobs[k]))
-                    for e in pipeline(dec.put(ev[1]), False):
+                        yield ("logprobs", self.logprob_entry(ev[1], *req.seq.token_logprobs[k]), n_chars)
+                    text = dec.put(ev[1])
+                    n_chars += len(text)
+                    for e in pipeline(text, False):
                         yield e
                     if stops.hit:
                         self.worker.cancel(req, "stop")

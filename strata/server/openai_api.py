@@ -314,7 +314,7 @@ async def completions(request: Request):
     except GenerationError as e:
         raise APIError(e.status, str(e), "server_error" if e.status == 500 else "unavailable_error") from None
     choices = [{"index": i, "text": echo + "".join(c.content),
-                "logprobs": legacy_logprobs(c.logprobs if job.logprobs is not None else None, len(echo)),
+                "logprobs": legacy_logprobs(c.logprobs if job.logprobs is not None else None, c.offsets, len(echo)),
                 "finish_reason": c.result.finish_reason} for i, c in enumerate(outs)]
     res = [c.result for c in outs]
     return JSONResponse({**base, "choices": choices, "usage": usage_of(res), "timings": res[0].timings})
@@ -322,14 +322,13 @@ async def completions(request: Request):
 
 async def _completion_stream(srv, jobs: list[Job], base: dict, echo: str, include_usage: bool):
     with_lp = jobs[0].logprobs is not None
-    pending: list[list[dict]] = [[] for _ in jobs]
-    offset = [len(echo)] * len(jobs)  # text_offset runs on across a choice's chunks
+    pending: list[list[tuple[dict, int]]] = [[] for _ in jobs]  # (entry, its offset) not sent yet, per choice
 
     def chunk(i, text, finish=None, **extra):
         lp = None
         if with_lp:
-            lp, pending[i] = legacy_logprobs(pending[i], offset[i]), []
-            offset[i] += sum(len(t) for t in lp["tokens"])
+            lp = legacy_logprobs([e for e, _ in pending[i]], [o for _, o in pending[i]], len(echo))
+            pending[i] = []
         return sse({**base, "choices": [{"index": i, "text": text, "logprobs": lp, "finish_reason": finish}],
                     **extra})
 
@@ -340,7 +339,7 @@ async def _completion_stream(srv, jobs: list[Job], base: dict, echo: str, includ
                 yield sse({**base, "choices": [{"index": i, "text": echo, "logprobs": None, "finish_reason": None}]})
         async for i, ev in merged(srv, jobs):
             if ev[0] == "logprobs":
-                pending[i].append(ev[1])
+                pending[i].append((ev[1], ev[2]))
             elif ev[0] == "content":
                 yield chunk(i, ev[1])
             elif ev[0] == "done":
