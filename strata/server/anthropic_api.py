@@ -9,9 +9,10 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from strata.server.openai_api import check_model, read_json, server_of
+from strata.server.body import read_request
+from strata.server.openai_api import check_model, server_of
 from strata.server.protocol import (AOther, APIError, ARedactedThinking, AText, AThinking, AToolResult, AToolUse,
-                                    CountTokensRequest, MessagesRequest, bad_request, parse)
+                                    CountTokensRequest, MessagesRequest, bad_request)
 from strata.server.generation import GenerationError
 from strata.server.job import Job, sampling
 
@@ -130,7 +131,7 @@ async def _prompt(srv, body, tools, max_tokens: int | None = None) -> tuple[list
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(request: Request):
     srv = server_of(request)
-    body = parse(CountTokensRequest, await read_json(request))
+    body = await read_request(request, CountTokensRequest)
     check_model(request, body.model)
     check_budget(body, None)
     ids, _ = await _prompt(srv, body, _tools(body))
@@ -140,7 +141,7 @@ async def count_tokens(request: Request):
 @router.post("/v1/messages")
 async def messages(request: Request):
     srv = server_of(request)
-    body = parse(MessagesRequest, await read_json(request))
+    body = await read_request(request, MessagesRequest)
     check_model(request, body.model)
     check_budget(body, body.max_tokens)
     tools = _tools(body)

@@ -10,23 +10,14 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from strata.server.body import decode_json
+from strata.server.body import read_request
 from strata.server.choices import chat_logprobs, check_n, legacy_logprobs, merged, run_all, usage_of
-from strata.server.protocol import (APIError, ChatRequest, CompletionRequest, OtherPart, RefusalPart, bad_request,
-                                    parse)
+from strata.server.protocol import APIError, ChatRequest, CompletionRequest, OtherPart, RefusalPart, bad_request
 from strata.server.generation import GenerationError, Result
 from strata.server.job import Job, parse_arguments, sampling, stop_list
 
 router = APIRouter()
 FINGERPRINT = "strata"
-
-
-async def read_json(request: Request):
-    raw = await request.body()
-    try:
-        return decode_json(raw)
-    except (ValueError, RecursionError):
-        raise bad_request("the request body is not valid JSON") from None
 
 
 def server_of(request: Request):
@@ -192,7 +183,7 @@ def _call_json(c, index: int) -> dict:
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request):
     srv = server_of(request)
-    body = parse(ChatRequest, await read_json(request))
+    body = await read_request(request, ChatRequest)
     check_model(request, body.model)
     n = check_n(srv, body.n)
     jobs = (await prepare_chat(srv, body)).copies(n)
@@ -282,12 +273,15 @@ async def prepare_completion(srv, body: CompletionRequest) -> tuple[Job, str]:
     if isinstance(p, str):
         srv.check_size(p, asked)
         ids = await asyncio.to_thread(srv.tok.encode, p)
+        max_tokens = srv.max_tokens(len(ids), asked)
         text = p
     else:
+        # the length first: ids that cannot fit are refused before a walk over millions of them
+        max_tokens = srv.max_tokens(len(p), asked)
         if any(not 0 <= t < srv.vocab_size for t in p):
             raise bad_request(f"prompt: token ids must be in 0..{srv.vocab_size - 1}")
-        ids, text = list(p), srv.tok.decode(p)
-    max_tokens = srv.max_tokens(len(ids), asked)
+        ids = list(p)
+        text = srv.tok.decode(p) if body.echo else ""
     grammar, what = constraint(srv, body)
     job = Job(ids, sampling(body), max_tokens, srv.stop_ids(body.ignore_eos), draft_max=body.speculative_n_max,
               logprobs=body.logprobs, stop=stop_list(body.stop), logit_bias=body.logit_bias, grammar=grammar,
@@ -298,7 +292,7 @@ async def prepare_completion(srv, body: CompletionRequest) -> tuple[Job, str]:
 @router.post("/v1/completions")
 async def completions(request: Request):
     srv = server_of(request)
-    body = parse(CompletionRequest, await read_json(request))
+    body = await read_request(request, CompletionRequest)
     check_model(request, body.model)
     n = check_n(srv, body.n)
     job, echo = await prepare_completion(srv, body)
