@@ -12,7 +12,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from strata.server.body import read_request
 from strata.server.choices import chat_logprobs, check_n, legacy_logprobs, merged, run_all, usage_of
-from strata.server.protocol import APIError, ChatRequest, CompletionRequest, OtherPart, RefusalPart, bad_request
+from strata.server.protocol import (APIError, ChatRequest, CompletionRequest, OtherPart, RefusalPart, bad_request,
+                                    no_limit)
 from strata.server.generation import GenerationError, Result
 from strata.server.job import Job, parse_arguments, sampling, stop_list
 
@@ -157,7 +158,7 @@ async def prepare_chat(srv, body: ChatRequest) -> Job:
         raise bad_request("continue_final_message needs the last message to be an assistant message")
     msgs = chat_messages(body)
     text = await asyncio.to_thread(srv.render, msgs, use_tools, thinking, cont, body.add_generation_prompt is not False)
-    asked = body.max_completion_tokens or body.max_tokens
+    asked = no_limit(body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens)
     srv.check_size(text, asked)
     ids = await asyncio.to_thread(srv.encode_chat, text)
     max_tokens = srv.max_tokens(len(ids), asked)
@@ -269,7 +270,7 @@ async def prepare_completion(srv, body: CompletionRequest) -> tuple[Job, str]:
         if len(p) != 1:
             raise bad_request("prompt: one prompt per request")
         p = p[0]
-    asked = body.max_tokens if body.max_tokens is not None else 16
+    asked = no_limit(body.max_tokens) if body.max_tokens is not None else 16  # (OpenAI's default for completions)
     if isinstance(p, str):
         srv.check_size(p, asked)
         ids = await asyncio.to_thread(srv.tok.encode, p)

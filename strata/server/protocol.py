@@ -7,9 +7,9 @@ OpenAI's error body; nothing a client sends may reach the engine unchecked.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 
 class APIError(Exception):
@@ -59,6 +59,25 @@ def parse(model: type[BaseModel], body: Any) -> Any:
             parts.append(f"{loc}: {err.get('msg', 'invalid')}")
         more = f" (and {len(errs) - 3} more)" if len(errs) > 3 else ""
         raise bad_request("; ".join(parts) + more) from None
+
+
+def _top_k_off(v: int | None) -> int | None:
+    return v if v is None or v > 0 else 0  # the engine's "no top-k"
+
+
+def _no_zero(v: int | None) -> int | None:
+    if v == 0:  # (OpenAI refuses it too: a reply of no tokens is no reply)
+        raise ValueError("must be at least 1, or -1 for as many as the context leaves")
+    return v
+
+
+TopK = Annotated[Union[int, None], AfterValidator(_top_k_off)]
+MaxTokens = Annotated[Union[int, None], Field(ge=-1), AfterValidator(_no_zero)]
+
+
+def no_limit(v: int | None) -> int | None:
+    """A max_tokens as the server reads it: -1 (as many as the context leaves) is the same as none."""
+    return None if v == -1 else v
 
 
 class _M(BaseModel):
@@ -150,10 +169,10 @@ class SamplingFields(_M):
     """Sampling fields shared by /v1/chat/completions and /v1/completions (OpenAI's plus llama.cpp's)."""
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: MaxTokens = None  # -1: up to the context (llama.cpp's n_predict -1)
     temperature: Float | None = Field(default=None, ge=0, le=100)
     top_p: Float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=0)
+    top_k: TopK = None  # 0 or less: off (vLLM's -1, llama.cpp's 0)
     min_p: Float | None = Field(default=None, ge=0, le=1)
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)  # what torch.Generator takes
     presence_penalty: Float | None = Field(default=None, ge=-2, le=2)
@@ -185,7 +204,7 @@ class SamplingFields(_M):
 
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: MaxTokens = None
     tools: list[Tool] | None = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: bool | None = None
@@ -281,7 +300,7 @@ class MessagesRequest(_M):
     stop_sequences: list[str] | None = None
     temperature: Float | None = Field(default=None, ge=0, le=1)
     top_p: Float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=0)
+    top_k: TopK = None
     stream: bool = False
     tools: list[ATool] | None = None
     tool_choice: AToolChoice | None = None

@@ -50,3 +50,42 @@ def test_cli_seed_minus_one_is_random():
     assert sampling_from_args(p.parse_args(["--seed", "-1"])).seed is None
     assert sampling_from_args(p.parse_args(["--seed", "5"])).seed == 5
     assert sampling_from_args(p.parse_args([])).seed is None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# "off" as other servers spell it: top_k -1 (vLLM), max_tokens -1 (llama.cpp's n_predict)
+
+
+def test_top_k_zero_or_less_is_off(server, oai):
+    kw = dict(model="tiny", messages=MSG, max_tokens=6, temperature=1.0, seed=5)
+    off = oai.chat.completions.create(**kw, extra_body={"top_k": 0}).choices[0].message.content
+    assert oai.chat.completions.create(**kw, extra_body={"top_k": -1}).choices[0].message.content == off
+    r = _http.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2, "top_k": -1})
+    assert r.status_code == 200, r.text
+    r = _http.post(server.url + "/v1/messages", json={"max_tokens": 2, "top_k": -1,
+                                                      "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200, r.text
+
+
+def test_max_tokens_minus_one_is_up_to_the_context(server):
+    ctx = server.state.server.ctx
+    for path, body in [("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", {"messages": MSG}),
+                       ("/v1/chat/completions", {"messages": MSG, "max_completion_tokens": -1})]:
+        r = _http.post(server.url + path, json={"max_tokens": -1, "temperature": 0, "ignore_eos": True, **body})
+        assert r.status_code == 200, r.text
+        out = r.json()
+        u = out["usage"]
+        assert out["choices"][0]["finish_reason"] == "length"
+        assert u["prompt_tokens"] + u["completion_tokens"] == ctx, u
+
+
+@pytest.mark.parametrize("path,body,fragment", [
+    ("/v1/chat/completions", {"messages": MSG, "max_tokens": 0}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": MSG, "max_completion_tokens": 0}, "max_completion_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": -2}, "max_tokens"),
+    ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
+])
+def test_max_tokens_zero_is_still_400(server, path, body, fragment):
+    r = _http.post(server.url + path, json=body)
+    assert r.status_code == 400 and fragment in r.json()["error"]["message"], r.text
