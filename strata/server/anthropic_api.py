@@ -119,12 +119,12 @@ def check_budget(body, max_tokens: int | None) -> None:
         raise bad_request(f"thinking.budget_tokens ({t.budget_tokens}) must be less than max_tokens ({max_tokens})")
 
 
-async def _prompt(srv, body, tools, max_tokens: int | None = None) -> tuple[list[int], str]:
+async def _prompt(srv, body, tools, generates: bool = False) -> tuple[list[int], str]:
     # a final assistant message is a prefill: the reply continues it (and holds only the new text)
     prefill = body.messages[-1].role == "assistant"
     text = await asyncio.to_thread(srv.render, to_chat(body), tools, _thinking(body), prefill)
-    if max_tokens is not None:
-        srv.check_size(text, max_tokens)
+    if generates:  # (count_tokens counts a prompt of any size)
+        srv.check_size(text)
     return await asyncio.to_thread(srv.encode_chat, text), text
 
 
@@ -152,7 +152,7 @@ async def messages(request: Request):
         if tc.type == "tool" and not tc.name:
             raise bad_request("tool_choice 'tool' needs the name of a tool")
     use_tools = tools if not (tc and tc.type == "none") else None
-    ids, text = await _prompt(srv, body, use_tools, body.max_tokens)
+    ids, text = await _prompt(srv, body, use_tools, True)
     max_tokens = srv.max_tokens(len(ids), body.max_tokens)
     grammar = None
     if use_tools and tc is not None and tc.type in ("any", "tool"):

@@ -159,7 +159,7 @@ async def prepare_chat(srv, body: ChatRequest) -> Job:
     msgs = chat_messages(body)
     text = await asyncio.to_thread(srv.render, msgs, use_tools, thinking, cont, body.add_generation_prompt is not False)
     asked = no_limit(body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens)
-    srv.check_size(text, asked)
+    srv.check_size(text)
     ids = await asyncio.to_thread(srv.encode_chat, text)
     max_tokens = srv.max_tokens(len(ids), asked)
     grammar, what = None, "the output grammar"
@@ -272,7 +272,7 @@ async def prepare_completion(srv, body: CompletionRequest) -> tuple[Job, str]:
         p = p[0]
     asked = no_limit(body.max_tokens) if body.max_tokens is not None else 16  # (OpenAI's default for completions)
     if isinstance(p, str):
-        srv.check_size(p, asked)
+        srv.check_size(p)
         ids = await asyncio.to_thread(srv.tok.encode, p)
         max_tokens = srv.max_tokens(len(ids), asked)
         text = p

@@ -193,8 +193,9 @@ def request(model: type[BaseModel], mode: str, overrides: dict[str, st.SearchStr
 
 
 def cheapen(b: Any, generates: bool) -> Any:
-    """A body that would be served in full generates at most a few tokens: without max_tokens a chat request may
-    generate a context's worth, and pydantic's lax mode reads 50.0 or "50" as an int."""
+    """A body that would be served in full generates at most a few tokens: without max_tokens (or with -1, or more
+    than the context leaves: generation stops at its end) a request may generate a context's worth, and pydantic's
+    lax mode reads 50.0 or "50" as an int."""
     if not generates or not isinstance(b, dict):
         return b
     present = [k for k in CHEAP_TOKENS if b.get(k) is not None]
@@ -203,9 +204,12 @@ def cheapen(b: Any, generates: bool) -> Any:
     for k in present:
         v = b[k]
         try:
-            n = int(float(v)) if isinstance(v, (int, float, str)) and not isinstance(v, bool) else None
+            if isinstance(v, bool):
+                n = None
+            else:  # (an int as it is: float() of one past 1e308 overflows)
+                n = v if isinstance(v, int) else int(float(v)) if isinstance(v, (float, str)) else None
         except (ValueError, OverflowError):
             n = None
-        if n is not None and MAX_CHEAP < n < 10**7:
+        if n is not None and (MAX_CHEAP < n or n == -1):
             b[k] = MAX_CHEAP
     return b

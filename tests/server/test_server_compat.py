@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 import httpx
 import openai
@@ -89,3 +90,64 @@ def test_max_tokens_minus_one_is_up_to_the_context(server):
 def test_max_tokens_zero_is_still_400(server, path, body, fragment):
     r = _http.post(server.url + path, json=body)
     assert r.status_code == 400 and fragment in r.json()["error"]["message"], r.text
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# max_tokens past the context: generation stops at the context's end (llama.cpp), the prompt is never cut
+
+
+def test_max_tokens_past_the_context_stops_at_its_end(server, oai):
+    import anthropic
+
+    ctx = server.state.server.ctx
+    r = oai.chat.completions.create(model="tiny", messages=MSG, max_tokens=99_999_999, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens + r.usage.completion_tokens == ctx
+    r = oai.completions.create(model="tiny", prompt="Once", max_tokens=32000, temperature=0,
+                               extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length" and r.usage.total_tokens == ctx
+    # Claude Code's default max_tokens, against a context far smaller: stop_reason max_tokens at the context's end
+    a = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+    m = a.messages.create(model="tiny", max_tokens=32000, messages=MSG, extra_body={"temperature": 0})
+    assert m.stop_reason in ("max_tokens", "end_turn")
+    if m.stop_reason == "max_tokens":
+        assert m.usage.input_tokens + m.usage.cache_read_input_tokens + m.usage.output_tokens == ctx
+    with a.messages.stream(model="tiny", max_tokens=32000, messages=MSG, extra_body={"temperature": 0}) as s:
+        final = s.get_final_message()
+    assert final.stop_reason == m.stop_reason
+    assert [b.text for b in final.content] == [b.text for b in m.content]
+
+
+def test_n_choices_each_stop_at_their_slots_context_end(server):
+    ctx = server.state.server.ctx
+    for stream in (False, True):
+        r = _http.post(server.url + "/v1/chat/completions", json={
+            "messages": MSG, "max_tokens": 10 * ctx, "n": 2, "temperature": 1.0, "ignore_eos": True,
+            "stream": stream, "stream_options": {"include_usage": True} if stream else None})
+        assert r.status_code == 200, r.text
+        if stream:
+            chunks = [json.loads(x[6:]) for x in r.text.split("\n\n") if x.startswith("data: {")]
+            reasons = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]
+                       and c["choices"][0]["finish_reason"]]
+            usage = chunks[-1]["usage"]
+        else:
+            reasons = [c["finish_reason"] for c in r.json()["choices"]]
+            usage = r.json()["usage"]
+        assert reasons == ["length", "length"]
+        assert usage["completion_tokens"] == 2 * (ctx - usage["prompt_tokens"]), usage
+
+
+def test_a_prompt_that_fills_the_context_is_still_400(server, lm):
+    ctx = server.state.server.ctx
+    ids = lm.tokenizer.encode("hello world " * ctx, add_special=False)[:ctx]
+    for body in ({"prompt": ids}, {"prompt": ids, "max_tokens": 4}, {"prompt": ids, "max_tokens": -1}):
+        r = _http.post(server.url + "/v1/completions", json=body)
+        assert r.status_code == 400 and f"does not fit the context of {ctx}" in r.json()["error"]["message"], r.text
+    # one token short of the context: one token generated
+    r = _http.post(server.url + "/v1/completions", json={"prompt": ids[:-1], "max_tokens": 100, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1, r.text
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+    r = _http.post(server.url + "/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hello world " * ctx}], "max_tokens": 4})
+    assert r.status_code == 400 and "context" in r.json()["error"]["message"], r.text
