@@ -12,8 +12,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from strata.server.body import read_request
 from strata.server.choices import chat_logprobs, check_n, legacy_logprobs, merged, run_all, usage_of
-from strata.server.protocol import (APIError, ChatRequest, CompletionRequest, OtherPart, RefusalPart, bad_request,
-                                    no_limit)
+from strata.server.protocol import (GET_HEAD, APIError, ChatRequest, CompletionRequest, OtherPart, RefusalPart,
+                                    bad_request, no_limit)
 from strata.server.generation import GenerationError, Result
 from strata.server.job import Job, parse_arguments, sampling, stop_list
 
@@ -358,13 +358,13 @@ def model_card(request: Request, name: str | None = None) -> dict:
             "meta": st.model_meta}
 
 
-@router.get("/v1/models")
+@router.api_route("/v1/models", methods=GET_HEAD)
 async def models(request: Request):
     # the aliases listed as models of their own (as vLLM lists each --served-model-name): a client picks from here
     return {"object": "list", "data": [model_card(request, n) for n in _names(request.app.state)]}
 
 
-@router.get("/v1/models/{name:path}")
+@router.api_route("/v1/models/{name:path}", methods=GET_HEAD)
 async def model(name: str, request: Request):
     check_model(request, name)
     return model_card(request, name)

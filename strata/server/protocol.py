@@ -41,6 +41,11 @@ def error_body(path: str, type_: str, message: str, code: str | None = None) -> 
     return {"error": {"type": type_, "message": message, "code": code, "param": None}}
 
 
+# the methods of a route that reads: HEAD is GET without the body (uvicorn leaves it out), what health checkers
+# and `curl -I` send; FastAPI answers a route only on the methods it is declared with
+GET_HEAD = ("GET", "HEAD")
+
+
 def bad_request(message: str) -> APIError:
     return APIError(400, message)
 

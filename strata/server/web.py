@@ -17,7 +17,7 @@ from pathlib import Path
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 
-from strata.server.protocol import APIError
+from strata.server.protocol import GET_HEAD, APIError
 
 WEB = Path(__file__).resolve().parent / "web"
 PERIOD_S = 1.0  # monitor snapshots per second: bounded whatever the page asks
@@ -38,17 +38,17 @@ def _file(name: str):
     return FileResponse(path, media_type=TYPES[path.suffix], headers={"Cache-Control": "no-cache"})
 
 
-@router.get("/", include_in_schema=False)
+@router.api_route("/", methods=GET_HEAD, include_in_schema=False)
 async def chat_page():
     return _file("index.html")
 
 
-@router.get("/monitor", include_in_schema=False)
+@router.api_route("/monitor", methods=GET_HEAD, include_in_schema=False)
 async def monitor_page():
     return _file("monitor.html")
 
 
-@router.get("/web/{name}", include_in_schema=False)
+@router.api_route("/web/{name}", methods=GET_HEAD, include_in_schema=False)
 async def web_file(name: str):
     return _file(name)
 
