@@ -33,3 +33,22 @@ def test_head_elsewhere(server, lm):
         assert _http.head(s.url + "/").status_code == 200
         assert _http.head(s.url + "/metrics").status_code == 401
         assert _http.head(s.url + "/metrics", headers={"Authorization": "Bearer k"}).status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/", "/monitor", "/web/chat.js"])
+def test_web_files_are_revalidated(server, path):
+    first = _http.get(server.url + path)
+    etag, modified = first.headers["etag"], first.headers["last-modified"]
+    assert first.status_code == 200 and first.content
+    for headers in ({"If-None-Match": etag}, {"If-None-Match": f'"other", W/{etag}'}, {"If-None-Match": "*"},
+                    {"If-Modified-Since": modified}, {"If-Modified-Since": "Fri, 01 Jan 2100 00:00:00 GMT"}):
+        r = _http.get(server.url + path, headers=headers)
+        assert r.status_code == 304 and r.content == b"", (headers, r.status_code)
+        assert r.headers["etag"] == etag and r.headers["cache-control"] == "no-cache"
+        assert _http.head(server.url + path, headers=headers).status_code == 304
+    for headers in ({"If-None-Match": '"other"'}, {"If-Modified-Since": "Thu, 01 Jan 1998 00:00:00 GMT"},
+                    {"If-Modified-Since": "not a date"},
+                    # If-None-Match wins over If-Modified-Since (RFC 9110)
+                    {"If-None-Match": '"other"', "If-Modified-Since": modified}):
+        r = _http.get(server.url + path, headers=headers)
+        assert r.status_code == 200 and r.content == first.content, headers
