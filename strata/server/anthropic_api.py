@@ -142,7 +142,7 @@ async def count_tokens(request: Request):
 async def messages(request: Request):
     srv = server_of(request)
     body = await read_request(request, MessagesRequest)
-    check_model(request, body.model)
+    name = check_model(request, body.model)
     check_budget(body, body.max_tokens)
     tools = _tools(body)
     tc = body.tool_choice
@@ -168,7 +168,7 @@ async def messages(request: Request):
     job = await asyncio.to_thread(srv.finish_job, job)
     mid = "msg_" + uuid.uuid4().hex[:24]
     if body.stream:
-        return StreamingResponse(_stream(srv, job, mid), media_type="text/event-stream",
+        return StreamingResponse(_stream(srv, job, mid, name), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
     blocks, res = [], None
     try:
@@ -195,7 +195,7 @@ async def messages(request: Request):
         if b["type"] == "thinking":
             b["thinking"] = b["thinking"].rstrip("\n")
     return JSONResponse({
-        "id": mid, "type": "message", "role": "assistant", "model": srv.model_id, "content": blocks,
+        "id": mid, "type": "message", "role": "assistant", "model": name, "content": blocks,
         "stop_reason": "stop_sequence" if res.stop_word else STOP_REASON.get(res.finish_reason, "end_turn"),
         "stop_sequence": res.stop_word, "usage": _usage(res), "timings": res.timings,
     })
@@ -210,10 +210,10 @@ def _ev(name: str, data: dict) -> str:
     return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-async def _stream(srv, job: Job, mid: str):
+async def _stream(srv, job: Job, mid: str, name: str):
     n_prompt = len(job.prompt)
     yield _ev("message_start", {"type": "message_start", "message": {
-        "id": mid, "type": "message", "role": "assistant", "model": srv.model_id, "content": [],
+        "id": mid, "type": "message", "role": "assistant", "model": name, "content": [],
         "stop_reason": None, "stop_sequence": None,
         "usage": {"input_tokens": n_prompt, "output_tokens": 0, "cache_read_input_tokens": 0,
                   "cache_creation_input_tokens": 0}}})

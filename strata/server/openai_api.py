@@ -28,11 +28,18 @@ def server_of(request: Request):
     return srv
 
 
-def check_model(request: Request, name: str | None) -> None:
-    if name is not None and name not in request.app.state.model_names:
-        names = ", ".join(repr(n) for n in _names(request.app.state))
+def check_model(request: Request, name: str | None) -> str:
+    """The model name a reply carries: the one the request named (the model's id or an --alias, echoed as
+    llama.cpp echoes it: a client that asked for "gpt-4o" may check it got "gpt-4o"), else the model's id. A
+    name the server does not answer to is a 404."""
+    st = request.app.state
+    if name is None:
+        return st.model_id
+    if name not in st.model_names:
+        names = ", ".join(repr(n) for n in _names(st))
         raise APIError(404, f"model {name!r} not found (this server serves {names})", "not_found_error",
                        "model_not_found")
+    return name
 
 
 def _names(st) -> list[str]:
@@ -185,11 +192,11 @@ def _call_json(c, index: int) -> dict:
 async def chat_completions(request: Request):
     srv = server_of(request)
     body = await read_request(request, ChatRequest)
-    check_model(request, body.model)
+    name = check_model(request, body.model)
     n = check_n(srv, body.n)
     jobs = (await prepare_chat(srv, body)).copies(n)
     cid, created = "chatcmpl-" + uuid.uuid4().hex[:24], int(time.time())
-    base = {"id": cid, "created": created, "model": srv.model_id, "system_fingerprint": FINGERPRINT}
+    base = {"id": cid, "created": created, "model": name, "system_fingerprint": FINGERPRINT}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(_chat_stream(srv, jobs, base, include_usage), media_type="text/event-stream",
@@ -294,12 +301,12 @@ async def prepare_completion(srv, body: CompletionRequest) -> tuple[Job, str]:
 async def completions(request: Request):
     srv = server_of(request)
     body = await read_request(request, CompletionRequest)
-    check_model(request, body.model)
+    name = check_model(request, body.model)
     n = check_n(srv, body.n)
     job, echo = await prepare_completion(srv, body)
     jobs = job.copies(n)
     base = {"id": "cmpl-" + uuid.uuid4().hex[:24], "object": "text_completion", "created": int(time.time()),
-            "model": srv.model_id, "system_fingerprint": FINGERPRINT}
+            "model": name, "system_fingerprint": FINGERPRINT}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(_completion_stream(srv, jobs, base, echo, include_usage),

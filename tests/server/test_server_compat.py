@@ -9,6 +9,8 @@ import httpx
 import openai
 import pytest
 
+from .conftest import serve
+
 MSG = [{"role": "user", "content": "What is the weather in Paris?"}]
 _http = httpx.Client(timeout=120)
 
@@ -151,3 +153,30 @@ def test_a_prompt_that_fills_the_context_is_still_400(server, lm):
     r = _http.post(server.url + "/v1/chat/completions", json={
         "messages": [{"role": "user", "content": "hello world " * ctx}], "max_tokens": 4})
     assert r.status_code == 400 and "context" in r.json()["error"]["message"], r.text
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the model a reply names: the one the request named (an --alias included), as llama.cpp echoes it
+
+
+def test_replies_name_the_model_the_request_named(lm):
+    import anthropic
+
+    with serve(lm, parallel=1, aliases=["gpt-4o", "claude-sonnet-4-5"]) as s:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
+        a = anthropic.Anthropic(base_url=s.url, api_key="x", max_retries=0)
+        for name in ("gpt-4o", "tiny"):
+            assert c.chat.completions.create(model=name, messages=MSG, max_tokens=2).model == name
+            chunks = list(c.chat.completions.create(model=name, messages=MSG, max_tokens=2, stream=True))
+            assert {x.model for x in chunks} == {name}
+            assert c.completions.create(model=name, prompt="x", max_tokens=2).model == name
+            assert {x.model for x in c.completions.create(model=name, prompt="x", max_tokens=2, stream=True)} == {name}
+        for name in ("claude-sonnet-4-5", "tiny"):
+            assert a.messages.create(model=name, messages=MSG, max_tokens=2).model == name
+            with a.messages.stream(model=name, messages=MSG, max_tokens=2) as st:
+                assert st.get_final_message().model == name
+        # no model named: the model's id
+        r = _http.post(s.url + "/v1/chat/completions", json={"messages": MSG, "max_tokens": 2})
+        assert r.json()["model"] == "tiny"
+        r = _http.post(s.url + "/v1/messages", json={"messages": MSG, "max_tokens": 2})
+        assert r.json()["model"] == "tiny"
