@@ -1,7 +1,8 @@
 """Request bodies of the OpenAI and Anthropic APIs as pydantic models, and the one error type the server answers.
 
-Validation is strict about what the server uses (types, ranges, roles) and ignores fields it does not know, the
-way OpenAI-compatible servers do, so that newer clients keep working. Every rejection becomes a 400 with
+Validation is strict about what the server uses (types, ranges, roles: pydantic's strict mode, so "5" is no
+integer and "yes" no boolean, as OpenAI and Anthropic answer) and ignores fields it does not know, the way
+OpenAI-compatible servers do, so that newer clients keep working. Every rejection becomes a 400 with
 OpenAI's error body; nothing a client sends may reach the engine unchecked.
 """
 
@@ -9,7 +10,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator,
+                      model_validator)
 
 
 class APIError(Exception):
@@ -86,7 +88,9 @@ def no_limit(v: int | None) -> int | None:
 
 
 class _M(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict, as OpenAI and Anthropic are: "stream": "yes", "max_tokens": "5" or 5.0 and a prompt of [true] are
+    # 400s, not read as what they might mean (pydantic's lax mode would take them). A float field takes an int
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 Float = Union[float, int]
@@ -131,6 +135,15 @@ class ChatMessage(_M):
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
+
+    @model_validator(mode="after")
+    def _has_content(self) -> "ChatMessage":
+        # OpenAI leaves content out (or null) only in an assistant message that makes tool calls: anything else
+        # without it is a mistake in the client, better refused than rendered as an empty turn
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content (only an assistant message with tool_calls may "
+                             "leave it out)")
+        return self
 
 
 class FunctionDef(_M):

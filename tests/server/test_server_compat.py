@@ -180,3 +180,49 @@ def test_replies_name_the_model_the_request_named(lm):
         assert r.json()["model"] == "tiny"
         r = _http.post(s.url + "/v1/messages", json={"messages": MSG, "max_tokens": 2})
         assert r.json()["model"] == "tiny"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# strict types, as OpenAI and Anthropic check them
+
+
+_USER = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("path,body,fragment", [
+    ("/v1/chat/completions", {"messages": _USER, "stream": "yes"}, "stream"),
+    ("/v1/chat/completions", {"messages": _USER, "max_tokens": "5"}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": _USER, "max_tokens": 5.0}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": _USER, "temperature": "0.5"}, "temperature"),
+    ("/v1/chat/completions", {"messages": _USER, "temperature": True}, "temperature"),
+    ("/v1/chat/completions", {"messages": _USER, "logprobs": 1}, "logprobs"),
+    ("/v1/chat/completions", {"messages": _USER, "n": True}, "n"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "needs content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, "needs content"),
+    ("/v1/chat/completions", {"messages": [*_USER, {"role": "assistant"}]}, "needs content"),
+    ("/v1/chat/completions", {"messages": [{"role": "system"}, *_USER]}, "needs content"),
+    ("/v1/completions", {"prompt": [True]}, "prompt"),
+    ("/v1/completions", {"prompt": [1.0, 2.0]}, "prompt"),
+    ("/v1/completions", {"prompt": "x", "echo": "true"}, "echo"),
+    ("/v1/completions", {"prompt": "x", "seed": "7"}, "seed"),
+    ("/v1/messages", {"messages": _USER, "max_tokens": "5"}, "max_tokens"),
+    ("/v1/messages", {"messages": _USER, "max_tokens": 5, "stream": 1}, "stream"),
+    ("/v1/messages", {"messages": [{"role": "user", "content": 5}], "max_tokens": 5}, "content"),
+])
+def test_loose_types_are_400(server, path, body, fragment):
+    r = _http.post(server.url + path, json=body)
+    assert r.status_code == 400, r.text
+    assert fragment in r.json()["error"]["message"], r.json()
+
+
+def test_content_may_be_left_out_with_tool_calls(server):
+    calls = [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    for assistant in ({"role": "assistant", "tool_calls": calls}, {"role": "assistant", "content": None,
+                                                                   "tool_calls": calls}):
+        r = _http.post(server.url + "/v1/chat/completions", json={"max_tokens": 1, "messages": [
+            *_USER, assistant, {"role": "tool", "tool_call_id": "call_1", "content": "ok"}]})
+        assert r.status_code == 200, r.text
+    # proper JSON types, an int where a float goes included
+    r = _http.post(server.url + "/v1/chat/completions", json={"messages": _USER, "max_tokens": 1, "temperature": 1,
+                                                              "top_p": 1, "stream": False, "logprobs": False})
+    assert r.status_code == 200, r.text
