@@ -103,7 +103,8 @@ def sampling_from_args(args):
 
     return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                           repetition_penalty=args.repeat_penalty, presence_penalty=args.presence_penalty,
-                          frequency_penalty=args.frequency_penalty, seed=args.seed)
+                          frequency_penalty=args.frequency_penalty,
+                          seed=None if args.seed == -1 else args.seed)  # -1: a random seed, as llama.cpp's --seed
 
 
 GENERATE_N, CHAT_N = 128, 512  # tokens generated when -n is not given (fewer where the context ends sooner)
@@ -123,7 +124,7 @@ def _add_sampling(p):
     p.add_argument("--repeat-penalty", type=float, default=d.repetition_penalty)
     p.add_argument("--presence-penalty", type=float, default=d.presence_penalty)
     p.add_argument("--frequency-penalty", type=float, default=d.frequency_penalty)
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--seed", type=int, default=d.seed, help="sampling seed (-1 or unset: a random one)")
 
 
 def check_run_args(args) -> None:

@@ -9,9 +9,10 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from strata.server.openai_api import check_model, read_json, server_of
+from strata.server.body import read_request
+from strata.server.openai_api import check_model, server_of
 from strata.server.protocol import (AOther, APIError, ARedactedThinking, AText, AThinking, AToolResult, AToolUse,
-                                    CountTokensRequest, MessagesRequest, bad_request, parse)
+                                    CountTokensRequest, MessagesRequest, bad_request)
 from strata.server.generation import GenerationError
 from strata.server.job import Job, sampling
 
@@ -118,19 +119,19 @@ def check_budget(body, max_tokens: int | None) -> None:
         raise bad_request(f"thinking.budget_tokens ({t.budget_tokens}) must be less than max_tokens ({max_tokens})")
 
 
-async def _prompt(srv, body, tools, max_tokens: int | None = None) -> tuple[list[int], str]:
+async def _prompt(srv, body, tools, generates: bool = False) -> tuple[list[int], str]:
     # a final assistant message is a prefill: the reply continues it (and holds only the new text)
     prefill = body.messages[-1].role == "assistant"
     text = await asyncio.to_thread(srv.render, to_chat(body), tools, _thinking(body), prefill)
-    if max_tokens is not None:
-        srv.check_size(text, max_tokens)
+    if generates:  # (count_tokens counts a prompt of any size)
+        srv.check_size(text)
     return await asyncio.to_thread(srv.encode_chat, text), text
 
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(request: Request):
     srv = server_of(request)
-    body = parse(CountTokensRequest, await read_json(request))
+    body = await read_request(request, CountTokensRequest)
     check_model(request, body.model)
     check_budget(body, None)
     ids, _ = await _prompt(srv, body, _tools(body))
@@ -140,8 +141,8 @@ async def count_tokens(request: Request):
 @router.post("/v1/messages")
 async def messages(request: Request):
     srv = server_of(request)
-    body = parse(MessagesRequest, await read_json(request))
-    check_model(request, body.model)
+    body = await read_request(request, MessagesRequest)
+    name = check_model(request, body.model)
     check_budget(body, body.max_tokens)
     tools = _tools(body)
     tc = body.tool_choice
@@ -151,7 +152,7 @@ async def messages(request: Request):
         if tc.type == "tool" and not tc.name:
             raise bad_request("tool_choice 'tool' needs the name of a tool")
     use_tools = tools if not (tc and tc.type == "none") else None
-    ids, text = await _prompt(srv, body, use_tools, body.max_tokens)
+    ids, text = await _prompt(srv, body, use_tools, True)
     max_tokens = srv.max_tokens(len(ids), body.max_tokens)
     grammar = None
     if use_tools and tc is not None and tc.type in ("any", "tool"):
@@ -167,7 +168,7 @@ async def messages(request: Request):
     job = await asyncio.to_thread(srv.finish_job, job)
     mid = "msg_" + uuid.uuid4().hex[:24]
     if body.stream:
-        return StreamingResponse(_stream(srv, job, mid), media_type="text/event-stream",
+        return StreamingResponse(_stream(srv, job, mid, name), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
     blocks, res = [], None
     try:
@@ -194,7 +195,7 @@ async def messages(request: Request):
         if b["type"] == "thinking":
             b["thinking"] = b["thinking"].rstrip("\n")
     return JSONResponse({
-        "id": mid, "type": "message", "role": "assistant", "model": srv.model_id, "content": blocks,
+        "id": mid, "type": "message", "role": "assistant", "model": name, "content": blocks,
         "stop_reason": "stop_sequence" if res.stop_word else STOP_REASON.get(res.finish_reason, "end_turn"),
         "stop_sequence": res.stop_word, "usage": _usage(res), "timings": res.timings,
     })
@@ -209,10 +210,10 @@ def _ev(name: str, data: dict) -> str:
     return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-async def _stream(srv, job: Job, mid: str):
+async def _stream(srv, job: Job, mid: str, name: str):
     n_prompt = len(job.prompt)
     yield _ev("message_start", {"type": "message_start", "message": {
-        "id": mid, "type": "message", "role": "assistant", "model": srv.model_id, "content": [],
+        "id": mid, "type": "message", "role": "assistant", "model": name, "content": [],
         "stop_reason": None, "stop_sequence": None,
         "usage": {"input_tokens": n_prompt, "output_tokens": 0, "cache_read_input_tokens": 0,
                   "cache_creation_input_tokens": 0}}})

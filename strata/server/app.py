@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from strata import __version__
-from strata.server.protocol import APIError
+from strata.server.protocol import GET_HEAD, APIError
 
 log = logging.getLogger("strata.server")
 
@@ -309,7 +309,7 @@ def _routes(app: FastAPI) -> None:
         log.exception("unhandled error on %s", request.url.path)
         return _error(500, f"internal error: {type(e).__name__}", "server_error", request.url.path)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=GET_HEAD)
     async def health(request: Request):
         st = request.app.state
         if st.server is None:
@@ -323,7 +323,7 @@ def _routes(app: FastAPI) -> None:
         return {"status": "ok", "model": st.model_id, "slots_idle": len(w.engine.free_slots),
                 "slots_processing": w.n_running, "requests_waiting": w.n_waiting}
 
-    @app.get("/props")
+    @app.api_route("/props", methods=GET_HEAD)
     async def props(request: Request):
         from strata.server.openai_api import server_of
 
@@ -352,13 +352,13 @@ def _routes(app: FastAPI) -> None:
             "decode_steps": _decode_steps(srv.worker.engine),
         }
 
-    @app.get("/slots")
+    @app.api_route("/slots", methods=GET_HEAD)
     async def slots(request: Request):
         from strata.server.openai_api import server_of
 
         return server_of(request).worker.slots()
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=GET_HEAD)
     async def metrics(request: Request):
         m = request.app.state.metrics
         if request.query_params.get("format") == "json" or "application/json" in request.headers.get("accept", ""):

@@ -32,6 +32,7 @@ class Choice:
     reasoning: list[str] = field(default_factory=list)
     calls: list = field(default_factory=list)
     logprobs: list[dict] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)  # where each logprobs entry's token starts in the text
     result: Result | None = None
 
     def add(self, ev) -> None:
@@ -44,6 +45,7 @@ class Choice:
             self.calls.append(ev[1])
         elif kind == "logprobs":
             self.logprobs.append(ev[1])
+            self.offsets.append(ev[2])
         else:
             self.result = ev[1]
 
@@ -114,18 +116,28 @@ def chat_logprobs(entries: list[dict] | None):
     return None if entries is None else {"content": entries, "refusal": None}
 
 
-def legacy_logprobs(entries: list[dict] | None, offset: int = 0):
+def legacy_token(entry: dict) -> str:
+    """A token as the legacy format names it: its text, or, for bytes that are not UTF-8 by themselves (a piece of
+    a character), "bytes:" and every byte as \\xNN, as OpenAI writes them. Rendered as U+FFFD, such tokens would
+    all read the same, and top_logprobs (a dict keyed by token) would keep one of them."""
+    b = bytes(entry["bytes"])
+    try:
+        return b.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{x:02x}" for x in b)
+
+
+def legacy_logprobs(entries: list[dict] | None, offsets: list[int], base: int = 0):
     """/v1/completions' format: parallel lists of tokens, their log-probabilities, {token: logprob} of the
-    alternatives, and each token's character offset in the choice's text (after the echoed prompt, if any)."""
+    alternatives, and each token's character offset in the choice's text: `offsets` (the "logprobs" events'
+    characters decoded before each token) after `base` (the echoed prompt's length)."""
     if entries is None:
         return None
-    offsets, tops = [], []
+    tops = []
     for e in entries:
-        offsets.append(offset)
-        offset += len(e["token"])
         top: dict[str, float] = {}
-        for t in e["top_logprobs"]:  # two tokens may read the same: the likelier one stands
-            top.setdefault(t["token"], t["logprob"])
+        for t in e["top_logprobs"]:  # (distinct tokens have distinct keys; should two match, the likelier stands)
+            top.setdefault(legacy_token(t), t["logprob"])
         tops.append(top)
-    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": tops, "text_offset": offsets}
+    return {"tokens": [legacy_token(e) for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": tops, "text_offset": [base + o for o in offsets]}

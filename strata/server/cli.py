@@ -30,7 +30,8 @@ def register(sub) -> None:
                    help="let web pages from this origin (http(s)://host[:port], 'null', or '*' for any) use the "
                    "server; repeatable. Pages from the server's own address are always allowed, any other "
                    "Origin gets 403")
-    g.add_argument("--alias", action="append", default=[], help="another model name clients may use (repeatable)")
+    g.add_argument("--alias", action="append", default=[],
+                   help="another model name clients may use (repeatable); replies name the model as the request did")
     g.add_argument("--threads", type=int, default=0, help="PyTorch CPU threads (default: PyTorch's choice)")
     g.add_argument("--no-warmup", action="store_true", help="skip the warm-up (a forward pass, and choosing the "
                    "CPU/PCIe plan on warm-up text; without it the cost model's plan is kept)")

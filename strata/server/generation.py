@@ -2,8 +2,10 @@
 pipeline (tokens -> text -> stop strings -> reasoning / answer -> tool calls) as a stream of events.
 
 Events: ("reasoning", text), ("content", text), ("tool_call", ParsedCall), ("done", Result), and with
-`Job.logprobs` set, ("logprobs", entry) for each generated token, before the text it decodes to (which may be
-held back: a stop string or a tool-call marker is decided by later tokens).
+`Job.logprobs` set, ("logprobs", entry, offset) for each generated token, before the text it decodes to (which may
+be held back: a stop string or a tool-call marker is decided by later tokens). `offset` is how many characters the
+tokens before it decoded to: where the token's text starts in the output, or for bytes of a character that later
+tokens complete, where that character starts.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-from strata import StrataError
 from strata.server.grammar import bias_processor, chain, constrained_available
 from strata.server.job import Job
 from strata.server.protocol import APIError, bad_request
@@ -119,7 +120,7 @@ class Server:
             ids = [self.tok.bos_id] + ids
         return ids
 
-    def check_size(self, text: str, asked: int | None) -> None:
+    def check_size(self, text: str) -> None:
         """Refuse, before tokenizing it, a prompt that cannot fit the context whatever its tokens: tokenizing
         megabytes holds the interpreter for seconds, stalling every other client. A text of B bytes has at least
         B / (the longest token's bytes) tokens (strata.gguf.tokenizer.Tokenizer.max_token_bytes)."""
@@ -128,27 +129,25 @@ class Server:
             return
         n_bytes = len(text.encode("utf-8", errors="surrogatepass"))
         at_least = -(-n_bytes // longest)
-        if at_least + (asked or 0) > self.ctx or at_least >= self.ctx:
-            more = f" + max_tokens {asked}" if asked else ""
+        if at_least >= self.ctx:
             raise bad_request(f"the prompt of at least {at_least} tokens (a lower bound: {n_bytes} bytes, no token "
-                              f"longer than {longest} bytes){more} exceeds the context of {self.ctx} tokens")
+                              f"longer than {longest} bytes) does not fit the context of {self.ctx} tokens")
 
     def stop_ids(self, ignore_eos: bool = False) -> set[int]:
         """The tokens that end a generation: the model's end-of-turn tokens, or none with `ignore_eos`."""
         return set() if ignore_eos else set(self.tok.eot_ids)
 
     def max_tokens(self, n_prompt: int, asked: int | None) -> int:
+        """The tokens a request may generate: what it asked for, up to what the context (each slot's: n choices
+        run in n slots) leaves after the prompt, as llama.cpp does. A reply the context end cuts short ends with
+        finish_reason "length"; clients ask for more than any context holds (Claude Code sends 32000). A prompt
+        that leaves no room is refused: it is never cut."""
         if n_prompt == 0:
             raise bad_request("the prompt is empty")
-        if asked is None:
-            if n_prompt >= self.ctx:
-                raise bad_request(f"the prompt of {n_prompt} tokens does not fit the context of {self.ctx} tokens")
-            return self.ctx - n_prompt
-        try:
-            self.worker.engine.check_fits(n_prompt, asked)
-        except StrataError as e:
-            raise bad_request(str(e)) from None
-        return asked
+        if n_prompt >= self.ctx:
+            raise bad_request(f"the prompt of {n_prompt} tokens does not fit the context of {self.ctx} tokens")
+        left = self.ctx - n_prompt
+        return left if asked is None else min(asked, left)
 
     # -- constraints ---------------------------------------------------------------------------------------------
     def tool_call_grammar(self, tools: list[dict], only: str | None, parallel: bool, in_reasoning: bool = False
@@ -205,6 +204,7 @@ class Server:
         hangup = _Hangup(request)
         n_calls = 0
         n_tok = 0  # token events seen: the index of the next one in seq.output (and seq.token_logprobs)
+        n_chars = 0  # characters decoded so far (the legacy API's text_offset of the next token)
         done = False
 
         def pipeline(text: str, final: bool):
@@ -243,8 +243,10 @@ class Server:
                     if stops.hit or ev[1] in job.stop_ids:
                         continue
                     if job.logprobs is not None and k < len(req.seq.token_logprobs):
-                        yield ("logprobs", self.logprob_entry(ev[1], *req.seq.token_logprobs[k]))
-                    for e in pipeline(dec.put(ev[1]), False):
+                        yield ("logprobs", self.logprob_entry(ev[1], *req.seq.token_logprobs[k]), n_chars)
+                    text = dec.put(ev[1])
+                    n_chars += len(text)
+                    for e in pipeline(text, False):
                         yield e
                     if stops.hit:
                         self.worker.cancel(req, "stop")

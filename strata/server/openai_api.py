@@ -10,23 +10,15 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from strata.server.body import decode_json
+from strata.server.body import read_request
 from strata.server.choices import chat_logprobs, check_n, legacy_logprobs, merged, run_all, usage_of
-from strata.server.protocol import (APIError, ChatRequest, CompletionRequest, OtherPart, RefusalPart, bad_request,
-                                    parse)
+from strata.server.protocol import (GET_HEAD, APIError, ChatRequest, CompletionRequest, OtherPart, RefusalPart,
+                                    bad_request, no_limit)
 from strata.server.generation import GenerationError, Result
 from strata.server.job import Job, parse_arguments, sampling, stop_list
 
 router = APIRouter()
 FINGERPRINT = "strata"
-
-
-async def read_json(request: Request):
-    raw = await request.body()
-    try:
-        return decode_json(raw)
-    except (ValueError, RecursionError):
-        raise bad_request("the request body is not valid JSON") from None
 
 
 def server_of(request: Request):
@@ -36,11 +28,18 @@ def server_of(request: Request):
     return srv
 
 
-def check_model(request: Request, name: str | None) -> None:
-    if name is not None and name not in request.app.state.model_names:
-        names = ", ".join(repr(n) for n in _names(request.app.state))
+def check_model(request: Request, name: str | None) -> str:
+    """The model name a reply carries: the one the request named (the model's id or an --alias, echoed as
+    llama.cpp echoes it: a client that asked for "gpt-4o" may check it got "gpt-4o"), else the model's id. A
+    name the server does not answer to is a 404."""
+    st = request.app.state
+    if name is None:
+        return st.model_id
+    if name not in st.model_names:
+        names = ", ".join(repr(n) for n in _names(st))
         raise APIError(404, f"model {name!r} not found (this server serves {names})", "not_found_error",
                        "model_not_found")
+    return name
 
 
 def _names(st) -> list[str]:
@@ -166,8 +165,8 @@ async def prepare_chat(srv, body: ChatRequest) -> Job:
         raise bad_request("continue_final_message needs the last message to be an assistant message")
     msgs = chat_messages(body)
     text = await asyncio.to_thread(srv.render, msgs, use_tools, thinking, cont, body.add_generation_prompt is not False)
-    asked = body.max_completion_tokens or body.max_tokens
-    srv.check_size(text, asked)
+    asked = no_limit(body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens)
+    srv.check_size(text)
     ids = await asyncio.to_thread(srv.encode_chat, text)
     max_tokens = srv.max_tokens(len(ids), asked)
     grammar, what = None, "the output grammar"
@@ -192,12 +191,12 @@ def _call_json(c, index: int) -> dict:
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request):
     srv = server_of(request)
-    body = parse(ChatRequest, await read_json(request))
-    check_model(request, body.model)
+    body = await read_request(request, ChatRequest)
+    name = check_model(request, body.model)
     n = check_n(srv, body.n)
     jobs = (await prepare_chat(srv, body)).copies(n)
     cid, created = "chatcmpl-" + uuid.uuid4().hex[:24], int(time.time())
-    base = {"id": cid, "created": created, "model": srv.model_id, "system_fingerprint": FINGERPRINT}
+    base = {"id": cid, "created": created, "model": name, "system_fingerprint": FINGERPRINT}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(_chat_stream(srv, jobs, base, include_usage), media_type="text/event-stream",
@@ -278,16 +277,19 @@ async def prepare_completion(srv, body: CompletionRequest) -> tuple[Job, str]:
         if len(p) != 1:
             raise bad_request("prompt: one prompt per request")
         p = p[0]
-    asked = body.max_tokens if body.max_tokens is not None else 16
+    asked = no_limit(body.max_tokens) if body.max_tokens is not None else 16  # (OpenAI's default for completions)
     if isinstance(p, str):
-        srv.check_size(p, asked)
+        srv.check_size(p)
         ids = await asyncio.to_thread(srv.tok.encode, p)
+        max_tokens = srv.max_tokens(len(ids), asked)
         text = p
     else:
+        # the length first: ids that cannot fit are refused before a walk over millions of them
+        max_tokens = srv.max_tokens(len(p), asked)
         if any(not 0 <= t < srv.vocab_size for t in p):
             raise bad_request(f"prompt: token ids must be in 0..{srv.vocab_size - 1}")
-        ids, text = list(p), srv.tok.decode(p)
-    max_tokens = srv.max_tokens(len(ids), asked)
+        ids = list(p)
+        text = srv.tok.decode(p) if body.echo else ""
     grammar, what = constraint(srv, body)
     job = Job(ids, sampling(body), max_tokens, srv.stop_ids(body.ignore_eos), draft_max=body.speculative_n_max,
               logprobs=body.logprobs, stop=stop_list(body.stop), logit_bias=body.logit_bias, grammar=grammar,
@@ -298,13 +300,13 @@ async def prepare_completion(srv, body: CompletionRequest) -> tuple[Job, str]:
 @router.post("/v1/completions")
 async def completions(request: Request):
     srv = server_of(request)
-    body = parse(CompletionRequest, await read_json(request))
-    check_model(request, body.model)
+    body = await read_request(request, CompletionRequest)
+    name = check_model(request, body.model)
     n = check_n(srv, body.n)
     job, echo = await prepare_completion(srv, body)
     jobs = job.copies(n)
     base = {"id": "cmpl-" + uuid.uuid4().hex[:24], "object": "text_completion", "created": int(time.time()),
-            "model": srv.model_id, "system_fingerprint": FINGERPRINT}
+            "model": name, "system_fingerprint": FINGERPRINT}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(_completion_stream(srv, jobs, base, echo, include_usage),
@@ -314,7 +316,7 @@ async def completions(request: Request):
     except GenerationError as e:
         raise APIError(e.status, str(e), "server_error" if e.status == 500 else "unavailable_error") from None
     choices = [{"index": i, "text": echo + "".join(c.content),
-                "logprobs": legacy_logprobs(c.logprobs if job.logprobs is not None else None, len(echo)),
+                "logprobs": legacy_logprobs(c.logprobs if job.logprobs is not None else None, c.offsets, len(echo)),
                 "finish_reason": c.result.finish_reason} for i, c in enumerate(outs)]
     res = [c.result for c in outs]
     return JSONResponse({**base, "choices": choices, "usage": usage_of(res), "timings": res[0].timings})
@@ -322,14 +324,13 @@ async def completions(request: Request):
 
 async def _completion_stream(srv, jobs: list[Job], base: dict, echo: str, include_usage: bool):
     with_lp = jobs[0].logprobs is not None
-    pending: list[list[dict]] = [[] for _ in jobs]
-    offset = [len(echo)] * len(jobs)  # text_offset runs on across a choice's chunks
+    pending: list[list[tuple[dict, int]]] = [[] for _ in jobs]  # (entry, its offset) not sent yet, per choice
 
     def chunk(i, text, finish=None, **extra):
         lp = None
         if with_lp:
-            lp, pending[i] = legacy_logprobs(pending[i], offset[i]), []
-            offset[i] += sum(len(t) for t in lp["tokens"])
+            lp = legacy_logprobs([e for e, _ in pending[i]], [o for _, o in pending[i]], len(echo))
+            pending[i] = []
         return sse({**base, "choices": [{"index": i, "text": text, "logprobs": lp, "finish_reason": finish}],
                     **extra})
 
@@ -340,7 +341,7 @@ async def _completion_stream(srv, jobs: list[Job], base: dict, echo: str, includ
                 yield sse({**base, "choices": [{"index": i, "text": echo, "logprobs": None, "finish_reason": None}]})
         async for i, ev in merged(srv, jobs):
             if ev[0] == "logprobs":
-                pending[i].append(ev[1])
+                pending[i].append((ev[1], ev[2]))
             elif ev[0] == "content":
                 yield chunk(i, ev[1])
             elif ev[0] == "done":
@@ -364,13 +365,13 @@ def model_card(request: Request, name: str | None = None) -> dict:
             "meta": st.model_meta}
 
 
-@router.get("/v1/models")
+@router.api_route("/v1/models", methods=GET_HEAD)
 async def models(request: Request):
     # the aliases listed as models of their own (as vLLM lists each --served-model-name): a client picks from here
     return {"object": "list", "data": [model_card(request, n) for n in _names(request.app.state)]}
 
 
-@router.get("/v1/models/{name:path}")
+@router.api_route("/v1/models/{name:path}", methods=GET_HEAD)
 async def model(name: str, request: Request):
     check_model(request, name)
     return model_card(request, name)

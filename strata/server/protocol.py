@@ -1,15 +1,17 @@
 """Request bodies of the OpenAI and Anthropic APIs as pydantic models, and the one error type the server answers.
 
-Validation is strict about what the server uses (types, ranges, roles) and ignores fields it does not know, the
-way OpenAI-compatible servers do, so that newer clients keep working. Every rejection becomes a 400 with
+Validation is strict about what the server uses (types, ranges, roles: pydantic's strict mode, so "5" is no
+integer and "yes" no boolean, as OpenAI and Anthropic answer) and ignores fields it does not know, the way
+OpenAI-compatible servers do, so that newer clients keep working. Every rejection becomes a 400 with
 OpenAI's error body; nothing a client sends may reach the engine unchecked.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator,
+                      model_validator)
 
 
 class APIError(Exception):
@@ -41,6 +43,11 @@ def error_body(path: str, type_: str, message: str, code: str | None = None) -> 
     return {"error": {"type": type_, "message": message, "code": code, "param": None}}
 
 
+# the methods of a route that reads: HEAD is GET without the body (uvicorn leaves it out), what health checkers
+# and `curl -I` send; FastAPI answers a route only on the methods it is declared with
+GET_HEAD = ("GET", "HEAD")
+
+
 def bad_request(message: str) -> APIError:
     return APIError(400, message)
 
@@ -61,8 +68,29 @@ def parse(model: type[BaseModel], body: Any) -> Any:
         raise bad_request("; ".join(parts) + more) from None
 
 
+def _top_k_off(v: int | None) -> int | None:
+    return v if v is None or v > 0 else 0  # the engine's "no top-k"
+
+
+def _no_zero(v: int | None) -> int | None:
+    if v == 0:  # (OpenAI refuses it too: a reply of no tokens is no reply)
+        raise ValueError("must be at least 1, or -1 for as many as the context leaves")
+    return v
+
+
+TopK = Annotated[Union[int, None], AfterValidator(_top_k_off)]
+MaxTokens = Annotated[Union[int, None], Field(ge=-1), AfterValidator(_no_zero)]
+
+
+def no_limit(v: int | None) -> int | None:
+    """A max_tokens as the server reads it: -1 (as many as the context leaves) is the same as none."""
+    return None if v == -1 else v
+
+
 class _M(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict, as OpenAI and Anthropic are: "stream": "yes", "max_tokens": "5" or 5.0 and a prompt of [true] are
+    # 400s, not read as what they might mean (pydantic's lax mode would take them). A float field takes an int
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 Float = Union[float, int]
@@ -108,6 +136,15 @@ class ChatMessage(_M):
     tool_call_id: str | None = None
     reasoning_content: str | None = None
 
+    @model_validator(mode="after")
+    def _has_content(self) -> "ChatMessage":
+        # OpenAI leaves content out (or null) only in an assistant message that makes tool calls: anything else
+        # without it is a mistake in the client, better refused than rendered as an empty turn
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content (only an assistant message with tool_calls may "
+                             "leave it out)")
+        return self
+
 
 class FunctionDef(_M):
     name: str = Field(min_length=1, max_length=256)
@@ -150,10 +187,10 @@ class SamplingFields(_M):
     """Sampling fields shared by /v1/chat/completions and /v1/completions (OpenAI's plus llama.cpp's)."""
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: MaxTokens = None  # -1: up to the context (llama.cpp's n_predict -1)
     temperature: Float | None = Field(default=None, ge=0, le=100)
     top_p: Float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=0)
+    top_k: TopK = None  # 0 or less: off (vLLM's -1, llama.cpp's 0)
     min_p: Float | None = Field(default=None, ge=0, le=1)
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)  # what torch.Generator takes
     presence_penalty: Float | None = Field(default=None, ge=-2, le=2)
@@ -175,10 +212,17 @@ class SamplingFields(_M):
     speculative_n_max: int | None = Field(default=None, ge=0, le=64, alias="speculative.n_max")
     user: str | None = None
 
+    @field_validator("seed")
+    @classmethod
+    def _random_seed(cls, v: int | None) -> int | None:
+        # llama.cpp's seed -1 (LLAMA_DEFAULT_SEED, 0xFFFFFFFF as its uint32) means "draw one": clients that send it
+        # ask for varied text, not for one fixed seed. Other negative seeds stay fixed seeds, as there
+        return None if v == -1 else v
+
 
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: MaxTokens = None
     tools: list[Tool] | None = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: bool | None = None
@@ -274,7 +318,7 @@ class MessagesRequest(_M):
     stop_sequences: list[str] | None = None
     temperature: Float | None = Field(default=None, ge=0, le=1)
     top_p: Float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=0)
+    top_k: TopK = None
     stream: bool = False
     tools: list[ATool] | None = None
     tool_choice: AToolChoice | None = None

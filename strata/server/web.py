@@ -4,7 +4,8 @@ The pages are static files inside the package (strata/server/web/: HTML, CSS and
 from elsewhere at run time). They hold no data, so they are served without the API key; they ask for the key when
 the server has one (kept in the tab's sessionStorage) and send it with every API call. The monitor reads
 `/monitor/stream`: server-sent events, one snapshot a second (the engine's counters, slots, the VRAM split and,
-every other second, the expert cache's residency and heat), produced only while a page is connected.
+every other second, the expert cache's residency and heat), produced only while a page is connected. The files
+go out with ETag and Last-Modified and `no-cache`: a reload asks again, and an unchanged file is a 304.
 """
 
 from __future__ import annotations
@@ -12,12 +13,13 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from email.utils import parsedate_to_datetime
 from pathlib import Path
 
 from fastapi import APIRouter, Request
-from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 
-from strata.server.protocol import APIError
+from strata.server.protocol import GET_HEAD, APIError
 
 WEB = Path(__file__).resolve().parent / "web"
 PERIOD_S = 1.0  # monitor snapshots per second: bounded whatever the page asks
@@ -29,28 +31,49 @@ _NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]*$")
 router = APIRouter()
 
 
-def _file(name: str):
+def _file(name: str, request: Request):
     path = WEB / name
     if not _NAME.match(name) or path.suffix not in TYPES or not path.is_file():
         # the body every other 404 has (strata.server.protocol.APIError)
         return JSONResponse(APIError(404, f"no route GET /web/{name}", "not_found_error").body(), status_code=404)
     # no-cache: a page reloaded after an upgrade gets the new files (revalidated, not re-sent when unchanged)
-    return FileResponse(path, media_type=TYPES[path.suffix], headers={"Cache-Control": "no-cache"})
+    resp = FileResponse(path, media_type=TYPES[path.suffix], headers={"Cache-Control": "no-cache"},
+                        stat_result=path.stat())
+    if _unchanged(request.headers, resp.headers):
+        return Response(status_code=304, headers={k: resp.headers[k] for k in ("etag", "last-modified",
+                                                                               "cache-control")})
+    return resp
 
 
-@router.get("/", include_in_schema=False)
-async def chat_page():
-    return _file("index.html")
+def _unchanged(req, resp) -> bool:
+    """Whether the browser's copy is current (RFC 9110 13.1.2-3): its If-None-Match names the file's ETag (weak
+    comparison), or, without that header, its If-Modified-Since is no earlier than the file's Last-Modified."""
+    inm = req.get("if-none-match")
+    if inm is not None:
+        tags = [t.strip().removeprefix("W/") for t in inm.split(",")]
+        return "*" in tags or resp["etag"].removeprefix("W/") in tags
+    ims = req.get("if-modified-since")
+    if ims is None:
+        return False
+    try:
+        return parsedate_to_datetime(resp["last-modified"]) <= parsedate_to_datetime(ims)
+    except (TypeError, ValueError):  # a date that does not parse: send the file
+        return False
 
 
-@router.get("/monitor", include_in_schema=False)
-async def monitor_page():
-    return _file("monitor.html")
+@router.api_route("/", methods=GET_HEAD, include_in_schema=False)
+async def chat_page(request: Request):
+    return _file("index.html", request)
 
 
-@router.get("/web/{name}", include_in_schema=False)
-async def web_file(name: str):
-    return _file(name)
+@router.api_route("/monitor", methods=GET_HEAD, include_in_schema=False)
+async def monitor_page(request: Request):
+    return _file("monitor.html", request)
+
+
+@router.api_route("/web/{name}", methods=GET_HEAD, include_in_schema=False)
+async def web_file(name: str, request: Request):
+    return _file(name, request)
 
 
 def snapshot(app, heat: bool) -> dict:

@@ -19,7 +19,7 @@ import typing
 from typing import Any, Literal, Union
 
 from hypothesis import strategies as st
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 MAX_DEPTH = 3
 # fields whose plausible values decide how much a generation costs: kept tiny so a body is cheap to serve
@@ -176,7 +176,19 @@ def body(model: type[BaseModel], mode: str = "mixed", depth: int = 0) -> st.Sear
             out[k] = draw(strat)
         return out
 
+    if mode == "plausible" and depth > 0 and model.__pydantic_decorators__.model_validators:
+        # a rule of the model across its fields (a message's content may be left out only with tool calls) is not
+        # in the fields' types: plausible bodies keep to it, as a correct client does
+        return draw_body().filter(functools.partial(_validates, model))
     return draw_body()
+
+
+def _validates(model: type[BaseModel], b: dict) -> bool:
+    try:
+        model.model_validate(b)
+        return True
+    except ValidationError:
+        return False
 
 
 def request(model: type[BaseModel], mode: str, overrides: dict[str, st.SearchStrategy]) -> st.SearchStrategy:
@@ -193,8 +205,9 @@ def request(model: type[BaseModel], mode: str, overrides: dict[str, st.SearchStr
 
 
 def cheapen(b: Any, generates: bool) -> Any:
-    """A body that would be served in full generates at most a few tokens: without max_tokens a chat request may
-    generate a context's worth, and pydantic's lax mode reads 50.0 or "50" as an int."""
+    """A body that would be served in full generates at most a few tokens: without max_tokens (or with -1, or more
+    than the context leaves: generation stops at its end) a request may generate a context's worth. (Only an int
+    is a max_tokens: the models are strict, "50" and 50.0 are 400s.)"""
     if not generates or not isinstance(b, dict):
         return b
     present = [k for k in CHEAP_TOKENS if b.get(k) is not None]
@@ -202,10 +215,6 @@ def cheapen(b: Any, generates: bool) -> Any:
         b["max_tokens"] = MAX_CHEAP
     for k in present:
         v = b[k]
-        try:
-            n = int(float(v)) if isinstance(v, (int, float, str)) and not isinstance(v, bool) else None
-        except (ValueError, OverflowError):
-            n = None
-        if n is not None and MAX_CHEAP < n < 10**7:
+        if isinstance(v, int) and not isinstance(v, bool) and (v > MAX_CHEAP or v == -1):
             b[k] = MAX_CHEAP
     return b

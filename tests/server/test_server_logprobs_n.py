@@ -7,6 +7,7 @@ context, recomputed from scratch for every token, and torch's log_softmax in flo
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
 
@@ -48,6 +49,15 @@ def oracle(lm, prompt: list[int], n: int, k: int) -> list[tuple[int, float, list
 
 def _text(lm, i: int) -> str:
     return lm.tokenizer.token_bytes(i).decode("utf-8", errors="replace")
+
+
+def _legacy(lm, i: int) -> str:
+    """The legacy format's name of a token: its text, or "bytes:\\xNN..." for bytes that are not UTF-8 alone."""
+    b = lm.tokenizer.token_bytes(i)
+    try:
+        return b.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{x:02x}" for x in b)
 
 
 def test_chat_logprobs_match_the_oracle(server, oai, lm):
@@ -101,12 +111,17 @@ def test_completions_legacy_logprobs(server, lm):
     assert r.status_code == 200, r.text
     ch = r.json()["choices"][0]
     lp = ch["logprobs"]
-    assert lp["tokens"] == [_text(lm, t) for t, _, _ in want]
+    assert lp["tokens"] == [_legacy(lm, t) for t, _, _ in want]
     for v, (_, w, top) in zip(lp["token_logprobs"], want):
         assert math.isclose(v, w, abs_tol=2e-3)
     for d, (_, _, top) in zip(lp["top_logprobs"], want):
-        assert list(d) == [_text(lm, i) for i, _ in top]
-    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(5)]
+        assert list(d) == [_legacy(lm, i) for i, _ in top]
+    # where each token starts in the text: the characters the tokens before it decode to
+    dec, offsets, n = codecs.getincrementaldecoder("utf-8")("replace"), [], 0
+    for t, _, _ in want:
+        offsets.append(n)
+        n += len(dec.decode(lm.tokenizer.token_bytes(t)))
+    assert lp["text_offset"] == offsets
     assert b"".join(lm.tokenizer.token_bytes(t) for t, _, _ in want).decode("utf-8", "replace") == ch["text"]
     # the official client parses it; streamed, the offsets run on across chunks
     c = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
@@ -115,6 +130,51 @@ def test_completions_legacy_logprobs(server, lm):
     assert sum((p.tokens for p in parts), []) == lp["tokens"]
     assert sum((p.text_offset for p in parts), []) == lp["text_offset"]
     assert sum((p.token_logprobs for p in parts), []) == pytest.approx(lp["token_logprobs"], abs=1e-4)
+
+
+def test_legacy_logprobs_of_byte_tokens(server, lm):
+    """Tokens that are pieces of a character: each one's text_offset is where its character starts in the text (a
+    token never starts inside a character), they are named by their bytes, and alternatives that are such pieces
+    keep distinct keys in top_logprobs."""
+    tok = lm.tokenizer
+    ids = tok.encode("😀😀", add_special=False)
+    pieces = [tok.token_bytes(i) for i in ids]
+    assert len(ids) == 6 and all(not _utf8(b) for b in pieces), pieces  # the test needs byte pieces
+    # a grammar fixes the text; the bias picks these pieces among the tokenizations it allows
+    body = {"prompt": "😀😀😀😀😀😀😀😀 🎉🎉🎉🎉 ", "max_tokens": 10, "temperature": 0, "logprobs": 20,
+            "grammar": 'root ::= "😀😀\\"x"', "logit_bias": {str(i): 100 for i in set(ids)}}
+    r = _http.post(server.url + "/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    ch = r.json()["choices"][0]
+    lp = ch["logprobs"]
+    assert ch["text"] == '😀😀"x'
+    assert lp["tokens"][:6] == [_legacy(lm, i) for i in ids] and lp["tokens"][0] == "bytes:\\xf0\\x9f"
+    assert lp["text_offset"] == [0, 0, 0, 1, 1, 1, 2, 3]
+    for off, t in zip(lp["text_offset"][6:], lp["tokens"][6:]):
+        assert ch["text"][off:off + len(t)] == t
+    # 20 distinct alternatives (as many keys), the piece tokens among them too
+    assert all(len(d) == 20 for d in lp["top_logprobs"]), [len(d) for d in lp["top_logprobs"]]
+    assert any(k.startswith("bytes:") for d in lp["top_logprobs"] for k in d)
+    # streamed: the same offsets across chunks
+    s = _http.post(server.url + "/v1/completions", json={**body, "stream": True})
+    chunks = [json.loads(x[6:]) for x in s.text.split("\n\n") if x.startswith("data: {")]
+    parts = [c["choices"][0]["logprobs"] for c in chunks if c["choices"] and c["choices"][0]["logprobs"]]
+    assert sum((p["text_offset"] for p in parts), []) == lp["text_offset"]
+    assert sum((p["tokens"] for p in parts), []) == lp["tokens"]
+    # the chat API's entries keep each token's own bytes
+    c = _http.post(server.url + "/v1/chat/completions", json={
+        "messages": MSG, "max_tokens": 10, "temperature": 0, "logprobs": True, "top_logprobs": 3,
+        "grammar": body["grammar"], "logit_bias": body["logit_bias"]}).json()["choices"][0]
+    assert c["message"]["content"] == '😀😀"x'
+    assert [bytes(e["bytes"]) for e in c["logprobs"]["content"]][:6] == pieces
+
+
+def _utf8(b: bytes) -> bool:
+    try:
+        b.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
 
 
 @pytest.mark.parametrize("path,body,fragment", [

@@ -74,7 +74,6 @@ def test_no_cors_unless_asked(server, lm):
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "role"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "content"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, "temperature"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": CTX}, "exceeds"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi " * 600}]}, "context"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 3}, "n"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "seed": 2 ** 70}, "seed"),
