@@ -63,8 +63,8 @@ def test_a_large_body_does_not_stall_other_streams(server):
     assert gaps, "no chunk arrived while the body was handled"
     # on the loop, or on a thread whose parse holds the GIL throughout, the gap is the parse time or more (4.8 s and
     # 0.57 s against a parse of 0.53 s); what still holds it at once is pydantic's check of the list and freeing it,
-    # about a third of the parse (typical gap: a sixth)
-    assert max(gaps) < parse_s * 0.6, (max(gaps), parse_s, t1 - t0)
+    # about a third of the parse (typical gap: a sixth); the bound leaves a loaded machine room below the failure's
+    assert max(gaps) < parse_s * 0.85, (max(gaps), parse_s, t1 - t0)
 
 
 def test_large_bodies_answer_as_small_ones(server):
