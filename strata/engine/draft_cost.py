@@ -26,6 +26,10 @@ MIN_PLAIN = 4  # timed one-token steps before the fit is trusted
 MIN_VERIFY = 4  # timed verify steps before the fit is trusted
 EXPLORE = 16  # a sequence kept from drafting tries a draft once in this many steps
 DECAY = 0.9  # weight of the past in a sequence's acceptance counts
+# a new sequence's counts start from this many drafts stood of twice as many tried (p = 0.5), decayed like the rest:
+# from empty counts one rejected first draft read as p = 0 and kept drafts off until the next EXPLORE look, while
+# with this prior it reads as ~0.3 and the costs decide
+PRIOR = 1.0
 
 
 class DraftCost:
@@ -86,8 +90,8 @@ class Acceptance:
     __slots__ = ("stood", "tried", "skipped")
 
     def __init__(self):
-        self.stood = 0.0
-        self.tried = 0.0
+        self.stood = PRIOR
+        self.tried = 2 * PRIOR
         self.skipped = 0  # steps without a draft since the cost last ruled drafts out
 
     def add(self, drafted: int, accepted: int) -> None:

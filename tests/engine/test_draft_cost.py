@@ -91,6 +91,23 @@ def test_acceptance_estimate_follows_the_runs():
     assert fresh.p == 0.5
 
 
+def test_one_rejected_first_draft_does_not_rule_drafts_out():
+    """A new sequence's counts start from a prior (p = 0.5): its first draft rejected reads as p ~0.3, not 0, so on
+    a machine where a drafted token costs little (strata-tiny's MTP block on a CPU) the next steps still draft,
+    instead of none until the next EXPLORE look; a few rejections in a row rule them out, and the prior fades like
+    any count (a sequence whose drafts never stand reads ~0 after a few dozen steps)."""
+    c = _timed(3.2, 0.7)
+    acc = Acceptance()
+    acc.add(1, 0)
+    assert 0.2 < acc.p < 0.4 and choose(c, acc, 1) == 1
+    acc.add(1, 0)
+    acc.add(1, 0)
+    assert choose(c, acc, 1) == 0
+    for _ in range(60):
+        acc.add(1, 0)
+    assert acc.p < 0.01
+
+
 def test_ruled_out_drafts_are_tried_now_and_then():
     c = _timed(13.2, 9.6)
     acc = _acc(0.3)
