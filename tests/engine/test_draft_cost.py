@@ -92,20 +92,20 @@ def test_acceptance_estimate_follows_the_runs():
 
 
 def test_one_rejected_first_draft_does_not_rule_drafts_out():
-    """A new sequence's counts start from a prior (p = 0.5): its first draft rejected reads as p ~0.3, not 0, so on
-    a machine where a drafted token costs little (strata-tiny's MTP block on a CPU) the next steps still draft,
-    instead of none until the next EXPLORE look; a few rejections in a row rule them out, and the prior fades like
-    any count (a sequence whose drafts never stand reads ~0 after a few dozen steps)."""
-    c = _timed(3.2, 0.7)
+    """A sequence's acceptance rules its drafts out only after MIN_TRIED verify steps: its first draft rejected
+    (p = 0 on one try) leaves the drafter's own length, not none until the next EXPLORE look; once it has tried
+    enough, drafts that do not stand are ruled out as before."""
+    c = _timed(3.4, 1.1)
     acc = Acceptance()
     acc.add(1, 0)
-    assert 0.2 < acc.p < 0.4 and choose(c, acc, 1) == 1
-    acc.add(1, 0)
-    acc.add(1, 0)
-    assert choose(c, acc, 1) == 0
-    for _ in range(60):
+    assert acc.p == 0.0 and choose(c, acc, 1) == 1 and choose(c, acc, 2, peek=True) == 2
+    for _ in range(dc.MIN_TRIED - 1):
         acc.add(1, 0)
-    assert acc.p < 0.01
+    assert choose(c, acc, 1) == 0
+    stood = Acceptance()
+    for _ in range(dc.MIN_TRIED):
+        stood.add(2, 2)
+    assert choose(c, stood, 2) == 2  # (the costs, not the count, once it is reached)
 
 
 def test_ruled_out_drafts_are_tried_now_and_then():
