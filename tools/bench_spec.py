@@ -1,14 +1,17 @@
 """Speculative decoding with n-gram drafts against plain decoding, on real code (the embedded model by default).
 
     python tools/bench_spec.py [engine flags: -m MODEL --device cuda --vram-gb 8 ...] [--drafts 0,4,8,16]
-                               [--gen 200] [--runs 3] [--temperature 0.8 --seed 0] [--right-drafts] [--trace DIR]
+                               [--gen 200] [--runs 3] [--temperature 0.8 --seed 0] [--right-drafts] [--paired]
+                               [--trace DIR]
 
 Two prompts from Python's standard library (text nobody here wrote): `edit` — a module's source, then the same
 source again up to its middle (an agent re-emitting a file it edits: the continuation repeats the context), and
 `fresh` — the start of a source file to continue (little to copy). Greedy by default (`--temperature T` samples
 with llama.cpp's default top-k/top-p/min-p and a fixed `--seed`: a drafted run must write the same text as the plain
 one, since the target's own sample decides every token), one sequence; prints per prompt and draft setting: decode tok/s (median of --runs, after a warm-up), drafts accepted / proposed, tokens per forward,
-and whether the text equals plain decoding's (it must). `--right-drafts` (MTP drafts, greedy): every draft the
+and whether the text equals plain decoding's (it must); with `--paired`, each timed drafted run right after a
+plain one and the ratio per pair (its median: on a machine whose speed drifts between runs, the ratio to trust).
+`--right-drafts` (MTP drafts, greedy): every draft the
 block makes is replaced by the plain text's next token, so every draft stands: what a drafted step costs at full
 acceptance, the bound on what the drafter's quality can buy. List 0 first in --drafts (the plain text).
 """
@@ -89,6 +92,8 @@ def main() -> int:
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     ap.add_argument("--seed", type=int, default=0, help="the sampler's seed when --temperature > 0")
     ap.add_argument("--right-drafts", action="store_true", help="MTP drafts replaced by the plain text's tokens")
+    ap.add_argument("--paired", action="store_true", help="each timed drafted run right after a plain one (its own "
+                    "engine): the ratio per pair, for a machine whose speed drifts between one setting's runs")
     ap.add_argument("--trace", metavar="DIR", default=None, help="CUDA: after the timed runs, one more run of each "
                     "setting under torch.profiler: a Chrome trace in DIR and, per setting, the GPU kernels a forward "
                     "launches, their busy time and the wall time a forward, and the kernels that take the most")
@@ -101,21 +106,32 @@ def main() -> int:
     lm = load_model(a.model, base)
     ref: dict[str, list[int]] = {}
     sampling = SamplingParams(temperature=a.temperature, seed=a.seed if a.temperature > 0 else None)
+    def timed(eng, ids) -> tuple[list[int], float]:
+        t0 = time.perf_counter()
+        out = list(eng.generate(ids, sampling, a.gen))
+        return out, (len(out) - 1) / (time.perf_counter() - t0 - eng.last.prompt_ms / 1e3)  # decode only
+
     for name, ids in prompts(lm.tokenizer).items():
+        plain = None
+        if a.paired:
+            lm.cfg.draft_max = 0
+            plain = Engine(lm, n_slots=1)
+            timed(plain, ids)  # (its warm-up)
         for dm in (int(x) for x in a.drafts.split(",")):
             lm.cfg.draft_max = dm
             eng = Engine(lm, n_slots=1)
             if a.right_drafts and dm and eng.mtp is not None and name in ref:
                 eng.draft_cost = None  # every draft verified: the cost at full acceptance, not the policy's choice
                 eng.mtp.draft = _right(eng.mtp.draft, ref[name])
-            speeds, seq = [], None
+            speeds, pairs, seq = [], [], None
             for r in range(a.runs + 1):
-                t0 = time.perf_counter()
-                out = list(eng.generate(ids, sampling, a.gen))
+                base = timed(plain, ids)[1] if plain is not None and r and dm else None
+                out, speed = timed(eng, ids)
                 seq = eng.last
-                dt = time.perf_counter() - t0 - seq.prompt_ms / 1e3  # decode only: from the first token on
                 if r:
-                    speeds.append((len(out) - 1) / dt)
+                    speeds.append(speed)
+                if base:
+                    pairs.append(speed / base)
             ref.setdefault(name, out)
             steps = (len(out) - 1 - seq.draft_accepted) or 1  # forwards after the first token
             if a.trace and eng.device.type == "cuda":
@@ -125,6 +141,8 @@ def main() -> int:
                               "accepted": seq.draft_accepted, "drafted": seq.draft_n,
                               "tokens_per_forward": round((len(out) - 1) / steps, 2),
                               "same_text": out == ref[name],
+                              **({"paired_x_plain": round(statistics.median(pairs), 3),
+                                  "pairs": [round(x, 2) for x in pairs]} if pairs else {}),
                               # what chose the draft lengths (strata.engine.draft_cost): the fitted step cost (ms of
                               # a one-token step, ms per further token) and the sequence's acceptance estimate
                               "cost_fit": [round(v, 4) for v in fit] if (fit := eng.draft_cost and

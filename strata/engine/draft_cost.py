@@ -12,8 +12,9 @@ E(m) / cost(1 + m); m = 0 is a plain step. Its p is the decayed count of drafts 
 
 Until both plain and verify steps have been timed the drafters' own adaptation decides (as before), except that
 once verify steps are timed and plain ones are not (a drafter that offers a draft at every step, as an MTP block
-does), the next steps are plain until MIN_PLAIN of them are timed; a sequence
-whose drafts the cost rules out still tries one every `EXPLORE` steps, so a change in the text (an agent starting
+does), the next steps are plain until MIN_PLAIN of them are timed; a sequence's acceptance rules its drafts out
+only once it has drafted MIN_TRIED verify steps; a sequence whose drafts the cost rules out still tries one every
+`EXPLORE` steps, so a change in the text (an agent starting
 to re-emit a file it was given) is noticed. Pure Python: strata.engine.spec applies it, tests/engine checks it.
 """
 
@@ -26,6 +27,10 @@ MIN_PLAIN = 4  # timed one-token steps before the fit is trusted
 MIN_VERIFY = 4  # timed verify steps before the fit is trusted
 EXPLORE = 16  # a sequence kept from drafting tries a draft once in this many steps
 DECAY = 0.9  # weight of the past in a sequence's acceptance counts
+# verify steps a sequence drafts before its acceptance may rule drafts out: one rejected first draft read as p = 0
+# and kept drafts off until the next EXPLORE look (strata-tiny's MTP block on a re-emitted file: its first draft,
+# made from the prompt, fails, the next ones nearly all stand)
+MIN_TRIED = 4
 
 
 class DraftCost:
@@ -83,16 +88,18 @@ def expected_tokens(p: float, m: int) -> float:
 class Acceptance:
     """A sequence's decayed counts of drafts that stood and drafts tried."""
 
-    __slots__ = ("stood", "tried", "skipped")
+    __slots__ = ("stood", "tried", "skipped", "steps")
 
     def __init__(self):
         self.stood = 0.0
         self.tried = 0.0
-        self.skipped = 0  # steps without a draft since the cost last ruled drafts out
+        self.skipped = 0
+        self.steps = 0  # verify steps counted (not decayed)  # steps without a draft since the cost last ruled drafts out
 
     def add(self, drafted: int, accepted: int) -> None:
         """A verify step with `drafted` drafts, of which the first `accepted` stood (the one after them, if any,
         was tried and failed; those after it were never tried)."""
+        self.steps += 1
         self.stood = DECAY * self.stood + accepted
         self.tried = DECAY * self.tried + accepted + (1 if accepted < drafted else 0)
 
@@ -110,6 +117,8 @@ def choose(cost: DraftCost | None, acc: Acceptance, offered: int, peek: bool = F
     m = cost.best(acc.p, offered)
     if m is None:  # not yet timed: the drafter's own length, or a plain step to time one
         return 0 if cost.wants_plain() else offered
+    if m == 0 and acc.steps < MIN_TRIED:  # too few of its drafts tried to tell (the drafter's own length)
+        return offered
     if m == 0:
         if peek:
             return offered if (acc.skipped + 1) % EXPLORE == 0 else 0

@@ -52,7 +52,8 @@ class MtpDrafter:
             self.graphs = MtpGraphs(head, self.kv, max_rows)
 
     def _block(self, h: torch.Tensor, toks: torch.Tensor, start: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The block over rows start .. start + n - 1 of `slot`: (the last row's logits [V], outputs [n, d])."""
+        """The block over rows start .. start + n - 1 of `slot`: (the last row's logits [V], outputs [m, d] whose last
+        row is the last row's: m = n through the static buffers, else 1, the other rows' K/V alone computed)."""
         g = self.graphs
         if g is not None and g.takes(h.shape[0], start):
             try:
@@ -64,7 +65,7 @@ class MtpDrafter:
                 self.graphs = None
         n = h.shape[0]
         pos = torch.arange(start + 1, start + 1 + n, device=self.head.device)
-        logits, out = self.head.forward(h, toks, pos, Segment(slot, start, n), self.kv, last_only=True)
+        logits, out = self.head.forward(h, toks, pos, Segment(slot, start, n), self.kv, last_only=True, tail=True)
         return logits[-1], out
 
     def observe(self, s, hidden: torch.Tensor, start: int) -> None:

@@ -98,18 +98,26 @@ class MtpHead:
         return dequantize(rows, e.qtype, (rows.shape[0], e.shape[-1])).to(self.dtype)
 
     def forward(self, h: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor, seg: Segment,
-                kv: KVCache, last_only: bool = False, logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
+                kv: KVCache, last_only: bool = False, logits: bool = True,
+                tail: bool = False) -> tuple[torch.Tensor | None, torch.Tensor]:
         """h [n, d]: the trunk's (or a previous block output's) hidden states at positions pos [n] (contiguous, in
         seg's slot); tokens [n]: the tokens at pos + 1 -> (logits [n, V] float32 for the tokens at pos + 2, the
         block's output [n, d]). last_only: the logits of the last row alone ([1, V]: after a prompt only its last
         prediction is used, and the head is most of the block's work); logits=False: none (None), for a caller
-        that takes another row's with `logits`."""
+        that takes another row's with `logits`. tail: past the K/V rows the cache needs, only the last row goes
+        through the block (its output [1, d]; the other rows' outputs are not computed) where the attention can
+        (a plain segment of a GQA block): what a drafter reads after a step."""
         e = rms_norm(self._embed(tokens), self.enorm, self.eps)
         x = qmatmul(torch.cat([e, rms_norm(h.to(self.dtype), self.hnorm, self.eps)], -1), self.eh_proj)
+        a = rms_norm(x, self.attn_norm, self.eps)
+        if tail and seg.n > 1 and not seg.window and hasattr(self.attn, "last_query"):
+            att = self.attn.last_query(a, pos, seg, kv)
+            x, seg = x[-1:], Segment(seg.slot, seg.end - 1, 1)
+        else:
+            att = self.attn(a, pos, [seg], kv)
         # the residual adds fused into the next norm (one launch each on a GPU)
-        x, xn = add_rms_norm(x, self.attn(rms_norm(x, self.attn_norm, self.eps), pos, [seg], kv), self.ffn_norm,
-                             self.eps)
-        ctx = self.model.step_context([seg], int(tokens.shape[0]))
+        x, xn = add_rms_norm(x, att, self.ffn_norm, self.eps)
+        ctx = self.model.step_context([seg], int(x.shape[0]))
         x = x + self.moe(xn, ctx)
         if not logits:
             return None, x

@@ -91,6 +91,23 @@ def test_acceptance_estimate_follows_the_runs():
     assert fresh.p == 0.5
 
 
+def test_one_rejected_first_draft_does_not_rule_drafts_out():
+    """A sequence's acceptance rules its drafts out only after MIN_TRIED verify steps: its first draft rejected
+    (p = 0 on one try) leaves the drafter's own length, not none until the next EXPLORE look; once it has tried
+    enough, drafts that do not stand are ruled out as before."""
+    c = _timed(3.4, 1.1)
+    acc = Acceptance()
+    acc.add(1, 0)
+    assert acc.p == 0.0 and choose(c, acc, 1) == 1 and choose(c, acc, 2, peek=True) == 2
+    for _ in range(dc.MIN_TRIED - 1):
+        acc.add(1, 0)
+    assert choose(c, acc, 1) == 0
+    stood = Acceptance()
+    for _ in range(dc.MIN_TRIED):
+        stood.add(2, 2)
+    assert choose(c, stood, 2) == 2  # (the costs, not the count, once it is reached)
+
+
 def test_ruled_out_drafts_are_tried_now_and_then():
     c = _timed(13.2, 9.6)
     acc = _acc(0.3)

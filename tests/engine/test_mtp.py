@@ -60,6 +60,29 @@ def test_block_math_is_llamacpps_graph(path):
     assert head.eh_proj.shape == (m.args.d_model, 2 * m.args.d_model)
 
 
+def test_the_blocks_tail_forward_is_its_last_row(path):
+    """`tail`: the rows before the last write their K/V only (no query, no MoE); the last row's logits and output
+    and every K/V row are the whole forward's, bit for bit on the CPU (each row of a decode-sized product is
+    computed by itself), and the MoE sees the one row."""
+    eng = _engine(path, 3, "mtp")
+    head, m = eng.mtp.head, eng.model
+    g = torch.Generator().manual_seed(3)
+    h, toks = torch.randn(7, m.args.d_model, generator=g), torch.randint(3, 900, (7,), generator=g)
+    whole, tail = head.new_kv_cache(1, 16), head.new_kv_cache(1, 16)
+    rows, real = [], head.moe.__call__
+    head.moe = type("Spy", (), {"__call__": lambda self, x, ctx: rows.append(x.shape[0]) or real(x, ctx)})()
+    at = 0
+    for n in (4, 3):  # a first segment, then one after it (its last query reads the rows the first wrote)
+        pos, seg = torch.arange(at + 1, at + 1 + n), Segment(0, at, n)
+        lw, xw = head.forward(h[at:at + n], toks[at:at + n], pos, seg, whole, last_only=True)
+        lt, xt = head.forward(h[at:at + n], toks[at:at + n], pos, seg, tail, last_only=True, tail=True)
+        assert xt.shape == (1, m.args.d_model) and torch.equal(xt[0], xw[-1]) and torch.equal(lt, lw)
+        at += n
+    assert rows == [4, 1, 3, 1]
+    for kind in ("k", "v"):
+        assert torch.equal(getattr(whole, kind)[0][0, :at], getattr(tail, kind)[0][0, :at]), kind
+
+
 def test_greedy_text_is_the_same_with_mtp_drafts(path):
     prompt = _prompt(30, 1)
     ref = list(_engine(path).generate(prompt, GREEDY, 40))
@@ -253,7 +276,11 @@ def test_the_blocks_static_path_drafts_as_its_eager_one(path, p_min):
     def eng(graphs):
         cfg = EngineConfig(model=str(path), device="cpu", dtype="float32", ctx_size=256, draft_max=3,
                            draft_source="mtp", cuda_graphs=graphs, draft_p_min=p_min)
-        return Engine(load_model(str(path), cfg, with_tokenizer=False), n_slots=1)
+        e = Engine(load_model(str(path), cfg, with_tokenizer=False), n_slots=1)
+        # which steps draft is the drafters' own adaptation, not the timed costs: the two engines' step times differ,
+        # and at an acceptance near where drafts start to pay they would choose differently
+        e.draft_cost = None
+        return e
 
     eager = eng(False)
     assert eager.mtp.graphs is None
