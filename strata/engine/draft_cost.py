@@ -93,8 +93,8 @@ class Acceptance:
     def __init__(self):
         self.stood = 0.0
         self.tried = 0.0
-        self.skipped = 0
-        self.steps = 0  # verify steps counted (not decayed)  # steps without a draft since the cost last ruled drafts out
+        self.skipped = 0  # steps without a draft since the cost last ruled drafts out
+        self.steps = 0  # verify steps counted (not decayed)
 
     def add(self, drafted: int, accepted: int) -> None:
         """A verify step with `drafted` drafts, of which the first `accepted` stood (the one after them, if any,

@@ -371,20 +371,8 @@ class SinkAttention(GQAttention):
             off |= ar <= pt - self.sliding
         return torch.zeros(off.shape, dtype=torch.float32, device=pos_t.device).masked_fill_(off, float("-inf"))
 
-    def last_query(self, x: torch.Tensor, pos: torch.Tensor, seg: Segment, kv: KVCache) -> torch.Tensor:
-        """One plain segment's K/V rows written (all of x's rows, at pos) and its last row's attention output alone
-        [1, d], for a caller that reads no other row's (an MTP block over the rows a step settled)."""
-        n = x.shape[0]
-        bq, bk, bv = self._biases(x.dtype)
-        q = _linear(x[-1:], self.wq, bq).view(1, self.n_heads, self.hd)
-        k = _linear(x, self.wk, bk).view(n, self.n_kv, self.hd)
-        v = _linear(x, self.wv, bv).view(n, self.n_kv, self.vd)
-        # (the last query broadcast over the rows: the rotary takes q and k row for row; its last row is the one kept)
-        q, k = self.rotary.qk(q.expand(n, -1, -1), k, pos, self.q_norm, self.k_norm, self.eps)
-        kv.write(self.layer, seg, k, v)
-        ks, vs = _as_dtype(*kv.read(self.layer, seg), x.dtype)
-        o = _gqa(q[-1:], ks, vs, None, self.scale)  # one query sees the whole prefix: no mask
-        return qmatmul(o.reshape(1, self.n_heads * self.vd), self.wo)
+    # (the sinks and the sliding window are not in GQAttention's one-query tail: MtpHead takes the whole forward)
+    last_query = None
 
     def __call__(self, x: torch.Tensor, pos: torch.Tensor, segments: list[Segment], kv: KVCache) -> torch.Tensor:
         n = x.shape[0]

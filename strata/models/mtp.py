@@ -110,7 +110,7 @@ class MtpHead:
         e = rms_norm(self._embed(tokens), self.enorm, self.eps)
         x = qmatmul(torch.cat([e, rms_norm(h.to(self.dtype), self.hnorm, self.eps)], -1), self.eh_proj)
         a = rms_norm(x, self.attn_norm, self.eps)
-        if tail and seg.n > 1 and not seg.window and hasattr(self.attn, "last_query"):
+        if tail and seg.n > 1 and not seg.window and getattr(self.attn, "last_query", None) is not None:
             att = self.attn.last_query(a, pos, seg, kv)
             x, seg = x[-1:], Segment(seg.slot, seg.end - 1, 1)
         else:
