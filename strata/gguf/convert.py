@@ -9,7 +9,6 @@ blocks follow the trunk, gpt-oss's interleaved gate_up is split (strata.gguf.con
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import re
@@ -18,6 +17,7 @@ from pathlib import Path
 import torch
 
 from strata import StrataError
+from strata.gguf.convert_input import Checkpoint, read_config
 
 log = logging.getLogger("strata")
 
@@ -29,56 +29,6 @@ F16_OVERFLOW = 65520.0
 def _permute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     # Rotate-half order -> adjacent-pair order, per head (what llama.cpp's LlamaModel.permute does).
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-class _Checkpoint:
-    def __init__(self, d: Path):
-        from safetensors import safe_open
-
-        files = sorted(d.glob("*.safetensors"))
-        if not files:
-            raise StrataError(f"{d}: no .safetensors files (strata convert reads safetensors checkpoints)")
-        self.index: dict[str, Path] = {}
-        self.dtypes: list[tuple[str, int]] = []  # (safetensors dtype, ndim) per tensor, in checkpoint order
-        for f in files:
-            with safe_open(f, "pt") as h:
-                for k in h.keys():
-                    self.index[k] = f
-                    sl = h.get_slice(k)  # the header's dtype and shape; no tensor data is read
-                    self.dtypes.append((sl.get_dtype(), len(sl.get_shape())))
-        self._open: dict[Path, object] = {}
-        self.used: set[str] = set()
-
-    def auto_type(self) -> str:
-        """llama.cpp's `--outtype auto`: the first tensor of 2+ dims stored as bf16 or f16 decides; else f16.
-        (It reads the tensors, not config.json's torch_dtype, which some fine-tunes misstate.)"""
-        for dtype, ndim in self.dtypes:
-            if ndim >= 2 and dtype in ("BF16", "F16"):
-                return dtype.lower()
-        return "f16"
-
-    def has(self, k: str) -> bool:
-        return k in self.index
-
-    def get(self, k: str) -> torch.Tensor:
-        from safetensors import safe_open
-
-        f = self.index.get(k)
-        if f is None:
-            raise StrataError(f"checkpoint tensor {k} is missing")
-        if f not in self._open:
-            self._open[f] = safe_open(f, "pt")
-        self.used.add(k)
-        return self._open[f].get_tensor(k).float()
-
-    def experts(self, prefix: str, n: int, names: tuple[str, str, str]) -> tuple[torch.Tensor, ...]:
-        """Stacked (gate, up, down) [E, out, in] from per-expert tensors or a fused gate_up_proj."""
-        if self.has(prefix + "gate_up_proj"):
-            gu = self.get(prefix + "gate_up_proj")  # [E, 2*ff, d]
-            ff = gu.shape[1] // 2
-            return gu[:, :ff], gu[:, ff:], self.get(prefix + "down_proj")
-        g, u, dn = names
-        return tuple(torch.stack([self.get(f"{prefix}{e}.{p}.weight") for e in range(n)]) for p in (g, u, dn))
 
 
 def _rope_theta(cfg: dict) -> float:
@@ -125,11 +75,9 @@ def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, out_type: str = "
     d, out = Path(hf_dir), Path(out)
     if out_type not in (*FILE_TYPES, "auto"):
         raise StrataError(f"--type must be one of auto, {', '.join(FILE_TYPES)} (got {out_type})")
-    cfg_path = d / "config.json"
-    if not cfg_path.exists():
-        raise StrataError(f"{d}: no config.json (not a transformers checkpoint directory)")
-    cfg = json.loads(cfg_path.read_text())
-    mt = cfg.get("model_type", "")
+    cfg = read_config(d)
+    mt = cfg.get("model_type") or ""
+    mt = mt if isinstance(mt, str) else repr(mt)
     arch = {"qwen3_moe": "qwen3moe", "qwen3": "qwen3", "mixtral": "llama", "llama": "llama",
             "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2", "glm4_moe": "glm4moe",
             "gpt_oss": "gpt-oss", "qwen3_next": "qwen3next"}.get(mt)
@@ -137,7 +85,7 @@ def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, out_type: str = "
         raise StrataError(f"{d}: model_type '{mt}' is not supported by strata convert "
                           "(qwen3_moe, qwen3, mixtral, llama, deepseek_v3, deepseek_v2, glm4_moe, gpt_oss, "
                           "qwen3_next)")
-    ck = _Checkpoint(d)
+    ck = Checkpoint(d)
     if out_type == "auto":
         out_type = ck.auto_type()
     out = output_path(out, d, out_type)
@@ -155,7 +103,7 @@ def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, out_type: str = "
     return out
 
 
-def _convert(d: Path, cfg: dict, mt: str, arch: str, ck: _Checkpoint, out: Path, tmp: Path, out_type: str) -> None:
+def _convert(d: Path, cfg: dict, mt: str, arch: str, ck: Checkpoint, out: Path, tmp: Path, out_type: str) -> None:
     import gguf
 
     from strata.quant import QTensor

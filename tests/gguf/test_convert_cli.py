@@ -12,6 +12,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
+from strata import StrataError
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
@@ -201,3 +203,59 @@ def test_write_error_is_one_line_and_leaves_nothing(hf_dir, tmp_path):
     line = _one_error_line(r.returncode, r.stderr)
     assert line.startswith(f"strata: error: cannot write {out}: ") and ("large" in line or "disk full" in line)
     assert list(tmp_path.iterdir()) == []
+
+
+def _copy_ckpt(src: pathlib.Path, dst: pathlib.Path) -> pathlib.Path:
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+@pytest.mark.parametrize("key", ["num_hidden_layers", "hidden_size", "vocab_size", "moe_intermediate_size",
+                                 "num_experts_per_tok"])
+def test_config_without_a_required_key(hf_dir, tmp_path, capsys, key):
+    from strata.cli import main
+
+    d = _copy_ckpt(hf_dir[0], tmp_path / "ck")
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg[key]
+    (d / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "out" / "m.gguf"
+    out.parent.mkdir()
+    line = _one_error_line(main(["convert", str(d), str(out)]), capsys.readouterr().err)
+    assert line == f"strata: error: {d / 'config.json'} has no {key} (a Qwen3-MoE config needs it)"
+    assert list(out.parent.iterdir()) == []  # no output, no temporary file
+
+
+def test_unreadable_config_and_checkpoint(hf_dir, tmp_path, capsys):
+    from strata.cli import main
+    from strata.gguf.convert_input import Checkpoint
+
+    out = tmp_path / "out" / "m.gguf"
+    out.parent.mkdir()
+
+    def err(d) -> str:
+        line = _one_error_line(main(["convert", str(d), str(out)]), capsys.readouterr().err)
+        assert list(out.parent.iterdir()) == []
+        return line
+
+    d = _copy_ckpt(hf_dir[0], tmp_path / "badjson")
+    (d / "config.json").write_text("{not json")
+    assert f"{d / 'config.json'} is not valid JSON: Expecting property name" in err(d)
+    (d / "config.json").write_text("[1, 2]")
+    assert f"{d / 'config.json'} is not a JSON object" in err(d)
+    # a download cut short: the data, or the header itself
+    st = d / "model.safetensors"
+    (d / "config.json").write_text((hf_dir[0] / "config.json").read_text())
+    full = st.read_bytes()
+    for size in (len(full) // 2, 20):
+        st.write_bytes(full[:size])
+        line = err(d)
+        assert f"{st} cannot be read as safetensors (truncated or damaged? re-download it)" in line
+    # a shard that shrinks after its header was read: reading a tensor says so as well
+    st.write_bytes(full)
+    ck = Checkpoint(d)
+    st.write_bytes(full[: len(full) // 2])
+    with pytest.raises(StrataError, match="cannot be read as safetensors"):
+        ck.get("model.embed_tokens.weight")
