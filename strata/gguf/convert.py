@@ -2,8 +2,8 @@
 
 Tensor names and metadata follow llama.cpp's converter, so files made here also load in llama.cpp (and files
 made there load here): Llama/Mixtral Q/K rows are permuted for pair-order rotary, experts are stacked into one
-`[E, out, in]` tensor per projection, DeepSeek's kv_b is split into per-head k_b/v_b, GLM's and DeepSeek-V3's MTP
-blocks follow the trunk, gpt-oss's interleaved gate_up is split (strata.gguf.convert_gpt_oss).
+`[E, out, in]` tensor per projection, DeepSeek's kv_b is split into per-head k_b/v_b, GLM's, DeepSeek-V3's and
+Qwen3-Next's MTP blocks follow the trunk, gpt-oss's interleaved gate_up is split (strata.gguf.convert_gpt_oss).
 """
 
 from __future__ import annotations
@@ -124,6 +124,10 @@ def _convert(d: Path, cfg: dict, mt: str, arch: str, ck: Checkpoint, out: Path, 
         log.warning("strata convert: %s declares %d MTP block(s) (num_nextn_predict_layers) but holds none: "
                     "written without them", d, n_nextn)
         n_nextn = 0
+    if arch == "qwen3next":  # Qwen3-Next keeps its MTP block apart, as mtp.*
+        from strata.gguf.convert_qwen3next import mtp_layers
+
+        n_nextn = mtp_layers(cfg, ck, d)
     w.add_block_count(n_layers + n_nextn)
     w.add_context_length(int(cfg.get("max_position_embeddings", 4096)))
     w.add_embedding_length(d_model)
@@ -169,7 +173,7 @@ def _convert(d: Path, cfg: dict, mt: str, arch: str, ck: Checkpoint, out: Path, 
     elif arch == "qwen3next":
         from strata.gguf.convert_qwen3next import convert_layers
 
-        convert_layers(cfg, ck, w, put, n_layers, n_exp, head_dim)
+        convert_layers(cfg, ck, w, put, n_layers, n_exp, head_dim, n_nextn)
     else:
         if n_exp:
             w.add_expert_count(int(n_exp))
@@ -223,8 +227,10 @@ def _convert(d: Path, cfg: dict, mt: str, arch: str, ck: Checkpoint, out: Path, 
     _tokenizer(d, w, int(cfg["vocab_size"]))
 
     def unmapped(k: str) -> bool:
-        if k in ck.used or "rotary_emb" in k or k.startswith("mtp."):  # (mtp.*: Qwen3-Next's MTP head)
+        if k in ck.used or "rotary_emb" in k:
             return False
+        if k.startswith("mtp."):  # Qwen3-Next's MTP block: all of it is used when it is written (n_nextn)
+            return bool(n_nextn)
         m = re.search(r"layers\.(\d+)\.", k)
         # layers past the last are MTP heads, converted for glm4moe and deepseek2 (n_nextn) only
         return not (m and int(m.group(1)) >= n_layers + n_nextn)
