@@ -24,6 +24,7 @@ log = logging.getLogger("strata")
 FILE_TYPES = {"f32": 0, "f16": 1, "q8_0": 7, "bf16": 32}  # llama.cpp's LLAMA_FTYPE values
 # The smallest magnitude f16 rounds to inf (halfway between its largest finite value, 65504, and 65536).
 F16_OVERFLOW = 65520.0
+Q8_0_BLOCK = 32  # values per Q8_0 block: a row must hold whole blocks
 
 
 def _permute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -145,13 +146,17 @@ def _convert(d: Path, cfg: dict, mt: str, arch: str, ck: Checkpoint, out: Path, 
         if keep_f32 or a.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
             w.add_tensor(name, a.numpy())
             return
-        if qtype == gguf.GGMLQuantizationType.Q8_0 and a.shape[-1] % 32:
-            w.add_tensor(name, a.numpy())  # row not a whole number of blocks: keep exact
-            return
-        if (why := _range_error(name, a, qtype)) is not None:
+        qt = qtype
+        if qt == gguf.GGMLQuantizationType.Q8_0 and a.shape[-1] % Q8_0_BLOCK:
+            # rows that are not whole Q8_0 blocks: this tensor as f16, as llama.cpp's converter does (its
+            # QuantError fallback), so the file stays a 16-bit one rather than holding it as f32
+            qt = gguf.GGMLQuantizationType.F16
+        if (why := _range_error(name, a, qt)) is not None:
+            if qt != qtype:
+                why += f" (its rows of {a.shape[-1]} are not whole {Q8_0_BLOCK}-value Q8_0 blocks: it is f16 in a q8_0 file)"
             raise StrataError(why)  # (raised before a byte is written: the temporary file is then removed)
-        q = QTensor.from_float(a, qtype)
-        w.add_tensor(name, q.raw.numpy().reshape(*a.shape[:-1], -1), raw_dtype=qtype)
+        q = QTensor.from_float(a, qt)
+        w.add_tensor(name, q.raw.numpy().reshape(*a.shape[:-1], -1), raw_dtype=qt)
 
     put("token_embd.weight", ck.get("model.embed_tokens.weight"))
     # Qwen3-Next's RMSNorms scale by 1 + w: GGUF stores 1 + w (as llama.cpp's converter does)
