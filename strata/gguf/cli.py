@@ -24,11 +24,18 @@ def cmd_convert(args) -> int:
     if not src.is_dir():
         raise StrataError(f"{src} is not a directory (strata convert reads a transformers checkpoint directory)")
     out = convert(src, args.out, args.type)
-    from strata.gguf.convert import FILE_TYPES
+    from gguf import GGMLQuantizationType
+
+    from strata.gguf.convert import FILE_TYPES, Q8_0_BLOCK
     from strata.gguf.header import read_gguf_header
 
-    ftype = read_gguf_header(out).metadata.get("general.file_type")  # what --type auto chose
+    h = read_gguf_header(out)
+    ftype = h.metadata.get("general.file_type")  # what --type auto chose
     name = next((k for k, v in FILE_TYPES.items() if v == ftype), args.type)
+    if name == "q8_0":  # say which tensors are not Q8_0 (convert writes those of rows not whole blocks as f16)
+        n16 = sum(t.ggml_type == GGMLQuantizationType.F16 for t in h.tensors)
+        if n16:
+            name += f", {n16} tensor{'s' if n16 > 1 else ''} f16: rows not a multiple of {Q8_0_BLOCK}"
     print(f"strata: wrote {out} ({_gb(out.stat().st_size)}, {name})", file=sys.stderr)
     return 0
 
@@ -85,7 +92,8 @@ def register(sub) -> None:
                    "<HF_DIR name>-<TYPE>.gguf in (as llama.cpp's converter does); its directory must exist")
     p.add_argument("--type", default="auto", choices=CONVERT_TYPES, help="weight format (default auto, as "
                    "llama.cpp's --outtype auto: bf16 when the checkpoint's weights are bf16, else f16; norms and "
-                   "routers stay f32). Weights beyond f16's range (65504) are an error for f16 and q8_0, whose "
+                   "routers stay f32; with q8_0, tensors whose rows are not whole 32-value blocks are f16, as "
+                   "llama.cpp writes them). Weights beyond f16's range (65504) are an error for f16 and q8_0, whose "
                    "block scales are f16: use bf16 or f32 for those")
     p.set_defaults(func=cmd_convert)
 

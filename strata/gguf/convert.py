@@ -2,14 +2,13 @@
 
 Tensor names and metadata follow llama.cpp's converter, so files made here also load in llama.cpp (and files
 made there load here): Llama/Mixtral Q/K rows are permuted for pair-order rotary, experts are stacked into one
-`[E, out, in]` tensor per projection, DeepSeek's kv_b is split into per-head k_b/v_b, GLM's and DeepSeek-V3's MTP
-blocks follow the trunk, gpt-oss's interleaved gate_up is split (strata.gguf.convert_gpt_oss).
+`[E, out, in]` tensor per projection, DeepSeek's kv_b is split into per-head k_b/v_b, GLM's, DeepSeek-V3's and
+Qwen3-Next's MTP blocks follow the trunk, gpt-oss's interleaved gate_up is split (strata.gguf.convert_gpt_oss).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import re
@@ -18,67 +17,19 @@ from pathlib import Path
 import torch
 
 from strata import StrataError
+from strata.gguf.convert_input import Checkpoint, read_config
 
 log = logging.getLogger("strata")
 
 FILE_TYPES = {"f32": 0, "f16": 1, "q8_0": 7, "bf16": 32}  # llama.cpp's LLAMA_FTYPE values
 # The smallest magnitude f16 rounds to inf (halfway between its largest finite value, 65504, and 65536).
 F16_OVERFLOW = 65520.0
+Q8_0_BLOCK = 32  # values per Q8_0 block: a row must hold whole blocks
 
 
 def _permute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     # Rotate-half order -> adjacent-pair order, per head (what llama.cpp's LlamaModel.permute does).
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-class _Checkpoint:
-    def __init__(self, d: Path):
-        from safetensors import safe_open
-
-        files = sorted(d.glob("*.safetensors"))
-        if not files:
-            raise StrataError(f"{d}: no .safetensors files (strata convert reads safetensors checkpoints)")
-        self.index: dict[str, Path] = {}
-        self.dtypes: list[tuple[str, int]] = []  # (safetensors dtype, ndim) per tensor, in checkpoint order
-        for f in files:
-            with safe_open(f, "pt") as h:
-                for k in h.keys():
-                    self.index[k] = f
-                    sl = h.get_slice(k)  # the header's dtype and shape; no tensor data is read
-                    self.dtypes.append((sl.get_dtype(), len(sl.get_shape())))
-        self._open: dict[Path, object] = {}
-        self.used: set[str] = set()
-
-    def auto_type(self) -> str:
-        """llama.cpp's `--outtype auto`: the first tensor of 2+ dims stored as bf16 or f16 decides; else f16.
-        (It reads the tensors, not config.json's torch_dtype, which some fine-tunes misstate.)"""
-        for dtype, ndim in self.dtypes:
-            if ndim >= 2 and dtype in ("BF16", "F16"):
-                return dtype.lower()
-        return "f16"
-
-    def has(self, k: str) -> bool:
-        return k in self.index
-
-    def get(self, k: str) -> torch.Tensor:
-        from safetensors import safe_open
-
-        f = self.index.get(k)
-        if f is None:
-            raise StrataError(f"checkpoint tensor {k} is missing")
-        if f not in self._open:
-            self._open[f] = safe_open(f, "pt")
-        self.used.add(k)
-        return self._open[f].get_tensor(k).float()
-
-    def experts(self, prefix: str, n: int, names: tuple[str, str, str]) -> tuple[torch.Tensor, ...]:
-        """Stacked (gate, up, down) [E, out, in] from per-expert tensors or a fused gate_up_proj."""
-        if self.has(prefix + "gate_up_proj"):
-            gu = self.get(prefix + "gate_up_proj")  # [E, 2*ff, d]
-            ff = gu.shape[1] // 2
-            return gu[:, :ff], gu[:, ff:], self.get(prefix + "down_proj")
-        g, u, dn = names
-        return tuple(torch.stack([self.get(f"{prefix}{e}.{p}.weight") for e in range(n)]) for p in (g, u, dn))
 
 
 def _rope_theta(cfg: dict) -> float:
@@ -125,11 +76,9 @@ def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, out_type: str = "
     d, out = Path(hf_dir), Path(out)
     if out_type not in (*FILE_TYPES, "auto"):
         raise StrataError(f"--type must be one of auto, {', '.join(FILE_TYPES)} (got {out_type})")
-    cfg_path = d / "config.json"
-    if not cfg_path.exists():
-        raise StrataError(f"{d}: no config.json (not a transformers checkpoint directory)")
-    cfg = json.loads(cfg_path.read_text())
-    mt = cfg.get("model_type", "")
+    cfg = read_config(d)
+    mt = cfg.get("model_type") or ""
+    mt = mt if isinstance(mt, str) else repr(mt)
     arch = {"qwen3_moe": "qwen3moe", "qwen3": "qwen3", "mixtral": "llama", "llama": "llama",
             "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2", "glm4_moe": "glm4moe",
             "gpt_oss": "gpt-oss", "qwen3_next": "qwen3next"}.get(mt)
@@ -137,7 +86,7 @@ def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, out_type: str = "
         raise StrataError(f"{d}: model_type '{mt}' is not supported by strata convert "
                           "(qwen3_moe, qwen3, mixtral, llama, deepseek_v3, deepseek_v2, glm4_moe, gpt_oss, "
                           "qwen3_next)")
-    ck = _Checkpoint(d)
+    ck = Checkpoint(d)
     if out_type == "auto":
         out_type = ck.auto_type()
     out = output_path(out, d, out_type)
@@ -155,7 +104,7 @@ def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, out_type: str = "
     return out
 
 
-def _convert(d: Path, cfg: dict, mt: str, arch: str, ck: _Checkpoint, out: Path, tmp: Path, out_type: str) -> None:
+def _convert(d: Path, cfg: dict, mt: str, arch: str, ck: Checkpoint, out: Path, tmp: Path, out_type: str) -> None:
     import gguf
 
     from strata.quant import QTensor
@@ -176,6 +125,10 @@ def _convert(d: Path, cfg: dict, mt: str, arch: str, ck: _Checkpoint, out: Path,
         log.warning("strata convert: %s declares %d MTP block(s) (num_nextn_predict_layers) but holds none: "
                     "written without them", d, n_nextn)
         n_nextn = 0
+    if arch == "qwen3next":  # Qwen3-Next keeps its MTP block apart, as mtp.*
+        from strata.gguf.convert_qwen3next import mtp_layers
+
+        n_nextn = mtp_layers(cfg, ck, d)
     w.add_block_count(n_layers + n_nextn)
     w.add_context_length(int(cfg.get("max_position_embeddings", 4096)))
     w.add_embedding_length(d_model)
@@ -193,13 +146,17 @@ def _convert(d: Path, cfg: dict, mt: str, arch: str, ck: _Checkpoint, out: Path,
         if keep_f32 or a.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
             w.add_tensor(name, a.numpy())
             return
-        if qtype == gguf.GGMLQuantizationType.Q8_0 and a.shape[-1] % 32:
-            w.add_tensor(name, a.numpy())  # row not a whole number of blocks: keep exact
-            return
-        if (why := _range_error(name, a, qtype)) is not None:
+        qt = qtype
+        if qt == gguf.GGMLQuantizationType.Q8_0 and a.shape[-1] % Q8_0_BLOCK:
+            # rows that are not whole Q8_0 blocks: this tensor as f16, as llama.cpp's converter does (its
+            # QuantError fallback), so the file stays a 16-bit one rather than holding it as f32
+            qt = gguf.GGMLQuantizationType.F16
+        if (why := _range_error(name, a, qt)) is not None:
+            if qt != qtype:
+                why += f" (its rows of {a.shape[-1]} are not whole {Q8_0_BLOCK}-value Q8_0 blocks: it is f16 in a q8_0 file)"
             raise StrataError(why)  # (raised before a byte is written: the temporary file is then removed)
-        q = QTensor.from_float(a, qtype)
-        w.add_tensor(name, q.raw.numpy().reshape(*a.shape[:-1], -1), raw_dtype=qtype)
+        q = QTensor.from_float(a, qt)
+        w.add_tensor(name, q.raw.numpy().reshape(*a.shape[:-1], -1), raw_dtype=qt)
 
     put("token_embd.weight", ck.get("model.embed_tokens.weight"))
     # Qwen3-Next's RMSNorms scale by 1 + w: GGUF stores 1 + w (as llama.cpp's converter does)
@@ -221,7 +178,7 @@ def _convert(d: Path, cfg: dict, mt: str, arch: str, ck: _Checkpoint, out: Path,
     elif arch == "qwen3next":
         from strata.gguf.convert_qwen3next import convert_layers
 
-        convert_layers(cfg, ck, w, put, n_layers, n_exp, head_dim)
+        convert_layers(cfg, ck, w, put, n_layers, n_exp, head_dim, n_nextn)
     else:
         if n_exp:
             w.add_expert_count(int(n_exp))
@@ -275,8 +232,10 @@ def _convert(d: Path, cfg: dict, mt: str, arch: str, ck: _Checkpoint, out: Path,
     _tokenizer(d, w, int(cfg["vocab_size"]))
 
     def unmapped(k: str) -> bool:
-        if k in ck.used or "rotary_emb" in k or k.startswith("mtp."):  # (mtp.*: Qwen3-Next's MTP head)
+        if k in ck.used or "rotary_emb" in k:
             return False
+        if k.startswith("mtp."):  # Qwen3-Next's MTP block: all of it is used when it is written (n_nextn)
+            return bool(n_nextn)
         m = re.search(r"layers\.(\d+)\.", k)
         # layers past the last are MTP heads, converted for glm4moe and deepseek2 (n_nextn) only
         return not (m and int(m.group(1)) >= n_layers + n_nextn)

@@ -5,15 +5,23 @@ What differs from the checkpoint (as llama.cpp's converter does it, so files loa
 - The fused `in_proj_qkvz`, interleaved per key head as [q, k, v, z], is split into `attn_qkv` (all q heads, all k
   heads, all v heads: the causal conv's channel order) and `attn_gate` (z).
 - A_log becomes `ssm_a` = -exp(A_log); dt_bias becomes `ssm_dt.bias`; the conv kernel is squeezed to [C, K].
+- The MTP block (`mtp.*`) follows the trunk as block n_layers (`nextn_predict_layers` counts it): its decoder layer
+  `mtp.layers.0.*` named as a full-attention layer, fc -> `nextn.eh_proj`, pre_fc_norm_embedding / _hidden ->
+  `nextn.enorm` / `nextn.hnorm`, norm -> `nextn.shared_head_norm` (norms 1 + w as well), as llama.cpp's
+  converter (_QwenMtpMixin) writes it and strata's and llama.cpp's qwen3next loaders read it.
 """
 
 from __future__ import annotations
+
+import logging
+import re
 
 import torch
 
 from strata import StrataError
 
 ARCH = "qwen3next"
+log = logging.getLogger("strata")
 
 
 def _interval(cfg: dict, n_layers: int) -> int:
@@ -37,7 +45,23 @@ def _split_qkvz(t: torch.Tensor, hk: int, dk: int, r: int, dv: int) -> tuple[tor
     return torch.cat([q.reshape(-1, d), k.reshape(-1, d), v.reshape(-1, d)]), z.reshape(-1, d)
 
 
-def convert_layers(cfg: dict, ck, w, put, n_layers: int, n_exp: int, head_dim: int) -> None:
+def mtp_layers(cfg: dict, ck, d) -> int:
+    """How many MTP blocks to write: those the checkpoint holds (`mtp.layers.N.*`; Qwen3-Next's config does not
+    always count them, so llama.cpp counts them in the checkpoint too); a config that declares blocks the checkpoint
+    lacks (a trunk-only export) is written without them, with a warning."""
+    held = {int(m.group(1)) for k in ck.index if (m := re.match(r"mtp\.layers\.(\d+)\.", k))}
+    n = max(held) + 1 if held else 0
+    declared = int(cfg.get("mtp_num_hidden_layers") or cfg.get("num_nextn_predict_layers") or 0)
+    if declared and not n:
+        log.warning("strata convert: %s declares %d MTP block(s) (num_nextn_predict_layers) but holds none: "
+                    "written without them", d, declared)
+    elif not n and any(k.startswith("mtp.") for k in ck.index):
+        log.warning("strata convert: %s holds mtp.* tensors but no MTP decoder layer (mtp.layers.0): written "
+                    "without them", d)
+    return n
+
+
+def convert_layers(cfg: dict, ck, w, put, n_layers: int, n_exp: int, head_dim: int, n_mtp: int = 0) -> None:
     if not n_exp:
         raise StrataError("qwen3_next without experts (num_experts 0) is not a Qwen3-Next layout strata runs")
     if cfg.get("mlp_only_layers") or (cfg.get("decoder_sparse_step") or 1) != 1:
@@ -64,11 +88,18 @@ def convert_layers(cfg: dict, ck, w, put, n_layers: int, n_exp: int, head_dim: i
     w.add_ssm_time_step_rank(hv)
     w.add_ssm_inner_size(dv * hv)
     w.add_full_attention_interval(interval)
-    for i in range(n_layers):
-        p, b = f"model.layers.{i}.", f"blk.{i}."
+    if n_mtp:
+        w.add_nextn_predict_layers(n_mtp)
+    for i in range(n_layers + n_mtp):
+        p, b = (f"model.layers.{i}." if i < n_layers else f"mtp.layers.{i - n_layers}."), f"blk.{i}."
+        if i == n_layers:  # the MTP block's own projection and norms (llama.cpp's nextn names)
+            put(b + "nextn.eh_proj.weight", ck.get("mtp.fc.weight"))
+            for hf, gg in (("pre_fc_norm_embedding", "enorm"), ("pre_fc_norm_hidden", "hnorm"),
+                           ("norm", "shared_head_norm")):
+                put(f"{b}nextn.{gg}.weight", ck.get(f"mtp.{hf}.weight") + 1.0)
         put(b + "attn_norm.weight", ck.get(p + "input_layernorm.weight") + 1.0)
         put(b + "post_attention_norm.weight", ck.get(p + "post_attention_layernorm.weight") + 1.0)
-        if (i + 1) % interval == 0:
+        if i >= n_layers or (i + 1) % interval == 0:  # (an MTP block is a full-attention layer)
             s = p + "self_attn."
             for hf, gg in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"), ("o_proj", "attn_output")):
                 put(f"{b}{gg}.weight", ck.get(f"{s}{hf}.weight"))

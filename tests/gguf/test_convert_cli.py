@@ -12,6 +12,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
+from strata import StrataError
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
@@ -38,10 +40,12 @@ def test_convert_cli(hf_dir, tmp_path):
     out = tmp_path / "m.gguf"
     r = _strata("convert", str(d), str(out), "--type", "q8_0")
     assert r.returncode == 0, r.stderr
-    assert "wrote" in r.stderr and r.stdout == ""
+    # the experts' down projections (rows of moe_intermediate_size 40) are no whole Q8_0 blocks: f16, and said
+    assert "wrote" in r.stderr and "q8_0, 3 tensors f16: rows not a multiple of 32)" in r.stderr and r.stdout == ""
     lm = load_model(str(out), EngineConfig(device="cpu", dtype="f32"))
     g = lm.gguf
     assert g.tensors["blk.0.attn_q.weight"].qtype == Q.Q8_0 and g.tensors["blk.0.ffn_up_exps.weight"].qtype == Q.Q8_0
+    assert g.tensors["blk.0.ffn_down_exps.weight"].qtype == Q.F16
     assert g.tensors["blk.0.ffn_gate_inp.weight"].qtype == Q.F32  # routers stay exact
     ids = lm.tokenizer.encode("Hello, world! def add(a, b): return a + b")
     # the converted model computes what transformers computes (Q8_0: close, not equal)
@@ -201,3 +205,90 @@ def test_write_error_is_one_line_and_leaves_nothing(hf_dir, tmp_path):
     line = _one_error_line(r.returncode, r.stderr)
     assert line.startswith(f"strata: error: cannot write {out}: ") and ("large" in line or "disk full" in line)
     assert list(tmp_path.iterdir()) == []
+
+
+def _copy_ckpt(src: pathlib.Path, dst: pathlib.Path) -> pathlib.Path:
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+@pytest.mark.parametrize("key", ["num_hidden_layers", "hidden_size", "vocab_size", "moe_intermediate_size",
+                                 "num_experts_per_tok"])
+def test_config_without_a_required_key(hf_dir, tmp_path, capsys, key):
+    from strata.cli import main
+
+    d = _copy_ckpt(hf_dir[0], tmp_path / "ck")
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg[key]
+    (d / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "out" / "m.gguf"
+    out.parent.mkdir()
+    line = _one_error_line(main(["convert", str(d), str(out)]), capsys.readouterr().err)
+    assert line == f"strata: error: {d / 'config.json'} has no {key} (a Qwen3-MoE config needs it)"
+    assert list(out.parent.iterdir()) == []  # no output, no temporary file
+
+
+def test_unreadable_config_and_checkpoint(hf_dir, tmp_path, capsys):
+    from strata.cli import main
+    from strata.gguf.convert_input import Checkpoint
+
+    out = tmp_path / "out" / "m.gguf"
+    out.parent.mkdir()
+
+    def err(d) -> str:
+        line = _one_error_line(main(["convert", str(d), str(out)]), capsys.readouterr().err)
+        assert list(out.parent.iterdir()) == []
+        return line
+
+    d = _copy_ckpt(hf_dir[0], tmp_path / "badjson")
+    (d / "config.json").write_text("{not json")
+    assert f"{d / 'config.json'} is not valid JSON: Expecting property name" in err(d)
+    (d / "config.json").write_text("[1, 2]")
+    assert f"{d / 'config.json'} is not a JSON object" in err(d)
+    # a download cut short: the data, or the header itself
+    st = d / "model.safetensors"
+    (d / "config.json").write_text((hf_dir[0] / "config.json").read_text())
+    full = st.read_bytes()
+    for size in (len(full) // 2, 20):
+        st.write_bytes(full[:size])
+        line = err(d)
+        assert f"{st} cannot be read as safetensors (truncated or damaged? re-download it)" in line
+    # a shard that shrinks after its header was read: reading a tensor says so as well
+    st.write_bytes(full)
+    ck = Checkpoint(d)
+    st.write_bytes(full[: len(full) // 2])
+    with pytest.raises(StrataError, match="cannot be read as safetensors"):
+        ck.get("model.embed_tokens.weight")
+
+
+def test_q8_0_falls_back_to_f16_per_tensor(hf_and_gguf, tmp_path, capsys):
+    """GLM with hidden size 52: tensors whose rows are not whole 32-value blocks are f16 (llama.cpp's converter's
+    fallback), others would be Q8_0; norms, biases and routers stay f32; the summary line says so."""
+    from strata.cli import main
+    from strata.config import EngineConfig
+    from strata.engine.loader import forward_all, load_model
+    from strata.gguf.header import read_gguf_header
+
+    hf, f32 = hf_and_gguf("glm4moe")
+    out = tmp_path / "m.gguf"
+    assert main(["convert", str(hf), str(out), "--type", "q8_0"]) == 0
+    h = read_gguf_header(out)
+    want = {}
+    for t in h.tensors:
+        row = t.shape[0]  # (GGUF lists the row length first)
+        if len(t.shape) == 1 or t.name.endswith(("ffn_gate_inp.weight", ".bias")):
+            want[t.name] = Q.F32
+        else:
+            want[t.name] = Q.F16 if row % 32 else Q.Q8_0
+    got = {t.name: t.ggml_type for t in h.tensors}
+    assert got == want
+    n16 = sum(v == Q.F16 for v in want.values())
+    assert n16 > 30  # (every matrix here: its rows are 52, 72, 20 or 80; test_convert_cli has both kinds)
+    assert capsys.readouterr().err.strip().endswith(f"q8_0, {n16} tensors f16: rows not a multiple of 32)")
+    assert h.metadata["general.file_type"] == 7
+    ids = list(range(3, 40))
+    cfg = EngineConfig(device="cpu", dtype="f32")
+    a, b = forward_all(load_model(str(out), cfg), ids), forward_all(load_model(str(f32), cfg), ids)
+    assert torch.nn.functional.cosine_similarity(a, b, dim=-1).min() > 0.99

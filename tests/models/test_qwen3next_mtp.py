@@ -1,8 +1,9 @@
-"""Qwen3-Next's MTP block, as llama.cpp's current converter writes it (its `mtp.*` tensors appended after the
-trunk as `blk.N`, `nextn_predict_layers` = 1): the file loads (the trunk's logits as without the block), the block
-computes what transformers' own Qwen3-Next decoder layer computes inside llama.cpp's MTP graph (enorm(embed) and
-hnorm(h) concatenated, eh_proj, the gated-attention layer with its MoE and shared expert, the head's norm), and
-drafting with it leaves the greedy text unchanged. Skipped without llama.cpp's source package."""
+"""Qwen3-Next's MTP block, as llama.cpp's current converter and `strata convert` write it (its `mtp.*` tensors
+appended after the trunk as `blk.N`, `nextn_predict_layers` = 1): the file loads (the trunk's logits as without the
+block), the block computes what transformers' own Qwen3-Next decoder layer computes inside llama.cpp's MTP graph
+(enorm(embed) and hnorm(h) concatenated, eh_proj, the gated-attention layer with its MoE and shared expert, the
+head's norm), and drafting with it leaves the greedy text unchanged. The llama.cpp cases are skipped without its
+source package; with it, both converters write the same tensors."""
 
 from __future__ import annotations
 
@@ -26,10 +27,11 @@ CPU32 = dict(device="cpu", dtype="float32")
 
 
 @pytest.fixture(scope="module")
-def files(hf_and_gguf, converter, tmp_path_factory):  # noqa: F811
+def checkpoint(hf_and_gguf, tmp_path_factory):
+    """The tiny Qwen3-Next checkpoint with an MTP block, its tensors, and strata's conversion of it without one."""
     from safetensors.torch import load_file, save_file
 
-    hf_dir, _ = hf_and_gguf("qwen3next")
+    hf_dir, trunk = hf_and_gguf("qwen3next")
     root = tmp_path_factory.mktemp("q3n_mtp")
     hf = root / "hf"
     shutil.copytree(hf_dir, hf)
@@ -45,6 +47,10 @@ def files(hf_and_gguf, converter, tmp_path_factory):  # noqa: F811
     for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
         t[f"mtp.{n}.weight"] = 0.1 * torch.randn(d, generator=g)
     save_file(t, hf / "model.safetensors", metadata={"format": "pt"})
+    return hf, t, trunk
+
+
+def _llamacpp(hf, root, converter) -> dict:  # noqa: F811
     out = {}
     for name, extra in (("mtp", []), ("trunk", ["--no-mtp"])):
         path = root / f"{name}.gguf"
@@ -52,7 +58,20 @@ def files(hf_and_gguf, converter, tmp_path_factory):  # noqa: F811
                               *extra], cwd=converter, capture_output=True, text=True, timeout=600)
         assert res.returncode == 0, res.stderr[-3000:]
         out[name] = path
-    return hf, t, out
+    return out
+
+
+@pytest.fixture(scope="module", params=["strata", "llamacpp"])
+def files(request, checkpoint, tmp_path_factory):
+    """(checkpoint dir, its tensors, {"mtp": the file with the block, "trunk": one without}) as written by strata
+    convert or by llama.cpp's converter."""
+    hf, t, trunk = checkpoint
+    root = tmp_path_factory.mktemp(request.param)
+    if request.param == "llamacpp":
+        return hf, t, _llamacpp(hf, root, request.getfixturevalue("converter"))
+    from strata.gguf.convert import convert
+
+    return hf, t, {"mtp": convert(hf, root / "mtp.gguf", "f32"), "trunk": trunk}
 
 
 def test_the_file_loads_and_the_trunk_is_unchanged(files):
@@ -117,3 +136,56 @@ def test_drafts_from_the_block_keep_the_greedy_text(files):
     assert eng.mtp is not None
     assert list(eng.generate(PROMPT, greedy, 24)) == plain
     assert eng.last.draft_steps > 0
+
+
+def test_strata_convert_keeps_the_block(checkpoint, tmp_path):
+    from strata.gguf.convert import convert
+    from strata.gguf.header import read_gguf_header
+
+    hf, t, _ = checkpoint
+
+    h = read_gguf_header(convert(hf, tmp_path / "m.gguf", "f32"))
+    assert h.metadata["qwen3next.nextn_predict_layers"] == 1 and h.metadata["qwen3next.block_count"] == 5
+    names = {x.name for x in h.tensors if x.name.startswith("blk.4.")}
+    trunk_attn = {x.name.replace("blk.1.", "blk.4.", 1) for x in h.tensors if x.name.startswith("blk.1.")}
+    assert names == trunk_attn | {f"blk.4.nextn.{n}.weight" for n in ("eh_proj", "enorm", "hnorm", "shared_head_norm")}
+    import gguf
+
+    data = {x.name: torch.from_numpy(x.data.copy()) for x in gguf.GGUFReader(tmp_path / "m.gguf").tensors}
+    assert torch.equal(data["blk.4.nextn.eh_proj.weight"], t["mtp.fc.weight"])
+    assert torch.equal(data["blk.4.nextn.enorm.weight"], t["mtp.pre_fc_norm_embedding.weight"] + 1)  # (1 + w)
+    assert torch.equal(data["blk.4.attn_q.weight"], t["mtp.layers.0.self_attn.q_proj.weight"])
+
+
+def test_both_converters_write_the_same_block(checkpoint, converter, tmp_path):  # noqa: F811
+    import gguf
+
+    from strata.gguf.convert import convert
+
+    hf, _, _ = checkpoint
+    ours = gguf.GGUFReader(convert(hf, tmp_path / "ours.gguf", "f32"))
+    theirs = gguf.GGUFReader(_llamacpp(hf, tmp_path, converter)["mtp"])
+    a = {x.name: x.data for x in ours.tensors if x.name.startswith("blk.4.")}
+    b = {x.name: x.data for x in theirs.tensors if x.name.startswith("blk.4.")}
+    assert sorted(a) == sorted(b)
+    for n in a:
+        assert a[n].shape == b[n].shape and (a[n] == b[n]).all(), n
+    key = "qwen3next.nextn_predict_layers"
+    assert ours.fields[key].contents() == theirs.fields[key].contents() == 1
+
+
+def test_a_declared_block_the_checkpoint_lacks_is_left_out(hf_and_gguf, tmp_path, caplog):
+    import json
+
+    from strata.gguf.convert import convert
+    from strata.gguf.header import read_gguf_header
+
+    hf_dir, _ = hf_and_gguf("qwen3next")
+    hf = tmp_path / "hf"
+    shutil.copytree(hf_dir, hf)
+    cfg = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 1}))
+    with caplog.at_level("WARNING", logger="strata"):
+        h = read_gguf_header(convert(hf, tmp_path / "m.gguf", "f32"))
+    assert "declares 1 MTP block(s) (num_nextn_predict_layers) but holds none" in caplog.text
+    assert "qwen3next.nextn_predict_layers" not in h.metadata and h.metadata["qwen3next.block_count"] == 4

@@ -144,7 +144,8 @@ def _round_like_llamacpp(x2d: torch.Tensor, block: int, f16_scale: bool) -> torc
 def llamacpp_activation_rounding():
     """Inside: strata's CPU qmatmul first rounds its input as llama.cpp's CPU backend does before a quantized
     matmul (ggml's vec_dot_type): Q8_0 weights take Q8_0 activations (32 per block, f16 scale), K-quants take
-    Q8_K (256 per block, f32 scale); float weights take the input as it is. Uses qmatmul's kernel registry."""
+    Q8_K (256 per block, f32 scale), F16 weights F16 activations; f32 weights take the input as it is. Uses
+    qmatmul's kernel registry."""
     from gguf import GGMLQuantizationType as Q
 
     from strata.ops import registry
@@ -155,7 +156,9 @@ def llamacpp_activation_rounding():
     def kernel(block, f16_scale):
         return lambda x2d, w: reference_qmatmul(_round_like_llamacpp(x2d, block, f16_scale), w)
 
-    plan = {Q.Q8_0: kernel(32, True), **{t: kernel(256, False) for t in (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)}}
+    plan = {Q.Q8_0: kernel(32, True), **{t: kernel(256, False) for t in (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)},
+            # f16 weights take f16 activations (in a q8_0 file: the tensors whose rows are no whole Q8_0 blocks)
+            Q.F16: lambda x2d, w: reference_qmatmul(x2d.half().float(), w)}
     from strata.experts import resident
 
     saved = {("cpu", t): KERNELS.get(("cpu", t)) for t in plan}
