@@ -210,7 +210,7 @@ async def chat_completions(request: Request):
         text = "".join(c.content)
         msg = {"role": "assistant", "content": text if (text or not c.calls) else None}
         if c.reasoning:
-            msg["reasoning_content"] = "".join(c.reasoning).rstrip("\n")
+            msg["reasoning_content"] = "".join(c.reasoning)  # (its trailing newlines dropped as streamed: RunEnd)
         if c.calls:
             msg["tool_calls"] = [_call_json(call, j) for j, call in enumerate(c.calls)]
             for t in msg["tool_calls"]:
