@@ -79,3 +79,32 @@ def test_a_newline_inside_the_reasoning_is_kept(servers):
     chunks = list(c.chat.completions.create(**kw, stream=True))
     assert "".join((ch.choices[0].delta.model_extra or {}).get("reasoning_content") or ""
                    for ch in chunks if ch.choices) == "first\n\nsecond"
+
+
+@pytest.mark.parametrize("which", ["plain", "opened"])
+def test_reasoning_format_none_leaves_the_reasoning_in_content(servers, which):
+    """llama.cpp's `reasoning_format: "none"`: the output as written, tags and all, in content (streamed alike)."""
+    s, g = servers[which]
+    raw = g[len('root ::= "'):-1].replace("\\n", "\n")
+    c = _oai(s)
+    kw = dict(model="tiny", messages=MSG, max_tokens=60, temperature=0,
+              extra_body={"grammar": g, "reasoning_format": "none"})
+    msg = c.chat.completions.create(**kw).choices[0].message
+    assert msg.content == raw and msg.model_extra.get("reasoning_content") is None
+    deltas = [ch.choices[0].delta for ch in c.chat.completions.create(**kw, stream=True) if ch.choices]
+    assert "".join(d.content or "" for d in deltas) == raw
+    assert not any((d.model_extra or {}).get("reasoning_content") for d in deltas)
+    for fmt in ("deepseek", "auto"):  # llama.cpp's splitting values: as without the field
+        kw["extra_body"]["reasoning_format"] = fmt
+        msg = c.chat.completions.create(**kw).choices[0].message
+        assert (msg.model_extra.get("reasoning_content"), msg.content) == (REASONING, ANSWER)
+
+
+@pytest.mark.parametrize("value", ["deepseek-legacy", "raw", 1])
+def test_an_unknown_reasoning_format_is_a_400_naming_the_allowed_ones(servers, value):
+    s, _ = servers["plain"]
+    with pytest.raises(openai.BadRequestError) as e:
+        _oai(s).chat.completions.create(model="tiny", messages=MSG, max_tokens=4,
+                                        extra_body={"reasoning_format": value})
+    text = str(e.value)
+    assert "reasoning_format" in text and all(f"'{v}'" in text for v in ("none", "auto", "deepseek")), text
