@@ -59,7 +59,8 @@ class ExpertConfig:
     cpu_threads: int = field(default=0, metadata=opt("CPU lane threads (0: the physical cores)"))
     cpu_kernel: str = field(default="auto", metadata=opt(
         "CPU lane kernel: native (Q4_K read in place, compiled once), int4 (torch, repacked copy), ref (exact "
-        "float32); auto: native, else int4, for bf16/f16, ref for float32", choices=CPU_KERNELS))
+        "float32); auto: native, else int4, for bf16/f16, ref for float32; without a GPU, the resident backend's "
+        "CPU math (a miss gives what a cached expert gives)", choices=CPU_KERNELS))
     cpu_plan: str = field(default="auto", metadata=opt("misses -> CPU share, e.g. 011223344, or auto (measured)"))
     plan_tune: bool = field(default=True, metadata=opt(
         "with --cpu-plan auto, time the measured plan, all-PCIe and all-CPU over the first decode steps and keep "

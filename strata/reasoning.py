@@ -90,6 +90,26 @@ class ReasoningSplitter:
         return "", buf
 
 
+class RunEnd:
+    """A run of reasoning pieces without its trailing newlines (the one templates put before `</think>`): they are
+    held back until more reasoning shows they were inside the run, and dropped where it ends (answer text, a tool
+    call, the end of the output). The streamed pieces then concatenate to what the whole output gives."""
+
+    def __init__(self):
+        self._held = ""
+
+    def reasoning(self, text: str) -> str:
+        """The part of a reasoning piece that can be sent now."""
+        text = self._held + text
+        body = text.rstrip("\n")
+        self._held = text[len(body):]
+        return body
+
+    def end(self) -> None:
+        """The run has ended: the newlines held back were its last."""
+        self._held = ""
+
+
 def split_reasoning(text: str, enabled: bool = True, in_reasoning: bool = False) -> tuple[str, str]:
     """Non-streaming split of a whole output into (reasoning, content)."""
     s = ReasoningSplitter(enabled, in_reasoning)

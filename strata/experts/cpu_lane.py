@@ -21,6 +21,11 @@ Kernels per expert FFN (`silu(x @ gate.T) * (x @ up.T) @ down.T`):
   MXFP4, IQ4_NL, Q4_0, Q4_1, Q5_0, Q5_1); experts with biases and gpt-oss's clamped SwiGLU (`ExpertAct` kind
   `swiglu_oai`) go through it too.
 
+- `resident` (`auto` where the compute device is this CPU, `host=True`): each pair as the resident backend computes
+  it on the CPU (strata.experts.cpu_mirror: the native kernel's fused call for a decode-sized part of the step, the
+  per-expert qmatmul chain past it), so a missed expert gives the bits it gives from a cache slot or in a resident
+  run: without a GPU the lane and the "GPU" are the same cores, and a greedy text must not depend on the cache.
+
 `auto` takes `native` for bf16/f16 activations and experts in those formats when the kernel builds, else `int4` for a
 repackable format (Q4_K, Q4_0, Q8_0; plain SwiGLU, and preferred for rows with a partial 256-block), else `ref`.
 Other formats (float experts) use `ref`; with bf16/f16
@@ -42,6 +47,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
 from strata import StrataError
+from strata.experts.cpu_mirror import resident_rows, store_fused
 from strata.experts.resident import ExpertWeights, expert_ffn
 from strata.ops import cpu_native
 from strata.quant import QTensor
@@ -208,7 +214,7 @@ class CpuLane:
     """
 
     def __init__(self, layers: dict[int, ExpertWeights], threads: int = 0, kernel: str = "auto",
-                 dtype: torch.dtype = torch.float32, repack: bool = True):
+                 dtype: torch.dtype = torch.float32, repack: bool = True, host: bool = False):
         if kernel not in KERNELS:
             raise StrataError(f"cpu kernel must be one of {', '.join(KERNELS)} (got {kernel!r})")
         if threads < 0:
@@ -229,7 +235,9 @@ class CpuLane:
             if ew.act is not None and (kernel == "int4" or (kernel == "native" and ew.act.kind not in NATIVE_ACTS)):
                 raise StrataError(f"layer {i}: the {kernel} CPU kernel computes plain SwiGLU experts; these have "
                                   f"biases and the {ew.act.kind} activation (use --cpu-kernel ref or auto)")
-            if kernel == "auto":  # float32 activations keep the exact reference (offloaded runs equal resident)
+            if kernel == "auto" and host:  # no GPU: the lane computes as the resident backend does on this CPU
+                want = "resident"
+            elif kernel == "auto":  # float32 activations keep the exact reference (a GPU's float32 hits)
                 low = dtype in (torch.bfloat16, torch.float16)
                 native = low and native_supported(ew) and _native_lib() is not None
                 # rows with a partial 256-block: the int4 repack keeps the plain experts it takes (the native
@@ -327,8 +335,16 @@ class CpuLane:
         """Host bytes of the repacked copies made so far."""
         return sum(x.gate_up.nbytes() + x.down.nbytes() for d in self._int4.values() for x in d.values())
 
+    def _resident(self, layer: int, x: torch.Tensor, jobs) -> torch.Tensor:
+        """`run` under the `resident` kernel: jobs (expert, token indices) over the step's rows x."""
+        ew = self.layers[layer]
+        groups = [(e, e, tok) for e, tok in jobs]
+        return resident_rows(x, groups, lambda e: (ew.gate[e], ew.up[e], ew.down[e]), store_fused(ew), ew.act)
+
     def expert(self, layer: int, e: int, x: torch.Tensor) -> torch.Tensor:
         """One expert over tokens x [T, d] (host) -> [T, d] float32."""
+        if self.kernel[layer] == "resident":  # (x: one sequence's rows)
+            return self._resident(layer, x, [(e, torch.arange(x.shape[0]))])
         if self.kernel[layer] == "native":
             return self._native[layer](np.full(x.shape[0], e), x)
         if self.kernel[layer] == "int4":
@@ -344,6 +360,8 @@ class CpuLane:
         """One token x [1, d] (host) through each of `experts` -> [len(experts), d] float32."""
         if self.kernel[layer] == "native":  # all of them in one call (one thread-pool region)
             return self._native[layer](experts, x.reshape(1, -1), rows=[0] * len(experts))
+        if self.kernel[layer] == "resident":
+            return self._resident(layer, x.reshape(1, -1), [(e, torch.zeros(1, dtype=torch.long)) for e in experts])
         xin = x.to(torch.bfloat16) if self.kernel[layer] == "int4" else x
         return torch.cat([self.expert(layer, e, xin) for e in experts])
 
@@ -361,6 +379,8 @@ class CpuLane:
     def run(self, layer: int, x: torch.Tensor, jobs: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
         """jobs: (expert, token indices [n_e]) -> outputs [sum n_e, d] float32 in job order. x [N, d] on the host."""
         total = sum(int(t.numel()) for _, t in jobs)
+        if self.kernel[layer] == "resident" and total:
+            return self._resident(layer, x, jobs)
         if self.kernel[layer] == "native" and total:  # every (expert, token) row in one call
             rows = torch.cat([t.reshape(-1) for _, t in jobs]).numpy()
             return self._native[layer](np.repeat([e for e, _ in jobs], [int(t.numel()) for _, t in jobs]), x, rows)

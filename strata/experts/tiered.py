@@ -89,7 +89,8 @@ class TieredExperts:
         self.expert_bytes = {layer: self.store.expert_nbytes(layer) for layer in self.layer_ids}
         self.lane: CpuLane | None = None
         if not _all_cpu_zero(self.ex.cpu_plan):  # a plan that never uses the CPU needs no lane (nor repacking)
-            self.lane = CpuLane(self.store.layers, self.ex.cpu_threads, cpu_kernel or self.ex.cpu_kernel, self.dtype)
+            self.lane = CpuLane(self.store.layers, self.ex.cpu_threads, cpu_kernel or self.ex.cpu_kernel, self.dtype,
+                                host=not self.cuda)
             if not self.ex.low_ram:
                 self.lane.prepare(progress=progress)
         self.costs = cost_model

@@ -17,7 +17,8 @@ Per layer:
     scattered into the [N, k, d] outputs, summed in routing order in float32 (`combine`, as resident).
 
 On a CPU-only machine the same tiers run with the "GPU" being the host (pool = host tensor, synchronous
-copies), and hits are computed per expert exactly as the resident backend does, so logits match it.
+copies), and every pair (hit, streamed, or the CPU lane's) is computed as the resident backend computes it on the
+CPU (strata.experts.cpu_mirror), so logits equal it bit for bit whatever the cache holds.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import time
 import numpy as np
 import torch
 
+from strata.experts.cpu_mirror import pool_fused, resident_rows
 from strata.experts.pipeline import plan_layer
 from strata.experts.resident import combine, expert_ffn, gather_pairs, reference_fallback
 from strata.experts.tiered_chunk import prefetch, stream_chunk
@@ -64,7 +66,9 @@ class EagerLayer:
         self._chunk = False  # this layer call is a chunk (grouped calls, chunk buffers)
         self._cpu_estimate_ms = 0.0  # the last chunk split's CPU lane, unscaled
         self._act = None  # this layer call's ExpertAct (None: plain SwiGLU experts)
-        self._flat: np.ndarray | None = None  # this layer call's expert id of each pair [N*k] (with an act)
+        self._flat: np.ndarray | None = None  # this layer call's expert id of each pair [N*k]
+        self._layer = -1  # this layer call's model layer
+        self._fused: dict = {}  # a CPU's fused calls over the slot pools (strata.experts.cpu_mirror.pool_fused)
 
     def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x [N, d], ids/w [N, k] -> [N, d]."""
@@ -76,6 +80,7 @@ class EagerLayer:
         d = x.shape[-1]
         row = t.policy.expert_map()[li].copy()  # [E] host mirror of the device map row: slot or -1
         self._act = t.acts.get(layer)
+        self._layer = layer
         prof = t.profiler
         t_hits = prof.mark() if prof else None
         y = None  # [N*k, d] float32 on the device
@@ -217,7 +222,14 @@ class EagerLayer:
         if self._grouped_chunks():  # chunk-sized: these slots' pairs in one grouped call (batched matmuls)
             self.grouped(pool.gate, pool.up, pool.down, x, groups, y)
             return
-        if self._act is not None and self.t.cuda:
+        if not self.t.cuda:  # the host: each pair as the resident backend computes it here (cpu_mirror)
+            layer = self._layer
+            fused = pool_fused(self._fused, pool, self.t.store[layer], self._act)
+            groups_t = [(s, int(self._flat[p[0]]), torch.from_numpy(tok)) for s, tok, p in groups]
+            out = resident_rows(x, groups_t, pool.expert, fused, self._act)
+            y[torch.from_numpy(np.concatenate([p for _, _, p in groups]))] = out
+            return
+        if self._act is not None:
             reference_fallback("tiered experts (chunk)")
         for s, tok, pairs in groups:  # chunk-sized: a matmul per expert over its tokens
             ti = self._to_dev(tok)

@@ -191,9 +191,6 @@ async def messages(request: Request):
                 res = ev[1]
     except GenerationError as e:
         raise APIError(e.status, str(e), "api_error" if e.status == 500 else "overloaded_error") from None
-    for b in blocks:
-        if b["type"] == "thinking":
-            b["thinking"] = b["thinking"].rstrip("\n")
     return JSONResponse({
         "id": mid, "type": "message", "role": "assistant", "model": name, "content": blocks,
         "stop_reason": "stop_sequence" if res.stop_word else STOP_REASON.get(res.finish_reason, "end_turn"),

@@ -19,7 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from strata import __version__
+from strata import StrataError, __version__
 from strata.server.protocol import GET_HEAD, APIError
 
 log = logging.getLogger("strata.server")
@@ -129,10 +129,12 @@ def create_app(cfg: ServeConfig, load: Callable[[], object] | None = None, lm=No
             state = _start_engine(app, cfg, model, say)
             holder["worker"] = state
         except BaseException as e:  # noqa: BLE001 - reported by the caller (the CLI exits)
-            app.state.load_error = f"{type(e).__name__}: {e}"
-            log.error("strata: could not start: %s", app.state.load_error)
-            if on_error is not None:
+            # a StrataError is a message for the user; anything else is named by its class too
+            app.state.load_error = str(e) if isinstance(e, StrataError) else f"{type(e).__name__}: {e}"
+            if on_error is not None:  # the caller reports it (`strata serve`: one `strata: error:` line)
                 on_error(e)
+            else:
+                log.error("strata: could not start: %s", app.state.load_error)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

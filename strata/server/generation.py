@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from strata.server.grammar import bias_processor, chain, constrained_available
 from strata.server.job import Job
 from strata.server.protocol import APIError, bad_request
-from strata.reasoning import HarmonySplitter, ReasoningSplitter, partial_suffix, uses_harmony
+from strata.reasoning import HarmonySplitter, ReasoningSplitter, RunEnd, partial_suffix, uses_harmony
 from strata.server.template_inputs import needs_short_ids, new_short_id, shorten_ids, variants
 from strata.server.toolcalls import closed, tool_grammar, tool_stream
 from strata.server.worker import Ticket
@@ -200,6 +200,7 @@ class Server:
         dec = self.tok.stream_decoder()
         stops = StopStrings(job.stop)
         rs = self.splitter(job.reasoning, job.in_reasoning, calls=job.tools is not None)
+        run_end = RunEnd()  # a reasoning run's trailing newlines, streamed or not (strata.reasoning.RunEnd)
         tc = tool_stream(self.tool_format, job.tools, enabled=job.tools is not None, forced=job.forced)
         hangup = _Hangup(request)
         n_calls = 0
@@ -217,8 +218,11 @@ class Server:
             if final:
                 r2, c2 = rs.flush()
                 r, c = r + r2, c + c2
+            r = run_end.reasoning(r) if r else r
             if r:
                 out.append(("reasoning", r))
+            if c:
+                run_end.end()
             t, calls = tc.push(c)
             if final:
                 t2, calls2 = tc.flush()

@@ -179,7 +179,8 @@ async def prepare_chat(srv, body: ChatRequest) -> Job:
     job = Job(ids, sampling(body), max_tokens, srv.stop_ids(body.ignore_eos), draft_max=body.speculative_n_max,
               logprobs=(body.top_logprobs or 0) if body.logprobs else None,
               stop=stop_list(body.stop), logit_bias=body.logit_bias, grammar=grammar, grammar_what=what,
-              reasoning=True, in_reasoning=text.rstrip().endswith("<think>"), tools=use_tools, forced=forced,
+              reasoning=body.reasoning_format != "none", in_reasoning=text.rstrip().endswith("<think>"),
+              tools=use_tools, forced=forced,
               cache_prompt=body.cache_prompt)
     return await asyncio.to_thread(srv.finish_job, job)  # a grammar may take a moment to build
 
@@ -210,7 +211,7 @@ async def chat_completions(request: Request):
         text = "".join(c.content)
         msg = {"role": "assistant", "content": text if (text or not c.calls) else None}
         if c.reasoning:
-            msg["reasoning_content"] = "".join(c.reasoning).rstrip("\n")
+            msg["reasoning_content"] = "".join(c.reasoning)  # (its trailing newlines dropped as streamed: RunEnd)
         if c.calls:
             msg["tool_calls"] = [_call_json(call, j) for j, call in enumerate(c.calls)]
             for t in msg["tool_calls"]:

@@ -229,6 +229,10 @@ class ChatRequest(SamplingFields):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    # llama.cpp's field: "none" leaves the reasoning (its <think> tags included) in content; "deepseek" and "auto"
+    # (the default) split it into reasoning_content. (Its "deepseek-legacy", the tags kept in content as well, is not
+    # served: refused with the others, as an unknown value)
+    reasoning_format: Literal["none", "auto", "deepseek"] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     # vLLM's fields. continue_final_message: the reply continues the last (assistant) message (a prefill);
     # add_generation_prompt false: the prompt ends after the last message with no assistant header. Unset,
