@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import uuid
 
 from fastapi import APIRouter, Request
@@ -21,10 +22,21 @@ router = APIRouter()
 STOP_REASON = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "abort": "end_turn"}
 
 
+# Claude Code opens its system prompt with "x-anthropic-billing-header: cc_version=...; cch=a5145;", the cch stamp
+# different on every request: left as sent, no request's prompt would share more than that line with the last one,
+# and the prompt cache would reuse nothing of the long system prompt and conversation after it. The stamp means
+# nothing to the model, so it is written as one fixed value (as llama.cpp's server does)
+_BILLING = re.compile(r"(x-anthropic-billing-header:[^\n]*?\bcch=)[^;\s]+;")
+
+
+def _unstamped(text: str) -> str:
+    return _BILLING.sub(r"\g<1>fffff;", text, count=1) if text.startswith("x-anthropic-billing-header:") else text
+
+
 def _system(system) -> str | None:
     if system is None:
         return None
-    return system if isinstance(system, str) else "".join(b.text for b in system)
+    return _unstamped(system) if isinstance(system, str) else "".join(_unstamped(b.text) for b in system)
 
 
 def _result_text(content) -> str:

@@ -1,0 +1,71 @@
+"""Requests as coding agents and apps send them (Claude Code through the anthropic client, OpenAI-API apps through
+the openai client) against a real server on loopback: what those clients parse, and what they send that the
+plain API tests do not."""
+
+from __future__ import annotations
+
+import anthropic
+import openai
+import pytest
+
+from .conftest import serve
+
+MSG = [{"role": "user", "content": "What is the weather in Paris?"}]
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+
+
+@pytest.fixture(scope="module")
+def server(lm):
+    with serve(lm, parallel=1) as r:
+        yield r
+
+
+@pytest.fixture(scope="module")
+def anth(server):
+    return anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60)
+
+
+def _claude_code_system(stamp: str) -> list[dict]:
+    return [{"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.101.e51; cc_entrypoint=cli; "
+                                     f"cch={stamp};"},
+            {"type": "text", "text": "You are a coding agent working in a repository. " * 12,
+             "cache_control": {"type": "ephemeral"}}]
+
+
+def test_claude_codes_billing_stamp_leaves_the_prompt_cache_working(anth):
+    """Claude Code's first system block carries a stamp that changes on every request; the rest of the prompt
+    (its long system prompt, the conversation) is the same, and comes from the cache."""
+    first = anth.messages.create(model="tiny", max_tokens=1, system=_claude_code_system("a5145"), messages=MSG)
+    total = first.usage.input_tokens + first.usage.cache_read_input_tokens
+    second = anth.messages.create(model="tiny", max_tokens=1, system=_claude_code_system("9c0d2"), messages=MSG)
+    assert second.usage.input_tokens + second.usage.cache_read_input_tokens == total
+    assert second.usage.cache_read_input_tokens >= total - 1  # all but the token the engine evaluates again
+    counts = {anth.messages.count_tokens(model="tiny", system=_claude_code_system(s), messages=MSG).input_tokens
+              for s in ("a5145", "9c0d2")}
+    assert counts == {total}
+
+
+def test_a_system_prompt_without_the_stamp_is_kept_as_sent(server, anth):
+    srv = server.state.server
+    seen = []
+    real = srv.render
+
+    def spy(msgs, *a, **kw):
+        seen.append(msgs[0]["content"])
+        return real(msgs, *a, **kw)
+
+    srv.render = spy
+    try:
+        text = "Mentions cch=a5145; in passing."
+        anth.messages.count_tokens(model="tiny", system=text, messages=MSG)
+        anth.messages.count_tokens(model="tiny", system=_claude_code_system("a5145"), messages=MSG)
+    finally:
+        del srv.render
+    assert seen[0] == text
+    assert seen[1].startswith("x-anthropic-billing-header: cc_version=2.1.101.e51; cc_entrypoint=cli; cch=fffff;")
+    assert "a5145" not in seen[1]
