@@ -1,8 +1,9 @@
-"""OpenAI's API: POST /v1/chat/completions, POST /v1/completions, GET /v1/models."""
+"""OpenAI's API: POST /v1/chat/completions, POST /v1/completions, GET /v1/models (POST /v1/embeddings: refused)."""
 
 from __future__ import annotations
 
 import asyncio
+import datetime
 import json
 import time
 import uuid
@@ -361,15 +362,32 @@ async def _completion_stream(srv, jobs: list[Job], base: dict, echo: str, includ
 
 
 def model_card(request: Request, name: str | None = None) -> dict:
+    """A model as both APIs list it: OpenAI's fields (object, created, owned_by) and Anthropic's (type,
+    display_name, created_at as RFC 3339), so that either client reads its own."""
     st = request.app.state
-    return {"id": name or st.model_id, "object": "model", "created": int(st.started), "owned_by": "strata",
+    name = name or st.model_id
+    created = datetime.datetime.fromtimestamp(int(st.started), datetime.timezone.utc)
+    return {"id": name, "object": "model", "created": int(st.started), "owned_by": "strata",
+            "type": "model", "display_name": name, "created_at": created.isoformat().replace("+00:00", "Z"),
             "meta": st.model_meta}
 
 
 @router.api_route("/v1/models", methods=GET_HEAD)
 async def models(request: Request):
-    # the aliases listed as models of their own (as vLLM lists each --served-model-name): a client picks from here
-    return {"object": "list", "data": [model_card(request, n) for n in _names(request.app.state)]}
+    # the aliases listed as models of their own (as vLLM lists each --served-model-name): a client picks from here.
+    # has_more / first_id / last_id: Anthropic's page of the list (one page holds them all)
+    names = _names(request.app.state)
+    return {"object": "list", "data": [model_card(request, n) for n in names], "has_more": False,
+            "first_id": names[0], "last_id": names[-1]}
+
+
+@router.post("/v1/embeddings")
+@router.post("/embeddings")
+async def embeddings(request: Request):
+    # a generative model's hidden states are no embedding model's vectors: refused by name (as vLLM refuses a
+    # generative model's embeddings), not answered as an unknown route
+    raise bad_request("embeddings are not supported: this server serves a text-generation model (/v1/chat/completions, "
+                      "/v1/completions, /v1/messages)")
 
 
 @router.api_route("/v1/models/{name:path}", methods=GET_HEAD)

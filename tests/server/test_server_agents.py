@@ -4,7 +4,10 @@ plain API tests do not."""
 
 from __future__ import annotations
 
+import datetime
+
 import anthropic
+import httpx
 import openai
 import pytest
 
@@ -69,3 +72,25 @@ def test_a_system_prompt_without_the_stamp_is_kept_as_sent(server, anth):
     assert seen[0] == text
     assert seen[1].startswith("x-anthropic-billing-header: cc_version=2.1.101.e51; cc_entrypoint=cli; cch=fffff;")
     assert "a5145" not in seen[1]
+
+
+def test_models_list_parses_in_both_clients(anth, oai):
+    (m,) = anth.models.list().data
+    assert (m.id, m.type, m.display_name) == ("tiny", "model", "tiny")
+    assert isinstance(m.created_at, datetime.datetime) and m.created_at.tzinfo is not None
+    page = anth.models.list()
+    assert (page.has_more, page.first_id, page.last_id) == (False, "tiny", "tiny")
+    one = anth.models.retrieve("tiny")
+    assert one.type == "model" and one.created_at == m.created_at
+    (o,) = oai.models.list().data
+    assert (o.id, o.object, o.owned_by) == ("tiny", "model", "strata")
+    assert o.created == int(m.created_at.timestamp())
+
+
+@pytest.mark.parametrize("path", ["/v1/embeddings", "/embeddings"])
+def test_embeddings_are_refused_by_name(server, oai, path):
+    r = httpx.post(server.url + path, json={"model": "tiny", "input": "hello"}, timeout=30)
+    assert r.status_code == 400
+    assert "embeddings are not supported" in r.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError, match="embeddings are not supported"):
+        oai.embeddings.create(model="tiny", input="hello")
