@@ -56,7 +56,11 @@ def to_chat(body) -> list[dict]:
     sys_text = _system(body.system)
     if sys_text:
         msgs.append({"role": "system", "content": sys_text})
+    last = len(body.messages) - 1
     for i, m in enumerate(body.messages):
+        if not m.content and not (i == last and m.role == "assistant"):
+            # (Anthropic's rule too) an empty turn would vanish from the prompt, or render as nothing said
+            raise bad_request(f"messages.{i}: content must not be empty (only a final assistant message may be)")
         if isinstance(m.content, str):
             msgs.append({"role": m.role, "content": m.content})
             continue
@@ -103,6 +107,13 @@ def to_chat(body) -> list[dict]:
 def _tools(body) -> list[dict] | None:
     if not body.tools:
         return None
+    for i, t in enumerate(body.tools):
+        # Anthropic's own tools (web_search_..., bash_..., text_editor_..., code_execution_...) come with no
+        # input_schema: their schema, and for server tools their execution, are Anthropic's. Offered to this model
+        # as a function of no parameters, they would be called with nothing the client can run
+        if t.type not in (None, "custom"):
+            raise bad_request(f"tools.{i}: {t.type!r} is one of Anthropic's own tools, which this server does not "
+                              "provide; declare it as a custom tool (name, description, input_schema)")
     return [{"type": "function", "function": {"name": t.name, "description": t.description or "",
                                               "parameters": t.input_schema}} for t in body.tools]
 

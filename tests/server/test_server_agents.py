@@ -94,3 +94,34 @@ def test_embeddings_are_refused_by_name(server, oai, path):
     assert "embeddings are not supported" in r.json()["error"]["message"]
     with pytest.raises(openai.BadRequestError, match="embeddings are not supported"):
         oai.embeddings.create(model="tiny", input="hello")
+
+
+@pytest.mark.parametrize("tool", [
+    {"type": "web_search_20250305", "name": "web_search", "max_uses": 5},
+    {"type": "bash_20250124", "name": "bash"},
+])
+def test_anthropics_own_tools_are_refused_by_name(anth, tool):
+    custom = {"name": "get_weather", "description": "Weather of a city", "input_schema": SCHEMA}
+    with pytest.raises(anthropic.BadRequestError, match=f"tools.1: '{tool['type']}' is one of Anthropic's own tools"):
+        anth.messages.create(model="tiny", max_tokens=2, messages=MSG, tools=[custom, tool])
+    # a custom tool may say so
+    m = anth.messages.create(model="tiny", max_tokens=2, messages=MSG, tools=[{**custom, "type": "custom"}])
+    assert m.stop_reason == "max_tokens"
+
+
+@pytest.mark.parametrize("messages,where", [
+    ([{"role": "user", "content": []}], "messages.0"),
+    ([{"role": "user", "content": ""}], "messages.0"),
+    ([*MSG, {"role": "assistant", "content": "Sunny."}, {"role": "user", "content": []}], "messages.2"),
+    ([*MSG, {"role": "assistant", "content": []}, {"role": "user", "content": "And?"}], "messages.1"),
+])
+def test_an_empty_turn_is_refused_not_dropped(anth, messages, where):
+    with pytest.raises(anthropic.BadRequestError, match=f"{where}: content must not be empty"):
+        anth.messages.create(model="tiny", max_tokens=2, messages=messages)
+    with pytest.raises(anthropic.BadRequestError, match=f"{where}: content must not be empty"):
+        anth.messages.count_tokens(model="tiny", messages=messages)
+
+
+def test_a_final_empty_assistant_turn_is_still_a_prefill(anth):
+    m = anth.messages.create(model="tiny", max_tokens=2, messages=[*MSG, {"role": "assistant", "content": ""}])
+    assert m.stop_reason == "max_tokens"
