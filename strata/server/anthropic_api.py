@@ -187,7 +187,8 @@ async def messages(request: Request):
     if len(stops) > 16:
         raise bad_request("stop_sequences: at most 16")
     job = Job(ids, sampling(body), max_tokens, srv.stop_ids(), stop=stops, grammar=grammar, reasoning=True,
-              in_reasoning=text.rstrip().endswith("<think>"), tools=use_tools, forced=grammar is not None)
+              in_reasoning=text.rstrip().endswith("<think>"), tools=use_tools, forced=grammar is not None,
+              one_call=bool(use_tools and tc and tc.disable_parallel_tool_use))
     job = await asyncio.to_thread(srv.finish_job, job)
     mid = "msg_" + uuid.uuid4().hex[:24]
     if body.stream:

@@ -204,6 +204,7 @@ class Server:
         tc = tool_stream(self.tool_format, job.tools, enabled=job.tools is not None, forced=job.forced)
         hangup = _Hangup(request)
         n_calls = 0
+        cut = False  # the one call allowed has come: the rest of the output is dropped
         n_tok = 0  # token events seen: the index of the next one in seq.output (and seq.token_logprobs)
         n_chars = 0  # characters decoded so far (the legacy API's text_offset of the next token)
         done = False
@@ -229,6 +230,8 @@ class Server:
                 t, calls = t + t2, calls + calls2
             if t:
                 out.append(("content", t))
+            if job.one_call:
+                calls = calls[: 1 - n_calls] if n_calls < 1 else []
             for call in calls:
                 if self.short_ids:
                     call.id = new_short_id()
@@ -244,7 +247,7 @@ class Server:
                     continue
                 if kind == "token":
                     k, n_tok = n_tok, n_tok + 1
-                    if stops.hit or ev[1] in job.stop_ids:
+                    if stops.hit or cut or ev[1] in job.stop_ids:
                         continue
                     if job.logprobs is not None and k < len(req.seq.token_logprobs):
                         yield ("logprobs", self.logprob_entry(ev[1], *req.seq.token_logprobs[k]), n_chars)
@@ -252,7 +255,9 @@ class Server:
                     n_chars += len(text)
                     for e in pipeline(text, False):
                         yield e
-                    if stops.hit:
+                    if job.one_call and n_calls:
+                        cut = True  # what follows the one call is neither text nor another call
+                    if stops.hit or cut:
                         self.worker.cancel(req, "stop")
                     continue
                 if kind == "error":
@@ -260,7 +265,7 @@ class Server:
                     raise GenerationError(*ev[1:])
                 # done
                 done = True
-                for e in pipeline(dec.flush(), True):
+                for e in pipeline(dec.flush(), True) if not cut else ():
                     yield e
                 reason = "stop" if stops.hit else ev[1]
                 if reason == "stop" and n_calls:

@@ -32,6 +32,9 @@ class Job(Request):
     in_reasoning: bool = False  # the prompt already opened one
     tools: list[dict] | None = None  # parse tool calls against these (None: no parsing)
     forced: bool = False  # `grammar` forces tool calls: every character of the output is call markup
+    # at most one tool call (OpenAI's parallel_tool_calls false, Anthropic's disable_parallel_tool_use): the
+    # generation ends with the first call, as llama.cpp's call grammar ends it
+    one_call: bool = False
     cache_prompt: bool = True  # reuse a slot's (or the prompt cache's) KV prefix
     kind: str = "chat"  # chat | completion (metrics)
     choice: int = 0  # which of the request's n choices (metrics count a request and its prompt at choice 0 only)

@@ -181,7 +181,7 @@ async def prepare_chat(srv, body: ChatRequest) -> Job:
               logprobs=(body.top_logprobs or 0) if body.logprobs else None,
               stop=stop_list(body.stop), logit_bias=body.logit_bias, grammar=grammar, grammar_what=what,
               reasoning=body.reasoning_format != "none", in_reasoning=text.rstrip().endswith("<think>"),
-              tools=use_tools, forced=forced,
+              tools=use_tools, forced=forced, one_call=bool(use_tools) and body.parallel_tool_calls is False,
               cache_prompt=body.cache_prompt)
     return await asyncio.to_thread(srv.finish_job, job)  # a grammar may take a moment to build
 

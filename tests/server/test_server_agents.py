@@ -125,3 +125,61 @@ def test_an_empty_turn_is_refused_not_dropped(anth, messages, where):
 def test_a_final_empty_assistant_turn_is_still_a_prefill(anth):
     m = anth.messages.create(model="tiny", max_tokens=2, messages=[*MSG, {"role": "assistant", "content": ""}])
     assert m.stop_reason == "max_tokens"
+
+
+# the model's output, forced: a call, a second call, and text after them
+_CALL = '<tool_call>\\n{\\"name\\": \\"get_weather\\", \\"arguments\\": {\\"city\\": \\"CITY\\"}}\\n</tool_call>'
+TWO_CALLS = ('root ::= "Checking.\\n' + _CALL.replace("CITY", "Paris") + '\\n' + _CALL.replace("CITY", "Tokyo")
+             + '\\nDone, that is all."')
+O_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": SCHEMA}}]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_parallel_tool_calls_false_gets_one_call(oai, stream):
+    """tool_choice auto, parallel_tool_calls false: the generation ends with the first call (llama.cpp's call
+    grammar ends it there), whatever the model would have written after it."""
+    kw = dict(model="tiny", messages=MSG, tools=O_TOOLS, max_tokens=200, temperature=0,
+              extra_body={"grammar": TWO_CALLS})
+    if stream:
+        with oai.chat.completions.stream(**kw, parallel_tool_calls=False) as st:
+            for _ in st:
+                pass
+            r = st.get_final_completion()
+    else:
+        r = oai.chat.completions.create(**kw, parallel_tool_calls=False)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in ch.message.tool_calls] == [
+        ("get_weather", '{"city": "Paris"}')]
+    assert ch.message.content.strip() == "Checking."
+    both = oai.chat.completions.create(**kw)  # parallel calls allowed (the default): both, and all the tokens
+    assert [c.function.arguments for c in both.choices[0].message.tool_calls] == [
+        '{"city": "Paris"}', '{"city": "Tokyo"}']
+    if not stream:
+        assert r.usage.completion_tokens < both.usage.completion_tokens
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_disable_parallel_tool_use_gets_one_tool_use(server, anth, monkeypatch, stream):
+    srv = server.state.server
+    real = srv.finish_job
+
+    def forced(job):  # the Anthropic API has no grammar field: the job gets the one an OpenAI request sends
+        job.grammar = srv.gbnf_grammar(TWO_CALLS)
+        return real(job)
+
+    monkeypatch.setattr(srv, "finish_job", forced)
+    tools = [{"name": "get_weather", "description": "Weather", "input_schema": SCHEMA}]
+    kw = dict(model="tiny", max_tokens=200, messages=MSG, tools=tools,
+              tool_choice={"type": "auto", "disable_parallel_tool_use": True})
+    if stream:
+        with anth.messages.stream(**kw) as st:
+            m = st.get_final_message()
+    else:
+        m = anth.messages.create(**kw)
+    assert m.stop_reason == "tool_use"
+    assert [(b.type, getattr(b, "input", None)) for b in m.content] == [
+        ("text", None), ("tool_use", {"city": "Paris"})]
+    kw["tool_choice"] = {"type": "auto"}
+    assert [b.input for b in anth.messages.create(**kw).content if b.type == "tool_use"] == [
+        {"city": "Paris"}, {"city": "Tokyo"}]
