@@ -59,13 +59,46 @@ def parse(model: type[BaseModel], body: Any) -> Any:
     try:
         return model.model_validate(body)
     except ValidationError as e:
-        errs = e.errors()
+        errs = _relevant(e.errors())
         parts = []
-        for err in errs[:3]:
-            loc = ".".join(str(x) for x in err.get("loc", ())) or "body"
-            parts.append(f"{loc}: {err.get('msg', 'invalid')}")
-        more = f" (and {len(errs) - 3} more)" if len(errs) > 3 else ""
-        raise bad_request("; ".join(parts) + more) from None
+        for err in errs:
+            loc = ".".join(_shown(err.get("loc", ()))) or "body"
+            part = f"{loc}: {err.get('msg', 'invalid')}"
+            if part not in parts:
+                parts.append(part)
+        more = f" (and {len(parts) - 3} more)" if len(parts) > 3 else ""
+        raise bad_request("; ".join(parts[:3]) + more) from None
+
+
+def _is_branch(x) -> bool:
+    """Whether an element of an error's location names a branch of a union (pydantic's `str`, `list[...]`,
+    `tagged-union[...]`, a model's class name) rather than a field or an index."""
+    return isinstance(x, str) and (x in ("str", "int", "float", "bool", "none") or "[" in x or x[:1].isupper())
+
+
+def _shown(loc) -> list[str]:
+    """An error's location as the client wrote the value: fields and indexes, no union branches, and no tag of a
+    tagged union (the block's type, which follows the list index)."""
+    out, tag_at = [], -1
+    for i, x in enumerate(loc):
+        if isinstance(x, str) and "tagged-union[" in x:
+            tag_at = i + (2 if x.startswith("list[") else 1)
+        elif i != tag_at and not _is_branch(x):
+            out.append(str(x))
+    return out
+
+
+def _relevant(errs: list[dict]) -> list[dict]:
+    """The errors worth reading: a union's branch that the value is not even the type of (content: a list is no
+    "valid string") says nothing when another branch of that union got further into the value."""
+    out = []
+    for err in errs:
+        loc = err.get("loc", ())
+        if loc and _is_branch(loc[-1]) and err.get("type", "").endswith("_type") and any(
+                len(o.get("loc", ())) > len(loc) and o["loc"][:len(loc) - 1] == loc[:-1] for o in errs):
+            continue
+        out.append(err)
+    return out or errs
 
 
 def _top_k_off(v: int | None) -> int | None:
@@ -128,9 +161,13 @@ class ToolCall(_M):
     function: FunctionCall
 
 
+# a content part is told by its type: an unknown type is one error naming it, not one per kind of part
+Part = Annotated[Union[TextPart, RefusalPart, OtherPart], Field(discriminator="type")]
+
+
 class ChatMessage(_M):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[Union[TextPart, RefusalPart, OtherPart]], None] = None
+    content: Union[str, list[Part], None] = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
@@ -278,7 +315,7 @@ class AToolUse(_M):
 class AToolResult(_M):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: Union[str, list[Union[AText, "AOther"]], None] = None
+    content: Union[str, list[Annotated[Union[AText, "AOther"], Field(discriminator="type")]], None] = None
     is_error: bool | None = None
 
 
@@ -288,7 +325,8 @@ class AOther(_M):
 
 AToolResult.model_rebuild()
 
-ABlock = Union[AText, AThinking, ARedactedThinking, AToolUse, AToolResult, AOther]
+ABlock = Annotated[Union[AText, AThinking, ARedactedThinking, AToolUse, AToolResult, AOther],
+                   Field(discriminator="type")]
 
 
 class AMessage(_M):

@@ -183,3 +183,27 @@ def test_disable_parallel_tool_use_gets_one_tool_use(server, anth, monkeypatch, 
     kw["tool_choice"] = {"type": "auto"}
     assert [b.input for b in anth.messages.create(**kw).content if b.type == "tool_use"] == [
         {"city": "Paris"}, {"city": "Tokyo"}]
+
+
+@pytest.mark.parametrize("path,body,expected", [
+    ("/v1/messages", {"max_tokens": 2, "messages": [{"role": "user", "content": [{"type": "foo", "text": "x"}]}]},
+     ("messages.0.content.0:", "'foo'")),
+    ("/v1/messages", {"max_tokens": 2, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "x"}, {"type": "tool_use", "name": "get_weather", "input": {}}]}]},
+     ("messages.0.content.1.id: Field required",)),
+    ("/v1/messages", {"max_tokens": 2, "messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t", "content": [{"type": "tool_reference", "tool_name": "x"}]}]}]},
+     ("messages.0.content.0.content.0:", "'tool_reference'")),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "foo", "text": "x"}]}]},
+     ("messages.0.content.0:", "'foo'")),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+     ("messages.0.content.0.text: Field required",)),
+])
+def test_a_bad_content_block_is_one_error_naming_it(server, path, body, expected):
+    """Not one error per kind of block the value is not (pydantic's union branches, 'content.str: Input should
+    be a valid string' and such): the block, where it is, and what is wrong with it."""
+    r = httpx.post(server.url + path, json=body, timeout=30)
+    assert r.status_code == 400
+    msg = r.json()["error"]["message"]
+    assert msg.startswith(expected[0]) and all(x in msg for x in expected[1:]), msg
+    assert ";" not in msg and "union" not in msg and ".str" not in msg, msg
