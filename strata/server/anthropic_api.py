@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
+import logging
 import uuid
 
 from fastapi import APIRouter, Request
@@ -18,19 +18,24 @@ from strata.server.generation import GenerationError
 from strata.server.job import Job, sampling
 
 router = APIRouter()
+log = logging.getLogger("strata")
 
 STOP_REASON = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "abort": "end_turn"}
 
 
-# Claude Code opens its system prompt with "x-anthropic-billing-header: cc_version=...; cch=a5145;", the cch stamp
-# different on every request: left as sent, no request's prompt would share more than that line with the last one,
-# and the prompt cache would reuse nothing of the long system prompt and conversation after it. The stamp means
-# nothing to the model, so it is written as one fixed value (as llama.cpp's server does)
-_BILLING = re.compile(r"(x-anthropic-billing-header:[^\n]*?\bcch=)[^;\s]+;")
+# Claude Code opens its system prompt with an attribution line, "x-anthropic-billing-header: cc_version=...;
+# cch=a5145;", its stamp different on every request: left in, no request's prompt would share more than the text
+# before that stamp with the last one, and the prompt cache would reuse nothing of the long system prompt and the
+# conversation after it. The line is for Anthropic's billing, nothing the model should read: it is left out, as the
+# proxies that put Claude Code in front of other models do.
+_BILLING = "x-anthropic-billing-header:"
 
 
 def _unstamped(text: str) -> str:
-    return _BILLING.sub(r"\g<1>fffff;", text, count=1) if text.startswith("x-anthropic-billing-header:") else text
+    if not text.startswith(_BILLING):
+        return text
+    _, nl, rest = text.partition("\n")
+    return rest if nl else ""
 
 
 def _system(system) -> str | None:
@@ -107,15 +112,17 @@ def to_chat(body) -> list[dict]:
 def _tools(body) -> list[dict] | None:
     if not body.tools:
         return None
-    for i, t in enumerate(body.tools):
-        # Anthropic's own tools (web_search_..., bash_..., text_editor_..., code_execution_...) come with no
-        # input_schema: their schema, and for server tools their execution, are Anthropic's. Offered to this model
-        # as a function of no parameters, they would be called with nothing the client can run
-        if t.type not in (None, "custom"):
-            raise bad_request(f"tools.{i}: {t.type!r} is one of Anthropic's own tools, which this server does not "
-                              "provide; declare it as a custom tool (name, description, input_schema)")
-    return [{"type": "function", "function": {"name": t.name, "description": t.description or "",
-                                              "parameters": t.input_schema}} for t in body.tools]
+    # Anthropic's own tools (web_search_..., bash_..., text_editor_..., code_execution_...) come with no
+    # input_schema: their schema, and for server tools their execution, are Anthropic's. Offered to this model as
+    # functions of no parameters they would be called with nothing the client can run; refused, a client that
+    # lists one among its own (an agent's web search) could not talk to this server at all. They are left out.
+    own = [t.type for t in body.tools if t.type not in (None, "custom")]
+    if own:
+        log.info("strata: left out Anthropic's own tools, which this server does not run: %s", ", ".join(own))
+    tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
+                                               "parameters": t.input_schema}}
+             for t in body.tools if t.type in (None, "custom")]
+    return tools or None
 
 
 def _thinking(body) -> bool | None:

@@ -41,8 +41,8 @@ def _claude_code_system(stamp: str) -> list[dict]:
 
 
 def test_claude_codes_billing_stamp_leaves_the_prompt_cache_working(anth):
-    """Claude Code's first system block carries a stamp that changes on every request; the rest of the prompt
-    (its long system prompt, the conversation) is the same, and comes from the cache."""
+    """Claude Code's first system block, an attribution line, carries a stamp that changes on every request; the
+    rest of the prompt (its long system prompt, the conversation) is the same, and comes from the cache."""
     first = anth.messages.create(model="tiny", max_tokens=1, system=_claude_code_system("a5145"), messages=MSG)
     total = first.usage.input_tokens + first.usage.cache_read_input_tokens
     second = anth.messages.create(model="tiny", max_tokens=1, system=_claude_code_system("9c0d2"), messages=MSG)
@@ -70,8 +70,7 @@ def test_a_system_prompt_without_the_stamp_is_kept_as_sent(server, anth):
     finally:
         del srv.render
     assert seen[0] == text
-    assert seen[1].startswith("x-anthropic-billing-header: cc_version=2.1.101.e51; cc_entrypoint=cli; cch=fffff;")
-    assert "a5145" not in seen[1]
+    assert seen[1] == _claude_code_system("a5145")[1]["text"]  # the attribution line left out, the rest as sent
 
 
 def test_models_list_parses_in_both_clients(anth, oai):
@@ -100,13 +99,26 @@ def test_embeddings_are_refused_by_name(server, oai, path):
     {"type": "web_search_20250305", "name": "web_search", "max_uses": 5},
     {"type": "bash_20250124", "name": "bash"},
 ])
-def test_anthropics_own_tools_are_refused_by_name(anth, tool):
+def test_anthropics_own_tools_are_left_out(server, anth, tool):
+    """A server tool (or a schema-less client tool of Anthropic's) among an agent's own: the request is served with
+    the custom tools alone offered to the model (a 400 would cut the agent off this server)."""
+    srv = server.state.server
+    seen = []
+    real = srv.render
+
+    def spy(msgs, tools=None, *a, **kw):
+        seen.append(tools)
+        return real(msgs, tools, *a, **kw)
+
     custom = {"name": "get_weather", "description": "Weather of a city", "input_schema": SCHEMA}
-    with pytest.raises(anthropic.BadRequestError, match=f"tools.1: '{tool['type']}' is one of Anthropic's own tools"):
-        anth.messages.create(model="tiny", max_tokens=2, messages=MSG, tools=[custom, tool])
-    # a custom tool may say so
-    m = anth.messages.create(model="tiny", max_tokens=2, messages=MSG, tools=[{**custom, "type": "custom"}])
+    srv.render = spy
+    try:
+        m = anth.messages.create(model="tiny", max_tokens=2, messages=MSG, tools=[custom, tool])
+        anth.messages.create(model="tiny", max_tokens=2, messages=MSG, tools=[{**custom, "type": "custom"}])
+    finally:
+        del srv.render
     assert m.stop_reason == "max_tokens"
+    assert [[t["function"]["name"] for t in ts] for ts in seen] == [["get_weather"], ["get_weather"]]
 
 
 @pytest.mark.parametrize("messages,where", [
