@@ -10,7 +10,6 @@ import logging
 from dataclasses import dataclass, replace
 
 import torch
-import torch.nn.functional as F
 
 from strata.experts.backend import StepProfiler
 from strata.experts.stats import StepProfile
@@ -66,8 +65,8 @@ def _add(y: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
 def expert_ffn(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, act: ExpertAct | None = None,
                e: int | None = None) -> torch.Tensor:
     """One expert over x [T, d]; with `act`, expert e's biases and activation."""
-    if act is None:
-        return qmatmul(F.silu(qmatmul(x, gate)) * qmatmul(x, up), down)
+    if act is None:  # (op silu_mul: row-invariant on the CPU, where torch's silu is not)
+        return qmatmul(registry.op("silu_mul")(qmatmul(x, gate), qmatmul(x, up)), down)
     g = _add(qmatmul(x, gate), act.bias("gate_b", e, x.dtype))
     u = _add(qmatmul(x, up), act.bias("up_b", e, x.dtype))
     h = act.glu(g, u).to(x.dtype)

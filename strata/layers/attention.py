@@ -27,6 +27,7 @@ _ARANGES: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 _ONE_QUERY = registry.op("one_query_attention")
 _ONE_QUERY_BLOCKS = registry.op("one_query_attention_blocks")
+_ROWS = registry.op("rows_attention")
 
 def _capturing(t: torch.Tensor) -> bool:
     # a tensor made inside a CUDA-graph capture holds nothing until the graph replays: cache only eager ones
@@ -98,12 +99,11 @@ def _rows_alone(seg: Segment, x: torch.Tensor) -> bool:
 
 
 def attend(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, mask, seg: Segment, scale: float) -> torch.Tensor:
-    """_gqa of a segment's queries q [n, H, D] over the slot's keys up to its end. On the CPU a segment of 2 ..
-    CPU_ROWS_ALONE queries (a verify step's) goes one query at a time, each over its own prefix of the keys read once:
-    what a one-token step computes, bit for bit (a masked product sums in another order: `units`)."""
-    if _rows_alone(seg, q):
-        return torch.cat([_gqa(q[j:j + 1], ks[:seg.start + j + 1], vs[:seg.start + j + 1], None, scale)
-                          for j in range(seg.n)])
+    """_gqa of a segment's queries q [n, H, D] over the slot's keys up to its end. On the CPU a segment of 1 ..
+    CPU_ROWS_ALONE queries (a decode or verify step's) is op `rows_attention`: each query over its own prefix, what
+    a one-token step computes, bit for bit (a masked product sums in another order: `units`)."""
+    if not q.is_cuda and not seg.window and seg.n <= CPU_ROWS_ALONE:
+        return _ROWS(q, ks, vs, seg.start, scale)
     return _gqa(q, ks, vs, mask, scale)
 
 
@@ -289,7 +289,9 @@ class GQAttention:
         q, k = self.rotary.qk(q.expand(n, -1, -1), k, pos, self.q_norm, self.k_norm, self.eps)
         kv.write(self.layer, seg, k, v)
         ks, vs = _as_dtype(*kv.read(self.layer, seg), x.dtype)
-        o = _gqa(q[-1:], ks, vs, None, self.scale)  # one query sees the whole prefix: no mask
+        # one query over the whole prefix, as the last row of the whole forward computes it
+        o = _ROWS(q[-1:], ks, vs, ks.shape[0] - 1, self.scale) if not x.is_cuda else _gqa(q[-1:], ks, vs, None,
+                                                                                              self.scale)
         return qmatmul(o.reshape(1, self.n_heads * self.vd), self.wo)
 
     def __call__(self, x: torch.Tensor, pos: torch.Tensor, segments: list[Segment], kv: KVCache) -> torch.Tensor:

@@ -282,6 +282,8 @@ static float dot_q6k(const uint8_t *row, int nb, const int8_t *xq, const float *
 #include "cpu_native_fmt.h"  /* Q5_K and MXFP4: dot_q5k, dot_mxfp4(_tail) */
 #include "cpu_native_kq.h"   /* Q2_K, Q3_K, TQ2_0 and TQ1_0: dot_q2k, dot_q3k, dot_tq2_0, dot_tq1_0 */
 #include "cpu_native_q32.h"  /* Q4_0, Q4_1, Q5_0, Q5_1: dot_q32 */
+#include "cpu_native_attn.h" /* a decode / verify step's attention over float32 KV: strata_attn_rows */
+#include "cpu_native_norm.h" /* RMSNorm, residual + RMSNorm, q/k norm + rotary: strata_rms_norm, ... */
 
 enum { FMT_Q4K = 0, FMT_Q6K = 1, FMT_Q80 = 2, FMT_IQ4XS = 3, FMT_IQ2XXS = 4, FMT_IQ3XXS = 5, FMT_Q5K = 6,
        FMT_MXFP4 = 7, FMT_IQ2S = 8, FMT_IQ4NL = 9, FMT_Q2K = 10, FMT_Q3K = 11,

@@ -50,7 +50,8 @@ SOURCE_FILE = pathlib.Path(__file__).with_name("cpu_native.c")  # shipped as pac
 # the headers it includes, likewise
 HEADER_FILES = tuple(SOURCE_FILE.with_name(h) for h in (
     "cpu_native_iq4.h", "cpu_native_iq.h", "cpu_native_iq2s.h", "cpu_native_iqx.h", "cpu_native_fmt.h",
-    "cpu_native_rows.h", "cpu_native_kq.h", "cpu_native_q32.h"))
+    "cpu_native_rows.h", "cpu_native_kq.h", "cpu_native_q32.h", "cpu_native_attn.h",
+    "cpu_native_norm.h"))
 
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 _lib = None

@@ -126,6 +126,14 @@ def gqa_attention(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, mask: tor
     return o[0].transpose(0, 1)  # [n, H, Dv]
 
 
+@reference("rows_attention")
+def rows_attention(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+    """A step's n queries of one sequence, query j [H, D] over keys 0 .. start + j of ks [L, Hkv, D] / vs [L, Hkv,
+    Dv], each as a one-query step computes it -> [n, H, Dv]."""
+    return torch.cat([gqa_attention(q[j:j + 1], ks[:start + j + 1], vs[:start + j + 1], None, scale)
+                      for j in range(q.shape[0])])
+
+
 @reference("one_query_attention")
 def one_query_attention(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, mask: torch.Tensor | None, pos_t,
                         scale: float) -> torch.Tensor:

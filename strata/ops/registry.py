@@ -61,6 +61,8 @@ KERNEL_MODULES = (
     "strata.ops.expert_gather",
     "strata.ops.qgemv",
     "strata.ops.cpu_gemv",
+    "strata.ops.cpu_attention",
+    "strata.ops.cpu_fused",
     "strata.ops.host_stage",
     "strata.ops.route",
     "strata.ops.host_rows",

@@ -11,13 +11,14 @@ import torch
 
 from strata.ops import registry
 
-OPS = ("rms_norm", "silu_mul", "qk_norm_rope", "qk_norm_rope_kv", "router_logits", "one_query_attention", "one_query_attention_blocks", "dequantize_blocks", "gather_expert_ffn", "qmatmul",
+OPS = ("rms_norm", "silu_mul", "qk_norm_rope", "qk_norm_rope_kv", "router_logits", "one_query_attention",
+       "one_query_attention_blocks", "rows_attention", "dequantize_blocks", "gather_expert_ffn", "qmatmul",
        "two_tier_expert_ffn", "stage_misses")
 # modules that hold kernels: only strata/ops itself imports them
 KERNELS = {"strata.ops.fused", "strata.ops.decode_attention", "strata.ops.decode_attention_kv",
            "strata.ops.dequant_triton", "strata.ops.expert_triton",
            "strata.ops.qgemv", "strata.ops.cpu_gemv", "strata.ops.host_stage", "strata.ops.route", "strata.ops.host_rows",
-           "strata.ops.combine", "strata.ops.deltanet",
+           "strata.ops.combine", "strata.ops.deltanet", "strata.ops.cpu_attention", "strata.ops.cpu_fused",
            "strata.ops.iquant_triton", "strata.ops.kquant_triton", "strata.ops.kquant_rows"}
 ROOT = Path(__file__).parents[2] / "strata"
 
@@ -29,11 +30,15 @@ def test_every_op_has_its_reference_twin():
     assert set(registry.KERNEL_MODULES) <= KERNELS | {"strata.ops.expert_gather"}
 
 
-def test_cpu_inputs_take_the_reference():
+def test_cpu_inputs_take_no_gpu_kernel():
+    """CPU tensors never reach a GPU kernel: the twin, or a CPU kernel (strata.ops.cpu_fused / cpu_attention)."""
     x, w = torch.randn(3, 16), torch.ones(16)
-    assert registry.op("rms_norm").pick(x, w, 1e-6) is None
+    got = registry.op("rms_norm").pick(x, w, 1e-6)
+    assert got is None or got.name == "cpu_native"
     q = torch.randn(2, 4, 16)
-    assert registry.op("qk_norm_rope").pick(q, q, torch.arange(2), None, None, 16, True) is None
+    got = registry.op("qk_norm_rope").pick(q, q, torch.arange(2), torch.ones(8, 8), torch.ones(8, 8), 16, True)
+    assert got is None or got.name == "cpu_native"
+    assert registry.op("rms_norm").pick(x.double(), w.double(), 1e-6) is None  # nothing takes float64
 
 
 def test_a_registered_kernel_takes_what_its_when_accepts(monkeypatch):
@@ -48,7 +53,7 @@ def test_a_registered_kernel_takes_what_its_when_accepts(monkeypatch):
         calls.append(x.shape[-1])
         return ref(x, w, eps)
 
-    monkeypatch.setattr(op, "kernels", list(op.kernels))
+    monkeypatch.setattr(op, "kernels", [k for k in op.kernels if k.name != "cpu_native"])  # (the CPU's own)
     op.register("spy", spy, lambda x, w, eps: x.shape[-1] % 2 == 1)
     x = torch.randn(2, 15)
     torch.testing.assert_close(rms_norm(x, torch.ones(15), 1e-6), ref(x, torch.ones(15), 1e-6))
