@@ -42,8 +42,9 @@ WIDE_GPU_TESTED = True
 # ksigns table holds it) instead of gathered from a table: one table gather a group of 8 weights where there were
 # two, for ~10 integer instructions; the tiles are bound by their gathers' latency, not by instructions. On a GPU once
 # its GPU test passes there (tests/experts/test_dp4a.py, kind "signs") and it was timed against the gathered signs
-# (`tools/bench_kernels.py --iq-tiles dp4a-signs` against `dp4a-wide`)
-ARITH_SIGNS_GPU_TESTED = False
+# (`tools/bench_kernels.py --iq-tiles dp4a-signs` against `dp4a-wide`): both done on an H100, the expert FFN
+# 1.13-1.28x faster (docs/BENCHMARKS.md, 'The GPU lane per weight format')
+ARITH_SIGNS_GPU_TESTED = True
 IQ_FORMATS = frozenset({Q.IQ2_XXS, Q.IQ2_S, Q.IQ3_XXS})
 KQ_FORMATS = frozenset({Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K})
 

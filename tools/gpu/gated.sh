@@ -56,9 +56,9 @@ GATED=(
   # (taken after passing on an H200, with the whole GPU suite but two float32 tests the flag takes no path in: Q8_0's
   # and the K-quants' dp4a tiles, which every half-precision dense GEMV, LM head and K-quant expert then takes)
   "tests/experts/test_dp4a.py::test_cuda_dp4a_tiles[kq] tests/ops/test_qgemv.py tests/quant/test_quant_matmul.py tests/experts/test_tiered_direct.py||"
-  # IQ2_XXS's and IQ3_XXS's dp4a tiles with their signs computed from the index (then time --iq-tiles dp4a-wide
-  # against dp4a-signs with tools/bench_kernels.py before keeping the flag: it trades a gather for ~6 instructions)
-  "tests/experts/test_dp4a.py::test_cuda_dp4a_tiles[signs]|strata/ops/dp4a_triton.py|s/^ARITH_SIGNS_GPU_TESTED = False/ARITH_SIGNS_GPU_TESTED = True/"
+  # (taken after passing on an H100 and timed against the gathered signs there: IQ2_XXS's and IQ3_XXS's dp4a tiles
+  # with their signs computed from the index)
+  "tests/experts/test_dp4a.py::test_cuda_dp4a_tiles[signs]||"
 )
 
 log="$OUT/gated.log"
