@@ -10,7 +10,7 @@ that looked finished and was not):
   When no size is known, the size a GET announces is used for this transfer only, and when the server
   announces none at all the transfer is reported as size-unknown: it never counts as complete by itself.
 - A body that ends before the announced length (dropped connection) is resumed from what is on disk.
-- A write failing with ENOSPC becomes one clear error; the `.part` file is kept for a later resume.
+- A write failing (ENOSPC, EFBIG, ...) becomes one clear error; the `.part` file is kept for a later resume.
 
 Hashing and the `.done` marker are the caller's business (see `strata.hub.verify`): nothing written here
 looks finished.
@@ -191,7 +191,11 @@ def fetch_to_part(
                     f"no space left on the device while writing {part} ({_part_size(part)} bytes kept; "
                     "free some space and run the same command again to resume)"
                 ) from e
-            raise
+            # EFBIG (a file-size limit), EIO, EROFS...: as final for this run as a full disk, and as resumable
+            raise StrataError(
+                f"cannot write {part}: {e.strerror or e} ({_part_size(part)} bytes kept; once that is fixed, "
+                "run the same command again to resume)"
+            ) from e
 
 
 def _describe(e: Exception) -> str:

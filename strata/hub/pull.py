@@ -319,6 +319,8 @@ def pull_files(
                 fut.result()
             except StrataError as e:
                 errors[f.name] = str(e)
+            except OSError as e:  # the models directory itself: not creatable, not writable, ...
+                errors[f.name] = f"{Path(f.name).name}: {e.strerror or e}: {e.filename or f.dest}"
     except BaseException:
         opts.cancel.set()  # Ctrl-C: stop every transfer at its next chunk; .part files stay for a resume
         raise

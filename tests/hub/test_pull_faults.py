@@ -272,3 +272,45 @@ def test_url_split_set_with_manifest(hub, tmp_path, opts, reporter, model_set):
         assert p.parent == tmp_path / "models" / "acme" / "Tiny"  # hub-shaped URL -> owner/repo layout
     assert not any("NO KNOWN SHA256" in w for w in reporter.warnings)
     assert read_manifest(man)[names[0]] == (None, sha(model_set[names[0]]))
+
+
+def _cli_pull(args: list[str], env_extra: dict | None = None, fsize: int | None = None):
+    """`python -m strata pull ...` in a child process (optionally under a file-size limit, as `ulimit -f` sets)."""
+    import os
+    import resource
+    import subprocess
+    import sys
+
+    def limit():
+        if fsize is not None:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+
+    env = {**os.environ, "HF_HUB_DISABLE_TELEMETRY": "1", **(env_extra or {})}
+    return subprocess.run([sys.executable, "-m", "strata", "pull", *args, "--quiet"], capture_output=True, text=True,
+                          timeout=120, env=env, preexec_fn=limit)
+
+
+def test_file_size_limit_is_one_line_and_the_partial_resumes(hub, tmp_path, model_set):
+    """A write refused with EFBIG (a file-size limit, a file system's maximum) is one line, like a full disk: the
+    `.part` kept, nothing marked done, and the same command resumes once the limit is gone."""
+    args = [f"{REPO}:{Q8}", "--models-dir", str(tmp_path / "models"), "--endpoint", hub.url]
+    r = _cli_pull(args, fsize=10_000)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("strata: error:")]
+    assert len(lines) == 1 and "File too large" in lines[0] and "run the same command again" in lines[0], r.stderr
+    out = dest(tmp_path, Q8)
+    assert_not_finished(out)
+    kept = out.with_name(out.name + ".part").stat().st_size
+    assert kept == 10_000
+    r = _cli_pull(args)
+    assert r.returncode == 0, r.stderr
+    assert_exact(out, model_set[Q8])
+    assert hub.gets(Q8)[-1][2] == f"bytes={kept}-"
+
+
+def test_an_unwritable_models_dir_is_one_line(hub, tmp_path):
+    (tmp_path / "file").write_bytes(b"x")
+    r = _cli_pull([f"{REPO}:{Q8}", "--models-dir", str(tmp_path / "file" / "models"), "--endpoint", hub.url])
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("strata: error:")]
+    assert len(lines) == 1 and "Not a directory" in lines[0], r.stderr
