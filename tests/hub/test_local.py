@@ -8,7 +8,7 @@ import pytest
 
 from strata import StrataError
 from strata.hub.local import default_models_dir, parse_spec, resolve_model, select_files, shard_info
-from strata.hub.pull import url_plan
+from strata.hub.plan import url_plan
 from strata.hub.verify import Digest, write_marker
 
 LISTING = [

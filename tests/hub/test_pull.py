@@ -11,7 +11,8 @@ import pytest
 
 from strata import StrataError
 from strata.hub import resolve_model
-from strata.hub.pull import PullOptions, Reporter, hf_plan, pull
+from strata.hub.plan import hf_plan
+from strata.hub.pull import PullOptions, Reporter, pull
 from strata.hub.verify import marker_path, read_marker
 
 from .conftest import REPO, sha

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from strata import StrataError
-from strata.hub.pull import pull, read_manifest
+from strata.hub.plan import read_manifest
+from strata.hub.pull import pull
 from strata.hub.verify import marker_path, read_marker
 
 from .conftest import REPO, sha
