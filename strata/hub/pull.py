@@ -301,8 +301,12 @@ def pull(
     reporter: Reporter | None = None,
 ) -> list[Path]:
     """`strata pull SPEC`: a URL, or `owner/repo[:FILE_OR_QUANT]` from the hub. Returns the files, first shard first."""
+    from strata.config import hub_offline
+
     root = Path(models_dir) if models_dir else local.default_models_dir()
     opts = opts or PullOptions()
+    if hub_offline():
+        return _offline(spec, root, sha256=sha256, size=size, output=output, reporter=reporter or Reporter())
     if local.is_url(spec):
         files = url_plan(
             spec,
@@ -324,3 +328,21 @@ def pull(
 
             opts.headers = build_hf_headers(token=token)
     return pull_files(files, opts, reporter)
+
+
+def _offline(spec: str, root: Path, *, sha256, size, output, reporter: Reporter) -> list[Path]:
+    """HF_HUB_OFFLINE: the files of `spec` as already downloaded and verified, or one error; nothing is fetched."""
+    try:
+        if local.is_url(spec):
+            files = url_plan(spec, root, sha256=sha256, size=size, output=output)
+            missing = [f.dest.name for f in files if not marker_valid(f.dest, f.size, f.sha256)]
+            if missing:
+                raise StrataError(f"{', '.join(missing)}: not completely downloaded to {files[0].dest.parent}")
+            paths = [f.dest for f in files]
+        else:
+            paths = local.resolve_model(spec, root)
+    except StrataError as e:
+        raise StrataError(f"HF_HUB_OFFLINE is set, so nothing is downloaded: {e}") from e
+    for p in paths:
+        reporter.info(f"{p.name}: already downloaded (offline: not checked against the source)")
+    return paths

@@ -324,3 +324,28 @@ def test_url_without_sha_changed_in_place_is_refetched(hub, tmp_path, opts, repo
     _pull(hub, tmp_path, url, opts, reporter, output=out, size=len(data))
     assert_exact(out, data)
     assert any("changed since it was downloaded" in w for w in reporter.warnings)
+
+
+def test_offline_mode_uses_what_is_downloaded_and_fetches_nothing(hub, tmp_path, model_set):
+    """HF_HUB_OFFLINE=1 (as huggingface_hub and llama.cpp read it): a model already pulled is its paths, exit 0,
+    with no request made; one that is not is one error line naming the variable, and nothing is written."""
+    from .test_pull_faults import _cli_pull
+
+    models = tmp_path / "models"
+    args = [f"{REPO}:Q4_K_M", "--models-dir", str(models), "--endpoint", hub.url]
+    r = _cli_pull(args, {"HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("strata: error: HF_HUB_OFFLINE is set"), r.stderr
+    assert hub.log == [] and not models.exists()
+
+    assert _cli_pull(args).returncode == 0
+    n = len(hub.log)
+    r = _cli_pull(args, {"HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [str(dest(tmp_path, n)) for n in SHARDS]
+    assert len(hub.log) == n  # not even the listing
+
+    url = hub.add_plain("x/" + SHARDS[0].replace("Q4_K_M-00001-of-00003", "Q9"), model_set[SHARDS[0]])
+    r = _cli_pull([url, "--models-dir", str(models)], {"HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 1 and "HF_HUB_OFFLINE is set" in r.stderr and len(hub.log) == n, r.stderr
