@@ -10,6 +10,10 @@ that looked finished and was not):
   When no size is known, the size a GET announces is used for this transfer only, and when the server
   announces none at all the transfer is reported as size-unknown: it never counts as complete by itself.
 - A body that ends before the announced length (dropped connection) is resumed from what is on disk.
+- The ETag of the response a `.part` file's bytes came from is kept beside it (`<file>.part.etag`), so that a
+  resume, in this run or a later one, asks for the rest of that same file (`If-Range`: a server whose file
+  changed answers 200 with the whole new one) and refuses a 206 carrying another ETag: the bytes of two
+  versions of a file are never stitched together, as llama.cpp's downloader refuses to.
 - A write failing (ENOSPC, EFBIG, ...) becomes one clear error; the `.part` file is kept for a later resume.
 
 Hashing and the `.done` marker are the caller's business (see `strata.hub.verify`): nothing written here
@@ -108,6 +112,30 @@ def _truncate(part: Path, size: int, open_file: OpenFile) -> None:
             f.truncate(size)
 
 
+def etag_path(part: Path) -> Path:
+    return part.with_name(part.name + ".etag")
+
+
+def _read_etag(part: Path) -> str | None:
+    try:
+        return etag_path(part).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _record_etag(part: Path, etag: str | None) -> None:
+    if etag:
+        etag_path(part).write_text(etag + "\n")
+    else:
+        etag_path(part).unlink(missing_ok=True)
+
+
+def discard_part(part: Path) -> None:
+    """Remove a `.part` file and the ETag its bytes came with."""
+    part.unlink(missing_ok=True)
+    etag_path(part).unlink(missing_ok=True)
+
+
 def _is_disk_full(e: OSError) -> bool:
     return e.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", -1))
 
@@ -141,6 +169,7 @@ def fetch_to_part(
     high_water = _part_size(part)
     requests = 0
     part.parent.mkdir(parents=True, exist_ok=True)
+    etag = _read_etag(part) if high_water else None  # the version of the file the bytes held are of
 
     while True:
         if cancelled():
@@ -159,10 +188,18 @@ def fetch_to_part(
         req_headers["Accept-Encoding"] = "identity"  # byte offsets must be offsets into the file itself
         if have > 0:
             req_headers["Range"] = f"bytes={have}-"
+            if etag and not etag.startswith("W/"):  # a weak validator may not be used in If-Range
+                req_headers["If-Range"] = etag
         try:
             requests += 1
             with client.stream("GET", url, headers=req_headers) as r:
-                offset, body_len, total = _accept(r, have, total, name, part, warn, open_file)
+                offset, body_len, total = _accept(r, have, total, name, part, warn, open_file, etag)
+                got = r.headers.get("etag")
+                if offset == 0 or etag is None:
+                    if offset == 0:
+                        _truncate(part, 0, open_file)  # no old byte may outlive the record of the new version
+                    _record_etag(part, got)
+                    etag = got
                 written_end = _write_body(r, part, offset, total, task, open_file, cancelled)
             if body_len is not None and written_end != body_len[0] + body_len[1]:
                 raise _Retry(f"body ended at byte {written_end}, not at {body_len[0] + body_len[1]} as announced")
@@ -212,6 +249,7 @@ def _accept(
     part: Path,
     warn: Callable[[str], None],
     open_file: OpenFile,
+    etag: str | None = None,
 ) -> tuple[int, tuple[int, int] | None, int | None]:
     """Decide what the response's body is worth.
 
@@ -241,6 +279,11 @@ def _accept(
             _truncate(part, 0, open_file)
             raise _Retry(f"asked for bytes {have}- but got a 206 with {got!r}: bytes discarded, starting over")
         start, end, server_total = cr
+        got = r.headers.get("etag")
+        if etag and got and got != etag:  # a server that ignored If-Range, or a CDN node with another version
+            _truncate(part, 0, open_file)
+            raise _Retry(f"the file changed on the server since the partial download (ETag {etag}, now {got}): "
+                         "bytes discarded, starting over")
         if total is not None and server_total is not None and server_total != total:
             raise _Retry(f"server reports {server_total} bytes for the file, {total} expected")
         total = total if total is not None else server_total
@@ -252,7 +295,10 @@ def _accept(
 
     if code == 200:
         if have > 0:
-            warn(f"{name}: server ignored the resume range (HTTP 200); starting over from byte 0")
+            got = r.headers.get("etag")
+            why = "the file changed on the server since the partial download" if etag and got and got != etag \
+                else "server ignored the resume range"
+            warn(f"{name}: {why} (HTTP 200); starting over from byte 0")
         cl = _content_length(r)
         if total is not None and cl is not None and cl != total:
             raise _Retry(f"server announces {cl} bytes, {total} expected")

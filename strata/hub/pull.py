@@ -20,7 +20,7 @@ import httpx
 
 from strata import StrataError
 from strata.hub import local
-from strata.hub.http import NullTask, OpenFile, Task, fetch_to_part
+from strata.hub.http import NullTask, OpenFile, Task, discard_part, etag_path, fetch_to_part
 from strata.hub.plan import RemoteFile, hf_plan, read_manifest, url_plan
 from strata.hub.verify import (
     check_gguf_file,
@@ -215,6 +215,7 @@ def _pull_one(f: RemoteFile, opts: PullOptions, rep: Reporter, client: httpx.Cli
             return f.dest
         if f.size is not None and digest.size < f.size:
             rep.warn(f"{short}: {why or 'bad structure'}; resuming it as a partial download")
+            discard_part(f.part)
             os.replace(f.dest, f.part)  # a short file is likely a good prefix; the full hash will judge
         else:
             rep.warn(f"{short}: {why or 'bad structure'}; downloading it again")
@@ -250,7 +251,7 @@ def _pull_one(f: RemoteFile, opts: PullOptions, rep: Reporter, client: httpx.Cli
         why = _digest_ok(f, digest)
         if why is None:
             break
-        f.part.unlink(missing_ok=True)
+        discard_part(f.part)
         if attempt < opts.hash_retries:
             rep.warn(f"{short}: {why}; downloading it again from the start")
             continue
@@ -260,6 +261,7 @@ def _pull_one(f: RemoteFile, opts: PullOptions, rep: Reporter, client: httpx.Cli
         )
     _check_structure(f, f.part)
     os.replace(f.part, f.dest)
+    etag_path(f.part).unlink(missing_ok=True)
     write_marker(f.dest, digest, f.source, _verified_against(f, t.size_confirmed))
     rep.info(f"{short}: done ({_gb(digest.size)}, sha256 {digest.sha256[:16]}...)")
     return f.dest
@@ -281,7 +283,7 @@ def _check_structure(f: RemoteFile, path: Path) -> None:
         check_gguf_file(path, name=f.dest.name)
     except StrataError as e:
         if path.name.endswith(".part"):
-            path.unlink(missing_ok=True)
+            discard_part(path)
             raise StrataError(f"{e} (downloaded bytes discarded)") from e
         raise
 

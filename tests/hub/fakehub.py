@@ -17,6 +17,7 @@ Faults (`hub.fault(kind, match=..., times=..., at=...)`), consumed by the first 
   status          answered with HTTP status `at` (with the header `header`, "Name: value", when given)
   gated           answered `at` (401 or 403) with the hub's X-Error-Code: GatedRepo
   stall           full headers, the body up to file offset `at`, then nothing until `hub.release` is set
+  no_if_range     If-Range ignored: a ranged GET answered 206 from the file as it is now
   redirect        a 302 to the same path on another origin (`localhost` for `127.0.0.1`), as the hub sends a
                   file to its CDN
 
@@ -204,7 +205,7 @@ def _make_handler(hub: FakeHub):
             start = 0
             etag = f'"{hashlib.sha256(data).hexdigest()}"'
             if_range = self.headers.get("If-Range")
-            if rng and if_range is not None and if_range != etag and hub.etags:
+            if rng and if_range is not None and if_range != etag and hub.etags and kind != "no_if_range":
                 rng = None  # RFC 9110: the validator does not match, so the whole file, 200
             if rng and kind != "ignore_range":
                 m = re.match(r"bytes=(\d+)-$", rng)

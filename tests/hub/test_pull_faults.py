@@ -315,3 +315,42 @@ def test_an_unwritable_models_dir_is_one_line(hub, tmp_path):
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.startswith("strata: error:")]
     assert len(lines) == 1 and "Not a directory" in lines[0], r.stderr
+
+
+# --- a file that changes on the server between a partial download and its resume ----------------------
+
+
+def _changed_under_a_partial(hub, tmp_path, opts, reporter, model_set) -> tuple[str, bytes, Path]:
+    """A URL download (no sha256 known) cut off at 100,000 bytes; then the server's file changes, same size, a
+    byte before the cut differing: a resume that stitched the kept prefix to the new file passes every size check."""
+    old = model_set[SHARD2]
+    url = hub.add_plain("latest/model.gguf", old)
+    hub.fault("drop", match="latest/", at=100_000)
+    opts.retries = 0
+    with pytest.raises(StrataError):
+        _pull(hub, tmp_path, url, opts, reporter)
+    out = tmp_path / "models" / "model.gguf"
+    assert out.with_name("model.gguf.part").stat().st_size == 100_000
+    new = old[:50_000] + bytes([old[50_000] ^ 0xFF]) + old[50_001:]
+    hub.plain["latest/model.gguf"] = new
+    opts.retries = 3
+    return url, new, out
+
+
+def test_a_file_changed_on_the_server_is_not_stitched_to_the_partial(hub, tmp_path, opts, reporter, model_set):
+    url, new, out = _changed_under_a_partial(hub, tmp_path, opts, reporter, model_set)
+    _pull(hub, tmp_path, url, opts, reporter)
+    assert_exact(out, new)
+    _, _, rng = hub.gets("latest/")[-1]
+    assert rng == "bytes=100000-" and hub.headers[-1]["if-range"] == f'"{sha(model_set[SHARD2])}"'
+    assert any("changed on the server" in w for w in reporter.warnings)
+
+
+def test_a_206_of_another_version_is_refused(hub, tmp_path, opts, reporter, model_set):
+    """A server (or one CDN node) that ignores If-Range and answers 206 with the new file's ETag."""
+    url, new, out = _changed_under_a_partial(hub, tmp_path, opts, reporter, model_set)
+    hub.fault("no_if_range", match="latest/")
+    _pull(hub, tmp_path, url, opts, reporter)
+    assert_exact(out, new)
+    assert [g[2] for g in hub.gets("latest/")][-2:] == ["bytes=100000-", None]  # refused, then from byte 0
+    assert not out.with_name("model.gguf.part.etag").exists()
