@@ -8,10 +8,12 @@ from disk, a GGUF is checked structurally, and only then is it renamed into plac
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -20,7 +22,7 @@ import httpx
 
 from strata import StrataError
 from strata.hub import local
-from strata.hub.http import NullTask, OpenFile, Task, discard_part, etag_path, fetch_to_part
+from strata.hub.http import Interrupted, NullTask, OpenFile, Task, discard_part, etag_path, fetch_to_part
 from strata.hub.plan import RemoteFile, hf_plan, read_manifest, url_plan
 from strata.hub.verify import (
     check_gguf_file,
@@ -193,8 +195,37 @@ def _hash(f: RemoteFile, path: Path, rep: Reporter):
 
 
 def _pull_one(f: RemoteFile, opts: PullOptions, rep: Reporter, client: httpx.Client) -> Path:
-    short = Path(f.name).name
     f.dest.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive(f, opts, rep):
+        return _pull_locked(f, opts, rep, client)
+
+
+@contextmanager
+def _exclusive(f: RemoteFile, opts: PullOptions, rep: Reporter):
+    """Hold `<file>.lock` (flock) while the file is checked, fetched and marked: a second `strata pull` of the
+    same file, in this process or another, waits for the first and then finds it done, where both writing one
+    `.part` and renaming it under each other left a file that was neither's download. The lock file stays (a
+    waiter may hold it open: removing it would let a third pull lock a new one)."""
+    fd = os.open(f.dest.with_name(f.dest.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        told = False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if not told:
+                    rep.info(f"{Path(f.name).name}: another strata pull is fetching it; waiting for it to finish")
+                    told = True
+                if opts.cancel.wait(0.2):
+                    raise Interrupted(f"{Path(f.name).name}: interrupted while waiting for another strata pull")
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _pull_locked(f: RemoteFile, opts: PullOptions, rep: Reporter, client: httpx.Client) -> Path:
+    short = Path(f.name).name
     if f.dest.exists():
         if marker_valid(f.dest, f.size, f.sha256, allow_legacy=False) and not opts.verify:
             rep.info(f"{short}: already downloaded and verified")

@@ -349,3 +349,43 @@ def test_offline_mode_uses_what_is_downloaded_and_fetches_nothing(hub, tmp_path,
     url = hub.add_plain("x/" + SHARDS[0].replace("Q4_K_M-00001-of-00003", "Q9"), model_set[SHARDS[0]])
     r = _cli_pull([url, "--models-dir", str(models)], {"HF_HUB_OFFLINE": "1"})
     assert r.returncode == 1 and "HF_HUB_OFFLINE is set" in r.stderr and len(hub.log) == n, r.stderr
+
+
+def _wait_for(cond, what: str, limit: float = 60.0) -> None:
+    """Poll until `cond()` holds (a state the test waits to reach, not a timing it asserts)."""
+    deadline = time.monotonic() + limit
+    while not cond():
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        time.sleep(0.02)
+
+
+def test_two_pulls_of_one_file_take_turns(hub, tmp_path, model_set):
+    """A second `strata pull` of a file another is fetching waits for it (a lock beside the file), then finds it
+    done: one download, one `.part`, never two writers renaming it under each other."""
+    out = dest(tmp_path, Q8)
+    part = out.with_name(out.name + ".part")
+    hub.fault("stall", match=Q8, at=8000)
+    results: dict[str, object] = {}
+
+    def run(who: str, rep: Reporter) -> None:
+        try:
+            results[who] = _pull(hub, tmp_path, f"{REPO}:Q8_0", PullOptions(retries=3, backoff=0.0,
+                                                                          sleep=lambda s: None), rep)
+        except BaseException as e:  # noqa: BLE001 - the assertion below names it
+            results[who] = e
+
+    first, second = Reporter(), Reporter()
+    a = threading.Thread(target=run, args=("first", first))
+    a.start()
+    _wait_for(lambda: part.exists() and part.stat().st_size == 8000, "the first pull's bytes on disk")
+    b = threading.Thread(target=run, args=("second", second))
+    b.start()
+    _wait_for(lambda: any("waiting" in i for i in second.infos), "the second pull waiting")
+    assert len(hub.gets(Q8)) == 1  # the first one's alone
+    hub.release.set()
+    a.join(60)
+    b.join(60)
+    assert results == {"first": [out], "second": [out]}
+    assert_exact(out, model_set[Q8])
+    assert [g[2] for g in hub.gets(Q8)] == [None, "bytes=8000-"]  # the first's download and its resume
+    assert any("already downloaded" in i for i in second.infos)
