@@ -140,20 +140,25 @@ def cmd_pull(args: argparse.Namespace) -> int:
     from strata.hub.pull import pull
 
     opts = PullOptions(jobs=args.jobs, retries=args.retries, verify=args.verify)
-    with RichReporter(bars=not args.quiet) as rep:
-        files = pull(
-            args.spec,
-            models_dir=args.models_dir,
-            revision=args.revision,
-            endpoint=args.endpoint,
-            token=args.token,
-            sha256=args.sha256,
-            size=args.size,
-            output=args.output,
-            manifest=args.manifest,
-            opts=opts,
-            reporter=rep,
-        )
+    try:
+        with RichReporter(bars=not args.quiet) as rep:
+            files = pull(
+                args.spec,
+                models_dir=args.models_dir,
+                revision=args.revision,
+                endpoint=args.endpoint,
+                token=args.token,
+                sha256=args.sha256,
+                size=args.size,
+                output=args.output,
+                manifest=args.manifest,
+                opts=opts,
+                reporter=rep,
+            )
+    except KeyboardInterrupt:
+        print("strata: interrupted; what was downloaded is kept: run the same command again to resume",
+              file=sys.stderr)
+        return 130
     for f in files:
         print(f)
     return 0

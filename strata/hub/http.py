@@ -25,10 +25,13 @@ from __future__ import annotations
 import errno
 import os
 import re
+import socket
+import threading
 import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Callable, Protocol
+from typing import BinaryIO, Callable, ContextManager, Iterator, Protocol
 
 import httpx
 
@@ -72,6 +75,47 @@ class _Retry(Exception):
 
 class _Complete(Exception):
     """The server says the resume offset is its file's end (416 with `bytes */N`, N == bytes held)."""
+
+
+class Cancel(threading.Event):
+    """Ctrl-C for transfers: once set, each stops at its next chunk, and one blocked in a read (a stalled server)
+    stops at once, its socket shut down, instead of at its read timeout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._sockets: set[socket.socket] = set()
+        self._guard = threading.Lock()
+
+    def set(self) -> None:
+        super().set()
+        with self._guard:
+            sockets = list(self._sockets)
+        for sock in sockets:
+            _shut(sock)
+
+    @contextmanager
+    def watching(self, r: httpx.Response) -> Iterator[None]:
+        stream = r.extensions.get("network_stream")
+        sock = stream.get_extra_info("socket") if stream is not None else None
+        if sock is None:
+            yield
+            return
+        with self._guard:
+            self._sockets.add(sock)
+        try:
+            if self.is_set():  # set before the socket was known
+                _shut(sock)
+            yield
+        finally:
+            with self._guard:
+                self._sockets.discard(sock)
+
+
+def _shut(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 class Interrupted(StrataError):
@@ -154,6 +198,7 @@ def fetch_to_part(
     open_file: OpenFile = open,  # type: ignore[assignment]
     sleep: Callable[[float], None] = time.sleep,
     cancelled: Callable[[], bool] = lambda: False,
+    watch: Callable[[httpx.Response], ContextManager] | None = None,
 ) -> Transfer:
     """Download `url` into `part`, resuming from what `part` already holds.
 
@@ -192,7 +237,7 @@ def fetch_to_part(
                 req_headers["If-Range"] = etag
         try:
             requests += 1
-            with client.stream("GET", url, headers=req_headers) as r:
+            with client.stream("GET", url, headers=req_headers) as r, (watch or _no_watch)(r):
                 offset, body_len, total = _accept(r, have, total, name, part, warn, open_file, etag)
                 got = r.headers.get("etag")
                 if offset == 0 or etag is None:
@@ -212,6 +257,8 @@ def fetch_to_part(
             task.update(have, have)
             return Transfer(have, True, requests)
         except (httpx.TransportError, _Retry) as e:
+            if cancelled():  # the error is the cancel's own doing (its socket shut down)
+                raise Interrupted(f"{name}: interrupted ({_part_size(part)} bytes kept in {part.name})") from e
             size_now = _part_size(part)
             if size_now > high_water:  # progress: a flaky link that keeps moving is not a failing one
                 high_water = size_now
@@ -233,6 +280,10 @@ def fetch_to_part(
                 f"cannot write {part}: {e.strerror or e} ({_part_size(part)} bytes kept; once that is fixed, "
                 "run the same command again to resume)"
             ) from e
+
+
+def _no_watch(r: httpx.Response) -> ContextManager:
+    return nullcontext()
 
 
 def _describe(e: Exception) -> str:

@@ -12,7 +12,7 @@ import fcntl
 import os
 import shutil
 import threading
-from concurrent.futures import ThreadPoolExecutor
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +22,8 @@ import httpx
 
 from strata import StrataError
 from strata.hub import local
-from strata.hub.http import Interrupted, NullTask, OpenFile, Task, discard_part, etag_path, fetch_to_part
+from strata.hub.http import (Cancel, Interrupted, NullTask, OpenFile, Task, discard_part, etag_path,
+                             fetch_to_part)
 from strata.hub.plan import RemoteFile, hf_plan, read_manifest, url_plan
 from strata.hub.verify import (
     check_gguf_file,
@@ -100,6 +101,9 @@ def _gb(n: int) -> str:
     return f"{n} B"
 
 
+CANCEL_GRACE_S = 5.0  # after Ctrl-C, how long the transfers get to stop before the process leaves them
+
+
 @dataclass
 class PullOptions:
     jobs: int = 4
@@ -112,7 +116,7 @@ class PullOptions:
     open_file: OpenFile = open  # type: ignore[assignment]
     sleep: Callable[[float], None] | None = None  # default: wait on `cancel`, so Ctrl-C cuts a backoff short
     timeout: float = 60.0
-    cancel: threading.Event = field(default_factory=threading.Event)  # set: every transfer stops, keeping .part
+    cancel: threading.Event = field(default_factory=Cancel)  # set: every transfer stops, keeping .part
 
 
 def pull_files(
@@ -142,25 +146,50 @@ def pull_files(
             follow_redirects=True, timeout=httpx.Timeout(opts.timeout, connect=30.0), headers={"User-Agent": "strata"}
         )
     errors: dict[str, str] = {}
-    pool = ThreadPoolExecutor(max_workers=max(1, opts.jobs), thread_name_prefix="strata-pull")
-    try:
-        futs = {pool.submit(_pull_one, f, opts, rep, client): f for f in files}
-        for fut, f in futs.items():
+    crashed: list[BaseException] = []
+    pending = list(files)
+    guard = threading.Lock()
+
+    def work() -> None:
+        while True:
+            with guard:
+                if not pending or opts.cancel.is_set():
+                    return
+                f = pending.pop(0)
             try:
-                fut.result()
+                _pull_one(f, opts, rep, client)
             except StrataError as e:
                 errors[f.name] = str(e)
             except OSError as e:  # the models directory itself: not creatable, not writable, ...
                 errors[f.name] = f"{Path(f.name).name}: {e.strerror or e}: {e.filename or f.dest}"
+            except BaseException as e:  # a bug: its traceback, from the main thread
+                crashed.append(e)
+                opts.cancel.set()
+
+    # Daemon threads: after Ctrl-C the process leaves once the transfers have stopped (they do at their next
+    # chunk, or at once when blocked in a read: Cancel shuts their sockets down), or after CANCEL_GRACE_S even
+    # if one is stuck elsewhere (a connect, a hash); every state a file can be left in is resumable.
+    workers = [threading.Thread(target=work, daemon=True, name=f"strata-pull-{i}")
+               for i in range(max(1, min(opts.jobs, len(files))))]
+    try:
+        for t in workers:
+            t.start()
+        for t in workers:
+            while t.is_alive():
+                t.join(0.25)  # in slices, so that Ctrl-C reaches this thread
     except BaseException:
-        opts.cancel.set()  # Ctrl-C: stop every transfer at its next chunk; .part files stay for a resume
+        opts.cancel.set()  # Ctrl-C: every transfer stops; .part files stay for a resume
+        deadline = time.monotonic() + CANCEL_GRACE_S
+        for t in workers:
+            t.join(max(0.0, deadline - time.monotonic()))
         raise
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
-        if own:
+        if own and not any(t.is_alive() for t in workers):
             client.close()
+    if crashed:
+        raise crashed[0]
     if errors:
-        lines = "; ".join(errors.values())
+        lines = "; ".join(errors[f.name] for f in files if f.name in errors)
         raise StrataError(f"{len(errors)} of {len(files)} file(s) failed: {lines}")
     return [f.dest for f in files]
 
@@ -270,6 +299,7 @@ def _pull_locked(f: RemoteFile, opts: PullOptions, rep: Reporter, client: httpx.
                 open_file=opts.open_file,
                 sleep=opts.sleep or opts.cancel.wait,
                 cancelled=opts.cancel.is_set,
+                watch=opts.cancel.watching if isinstance(opts.cancel, Cancel) else None,
             )
         finally:
             rep.done(task)

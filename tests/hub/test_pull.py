@@ -389,3 +389,37 @@ def test_two_pulls_of_one_file_take_turns(hub, tmp_path, model_set):
     assert_exact(out, model_set[Q8])
     assert [g[2] for g in hub.gets(Q8)] == [None, "bytes=8000-"]  # the first's download and its resume
     assert any("already downloaded" in i for i in second.infos)
+
+
+def test_ctrl_c_on_a_stalled_transfer_stops_at_once_and_resumes(hub, tmp_path, model_set):
+    """SIGINT while a transfer is blocked in a read (the server sent 8000 bytes, then nothing): one line, exit
+    130, no traceback, no retry and no wait for the read timeout (the transfer's socket is shut down), the
+    `.part` kept; the same command then resumes from it."""
+    import signal
+    import subprocess
+    import sys
+
+    out = dest(tmp_path, Q8)
+    part = out.with_name(out.name + ".part")
+    hub.fault("stall", match=Q8, at=8000)
+    argv = [sys.executable, "-m", "strata", "pull", f"{REPO}:Q8_0", "--models-dir", str(tmp_path / "models"),
+            "--endpoint", hub.url, "--quiet"]
+    env = {**os.environ, "HF_HUB_DISABLE_TELEMETRY": "1"}
+    p = subprocess.Popen(argv, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        _wait_for(lambda: part.exists() and part.stat().st_size == 8000, "the first bytes on disk")
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=120)
+    finally:
+        p.kill()
+    assert p.returncode == 130, err
+    assert "Traceback" not in err and "retry" not in err and "Timeout" not in err, err
+    (line,) = [ln for ln in err.splitlines() if ln.startswith("strata:")]
+    assert "interrupted" in line and "run the same command again" in line
+    assert part.stat().st_size == 8000 and not out.exists() and not marker_path(out).exists()
+
+    hub.release.set()
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    assert_exact(out, model_set[Q8])
+    assert hub.gets(Q8)[-1][2] == "bytes=8000-"
