@@ -282,6 +282,23 @@ def fetch_to_part(
             ) from e
 
 
+def _where(r: httpx.Response) -> str:
+    """The request's URL without its query (a CDN's signed one is long, and a credential)."""
+    return str(r.request.url.copy_with(query=None))
+
+
+def _access_denied(r: httpx.Response, name: str) -> str:
+    said = (r.headers.get("x-error-message") or "").strip()
+    said = f" ({said})" if said else ""
+    if r.status_code == 401 and "authorization" not in r.request.headers:
+        advice = ("it needs a token: set HF_TOKEN (or pass --token, or run `hf auth login`); a gated model's "
+                  "license must also be accepted on its page, with that account")
+    else:
+        advice = ("the token was refused or has no access: for a gated model, accept its license on its page on "
+                  "the hub with the account of the token in use (HF_TOKEN, --token), or use a token with read access")
+    return f"{name}: HTTP {r.status_code} from {r.request.url.netloc.decode()}{said}: {advice}"
+
+
 def _no_watch(r: httpx.Response) -> ContextManager:
     return nullcontext()
 
@@ -317,8 +334,10 @@ def _accept(
         # The range is past the end as the server sees it: what we hold is not a prefix of its file.
         _truncate(part, 0, open_file)
         raise _Retry(f"HTTP 416 for a resume from byte {have}: starting over")
+    if code in (401, 403):
+        raise StrataError(_access_denied(r, name))
     if code >= 400:
-        raise StrataError(f"{name}: HTTP {code} from {r.request.url}")
+        raise StrataError(f"{name}: HTTP {code} from {_where(r)}")
     if r.headers.get("content-encoding", "identity").lower() not in ("identity", ""):
         # Offsets and hashes are of the file itself; a compressed body is neither.
         raise _Retry(f"server sent a {r.headers['content-encoding']}-encoded body despite Accept-Encoding: identity")

@@ -52,10 +52,12 @@ def hf_plan(
         info = api.model_info(repo, revision=revision, files_metadata=True)
     except GatedRepoError as e:
         raise StrataError(
-            f"{repo} is gated: accept its terms on the hub's page, then log in (hf auth login) or pass --token"
+            f"{repo} is gated: accept its license on its page on the hub, then set HF_TOKEN to a token of that "
+            "account (or pass --token, or run `hf auth login`)"
         ) from e
     except RepositoryNotFoundError as e:
-        raise StrataError(f"{repo}: no such model repository at {endpoint} (or it is private/gated)") from e
+        raise StrataError(f"{repo}: no such model repository at {endpoint} (a private one needs a token of an "
+                          "account with access: set HF_TOKEN or pass --token)") from e
     except RevisionNotFoundError as e:
         raise StrataError(f"{repo}: no revision {revision!r}") from e
     except (HfHubHTTPError, httpx.HTTPError, OSError) as e:

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -189,9 +190,23 @@ def pull_files(
     if crashed:
         raise crashed[0]
     if errors:
-        lines = "; ".join(errors[f.name] for f in files if f.name in errors)
-        raise StrataError(f"{len(errors)} of {len(files)} file(s) failed: {lines}")
+        raise StrataError(f"{len(errors)} of {len(files)} file(s) failed: {_summary(files, errors)}")
     return [f.dest for f in files]
+
+
+def _summary(files: list[RemoteFile], errors: dict[str, str]) -> str:
+    """The errors in file order; one reason shared by several files (a gated repo's 401) said once."""
+    msgs = [errors[f.name] for f in files if f.name in errors]
+    heads, tails = zip(*(m.split(": ", 1) if ": " in m else (m, "") for m in msgs))
+    if len(msgs) > 1 and len(set(tails)) == 1 and tails[0]:
+        return f"{', '.join(heads)}: {tails[0]}"
+    return "; ".join(msgs)
+
+
+def _is_hub_url(url: str, endpoint: str | None) -> bool:
+    from huggingface_hub import constants
+
+    return urlsplit(url).netloc == urlsplit(endpoint or constants.ENDPOINT).netloc
 
 
 def _verified_against(f: RemoteFile, size_confirmed: bool = False) -> str:
@@ -379,6 +394,11 @@ def pull(
             output=output,
             manifest=read_manifest(manifest) if manifest else None,
         )
+        if opts.headers is None and _is_hub_url(spec, endpoint):
+            # the hub's own file URL (a gated or private repo's needs the token); never another host's
+            from huggingface_hub.utils import build_hf_headers
+
+            opts.headers = build_hf_headers(token=token)
     else:
         if sha256 or size is not None or output is not None:
             raise StrataError(

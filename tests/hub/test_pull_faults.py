@@ -10,7 +10,7 @@ import pytest
 
 from strata import StrataError
 from strata.hub.plan import read_manifest
-from strata.hub.pull import pull
+from strata.hub.pull import PullOptions, pull
 from strata.hub.verify import marker_path, read_marker
 
 from .conftest import REPO, sha
@@ -354,3 +354,44 @@ def test_a_206_of_another_version_is_refused(hub, tmp_path, opts, reporter, mode
     assert_exact(out, new)
     assert [g[2] for g in hub.gets("latest/")][-2:] == ["bytes=100000-", None]  # refused, then from byte 0
     assert not out.with_name("model.gguf.part.etag").exists()
+
+
+# --- access: gated repos, tokens, redirects -----------------------------------------------------------
+
+
+def test_a_gated_file_without_a_token_says_to_set_hf_token(hub, tmp_path, opts, reporter):
+    """The hub answers a gated repo's files 401 (no token) with X-Error-Code: GatedRepo: one line, naming
+    HF_TOKEN and the license, said once for the whole split set."""
+    hub.fault("gated", match="Q4_K_M", times=None, at=401)
+    with pytest.raises(StrataError) as e:
+        _pull(hub, tmp_path, f"{REPO}:Q4_K_M", opts, reporter)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.count("HTTP 401") == 1 and "HF_TOKEN" in msg and "license" in msg, msg
+    assert msg.startswith("3 of 3 file(s) failed: Tiny-MoE-Q4_K_M-00001-of-00003.gguf, "), msg
+    assert not any((tmp_path / "models").rglob("*.done"))
+
+
+def test_a_refused_token_says_to_accept_the_license(hub, tmp_path, opts, reporter):
+    hub.fault("gated", match=Q8, times=None, at=403)
+    with pytest.raises(StrataError, match=r"HTTP 403 .*accept its license.*HF_TOKEN") as e:
+        pull(f"{REPO}:Q8_0", models_dir=tmp_path / "models", endpoint=hub.url, token="hf_test", opts=opts,
+             reporter=reporter)
+    assert "\n" not in str(e.value)
+    assert hub.headers[-1]["authorization"] == "Bearer hf_test"
+
+
+def test_a_hub_url_gets_the_token_and_its_cdn_does_not(hub, tmp_path, opts, reporter, model_set):
+    """`strata pull https://<hub>/owner/repo/resolve/...` sends the hub's token (a gated repo needs it); the
+    302 to the CDN's host does not carry it, nor does a URL on any other host."""
+    hub.fault("redirect", match=Q8)
+    url = f"{hub.url}/{REPO}/resolve/main/{Q8}"
+    (out,) = pull(url, models_dir=tmp_path / "models", endpoint=hub.url, token="hf_test", opts=opts,
+                  reporter=reporter)
+    assert_exact(out, model_set[Q8])
+    (to_hub, to_cdn) = hub.headers[-2:]
+    assert to_hub["authorization"] == "Bearer hf_test" and to_hub["host"].startswith("127.0.0.1:")
+    assert "authorization" not in to_cdn and to_cdn["host"].startswith("localhost:")
+    other = url.replace("127.0.0.1", "localhost")
+    pull(other, models_dir=tmp_path / "other", endpoint=hub.url, token="hf_test", opts=PullOptions(backoff=0.0),
+         reporter=reporter)
+    assert "authorization" not in hub.headers[-1]
