@@ -184,6 +184,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         for p in paths:  # a cut-off file loads nowhere: the check the loader makes, before any verdict
             check_gguf_file(p)
         fp = model_footprint(paths, args.cache_type_k, args.cache_type_v)
+        _check_architecture(paths[0], fp.architecture)
         budget = int(args.vram_gb * GiB) if args.vram_gb is not None else None
         verdict = fit(fp, machine, args.ctx_size, budget, args.kv_vram_tokens)
     if fp is not None and args.pipeline_parallel_size > 1:
@@ -199,6 +200,17 @@ def cmd_check(args: argparse.Namespace) -> int:
     else:
         _print_report(machine, fp, verdict)
     return 0 if verdict is None or verdict.ok else 1
+
+
+def _check_architecture(path: Path, arch: str | None) -> None:
+    """A model of an architecture the engine has no family for loads nowhere: the loader's own error, before
+    any verdict (a size alone would say "it runs")."""
+    from strata import StrataError
+    from strata.models.registry import FAMILIES  # torch-free
+
+    if arch not in FAMILIES:
+        what = f"unknown model architecture '{arch}'" if arch else "no general.architecture in its metadata"
+        raise StrataError(f"{path.name}: {what} (strata runs: {', '.join(sorted(FAMILIES))})")
 
 
 def _check_split(args, paths, machine) -> int:

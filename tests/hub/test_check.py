@@ -436,3 +436,15 @@ def test_check_plans_the_kv_a_cpu_alone_stores():
     kv = load_model(path, EngineConfig(model=path, device="cpu")).model.new_kv_cache(1, 16)
     stored = sum(t.numel() * t.element_size() for t in [*kv.k, *(kv.v or [])] if t is not None) // 16
     assert planned == stored
+
+
+def test_an_unknown_architecture_cannot_run(tmp_path, capsys):
+    """A well-formed GGUF of an architecture the engine has no family for: the loader's error, exit 1, never
+    "it runs" (check used to judge its sizes alone)."""
+    path = write_gguf(tmp_path / "frob.gguf", {"token_embd.weight": np.zeros((64, 64), np.float32)}, arch="frobnicator")
+    for json_flag in ([], ["--json"]):
+        assert main(["check", "-m", str(path), *json_flag]) == 1
+        out, err = capsys.readouterr()
+        assert "it runs" not in out and '"ok": true' not in out
+        assert err.startswith("strata: error: frob.gguf: unknown model architecture 'frobnicator' (strata runs: ")
+        assert err.count("\n") == 1 and "qwen3moe" in err
