@@ -70,7 +70,30 @@ class Transfer:
 
 
 class _Retry(Exception):
-    """A recoverable failure of one request: back off and try again."""
+    """A recoverable failure of one request: back off and try again (after `after` seconds at least, when the
+    server said so with Retry-After)."""
+
+    def __init__(self, msg: str, after: float | None = None) -> None:
+        super().__init__(msg)
+        self.after = after
+
+
+RETRY_AFTER_MAX = 300.0  # the longest Retry-After obeyed; a longer one is waited this long, then tried again
+
+
+def _retry_after(r: httpx.Response) -> float | None:
+    """Retry-After as seconds (RFC 9110: delay-seconds or an HTTP date), None when absent or unreadable."""
+    v = (r.headers.get("retry-after") or "").strip()
+    if not v:
+        return None
+    if v.isdigit():
+        return float(v)
+    try:
+        from email.utils import parsedate_to_datetime
+
+        return max(0.0, parsedate_to_datetime(v).timestamp() - time.time())
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
 
 
 class _Complete(Exception):
@@ -267,6 +290,8 @@ def fetch_to_part(
             if attempts > retries:
                 raise StrataError(f"{name}: download failed after {retries} retries: {_describe(e)}") from e
             delay = min(backoff * 2 ** (attempts - 1), 60.0)
+            if isinstance(e, _Retry) and e.after is not None:  # a rate limit's own word on when to come back
+                delay = min(max(delay, e.after), RETRY_AFTER_MAX)
             warn(f"{name}: {_describe(e)}; retry {attempts}/{retries} in {delay:.1f}s")
             sleep(delay)
         except OSError as e:
@@ -326,7 +351,7 @@ def _accept(
     """
     code = r.status_code
     if code in RETRY_STATUS:
-        raise _Retry(f"HTTP {code}")
+        raise _Retry(f"HTTP {code}", _retry_after(r))
     if code == 416 and have > 0:
         cr = re.match(r"^\s*bytes\s+\*/(\d+)\s*$", r.headers.get("content-range", ""))
         if cr and int(cr.group(1)) == have and total in (None, have):

@@ -249,6 +249,21 @@ def test_retries_back_off_exponentially(hub, tmp_path, opts, reporter, model_set
     assert delays == [0.5, 1.0]
 
 
+def test_a_rate_limit_is_waited_out_as_the_server_says(hub, tmp_path, opts, reporter, model_set):
+    """429 (and 503) with Retry-After: the next try comes no sooner than the server asked (capped at
+    RETRY_AFTER_MAX), not at the next step of the backoff, which a rate limit would refuse again."""
+    from strata.hub.http import RETRY_AFTER_MAX
+
+    delays = []
+    opts.backoff, opts.sleep = 0.5, delays.append
+    hub.fault("status", match=Q8, at=429, header="Retry-After: 7")
+    hub.fault("status", match=Q8, at=503, header="Retry-After: 86400")
+    hub.fault("status", match=Q8, at=503)
+    (out,) = _pull(hub, tmp_path, f"{REPO}:{Q8}", opts, reporter)
+    assert_exact(out, model_set[Q8])
+    assert delays == [7.0, RETRY_AFTER_MAX, 2.0]
+
+
 def test_missing_file_is_fatal_not_retried(hub, tmp_path, opts, reporter, model_set):
     hub.fault("status", match=Q8, times=None, at=404)
     with pytest.raises(StrataError, match="HTTP 404"):
