@@ -100,6 +100,7 @@ def select_files_for(names: list[str], selector: str | None, repo: str) -> list[
     return chosen
 
 
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 _SHARD_NO = re.compile(r"-\d{5}-of-(\d{5})\.gguf$", re.IGNORECASE)
 _HUB_LIKE = re.compile(r"/(?:models/)?(?P<owner>[^/]+)/(?P<repo>[^/]+)/resolve/[^/]+/(?P<file>.+)$")
 
@@ -138,7 +139,12 @@ def url_plan(
         dests = [models_dir / m.group("owner") / m.group("repo") / sub / n for n in names]
     else:
         dests = [models_dir / n for n in names]
-    sha256 = [h.lower() for h in (sha256 or [])]
+    sha256 = [h.strip().lower() for h in (sha256 or [])]
+    for h in sha256:
+        if not _SHA256.fullmatch(h):
+            raise StrataError(f"--sha256 {h!r} is not a sha256 (64 hex digits)")
+    if size is not None and size < 1:
+        raise StrataError(f"--size must be a positive number of bytes, got {size}")
     if sha256 and len(sha256) != len(names):
         raise StrataError(f"{len(sha256)} --sha256 value(s) for {len(names)} file(s): give one per shard, in order")
     if size is not None and len(names) > 1:
@@ -166,7 +172,11 @@ def read_manifest(path: Path) -> dict[str, tuple[int | None, str | None]]:
     """`sha256sum`-style lines (`HEX  name`) or JSON {name: {"size": N, "sha256": HEX}} -> {name: (size, sha)}."""
     import json
 
-    text = path.read_text()
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else "not a text file"
+        raise StrataError(f"--manifest {path}: {why}") from e
     try:
         data = json.loads(text)
     except ValueError:
@@ -174,7 +184,12 @@ def read_manifest(path: Path) -> dict[str, tuple[int | None, str | None]]:
     out: dict[str, tuple[int | None, str | None]] = {}
     if isinstance(data, dict):
         for name, v in data.items():
-            out[Path(name).name] = (v.get("size"), (v.get("sha256") or "").lower() or None)
+            size, sha = (v.get("size"), v.get("sha256")) if isinstance(v, dict) else (None, None)
+            if not isinstance(v, dict) or (size is not None and (type(size) is not int or size < 1)) or (
+                    sha is not None and not (isinstance(sha, str) and _SHA256.fullmatch(sha.lower()))):
+                raise StrataError(f"--manifest {path}: the entry for {name!r} is not "
+                                  '{"size": BYTES, "sha256": "64 hex digits"}')
+            out[Path(name).name] = (size, sha.lower() if sha else None)
         return out
     for line in text.splitlines():
         parts = line.strip().split()

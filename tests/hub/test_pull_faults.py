@@ -410,3 +410,29 @@ def test_a_hub_url_gets_the_token_and_its_cdn_does_not(hub, tmp_path, opts, repo
     pull(other, models_dir=tmp_path / "other", endpoint=hub.url, token="hf_test", opts=PullOptions(backoff=0.0),
          reporter=reporter)
     assert "authorization" not in hub.headers[-1]
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--sha256", "abc"], "--sha256 'abc' is not a sha256 (64 hex digits)"),
+    (["--size", "-5"], "--size must be a positive number of bytes, got -5"),
+    (["--size", "0"], "--size must be a positive number of bytes, got 0"),
+    (["--manifest", "{tmp}/nope"], "--manifest {tmp}/nope: No such file or directory"),
+    (["--manifest", "{tmp}"], "--manifest {tmp}: Is a directory"),
+    (["--manifest", "{tmp}/binary"], "--manifest {tmp}/binary: not a text file"),
+    (["--manifest", "{tmp}/shape.json"], "--manifest {tmp}/shape.json: the entry for 'm.gguf' is not"),
+    (["--manifest", "{tmp}/size.json"], "--manifest {tmp}/size.json: the entry for 'm.gguf' is not"),
+])
+def test_bad_url_download_flags_are_one_line_before_any_byte(hub, tmp_path, capsys, model_set, flags, says):
+    """A malformed --sha256/--size/--manifest is named before anything is fetched (a bad --sha256 used to cost two
+    whole downloads, then blame the server; a bad manifest was a traceback)."""
+    from strata.cli import main
+
+    (tmp_path / "binary").write_bytes(b"\xff\xfe\x00GGUF")
+    (tmp_path / "shape.json").write_text('{"m.gguf": 5}')
+    (tmp_path / "size.json").write_text('{"m.gguf": {"size": "big"}}')
+    url = hub.add_plain("m.gguf", model_set[Q8])
+    argv = ["pull", url, "--models-dir", str(tmp_path / "models"), "-q", *(f.format(tmp=tmp_path) for f in flags)]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("strata: error: " + says.format(tmp=tmp_path)) and err.count("\n") == 1, err
+    assert hub.gets() == []
