@@ -294,6 +294,8 @@ def fetch_to_part(
                 delay = min(max(delay, e.after), RETRY_AFTER_MAX)
             warn(f"{name}: {_describe(e)}; retry {attempts}/{retries} in {delay:.1f}s")
             sleep(delay)
+        except httpx.TooManyRedirects as e:  # a redirect loop does not end by being tried again
+            raise StrataError(f"{name}: too many redirects from {url} (a loop?)") from e
         except OSError as e:
             if _is_disk_full(e):
                 raise StrataError(

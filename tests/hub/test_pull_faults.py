@@ -271,6 +271,13 @@ def test_missing_file_is_fatal_not_retried(hub, tmp_path, opts, reporter, model_
     assert len(hub.gets(Q8)) == 1
 
 
+def test_a_redirect_loop_is_one_error(hub, tmp_path, opts, reporter):
+    hub.fault("redirect", match=Q8, times=None)
+    with pytest.raises(StrataError, match=r"Tiny-MoE-Q8_0.gguf: too many redirects from http://127\.0\.0\.1:\d+/"):
+        _pull(hub, tmp_path, f"{REPO}:{Q8}", opts, reporter)
+    assert_not_finished(dest(tmp_path, Q8))
+
+
 # --- manifests ----------------------------------------------------------------------------------------
 
 
