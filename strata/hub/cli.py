@@ -173,6 +173,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     from strata.hub.machine import probe
     from strata.hub.verify import check_gguf_file
 
+    _check_flags(args)
     models_dir = args.models_dir or default_models_dir()
     machine = probe(models_dir)
     # the engine's KV when no type is asked: bf16 on a GPU (f16's size), the float32 activations' on a CPU alone
@@ -200,6 +201,21 @@ def cmd_check(args: argparse.Namespace) -> int:
     else:
         _print_report(machine, fp, verdict)
     return 0 if verdict is None or verdict.ok else 1
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """The engine's own limits on the flags check plans with (strata.config's validate): a plan for a run that
+    would not start is no verdict."""
+    from strata import StrataError
+
+    if args.vram_gb is not None and args.vram_gb <= 0:
+        raise StrataError("--vram-gb must be positive")
+    if args.ctx_size < 0:
+        raise StrataError(f"--ctx-size must be >= 0, got {args.ctx_size}")
+    if args.pipeline_parallel_size < 1:
+        raise StrataError(f"--pipeline-parallel-size must be >= 1, got {args.pipeline_parallel_size}")
+    if args.kv_vram_tokens is not None and args.kv_vram_tokens <= 0:
+        raise StrataError(f"--kv-vram-tokens {args.kv_vram_tokens}: expected a positive number of tokens a layer")
 
 
 def _check_architecture(path: Path, arch: str | None) -> None:
