@@ -139,6 +139,10 @@ class RichReporter(Reporter):
 def cmd_pull(args: argparse.Namespace) -> int:
     from strata.hub.pull import pull
 
+    from strata import StrataError
+
+    if args.jobs < 1 or args.retries < 0:
+        raise StrataError(f"--jobs must be >= 1 and --retries >= 0, got {args.jobs} and {args.retries}")
     opts = PullOptions(jobs=args.jobs, retries=args.retries, verify=args.verify)
     try:
         with RichReporter(bars=not args.quiet) as rep:

@@ -428,6 +428,8 @@ def test_a_hub_url_gets_the_token_and_its_cdn_does_not(hub, tmp_path, opts, repo
     (["--manifest", "{tmp}/binary"], "--manifest {tmp}/binary: not a text file"),
     (["--manifest", "{tmp}/shape.json"], "--manifest {tmp}/shape.json: the entry for 'm.gguf' is not"),
     (["--manifest", "{tmp}/size.json"], "--manifest {tmp}/size.json: the entry for 'm.gguf' is not"),
+    (["--retries", "-1"], "--jobs must be >= 1 and --retries >= 0, got 4 and -1"),
+    (["-j", "0"], "--jobs must be >= 1 and --retries >= 0, got 0 and 8"),
 ])
 def test_bad_url_download_flags_are_one_line_before_any_byte(hub, tmp_path, capsys, model_set, flags, says):
     """A malformed --sha256/--size/--manifest is named before anything is fetched (a bad --sha256 used to cost two
