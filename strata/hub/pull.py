@@ -280,15 +280,18 @@ def _pull_locked(f: RemoteFile, opts: PullOptions, rep: Reporter, client: httpx.
         remove_marker(f.dest)  # from here on the file is unproven until hashed
         digest = _hash(f, f.dest, rep)
         why = _digest_ok(f, digest)
-        if why is None and f.sha256 is None and f.git_sha1 is None and m is not None and m.size == digest.size \
-                and m.sha256.lower() != digest.sha256:
-            # changed in place: with no hash from the source, the marker's is the only record of what was fetched
+        unchecked = f.sha256 is None and f.git_sha1 is None  # nothing from the source to hash it against
+        if why is None and unchecked and m is not None and (m.size, m.sha256.lower()) != (digest.size, digest.sha256):
+            # changed in place, or cut: with no hash from the source, the marker's is the only record of the fetch
             why = f"changed since it was downloaded (sha256 {digest.sha256[:16]}..., marker {m.sha256[:16]}...)"
+        blind = unchecked and f.size is None and m is None  # no size, no hash, no record: a file of any length
+        if why is None and blind:
+            why = "on disk with no record of its download, and the source gives no size or sha256 to check it by"
         if why is None and _structure_ok(f, f.dest, rep):
             write_marker(f.dest, digest, f.source, _verified_against(f))
             rep.info(f"{short}: verified")
             return f.dest
-        if f.size is not None and digest.size < f.size:
+        if (f.size is not None and digest.size < f.size) or blind:  # (blind: the server's length then judges)
             rep.warn(f"{short}: {why or 'bad structure'}; resuming it as a partial download")
             discard_part(f.part)
             os.replace(f.dest, f.part)  # a short file is likely a good prefix; the full hash will judge

@@ -423,3 +423,21 @@ def test_ctrl_c_on_a_stalled_transfer_stops_at_once_and_resumes(hub, tmp_path, m
     assert r.returncode == 0, r.stderr
     assert_exact(out, model_set[Q8])
     assert hub.gets(Q8)[-1][2] == "bytes=8000-"
+
+
+def test_an_unrecorded_file_with_nothing_to_check_it_by_is_not_taken_as_done(hub, tmp_path, opts, reporter):
+    """A URL download with no sha256 and no --size whose file is already on disk, cut short, with no marker (another
+    tool's, or a crash before the marker): it is resumed, and the server's length judges; it used to be marked
+    done as it was. A downloaded file cut short later, its marker still there, is fetched again."""
+    data = bytes(range(256)) * 400
+    url = hub.add_plain("cfg/tokenizer.json", data)
+    out = tmp_path / "models" / "tokenizer.json"
+    out.parent.mkdir(parents=True)
+    out.write_bytes(data[:40_000])
+    (got,) = _pull(hub, tmp_path, url, opts, reporter)
+    assert got == out and out.read_bytes() == data and read_marker(out).size == len(data)
+    assert hub.gets("cfg/")[-1][2] == "bytes=40000-"
+
+    out.write_bytes(data[:30_000])  # cut after its download
+    _pull(hub, tmp_path, url, opts, reporter)
+    assert out.read_bytes() == data and read_marker(out).size == len(data)
