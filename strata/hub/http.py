@@ -318,8 +318,8 @@ def _access_denied(r: httpx.Response, name: str) -> str:
     said = (r.headers.get("x-error-message") or "").strip()
     said = f" ({said})" if said else ""
     if r.status_code == 401 and "authorization" not in r.request.headers:
-        advice = ("it needs a token: set HF_TOKEN (or pass --token, or run `hf auth login`); a gated model's "
-                  "license must also be accepted on its page, with that account")
+        advice = ("the server wants credentials: for a Hugging Face model, set HF_TOKEN (or pass --token, or run "
+                  "`hf auth login`), and for a gated one accept its license on its page with that account")
     else:
         advice = ("the token was refused or has no access: for a gated model, accept its license on its page on "
                   "the hub with the account of the token in use (HF_TOKEN, --token), or use a token with read access")
