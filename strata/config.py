@@ -305,8 +305,8 @@ def check_at_least(lo, *flags: tuple[str, float | None]) -> None:
 
 # --- the environment: read here only -------------------------------------------------------------------------
 # User settings: STRATA_CACHE_DIR (the cache's root: calibrations, a synthetic default model, and models unless
-# STRATA_MODELS_DIR says otherwise), STRATA_MODELS_DIR, STRATA_API_KEY, XDG_CACHE_HOME, CC (the C compiler of the
-# CPU lane's kernel). Benchmark switches (A/B comparisons on the GPU machine; not for users): STRATA_CHUNK_STAGE_MIB,
+# STRATA_MODELS_DIR says otherwise), STRATA_MODELS_DIR, STRATA_API_KEY, HF_HUB_OFFLINE, XDG_CACHE_HOME, CC (the C
+# compiler of the CPU lane's kernel). Benchmark switches (A/B comparisons on the GPU machine; not for users): STRATA_CHUNK_STAGE_MIB,
 # STRATA_CHUNK_RING, STRATA_ALLOC_CAP=0, STRATA_FIXED_SEGMENTS=1, STRATA_DECODE_ATTN=sdpa. Read at each call (cheap),
 # so a test's monkeypatch.setenv applies.
 
@@ -357,6 +357,11 @@ def models_dir():
 
     models = env("STRATA_MODELS_DIR")
     return Path(models).expanduser() if models else cache_dir() / "models"
+
+
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE, as huggingface_hub reads it: `strata pull` uses what is downloaded and fetches nothing."""
+    return (env("HF_HUB_OFFLINE") or "").strip().upper() in ("1", "ON", "YES", "TRUE")
 
 
 def api_key_from_env() -> str | None:

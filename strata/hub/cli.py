@@ -139,21 +139,30 @@ class RichReporter(Reporter):
 def cmd_pull(args: argparse.Namespace) -> int:
     from strata.hub.pull import pull
 
+    from strata import StrataError
+
+    if args.jobs < 1 or args.retries < 0:
+        raise StrataError(f"--jobs must be >= 1 and --retries >= 0, got {args.jobs} and {args.retries}")
     opts = PullOptions(jobs=args.jobs, retries=args.retries, verify=args.verify)
-    with RichReporter(bars=not args.quiet) as rep:
-        files = pull(
-            args.spec,
-            models_dir=args.models_dir,
-            revision=args.revision,
-            endpoint=args.endpoint,
-            token=args.token,
-            sha256=args.sha256,
-            size=args.size,
-            output=args.output,
-            manifest=args.manifest,
-            opts=opts,
-            reporter=rep,
-        )
+    try:
+        with RichReporter(bars=not args.quiet) as rep:
+            files = pull(
+                args.spec,
+                models_dir=args.models_dir,
+                revision=args.revision,
+                endpoint=args.endpoint,
+                token=args.token,
+                sha256=args.sha256,
+                size=args.size,
+                output=args.output,
+                manifest=args.manifest,
+                opts=opts,
+                reporter=rep,
+            )
+    except KeyboardInterrupt:
+        print("strata: interrupted; what was downloaded is kept: run the same command again to resume",
+              file=sys.stderr)
+        return 130
     for f in files:
         print(f)
     return 0
@@ -168,6 +177,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     from strata.hub.machine import probe
     from strata.hub.verify import check_gguf_file
 
+    _check_flags(args)
     models_dir = args.models_dir or default_models_dir()
     machine = probe(models_dir)
     # the engine's KV when no type is asked: bf16 on a GPU (f16's size), the float32 activations' on a CPU alone
@@ -179,6 +189,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         for p in paths:  # a cut-off file loads nowhere: the check the loader makes, before any verdict
             check_gguf_file(p)
         fp = model_footprint(paths, args.cache_type_k, args.cache_type_v)
+        _check_architecture(paths[0], fp.architecture)
         budget = int(args.vram_gb * GiB) if args.vram_gb is not None else None
         verdict = fit(fp, machine, args.ctx_size, budget, args.kv_vram_tokens)
     if fp is not None and args.pipeline_parallel_size > 1:
@@ -194,6 +205,32 @@ def cmd_check(args: argparse.Namespace) -> int:
     else:
         _print_report(machine, fp, verdict)
     return 0 if verdict is None or verdict.ok else 1
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """The engine's own limits on the flags check plans with (strata.config's validate): a plan for a run that
+    would not start is no verdict."""
+    from strata import StrataError
+
+    if args.vram_gb is not None and args.vram_gb <= 0:
+        raise StrataError("--vram-gb must be positive")
+    if args.ctx_size < 0:
+        raise StrataError(f"--ctx-size must be >= 0, got {args.ctx_size}")
+    if args.pipeline_parallel_size < 1:
+        raise StrataError(f"--pipeline-parallel-size must be >= 1, got {args.pipeline_parallel_size}")
+    if args.kv_vram_tokens is not None and args.kv_vram_tokens <= 0:
+        raise StrataError(f"--kv-vram-tokens {args.kv_vram_tokens}: expected a positive number of tokens a layer")
+
+
+def _check_architecture(path: Path, arch: str | None) -> None:
+    """A model of an architecture the engine has no family for loads nowhere: the loader's own error, before
+    any verdict (a size alone would say "it runs")."""
+    from strata import StrataError
+    from strata.models.registry import FAMILIES  # torch-free
+
+    if arch not in FAMILIES:
+        what = f"unknown model architecture '{arch}'" if arch else "no general.architecture in its metadata"
+        raise StrataError(f"{path.name}: {what} (strata runs: {', '.join(sorted(FAMILIES))})")
 
 
 def _check_split(args, paths, machine) -> int:

@@ -10,7 +10,11 @@ that looked finished and was not):
   When no size is known, the size a GET announces is used for this transfer only, and when the server
   announces none at all the transfer is reported as size-unknown: it never counts as complete by itself.
 - A body that ends before the announced length (dropped connection) is resumed from what is on disk.
-- A write failing with ENOSPC becomes one clear error; the `.part` file is kept for a later resume.
+- The ETag of the response a `.part` file's bytes came from is kept beside it (`<file>.part.etag`), so that a
+  resume, in this run or a later one, asks for the rest of that same file (`If-Range`: a server whose file
+  changed answers 200 with the whole new one) and refuses a 206 carrying another ETag: the bytes of two
+  versions of a file are never stitched together, as llama.cpp's downloader refuses to.
+- A write failing (ENOSPC, EFBIG, ...) becomes one clear error; the `.part` file is kept for a later resume.
 
 Hashing and the `.done` marker are the caller's business (see `strata.hub.verify`): nothing written here
 looks finished.
@@ -21,10 +25,13 @@ from __future__ import annotations
 import errno
 import os
 import re
+import socket
+import threading
 import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Callable, Protocol
+from typing import BinaryIO, Callable, ContextManager, Iterator, Protocol
 
 import httpx
 
@@ -63,11 +70,75 @@ class Transfer:
 
 
 class _Retry(Exception):
-    """A recoverable failure of one request: back off and try again."""
+    """A recoverable failure of one request: back off and try again (after `after` seconds at least, when the
+    server said so with Retry-After)."""
+
+    def __init__(self, msg: str, after: float | None = None) -> None:
+        super().__init__(msg)
+        self.after = after
+
+
+RETRY_AFTER_MAX = 300.0  # the longest Retry-After obeyed; a longer one is waited this long, then tried again
+
+
+def _retry_after(r: httpx.Response) -> float | None:
+    """Retry-After as seconds (RFC 9110: delay-seconds or an HTTP date), None when absent or unreadable."""
+    v = (r.headers.get("retry-after") or "").strip()
+    if not v:
+        return None
+    if v.isdigit():
+        return float(v)
+    try:
+        from email.utils import parsedate_to_datetime
+
+        return max(0.0, parsedate_to_datetime(v).timestamp() - time.time())
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
 
 
 class _Complete(Exception):
     """The server says the resume offset is its file's end (416 with `bytes */N`, N == bytes held)."""
+
+
+class Cancel(threading.Event):
+    """Ctrl-C for transfers: once set, each stops at its next chunk, and one blocked in a read (a stalled server)
+    stops at once, its socket shut down, instead of at its read timeout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._sockets: set[socket.socket] = set()
+        self._guard = threading.Lock()
+
+    def set(self) -> None:
+        super().set()
+        with self._guard:
+            sockets = list(self._sockets)
+        for sock in sockets:
+            _shut(sock)
+
+    @contextmanager
+    def watching(self, r: httpx.Response) -> Iterator[None]:
+        stream = r.extensions.get("network_stream")
+        sock = stream.get_extra_info("socket") if stream is not None else None
+        if sock is None:
+            yield
+            return
+        with self._guard:
+            self._sockets.add(sock)
+        try:
+            if self.is_set():  # set before the socket was known
+                _shut(sock)
+            yield
+        finally:
+            with self._guard:
+                self._sockets.discard(sock)
+
+
+def _shut(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 class Interrupted(StrataError):
@@ -108,6 +179,30 @@ def _truncate(part: Path, size: int, open_file: OpenFile) -> None:
             f.truncate(size)
 
 
+def etag_path(part: Path) -> Path:
+    return part.with_name(part.name + ".etag")
+
+
+def _read_etag(part: Path) -> str | None:
+    try:
+        return etag_path(part).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _record_etag(part: Path, etag: str | None) -> None:
+    if etag:
+        etag_path(part).write_text(etag + "\n")
+    else:
+        etag_path(part).unlink(missing_ok=True)
+
+
+def discard_part(part: Path) -> None:
+    """Remove a `.part` file and the ETag its bytes came with."""
+    part.unlink(missing_ok=True)
+    etag_path(part).unlink(missing_ok=True)
+
+
 def _is_disk_full(e: OSError) -> bool:
     return e.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", -1))
 
@@ -126,6 +221,7 @@ def fetch_to_part(
     open_file: OpenFile = open,  # type: ignore[assignment]
     sleep: Callable[[float], None] = time.sleep,
     cancelled: Callable[[], bool] = lambda: False,
+    watch: Callable[[httpx.Response], ContextManager] | None = None,
 ) -> Transfer:
     """Download `url` into `part`, resuming from what `part` already holds.
 
@@ -141,6 +237,7 @@ def fetch_to_part(
     high_water = _part_size(part)
     requests = 0
     part.parent.mkdir(parents=True, exist_ok=True)
+    etag = _read_etag(part) if high_water else None  # the version of the file the bytes held are of
 
     while True:
         if cancelled():
@@ -159,10 +256,18 @@ def fetch_to_part(
         req_headers["Accept-Encoding"] = "identity"  # byte offsets must be offsets into the file itself
         if have > 0:
             req_headers["Range"] = f"bytes={have}-"
+            if etag and not etag.startswith("W/"):  # a weak validator may not be used in If-Range
+                req_headers["If-Range"] = etag
         try:
             requests += 1
-            with client.stream("GET", url, headers=req_headers) as r:
-                offset, body_len, total = _accept(r, have, total, name, part, warn, open_file)
+            with client.stream("GET", url, headers=req_headers) as r, (watch or _no_watch)(r):
+                offset, body_len, total = _accept(r, have, total, name, part, warn, open_file, etag)
+                got = r.headers.get("etag")
+                if offset == 0 or etag is None:
+                    if offset == 0:
+                        _truncate(part, 0, open_file)  # no old byte may outlive the record of the new version
+                    _record_etag(part, got)
+                    etag = got
                 written_end = _write_body(r, part, offset, total, task, open_file, cancelled)
             if body_len is not None and written_end != body_len[0] + body_len[1]:
                 raise _Retry(f"body ended at byte {written_end}, not at {body_len[0] + body_len[1]} as announced")
@@ -175,6 +280,8 @@ def fetch_to_part(
             task.update(have, have)
             return Transfer(have, True, requests)
         except (httpx.TransportError, _Retry) as e:
+            if cancelled():  # the error is the cancel's own doing (its socket shut down)
+                raise Interrupted(f"{name}: interrupted ({_part_size(part)} bytes kept in {part.name})") from e
             size_now = _part_size(part)
             if size_now > high_water:  # progress: a flaky link that keeps moving is not a failing one
                 high_water = size_now
@@ -183,15 +290,44 @@ def fetch_to_part(
             if attempts > retries:
                 raise StrataError(f"{name}: download failed after {retries} retries: {_describe(e)}") from e
             delay = min(backoff * 2 ** (attempts - 1), 60.0)
+            if isinstance(e, _Retry) and e.after is not None:  # a rate limit's own word on when to come back
+                delay = min(max(delay, e.after), RETRY_AFTER_MAX)
             warn(f"{name}: {_describe(e)}; retry {attempts}/{retries} in {delay:.1f}s")
             sleep(delay)
+        except httpx.TooManyRedirects as e:  # a redirect loop does not end by being tried again
+            raise StrataError(f"{name}: too many redirects from {url} (a loop?)") from e
         except OSError as e:
             if _is_disk_full(e):
                 raise StrataError(
                     f"no space left on the device while writing {part} ({_part_size(part)} bytes kept; "
                     "free some space and run the same command again to resume)"
                 ) from e
-            raise
+            # EFBIG (a file-size limit), EIO, EROFS...: as final for this run as a full disk, and as resumable
+            raise StrataError(
+                f"cannot write {part}: {e.strerror or e} ({_part_size(part)} bytes kept; once that is fixed, "
+                "run the same command again to resume)"
+            ) from e
+
+
+def _where(r: httpx.Response) -> str:
+    """The request's URL without its query (a CDN's signed one is long, and a credential)."""
+    return str(r.request.url.copy_with(query=None))
+
+
+def _access_denied(r: httpx.Response, name: str) -> str:
+    said = (r.headers.get("x-error-message") or "").strip()
+    said = f" ({said})" if said else ""
+    if r.status_code == 401 and "authorization" not in r.request.headers:
+        advice = ("the server wants credentials: for a Hugging Face model, set HF_TOKEN (or pass --token, or run "
+                  "`hf auth login`), and for a gated one accept its license on its page with that account")
+    else:
+        advice = ("the token was refused or has no access: for a gated model, accept its license on its page on "
+                  "the hub with the account of the token in use (HF_TOKEN, --token), or use a token with read access")
+    return f"{name}: HTTP {r.status_code} from {r.request.url.netloc.decode()}{said}: {advice}"
+
+
+def _no_watch(r: httpx.Response) -> ContextManager:
+    return nullcontext()
 
 
 def _describe(e: Exception) -> str:
@@ -208,6 +344,7 @@ def _accept(
     part: Path,
     warn: Callable[[str], None],
     open_file: OpenFile,
+    etag: str | None = None,
 ) -> tuple[int, tuple[int, int] | None, int | None]:
     """Decide what the response's body is worth.
 
@@ -216,7 +353,7 @@ def _accept(
     """
     code = r.status_code
     if code in RETRY_STATUS:
-        raise _Retry(f"HTTP {code}")
+        raise _Retry(f"HTTP {code}", _retry_after(r))
     if code == 416 and have > 0:
         cr = re.match(r"^\s*bytes\s+\*/(\d+)\s*$", r.headers.get("content-range", ""))
         if cr and int(cr.group(1)) == have and total in (None, have):
@@ -224,8 +361,10 @@ def _accept(
         # The range is past the end as the server sees it: what we hold is not a prefix of its file.
         _truncate(part, 0, open_file)
         raise _Retry(f"HTTP 416 for a resume from byte {have}: starting over")
+    if code in (401, 403):
+        raise StrataError(_access_denied(r, name))
     if code >= 400:
-        raise StrataError(f"{name}: HTTP {code} from {r.request.url}")
+        raise StrataError(f"{name}: HTTP {code} from {_where(r)}")
     if r.headers.get("content-encoding", "identity").lower() not in ("identity", ""):
         # Offsets and hashes are of the file itself; a compressed body is neither.
         raise _Retry(f"server sent a {r.headers['content-encoding']}-encoded body despite Accept-Encoding: identity")
@@ -237,6 +376,11 @@ def _accept(
             _truncate(part, 0, open_file)
             raise _Retry(f"asked for bytes {have}- but got a 206 with {got!r}: bytes discarded, starting over")
         start, end, server_total = cr
+        got = r.headers.get("etag")
+        if etag and got and got != etag:  # a server that ignored If-Range, or a CDN node with another version
+            _truncate(part, 0, open_file)
+            raise _Retry(f"the file changed on the server since the partial download (ETag {etag}, now {got}): "
+                         "bytes discarded, starting over")
         if total is not None and server_total is not None and server_total != total:
             raise _Retry(f"server reports {server_total} bytes for the file, {total} expected")
         total = total if total is not None else server_total
@@ -248,7 +392,10 @@ def _accept(
 
     if code == 200:
         if have > 0:
-            warn(f"{name}: server ignored the resume range (HTTP 200); starting over from byte 0")
+            got = r.headers.get("etag")
+            why = "the file changed on the server since the partial download" if etag and got and got != etag \
+                else "server ignored the resume range"
+            warn(f"{name}: {why} (HTTP 200); starting over from byte 0")
         cl = _content_length(r)
         if total is not None and cl is not None and cl != total:
             raise _Retry(f"server announces {cl} bytes, {total} expected")

@@ -117,21 +117,24 @@ def check_shard_set(names: list[str], what: str) -> None:
 def resolve_model(spec: str | os.PathLike, models_dir: str | os.PathLike | None = None) -> list[Path]:
     """The GGUF file(s) that `-m SPEC` means, first shard first.
 
-    A path to an existing file passes through (as the first element; the other shards of a split set follow
-    it when the file is the first shard). `owner/repo[:QUANT_OR_FILE]` is looked up under `models_dir`
+    A path to an existing file passes through; a part of a split set brings the whole set, first part first,
+    as the loader opens it. `owner/repo[:QUANT_OR_FILE]` is looked up under `models_dir`
     (default: `default_models_dir()`), and every chosen file must carry a valid `.done` marker, so that a
     partial or unverified download is never loaded. StrataError when nothing usable is found.
     """
     p = Path(spec).expanduser()
     if p.is_file():
         s = shard_info(p.name)
-        if s and s[1] == 1:
-            rest = [p.with_name(f"{Path(s[0]).name}-{i:05d}-of-{s[2]:05d}.gguf") for i in range(2, s[2] + 1)]
-            missing = [r.name for r in rest if not r.is_file()]
+        if s:  # any part names its whole set, as the loader opens it (strata.gguf.reader.split_paths)
+            parts = [p.with_name(f"{Path(s[0]).name}-{i:05d}-of-{s[2]:05d}.gguf") for i in range(1, s[2] + 1)]
+            missing = [r.name for r in parts if not r.is_file()]
             if missing:
-                raise StrataError(f"{p.name} is the first of {s[2]} parts, but these are missing: {', '.join(missing)}")
-            return [p, *rest]
+                raise StrataError(f"{p.name} is part {s[1]} of {s[2]}, but these parts are missing: "
+                                  f"{', '.join(missing)}")
+            return parts
         return [p]
+    if p.is_dir():
+        raise StrataError(f"{spec} is a directory: name a .gguf file in it (or REPO[:QUANT])")
     spec = str(spec)
     if is_url(spec):
         raise StrataError(f"{spec} is a URL: download it first with `strata pull {spec}`")

@@ -1,5 +1,5 @@
-"""`strata pull`: plan which files to fetch (with the size and sha256 the source vouches for), then fetch and
-verify each one so that a wrong file is never left looking finished.
+"""`strata pull`: plan which files to fetch (`strata.hub.plan`: with the size and sha256 the source vouches for),
+then fetch and verify each one so that a wrong file is never left looking finished.
 
 Per file: a valid `.done` marker means done (nothing is fetched); a file without one is re-hashed and either
 marked or demoted back to `.part`; then `http.fetch_to_part` transfers the bytes, the whole `.part` is hashed
@@ -8,21 +8,24 @@ from disk, a GGUF is checked structurally, and only then is it renamed into plac
 
 from __future__ import annotations
 
+import fcntl
 import os
-import re
 import shutil
 import threading
-from concurrent.futures import ThreadPoolExecutor
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
-from urllib.parse import quote, urlsplit, unquote, urlparse
+from urllib.parse import urlsplit
 
 import httpx
 
 from strata import StrataError
 from strata.hub import local
-from strata.hub.http import NullTask, OpenFile, Task, fetch_to_part, first_line, is_transport_error
+from strata.hub.http import (Cancel, Interrupted, NullTask, OpenFile, Task, discard_part, etag_path,
+                             fetch_to_part)
+from strata.hub.plan import RemoteFile, hf_plan, read_manifest, url_plan
 from strata.hub.verify import (
     check_gguf_file,
     hash_file,
@@ -32,23 +35,6 @@ from strata.hub.verify import (
     remove_marker,
     write_marker,
 )
-
-
-@dataclass
-class RemoteFile:
-    """One file to fetch and what its source vouches for (None: not known)."""
-
-    name: str  # path inside the repo (or the URL's file name)
-    url: str
-    dest: Path
-    size: int | None
-    sha256: str | None
-    source: str  # recorded in the marker: "hf:owner/repo@commit:path" or the URL
-    git_sha1: str | None = None  # hub blob id of a non-LFS file
-
-    @property
-    def part(self) -> Path:
-        return self.dest.with_name(self.dest.name + ".part")
 
 
 class Reporter:
@@ -72,159 +58,6 @@ class Reporter:
     def info(self, msg: str) -> None:
         with self._lock:
             self.infos.append(msg)
-
-
-# --- planning --------------------------------------------------------------------------------------------
-
-
-def hf_plan(
-    repo: str,
-    selector: str | None,
-    models_dir: Path,
-    *,
-    revision: str = "main",
-    endpoint: str | None = None,
-    token: str | bool | None = None,
-) -> list[RemoteFile]:
-    """Files of `repo` chosen by `selector`, with sizes and sha256s from the hub's API (LFS metadata)."""
-    from huggingface_hub import HfApi, constants
-    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
-
-    endpoint = (endpoint or constants.ENDPOINT).rstrip("/")
-    api = HfApi(endpoint=endpoint, token=token)
-    try:
-        info = api.model_info(repo, revision=revision, files_metadata=True)
-    except GatedRepoError as e:
-        raise StrataError(
-            f"{repo} is gated: accept its terms on the hub's page, then log in (hf auth login) or pass --token"
-        ) from e
-    except RepositoryNotFoundError as e:
-        raise StrataError(f"{repo}: no such model repository at {endpoint} (or it is private/gated)") from e
-    except RevisionNotFoundError as e:
-        raise StrataError(f"{repo}: no revision {revision!r}") from e
-    except (HfHubHTTPError, httpx.HTTPError, OSError) as e:
-        raise StrataError(f"{repo}: could not list files at {endpoint}: {first_line(e)}") from e
-    except Exception as e:
-        # huggingface_hub's own HTTP stack (httpx, or its vendored httpx2) raises transport errors of classes
-        # this module cannot name; any other failure of the listing call is as much the network's
-        if not is_transport_error(e):
-            raise
-        host = urlsplit(endpoint).netloc or endpoint
-        raise StrataError(
-            f"could not reach {host} to list {repo} ({type(e).__name__}: {first_line(e)}); check the network, "
-            "or point HF_ENDPOINT (or --endpoint) at a mirror"
-        ) from e
-    siblings = {s.rfilename: s for s in info.siblings or []}
-    names = select_files_for(list(siblings), selector, repo)
-    commit = info.sha or revision  # pin every shard to the one commit the listing came from
-    files = []
-    for name in names:
-        s = siblings[name]
-        size = s.lfs.size if s.lfs else s.size
-        sha = s.lfs.sha256 if s.lfs else None
-        files.append(
-            RemoteFile(
-                name=name,
-                url=f"{endpoint}/{repo}/resolve/{commit}/{quote(name)}",
-                dest=models_dir / repo / name,
-                size=size,
-                sha256=sha.lower() if sha else None,
-                source=f"hf:{repo}@{commit}:{name}",
-                git_sha1=None if s.lfs else s.blob_id,
-            )
-        )
-    return files
-
-
-def select_files_for(names: list[str], selector: str | None, repo: str) -> list[str]:
-    chosen = local.select_files(names, selector, repo)
-    local.check_shard_set(chosen, repo)
-    return chosen
-
-
-_SHARD_NO = re.compile(r"-\d{5}-of-(\d{5})\.gguf$", re.IGNORECASE)
-_HUB_LIKE = re.compile(r"/(?:models/)?(?P<owner>[^/]+)/(?P<repo>[^/]+)/resolve/[^/]+/(?P<file>.+)$")
-
-
-def url_plan(
-    url: str,
-    models_dir: Path,
-    *,
-    sha256: list[str] | None = None,
-    size: int | None = None,
-    output: Path | None = None,
-    manifest: dict[str, tuple[int | None, str | None]] | None = None,
-) -> list[RemoteFile]:
-    """The file at `url` (and its sibling shards when it is part of a split GGUF set).
-
-    Destination: `output` (a file, or a directory to put it in); else `<models_dir>/<owner>/<repo>/<file>`
-    for hub-shaped URLs (`.../owner/repo/resolve/rev/file`, as ModelScope and HF mirrors use), so that
-    `-m owner/repo:QUANT` finds it; else `<models_dir>/<file name>`.
-    """
-    parsed = urlparse(url)
-    path = unquote(parsed.path)
-    fname = Path(path).name
-    if not fname:
-        raise StrataError(f"{url}: the URL names no file")
-    shard = local.shard_info(fname)
-    names = [fname]
-    if shard:
-        base = Path(shard[0]).name
-        names = [f"{base}-{i:05d}-of-{shard[2]:05d}.gguf" for i in range(1, shard[2] + 1)]
-    m = _HUB_LIKE.search(path)
-    if output is not None:
-        as_dir = len(names) > 1 or output.is_dir() or str(output).endswith(("/", os.sep))
-        dests = [output / n for n in names] if as_dir else [output]
-    elif m:
-        sub = Path(m.group("file")).parent
-        dests = [models_dir / m.group("owner") / m.group("repo") / sub / n for n in names]
-    else:
-        dests = [models_dir / n for n in names]
-    sha256 = [h.lower() for h in (sha256 or [])]
-    if sha256 and len(sha256) != len(names):
-        raise StrataError(f"{len(sha256)} --sha256 value(s) for {len(names)} file(s): give one per shard, in order")
-    if size is not None and len(names) > 1:
-        raise StrataError("--size applies to a single file, not to a split set")
-    files = []
-    for i, n in enumerate(names):
-        u = url
-        if len(names) > 1:  # same URL, this shard's number (the path's own encoding kept)
-            u = parsed._replace(path=_SHARD_NO.sub(f"-{i + 1:05d}-of-\\1.gguf", parsed.path)).geturl()
-        fsize, fsha = (manifest or {}).get(n, (None, None))
-        files.append(
-            RemoteFile(
-                name=n,
-                url=u,
-                dest=dests[i],
-                size=size if size is not None else fsize,
-                sha256=sha256[i] if sha256 else fsha,
-                source=u,
-            )
-        )
-    return files
-
-
-def read_manifest(path: Path) -> dict[str, tuple[int | None, str | None]]:
-    """`sha256sum`-style lines (`HEX  name`) or JSON {name: {"size": N, "sha256": HEX}} -> {name: (size, sha)}."""
-    import json
-
-    text = path.read_text()
-    try:
-        data = json.loads(text)
-    except ValueError:
-        data = None
-    out: dict[str, tuple[int | None, str | None]] = {}
-    if isinstance(data, dict):
-        for name, v in data.items():
-            out[Path(name).name] = (v.get("size"), (v.get("sha256") or "").lower() or None)
-        return out
-    for line in text.splitlines():
-        parts = line.strip().split()
-        if len(parts) >= 2 and re.fullmatch(r"[0-9a-fA-F]{64}", parts[0]):
-            out[Path(parts[-1].lstrip("*")).name] = (None, parts[0].lower())
-    if not out:
-        raise StrataError(f"{path}: no sha256 entries (expected `HEX  name` lines or JSON)")
-    return out
 
 
 # --- fetching --------------------------------------------------------------------------------------------
@@ -269,6 +102,9 @@ def _gb(n: int) -> str:
     return f"{n} B"
 
 
+CANCEL_GRACE_S = 5.0  # after Ctrl-C, how long the transfers get to stop before the process leaves them
+
+
 @dataclass
 class PullOptions:
     jobs: int = 4
@@ -281,7 +117,7 @@ class PullOptions:
     open_file: OpenFile = open  # type: ignore[assignment]
     sleep: Callable[[float], None] | None = None  # default: wait on `cancel`, so Ctrl-C cuts a backoff short
     timeout: float = 60.0
-    cancel: threading.Event = field(default_factory=threading.Event)  # set: every transfer stops, keeping .part
+    cancel: threading.Event = field(default_factory=Cancel)  # set: every transfer stops, keeping .part
 
 
 def pull_files(
@@ -311,25 +147,66 @@ def pull_files(
             follow_redirects=True, timeout=httpx.Timeout(opts.timeout, connect=30.0), headers={"User-Agent": "strata"}
         )
     errors: dict[str, str] = {}
-    pool = ThreadPoolExecutor(max_workers=max(1, opts.jobs), thread_name_prefix="strata-pull")
-    try:
-        futs = {pool.submit(_pull_one, f, opts, rep, client): f for f in files}
-        for fut, f in futs.items():
+    crashed: list[BaseException] = []
+    pending = list(files)
+    guard = threading.Lock()
+
+    def work() -> None:
+        while True:
+            with guard:
+                if not pending or opts.cancel.is_set():
+                    return
+                f = pending.pop(0)
             try:
-                fut.result()
+                _pull_one(f, opts, rep, client)
             except StrataError as e:
                 errors[f.name] = str(e)
+            except OSError as e:  # the models directory itself: not creatable, not writable, ...
+                errors[f.name] = f"{Path(f.name).name}: {e.strerror or e}: {e.filename or f.dest}"
+            except BaseException as e:  # a bug: its traceback, from the main thread
+                crashed.append(e)
+                opts.cancel.set()
+
+    # Daemon threads: after Ctrl-C the process leaves once the transfers have stopped (they do at their next
+    # chunk, or at once when blocked in a read: Cancel shuts their sockets down), or after CANCEL_GRACE_S even
+    # if one is stuck elsewhere (a connect, a hash); every state a file can be left in is resumable.
+    workers = [threading.Thread(target=work, daemon=True, name=f"strata-pull-{i}")
+               for i in range(max(1, min(opts.jobs, len(files))))]
+    try:
+        for t in workers:
+            t.start()
+        for t in workers:
+            while t.is_alive():
+                t.join(0.25)  # in slices, so that Ctrl-C reaches this thread
     except BaseException:
-        opts.cancel.set()  # Ctrl-C: stop every transfer at its next chunk; .part files stay for a resume
+        opts.cancel.set()  # Ctrl-C: every transfer stops; .part files stay for a resume
+        deadline = time.monotonic() + CANCEL_GRACE_S
+        for t in workers:
+            t.join(max(0.0, deadline - time.monotonic()))
         raise
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
-        if own:
+        if own and not any(t.is_alive() for t in workers):
             client.close()
+    if crashed:
+        raise crashed[0]
     if errors:
-        lines = "; ".join(errors.values())
-        raise StrataError(f"{len(errors)} of {len(files)} file(s) failed: {lines}")
+        raise StrataError(f"{len(errors)} of {len(files)} file(s) failed: {_summary(files, errors)}")
     return [f.dest for f in files]
+
+
+def _summary(files: list[RemoteFile], errors: dict[str, str]) -> str:
+    """The errors in file order; one reason shared by several files (a gated repo's 401) said once."""
+    msgs = [errors[f.name] for f in files if f.name in errors]
+    heads, tails = zip(*(m.split(": ", 1) if ": " in m else (m, "") for m in msgs))
+    if len(msgs) > 1 and len(set(tails)) == 1 and tails[0]:
+        return f"{', '.join(heads)}: {tails[0]}"
+    return "; ".join(msgs)
+
+
+def _is_hub_url(url: str, endpoint: str | None) -> bool:
+    from huggingface_hub import constants
+
+    return urlsplit(url).netloc == urlsplit(endpoint or constants.ENDPOINT).netloc
 
 
 def _verified_against(f: RemoteFile, size_confirmed: bool = False) -> str:
@@ -362,8 +239,37 @@ def _hash(f: RemoteFile, path: Path, rep: Reporter):
 
 
 def _pull_one(f: RemoteFile, opts: PullOptions, rep: Reporter, client: httpx.Client) -> Path:
-    short = Path(f.name).name
     f.dest.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive(f, opts, rep):
+        return _pull_locked(f, opts, rep, client)
+
+
+@contextmanager
+def _exclusive(f: RemoteFile, opts: PullOptions, rep: Reporter):
+    """Hold `<file>.lock` (flock) while the file is checked, fetched and marked: a second `strata pull` of the
+    same file, in this process or another, waits for the first and then finds it done, where both writing one
+    `.part` and renaming it under each other left a file that was neither's download. The lock file stays (a
+    waiter may hold it open: removing it would let a third pull lock a new one)."""
+    fd = os.open(f.dest.with_name(f.dest.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        told = False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if not told:
+                    rep.info(f"{Path(f.name).name}: another strata pull is fetching it; waiting for it to finish")
+                    told = True
+                if opts.cancel.wait(0.2):
+                    raise Interrupted(f"{Path(f.name).name}: interrupted while waiting for another strata pull")
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _pull_locked(f: RemoteFile, opts: PullOptions, rep: Reporter, client: httpx.Client) -> Path:
+    short = Path(f.name).name
     if f.dest.exists():
         if marker_valid(f.dest, f.size, f.sha256, allow_legacy=False) and not opts.verify:
             rep.info(f"{short}: already downloaded and verified")
@@ -374,16 +280,20 @@ def _pull_one(f: RemoteFile, opts: PullOptions, rep: Reporter, client: httpx.Cli
         remove_marker(f.dest)  # from here on the file is unproven until hashed
         digest = _hash(f, f.dest, rep)
         why = _digest_ok(f, digest)
-        if why is None and f.sha256 is None and f.git_sha1 is None and m is not None and m.size == digest.size \
-                and m.sha256.lower() != digest.sha256:
-            # changed in place: with no hash from the source, the marker's is the only record of what was fetched
+        unchecked = f.sha256 is None and f.git_sha1 is None  # nothing from the source to hash it against
+        if why is None and unchecked and m is not None and (m.size, m.sha256.lower()) != (digest.size, digest.sha256):
+            # changed in place, or cut: with no hash from the source, the marker's is the only record of the fetch
             why = f"changed since it was downloaded (sha256 {digest.sha256[:16]}..., marker {m.sha256[:16]}...)"
+        blind = unchecked and f.size is None and m is None  # no size, no hash, no record: a file of any length
+        if why is None and blind:
+            why = "on disk with no record of its download, and the source gives no size or sha256 to check it by"
         if why is None and _structure_ok(f, f.dest, rep):
             write_marker(f.dest, digest, f.source, _verified_against(f))
             rep.info(f"{short}: verified")
             return f.dest
-        if f.size is not None and digest.size < f.size:
+        if (f.size is not None and digest.size < f.size) or blind:  # (blind: the server's length then judges)
             rep.warn(f"{short}: {why or 'bad structure'}; resuming it as a partial download")
+            discard_part(f.part)
             os.replace(f.dest, f.part)  # a short file is likely a good prefix; the full hash will judge
         else:
             rep.warn(f"{short}: {why or 'bad structure'}; downloading it again")
@@ -407,6 +317,7 @@ def _pull_one(f: RemoteFile, opts: PullOptions, rep: Reporter, client: httpx.Cli
                 open_file=opts.open_file,
                 sleep=opts.sleep or opts.cancel.wait,
                 cancelled=opts.cancel.is_set,
+                watch=opts.cancel.watching if isinstance(opts.cancel, Cancel) else None,
             )
         finally:
             rep.done(task)
@@ -419,7 +330,7 @@ def _pull_one(f: RemoteFile, opts: PullOptions, rep: Reporter, client: httpx.Cli
         why = _digest_ok(f, digest)
         if why is None:
             break
-        f.part.unlink(missing_ok=True)
+        discard_part(f.part)
         if attempt < opts.hash_retries:
             rep.warn(f"{short}: {why}; downloading it again from the start")
             continue
@@ -429,6 +340,7 @@ def _pull_one(f: RemoteFile, opts: PullOptions, rep: Reporter, client: httpx.Cli
         )
     _check_structure(f, f.part)
     os.replace(f.part, f.dest)
+    etag_path(f.part).unlink(missing_ok=True)
     write_marker(f.dest, digest, f.source, _verified_against(f, t.size_confirmed))
     rep.info(f"{short}: done ({_gb(digest.size)}, sha256 {digest.sha256[:16]}...)")
     return f.dest
@@ -450,7 +362,7 @@ def _check_structure(f: RemoteFile, path: Path) -> None:
         check_gguf_file(path, name=f.dest.name)
     except StrataError as e:
         if path.name.endswith(".part"):
-            path.unlink(missing_ok=True)
+            discard_part(path)
             raise StrataError(f"{e} (downloaded bytes discarded)") from e
         raise
 
@@ -470,8 +382,12 @@ def pull(
     reporter: Reporter | None = None,
 ) -> list[Path]:
     """`strata pull SPEC`: a URL, or `owner/repo[:FILE_OR_QUANT]` from the hub. Returns the files, first shard first."""
+    from strata.config import hub_offline
+
     root = Path(models_dir) if models_dir else local.default_models_dir()
     opts = opts or PullOptions()
+    if hub_offline():
+        return _offline(spec, root, sha256=sha256, size=size, output=output, reporter=reporter or Reporter())
     if local.is_url(spec):
         files = url_plan(
             spec,
@@ -481,6 +397,11 @@ def pull(
             output=output,
             manifest=read_manifest(manifest) if manifest else None,
         )
+        if opts.headers is None and _is_hub_url(spec, endpoint):
+            # the hub's own file URL (a gated or private repo's needs the token); never another host's
+            from huggingface_hub.utils import build_hf_headers
+
+            opts.headers = build_hf_headers(token=token)
     else:
         if sha256 or size is not None or output is not None:
             raise StrataError(
@@ -493,3 +414,21 @@ def pull(
 
             opts.headers = build_hf_headers(token=token)
     return pull_files(files, opts, reporter)
+
+
+def _offline(spec: str, root: Path, *, sha256, size, output, reporter: Reporter) -> list[Path]:
+    """HF_HUB_OFFLINE: the files of `spec` as already downloaded and verified, or one error; nothing is fetched."""
+    try:
+        if local.is_url(spec):
+            files = url_plan(spec, root, sha256=sha256, size=size, output=output)
+            missing = [f.dest.name for f in files if not marker_valid(f.dest, f.size, f.sha256)]
+            if missing:
+                raise StrataError(f"{', '.join(missing)}: not completely downloaded to {files[0].dest.parent}")
+            paths = [f.dest for f in files]
+        else:
+            paths = local.resolve_model(spec, root)
+    except StrataError as e:
+        raise StrataError(f"HF_HUB_OFFLINE is set, so nothing is downloaded: {e}") from e
+    for p in paths:
+        reporter.info(f"{p.name}: already downloaded (offline: not checked against the source)")
+    return paths

@@ -14,7 +14,15 @@ Faults (`hub.fault(kind, match=..., times=..., at=...)`), consumed by the first 
   drop            full headers, body cut at file offset `at` by closing the connection
   flip            the byte at file offset `at` inverted
   truncate        the file served as its first `at` bytes, with headers to match
-  status          answered with HTTP status `at`
+  status          answered with HTTP status `at` (with the header `header`, "Name: value", when given)
+  gated           answered `at` (401 or 403) with the hub's X-Error-Code: GatedRepo
+  stall           full headers, the body up to file offset `at`, then nothing until `hub.release` is set
+  no_if_range     If-Range ignored: a ranged GET answered 206 from the file as it is now
+  redirect        a 302 to the same path on another origin (`localhost` for `127.0.0.1`), as the hub sends a
+                  file to its CDN
+
+Every file response carries a strong ETag (the content's sha256) and honours If-Range, as the hub's CDN does;
+`hub.etags = False` leaves ETags out. Request headers are logged in `hub.headers` (one dict per request).
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ class Fault:
     times: int | None = 1  # None: forever
     at: int = 0
     ranged_only: bool = False  # only requests carrying a Range header
+    header: str = ""
 
 
 @dataclass
@@ -51,6 +60,9 @@ class FakeHub:
         self.plain: dict[str, bytes] = {}
         self.faults: list[Fault] = []
         self.log: list[tuple[str, str, str | None]] = []  # (method, path, Range header)
+        self.headers: list[dict[str, str]] = []  # each request's headers, in the order of `log`
+        self.etags = True
+        self.release = threading.Event()  # ends every `stall`
         self.lock = threading.Lock()
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), _make_handler(self))
         self.server.daemon_threads = True
@@ -66,6 +78,7 @@ class FakeHub:
         return self
 
     def stop(self) -> None:
+        self.release.set()
         self.server.shutdown()
         self.server.server_close()
 
@@ -76,9 +89,10 @@ class FakeHub:
         self.plain[path] = data
         return f"{self.url}/files/{path}"
 
-    def fault(self, kind: str, match: str = "", times: int | None = 1, at: int = 0, ranged_only: bool = False) -> None:
+    def fault(self, kind: str, match: str = "", times: int | None = 1, at: int = 0, ranged_only: bool = False,
+              header: str = "") -> None:
         with self.lock:
-            self.faults.append(Fault(kind, match, times, at, ranged_only))
+            self.faults.append(Fault(kind, match, times, at, ranged_only, header))
 
     def gets(self, match: str = "") -> list[tuple[str, str, str | None]]:
         """Logged GETs of file bytes whose path contains `match`."""
@@ -142,6 +156,7 @@ def _make_handler(hub: FakeHub):
             rng = self.headers.get("Range")
             with hub.lock:
                 hub.log.append(("HEAD" if head else "GET", path, rng))
+                hub.headers.append({k.lower(): v for k, v in self.headers.items()})
             m = re.match(r"^/api/models/([^/]+/[^/]+)/revision/([^/]+)$", path)
             if m:
                 if m.group(1) not in hub.repos:  # the hub answers 401 + RepoNotFound, as for private repos
@@ -166,13 +181,32 @@ def _make_handler(hub: FakeHub):
             fault = hub._take_fault(path, rng is not None)
             kind = fault.kind if fault else None
             if kind == "status":
-                return self._send(fault.at, b"{}")
+                self.send_response(fault.at)
+                if fault.header:
+                    self.send_header(*(x.strip() for x in fault.header.split(":", 1)))
+                self.send_header("Content-Length", "2")
+                self.end_headers()
+                self.wfile.write(b"{}")
+                return
+            if kind == "gated":
+                return self._send(fault.at, b'{"error": "Access to model is restricted"}', code="GatedRepo")
+            if kind == "redirect":
+                host, port = hub.server.server_address[:2]
+                self.send_response(302)
+                self.send_header("Location", f"http://localhost:{port}{self.path}")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
             if kind == "flip":
                 data = data[: fault.at] + bytes([data[fault.at] ^ 0xFF]) + data[fault.at + 1 :]
             if kind == "truncate":
                 data = data[: fault.at]
             total = len(data)
             start = 0
+            etag = f'"{hashlib.sha256(data).hexdigest()}"'
+            if_range = self.headers.get("If-Range")
+            if rng and if_range is not None and if_range != etag and hub.etags and kind != "no_if_range":
+                rng = None  # RFC 9110: the validator does not match, so the whole file, 200
             if rng and kind != "ignore_range":
                 m = re.match(r"bytes=(\d+)-$", rng)
                 assert m, rng
@@ -191,6 +225,8 @@ def _make_handler(hub: FakeHub):
             self.send_response(206 if start or (rng and kind != "ignore_range") else 200)
             self.send_header("Content-Type", "application/octet-stream")
             self.send_header("Accept-Ranges", "bytes")
+            if hub.etags:
+                self.send_header("ETag", etag)
             if rng and kind != "ignore_range":
                 self.send_header("Content-Range", f"bytes {start}-{total - 1}/{total}")
             if kind == "no_length":
@@ -202,6 +238,12 @@ def _make_handler(hub: FakeHub):
                 self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             if head:
+                return
+            if kind == "stall":
+                self.wfile.write(body[: max(0, fault.at - start)])
+                self.wfile.flush()
+                hub.release.wait(120)
+                self.close_connection = True
                 return
             if kind == "drop":
                 cut = max(0, fault.at - start)

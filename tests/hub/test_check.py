@@ -436,3 +436,33 @@ def test_check_plans_the_kv_a_cpu_alone_stores():
     kv = load_model(path, EngineConfig(model=path, device="cpu")).model.new_kv_cache(1, 16)
     stored = sum(t.numel() * t.element_size() for t in [*kv.k, *(kv.v or [])] if t is not None) // 16
     assert planned == stored
+
+
+def test_an_unknown_architecture_cannot_run(tmp_path, capsys):
+    """A well-formed GGUF of an architecture the engine has no family for: the loader's error, exit 1, never
+    "it runs" (check used to judge its sizes alone)."""
+    path = write_gguf(tmp_path / "frob.gguf", {"token_embd.weight": np.zeros((64, 64), np.float32)}, arch="frobnicator")
+    for json_flag in ([], ["--json"]):
+        assert main(["check", "-m", str(path), *json_flag]) == 1
+        out, err = capsys.readouterr()
+        assert "it runs" not in out and '"ok": true' not in out
+        assert err.startswith("strata: error: frob.gguf: unknown model architecture 'frobnicator' (strata runs: ")
+        assert err.count("\n") == 1 and "qwen3moe" in err
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--vram-gb", "-1"], "--vram-gb must be positive"),
+    (["--vram-gb", "0"], "--vram-gb must be positive"),
+    (["-c", "-5"], "--ctx-size must be >= 0, got -5"),
+    (["-pp", "0"], "--pipeline-parallel-size must be >= 1, got 0"),
+    (["--kv-vram-tokens", "-3", "--vram-gb", "8"], "--kv-vram-tokens -3: expected a positive number"),
+])
+def test_flags_the_engine_refuses_are_refused(flags, says, capsys):
+    """A budget, context or stage count the engine would refuse at start-up got a verdict ("it runs" for -c -5,
+    a -1 GiB budget judged short by 2.65 GiB)."""
+    from strata.models.default import default_model_path
+
+    assert main(["check", "-m", str(default_model_path(warn=False)), *flags]) == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith(f"strata: error: {says}") and err.count("\n") == 1

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import hashlib
+import json
 
 import pytest
 
 from strata import StrataError
 from strata.hub.local import default_models_dir, parse_spec, resolve_model, select_files, shard_info
-from strata.hub.pull import url_plan
+from strata.hub.plan import url_plan
 from strata.hub.verify import Digest, write_marker
 
 LISTING = [
@@ -121,3 +122,22 @@ def test_url_destinations(tmp_path):
     assert f.dest == tmp_path / "y.gguf"
     with pytest.raises(StrataError, match="one per shard"):
         url_plan(ms, tmp_path, sha256=["ab" * 32])
+
+
+def test_any_part_of_a_split_set_is_the_whole_set(tmp_path, capsys):
+    """`-m` naming part 2 of 3 means the model the loader opens (all three parts): `strata check` sized part 2
+    alone and judged a third of the model. A directory is named as one."""
+    from strata.cli import main
+
+    from .conftest import split_set
+
+    files = split_set(tmp_path, "M", 3, 4096)
+    parts = [tmp_path / n for n in sorted(files)]
+    assert resolve_model(parts[1]) == parts
+    assert main(["check", "-m", str(parts[1]), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"]["files"] == [str(p) for p in parts]
+    parts[2].unlink()
+    with pytest.raises(StrataError, match=r"M-00002-of-00003.gguf is part 2 of 3, but .* missing: M-00003-of-00003"):
+        resolve_model(parts[1])
+    with pytest.raises(StrataError, match="is a directory"):
+        resolve_model(tmp_path)

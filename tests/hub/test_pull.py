@@ -11,7 +11,8 @@ import pytest
 
 from strata import StrataError
 from strata.hub import resolve_model
-from strata.hub.pull import PullOptions, Reporter, hf_plan, pull
+from strata.hub.plan import hf_plan
+from strata.hub.pull import PullOptions, Reporter, pull
 from strata.hub.verify import marker_path, read_marker
 
 from .conftest import REPO, sha
@@ -47,7 +48,7 @@ def test_pull_quant_then_resolve(hub, tmp_path, opts, reporter, model_set):
     assert resolve_model(f"{REPO}:q4_k_m", tmp_path / "models") == out
     assert resolve_model(f"{REPO}:{SHARD2}", tmp_path / "models") == out
     assert resolve_model(str(out[0])) == out  # a first-shard path brings its set
-    assert resolve_model(str(out[1])) == [out[1]]  # any other path passes through unchanged
+    assert resolve_model(str(out[1])) == out  # and so does any other part, as the loader opens the whole set
     # Running it again fetches nothing.
     n = len(hub.gets())
     _pull(hub, tmp_path, f"{REPO}:Q4_K_M", opts, reporter)
@@ -323,3 +324,120 @@ def test_url_without_sha_changed_in_place_is_refetched(hub, tmp_path, opts, repo
     _pull(hub, tmp_path, url, opts, reporter, output=out, size=len(data))
     assert_exact(out, data)
     assert any("changed since it was downloaded" in w for w in reporter.warnings)
+
+
+def test_offline_mode_uses_what_is_downloaded_and_fetches_nothing(hub, tmp_path, model_set):
+    """HF_HUB_OFFLINE=1 (as huggingface_hub and llama.cpp read it): a model already pulled is its paths, exit 0,
+    with no request made; one that is not is one error line naming the variable, and nothing is written."""
+    from .test_pull_faults import _cli_pull
+
+    models = tmp_path / "models"
+    args = [f"{REPO}:Q4_K_M", "--models-dir", str(models), "--endpoint", hub.url]
+    r = _cli_pull(args, {"HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("strata: error: HF_HUB_OFFLINE is set"), r.stderr
+    assert hub.log == [] and not models.exists()
+
+    assert _cli_pull(args).returncode == 0
+    n = len(hub.log)
+    r = _cli_pull(args, {"HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [str(dest(tmp_path, n)) for n in SHARDS]
+    assert len(hub.log) == n  # not even the listing
+
+    url = hub.add_plain("x/" + SHARDS[0].replace("Q4_K_M-00001-of-00003", "Q9"), model_set[SHARDS[0]])
+    r = _cli_pull([url, "--models-dir", str(models)], {"HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 1 and "HF_HUB_OFFLINE is set" in r.stderr and len(hub.log) == n, r.stderr
+
+
+def _wait_for(cond, what: str, limit: float = 60.0) -> None:
+    """Poll until `cond()` holds (a state the test waits to reach, not a timing it asserts)."""
+    deadline = time.monotonic() + limit
+    while not cond():
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        time.sleep(0.02)
+
+
+def test_two_pulls_of_one_file_take_turns(hub, tmp_path, model_set):
+    """A second `strata pull` of a file another is fetching waits for it (a lock beside the file), then finds it
+    done: one download, one `.part`, never two writers renaming it under each other."""
+    out = dest(tmp_path, Q8)
+    part = out.with_name(out.name + ".part")
+    hub.fault("stall", match=Q8, at=8000)
+    results: dict[str, object] = {}
+
+    def run(who: str, rep: Reporter) -> None:
+        try:
+            results[who] = _pull(hub, tmp_path, f"{REPO}:Q8_0", PullOptions(retries=3, backoff=0.0,
+                                                                          sleep=lambda s: None), rep)
+        except BaseException as e:  # noqa: BLE001 - the assertion below names it
+            results[who] = e
+
+    first, second = Reporter(), Reporter()
+    a = threading.Thread(target=run, args=("first", first))
+    a.start()
+    _wait_for(lambda: part.exists() and part.stat().st_size == 8000, "the first pull's bytes on disk")
+    b = threading.Thread(target=run, args=("second", second))
+    b.start()
+    _wait_for(lambda: any("waiting" in i for i in second.infos), "the second pull waiting")
+    assert len(hub.gets(Q8)) == 1  # the first one's alone
+    hub.release.set()
+    a.join(60)
+    b.join(60)
+    assert results == {"first": [out], "second": [out]}
+    assert_exact(out, model_set[Q8])
+    assert [g[2] for g in hub.gets(Q8)] == [None, "bytes=8000-"]  # the first's download and its resume
+    assert any("already downloaded" in i for i in second.infos)
+
+
+def test_ctrl_c_on_a_stalled_transfer_stops_at_once_and_resumes(hub, tmp_path, model_set):
+    """SIGINT while a transfer is blocked in a read (the server sent 8000 bytes, then nothing): one line, exit
+    130, no traceback, no retry and no wait for the read timeout (the transfer's socket is shut down), the
+    `.part` kept; the same command then resumes from it."""
+    import signal
+    import subprocess
+    import sys
+
+    out = dest(tmp_path, Q8)
+    part = out.with_name(out.name + ".part")
+    hub.fault("stall", match=Q8, at=8000)
+    argv = [sys.executable, "-m", "strata", "pull", f"{REPO}:Q8_0", "--models-dir", str(tmp_path / "models"),
+            "--endpoint", hub.url, "--quiet"]
+    env = {**os.environ, "HF_HUB_DISABLE_TELEMETRY": "1"}
+    p = subprocess.Popen(argv, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        _wait_for(lambda: part.exists() and part.stat().st_size == 8000, "the first bytes on disk")
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=120)
+    finally:
+        p.kill()
+    assert p.returncode == 130, err
+    assert "Traceback" not in err and "retry" not in err and "Timeout" not in err, err
+    (line,) = [ln for ln in err.splitlines() if ln.startswith("strata:")]
+    assert "interrupted" in line and "run the same command again" in line
+    assert part.stat().st_size == 8000 and not out.exists() and not marker_path(out).exists()
+
+    hub.release.set()
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    assert_exact(out, model_set[Q8])
+    assert hub.gets(Q8)[-1][2] == "bytes=8000-"
+
+
+def test_an_unrecorded_file_with_nothing_to_check_it_by_is_not_taken_as_done(hub, tmp_path, opts, reporter):
+    """A URL download with no sha256 and no --size whose file is already on disk, cut short, with no marker (another
+    tool's, or a crash before the marker): it is resumed, and the server's length judges; it used to be marked
+    done as it was. A downloaded file cut short later, its marker still there, is fetched again."""
+    data = bytes(range(256)) * 400
+    url = hub.add_plain("cfg/tokenizer.json", data)
+    out = tmp_path / "models" / "tokenizer.json"
+    out.parent.mkdir(parents=True)
+    out.write_bytes(data[:40_000])
+    (got,) = _pull(hub, tmp_path, url, opts, reporter)
+    assert got == out and out.read_bytes() == data and read_marker(out).size == len(data)
+    assert hub.gets("cfg/")[-1][2] == "bytes=40000-"
+
+    out.write_bytes(data[:30_000])  # cut after its download
+    _pull(hub, tmp_path, url, opts, reporter)
+    assert out.read_bytes() == data and read_marker(out).size == len(data)

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from strata import StrataError
-from strata.hub.pull import pull, read_manifest
+from strata.hub.plan import read_manifest
+from strata.hub.pull import PullOptions, pull
 from strata.hub.verify import marker_path, read_marker
 
 from .conftest import REPO, sha
@@ -248,11 +249,33 @@ def test_retries_back_off_exponentially(hub, tmp_path, opts, reporter, model_set
     assert delays == [0.5, 1.0]
 
 
+def test_a_rate_limit_is_waited_out_as_the_server_says(hub, tmp_path, opts, reporter, model_set):
+    """429 (and 503) with Retry-After: the next try comes no sooner than the server asked (capped at
+    RETRY_AFTER_MAX), not at the next step of the backoff, which a rate limit would refuse again."""
+    from strata.hub.http import RETRY_AFTER_MAX
+
+    delays = []
+    opts.backoff, opts.sleep = 0.5, delays.append
+    hub.fault("status", match=Q8, at=429, header="Retry-After: 7")
+    hub.fault("status", match=Q8, at=503, header="Retry-After: 86400")
+    hub.fault("status", match=Q8, at=503)
+    (out,) = _pull(hub, tmp_path, f"{REPO}:{Q8}", opts, reporter)
+    assert_exact(out, model_set[Q8])
+    assert delays == [7.0, RETRY_AFTER_MAX, 2.0]
+
+
 def test_missing_file_is_fatal_not_retried(hub, tmp_path, opts, reporter, model_set):
     hub.fault("status", match=Q8, times=None, at=404)
     with pytest.raises(StrataError, match="HTTP 404"):
         _pull(hub, tmp_path, f"{REPO}:{Q8}", opts, reporter)
     assert len(hub.gets(Q8)) == 1
+
+
+def test_a_redirect_loop_is_one_error(hub, tmp_path, opts, reporter):
+    hub.fault("redirect", match=Q8, times=None)
+    with pytest.raises(StrataError, match=r"Tiny-MoE-Q8_0.gguf: too many redirects from http://127\.0\.0\.1:\d+/"):
+        _pull(hub, tmp_path, f"{REPO}:{Q8}", opts, reporter)
+    assert_not_finished(dest(tmp_path, Q8))
 
 
 # --- manifests ----------------------------------------------------------------------------------------
@@ -272,3 +295,153 @@ def test_url_split_set_with_manifest(hub, tmp_path, opts, reporter, model_set):
         assert p.parent == tmp_path / "models" / "acme" / "Tiny"  # hub-shaped URL -> owner/repo layout
     assert not any("NO KNOWN SHA256" in w for w in reporter.warnings)
     assert read_manifest(man)[names[0]] == (None, sha(model_set[names[0]]))
+
+
+def _cli_pull(args: list[str], env_extra: dict | None = None, fsize: int | None = None):
+    """`python -m strata pull ...` in a child process (optionally under a file-size limit, as `ulimit -f` sets)."""
+    import os
+    import resource
+    import subprocess
+    import sys
+
+    def limit():
+        if fsize is not None:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+
+    env = {**os.environ, "HF_HUB_DISABLE_TELEMETRY": "1", **(env_extra or {})}
+    return subprocess.run([sys.executable, "-m", "strata", "pull", *args, "--quiet"], capture_output=True, text=True,
+                          timeout=120, env=env, preexec_fn=limit)
+
+
+def test_file_size_limit_is_one_line_and_the_partial_resumes(hub, tmp_path, model_set):
+    """A write refused with EFBIG (a file-size limit, a file system's maximum) is one line, like a full disk: the
+    `.part` kept, nothing marked done, and the same command resumes once the limit is gone."""
+    args = [f"{REPO}:{Q8}", "--models-dir", str(tmp_path / "models"), "--endpoint", hub.url]
+    r = _cli_pull(args, fsize=10_000)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("strata: error:")]
+    assert len(lines) == 1 and "File too large" in lines[0] and "run the same command again" in lines[0], r.stderr
+    out = dest(tmp_path, Q8)
+    assert_not_finished(out)
+    kept = out.with_name(out.name + ".part").stat().st_size
+    assert kept == 10_000
+    r = _cli_pull(args)
+    assert r.returncode == 0, r.stderr
+    assert_exact(out, model_set[Q8])
+    assert hub.gets(Q8)[-1][2] == f"bytes={kept}-"
+
+
+def test_an_unwritable_models_dir_is_one_line(hub, tmp_path):
+    (tmp_path / "file").write_bytes(b"x")
+    r = _cli_pull([f"{REPO}:{Q8}", "--models-dir", str(tmp_path / "file" / "models"), "--endpoint", hub.url])
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("strata: error:")]
+    assert len(lines) == 1 and "Not a directory" in lines[0], r.stderr
+
+
+# --- a file that changes on the server between a partial download and its resume ----------------------
+
+
+def _changed_under_a_partial(hub, tmp_path, opts, reporter, model_set) -> tuple[str, bytes, Path]:
+    """A URL download (no sha256 known) cut off at 100,000 bytes; then the server's file changes, same size, a
+    byte before the cut differing: a resume that stitched the kept prefix to the new file passes every size check."""
+    old = model_set[SHARD2]
+    url = hub.add_plain("latest/model.gguf", old)
+    hub.fault("drop", match="latest/", at=100_000)
+    opts.retries = 0
+    with pytest.raises(StrataError):
+        _pull(hub, tmp_path, url, opts, reporter)
+    out = tmp_path / "models" / "model.gguf"
+    assert out.with_name("model.gguf.part").stat().st_size == 100_000
+    new = old[:50_000] + bytes([old[50_000] ^ 0xFF]) + old[50_001:]
+    hub.plain["latest/model.gguf"] = new
+    opts.retries = 3
+    return url, new, out
+
+
+def test_a_file_changed_on_the_server_is_not_stitched_to_the_partial(hub, tmp_path, opts, reporter, model_set):
+    url, new, out = _changed_under_a_partial(hub, tmp_path, opts, reporter, model_set)
+    _pull(hub, tmp_path, url, opts, reporter)
+    assert_exact(out, new)
+    _, _, rng = hub.gets("latest/")[-1]
+    assert rng == "bytes=100000-" and hub.headers[-1]["if-range"] == f'"{sha(model_set[SHARD2])}"'
+    assert any("changed on the server" in w for w in reporter.warnings)
+
+
+def test_a_206_of_another_version_is_refused(hub, tmp_path, opts, reporter, model_set):
+    """A server (or one CDN node) that ignores If-Range and answers 206 with the new file's ETag."""
+    url, new, out = _changed_under_a_partial(hub, tmp_path, opts, reporter, model_set)
+    hub.fault("no_if_range", match="latest/")
+    _pull(hub, tmp_path, url, opts, reporter)
+    assert_exact(out, new)
+    assert [g[2] for g in hub.gets("latest/")][-2:] == ["bytes=100000-", None]  # refused, then from byte 0
+    assert not out.with_name("model.gguf.part.etag").exists()
+
+
+# --- access: gated repos, tokens, redirects -----------------------------------------------------------
+
+
+def test_a_gated_file_without_a_token_says_to_set_hf_token(hub, tmp_path, opts, reporter):
+    """The hub answers a gated repo's files 401 (no token) with X-Error-Code: GatedRepo: one line, naming
+    HF_TOKEN and the license, said once for the whole split set."""
+    hub.fault("gated", match="Q4_K_M", times=None, at=401)
+    with pytest.raises(StrataError) as e:
+        _pull(hub, tmp_path, f"{REPO}:Q4_K_M", opts, reporter)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.count("HTTP 401") == 1 and "HF_TOKEN" in msg and "license" in msg, msg
+    assert msg.startswith("3 of 3 file(s) failed: Tiny-MoE-Q4_K_M-00001-of-00003.gguf, "), msg
+    assert not any((tmp_path / "models").rglob("*.done"))
+
+
+def test_a_refused_token_says_to_accept_the_license(hub, tmp_path, opts, reporter):
+    hub.fault("gated", match=Q8, times=None, at=403)
+    with pytest.raises(StrataError, match=r"HTTP 403 .*accept its license.*HF_TOKEN") as e:
+        pull(f"{REPO}:Q8_0", models_dir=tmp_path / "models", endpoint=hub.url, token="hf_test", opts=opts,
+             reporter=reporter)
+    assert "\n" not in str(e.value)
+    assert hub.headers[-1]["authorization"] == "Bearer hf_test"
+
+
+def test_a_hub_url_gets_the_token_and_its_cdn_does_not(hub, tmp_path, opts, reporter, model_set):
+    """`strata pull https://<hub>/owner/repo/resolve/...` sends the hub's token (a gated repo needs it); the
+    302 to the CDN's host does not carry it, nor does a URL on any other host."""
+    hub.fault("redirect", match=Q8)
+    url = f"{hub.url}/{REPO}/resolve/main/{Q8}"
+    (out,) = pull(url, models_dir=tmp_path / "models", endpoint=hub.url, token="hf_test", opts=opts,
+                  reporter=reporter)
+    assert_exact(out, model_set[Q8])
+    (to_hub, to_cdn) = hub.headers[-2:]
+    assert to_hub["authorization"] == "Bearer hf_test" and to_hub["host"].startswith("127.0.0.1:")
+    assert "authorization" not in to_cdn and to_cdn["host"].startswith("localhost:")
+    other = url.replace("127.0.0.1", "localhost")
+    pull(other, models_dir=tmp_path / "other", endpoint=hub.url, token="hf_test", opts=PullOptions(backoff=0.0),
+         reporter=reporter)
+    assert "authorization" not in hub.headers[-1]
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--sha256", "abc"], "--sha256 'abc' is not a sha256 (64 hex digits)"),
+    (["--size", "-5"], "--size must be a positive number of bytes, got -5"),
+    (["--size", "0"], "--size must be a positive number of bytes, got 0"),
+    (["--manifest", "{tmp}/nope"], "--manifest {tmp}/nope: No such file or directory"),
+    (["--manifest", "{tmp}"], "--manifest {tmp}: Is a directory"),
+    (["--manifest", "{tmp}/binary"], "--manifest {tmp}/binary: not a text file"),
+    (["--manifest", "{tmp}/shape.json"], "--manifest {tmp}/shape.json: the entry for 'm.gguf' is not"),
+    (["--manifest", "{tmp}/size.json"], "--manifest {tmp}/size.json: the entry for 'm.gguf' is not"),
+    (["--retries", "-1"], "--jobs must be >= 1 and --retries >= 0, got 4 and -1"),
+    (["-j", "0"], "--jobs must be >= 1 and --retries >= 0, got 0 and 8"),
+])
+def test_bad_url_download_flags_are_one_line_before_any_byte(hub, tmp_path, capsys, model_set, flags, says):
+    """A malformed --sha256/--size/--manifest is named before anything is fetched (a bad --sha256 used to cost two
+    whole downloads, then blame the server; a bad manifest was a traceback)."""
+    from strata.cli import main
+
+    (tmp_path / "binary").write_bytes(b"\xff\xfe\x00GGUF")
+    (tmp_path / "shape.json").write_text('{"m.gguf": 5}')
+    (tmp_path / "size.json").write_text('{"m.gguf": {"size": "big"}}')
+    url = hub.add_plain("m.gguf", model_set[Q8])
+    argv = ["pull", url, "--models-dir", str(tmp_path / "models"), "-q", *(f.format(tmp=tmp_path) for f in flags)]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("strata: error: " + says.format(tmp=tmp_path)) and err.count("\n") == 1, err
+    assert hub.gets() == []
