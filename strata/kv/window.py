@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from strata import StrataError
-from strata.kv.cache import KVCache, Segment
+from strata.kv.cache import KVCache, Segment, ram_available
 from strata.kv.quant import QuantRows
 
 log = logging.getLogger("strata")
@@ -426,18 +426,10 @@ def default_ctx(cfg, trained: int | None) -> int | None:
     return int(trained)
 
 
-def _ram_available() -> int | None:
-    try:
-        import psutil
-    except ImportError:  # (then nothing is checked: the allocation itself fails if RAM is short)
-        return None
-    return int(psutil.virtual_memory().available)
-
-
 def _check_host_ram(n_slots: int, max_ctx: int, page: int, per_token: int) -> None:
     """A context whose whole KV the host cannot hold is refused with the numbers, never cut short silently."""
     need = n_slots * -(-max_ctx // page) * page * per_token
-    avail = _ram_available()
+    avail = ram_available()
     if avail is None or need <= avail:
         return
     fits = avail // max(1, n_slots * per_token) // page * page

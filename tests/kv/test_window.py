@@ -274,10 +274,10 @@ def test_a_context_the_host_cannot_hold_is_refused_with_the_numbers(hf_and_gguf,
     _, path = hf_and_gguf("qwen3moe")
     lm = load_model(str(path), _cfg(**WINDOW))
     per = lm.model.kv_bytes_per_token(torch.float32)
-    monkeypatch.setattr(window, "_ram_available", lambda: 100 * per)
+    monkeypatch.setattr(window, "ram_available", lambda: 100 * per)
     with pytest.raises(StrataError, match=r"needs .* GiB of host RAM, .* GiB is available: -c 96 fits"):
         new_kv_cache(lm.model, 1, 512, lm.cfg, torch.float32)
-    monkeypatch.setattr(window, "_ram_available", lambda: 2 * 512 * per)
+    monkeypatch.setattr(window, "ram_available", lambda: 2 * 512 * per)
     assert isinstance(new_kv_cache(lm.model, 2, 512, lm.cfg, torch.float32), WindowKVCache)
 
 
