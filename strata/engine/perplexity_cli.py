@@ -30,11 +30,20 @@ def _model_meta(path: str):
 
 
 def _read_text(path: str) -> str:
+    """The file as llama-perplexity reads its -f: the bytes as they are (no newline translation: a CRLF file keeps
+    its carriage returns, which are tokens), less one trailing newline, and each byte that is not part of a valid
+    UTF-8 character read as one U+FFFD, as llama.cpp's tokenizer reads it. Decoded otherwise, the same file would
+    be another token stream, and another PPL."""
+    from strata.text import replace_surrogates
+
     try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return f.read()
+        with open(path, "rb") as f:
+            data = f.read()
     except OSError as e:
         raise StrataError(f"cannot read {path}: {e.strerror}") from None
+    if data.endswith(b"\n"):
+        data = data[:-1]
+    return replace_surrogates(data.decode("utf-8", errors="surrogateescape"))
 
 
 def _check_base_path(path: str) -> None:
