@@ -145,6 +145,12 @@ def _n_predict(engine, n_prompt: int, args, default: int) -> int:
     return n
 
 
+def _hit_context(engine, seq, n_prompt: int) -> bool:
+    """The output stopped because the context is full (not at the model's end of turn, nor at an -n that left
+    room)."""
+    return seq is not None and seq.finish_reason == "length" and n_prompt + len(seq.output) >= engine.max_ctx
+
+
 def _to_stdout(text: str) -> None:
     sys.stdout.write(text)
     sys.stdout.flush()
@@ -286,6 +292,8 @@ def cmd_generate(args) -> int:
     n = _n_predict(engine, len(ids), args, GENERATE_N)
     seq = _stream(engine, tok, ids, sampling_from_args(args), n)
     sys.stdout.write("\n")
+    if _hit_context(engine, seq, len(ids)):
+        print(f"strata: stopped at the end of the context ({engine.max_ctx} tokens; -c sets it)", file=sys.stderr)
     _report(seq, engine)
     if lm.cfg.experts.profile:
         _census(engine, ids)
@@ -333,12 +341,13 @@ def cmd_chat(args) -> int:
         msgs.append({"role": "user", "content": _user_text(line)})
         text = lm.template.render(msgs, add_generation_prompt=True)
         ids = lm.tokenizer.encode(text, add_special=False)
-        try:
-            n = _n_predict(engine, len(ids), args, CHAT_N)
-        except StrataError as e:
-            print(f"strata: {e} (use /reset)", file=sys.stderr)
+        if len(ids) + (args.n_predict or 1) > engine.max_ctx:  # said in the chat's terms, and the chat goes on
+            more = f" and -n {args.n_predict} more" if args.n_predict else ""
+            print(f"strata: the conversation is {len(ids)} tokens with this message{more}, the context holds "
+                  f"{engine.max_ctx}: /reset starts over (-c sets the context)", file=sys.stderr)
             msgs.pop()
             continue
+        n = _n_predict(engine, len(ids), args, CHAT_N)
         reply = Reply(template, text.rstrip().endswith("<think>"), show_reasoning=not args.hide_reasoning)
         stopped = False
         try:
@@ -348,6 +357,8 @@ def cmd_chat(args) -> int:
         reply.end()
         if stopped:
             print(" [stopped]", end="", file=sys.stderr)
+        elif _hit_context(engine, seq, len(ids)):  # the reply is cut short: said, not left to look finished
+            print(f" [the context of {engine.max_ctx} tokens is full: /reset starts over]", end="", file=sys.stderr)
         print()
         msgs.append({"role": "assistant", "content": reply.content})
         if args.verbose:

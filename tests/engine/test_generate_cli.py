@@ -178,3 +178,11 @@ def test_gpu_only_flags_on_a_cpu_are_named_in_one_warning():
     for extra in ([], ["--decode-misses", "auto", "--kv-vram-tokens", "auto"]):
         r = gen(tiny, "-p", "x", "-n", "2", *extra)
         assert r.returncode == 0 and "no effect on the CPU" not in r.stderr, r.stderr
+
+
+def test_generate_says_when_the_context_ends_the_text():
+    base = [sys.executable, "-m", "strata", "generate", "--device", "cpu", "--temperature", "0", "-p", "def fib(n):"]
+    r = subprocess.run(base + ["-c", "16"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "stopped at the end of the context (16 tokens" in r.stderr, r.stderr
+    r = subprocess.run(base + ["-n", "4"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "end of the context" not in r.stderr, r.stderr
