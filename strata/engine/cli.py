@@ -32,8 +32,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args) -> "EngineConfig":
-    from strata.config import EngineConfig, ExpertConfig, from_flags
+    from strata.config import EngineConfig, ExpertConfig, check_at_least, from_flags
 
+    # (serve's --threads: torch takes no negative count, and said so in a traceback)
+    check_at_least(0, ("--threads", getattr(args, "threads", None)))
     cfg = from_flags(EngineConfig, args, experts=from_flags(ExpertConfig, args),
                      n_slots=getattr(args, "parallel", 1) or 1, seed=getattr(args, "seed", None))
     cfg.validate()

@@ -118,6 +118,10 @@ def test_serve_names_a_bad_engine_flag_once_before_listening():
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
     assert r.stderr.strip().splitlines() == ["strata: error: --device 'tpu': want cpu or cuda[:N]"], r.stderr
+    r = subprocess.run([sys.executable, "-m", "strata", "serve", "--port", "18977", "--threads", "-1"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert r.stderr.strip().splitlines() == ["strata: error: --threads must be >= 0, got -1"], r.stderr
 
 
 # bytes that are not UTF-8: Python hands them on as lone surrogates (argv always; stdin under surrogateescape)
