@@ -139,12 +139,14 @@ def check_run_args(args) -> None:
 def _n_predict(engine, n_prompt: int, args, default: int) -> int:
     """-n as given (the prompt and it must fit the context: one clear line if not), or `default` tokens, fewer
     where the context ends sooner."""
-    if args.n_predict is not None:
-        engine.check_fits(n_prompt, args.n_predict)
-        return args.n_predict
-    n = min(default, engine.max_ctx - n_prompt)
-    engine.check_fits(n_prompt, max(n, 1))  # (an empty prompt, or one that fills the context: the numbers)
-    return n
+    if n_prompt == 0:
+        raise StrataError("the prompt is empty")
+    want = args.n_predict or 1  # (-n's words: max_tokens is the APIs' name for it)
+    if n_prompt + want > engine.max_ctx:
+        more = f" + -n {args.n_predict}" if args.n_predict is not None else ""
+        raise StrataError(f"the prompt of {n_prompt} tokens{more} exceeds the context of {engine.max_ctx} tokens "
+                          "(-c sets it)")
+    return args.n_predict if args.n_predict is not None else min(default, engine.max_ctx - n_prompt)
 
 
 def _hit_context(engine, seq, n_prompt: int) -> bool:

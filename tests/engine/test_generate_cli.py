@@ -164,7 +164,11 @@ def test_the_default_length_stops_at_the_context_and_an_asked_one_is_checked():
     m = re.search(r"prompt (\d+) tokens .* generated (\d+) tokens", r.stderr)
     assert m and int(m.group(1)) + int(m.group(2)) <= 64, r.stderr
     r = subprocess.run(base + ["-n", "128"], capture_output=True, text=True, timeout=300)
-    assert r.returncode != 0 and "exceeds the context of 64 tokens" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert re.search(r"the prompt of \d+ tokens \+ -n 128 exceeds the context of 64 tokens \(-c sets it\)",
+                     r.stderr) and "max_tokens" not in r.stderr, r.stderr  # (-n's words, not an API's)
+    r = subprocess.run(base[:6] + ["-c", "2"] + base[8:], capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "the prompt of " in r.stderr and "exceeds the context of 2 tokens" in r.stderr
 
 
 def test_gpu_only_flags_on_a_cpu_are_named_in_one_warning():
