@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 import time
 from typing import TYPE_CHECKING
@@ -20,6 +21,10 @@ log = logging.getLogger("strata")
 
 # what ends `strata chat` besides Ctrl-D (llama.cpp's and Ollama's words for it)
 QUIT = frozenset({"/exit", "/quit", "/bye"})
+COMMANDS = "/reset starts over, /exit (or Ctrl-D) quits, Ctrl-C stops a reply"
+# a line of one /word is a command: an unknown one is said, not sent to the model (as Ollama does); a message
+# that starts with a slash goes as typed when it holds more, or after a leading space
+COMMAND = re.compile(r"/[A-Za-z?]+")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -341,6 +346,12 @@ def cmd_chat(args) -> int:
             return 0
         if line.strip() == "/reset":
             msgs = msgs[:1] if args.system else []
+            print("strata: a new conversation", file=sys.stderr)
+            continue
+        if COMMAND.fullmatch(line.rstrip()):
+            unknown = line.strip() not in ("/help", "/?")
+            print(f"strata: {f'unknown command {line.strip()}: ' if unknown else ''}{COMMANDS} (a message "
+                  "that starts with / goes as typed after a space)", file=sys.stderr)
             continue
         msgs.append({"role": "user", "content": _user_text(line)})
         text = lm.template.render(msgs, add_generation_prompt=True)

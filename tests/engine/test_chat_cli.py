@@ -151,3 +151,13 @@ def test_a_reply_the_context_cuts_short_says_so_and_the_chat_goes_on():
     r = subprocess.run(cmd + ["-n", "40"], input="Hello\n", capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "with this message and -n 40 more, the context holds 48" in r.stderr, r.stderr
 
+
+
+def test_an_unknown_command_is_said_not_sent():
+    """A line of one /word is a command: /help lists them, an unknown one is named and never reaches the model; a
+    message that only starts with a slash is a message."""
+    r = subprocess.run(CHAT, input="/help\n/foo\n/usr/bin/env python\n", capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert "strata: unknown command /foo: /reset starts over" in r.stderr, r.stderr
+    assert "strata: /reset starts over, /exit" in r.stderr, r.stderr
+    assert len(_turns(r.stderr)) == 1  # only the path went to the model
