@@ -194,3 +194,14 @@ def test_generate_says_when_the_context_ends_the_text():
     assert r.returncode == 0 and "stopped at the end of the context (16 tokens" in r.stderr, r.stderr
     r = subprocess.run(base + ["-n", "4"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "end of the context" not in r.stderr, r.stderr
+
+
+def test_a_reader_that_leaves_the_pipe_ends_it_quietly():
+    """`strata generate | head -c 5`: the reader gone, the command stops with the shell's status for a closed pipe
+    and no traceback (BrokenPipeError came out of the stream, then again at exit)."""
+    p = subprocess.Popen([sys.executable, "-m", "strata", "generate", "--device", "cpu", "-p", "def fib(n):", "-n",
+                          "64"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()  # before the first token: its write finds no reader
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=300) == 141, err
+    assert "Traceback" not in err and "Broken pipe" not in err and "Exception ignored" not in err, err
