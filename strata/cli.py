@@ -54,6 +54,20 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("strata: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # stdout's reader left (`strata generate | head`): stop quietly, as a shell tool does
+        _drop_stdout()
+        return 141  # (128 + SIGPIPE, what the shell reports for a tool that pipe ended)
+
+
+def _drop_stdout() -> None:
+    """stdout to /dev/null: Python flushes it at exit, and the unwritten text would raise there once more."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # (a stdout without a descriptor: nothing is flushed to a pipe at exit)
+        pass
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 import time
 from typing import TYPE_CHECKING
@@ -20,6 +21,10 @@ log = logging.getLogger("strata")
 
 # what ends `strata chat` besides Ctrl-D (llama.cpp's and Ollama's words for it)
 QUIT = frozenset({"/exit", "/quit", "/bye"})
+COMMANDS = "/reset starts over, /exit (or Ctrl-D) quits, Ctrl-C stops a reply"
+# a line of one /word is a command: an unknown one is said, not sent to the model (as Ollama does); a message
+# that starts with a slash goes as typed when it holds more, or after a leading space
+COMMAND = re.compile(r"/[A-Za-z?]+")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -32,8 +37,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args) -> "EngineConfig":
-    from strata.config import EngineConfig, ExpertConfig, from_flags
+    from strata.config import EngineConfig, ExpertConfig, check_at_least, from_flags
 
+    # (serve's --threads: torch takes no negative count, and said so in a traceback)
+    check_at_least(0, ("--threads", getattr(args, "threads", None)))
     cfg = from_flags(EngineConfig, args, experts=from_flags(ExpertConfig, args),
                      n_slots=getattr(args, "parallel", 1) or 1, seed=getattr(args, "seed", None))
     cfg.validate()
@@ -137,12 +144,20 @@ def check_run_args(args) -> None:
 def _n_predict(engine, n_prompt: int, args, default: int) -> int:
     """-n as given (the prompt and it must fit the context: one clear line if not), or `default` tokens, fewer
     where the context ends sooner."""
-    if args.n_predict is not None:
-        engine.check_fits(n_prompt, args.n_predict)
-        return args.n_predict
-    n = min(default, engine.max_ctx - n_prompt)
-    engine.check_fits(n_prompt, max(n, 1))  # (an empty prompt, or one that fills the context: the numbers)
-    return n
+    if n_prompt == 0:
+        raise StrataError("the prompt is empty")
+    want = args.n_predict or 1  # (-n's words: max_tokens is the APIs' name for it)
+    if n_prompt + want > engine.max_ctx:
+        more = f" + -n {args.n_predict}" if args.n_predict is not None else ""
+        raise StrataError(f"the prompt of {n_prompt} tokens{more} exceeds the context of {engine.max_ctx} tokens "
+                          "(-c sets it)")
+    return args.n_predict if args.n_predict is not None else min(default, engine.max_ctx - n_prompt)
+
+
+def _hit_context(engine, seq, n_prompt: int) -> bool:
+    """The output stopped because the context is full (not at the model's end of turn, nor at an -n that left
+    room)."""
+    return seq is not None and seq.finish_reason == "length" and n_prompt + len(seq.output) >= engine.max_ctx
 
 
 def _to_stdout(text: str) -> None:
@@ -286,6 +301,8 @@ def cmd_generate(args) -> int:
     n = _n_predict(engine, len(ids), args, GENERATE_N)
     seq = _stream(engine, tok, ids, sampling_from_args(args), n)
     sys.stdout.write("\n")
+    if _hit_context(engine, seq, len(ids)):
+        print(f"strata: stopped at the end of the context ({engine.max_ctx} tokens; -c sets it)", file=sys.stderr)
     _report(seq, engine)
     if lm.cfg.experts.profile:
         _census(engine, ids)
@@ -329,16 +346,23 @@ def cmd_chat(args) -> int:
             return 0
         if line.strip() == "/reset":
             msgs = msgs[:1] if args.system else []
+            print("strata: a new conversation", file=sys.stderr)
+            continue
+        if COMMAND.fullmatch(line.rstrip()):
+            unknown = line.strip() not in ("/help", "/?")
+            print(f"strata: {f'unknown command {line.strip()}: ' if unknown else ''}{COMMANDS} (a message "
+                  "that starts with / goes as typed after a space)", file=sys.stderr)
             continue
         msgs.append({"role": "user", "content": _user_text(line)})
         text = lm.template.render(msgs, add_generation_prompt=True)
         ids = lm.tokenizer.encode(text, add_special=False)
-        try:
-            n = _n_predict(engine, len(ids), args, CHAT_N)
-        except StrataError as e:
-            print(f"strata: {e} (use /reset)", file=sys.stderr)
+        if len(ids) + (args.n_predict or 1) > engine.max_ctx:  # said in the chat's terms, and the chat goes on
+            more = f" and -n {args.n_predict} more" if args.n_predict else ""
+            print(f"strata: the conversation is {len(ids)} tokens with this message{more}, the context holds "
+                  f"{engine.max_ctx}: /reset starts over (-c sets the context)", file=sys.stderr)
             msgs.pop()
             continue
+        n = _n_predict(engine, len(ids), args, CHAT_N)
         reply = Reply(template, text.rstrip().endswith("<think>"), show_reasoning=not args.hide_reasoning)
         stopped = False
         try:
@@ -348,6 +372,8 @@ def cmd_chat(args) -> int:
         reply.end()
         if stopped:
             print(" [stopped]", end="", file=sys.stderr)
+        elif _hit_context(engine, seq, len(ids)):  # the reply is cut short: said, not left to look finished
+            print(f" [the context of {engine.max_ctx} tokens is full: /reset starts over]", end="", file=sys.stderr)
         print()
         msgs.append({"role": "assistant", "content": reply.content})
         if args.verbose:

@@ -30,11 +30,20 @@ def _model_meta(path: str):
 
 
 def _read_text(path: str) -> str:
+    """The file as llama-perplexity reads its -f: the bytes as they are (no newline translation: a CRLF file keeps
+    its carriage returns, which are tokens), less one trailing newline, and each byte that is not part of a valid
+    UTF-8 character read as one U+FFFD, as llama.cpp's tokenizer reads it. Decoded otherwise, the same file would
+    be another token stream, and another PPL."""
+    from strata.text import replace_surrogates
+
     try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return f.read()
+        with open(path, "rb") as f:
+            data = f.read()
     except OSError as e:
         raise StrataError(f"cannot read {path}: {e.strerror}") from None
+    if data.endswith(b"\n"):
+        data = data[:-1]
+    return replace_surrogates(data.decode("utf-8", errors="surrogateescape"))
 
 
 def _check_base_path(path: str) -> None:
@@ -73,7 +82,7 @@ def cmd_perplexity(args) -> int:
     base = None
     if kl:
         base = P.BaseFile.open(args.kl_divergence_base)
-        if args.ctx_size and args.ctx_size != base.n_ctx:
+        if args.ctx_size is not None and (args.ctx_size or ctx_len) != base.n_ctx:
             raise StrataError(f"{base.path} was computed with -c {base.n_ctx}, not {args.ctx_size}: the chunks "
                               "must be the same (leave -c out to use the file's)")
         n_ctx = base.n_ctx
@@ -87,7 +96,8 @@ def cmd_perplexity(args) -> int:
                               "another tokenizer")
         tokens = base.tokens
     else:
-        n_ctx = args.ctx_size or min(DEFAULT_PPL_CTX, ctx_len)
+        # -c 0 is the model's own context, as llama-perplexity reads it; no -c, the customary 512
+        n_ctx = min(DEFAULT_PPL_CTX, ctx_len) if args.ctx_size is None else args.ctx_size or ctx_len
         tokens = P.tokenize(tok, _read_text(args.file))
     if n_ctx > ctx_len:
         raise StrataError(f"-c {n_ctx} is larger than the model's context of {ctx_len}")
@@ -142,7 +152,8 @@ def register(sub) -> None:
     p = sub.add_parser("perplexity", help="perplexity of a text file, or KL divergence against a base run, as "
                        "llama.cpp's llama-perplexity computes them",
                        description="Perplexity over a text, in chunks of -c tokens (default "
-                       f"{DEFAULT_PPL_CTX}) of which the second half is scored, as llama-perplexity does. "
+                       f"{DEFAULT_PPL_CTX}; -c 0: the model's context) of which the second half is scored, as llama-perplexity "
+                       "does. "
                        "--kl-divergence-base FILE saves the run's log-probs (llama.cpp's file format); adding "
                        "--kl-divergence compares this model against them.")
     add_engine_args(p)
@@ -152,4 +163,4 @@ def register(sub) -> None:
                    help="write the log-probs of this run to FILE (with --kl-divergence: read them from it)")
     p.add_argument("--kl-divergence", action="store_true",
                    help="KL divergence of this model from the base run in --kl-divergence-base")
-    p.set_defaults(func=cmd_perplexity)
+    p.set_defaults(func=cmd_perplexity, ctx_size=None)  # (None: no -c given, told apart from -c 0)

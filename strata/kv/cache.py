@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from strata import StrataError
 from strata.kv.quant import QuantRows
 
 log = logging.getLogger("strata")
@@ -35,6 +36,27 @@ class Segment:
 
 def _is_quant(t) -> bool:
     return isinstance(t, str)
+
+
+def ram_available() -> int | None:
+    """Bytes of host RAM free for new allocations (None: unknown, then nothing is checked)."""
+    try:
+        import psutil
+    except ImportError:
+        return None
+    return int(psutil.virtual_memory().available)
+
+
+def _type_name(t) -> str:
+    return t if isinstance(t, str) else str(t).removeprefix("torch.")
+
+
+def _too_large(n_slots: int, max_ctx: int, per_token: int, need: int, avail: int | None, where: str) -> StrataError:
+    """The error for a KV cache the device cannot hold: the numbers, and the context that would fit."""
+    have = f", {avail / 2**30:.2f} GiB is free" if avail is not None else ""
+    fits = f": -c {avail // max(1, n_slots * per_token)} fits" if avail is not None else ": use a smaller -c"
+    return StrataError(f"the KV cache of {n_slots} slot(s) x {max_ctx} tokens needs {need / 2**30:.2f} GiB of "
+                       f"{where}{have}{fits}")
 
 
 def _stored(kind, dtype: torch.dtype):
@@ -66,11 +88,25 @@ class KVCache:
         # K and V stored as plain tensors [slots, positions, ...] in `dtype` (a kernel may write rows itself)
         self.plain = not self._typed and v_shape is not None
         own = set(range(n_layers)) if layers is None else set(layers)
-        self.k = [self._buffer(k_shape, self.k_type) if i in own else None for i in range(n_layers)]
-        self.v = [self._buffer(v_shape, self.v_type) if i in own else None
-                  for i in range(n_layers)] if v_shape is not None else None
+        # a context too large for the memory is one error with the numbers: on a CPU before torch touches the
+        # pages (zeroing more than the RAM gets the process killed, with no message), anywhere when it fails
+        per_token = self.bytes_per_token(len(own), k_shape, v_shape, dtype, k_type, v_type)
+        need = per_token * n_slots * max_ctx
+        where = "RAM" if self.device.type == "cpu" else f"memory on {self.device}"
+        avail = ram_available() if self.device.type == "cpu" else None
+        if avail is not None and need > avail:
+            raise _too_large(n_slots, max_ctx, per_token, need, avail, where)
+        try:
+            self.k = [self._buffer(k_shape, self.k_type) if i in own else None for i in range(n_layers)]
+            self.v = [self._buffer(v_shape, self.v_type) if i in own else None
+                      for i in range(n_layers)] if v_shape is not None else None
+        except RuntimeError as e:  # (torch.OutOfMemoryError is one; the CPU allocator raises a plain one)
+            if not isinstance(e, torch.OutOfMemoryError) and "allocate" not in str(e):
+                raise
+            self.k = self.v = None
+            raise _too_large(n_slots, max_ctx, per_token, need, avail, where) from None
         if self.quantized:
-            names = [t if isinstance(t, str) else str(t).removeprefix("torch.") for t in (self.k_type, self.v_type)]
+            names = [_type_name(t) for t in (self.k_type, self.v_type)]
             log.info("strata: KV cache K %s, V %s: a GPU decode step's attention reads the blocks in place where its "
                      "kernel runs (strata.ops.decode_attention_kv), else dequantized by torch ops", *names)
 

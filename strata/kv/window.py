@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from strata import StrataError
-from strata.kv.cache import KVCache, Segment
+from strata.kv.cache import KVCache, Segment, ram_available
 from strata.kv.quant import QuantRows
 
 log = logging.getLogger("strata")
@@ -426,18 +426,10 @@ def default_ctx(cfg, trained: int | None) -> int | None:
     return int(trained)
 
 
-def _ram_available() -> int | None:
-    try:
-        import psutil
-    except ImportError:  # (then nothing is checked: the allocation itself fails if RAM is short)
-        return None
-    return int(psutil.virtual_memory().available)
-
-
 def _check_host_ram(n_slots: int, max_ctx: int, page: int, per_token: int) -> None:
     """A context whose whole KV the host cannot hold is refused with the numbers, never cut short silently."""
     need = n_slots * -(-max_ctx // page) * page * per_token
-    avail = _ram_available()
+    avail = ram_available()
     if avail is None or need <= avail:
         return
     fits = avail // max(1, n_slots * per_token) // page * page
@@ -463,6 +455,7 @@ def new_kv_cache(model, n_slots: int, max_ctx: int, cfg, dtype=None, k_type=None
             log.info("strata: --kv-vram-tokens auto: the whole KV fits in VRAM (no window)")
             return model.new_kv_cache(n_slots, max_ctx, dtype, k_type, v_type)
         log.info("strata: --kv-vram-tokens auto: a window of %d tokens a layer", tokens)
+    asked = tokens
     if tokens % page:
         rounded = -(-tokens // page) * page
         log.info("strata: --kv-vram-tokens %d rounded up to %d (whole pages of %d tokens)", tokens, rounded, page)
@@ -472,6 +465,10 @@ def new_kv_cache(model, n_slots: int, max_ctx: int, cfg, dtype=None, k_type=None
         log.info("strata: --kv-vram-tokens %d holds every slot's whole context (%d x %d tokens): the KV cache is "
                  "all in VRAM, no window", tokens, n_slots, max_ctx)
         return model.new_kv_cache(n_slots, max_ctx, dtype, k_type, v_type)
+    least = page * (SINK_PAGES + RECENT_PAGES)
+    if tokens < least:  # (named as typed: the rounded figure is one the user never wrote)
+        raise StrataError(f"--kv-vram-tokens {asked}: the window needs at least {SINK_PAGES + RECENT_PAGES} pages "
+                          f"of {page} tokens ({least} tokens a layer; --kv-page-tokens sets the page)")
     _check_host_ram(n_slots, max_ctx, page, model.kv_bytes_per_token(dtype, k_type, v_type))
     own = [i for i, b in enumerate(probe.k) if b is not None]
     spec = model.cache_spec

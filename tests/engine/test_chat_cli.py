@@ -136,3 +136,28 @@ def test_reasoning_goes_to_stderr_dimmed_and_hides_on_request():
     r.put("<think>hmm")
     r.end()
     assert err.getvalue() == f"{DIM}hmm{RESET}\n" and out.getvalue() == "" and r.content == ""
+
+
+def test_a_reply_the_context_cuts_short_says_so_and_the_chat_goes_on():
+    """A reply that fills the context ends with a note, not as if the model had finished; a message that no longer
+    fits is one line in the chat's terms (not an API's max_tokens), and /reset makes room again."""
+    cmd = [sys.executable, "-m", "strata", "chat", "--device", "cpu", "-c", "48", "--temperature", "0", "-v"]
+    r = subprocess.run(cmd, input="Hello\nWhy?\n/reset\nHi\n", capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert "[the context of 48 tokens is full: /reset starts over]" in r.stderr, r.stderr
+    assert re.search(r"strata: the conversation is \d+ tokens with this message, the context holds 48: /reset "
+                     r"starts over", r.stderr), r.stderr
+    assert "max_tokens" not in r.stderr and len(_turns(r.stderr)) == 2  # Hello, then Hi after /reset
+    r = subprocess.run(cmd + ["-n", "40"], input="Hello\n", capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "with this message and -n 40 more, the context holds 48" in r.stderr, r.stderr
+
+
+
+def test_an_unknown_command_is_said_not_sent():
+    """A line of one /word is a command: /help lists them, an unknown one is named and never reaches the model; a
+    message that only starts with a slash is a message."""
+    r = subprocess.run(CHAT, input="/help\n/foo\n/usr/bin/env python\n", capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert "strata: unknown command /foo: /reset starts over" in r.stderr, r.stderr
+    assert "strata: /reset starts over, /exit" in r.stderr, r.stderr
+    assert len(_turns(r.stderr)) == 1  # only the path went to the model

@@ -118,6 +118,10 @@ def test_serve_names_a_bad_engine_flag_once_before_listening():
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
     assert r.stderr.strip().splitlines() == ["strata: error: --device 'tpu': want cpu or cuda[:N]"], r.stderr
+    r = subprocess.run([sys.executable, "-m", "strata", "serve", "--port", "18977", "--threads", "-1"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert r.stderr.strip().splitlines() == ["strata: error: --threads must be >= 0, got -1"], r.stderr
 
 
 # bytes that are not UTF-8: Python hands them on as lone surrogates (argv always; stdin under surrogateescape)
@@ -160,7 +164,11 @@ def test_the_default_length_stops_at_the_context_and_an_asked_one_is_checked():
     m = re.search(r"prompt (\d+) tokens .* generated (\d+) tokens", r.stderr)
     assert m and int(m.group(1)) + int(m.group(2)) <= 64, r.stderr
     r = subprocess.run(base + ["-n", "128"], capture_output=True, text=True, timeout=300)
-    assert r.returncode != 0 and "exceeds the context of 64 tokens" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert re.search(r"the prompt of \d+ tokens \+ -n 128 exceeds the context of 64 tokens \(-c sets it\)",
+                     r.stderr) and "max_tokens" not in r.stderr, r.stderr  # (-n's words, not an API's)
+    r = subprocess.run(base[:6] + ["-c", "2"] + base[8:], capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "the prompt of " in r.stderr and "exceeds the context of 2 tokens" in r.stderr
 
 
 def test_gpu_only_flags_on_a_cpu_are_named_in_one_warning():
@@ -178,3 +186,22 @@ def test_gpu_only_flags_on_a_cpu_are_named_in_one_warning():
     for extra in ([], ["--decode-misses", "auto", "--kv-vram-tokens", "auto"]):
         r = gen(tiny, "-p", "x", "-n", "2", *extra)
         assert r.returncode == 0 and "no effect on the CPU" not in r.stderr, r.stderr
+
+
+def test_generate_says_when_the_context_ends_the_text():
+    base = [sys.executable, "-m", "strata", "generate", "--device", "cpu", "--temperature", "0", "-p", "def fib(n):"]
+    r = subprocess.run(base + ["-c", "16"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "stopped at the end of the context (16 tokens" in r.stderr, r.stderr
+    r = subprocess.run(base + ["-n", "4"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "end of the context" not in r.stderr, r.stderr
+
+
+def test_a_reader_that_leaves_the_pipe_ends_it_quietly():
+    """`strata generate | head -c 5`: the reader gone, the command stops with the shell's status for a closed pipe
+    and no traceback (BrokenPipeError came out of the stream, then again at exit)."""
+    p = subprocess.Popen([sys.executable, "-m", "strata", "generate", "--device", "cpu", "-p", "def fib(n):", "-n",
+                          "64"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()  # before the first token: its write finds no reader
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=300) == 141, err
+    assert "Traceback" not in err and "Broken pipe" not in err and "Exception ignored" not in err, err

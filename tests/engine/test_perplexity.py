@@ -220,3 +220,37 @@ def test_base_write_error_is_one_line_and_leaves_nothing(models, text_file, tmp_
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith(f"strata: error: cannot write {base}: ") and "Traceback" not in r.stderr, r.stderr
     assert list(base.parent.iterdir()) == []
+
+
+def test_the_text_is_read_as_llama_perplexity_reads_it(models, text_file, capsys, tmp_path):
+    """-f is scored byte for byte as llama-perplexity reads it: CRLF line ends kept (they are tokens; newline
+    translation turned them into LF), one trailing newline dropped, and each byte that is not valid UTF-8 one
+    U+FFFD (a truncated multi-byte character too: llama.cpp replaces it byte by byte). The base file holds the
+    tokens the run scored."""
+    from strata.gguf.reader import open_gguf
+    from strata.gguf.tokenizer import Tokenizer
+
+    lines = text_file.read_text().splitlines()
+    raw = b"start \xe2\x82 \xff\xfe.\r\n" + "\r\n".join(lines).encode() + b"\n"
+    f = tmp_path / "crlf.txt"
+    f.write_bytes(raw)
+    base = tmp_path / "base.kl"
+    _run(capsys, "-m", models["f32"], "-f", f, "-c", N_CTX, "--kl-divergence-base", base)
+    tok = Tokenizer.from_metadata(open_gguf(models["f32"]).metadata)
+    want = P.tokenize(tok, "start \ufffd\ufffd \ufffd\ufffd.\r\n" + "\r\n".join(lines))
+    got = np.frombuffer(base.read_bytes()[20:], dtype="<i4", count=len(want) // N_CTX * N_CTX).tolist()
+    assert got == want[:len(got)] and len(got) == len(want) // N_CTX * N_CTX
+
+
+def test_c_0_is_the_models_context(text_file, capsys, tmp_path):
+    """-c 0 means the model's own context, as llama-perplexity reads it (it ran chunks of the default 512 instead);
+    a KL run's -c 0 must match its base's chunks as any other -c. The embedded model: a context of 2048."""
+    long = tmp_path / "long.txt"
+    long.write_text(text_file.read_text() * 8)
+    base = tmp_path / "base.kl"
+    _run(capsys, "-f", long, "-c", 0, "--chunks", 1, "--kl-divergence-base", base)
+    assert np.frombuffer(base.read_bytes()[8:12], dtype="<i4")[0] == 2048
+    assert "computed with -c 2048, not 512" in _error(capsys, "--kl-divergence-base", base, "--kl-divergence",
+                                                      "-c", 512)
+    out = _run(capsys, "--kl-divergence-base", base, "--kl-divergence", "-c", 0)
+    assert re.match(r"\[1\]-?[0-9.]+,\n", out), out

@@ -274,10 +274,10 @@ def test_a_context_the_host_cannot_hold_is_refused_with_the_numbers(hf_and_gguf,
     _, path = hf_and_gguf("qwen3moe")
     lm = load_model(str(path), _cfg(**WINDOW))
     per = lm.model.kv_bytes_per_token(torch.float32)
-    monkeypatch.setattr(window, "_ram_available", lambda: 100 * per)
+    monkeypatch.setattr(window, "ram_available", lambda: 100 * per)
     with pytest.raises(StrataError, match=r"needs .* GiB of host RAM, .* GiB is available: -c 96 fits"):
         new_kv_cache(lm.model, 1, 512, lm.cfg, torch.float32)
-    monkeypatch.setattr(window, "_ram_available", lambda: 2 * 512 * per)
+    monkeypatch.setattr(window, "ram_available", lambda: 2 * 512 * per)
     assert isinstance(new_kv_cache(lm.model, 2, 512, lm.cfg, torch.float32), WindowKVCache)
 
 
@@ -392,3 +392,11 @@ def test_the_bench_records_the_window():
            "experts": {}, "kv_window": d}
     text = "\n".join(_sweep_md({"config": {"warmup": 1, "runs": 1, "gen": 8}, "rows": [row]}))
     assert "KV window at 32K: 33.3% of the KV pages read from VRAM, 3.00 GB from host RAM" in text
+
+
+def test_a_window_too_small_is_named_as_typed(hf_and_gguf):
+    """The error names the value the user wrote, not the whole pages it was rounded up to."""
+    _, path = hf_and_gguf("qwen3moe")
+    lm = load_model(str(path), _cfg(kv_vram_tokens="10", kv_page_tokens=16, ctx_size=512))
+    with pytest.raises(StrataError, match=r"^--kv-vram-tokens 10: the window needs at least 3 pages of 16 tokens"):
+        new_kv_cache(lm.model, 1, 512, lm.cfg, torch.float32)
