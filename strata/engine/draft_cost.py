@@ -7,8 +7,9 @@ and drafting pays at any acceptance; under a VRAM budget each drafted token brin
 8 GiB: a step of 4 tokens costs 3.2x one, docs/BENCHMARKS.md), and drafting loses unless nearly every draft
 stands. So the engine measures: steps of one sequence are timed by their token count, `cost(T)` is the line
 fitted through them, and a sequence drafts the m (up to what its n-gram or MTP drafter offers) that maximizes
-E(m) / cost(1 + m); m = 0 is a plain step. Its p is the decayed count of drafts that stood over those tried
-(a draft after a rejected one is never tried: the geometric model's estimate).
+E(m) / cost(1 + m); m = 0 is a plain step. E(m) = 1 + p1 + p1 p2 + ... with p_d the decayed count of drafts at
+depth d of the chain that stood over those tried there (a draft after a rejected one is never tried); with one p for
+every depth it is the geometric sum above.
 
 Until both plain and verify steps have been timed the drafters' own adaptation decides (as before), except that
 once verify steps are timed and plain ones are not (a drafter that offers a draft at every step, as an MTP block
@@ -31,6 +32,7 @@ DECAY = 0.9  # weight of the past in a sequence's acceptance counts
 # and kept drafts off until the next EXPLORE look (strata-tiny's MTP block on a re-emitted file: its first draft,
 # made from the prompt, fails, the next ones nearly all stand)
 MIN_TRIED = 4
+PRIOR_TRIES = 1.0  # weight, in tries, of the depth before it in a depth's acceptance estimate
 
 
 class DraftCost:
@@ -65,8 +67,10 @@ class DraftCost:
         verify = sum(len(v) for t, v in self.times.items() if t > 1)
         return verify >= MIN_VERIFY and len(self.times.get(1, ())) < MIN_PLAIN
 
-    def best(self, p: float, offered: int) -> int | None:
-        """The number of drafts, 0..offered, with the most tokens per ms at acceptance p; None: not known yet."""
+    def best(self, p, offered: int) -> int | None:
+        """The number of drafts, 0..offered, with the most tokens per ms at acceptance p (one probability for every
+        draft, or a list: the probability that the draft at depth d stands given the ones before it did);
+        None: not known yet."""
         fit = self.line()
         if fit is None:
             return None
@@ -79,22 +83,33 @@ class DraftCost:
         return best_m
 
 
-def expected_tokens(p: float, m: int) -> float:
-    """Tokens a verify step of m drafts gives when each stands with probability p (the drawn token included)."""
+def expected_tokens(p, m: int) -> float:
+    """Tokens a verify step of m drafts gives (the drawn token included) when each stands with probability p, or
+    with p[d - 1] given that the ones before it stood (a list: per depth d = 1 .. m)."""
+    if not isinstance(p, (int, float)):
+        out, run = 1.0, 1.0
+        for d in range(m):
+            run *= min(max(float(p[d]), 0.0), 1.0)
+            out += run
+        return out
     p = min(max(p, 0.0), 1.0)
     return float(m + 1) if p >= 1.0 else (1 - p ** (m + 1)) / (1 - p)
 
 
 class Acceptance:
-    """A sequence's decayed counts of drafts that stood and drafts tried."""
+    """A sequence's decayed counts of drafts that stood and drafts tried, in all and per depth in the chain: a
+    model's own MTP head chains its drafts, and the second stands far less often than the first (strata-tiny on a
+    fresh prompt: ~0.9 at depth 1, ~0.2 at depth 2), which one probability for every draft cannot say (it read
+    ~0.55 there and ruled out even the one draft that pays)."""
 
-    __slots__ = ("stood", "tried", "skipped", "steps")
+    __slots__ = ("stood", "tried", "skipped", "steps", "depth")
 
     def __init__(self):
         self.stood = 0.0
         self.tried = 0.0
         self.skipped = 0  # steps without a draft since the cost last ruled drafts out
         self.steps = 0  # verify steps counted (not decayed)
+        self.depth: list[list[float]] = []  # [stood, tried] of the draft at depth d + 1
 
     def add(self, drafted: int, accepted: int) -> None:
         """A verify step with `drafted` drafts, of which the first `accepted` stood (the one after them, if any,
@@ -102,10 +117,29 @@ class Acceptance:
         self.steps += 1
         self.stood = DECAY * self.stood + accepted
         self.tried = DECAY * self.tried + accepted + (1 if accepted < drafted else 0)
+        tried = min(drafted, accepted + 1)  # depths tried: the ones that stood and the first that failed
+        while len(self.depth) < tried:
+            self.depth.append([0.0, 0.0])
+        for d, c in enumerate(self.depth):
+            # every depth's counts fade, tried or not: one no longer drafted drifts back to the depth before it
+            # (`ps`), so a chain cut short on an old estimate is tried at its length again
+            c[0] = DECAY * c[0] + (1.0 if d < accepted else 0.0)
+            c[1] = DECAY * c[1] + (1.0 if d < tried else 0.0)
 
     @property
     def p(self) -> float:
         return self.stood / self.tried if self.tried > 0 else 0.5
+
+    def ps(self, m: int) -> list[float]:
+        """The probability that the draft at depth d (1 .. m) stands given that the ones before it did: its counts
+        with PRIOR_TRIES of the depth before it (depth 1: of the overall estimate), so a depth tried little or
+        long ago reads as the one before it."""
+        out, last = [], self.p
+        for d in range(m):
+            stood, tried = self.depth[d] if d < len(self.depth) else (0.0, 0.0)
+            last = (stood + PRIOR_TRIES * last) / (tried + PRIOR_TRIES)
+            out.append(last)
+        return out
 
 
 def choose(cost: DraftCost | None, acc: Acceptance, offered: int, peek: bool = False) -> int:
@@ -114,7 +148,7 @@ def choose(cost: DraftCost | None, acc: Acceptance, offered: int, peek: bool = F
     or as launched without drafts: strata.engine.spec.pause_step)."""
     if cost is None or offered <= 0:
         return offered
-    m = cost.best(acc.p, offered)
+    m = cost.best(acc.ps(offered), offered)
     if m is None:  # not yet timed: the drafter's own length, or a plain step to time one
         return 0 if cost.wants_plain() else offered
     if m == 0 and acc.steps < MIN_TRIED:  # too few of its drafts tried to tell (the drafter's own length)

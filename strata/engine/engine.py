@@ -408,14 +408,18 @@ class Engine:
         s.draft_steps += 1
         s.draft_n += len(d)
         s.draft_accepted += a
-        # the next draft's length follows the runs that stand: doubled while every draft stands, else one past
-        # this run (a verify token costs compute and, on a budget, its experts' reads)
-        limit = self.draft_max if s.draft_max is None else s.draft_max
-        cur = s.draft_len or limit
-        s.draft_len = min(limit, max(cur, 2 * len(d))) if a == len(d) else a + 1
-        # none stood: pause drafting for 1, 2, 4 ... 64 steps. A verify step costs more than a plain one (on a GPU
-        # it runs without CUDA graphs), and text that does not repeat its context keeps finding short n-grams
-        # whose continuations fail
+        if self.draft_cost is not None and self.draft_cost.line() is not None:
+            # steps timed: the costs and each depth's acceptance choose the length (strata.engine.draft_cost), not
+            # the rule below, which cut a chain to one draft after its first failed even where two pay
+            s.draft_len = 0
+        else:
+            # the next draft's length follows the runs that stand: doubled while every draft stands, else one past
+            # this run (a verify token costs compute and, on a budget, its experts' reads)
+            limit = self.draft_max if s.draft_max is None else s.draft_max
+            cur = s.draft_len or limit
+            s.draft_len = min(limit, max(cur, 2 * len(d))) if a == len(d) else a + 1
+        # none stood: pause drafting for 1, 2, 4 ... 64 steps; text that does not repeat its context keeps finding
+        # short n-grams whose continuations fail
         s.draft_backoff = min(64, max(1, 2 * s.draft_backoff)) if a == 0 else 0
         s.draft_pause = s.draft_backoff
         s.pos += a + 1  # the KV rows of rejected drafts are stale: later steps overwrite them

@@ -178,3 +178,56 @@ def test_steps_that_capture_their_graphs_are_not_timed(hf_and_gguf, monkeypatch)
     assert len(seen) > 2  # plain steps and verify steps of more than one length were graphed
     times = [ms for v in eng.draft_cost.times.values() for ms in v]
     assert times and max(times) < 400, sorted(times)[-3:]
+
+
+def _chain(first: float, second: float, steps: int = 200) -> Acceptance:
+    """Verify steps of 2 drafts: the first stands in `first` of them, the second in `second` of those (spread
+    evenly, deterministic)."""
+    a = Acceptance()
+    for i in range(steps):
+        ok1 = (i * 37 % 100) < first * 100
+        ok2 = ok1 and (i * 61 % 100) < second * 100
+        a.add(2, 2 if ok2 else int(ok1))
+    return a
+
+
+def test_acceptance_is_counted_per_depth_of_the_chain():
+    """A chain whose first draft nearly always stands and whose second rarely does (an MTP head on fresh text):
+    per depth ~0.9 then ~0.2, where one probability for every draft read ~0.6."""
+    a = _chain(0.9, 0.2)
+    p1, p2 = a.ps(2)
+    assert p1 > 0.8 and p2 < 0.35 and 0.5 < a.p < 0.8
+    assert a.ps(4)[2:] == [p2, p2]  # depths never tried take the one before
+    assert Acceptance().ps(2) == [0.5, 0.5]
+    assert expected_tokens([1.0, 0.5], 2) == pytest.approx(2.5)
+    assert expected_tokens([0.5, 0.5, 0.5], 3) == pytest.approx(expected_tokens(0.5, 3))
+
+
+def test_the_depth_that_pays_is_drafted():
+    """On the CPU (a further verify token ~15% of a step) a first draft standing 90% of the time pays and a second
+    standing 20% does not: one draft, where one probability for both chose otherwise."""
+    c = _timed(2.7, 0.45)
+    a = _chain(0.9, 0.2)
+    assert choose(c, a, 2) == 1
+    assert c.best(a.p, 2) != 1  # (the single estimate's choice)
+    long_chain = Acceptance()
+    for _ in range(40):
+        long_chain.add(3, 3)
+    assert choose(c, long_chain, 3) == 3
+
+
+def test_a_depth_no_longer_drafted_is_tried_again():
+    """The second draft failed for a while (the text was new), so one draft a step; once the first has stood for a
+    while alone, the second's old failures have faded toward the first's rate and two are drafted again (a depth
+    never drafted again would keep its stale estimate for good)."""
+    c = _timed(2.7, 0.45)
+    a = Acceptance()
+    for _ in range(20):
+        a.add(2, 1)
+    assert choose(c, a, 2) == 1
+    got = []
+    for _ in range(30):
+        m = choose(c, a, 2)
+        got.append(m)
+        a.add(m, m)  # every draft stands now
+    assert got[0] == 1 and got[-1] == 2
