@@ -16,6 +16,7 @@ import torch
 
 from strata.layers.ffn import SwiGLU
 from strata.ops import registry
+from strata.ops.reference import sigmoid_rows
 from strata.quant import QTensor, qmatmul
 from strata.quant.formats import FLOAT_TYPES
 
@@ -40,7 +41,7 @@ def route(logits: torch.Tensor, r: Routing, bias: torch.Tensor | None = None) ->
         return top.indices, torch.softmax(top.values, dim=-1) * r.scale
     if r.n_groups == 1:  # one op (one launch on a GPU): scores, the biased choice, top-k, renormalized weights
         return registry.op("route_topk")(logits, r.k, r.gating == "sigmoid", r.norm_topk, r.scale, bias)
-    probs = torch.softmax(logits, dim=-1) if r.gating == "softmax" else torch.sigmoid(logits)
+    probs = torch.softmax(logits, dim=-1) if r.gating == "softmax" else sigmoid_rows(logits)  # (row-invariant)
     choose = probs + bias if bias is not None else probs  # the correction bias steers choice, not weights
     if r.n_groups > 1:
         n = choose.shape[0]

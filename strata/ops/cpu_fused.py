@@ -1,8 +1,9 @@
-"""CPU kernels of ops `rms_norm`, `qk_norm_rope` and `silu_mul` (the native library's, source cpu_native_norm.h):
-the CPU twins of strata.ops.fused's Triton kernels. A decode or verify step on the CPU ran 5-25 torch operators for each of
+"""CPU kernels of ops `qk_norm_rope` and `silu_mul` (the native library's, source cpu_native_norm.h): the CPU twins
+of strata.ops.fused's Triton kernels. A decode or verify step on the CPU ran 5-25 torch operators for each of
 these on rows of a few hundred floats, their dispatch the whole cost (the q/k norm with the rotary took about as
-long as the step's attention over a 1K-token prefix); each is one call here. (`add_rms_norm` stays torch's add and
-this norm: the native call's own cost matched the add's.) `silu_mul` is here for its bits more than its speed:
+long as the step's attention over a 1K-token prefix); each is one call here. (RMSNorm stays torch's: a native one
+saved 2 us a call, and its last-bit differences from ggml's, where torch's match them, tipped int8 roundings of the
+activations in the llama.cpp oracle's emulation, tests/oracle/test_llamacpp.py.) `silu_mul` is here for its bits more than its speed:
 torch's silu is batch-variant on the CPU (the elements past a multiple of its vector width take another exp), so
 an expert of an odd width gave a token other bits in a verify step than in its own.
 Taken for float32 rows on the CPU however many (a prompt chunk's too: a short prompt sharing a chunk with a long
@@ -27,8 +28,6 @@ def _lib() -> ctypes.CDLL | None:
     if lib is None or _ready:
         return lib
     P, I, L, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
-    lib.strata_rms_norm.argtypes = [I, I, P, L, P, F, P]
-    lib.strata_rms_norm.restype = None
     lib.strata_qk_norm_rope.argtypes = [I, I, I, I, I, I, P, L, P, L, P, P, P, P, P, F, P, P]
     lib.strata_qk_norm_rope.restype = None
     lib.strata_silu_mul.argtypes = [I, I, P, L, P, L, P]
@@ -39,26 +38,6 @@ def _lib() -> ctypes.CDLL | None:
 
 def _f32(*ts) -> bool:
     return all(t is None or (t.dtype == torch.float32 and t.device.type == "cpu") for t in ts)
-
-
-def _row_major(x: torch.Tensor) -> bool:
-    """x [N, D] or [D] with each row contiguous (rows evenly spaced: any 2-D strides with a unit last one)."""
-    return x.dim() <= 2 and x.stride(-1) == 1
-
-
-def _rms_takes(x, weight, eps) -> bool:
-    # (checked at every decode step's norms: plain attribute tests, no temporaries)
-    return (x.dtype == torch.float32 and x.device.type == "cpu" and _row_major(x) and weight.dtype == torch.float32
-            and weight.is_contiguous()
-            and weight.numel() == x.shape[-1] and _lib() is not None)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x2 = x.view(-1, x.shape[-1])
-    y = torch.empty(x2.shape)
-    _lib().strata_rms_norm(x2.shape[0], x2.shape[1], x2.data_ptr(), x2.stride(0), weight.data_ptr(), float(eps),
-                           y.data_ptr())
-    return y.view(x.shape)
 
 
 def _heads(t: torch.Tensor) -> bool:
@@ -105,6 +84,5 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return out
 
 
-registry.op("rms_norm").register("cpu_native", rms_norm, _rms_takes)
 registry.op("silu_mul").register("cpu_native", silu_mul, _silu_takes)
 registry.op("qk_norm_rope").register("cpu_native", qk_norm_rope, _qk_takes)

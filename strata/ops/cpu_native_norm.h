@@ -1,26 +1,16 @@
 /* A decode step's small per-row ops on the CPU, each one call where torch runs 5-25 operators on rows of a few
-   hundred floats (their dispatch, not their arithmetic, was the cost): RMSNorm, and the per-head q/k RMSNorm
-   with the rotary embedding. Rows are independent: a row's result does not
+   hundred floats (their dispatch, not their arithmetic, was the cost): the per-head q/k RMSNorm with the rotary
+   embedding, and SwiGLU's middle. Rows are independent: a row's result does not
    depend on the rows beside it (a verify step's tokens get what one-token steps get). float32 throughout. */
 
-/* x . x over D floats in eight running sums, added pairwise (any caller gets the same bits) */
-static inline float norm_sumsq(const float *restrict x, int D) {
-    float a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    int d = 0;
-    for (; d + 8 <= D; d += 8)
-        for (int t = 0; t < 8; t++) a[t] = fmaf(x[d + t], x[d + t], a[t]);
-    for (int t = 0; d < D; d++, t++) a[t] = fmaf(x[d], x[d], a[t]);
-    return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
-}
-
-/* y = x / sqrt(mean(x^2) + eps) * w, row by row: x rows xs floats apart, y [N, D] contiguous */
-void strata_rms_norm(int N, int D, const float *x, long xs, const float *w, float eps, float *y) {
-    for (int t = 0; t < N; t++) {
-        const float *xr = x + t * xs;
-        float *yr = y + (long)t * D;
-        const float r = 1.0f / sqrtf(norm_sumsq(xr, D) / (float)D + eps);
-        for (int d = 0; d < D; d++) yr[d] = xr[d] * r * w[d];
-    }
+/* 1 / sqrt(mean(x^2) + eps) over D floats as ggml's CPU RMSNorm computes it: the squares summed in double, in
+   order, the mean rounded to float, then the float root (llama.cpp's own figures are this op's oracle: a scale
+   one rounding off tips an int8 rounding of the activations downstream) */
+static inline float norm_scale(const float *restrict x, int D, float eps) {
+    double sum = 0.0;
+    for (int d = 0; d < D; d++) sum += (double)x[d] * (double)x[d];
+    const float mean = (float)(sum / D);
+    return 1.0f / sqrtf(mean + eps);
 }
 
 /* One head row x [D] (norm weight nw or NULL) -> o: the RMSNorm, then the rotary over its first `dim` at the
@@ -28,7 +18,7 @@ void strata_rms_norm(int N, int D, const float *x, long xs, const float *w, floa
 static inline void norm_rope_row(const float *restrict x, float *restrict o, int D, int dim, int neox,
                                  const float *nw, float eps, const float *cs, const float *sn) {
     if (nw) {
-        const float r = 1.0f / sqrtf(norm_sumsq(x, D) / (float)D + eps);
+        const float r = norm_scale(x, D, eps);
         for (int d = 0; d < D; d++) o[d] = x[d] * r * nw[d];
     } else {
         for (int d = 0; d < D; d++) o[d] = x[d];

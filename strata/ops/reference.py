@@ -223,13 +223,26 @@ def gather_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return table.index_select(0, ids.to(table.device)).to(ids.device)
 
 
+def sigmoid_rows(x: torch.Tensor) -> torch.Tensor:
+    """sigmoid of x [N, E] whose row's bits do not depend on N. torch's CPU kernel runs over the flattened tensor in
+    vectors and the elements past the last whole pair of vectors with another exp, so with E not a multiple of the
+    vectors' width an element's bits depended on where its row fell (a verify step's rows against a one-token
+    step's): on the CPU the rows are padded to a multiple of 64 so that every element is in a vector."""
+    E = x.shape[-1]
+    if x.is_cuda or x.dim() != 2 or E % 64 == 0:
+        return torch.sigmoid(x)
+    pad = x.new_zeros(x.shape[0], -(-E // 64) * 64)
+    pad[:, :E] = x
+    return torch.sigmoid(pad)[:, :E]
+
+
 @reference("route_topk")
 def route_topk(logits: torch.Tensor, k: int, sigmoid: bool, norm: bool, scale: float,
                bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A router's choice: logits [N, E] float32 -> (ids [N, k] int64, weights [N, k] float32). Scores are the
     softmax (or sigmoid) of the logits; `bias` [E] is added for the choice only; the chosen scores are
     renormalized to sum 1 (norm; + 1e-20 under sigmoid) and multiplied by `scale`."""
-    probs = torch.sigmoid(logits) if sigmoid else torch.softmax(logits, dim=-1)
+    probs = sigmoid_rows(logits) if sigmoid else torch.softmax(logits, dim=-1)
     choose = probs + bias if bias is not None else probs
     ids = choose.topk(k, dim=-1).indices
     w = probs.gather(1, ids)
