@@ -3,6 +3,7 @@ asserts what must hold afterwards (no error logged, no slot held, later requests
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import socket
@@ -11,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from .conftest import serve
+from .conftest import CTX, serve
 
 MSG = [{"role": "user", "content": "tell me a story"}]
 
@@ -54,3 +55,26 @@ def test_a_client_gone_before_its_body_came_is_no_server_error(server, caplog, p
     assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
     r = httpx.post(server.url + "/v1/chat/completions", json={"messages": MSG, "max_tokens": 3}, timeout=60)
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_drafts_that_reach_the_context_end_all_stand(lm, stream):
+    """A verify step whose standing drafts fill the context to its last row: every one of them is delivered and
+    the reply fills the context (it stopped at the first of them, up to draft-max tokens short, and which
+    tokens a reply got depended on the other requests' steps)."""
+    drafting = dataclasses.replace(lm, cfg=dataclasses.replace(lm.cfg, draft_max=8))
+    code = "def add(a, b):\n    return a + b\n\n" * 16
+    with serve(drafting, parallel=1) as s, httpx.Client(base_url=s.url, timeout=300) as c:
+        body = {"prompt": code, "temperature": 0, "ignore_eos": True, "max_tokens": 100000, "stream": stream,
+                **({"stream_options": {"include_usage": True}} if stream else {})}
+        if stream:
+            with c.stream("POST", "/v1/completions", json=body) as r:
+                data = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+            usage = data[-1]["usage"]
+        else:
+            r = c.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            usage = r.json()["usage"]
+        timings = c.get("/metrics?format=json").json()
+        assert usage["prompt_tokens"] + usage["completion_tokens"] == CTX, usage
+        assert timings["totals"]["generated_tokens"] == usage["completion_tokens"]
