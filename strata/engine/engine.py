@@ -393,7 +393,8 @@ class Engine:
                 out.append((s, tok))
                 if tok in s.stop_ids:
                     s.finished, s.finish_reason = True, "stop"
-                elif len(s.output) >= s.max_tokens or s.pos + 1 >= self.max_ctx:
+                # (the context's end by the tokens taken so far: a verify step advanced s.pos past all it keeps)
+                elif len(s.output) >= s.max_tokens or len(s.prompt) + len(s.output) >= self.max_ctx:
                     s.finished, s.finish_reason = True, "length"
                 if s.finished:
                     self.release(s)

@@ -18,6 +18,7 @@ from typing import Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from strata import StrataError, __version__
 from strata.server.protocol import GET_HEAD, APIError
@@ -259,7 +260,8 @@ def _start_engine(app: FastAPI, cfg: ServeConfig, lm, say) -> object:
 class ContainErrors:
     """An exception no route turned into an answer becomes a 500 with OpenAI's error body, and the connection stays
     usable: Starlette's last-resort handler answers and then re-raises, and uvicorn drops the keep-alive connection
-    (the client's next request on it fails). Once a response has started (a stream), there is nothing to answer."""
+    (the client's next request on it fails). Once a response has started (a stream), there is nothing to answer.
+    A client that hangs up before its body has all come is no error of the server's: no answer, no log."""
 
     def __init__(self, app):
         self.app = app
@@ -276,6 +278,8 @@ class ContainErrors:
 
         try:
             await self.app(scope, receive, watch)
+        except ClientDisconnect:
+            return
         except Exception as e:  # noqa: BLE001 - the last line of defence: logged, answered
             log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
             if started:
