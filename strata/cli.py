@@ -8,6 +8,7 @@ stack) never stops another (say, `strata generate`) from running.
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import sys
 
@@ -23,8 +24,67 @@ COMMAND_MODULES = [
 ]
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's help with each flag's default, where the help text does not say it already."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        if (default is None or default is False or default is argparse.SUPPRESS or default in ("", [])
+                or "default" in text.lower() or not action.option_strings
+                or isinstance(action, argparse.BooleanOptionalAction)):
+            return text
+        return f"{text} (default {default})" if text else f"(default {default})"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with a mistake said in one line (its usage of every flag is dozens of lines on serve, and buried
+    the error), naming the closest word when one was mistyped: a subcommand, a choice, a flag."""
+
+    def __init__(self, *args, **kw):
+        kw.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kw)
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+    def _check_value(self, action, value):
+        if action.choices is not None and value not in action.choices:
+            near = difflib.get_close_matches(str(value), [str(c) for c in action.choices], n=1, cutoff=0.6)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            choices = ", ".join(map(repr, action.choices))
+            raise argparse.ArgumentError(action, f"invalid choice: {value!r} (choose from {choices}){hint}")
+        super()._check_value(action, value)
+
+    def parse_args(self, args=None, namespace=None):
+        args, extras = self.parse_known_args(args, namespace)
+        if extras:
+            sub = self._subcommand(args)
+            sub.error(_unknown(sub, extras))
+        return args
+
+    def _subcommand(self, args) -> argparse.ArgumentParser:
+        """The parser of the subcommand `args` ran (itself without one): its flags are what a mistyped one meant."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction) and getattr(args, action.dest, None):
+                return action.choices[getattr(args, action.dest)]
+        return self
+
+
+def _unknown(parser: argparse.ArgumentParser, extras: list[str]) -> str:
+    """What parse_known_args left over, in words, with the closest flag to the first unknown one."""
+    word = extras[0]
+    if not word.startswith("-") or word == "-":
+        hint = "; the prompt goes after -p" if "-p" in parser._option_string_actions else ""
+        return f"unexpected argument {word!r}{hint}"
+    flag = word.split("=", 1)[0]
+    flags = [f for f in parser._option_string_actions if f.startswith("--")]
+    near = difflib.get_close_matches(flag, flags, n=1, cutoff=0.6)
+    return f"unknown flag {flag}" + (f"; did you mean {near[0]}?" if near else "")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="strata", description="Run Mixture-of-Experts models larger than your GPU, and serve them over the "
         "OpenAI and Anthropic APIs.")
     parser.add_argument("--version", action="version", version=f"strata {__version__}")

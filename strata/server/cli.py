@@ -15,10 +15,9 @@ def register(sub) -> None:
     from strata.engine.cli import add_engine_args
 
     p = sub.add_parser("serve", help="serve the model over OpenAI- and Anthropic-compatible HTTP APIs")
-    add_engine_args(p)
-    g = p.add_argument_group("server")
+    g = p.add_argument_group("server")  # (first: what a user sets most, before the engine's many flags)
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    g.add_argument("--port", type=int, default=8080)
+    g.add_argument("--port", type=int, default=8080, help="TCP port to listen on")
     g.add_argument("--api-key", default=None, help="require this key on every route but /health "
                    "(default: $STRATA_API_KEY)")
     g.add_argument("-np", "--parallel", type=_parallel, default=0, metavar="N|auto",
@@ -38,6 +37,7 @@ def register(sub) -> None:
     g.add_argument("--warmup-tune-s", type=float, default=90.0, help="at most this many seconds choosing the "
                    "CPU/PCIe plan (--cpu-plan auto on a GPU) on text the server makes before it says ready; past "
                    "it the best plan measured so far is kept (default 90)")
+    add_engine_args(p)
     p.set_defaults(func=cmd_serve)
 
 
