@@ -190,6 +190,14 @@ def _user_text(text: str) -> str:
     return replace_surrogates(text)
 
 
+def _lenient_stdout() -> None:
+    """Text the terminal's encoding cannot show (a non-UTF-8 locale, PYTHONIOENCODING=ascii) written as '?': the
+    model's text is whatever it is, and one character must not end a generation in a traceback."""
+    for stream in (sys.stdout, sys.stderr):  # (stderr: chat's reasoning)
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="replace")
+
+
 def _lenient_stdin() -> None:
     """stdin's bytes that are not text in its encoding read as U+FFFD: under a strict locale they would raise in
     the middle of a chat instead."""
@@ -288,6 +296,7 @@ def cmd_generate(args) -> int:
     check_run_args(args)
     engine_config(args)  # bad engine flags fail here, before the model loads
     lm = load_from_args(args)
+    _lenient_stdout()
     tok = lm.tokenizer
     if tok is None:
         raise StrataError(f"{lm.cfg.model}: the model has no tokenizer in its metadata")
@@ -327,6 +336,7 @@ def cmd_chat(args) -> int:
     msgs = [{"role": "system", "content": _user_text(args.system)}] if args.system else []
     template = lm.gguf.get("tokenizer.chat_template")
     _lenient_stdin()
+    _lenient_stdout()
     interactive = sys.stdin.isatty()
     if interactive:
         try:

@@ -205,3 +205,20 @@ def test_a_reader_that_leaves_the_pipe_ends_it_quietly():
     err = p.stderr.read().decode()
     assert p.wait(timeout=300) == 141, err
     assert "Traceback" not in err and "Broken pipe" not in err and "Exception ignored" not in err, err
+
+
+def test_text_the_terminal_cannot_encode_is_replaced_not_a_traceback():
+    """A non-UTF-8 terminal (PYTHONIOENCODING=ascii stands for a latin-1 locale): the embedded model echoes the
+    prompt's accented letters, which print as '?', and the run ends normally; chat alike."""
+    import os
+
+    env = {**os.environ, "PYTHONIOENCODING": "ascii"}
+    prompt = "# " + " ".join(["\u00fcn\u00efc\u00f6d\u00e9"] * 7)
+    run = ["-m", "strata", "--device", "cpu", "-n", "16", "--temperature", "0"]
+    g = subprocess.run([sys.executable, *run[:2], "generate", *run[2:], "-p", prompt], capture_output=True,
+                       text=True, encoding="utf-8", timeout=300, env=env)
+    assert g.returncode == 0 and "Traceback" not in g.stderr, g.stderr
+    assert "?" in g.stdout  # (the letters the model wrote, as the terminal can show them)
+    c = subprocess.run([sys.executable, *run[:2], "chat", *run[2:]], input=prompt + "\n", capture_output=True,
+                       text=True, encoding="utf-8", timeout=300, env=env)
+    assert c.returncode == 0 and "Traceback" not in c.stderr, c.stderr
