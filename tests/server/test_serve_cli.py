@@ -1,0 +1,88 @@
+"""`strata serve` as a process, in the environments a new user's machine has: no C compiler, a fresh cache shared by
+two servers started together. Real processes on loopback, real HTTP."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+from .conftest import free_port
+
+
+def _start(port: int, env: dict, log, *flags: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "strata", "serve", "--port", str(port), "-np", "1",
+                             "--no-warmup", "--threads", "1", *flags], env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _ready(proc: subprocess.Popen, port: int, timeout: float = 240) -> None:
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        assert proc.poll() is None, "the server exited"
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError("the server did not become ready")
+
+
+def _complete(port: int) -> dict:
+    body = json.dumps({"prompt": "def add(a, b):", "max_tokens": 8, "temperature": 0}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        assert r.status == 200
+        return json.loads(r.read())
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    proc.wait(timeout=60)
+
+
+def test_serve_without_a_c_compiler_says_so_once_and_serves(tmp_path):
+    no_tools = tmp_path / "bin"
+    no_tools.mkdir()
+    env = {**os.environ, "PATH": str(no_tools), "CC": "strata-no-such-cc", "STRATA_CACHE_DIR": str(tmp_path / "c"),
+           "STRATA_API_KEY": "", "OMP_NUM_THREADS": "1"}
+    port = free_port()
+    with open(tmp_path / "log", "wb") as log:
+        proc = _start(port, env, log)
+        try:
+            _ready(proc, port)
+            assert _complete(port)["choices"][0]["text"]
+        finally:
+            _stop(proc)
+    out = (tmp_path / "log").read_text()
+    said = [ln for ln in out.splitlines() if "C compiler" in ln]
+    assert len(said) == 1 and "torch's kernels" in said[0], out
+    assert "Traceback" not in out
+
+
+def test_two_servers_started_together_share_a_fresh_cache(tmp_path):
+    env = {**os.environ, "STRATA_CACHE_DIR": str(tmp_path / "cache"), "STRATA_API_KEY": "", "OMP_NUM_THREADS": "1"}
+    ports = [free_port(), free_port()]
+    logs = [open(tmp_path / f"log{i}", "wb") for i in range(2)]
+    procs = [_start(p, env, log) for p, log in zip(ports, logs)]
+    try:
+        for proc, port in zip(procs, ports):
+            _ready(proc, port)
+        texts = [_complete(port)["choices"][0]["text"] for port in ports]
+        assert texts[0] == texts[1]  # (the same model, greedy: the same text)
+    finally:
+        for proc in procs:
+            _stop(proc)
+        for log in logs:
+            log.close()
+    for i in range(2):
+        out = (tmp_path / f"log{i}").read_text()
+        assert "Traceback" not in out and "native CPU kernel" not in out, out
+    # one complete build of the kernel (each server compiled it or took the other's), no temporary left behind
+    native = tmp_path / "cache" / "native"
+    assert [p.suffix for p in native.iterdir()] == [".so"]
