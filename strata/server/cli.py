@@ -77,16 +77,13 @@ def cmd_serve(args) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    if args.api_key is not None and not args.api_key.strip():
+        raise StrataError("--api-key is empty: pass a key, or leave the flag out to serve without one")
     key = args.api_key or api_key_from_env()
     cfg_kw = dict(host=args.host, port=args.port, api_key=key, cors_origins=args.cors_origin, parallel=args.parallel,
                   prompt_cache_mib=args.prompt_cache_mib, aliases=args.alias, prefill_chunk=args.prefill_chunk,
                   warmup=not args.no_warmup, warmup_tune_s=args.warmup_tune_s,
                   fault_after_tokens=fault_after_tokens_for_tests())
-    if not key and not is_loopback(args.host):
-        bar = "!" * 78
-        print(f"{bar}\nstrata: WARNING: binding {args.host} with no API key: anyone who can reach this port can use "
-              f"the model.\nstrata: WARNING: pass --api-key KEY (or set STRATA_API_KEY).\n{bar}", file=sys.stderr,
-              flush=True)
     try:
         path = resolve_model_path(args.model)
     except ImportError:
@@ -106,6 +103,11 @@ def cmd_serve(args) -> int:
         server.should_exit = True
 
     sock = bind(args.host, args.port)  # before saying "listening": a busy port is one line, not a false claim
+    if not key and not is_loopback(args.host):  # (once bound: a server that does not start warns of nothing)
+        bar = "!" * 78
+        print(f"{bar}\nstrata: WARNING: binding {args.host} with no API key: anyone who can reach this port can use "
+              f"the model.\nstrata: WARNING: pass --api-key KEY (or set STRATA_API_KEY).\n{bar}", file=sys.stderr,
+              flush=True)
     app = create_app(cfg, load=load, narrate=_say, on_error=failed)
     server = uvicorn_server(app, args.host, args.port)
     _say(f"listening on http://{_url_host(args.host)}:{args.port} (the model loads in the background; "

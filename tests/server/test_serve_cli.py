@@ -86,3 +86,13 @@ def test_two_servers_started_together_share_a_fresh_cache(tmp_path):
     # one complete build of the kernel (each server compiled it or took the other's), no temporary left behind
     native = tmp_path / "cache" / "native"
     assert [p.suffix for p in native.iterdir()] == [".so"]
+
+
+def test_an_empty_api_key_is_refused(capsys, tmp_path):
+    """`--api-key "$KEY"` with KEY unset would serve with no key at all: one line instead, before anything loads."""
+    from strata.cli import main
+
+    for key in ("", "  "):
+        assert main(["serve", "--api-key", key, "-m", str(tmp_path / "missing.gguf")]) == 1
+        err = capsys.readouterr().err
+        assert err == "strata: error: --api-key is empty: pass a key, or leave the flag out to serve without one\n"
