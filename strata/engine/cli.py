@@ -143,6 +143,9 @@ def check_run_args(args) -> None:
     """Reject bad generation settings before the model loads (one clear line, not a traceback minutes later)."""
     if args.n_predict is not None and args.n_predict <= 0:
         raise StrataError(f"-n/--n-predict must be a positive number of tokens, got {args.n_predict}")
+    if args.draft_source != "auto" and not args.draft_max:  # (a server's requests may turn drafts on: not there)
+        raise StrataError(f"--draft-source {args.draft_source} drafts nothing without --draft-max N (at most N "
+                          "drafted tokens a step)")
     sampling_from_args(args).validate()
 
 

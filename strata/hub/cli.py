@@ -221,6 +221,8 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise StrataError(f"--ctx-size must be >= 0, got {args.ctx_size}")
     if args.pipeline_parallel_size < 1:
         raise StrataError(f"--pipeline-parallel-size must be >= 1, got {args.pipeline_parallel_size}")
+    if args.layer_split.strip().lower() != "auto" and args.pipeline_parallel_size == 1:
+        raise StrataError(f"--layer-split {args.layer_split} splits a pipeline: pass -pp N (N stages) with it")
     if args.kv_vram_tokens is not None and args.kv_vram_tokens <= 0:
         raise StrataError(f"--kv-vram-tokens {args.kv_vram_tokens}: expected a positive number of tokens a layer")
 

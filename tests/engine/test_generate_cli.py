@@ -66,9 +66,15 @@ def test_bad_settings_fail_before_the_model_loads():
         ("generate", ["--temperature", "nan"], "temperature"),
         ("generate", ["--top-p", "0"], "top_p"),
         ("generate", ["--repeat-penalty", "0"], "repetition_penalty"),
+        # flags that contradict the others: what they ask for would silently not happen
+        ("generate", ["--draft-source", "mtp"], "without --draft-max N"),
+        ("chat", ["--draft-source", "ngram"], "without --draft-max N"),
+        ("generate", ["--layer-split", "3,5"], "pass -pp N"),
+        ("check", ["-m", "x.gguf", "--layer-split", "3,5"], "pass -pp N"),
     ]:
         prompt = ["-p", "x"] if cmd == "generate" else []
-        r = subprocess.run([sys.executable, "-m", "strata", cmd, *prompt, "--device", "cpu", *flags],
+        device = [] if cmd == "check" else ["--device", "cpu"]
+        r = subprocess.run([sys.executable, "-m", "strata", cmd, *prompt, *device, *flags],
                            capture_output=True, text=True, timeout=120, input="")
         assert r.returncode != 0, (cmd, flags)
         assert needle in r.stderr and "Traceback" not in r.stderr, (flags, r.stderr)
