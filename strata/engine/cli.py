@@ -305,6 +305,9 @@ def cmd_generate(args) -> int:
         raise StrataError(f"{lm.cfg.model}: the model has no tokenizer in its metadata")
     if args.prompt is None:
         _lenient_stdin()
+        if sys.stdin.isatty():  # (a user who left out -p would otherwise wait on a silent terminal)
+            print("strata: reading the prompt from the terminal: end it with Ctrl-D (or pass -p TEXT)",
+                  file=sys.stderr, flush=True)
     prompt = _user_text(args.prompt if args.prompt is not None else sys.stdin.read())
     if args.chat:
         if lm.template is None:

@@ -228,3 +228,23 @@ def test_text_the_terminal_cannot_encode_is_replaced_not_a_traceback():
     c = subprocess.run([sys.executable, *run[:2], "chat", *run[2:]], input=prompt + "\n", capture_output=True,
                        text=True, encoding="utf-8", timeout=300, env=env)
     assert c.returncode == 0 and "Traceback" not in c.stderr, c.stderr
+
+
+def test_generate_without_a_prompt_on_a_terminal_says_it_reads_one():
+    """No -p, stdin a terminal: the command says it waits for the prompt (and how to end it), then takes it."""
+    import os
+    import pty
+
+    master, slave = pty.openpty()
+    p = subprocess.Popen([sys.executable, "-m", "strata", "generate", "--device", "cpu", "-n", "4", "--temperature",
+                          "0"], stdin=slave, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    os.close(slave)
+    try:
+        os.write(master, b"def add(a, b):\n\x04")  # a line, then Ctrl-D at the start of the next
+        out, err = p.communicate(timeout=300)
+    finally:
+        if p.poll() is None:
+            p.kill()
+        os.close(master)
+    assert p.returncode == 0 and "Traceback" not in err, err
+    assert "reading the prompt from the terminal: end it with Ctrl-D" in err and out.strip()
