@@ -89,6 +89,7 @@ def cmd_serve(args) -> int:
     except ImportError:
         raise StrataError("no model given and this build has no embedded default model: pass -m MODEL") from None
     args.model = path
+    _check_model(path)  # (a file that holds no model it can run fails before "listening", not after)
     cfg = ServeConfig(model_id=model_id_for(path), **cfg_kw)
     state = {}
 
@@ -120,6 +121,22 @@ def cmd_serve(args) -> int:
         e = state["error"]
         raise e if isinstance(e, StrataError) else StrataError(f"could not start: {e}")
     return 0
+
+
+def _check_model(path: str) -> None:
+    """The loader's checks of the file that need no weights read: GGUF, complete, a model (not a vocabulary), of an
+    architecture strata runs; StrataError naming what is wrong."""
+    from strata.gguf.header import check_gguf_file, require_model
+    from strata.gguf.reader import split_paths
+    from strata.models.registry import FAMILIES
+
+    paths = split_paths(path)
+    headers = [check_gguf_file(p) for p in paths]
+    require_model(headers[0].metadata, len(paths), sum(len(h.tensors) for h in headers), paths[0].name)
+    arch = headers[0].architecture
+    if arch not in FAMILIES:
+        raise StrataError(f"{paths[0].name}: unknown model architecture '{arch}' (strata runs: "
+                          f"{', '.join(sorted(FAMILIES))})")
 
 
 # Seconds an idle connection stays open. Longer than the idle expiry of clients' connection pools (httpx, which the

@@ -96,3 +96,22 @@ def test_an_empty_api_key_is_refused(capsys, tmp_path):
         assert main(["serve", "--api-key", key, "-m", str(tmp_path / "missing.gguf")]) == 1
         err = capsys.readouterr().err
         assert err == "strata: error: --api-key is empty: pass a key, or leave the flag out to serve without one\n"
+
+
+def test_a_file_that_holds_no_model_fails_before_listening(tmp_path):
+    """A vocabulary-only GGUF, a safetensors file: one error line and a non-zero exit, without first claiming to
+    listen (the model loads after the port is bound; the file's header is checked before)."""
+    import pathlib
+
+    from safetensors.torch import save_file
+    import torch
+
+    save_file({"w": torch.zeros(4)}, tmp_path / "model.safetensors")
+    vocab = pathlib.Path(__file__).resolve().parents[1] / "data" / "llama.cpp-models" / "ggml-vocab-gpt-2.gguf"
+    env = {**os.environ, "STRATA_API_KEY": "", "OMP_NUM_THREADS": "1"}
+    for path, words in ((vocab, "holds no tensors"), (tmp_path / "model.safetensors", "a safetensors file")):
+        r = subprocess.run([sys.executable, "-m", "strata", "serve", "-m", str(path), "--port", str(free_port())],
+                           env=env, capture_output=True, text=True, timeout=120)
+        lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+        assert r.returncode == 1 and len(lines) == 1 and words in lines[0], r.stderr
+        assert lines[0].startswith("strata: error:") and "listening" not in r.stderr
