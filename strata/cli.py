@@ -56,6 +56,14 @@ class Parser(argparse.ArgumentParser):
             raise argparse.ArgumentError(action, f"invalid choice: {value!r} (choose from {choices}){hint}")
         super()._check_value(action, value)
 
+    def _get_option_tuples(self, option_string):
+        # argparse takes a prefix of a flag for the flag: right for --temp, wrong for one dash, where -p is not
+        # -pp (a user's `serve -p 8080` meant a port, not 8080 pipeline stages); -c4096 (-c, then its value) stays
+        found = super()._get_option_tuples(option_string)
+        if option_string[:1] in self.prefix_chars and option_string[1:2] not in self.prefix_chars:
+            found = [t for t in found if t[1] == option_string[:2]]
+        return found
+
     def parse_args(self, args=None, namespace=None):
         args, extras = self.parse_known_args(args, namespace)
         if extras:
@@ -71,6 +79,17 @@ class Parser(argparse.ArgumentParser):
         return self
 
 
+# llama.cpp's flags that strata has no twin of, and what does their job here
+LLAMACPP_FLAGS = {
+    ("-ngl", "--n-gpu-layers", "--gpu-layers", "-ncmoe", "--n-cpu-moe", "-cmoe", "--cpu-moe", "-ot",
+     "--override-tensor"): "strata places the model itself: --vram-gb N is its GPU budget (the expert cache takes "
+                           "what the rest leaves)",
+    ("-fa", "--flash-attn"): "strata's attention needs no switch",
+    ("--jinja",): "chat templates are always rendered with jinja",
+    ("--mlock", "--no-mmap"): "strata maps the file and pins what it keeps in RAM itself",
+}
+
+
 def _unknown(parser: argparse.ArgumentParser, extras: list[str]) -> str:
     """What parse_known_args left over, in words, with the closest flag to the first unknown one."""
     word = extras[0]
@@ -78,6 +97,15 @@ def _unknown(parser: argparse.ArgumentParser, extras: list[str]) -> str:
         hint = "; the prompt goes after -p" if "-p" in parser._option_string_actions else ""
         return f"unexpected argument {word!r}{hint}"
     flag = word.split("=", 1)[0]
+    for names, instead in LLAMACPP_FLAGS.items():
+        if flag in names:
+            return f"{flag} is llama.cpp's: {instead}"
+    if flag in ("-t", "--threads"):
+        return f"{flag}: --cpu-threads N sets the CPU lane's threads"
+    if flag == "-p" and parser.prog.endswith(" chat"):
+        return "-p: chat takes its messages from the terminal (`strata generate -p TEXT` answers one prompt)"
+    if flag == "-p" and "--port" in parser._option_string_actions:
+        return "unknown flag -p; did you mean --port?"
     flags = [f for f in parser._option_string_actions if f.startswith("--")]
     near = difflib.get_close_matches(flag, flags, n=1, cutoff=0.6)
     return f"unknown flag {flag}" + (f"; did you mean {near[0]}?" if near else "")

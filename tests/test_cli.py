@@ -61,3 +61,23 @@ def test_python_dash_m_strata_without_arguments_prints_the_commands():
     assert r.returncode == 2 and "serve" in r.stdout and "Traceback" not in r.stderr
     v = subprocess.run([sys.executable, "-m", "strata", "--version"], capture_output=True, text=True, timeout=120)
     assert v.returncode == 0 and v.stdout.startswith("strata ")
+
+
+def test_one_dash_is_never_a_prefix(capsys):
+    """argparse would take -p for -pp: `serve -p 8080` started 8080 pipeline stages, `chat -p hi` complained of
+    -pp. One dash names one flag; -c4096 (a flag and its value) still reads as -c 4096."""
+    from strata.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "-c4096", "-np", "2"])
+    assert (args.ctx_size, args.parallel, args.pipeline_parallel_size) == (4096, 2, 1)
+    assert "chat takes its messages from the terminal" in _error(capsys, ["chat", "-p", "hi"])
+    with pytest.raises(SystemExit):  # (parsed only: a -p taken for -pp would start that many stages)
+        build_parser().parse_args(["serve", "-p", "8080"])
+    assert "did you mean --port?" in capsys.readouterr().err
+
+
+def test_llama_cpp_flags_say_what_does_their_job(capsys):
+    assert "--vram-gb N is its GPU budget" in _error(capsys, ["serve", "-ngl", "99"])
+    assert "--vram-gb N" in _error(capsys, ["serve", "--n-cpu-moe", "10"])
+    assert "--cpu-threads N" in _error(capsys, ["generate", "-t", "8"])
+    assert "always rendered with jinja" in _error(capsys, ["serve", "--jinja"])
