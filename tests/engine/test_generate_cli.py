@@ -248,3 +248,12 @@ def test_generate_without_a_prompt_on_a_terminal_says_it_reads_one():
         os.close(master)
     assert p.returncode == 0 and "Traceback" not in err, err
     assert "reading the prompt from the terminal: end it with Ctrl-D" in err and out.strip()
+
+
+def test_more_pipeline_stages_than_layers_fail_before_any_stage_starts():
+    """-pp past the model's layers (strata-tiny has 8): one line, before a process is spawned for each stage."""
+    r = subprocess.run([sys.executable, "-m", "strata", "generate", "--device", "cpu", "-pp", "9", "-p", "x"],
+                       capture_output=True, text=True, timeout=120)
+    said = [ln for ln in r.stderr.splitlines() if "error" in ln.lower()]
+    assert r.returncode == 1 and said == ["strata: error: --pipeline-parallel-size 9 exceeds the model's 8 layers"], \
+        r.stderr
