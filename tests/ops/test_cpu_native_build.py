@@ -27,6 +27,7 @@ def test_no_compiler_is_one_clear_line(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("PATH", str(tmp_path))  # neither cc nor gcc on it
     monkeypatch.setattr(native, "_tried", False)
     monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setattr(native, "_why", native._why)  # (restored after: later tests see this machine's kernel)
     with caplog.at_level("INFO", logger="strata"):
         assert native.load() is None
     why = native.unavailable()
