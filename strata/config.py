@@ -234,6 +234,8 @@ class EngineConfig:
                               f"(got {self.draft_max}, {self.draft_ngram_min}, {self.draft_ngram_max})")
         if self.pipeline_parallel_size < 1:
             raise StrataError(f"--pipeline-parallel-size must be >= 1, got {self.pipeline_parallel_size}")
+        if self.layer_split.strip().lower() != "auto" and self.pipeline_parallel_size == 1 and not launcher_ranks():
+            raise StrataError(f"--layer-split {self.layer_split} splits a pipeline: pass -pp N (N stages) with it")
         from strata.kv.window import parse_tokens
 
         if parse_tokens(self.kv_vram_tokens) is not None and self.pipeline_parallel_size > 1:
@@ -345,7 +347,6 @@ def env_number(name: str, kind=float):
 
 def cache_dir():
     """strata's cache root: $STRATA_CACHE_DIR, else $XDG_CACHE_HOME/strata, else ~/.cache/strata."""
-
     root = env("STRATA_CACHE_DIR")
     if root:
         return Path(root).expanduser()
@@ -354,7 +355,6 @@ def cache_dir():
 
 def models_dir():
     """Where `strata pull` puts models: $STRATA_MODELS_DIR, else <cache_dir()>/models."""
-
     models = env("STRATA_MODELS_DIR")
     return Path(models).expanduser() if models else cache_dir() / "models"
 

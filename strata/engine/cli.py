@@ -32,7 +32,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     EngineConfig's and ExpertConfig's fields (help, type, default and choices are written there once)."""
     from strata.config import EngineConfig, ExpertConfig, add_flags
 
-    add_flags(p, EngineConfig)
+    add_flags(p.add_argument_group("model and engine"), EngineConfig)
     add_flags(p.add_argument_group("experts (tiered execution)"), ExpertConfig)
 
 
@@ -125,12 +125,17 @@ def _add_sampling(p):
                    help="tokens to generate (default: 128 for generate, 512 a chat reply, fewer where the context "
                    "ends sooner)")
     p.add_argument("--temperature", "--temp", type=float, default=d.temperature, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=d.top_k)
-    p.add_argument("--top-p", type=float, default=d.top_p)
-    p.add_argument("--min-p", type=float, default=d.min_p)
-    p.add_argument("--repeat-penalty", type=float, default=d.repetition_penalty)
-    p.add_argument("--presence-penalty", type=float, default=d.presence_penalty)
-    p.add_argument("--frequency-penalty", type=float, default=d.frequency_penalty)
+    p.add_argument("--top-k", type=int, default=d.top_k, help="sample among the K likeliest tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=d.top_p,
+                   help="sample among the likeliest tokens that make up this probability (1: all)")
+    p.add_argument("--min-p", type=float, default=d.min_p,
+                   help="drop tokens less likely than this times the likeliest one (0: none)")
+    p.add_argument("--repeat-penalty", type=float, default=d.repetition_penalty,
+                   help="penalize the tokens of the last 64 by this factor, as llama.cpp does (1: off)")
+    p.add_argument("--presence-penalty", type=float, default=d.presence_penalty,
+                   help="subtract this from the logit of each token of the last 64 (0: off)")
+    p.add_argument("--frequency-penalty", type=float, default=d.frequency_penalty,
+                   help="subtract this times its count in the last 64 from a token's logit (0: off)")
     p.add_argument("--seed", type=int, default=d.seed, help="sampling seed (-1 or unset: a random one)")
 
 
@@ -138,6 +143,9 @@ def check_run_args(args) -> None:
     """Reject bad generation settings before the model loads (one clear line, not a traceback minutes later)."""
     if args.n_predict is not None and args.n_predict <= 0:
         raise StrataError(f"-n/--n-predict must be a positive number of tokens, got {args.n_predict}")
+    if args.draft_source != "auto" and not args.draft_max:  # (a server's requests may turn drafts on: not there)
+        raise StrataError(f"--draft-source {args.draft_source} drafts nothing without --draft-max N (at most N "
+                          "drafted tokens a step)")
     sampling_from_args(args).validate()
 
 
@@ -183,6 +191,14 @@ def _user_text(text: str) -> str:
     from strata.text import replace_surrogates
 
     return replace_surrogates(text)
+
+
+def _lenient_stdout() -> None:
+    """Text the terminal's encoding cannot show (a non-UTF-8 locale, PYTHONIOENCODING=ascii) written as '?': the
+    model's text is whatever it is, and one character must not end a generation in a traceback."""
+    for stream in (sys.stdout, sys.stderr):  # (stderr: chat's reasoning)
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="replace")
 
 
 def _lenient_stdin() -> None:
@@ -283,11 +299,15 @@ def cmd_generate(args) -> int:
     check_run_args(args)
     engine_config(args)  # bad engine flags fail here, before the model loads
     lm = load_from_args(args)
+    _lenient_stdout()
     tok = lm.tokenizer
     if tok is None:
         raise StrataError(f"{lm.cfg.model}: the model has no tokenizer in its metadata")
     if args.prompt is None:
         _lenient_stdin()
+        if sys.stdin.isatty():  # (a user who left out -p would otherwise wait on a silent terminal)
+            print("strata: reading the prompt from the terminal: end it with Ctrl-D (or pass -p TEXT)",
+                  file=sys.stderr, flush=True)
     prompt = _user_text(args.prompt if args.prompt is not None else sys.stdin.read())
     if args.chat:
         if lm.template is None:
@@ -322,6 +342,7 @@ def cmd_chat(args) -> int:
     msgs = [{"role": "system", "content": _user_text(args.system)}] if args.system else []
     template = lm.gguf.get("tokenizer.chat_template")
     _lenient_stdin()
+    _lenient_stdout()
     interactive = sys.stdin.isatty()
     if interactive:
         try:
@@ -385,7 +406,7 @@ def register(sub) -> None:
     add_engine_args(p)
     p.add_argument("-p", "--prompt", default=None, help="the prompt (default: read stdin)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    _add_sampling(p)
+    _add_sampling(p.add_argument_group("sampling"))
     # generate and chat decode the user's text from their first step: the plan trials (all-CPU plans among them,
     # several times slower than the best) belong to the server's warm-up or `strata calibrate`, not to a user's
     # tokens; the plan comes from the cost model or an earlier run's verdict (--cpu-plan-tune runs them here)
@@ -396,7 +417,7 @@ def register(sub) -> None:
     p.add_argument("-v", "--verbose", action="store_true", help="print speed after each reply")
     p.add_argument("--hide-reasoning", action="store_true",
                    help="do not show the model's reasoning (<think> blocks; shown dimmed on stderr by default)")
-    _add_sampling(p)
+    _add_sampling(p.add_argument_group("sampling"))
     p.set_defaults(func=cmd_chat, cpu_plan_tune=False)
     from strata.engine.perplexity_cli import register as register_perplexity
 

@@ -77,7 +77,9 @@ def load_model(path: str, cfg: EngineConfig | None = None, with_tokenizer: bool 
     # (a KV window on a GPU: the model's own context, its KV in host RAM)
     max_ctx = cfg.ctx_size or default_ctx(cfg, args.ctx_len) or min(args.ctx_len, DEFAULT_CTX)
     if cfg.ctx_size and cfg.ctx_size > args.ctx_len:
-        log.warning("strata: context %d exceeds the model's trained context %d", cfg.ctx_size, args.ctx_len)
+        # (llama.cpp warns and runs it too: "possible training context overflow"; its server caps each slot)
+        log.warning("strata: -c %d exceeds the model's trained context of %d: it runs, but past %d tokens the "
+                    "model's text may fall apart", cfg.ctx_size, args.ctx_len, args.ctx_len)
     if cfg.torch_device.type == "cuda":
         from strata.experts.cache import release_caps
 

@@ -328,6 +328,11 @@ class LocalPipeline:
             raise StrataError(f"--pipeline-parallel-size {size} on CUDA needs {size} GPUs on this machine (one a "
                               f"stage), found {torch.cuda.device_count()}; across machines, start the stages "
                               "with torchrun")
+        from strata.gguf.reader import open_gguf
+        from strata.models.registry import family_for
+
+        g = open_gguf(path)  # a split the model cannot take (more stages than layers) fails before a process starts
+        layer_split(family_for(g.arch).load_args(g).n_layers, size, cfg.layer_split)
         self.init_method = f"tcp://127.0.0.1:{free_port()}"
         ctx = mp.get_context("spawn")
         self.procs = [ctx.Process(target=_stage_main, args=(path, cfg, r, size, self.init_method, n_slots,

@@ -98,6 +98,28 @@ class _Cursor:
         raise ValueError(f"unknown GGUF value type {vtype} at byte {self.pos}")
 
 
+# the first bytes of what is passed for a GGUF by mistake, and what to do instead
+_CONVERT = "strata runs GGUF files: convert the checkpoint's directory with `strata convert HF_DIR out.gguf`"
+_OLD_GGML = (b"lmgg", b"fmgg", b"tjgg", b"algg")  # 'ggml', 'ggmf', 'ggjt', 'ggla' as uint32 little-endian
+
+
+def not_gguf(head: bytes, size: int) -> str:
+    """What a file that does not start with GGUF's magic is, from its first bytes, and what to run instead."""
+    if len(head) >= 9 and head[8:9] == b"{" and 0 < struct.unpack_from("<Q", head)[0] < size:
+        return f"a safetensors file, not GGUF; {_CONVERT}"
+    if head[:4] == b"PK\x03\x04" or (head[:1] == b"\x80" and head[1:2] in b"\x02\x03\x04\x05"):
+        return f"a PyTorch checkpoint (pickle), not GGUF; {_CONVERT} (from its safetensors files)"
+    if head[:4] in _OLD_GGML:
+        return ("a GGML file of the format before GGUF (2023), which llama.cpp no longer reads either: get the "
+                "model's GGUF")
+    if head.startswith(b"version https://git-lfs"):
+        return ("a Git LFS pointer, not the model's data: fetch the file itself (`git lfs pull`, or `strata pull "
+                "REPO:FILE`)")
+    if head.lstrip()[:1] == b"<":
+        return "a web page (HTML or XML), not GGUF: a download that saved an error page? download it again"
+    return f"not a GGUF file (it does not start with GGUF's magic; {size} bytes)"
+
+
 def read_gguf_header(path: Path, full: bool = False) -> GGUFHeader:
     """Metadata and tensor infos of one GGUF file, without touching tensor data; StrataError if unreadable.
     `full`: keep every metadata array (vocabularies too); otherwise arrays past SHORT_ARRAYS are skipped."""
@@ -105,12 +127,14 @@ def read_gguf_header(path: Path, full: bool = False) -> GGUFHeader:
 
     path = Path(path)
     file_size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(64)
+    if head[:4] != b"GGUF":
+        raise StrataError(f"{path.name}: {not_gguf(head, file_size)}")
     if file_size < 24:
         raise StrataError(f"{path.name}: not a GGUF file ({file_size} bytes)")
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         try:
-            if bytes(buf[:4]) != b"GGUF":
-                raise ValueError("no GGUF magic")
             version = struct.unpack_from("<I", buf, 4)[0]
             order = "<" if version & 0xFFFF else ">"  # a big-endian file reads as version << 16 here
             c = _Cursor(buf, order, None if full else SHORT_ARRAYS)
@@ -169,3 +193,17 @@ def check_gguf_file(path: Path, name: str | None = None, full: bool = False) -> 
                 f"{name}: tensor {t.name} ends at byte {end} but the file has {h.file_size} bytes (truncated)"
             )
     return h
+
+
+def require_model(metadata: dict[str, Any], n_files: int, n_tensors: int, name: str) -> None:
+    """A GGUF (set) that holds a model: StrataError for one part of a split set opened alone (its name lacks
+    `-0000i-of-0000N`, so its parts were not found) or a file of no tensors (a vocabulary)."""
+    count = int(metadata.get("split.count", 0) or 0)
+    if count > n_files:
+        no = int(metadata.get("split.no", 0) or 0) + 1
+        raise StrataError(f"{name} is part {no} of a split GGUF set of {count} files (its split.count), opened "
+                          f"alone: name the parts as llama.cpp's gguf-split does (MODEL-{no:05d}-of-{count:05d}.gguf, "
+                          "each beside the others) and pass the first")
+    if not n_tensors:
+        raise StrataError(f"{name} holds no tensors: a vocabulary-only GGUF (as llama.cpp's ggml-vocab-*.gguf "
+                          "files are), not a model to run")

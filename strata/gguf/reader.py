@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from strata import StrataError
-from strata.gguf.header import check_gguf_file, read_gguf_header
+from strata.gguf.header import check_gguf_file, read_gguf_header, require_model
 from strata.quant import SUPPORTED_TYPES, type_name
 
 SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<idx>\d{5})-of-(?P<n>\d{5})\.gguf$")
@@ -93,6 +93,7 @@ class GGUFModel:
                     raise StrataError(f"{p.name}: tensor {t.name} appears twice in the split set")
                 shape = tuple(reversed(t.shape))  # ggml order -> torch order
                 self.tensors[t.name] = TensorInfo(t.name, int(qtype), shape, t.n_bytes, p, t.offset, mm)
+        require_model(self.metadata, len(self.paths), len(self.tensors), self.paths[0].name)
         self.arch: str = str(self.metadata.get("general.architecture", ""))
         if not self.arch:
             raise StrataError(f"{self.paths[0].name}: no general.architecture in the metadata")

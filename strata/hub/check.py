@@ -354,9 +354,15 @@ def fit(fp: ModelFootprint, machine: MachineInfo, ctx: int = 0, vram_budget: int
     if fp.n_expert and fp.embed_bytes:
         f.notes.append(f"the input embedding table ({_g(fp.embed_bytes)}) is read from host RAM, its VRAM left to "
                        "the expert cache (--no-host-embed keeps it on the GPU)")
-    if fp.context_length and ctx > fp.context_length:
-        f.notes.append(f"-c {ctx} is beyond the model's trained context of {fp.context_length}")
+    _past_trained(f, fp, ctx)
     return f
+
+
+def _past_trained(f: Fit, fp: ModelFootprint, ctx: int) -> None:
+    """A context past the model's trained one runs (as llama.cpp runs it, with a warning), but is said."""
+    if fp.context_length and ctx > fp.context_length:
+        f.notes.append(f"-c {ctx} is beyond the model's trained context of {fp.context_length}: it runs, but past "
+                       f"{fp.context_length} tokens the model's text may fall apart")
 
 
 def _fit_cpu(fp: ModelFootprint, machine: MachineInfo, ctx: int, kv: int) -> Fit:
@@ -370,6 +376,7 @@ def _fit_cpu(fp: ModelFootprint, machine: MachineInfo, ctx: int, kv: int) -> Fit
             f"{_g(RAM_HEADROOM)}), {_g(machine.ram_available)} available of {_g(machine.ram_total)}"
         )
         f.fixes.append(f"{_g(ram_needed - machine.ram_available)} more free RAM, a GPU, or a smaller quant")
+    _past_trained(f, fp, ctx)
     return f
 
 

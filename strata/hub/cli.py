@@ -175,6 +175,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     from strata.hub.check import GiB, fit, model_footprint
     from strata.hub.local import default_models_dir, resolve_model
     from strata.hub.machine import probe
+    from strata.gguf.header import require_model
     from strata.hub.verify import check_gguf_file
 
     _check_flags(args)
@@ -186,8 +187,10 @@ def cmd_check(args: argparse.Namespace) -> int:
     fp = verdict = None
     if args.model:
         paths = resolve_model(args.model, models_dir)
-        for p in paths:  # a cut-off file loads nowhere: the check the loader makes, before any verdict
-            check_gguf_file(p)
+        # a cut-off file, a vocabulary, a part of a split set alone load nowhere: the loader's checks, before any
+        # verdict (a size alone would say "it runs")
+        headers = [check_gguf_file(p) for p in paths]
+        require_model(headers[0].metadata, len(paths), sum(len(h.tensors) for h in headers), paths[0].name)
         fp = model_footprint(paths, args.cache_type_k, args.cache_type_v)
         _check_architecture(paths[0], fp.architecture)
         budget = int(args.vram_gb * GiB) if args.vram_gb is not None else None
@@ -218,6 +221,8 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise StrataError(f"--ctx-size must be >= 0, got {args.ctx_size}")
     if args.pipeline_parallel_size < 1:
         raise StrataError(f"--pipeline-parallel-size must be >= 1, got {args.pipeline_parallel_size}")
+    if args.layer_split.strip().lower() != "auto" and args.pipeline_parallel_size == 1:
+        raise StrataError(f"--layer-split {args.layer_split} splits a pipeline: pass -pp N (N stages) with it")
     if args.kv_vram_tokens is not None and args.kv_vram_tokens <= 0:
         raise StrataError(f"--kv-vram-tokens {args.kv_vram_tokens}: expected a positive number of tokens a layer")
 

@@ -134,8 +134,10 @@ def resolve_model(spec: str | os.PathLike, models_dir: str | os.PathLike | None 
             return parts
         return [p]
     if p.is_dir():
-        raise StrataError(f"{spec} is a directory: name a .gguf file in it (or REPO[:QUANT])")
+        raise StrataError(_directory(p, str(spec)))
     spec = str(spec)
+    if spec.startswith(("/", "./", "../", "~")):  # a path, not a repo id
+        raise StrataError(f"no such file: {spec}")
     if is_url(spec):
         raise StrataError(f"{spec} is a URL: download it first with `strata pull {spec}`")
     if spec.endswith(".gguf") and ":" not in spec and not _REPO.match(spec):
@@ -157,3 +159,15 @@ def resolve_model(spec: str | os.PathLike, models_dir: str | os.PathLike | None 
             f"{spec}: not completely downloaded or not verified ({', '.join(unfinished)}); run `strata pull {spec}`"
         )
     return files
+
+
+def _directory(p: Path, spec: str) -> str:
+    """What to pass instead of a directory: a GGUF in it, or the conversion of a transformers checkpoint."""
+    ggufs = sorted(f.name for f in p.glob("*.gguf") if (shard_info(f.name) or ("", 1, 1))[1] == 1)  # (first parts)
+    if ggufs:
+        return (f"{spec} is a directory: name a .gguf file in it, e.g. -m {p / ggufs[0]}"
+                + (f" ({len(ggufs)} models there)" if len(ggufs) > 1 else ""))
+    if (p / "config.json").is_file():
+        return (f"{spec} is a transformers checkpoint directory, and strata runs GGUF files: convert it with "
+                f"`strata convert {spec} out.gguf`")
+    return f"{spec} is a directory: name a .gguf file in it (or REPO[:QUANT])"

@@ -55,6 +55,9 @@ def _too_large(n_slots: int, max_ctx: int, per_token: int, need: int, avail: int
     """The error for a KV cache the device cannot hold: the numbers, and the context that would fit."""
     have = f", {avail / 2**30:.2f} GiB is free" if avail is not None else ""
     fits = f": -c {avail // max(1, n_slots * per_token)} fits" if avail is not None else ": use a smaller -c"
+    slots = avail // max(1, max_ctx * per_token) if avail is not None and n_slots > 1 else 0
+    if slots:  # (too many slots, rather than too long a context: -np is the other way)
+        fits += f", or -np {slots} at this -c"
     return StrataError(f"the KV cache of {n_slots} slot(s) x {max_ctx} tokens needs {need / 2**30:.2f} GiB of "
                        f"{where}{have}{fits}")
 

@@ -77,37 +77,36 @@ def _cache_dir() -> pathlib.Path:
 
 
 def build(flags: list[str] | None = None) -> ctypes.CDLL | None:
-    """Compile the kernel with `flags` (default FLAGS) into the cache, or reuse the cached build; None (and a
-    warning) when there is no compiler or the build fails."""
+    """Compile the kernel with `flags` (default FLAGS) into the cache, or reuse the cached build; None (and one
+    warning line) when there is no compiler or the build fails. A cache that cannot be written (read-only, full)
+    gets a build for this process alone, in a temporary directory."""
     global _why
     flags = FLAGS if flags is None else flags
     cc = shutil.which(c_compiler()) or shutil.which("gcc")
     if cc is None:
         _why = "no C compiler found (install cc or gcc, or set CC)"
-        log.info("strata: %s; the CPU lane uses torch's kernels", _why)
+        log.warning("strata: %s; the CPU lane uses torch's kernels", _why)
         return None
     code, hdrs = source(), headers()
     # a changed header changes the build as much as a changed source
     tag = hashlib.sha256((code + "".join(hdrs.values()) + " ".join(flags) + cc).encode()).hexdigest()[:16]
     path = _cache_dir() / f"experts-{tag}.so"
     try:
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-                src = pathlib.Path(tmp) / "experts.c"
-                src.write_text(code)
-                for name, text in hdrs.items():  # #include "..." resolves beside the source
-                    (pathlib.Path(tmp) / name).write_text(text)
-                so = pathlib.Path(tmp) / "experts.so"
-                r = subprocess.run([cc, *flags, str(src), "-o", str(so), "-lm"], capture_output=True, text=True,
-                                   timeout=120)
-                if r.returncode != 0:
-                    err = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode
-                    _why = f"building {SOURCE_FILE.name} with {cc} failed ({err})"
-                    log.warning("strata: %s; the CPU lane uses torch's kernels", _why)
-                    return None
-                os.replace(so, path)  # atomic: a concurrent build leaves one complete file
-        lib = ctypes.CDLL(str(path))
+        try:
+            if not path.exists():
+                path.parent.mkdir(parents=True, exist_ok=True)
+                _compile(cc, flags, code, hdrs, path)
+            lib = ctypes.CDLL(str(path))
+        except OSError as e:
+            if path.exists():  # (a build that does not load: no other build would)
+                raise
+            lib = _build_for_this_run(cc, flags, code, hdrs)
+            log.warning("strata: cannot keep the native CPU kernel's build in %s (%s): built for this run only "
+                        "(STRATA_CACHE_DIR names a writable cache)", path.parent, e.strerror or e)
+    except _BuildFailed as e:
+        _why = f"building {SOURCE_FILE.name} with {cc} failed ({e})"
+        log.warning("strata: %s; the CPU lane uses torch's kernels", _why)
+        return None
     except (OSError, subprocess.SubprocessError) as e:
         _why = f"the native CPU kernel is unavailable ({e})"
         log.warning("strata: %s; the CPU lane uses torch's kernels", _why)
@@ -128,6 +127,32 @@ def build(flags: list[str] | None = None) -> ctypes.CDLL | None:
     lib.strata_native_tables_x.restype = None
     _set_tables(lib)  # every build (the portable one of the tests too) gets the i-quant tables
     return lib
+
+
+class _BuildFailed(Exception):
+    """The compiler ran and refused the source (its last line of errors)."""
+
+
+def _compile(cc: str, flags: list[str], code: str, hdrs: dict[str, str], out: pathlib.Path) -> None:
+    """The kernel compiled into `out`, atomically (a concurrent build leaves one complete file)."""
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        src = pathlib.Path(tmp) / "experts.c"
+        src.write_text(code)
+        for name, text in hdrs.items():  # #include "..." resolves beside the source
+            (pathlib.Path(tmp) / name).write_text(text)
+        so = pathlib.Path(tmp) / "experts.so"
+        r = subprocess.run([cc, *flags, str(src), "-o", str(so), "-lm"], capture_output=True, text=True, timeout=120)
+        if r.returncode != 0:
+            raise _BuildFailed(r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode)
+        os.replace(so, out)
+
+
+def _build_for_this_run(cc: str, flags: list[str], code: str, hdrs: dict[str, str]) -> ctypes.CDLL:
+    """A build in a temporary directory, removed once loaded (the loaded library stays mapped)."""
+    with tempfile.TemporaryDirectory(prefix="strata-native-") as tmp:
+        out = pathlib.Path(tmp) / "experts.so"
+        _compile(cc, flags, code, hdrs, out)
+        return ctypes.CDLL(str(out))
 
 
 def unavailable() -> str:

@@ -15,10 +15,9 @@ def register(sub) -> None:
     from strata.engine.cli import add_engine_args
 
     p = sub.add_parser("serve", help="serve the model over OpenAI- and Anthropic-compatible HTTP APIs")
-    add_engine_args(p)
-    g = p.add_argument_group("server")
+    g = p.add_argument_group("server")  # (first: what a user sets most, before the engine's many flags)
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    g.add_argument("--port", type=int, default=8080)
+    g.add_argument("--port", type=int, default=8080, help="TCP port to listen on")
     g.add_argument("--api-key", default=None, help="require this key on every route but /health "
                    "(default: $STRATA_API_KEY)")
     g.add_argument("-np", "--parallel", type=_parallel, default=0, metavar="N|auto",
@@ -38,6 +37,7 @@ def register(sub) -> None:
     g.add_argument("--warmup-tune-s", type=float, default=90.0, help="at most this many seconds choosing the "
                    "CPU/PCIe plan (--cpu-plan auto on a GPU) on text the server makes before it says ready; past "
                    "it the best plan measured so far is kept (default 90)")
+    add_engine_args(p)
     p.set_defaults(func=cmd_serve)
 
 
@@ -77,21 +77,19 @@ def cmd_serve(args) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    if args.api_key is not None and not args.api_key.strip():
+        raise StrataError("--api-key is empty: pass a key, or leave the flag out to serve without one")
     key = args.api_key or api_key_from_env()
     cfg_kw = dict(host=args.host, port=args.port, api_key=key, cors_origins=args.cors_origin, parallel=args.parallel,
                   prompt_cache_mib=args.prompt_cache_mib, aliases=args.alias, prefill_chunk=args.prefill_chunk,
                   warmup=not args.no_warmup, warmup_tune_s=args.warmup_tune_s,
                   fault_after_tokens=fault_after_tokens_for_tests())
-    if not key and not is_loopback(args.host):
-        bar = "!" * 78
-        print(f"{bar}\nstrata: WARNING: binding {args.host} with no API key: anyone who can reach this port can use "
-              f"the model.\nstrata: WARNING: pass --api-key KEY (or set STRATA_API_KEY).\n{bar}", file=sys.stderr,
-              flush=True)
     try:
         path = resolve_model_path(args.model)
     except ImportError:
         raise StrataError("no model given and this build has no embedded default model: pass -m MODEL") from None
     args.model = path
+    _check_model(path)  # (a file that holds no model it can run fails before "listening", not after)
     cfg = ServeConfig(model_id=model_id_for(path), **cfg_kw)
     state = {}
 
@@ -106,6 +104,11 @@ def cmd_serve(args) -> int:
         server.should_exit = True
 
     sock = bind(args.host, args.port)  # before saying "listening": a busy port is one line, not a false claim
+    if not key and not is_loopback(args.host):  # (once bound: a server that does not start warns of nothing)
+        bar = "!" * 78
+        print(f"{bar}\nstrata: WARNING: binding {args.host} with no API key: anyone who can reach this port can use "
+              f"the model.\nstrata: WARNING: pass --api-key KEY (or set STRATA_API_KEY).\n{bar}", file=sys.stderr,
+              flush=True)
     app = create_app(cfg, load=load, narrate=_say, on_error=failed)
     server = uvicorn_server(app, args.host, args.port)
     _say(f"listening on http://{_url_host(args.host)}:{args.port} (the model loads in the background; "
@@ -118,6 +121,22 @@ def cmd_serve(args) -> int:
         e = state["error"]
         raise e if isinstance(e, StrataError) else StrataError(f"could not start: {e}")
     return 0
+
+
+def _check_model(path: str) -> None:
+    """The loader's checks of the file that need no weights read: GGUF, complete, a model (not a vocabulary), of an
+    architecture strata runs; StrataError naming what is wrong."""
+    from strata.gguf.header import check_gguf_file, require_model
+    from strata.gguf.reader import split_paths
+    from strata.models.registry import FAMILIES
+
+    paths = split_paths(path)
+    headers = [check_gguf_file(p) for p in paths]
+    require_model(headers[0].metadata, len(paths), sum(len(h.tensors) for h in headers), paths[0].name)
+    arch = headers[0].architecture
+    if arch not in FAMILIES:
+        raise StrataError(f"{paths[0].name}: unknown model architecture '{arch}' (strata runs: "
+                          f"{', '.join(sorted(FAMILIES))})")
 
 
 # Seconds an idle connection stays open. Longer than the idle expiry of clients' connection pools (httpx, which the

@@ -66,9 +66,15 @@ def test_bad_settings_fail_before_the_model_loads():
         ("generate", ["--temperature", "nan"], "temperature"),
         ("generate", ["--top-p", "0"], "top_p"),
         ("generate", ["--repeat-penalty", "0"], "repetition_penalty"),
+        # flags that contradict the others: what they ask for would silently not happen
+        ("generate", ["--draft-source", "mtp"], "without --draft-max N"),
+        ("chat", ["--draft-source", "ngram"], "without --draft-max N"),
+        ("generate", ["--layer-split", "3,5"], "pass -pp N"),
+        ("check", ["-m", "x.gguf", "--layer-split", "3,5"], "pass -pp N"),
     ]:
         prompt = ["-p", "x"] if cmd == "generate" else []
-        r = subprocess.run([sys.executable, "-m", "strata", cmd, *prompt, "--device", "cpu", *flags],
+        device = [] if cmd == "check" else ["--device", "cpu"]
+        r = subprocess.run([sys.executable, "-m", "strata", cmd, *prompt, *device, *flags],
                            capture_output=True, text=True, timeout=120, input="")
         assert r.returncode != 0, (cmd, flags)
         assert needle in r.stderr and "Traceback" not in r.stderr, (flags, r.stderr)
@@ -205,3 +211,49 @@ def test_a_reader_that_leaves_the_pipe_ends_it_quietly():
     err = p.stderr.read().decode()
     assert p.wait(timeout=300) == 141, err
     assert "Traceback" not in err and "Broken pipe" not in err and "Exception ignored" not in err, err
+
+
+def test_text_the_terminal_cannot_encode_is_replaced_not_a_traceback():
+    """A non-UTF-8 terminal (PYTHONIOENCODING=ascii stands for a latin-1 locale): the embedded model echoes the
+    prompt's accented letters, which print as '?', and the run ends normally; chat alike."""
+    import os
+
+    env = {**os.environ, "PYTHONIOENCODING": "ascii"}
+    prompt = "# " + " ".join(["\u00fcn\u00efc\u00f6d\u00e9"] * 7)
+    run = ["-m", "strata", "--device", "cpu", "-n", "16", "--temperature", "0"]
+    g = subprocess.run([sys.executable, *run[:2], "generate", *run[2:], "-p", prompt], capture_output=True,
+                       text=True, encoding="utf-8", timeout=300, env=env)
+    assert g.returncode == 0 and "Traceback" not in g.stderr, g.stderr
+    assert "?" in g.stdout  # (the letters the model wrote, as the terminal can show them)
+    c = subprocess.run([sys.executable, *run[:2], "chat", *run[2:]], input=prompt + "\n", capture_output=True,
+                       text=True, encoding="utf-8", timeout=300, env=env)
+    assert c.returncode == 0 and "Traceback" not in c.stderr, c.stderr
+
+
+def test_generate_without_a_prompt_on_a_terminal_says_it_reads_one():
+    """No -p, stdin a terminal: the command says it waits for the prompt (and how to end it), then takes it."""
+    import os
+    import pty
+
+    master, slave = pty.openpty()
+    p = subprocess.Popen([sys.executable, "-m", "strata", "generate", "--device", "cpu", "-n", "4", "--temperature",
+                          "0"], stdin=slave, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    os.close(slave)
+    try:
+        os.write(master, b"def add(a, b):\n\x04")  # a line, then Ctrl-D at the start of the next
+        out, err = p.communicate(timeout=300)
+    finally:
+        if p.poll() is None:
+            p.kill()
+        os.close(master)
+    assert p.returncode == 0 and "Traceback" not in err, err
+    assert "reading the prompt from the terminal: end it with Ctrl-D" in err and out.strip()
+
+
+def test_more_pipeline_stages_than_layers_fail_before_any_stage_starts():
+    """-pp past the model's layers (strata-tiny has 8): one line, before a process is spawned for each stage."""
+    r = subprocess.run([sys.executable, "-m", "strata", "generate", "--device", "cpu", "-pp", "9", "-p", "x"],
+                       capture_output=True, text=True, timeout=120)
+    said = [ln for ln in r.stderr.splitlines() if "error" in ln.lower()]
+    assert r.returncode == 1 and said == ["strata: error: --pipeline-parallel-size 9 exceeds the model's 8 layers"], \
+        r.stderr

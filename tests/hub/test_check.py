@@ -232,6 +232,18 @@ def test_fit_cpu_only():
     assert not fit(QWEN, _machine(ram_avail=16 * GiB), ctx=8192).ok
 
 
+def test_a_context_past_the_trained_one_is_noted_with_or_without_a_gpu():
+    """-c past the model's trained context runs (as llama.cpp runs it, with a warning): the verdict says it, on a
+    CPU alone as with a GPU."""
+    import dataclasses
+
+    fp = dataclasses.replace(QWEN, context_length=4096)
+    for machine in (_machine(), _machine(vram_free=24 * GiB)):
+        f = fit(fp, machine, ctx=8192)
+        assert f.ok and any("beyond the model's trained context of 4096" in n for n in f.notes), (f.mode, f.notes)
+        assert not any("trained" in n for n in fit(fp, machine, ctx=4096).notes)
+
+
 def test_fit_few_slots_noted():
     need = QWEN.dense_bytes + 4096 * 98304 + VRAM_RESERVE + STAGING + CUDA_CONTEXT_ESTIMATE
     f = fit(QWEN, _machine(), 4096, vram_budget=need + 6 * PER_SLOT)  # 3/4 of a slot go to the chunk buffers

@@ -96,8 +96,11 @@ def test_truncation_is_named(tmp_path):
     with pytest.raises(StrataError, match="not a GGUF file"):
         check_gguf_file(cut)
     cut.write_bytes(b"PK\x03\x04" + bytes(100))
-    with pytest.raises(StrataError, match="no GGUF magic"):
+    with pytest.raises(StrataError, match="x.gguf: a PyTorch checkpoint"):
         check_gguf_file(cut, name="x.gguf")
+    cut.write_bytes(bytes(100))
+    with pytest.raises(StrataError, match="does not start with GGUF's magic"):
+        check_gguf_file(cut)
 
 
 def test_hash_matches_git_and_hashlib(tmp_path):

@@ -26,6 +26,15 @@ def test_a_cache_larger_than_the_ram_is_refused_with_the_numbers():
     KVCache(1, 1, 1024, SHAPE, SHAPE, torch.float32, "cpu")  # (a cache that fits is made as before)
 
 
+def test_too_many_slots_names_the_slot_count_that_fits():
+    """`-np` past what the memory holds at this -c: the error offers fewer slots as well as a shorter context."""
+    per = KVCache.bytes_per_token(1, SHAPE, SHAPE, torch.float32)
+    avail = cache.ram_available()
+    ctx = avail // per // 8  # an eighth of the free RAM a slot: 8 slots fit, 64 do not
+    with pytest.raises(StrataError, match=rf"64 slot\(s\) x {ctx} tokens needs .*: -c \d+ fits, or -np \d at this -c"):
+        KVCache(1, 64, ctx, SHAPE, SHAPE, torch.float32, "cpu")
+
+
 def test_an_allocation_the_allocator_refuses_is_the_same_error(monkeypatch):
     """Where the free memory is not known (a GPU; no psutil), the allocator's own failure becomes the error."""
     monkeypatch.setattr(cache, "ram_available", lambda: None)

@@ -234,13 +234,32 @@ def test_serve_on_a_busy_port_fails_in_one_line(tiny_gguf):
     assert lines[0].startswith("strata: error:") and "listening" not in p.stderr and p.stdout == ""
 
 
-def test_non_loopback_without_key_warns(capsys, tmp_path):
-    from strata.cli import main
+def test_non_loopback_without_key_warns_once_bound(tiny_gguf):
+    """Binding every address with no key warns, once the port is bound: a server that cannot start (a busy port)
+    says that in one line, with no warning about a server that never ran."""
+    import socket
 
-    rc = main(["serve", "--host", "0.0.0.0", "-m", str(tmp_path / "missing.gguf")])
-    err = capsys.readouterr().err
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "STRATA_API_KEY": ""}
+    cmd = [sys.executable, "-m", "strata", "serve", "-m", str(tiny_gguf), "--host", "0.0.0.0", "--no-warmup"]
+    port = free_port()
+    p = subprocess.Popen([*cmd, "--port", str(port)], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        err = ""
+        while "listening" not in err:
+            line = p.stderr.readline()
+            assert line, err
+            err += line
+    finally:
+        p.terminate()
+        p.communicate(timeout=60)
     assert "WARNING: binding 0.0.0.0 with no API key" in err
-    assert rc == 1
+    with socket.socket() as holder:
+        holder.bind(("0.0.0.0", 0))
+        holder.listen()
+        busy = subprocess.run([*cmd, "--port", str(holder.getsockname()[1])], env=env, capture_output=True,
+                              text=True, timeout=120)
+    lines = [line for line in busy.stderr.splitlines() if line.strip()]
+    assert busy.returncode == 1 and len(lines) == 1 and "already in use" in lines[0], busy.stderr
 
 
 def test_health_is_503_until_the_model_is_loaded(lm):
