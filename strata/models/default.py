@@ -1,9 +1,9 @@
 """The model strata runs when none is named (`strata generate -p hi`, `strata serve` without -m).
 
 The default is strata-tiny, a small GLM-4-MoE-family model with an MTP block, trained by `tools/train_tiny.py`
-and shipped as `strata/data/strata-tiny.gguf` (see docs/strata-tiny.md). Should the file be missing (a trimmed install), strata
-makes a tiny synthetic MoE instead (`strata synth tiny-qwen3moe`) on first use and caches it; its weights are
-random, its text gibberish, and strata says so whenever it is used.
+and shipped as `strata/data/strata-tiny.gguf` (see docs/strata-tiny.md). Should the file be missing (a trimmed
+install), strata makes a tiny synthetic MoE instead (`strata synth tiny-qwen3moe`) on first use and caches it; its
+weights are random, its text gibberish, and strata says so whenever it is used.
 """
 
 from __future__ import annotations
