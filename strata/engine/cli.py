@@ -88,6 +88,10 @@ def _say_gpu_only(cfg: "EngineConfig") -> None:
     if flags:
         log.warning("strata: %s: GPU settings, no effect on the CPU (at most their GPU code paths run eagerly)",
                     ", ".join(flags))
+    if cfg.torch_device.type == "cpu" and cfg.experts.vram_gb is not None and cfg.experts.tiered():
+        # (the budget does act on a CPU: it is how the tiers' plans are tried without a GPU, but it is no speed-up)
+        log.warning("strata: --vram-gb on the CPU: the experts run tiered in RAM as they would under that budget "
+                    "(to try a plan), slower than the CPU's own decode; leave it out to run fastest")
 
 
 def _apply_saved_calibration(path: str, cfg) -> None:

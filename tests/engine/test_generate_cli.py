@@ -192,6 +192,10 @@ def test_gpu_only_flags_on_a_cpu_are_named_in_one_warning():
     for extra in ([], ["--decode-misses", "auto", "--kv-vram-tokens", "auto"]):
         r = gen(tiny, "-p", "x", "-n", "2", *extra)
         assert r.returncode == 0 and "no effect on the CPU" not in r.stderr, r.stderr
+        assert "--vram-gb on the CPU" not in r.stderr
+    # a budget does act on a CPU (the tiers run in RAM as under it: how plans are tried without a GPU), and is said
+    r = gen(tiny, "-p", "x", "-n", "2", "--vram-gb", "8")
+    assert r.returncode == 0 and "--vram-gb on the CPU: the experts run tiered in RAM" in r.stderr, r.stderr
 
 
 def test_generate_says_when_the_context_ends_the_text():
