@@ -250,6 +250,9 @@ def main() -> int:
     ap.add_argument("--kq-tiles", choices=("auto", "float", "dp4a"), default="auto",
                     help="the Q8_0 / Q4_K tiles: as strata takes them (auto), the float ones, or the dp4a ones (int8 "
                          "activations, strata.ops.dp4a_triton)")
+    ap.add_argument("--parts", choices=("auto", "on", "off"), default="auto",
+                    help="Q8_0's and the i-quants' dp4a tiles summed over their sub-blocks once after the loop (on) or "
+                         "in every iteration (off); auto: as strata takes them (dp4a_triton.PARTS_GPU_TESTED)")
     ap.add_argument("--rows", default=None, help="comma-separated row counts of x (e.g. 1,2,3,4,8): the dense GEMV "
                     "shapes at each, the one-row kernel against kquant_rows (2-8 rows), instead of the default set")
     ap.add_argument("--expert-shape", default=",".join(map(str, B1_EXPERTS)),
@@ -262,6 +265,12 @@ def main() -> int:
         from strata.ops import dp4a_triton
 
         dp4a_triton.C_KQ = tl.constexpr(a.kq_tiles == "dp4a")
+    if a.parts != "auto":
+        import triton.language as tl
+
+        from strata.ops import dp4a_triton
+
+        dp4a_triton.C_PARTS = tl.constexpr(a.parts == "on")
     if a.iq_tiles != "auto":
         import triton.language as tl
 

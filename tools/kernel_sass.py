@@ -34,6 +34,7 @@ def main() -> int:
     ap.add_argument("--kw", type=int, default=512, help="weights of a row an iteration (default 512)")
     ap.add_argument("--warps", type=int, default=1)
     ap.add_argument("--arch", type=int, default=90, help="SM version (90: H100 / H200, 86: RTX 30, 89: RTX 40)")
+    ap.add_argument("--parts", action="store_true", help="the dp4a tiles' sums after the loop (dp4a_triton.parts)")
     ap.add_argument("--ops", action="store_true", help="the loop's opcodes by count")
     a = ap.parse_args()
 
@@ -50,6 +51,7 @@ def main() -> int:
     dp4a_triton.C_WIDE = tl.constexpr(a.tiles in ("dp4a-wide", "dp4a-signs"))
     dp4a_triton.C_ASIGN = tl.constexpr(a.tiles == "dp4a-signs")
     dp4a_triton.C_KQ = tl.constexpr(a.kq_tiles == "dp4a")
+    dp4a_triton.C_PARTS = tl.constexpr(a.parts)
     iquant_triton.C_PACKED = tl.constexpr(a.tiles == "packed")
     from strata.ops import expert_triton
 

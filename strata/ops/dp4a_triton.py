@@ -45,6 +45,10 @@ WIDE_GPU_TESTED = True
 # (`tools/bench_kernels.py --iq-tiles dp4a-signs` against `dp4a-wide`): both done on an H100, the expert FFN
 # 1.13-1.28x faster (docs/BENCHMARKS.md, 'The GPU lane per weight format')
 ARITH_SIGNS_GPU_TESTED = True
+# Q8_0's and the i-quants' dp4a tiles summed over their sub-blocks once after a program's loop, not in every iteration
+# (each such sum is a tree of warp shuffles: ~15% of the IQ2_XXS loop's instructions): `parts` below. On a GPU once
+# its GPU test passes there (tests/experts/test_dp4a.py, kind "parts") and it was timed (`--iq-tiles dp4a-parts`)
+PARTS_GPU_TESTED = False
 IQ_FORMATS = frozenset({Q.IQ2_XXS, Q.IQ2_S, Q.IQ3_XXS})
 KQ_FORMATS = frozenset({Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K})
 
@@ -105,6 +109,7 @@ if triton is not None:
     C_KQ = tl.constexpr(KQ_DP4A_GPU_TESTED and not triton_interpreting())
     C_WIDE = tl.constexpr(WIDE_GPU_TESTED and not triton_interpreting())
     C_ASIGN = tl.constexpr(ARITH_SIGNS_GPU_TESTED and not triton_interpreting())
+    C_PARTS = tl.constexpr(PARTS_GPU_TESTED and not triton_interpreting())
     C_INTERP = tl.constexpr(triton_interpreting())
     from strata.ops.iquant_triton import C_P2S, C_P2XXS, C_P3XXS, C_PONES, _blocks, _f16v, _subblocks, _u16, _u32h
     from strata.ops.kquant_triton import k4_scale_words, q2k_tile, q3k_tile, q4k_tile, q5k_tile, q6k_tile, q8_0_tile
@@ -215,7 +220,7 @@ if triton is not None:
         x0, x1, xs = _xq2(xq, sb, ib, sm)
         dot = _dp4a(_signed(g0, s0), x0[None]) + _dp4a(_signed(g1, s1), x1[None])
         db = d * (0.5 + (w1 >> 28).to(tl.float32)) * 0.25
-        return tl.sum(tl.sum(dot, axis=2).to(tl.float32) * db * xs[None, :], axis=1)
+        return dot, db, xs  # (int sums [BN, S, 4] of pairs of words, their scales [BN, S] and [S]: `_fold`)
 
     @triton.jit
     def _iq2s(row, xq, tab, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
@@ -237,7 +242,7 @@ if triton is not None:
         x0, x1, xs = _xq2(xq, sb, ib, sm)
         dot = _dp4a(_signed(g0, _ones(sgb & 15)), x0[None]) + _dp4a(_signed(g1, _ones(sgb >> 4)), x1[None])
         odd = 2 * ((sc[:, :, None] >> (4 * (g // 2))) & 15) + 1  # [BN, S, 4] the group's half's 2 s + 1
-        return tl.sum(tl.sum(dot * odd, axis=2).to(tl.float32) * (d * 0.125) * xs[None, :], axis=1)
+        return dot * odd, d * 0.125, xs
 
     @triton.jit
     def _iq3xxs(row, xq, tab, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
@@ -257,22 +262,32 @@ if triton is not None:
         dot = _dp4a(_signed(tl.load(itab + C_P3XXS + (gi & 255)), s0), x0[None]) \
             + _dp4a(_signed(tl.load(itab + C_P3XXS + (gi >> 8)), s1), x1[None])
         db = d * (0.5 + (sc >> 28).to(tl.float32)) * 0.5
-        return tl.sum(tl.sum(dot, axis=2).to(tl.float32) * db * xs[None, :], axis=1)
+        return dot, db, xs
+
+    @triton.jit
+    def _fold(parts):
+        """A tile's sum from its (int sums [BN, S, 4], scales [BN, S], activation scales [S])."""
+        dot, a, xs = parts
+        return tl.sum(tl.sum(dot, axis=2).to(tl.float32) * a * xs[None, :], axis=1)
 
     @triton.jit
     def _q8_0(row, xq, b0, nblk, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
-        # a block is one of quantize_rows' sub-blocks: its 32 quants as 8 words (2-byte aligned: two halves each)
-        w = tl.arange(0, 8).to(tl.int64)
+        # a block is one of quantize_rows' sub-blocks: its 32 quants as 8 words (2-byte aligned: two halves each), in
+        # pairs (words 2 w, 2 w + 1) as the i-quant tiles hold theirs: partial sums [BN, NB, 4]
+        w = tl.arange(0, 4).to(tl.int64)
         j, jm = _blocks(b0, nblk, NB, EVEN)  # [NB]
         m2 = jm[None, :]
+        m3 = m2[:, :, None]
         blk = row[:, None] + j[None, :] * 34  # [BN, NB]
         d = _f16v(blk, m2)
-        q = _u32h(blk[:, :, None] + 2 + 4 * w[None, None, :], m2[:, :, None]).to(tl.int32, bitcast=True)
+        q0 = _u32h(blk[:, :, None] + 2 + 8 * w[None, None, :], m3).to(tl.int32, bitcast=True)
+        q1 = _u32h(blk[:, :, None] + 6 + 8 * w[None, None, :], m3).to(tl.int32, bitcast=True)
         xo = j * 9
-        xw = tl.load(xq + xo[:, None] + w[None, :], mask=jm[:, None], other=0)  # [NB, 8]
+        x0 = tl.load(xq + xo[:, None] + 2 * w[None, :], mask=jm[:, None], other=0)  # [NB, 4]
+        x1 = tl.load(xq + xo[:, None] + 2 * w[None, :] + 1, mask=jm[:, None], other=0)
         xs = tl.load(xq + xo + 8, mask=jm, other=0).to(tl.float32, bitcast=True)
-        isum = tl.sum(_dp4a(q, xw[None]), axis=2)  # [BN, NB]
-        return tl.sum(isum.to(tl.float32) * d * xs[None, :], axis=1)
+        dot = _dp4a(q0, x0[None]) + _dp4a(q1, x1[None])
+        return dot, d, xs
 
     @triton.jit
     def _k45(row, xq, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr, FIVE: tl.constexpr):
@@ -448,7 +463,7 @@ if triton is not None:
     @triton.jit
     def q8_0_dp4a_tile(row, xp, xq, b0, nblk, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
         if C_KQ and xq.dtype.element_ty == tl.int32:
-            return _q8_0(row, xq, b0, nblk, BN, NB, EVEN)
+            return _fold(_q8_0(row, xq, b0, nblk, BN, NB, EVEN))
         else:
             return q8_0_tile(row, xp, b0, nblk, BN, NB, EVEN)
 
@@ -472,20 +487,41 @@ if triton is not None:
     @triton.jit
     def iq2xxs_tile(row, xp, xq, tab, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
         if C_DP4A and xq.dtype.element_ty == tl.int32:
-            return _iq2xxs(row, xq, tab, b0, nsb, BN, NB, EVEN)
+            return _fold(_iq2xxs(row, xq, tab, b0, nsb, BN, NB, EVEN))
         else:
             return _iq2xxs_other(row, xp, tab, b0, nsb, BN, NB, EVEN)
 
     @triton.jit
     def iq2s_tile(row, xp, xq, tab, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
         if C_DP4A and xq.dtype.element_ty == tl.int32:
-            return _iq2s(row, xq, tab, b0, nsb, BN, NB, EVEN)
+            return _fold(_iq2s(row, xq, tab, b0, nsb, BN, NB, EVEN))
         else:
             return _iq2s_other(row, xp, tab, b0, nsb, BN, NB, EVEN)
 
     @triton.jit
     def iq3xxs_tile(row, xp, xq, tab, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
         if C_DP4A and xq.dtype.element_ty == tl.int32:
-            return _iq3xxs(row, xq, tab, b0, nsb, BN, NB, EVEN)
+            return _fold(_iq3xxs(row, xq, tab, b0, nsb, BN, NB, EVEN))
         else:
             return _iq3xxs_other(row, xp, tab, b0, nsb, BN, NB, EVEN)
+
+    @triton.jit
+    def parted(xq, QT: tl.constexpr):
+        """Whether QT's tile runs as `parts` (xq holding the activations rounded for its dp4a tile). (Here, beside the
+        flags it reads: a compiled kernel's cache key holds the globals of the functions it calls.)"""
+        return C_PARTS and xq.dtype.element_ty == tl.int32 and (
+            (C_DP4A and (QT == 16 or QT == 22 or QT == 18)) or (C_KQ and QT == 8))
+
+    @triton.jit
+    def parts(row, xq, tab, it, K, QT: tl.constexpr, BN: tl.constexpr, KW: tl.constexpr, EVEN: tl.constexpr):
+        """Iteration `it` of a Q8_0 or i-quant dp4a tile (the caller checks `parted`) before any sum: [BN, KW / 32, 4]
+        float partial sums (each of a pair of words), added up across iterations and summed once at the end."""
+        if QT == 16:  # IQ2_XXS
+            dot, a, xs = _iq2xxs(row, xq, tab, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
+        elif QT == 22:  # IQ2_S
+            dot, a, xs = _iq2s(row, xq, tab, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
+        elif QT == 18:  # IQ3_XXS
+            dot, a, xs = _iq3xxs(row, xq, tab, it * (KW // 256), K // 256, BN, KW // 256, EVEN)
+        else:  # Q8_0
+            dot, a, xs = _q8_0(row, xq, it * (KW // 32), K // 32, BN, KW // 32, EVEN)
+        return dot.to(tl.float32) * (a * xs[None, :])[:, :, None]

@@ -151,11 +151,20 @@ if triton is not None:
             xqp = xq + (p // R) * (K // 32 * 9)
             grow = gb + n * g_row_bytes  # [BN]
             urow = ub + n * u_row_bytes
-            g = tl.zeros([BN], dtype=tl.float32)
-            u = tl.zeros([BN], dtype=tl.float32)
-            for it in range(0, tl.cdiv(K, KW)):  # both tiles of an iteration in flight together
-                g += _tile_dot(grow, xp, xqp, tab, it, K, QG, BN, KW, EVEN)
-                u += _tile_dot(urow, xp, xqp, tab, it, K, QU, BN, KW, EVEN)
+            if dp4a_triton.parted(xq, QG) and dp4a_triton.parted(xq, QU):  # (sub-block partial sums, summed once after the loop)
+                g2 = tl.zeros([BN, KW // 32, 4], dtype=tl.float32)
+                u2 = tl.zeros([BN, KW // 32, 4], dtype=tl.float32)
+                for it in range(0, tl.cdiv(K, KW)):
+                    g2 += dp4a_triton.parts(grow, xqp, tab, it, K, QG, BN, KW, EVEN)
+                    u2 += dp4a_triton.parts(urow, xqp, tab, it, K, QU, BN, KW, EVEN)
+                g = tl.sum(tl.sum(g2, axis=2), axis=1)
+                u = tl.sum(tl.sum(u2, axis=2), axis=1)
+            else:
+                g = tl.zeros([BN], dtype=tl.float32)
+                u = tl.zeros([BN], dtype=tl.float32)
+                for it in range(0, tl.cdiv(K, KW)):  # both tiles of an iteration in flight together
+                    g += _tile_dot(grow, xp, xqp, tab, it, K, QG, BN, KW, EVEN)
+                    u += _tile_dot(urow, xp, xqp, tab, it, K, QU, BN, KW, EVEN)
             tl.store(out + p * N + n, g / (1.0 + tl.exp(-g)) * u, mask=nm)
         else:  # a miss: no weight is read
             tl.store(out + p * N + n, tl.zeros([BN], dtype=tl.float32), mask=nm)
@@ -182,9 +191,15 @@ if triton is not None:
                 s = s - s  # (keeps its int64 type: a Triton if-block may not retype it)
         if s >= 0:
             row = base + n * row_bytes  # [BN]
-            acc = tl.zeros([BN], dtype=tl.float32)
-            for it in range(0, tl.cdiv(K, KW)):
-                acc += _tile_dot(row, x + p * K, xq + p * (K // 32 * 9), tab, it, K, QT, BN, KW, EVEN)
+            if dp4a_triton.parted(xq, QT):
+                acc2 = tl.zeros([BN, KW // 32, 4], dtype=tl.float32)
+                for it in range(0, tl.cdiv(K, KW)):
+                    acc2 += dp4a_triton.parts(row, xq + p * (K // 32 * 9), tab, it, K, QT, BN, KW, EVEN)
+                acc = tl.sum(tl.sum(acc2, axis=2), axis=1)
+            else:
+                acc = tl.zeros([BN], dtype=tl.float32)
+                for it in range(0, tl.cdiv(K, KW)):
+                    acc += _tile_dot(row, x + p * K, xq + p * (K // 32 * 9), tab, it, K, QT, BN, KW, EVEN)
             tl.store(out + p * N + n, acc.to(out.dtype.element_ty), mask=nm)
         else:
             tl.store(out + p * N + n, tl.zeros([BN], dtype=out.dtype.element_ty), mask=nm)

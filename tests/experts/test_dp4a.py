@@ -23,14 +23,16 @@ COMMON = textwrap.dedent("""
     from strata.ops import dp4a_triton as dp
     import sys
     # iq: the i-quants' tiles, kq: the K-quants', all: both, wide: the i-quants' with 64-bit table reads (C_WIDE),
-    # signs: those with IQ2_XXS's and IQ3_XXS's signs computed from their index (C_ASIGN)
+    # signs: those with IQ2_XXS's and IQ3_XXS's signs computed from their index (C_ASIGN), parts: every tile, signs
+    # computed, Q8_0's and the i-quants' summed once after the loop (C_PARTS)
     KIND = sys.argv[1] if len(sys.argv) > 1 else "all"
     dp.C_DP4A = tl.constexpr(KIND != "kq")  # before any kernel compiles in this process
-    dp.C_KQ = tl.constexpr(KIND in ("kq", "all"))
-    dp.C_WIDE = tl.constexpr(KIND in ("wide", "signs"))
-    dp.C_ASIGN = tl.constexpr(KIND == "signs")
+    dp.C_KQ = tl.constexpr(KIND in ("kq", "all", "parts"))
+    dp.C_WIDE = tl.constexpr(KIND in ("wide", "signs", "parts"))
+    dp.C_ASIGN = tl.constexpr(KIND in ("signs", "parts"))
+    dp.C_PARTS = tl.constexpr(KIND == "parts")
     IQ = [Q.IQ2_XXS, Q.IQ2_S, Q.IQ3_XXS] if KIND != "kq" else []
-    KQ = [Q.Q4_K, Q.Q8_0, Q.Q6_K, Q.Q5_K, Q.Q2_K, Q.Q3_K] if KIND in ("kq", "all") else []
+    KQ = [Q.Q4_K, Q.Q8_0, Q.Q6_K, Q.Q5_K, Q.Q2_K, Q.Q3_K] if KIND in ("kq", "all", "parts") else []
     from strata.ops import expert_triton as et
     from strata.ops.expert_gather import _torch_gather_ffn
     from strata.quant import random_qtensor
@@ -189,17 +191,18 @@ def _run(script: str, interpret: bool, kind: str = "all"):
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
 
-@pytest.mark.parametrize("kind", ["all", "wide", "signs"])
+@pytest.mark.parametrize("kind", ["all", "wide", "signs", "parts"])
 def test_dp4a_tiles_in_the_interpreter(kind):
     _run(INTERPRETED, True, kind)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["iq", "kq", "wide", "signs"])
+@pytest.mark.parametrize("kind", ["iq", "kq", "wide", "signs", "parts"])
 def test_cuda_dp4a_tiles(kind):
     """The tiles compiled for the GPU, in a process of their own so that they are what compiles: the i-quants' (iq:
     DP4A_GPU_TESTED is set once it passes), the K-quants' (kq: KQ_DP4A_GPU_TESTED) and the i-quants' with 64-bit
-    table reads (wide: WIDE_GPU_TESTED), and with their signs computed (signs: ARITH_SIGNS_GPU_TESTED)."""
+    table reads (wide: WIDE_GPU_TESTED), and with their signs computed (signs: ARITH_SIGNS_GPU_TESTED), Q8_0's and
+    the i-quants' summed after the loop (parts: PARTS_GPU_TESTED)."""
     import torch
 
     if not torch.cuda.is_available():

@@ -104,18 +104,20 @@ def test_every_dequantizer_compiles(compiles, arch):
 DP4A = """
 import sys, triton, triton.language as tl
 from strata.ops import dp4a_triton
-SIGNS = sys.argv[2] == "signs"
+PARTS = sys.argv[2] == "parts"  # (with the signs computed, the K-quants' tiles too)
+SIGNS = sys.argv[2] == "signs" or PARTS
 WIDE = sys.argv[2] == "wide" or SIGNS
 dp4a_triton.C_DP4A = tl.constexpr(True)  # before any kernel is hashed in this process
-dp4a_triton.C_KQ = tl.constexpr(not WIDE)
+dp4a_triton.C_KQ = tl.constexpr(not WIDE or PARTS)
 dp4a_triton.C_WIDE = tl.constexpr(WIDE)
 dp4a_triton.C_ASIGN = tl.constexpr(SIGNS)
+dp4a_triton.C_PARTS = tl.constexpr(PARTS)
 from gguf import GGMLQuantizationType as Q
 from strata.ops import expert_triton
 from tests.ops.test_triton_compile import _compile, _gemv_signature
 IQ = (Q.IQ2_XXS, Q.IQ2_S, Q.IQ3_XXS)
 loads = {}
-for qt in IQ if WIDE else IQ + (Q.Q4_K, Q.Q8_0, Q.Q6_K, Q.Q5_K, Q.Q2_K, Q.Q3_K):
+for qt in IQ if WIDE and not PARTS else IQ + (Q.Q4_K, Q.Q8_0, Q.Q6_K, Q.Q5_K, Q.Q2_K, Q.Q3_K):
     k = _compile(expert_triton._gemv_kernel, _gemv_signature("*fp32"),
                  {"QT": int(qt), "BN": 8, "KW": 512, "EVEN": False, "GATHER": True, "HOST": True}, int(sys.argv[1]))
     ptx = k.asm["ptx"]
@@ -132,7 +134,7 @@ print("ok")
 """
 
 
-@pytest.mark.parametrize("wide", ["", "wide", "signs"])
+@pytest.mark.parametrize("wide", ["", "wide", "signs", "parts"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_dp4a_tiles_compile(compiles, arch, wide):
     """The Q8_0 / Q4_K / IQ2_XXS / IQ2_S / IQ3_XXS tiles that multiply four weights at a time (strata.ops.dp4a_triton,
