@@ -39,7 +39,7 @@ from gguf import GGMLQuantizationType as Q  # noqa: E402
 
 from strata.ops import expert_triton, qgemv  # noqa: E402
 from strata.ops.expert_gather import _torch_gather_ffn  # noqa: E402
-from strata.ops.dp4a_triton import int8_rows  # noqa: E402
+from strata.ops.dp4a_triton import int8_rows, parted  # noqa: E402
 from strata.ops.dp4a_triton import rounds_activations as int8_rounds  # noqa: E402
 from strata.quant import random_qtensor  # noqa: E402
 from strata.quant.formats import block_geometry  # noqa: E402
@@ -157,10 +157,11 @@ def _launch_gemv(x, w, out, bn, kw, warps, slots=None):
     P = x.shape[0]
     gather = slots is not None
     tab = expert_triton.codebooks_for((w.qtype,), out)
+    xq = int8_rows(x, (w.qtype,), torch.bfloat16)
     expert_triton._gemv_kernel[(P * expert_triton.triton.cdiv(N, bn),)](
-        x, int8_rows(x, (w.qtype,), torch.bfloat16), raw, slots if gather else raw, raw, out, tab, out, P, N, K, raw[0].numel() if gather else raw.numel(),
+        x, xq, raw, slots if gather else raw, raw, out, tab, out, P, N, K, raw[0].numel() if gather else raw.numel(),
         raw.shape[-1], QT=int(w.qtype), BN=bn, KW=kw, EVEN=K % kw == 0, GATHER=gather, HOST=False,
-        num_warps=warps)
+        num_warps=warps, PARTS=parted((w.qtype,), xq))
 
 
 def _launch_glu(x, gate, up, a, slots, bn, kw, warps):
@@ -168,9 +169,11 @@ def _launch_glu(x, gate, up, a, slots, bn, kw, warps):
     ff = gate.shape[1]
     g, u = gate.raw, up.raw
     tab = expert_triton.codebooks_for((gate.qtype, up.qtype), a)
+    xq = int8_rows(x, (gate.qtype, up.qtype))
     expert_triton._glu_kernel[(P * expert_triton.triton.cdiv(ff, bn),)](
-        x, int8_rows(x, (gate.qtype, up.qtype)), g, u, slots, g, u, slots, tab, a, P, ff, d, 1, g[0].numel(), u[0].numel(), g.shape[-1], u.shape[-1],
-        QG=int(gate.qtype), QU=int(up.qtype), BN=bn, KW=kw, EVEN=d % kw == 0, HOST=False, num_warps=warps)
+        x, xq, g, u, slots, g, u, slots, tab, a, P, ff, d, 1, g[0].numel(), u[0].numel(), g.shape[-1], u.shape[-1],
+        QG=int(gate.qtype), QU=int(up.qtype), BN=bn, KW=kw, EVEN=d % kw == 0, HOST=False, num_warps=warps,
+        PARTS=parted((gate.qtype, up.qtype), xq))
 
 
 def sweep(reps: int, peak: float, formats=None, shape=B1_EXPERTS) -> None:

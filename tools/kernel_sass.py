@@ -40,6 +40,7 @@ def main() -> int:
 
     import triton
     import triton.language as tl
+    import torch
     from gguf import GGMLQuantizationType as Q
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -58,7 +59,7 @@ def main() -> int:
     sig = {"x": "*fp32", "xq": "*i32", "w": "*u8", "slots": "*i64", "hw": "*u8", "eids": "*i64", "tab": "*fp32",
            "out": "*fp32", "P": "i32", "N": "i32", "K": "i32", "slot_bytes": "i64", "row_bytes": "i64",
            "QT": "constexpr", "BN": "constexpr", "KW": "constexpr", "EVEN": "constexpr", "GATHER": "constexpr",
-           "HOST": "constexpr"}
+           "HOST": "constexpr", "PARTS": "constexpr"}
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     line = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*)")
     print(f"sm_{a.arch}, {a.tiles} / {a.kq_tiles} tiles, BN {a.bn} x KW {a.kw}, {a.warps} warp(s); triton {triton.__version__}")
@@ -66,7 +67,8 @@ def main() -> int:
         qt = Q[name.strip()]
         k = triton.compile(ASTSource(fn=expert_triton._gemv_kernel, signature=sig,
                                      constexprs={"QT": int(qt), "BN": a.bn, "KW": a.kw, "EVEN": True,
-                                                 "GATHER": True, "HOST": False}),
+                                                 "GATHER": True, "HOST": False,
+                                                 "PARTS": a.parts and dp4a_triton.parted((qt,), torch.zeros(1, dtype=torch.int32))}),
                            target=GPUTarget("cuda", a.arch, 32), options={"num_warps": a.warps})
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(k.asm["cubin"])

@@ -95,6 +95,14 @@ def quantize_rows(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def parted(qtypes, xq: torch.Tensor) -> bool:
+    """The kernels' PARTS: the tiles of `qtypes` run as `parts` (their sums after the loop) for activations `xq` (the
+    words of `int8_rows`, where a dp4a tile takes them). A launch's constexpr, so a compiled kernel holds it."""
+    if triton is None or not C_PARTS or xq.dtype != torch.int32:
+        return False
+    return all((C_DP4A and qt in IQ_FORMATS) or (C_KQ and qt == Q.Q8_0) for qt in qtypes)
+
+
 def int8_rows(x: torch.Tensor, qtypes, dtype: torch.dtype | None = None) -> torch.Tensor:
     """`quantize_rows(x)` where a tile of one of `qtypes` reads it for activations of `dtype` (default x's own: the
     GLU's float32 output follows the layer's input), else x itself: the tiles take the dp4a path only when this
@@ -506,15 +514,8 @@ if triton is not None:
             return _iq3xxs_other(row, xp, tab, b0, nsb, BN, NB, EVEN)
 
     @triton.jit
-    def parted(xq, QT: tl.constexpr):
-        """Whether QT's tile runs as `parts` (xq holding the activations rounded for its dp4a tile). (Here, beside the
-        flags it reads: a compiled kernel's cache key holds the globals of the functions it calls.)"""
-        return C_PARTS and xq.dtype.element_ty == tl.int32 and (
-            (C_DP4A and (QT == 16 or QT == 22 or QT == 18)) or (C_KQ and QT == 8))
-
-    @triton.jit
     def parts(row, xq, tab, it, K, QT: tl.constexpr, BN: tl.constexpr, KW: tl.constexpr, EVEN: tl.constexpr):
-        """Iteration `it` of a Q8_0 or i-quant dp4a tile (the caller checks `parted`) before any sum: [BN, KW / 32, 4]
+        """Iteration `it` of a Q8_0 or i-quant dp4a tile (where `parted`) before any sum: [BN, KW / 32, 4]
         float partial sums (each of a pair of words), added up across iterations and summed once at the end."""
         if QT == 16:  # IQ2_XXS
             dot, a, xs = _iq2xxs(row, xq, tab, it * (KW // 256), K // 256, BN, KW // 256, EVEN)

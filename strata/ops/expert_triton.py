@@ -59,6 +59,9 @@ KW_DECODE = 512  # weights of a row per iteration by default
 # program's two 1024-weight rows put more independent table gathers in flight (the fastest point of a sweep of every
 # (BN, KW, warps) of B1's expert GLU, `tools/bench_kernels.py --sweep --expert-formats`; docs/BENCHMARKS.md)
 KW_DECODE_DP4A_IQ = 1024
+# ... and one row a program where a row takes 4 iterations or more (GLM-4.5-Air's K = 4096), once their sums wait
+# for the loop's end (dp4a_triton.parts): the sweep at that shape, 29.0 -> 26.2 us; at K = 2048 two rows stay faster
+DP4A_IQ_ONE_ROW_ITERS = 4
 ROWS_MAX = 8  # rows per program
 PROGRAMS_PER_SM = 8  # fewer rows per program until a launch has this many (one-warp) programs per SM
 # Per format: at most this many weights one program decodes per iteration (all weights it reads), and per
@@ -131,7 +134,7 @@ if triton is not None:
     @triton.jit
     def _glu_kernel(x, xq, gate, up, slots, hgate, hup, eids, tab, out, P, N, K, R, g_slot_bytes, u_slot_bytes,
                     g_row_bytes, u_row_bytes, QG: tl.constexpr, QU: tl.constexpr, BN: tl.constexpr, KW: tl.constexpr,
-                    EVEN: tl.constexpr, HOST: tl.constexpr):
+                    EVEN: tl.constexpr, HOST: tl.constexpr, PARTS: tl.constexpr = False):
         pid = tl.program_id(0)
         p = pid % P  # pairs vary fastest: pairs sharing a slot read its rows back to back (L2)
         n = (pid // P) * BN + tl.arange(0, BN)
@@ -151,7 +154,7 @@ if triton is not None:
             xqp = xq + (p // R) * (K // 32 * 9)
             grow = gb + n * g_row_bytes  # [BN]
             urow = ub + n * u_row_bytes
-            if dp4a_triton.parted(xq, QG) and dp4a_triton.parted(xq, QU):  # (sub-block partial sums, summed once after the loop)
+            if PARTS:  # (dp4a_triton.parted: sub-block partial sums, summed once after the loop)
                 g2 = tl.zeros([BN, KW // 32, 4], dtype=tl.float32)
                 u2 = tl.zeros([BN, KW // 32, 4], dtype=tl.float32)
                 for it in range(0, tl.cdiv(K, KW)):
@@ -172,7 +175,7 @@ if triton is not None:
     @triton.jit
     def _gemv_kernel(x, xq, w, slots, hw, eids, tab, out, P, N, K, slot_bytes, row_bytes, QT: tl.constexpr,
                      BN: tl.constexpr, KW: tl.constexpr, EVEN: tl.constexpr, GATHER: tl.constexpr,
-                     HOST: tl.constexpr):
+                     HOST: tl.constexpr, PARTS: tl.constexpr = False):
         """out[p] = x[p] @ W.T for W = slot slots[p] of w (GATHER) or w itself; out in its own dtype. HOST: a
         negative slot reads expert eids[p] of hw (the host store) instead of giving 0."""
         pid = tl.program_id(0)
@@ -191,7 +194,7 @@ if triton is not None:
                 s = s - s  # (keeps its int64 type: a Triton if-block may not retype it)
         if s >= 0:
             row = base + n * row_bytes  # [BN]
-            if dp4a_triton.parted(xq, QT):
+            if PARTS:
                 acc2 = tl.zeros([BN, KW // 32, 4], dtype=tl.float32)
                 for it in range(0, tl.cdiv(K, KW)):
                     acc2 += dp4a_triton.parts(row, xq + p * (K // 32 * 9), tab, it, K, QT, BN, KW, EVEN)
@@ -307,6 +310,8 @@ def plan(qtypes, N: int, K: int, batch: int, device: torch.device, block_n: int 
             if device.type == "cuda" else 1
         while bn > 1 and (bn * weights > tile or batch * triton.cdiv(N, bn) < PROGRAMS_PER_SM * sms):
             bn //= 2
+        if dp4a_iq and dp4a_triton.C_PARTS and K >= DP4A_IQ_ONE_ROW_ITERS * kw:
+            bn = 1
     return bn, kw, K % kw == 0, 1
 
 
@@ -377,11 +382,14 @@ def triton_expert_ffn(x: torch.Tensor, gate, up, down, slots: torch.Tensor, bloc
         hg, hu, hd, ids = g, u, dn, slots  # not read
     tab = codebooks_for((gate.qtype, up.qtype, down.qtype), a)
     bn, kw, even, warps = plan((gate.qtype, up.qtype), ff, d, P, x.device, block_n, block_k, host is not None, x.dtype)
+    xq = dp4a_triton.int8_rows(x, (gate.qtype, up.qtype))
     _glu_kernel[(P * triton.cdiv(ff, bn),)](
-        x, dp4a_triton.int8_rows(x, (gate.qtype, up.qtype)), g, u, slots, hg, hu, ids, tab, a, P, ff, d, repeat, g[0].numel(), u[0].numel(), g.shape[-1], u.shape[-1],
-        QG=int(gate.qtype), QU=int(up.qtype), BN=bn, KW=kw, EVEN=even, HOST=host is not None, num_warps=warps)
+        x, xq, g, u, slots, hg, hu, ids, tab, a, P, ff, d, repeat, g[0].numel(), u[0].numel(), g.shape[-1], u.shape[-1],
+        QG=int(gate.qtype), QU=int(up.qtype), BN=bn, KW=kw, EVEN=even, HOST=host is not None, num_warps=warps,
+        PARTS=dp4a_triton.parted((gate.qtype, up.qtype), xq))
     bn, kw, even, warps = plan((down.qtype,), d, ff, P, x.device, block_n, block_k, host is not None, x.dtype)
+    aq = dp4a_triton.int8_rows(a, (down.qtype,), x.dtype)
     _gemv_kernel[(P * triton.cdiv(d, bn),)](
-        a, dp4a_triton.int8_rows(a, (down.qtype,), x.dtype), dn, slots, hd, ids, tab, y, P, d, ff, dn[0].numel(), dn.shape[-1], QT=int(down.qtype), BN=bn, KW=kw,
-        EVEN=even, GATHER=True, HOST=host is not None, num_warps=warps)
+        a, aq, dn, slots, hd, ids, tab, y, P, d, ff, dn[0].numel(), dn.shape[-1], QT=int(down.qtype), BN=bn, KW=kw,
+        EVEN=even, GATHER=True, HOST=host is not None, num_warps=warps, PARTS=dp4a_triton.parted((down.qtype,), aq))
     return y

@@ -47,12 +47,13 @@ def _gemv(x2d: torch.Tensor, w: QTensor, block_n: int | None = None, block_k: in
     if T == 0:
         return out
     bn, kw, even, warps = expert_triton.plan((w.qtype,), N, K, T, x2d.device, block_n, block_k)
-    from strata.ops.dp4a_triton import int8_rows
+    from strata.ops.dp4a_triton import int8_rows, parted
 
+    xq = int8_rows(x2d, (w.qtype,))
     expert_triton._gemv_kernel[(T * expert_triton.triton.cdiv(N, bn),)](
-        x2d, int8_rows(x2d, (w.qtype,)), raw, out, raw, out, expert_triton.codebooks_for((w.qtype,), out), out, T, N, K, raw.numel(),
+        x2d, xq, raw, out, raw, out, expert_triton.codebooks_for((w.qtype,), out), out, T, N, K, raw.numel(),
         raw.shape[-1], QT=int(w.qtype), BN=bn, KW=kw, EVEN=even, GATHER=False, HOST=False,
-        num_warps=warps)  # slots, hw, eids unused without GATHER/HOST
+        num_warps=warps, PARTS=parted((w.qtype,), xq))  # slots, hw, eids unused without GATHER/HOST
     return out
 
 

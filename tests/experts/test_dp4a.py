@@ -238,3 +238,23 @@ def test_glu_plan_of_the_dp4a_iquant_tiles(monkeypatch):
     assert expert_triton.plan((Q.IQ2_XXS,), 2048, 2048, 8, cpu, dtype=torch.bfloat16)[1] == 512
     monkeypatch.setattr(dp4a_triton, "C_DP4A", False)
     assert expert_triton.plan((Q.IQ2_XXS, Q.IQ2_XXS), 768, 2048, 8, cpu, dtype=torch.bfloat16)[1] == 512
+
+
+def test_glu_plan_with_sums_after_the_loop(monkeypatch):
+    """With the tiles' sums after the loop (C_PARTS) the i-quants' GLU takes one row a program where a row is 4
+    iterations or more (K = 4096 at 1024 weights an iteration), two at K = 2048; without them, the rows as before."""
+    import torch
+    from gguf import GGMLQuantizationType as Q
+
+    from strata.ops import dp4a_triton, expert_triton
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(dp4a_triton, "C_DP4A", True)
+    monkeypatch.setattr(dp4a_triton, "C_PARTS", True)
+    iq = (Q.IQ2_XXS, Q.IQ2_XXS)
+    assert expert_triton.plan(iq, 1536, 4096, 8, cpu, dtype=torch.bfloat16)[:2] == (1, 1024)
+    short = expert_triton.plan(iq, 768, 2048, 8, cpu, dtype=torch.bfloat16)
+    assert short[0] > 1 and short[1] == 1024
+    assert expert_triton.plan((Q.Q4_K, Q.Q4_K), 1536, 4096, 8, cpu, dtype=torch.bfloat16)[0] > 1
+    monkeypatch.setattr(dp4a_triton, "C_PARTS", False)
+    assert expert_triton.plan(iq, 1536, 4096, 8, cpu, dtype=torch.bfloat16)[0] > 1

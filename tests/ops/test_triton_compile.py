@@ -45,7 +45,8 @@ def compiles():
 def _gemv_signature(x: str) -> dict:
     return {"x": x, "xq": "*i32", "w": "*u8", "slots": "*i64", "hw": "*u8", "eids": "*i64", "tab": "*fp32", "out": "*fp32",
             "P": "i32", "N": "i32", "K": "i32", "slot_bytes": "i64", "row_bytes": "i64", "QT": "constexpr",
-            "BN": "constexpr", "KW": "constexpr", "EVEN": "constexpr", "GATHER": "constexpr", "HOST": "constexpr"}
+            "BN": "constexpr", "KW": "constexpr", "EVEN": "constexpr", "GATHER": "constexpr", "HOST": "constexpr",
+            "PARTS": "constexpr"}
 
 
 def _formats():
@@ -64,16 +65,18 @@ def test_every_formats_gemv_and_glu_compile(compiles, arch):
         try:
             # the dense GEMV, and the down projection gathered from the slot pool with misses read from the host
             compiles(expert_triton._gemv_kernel, _gemv_signature("*bf16"),
-                     {"QT": int(qt), "BN": 8, "KW": kw, "EVEN": True, "GATHER": False, "HOST": False}, arch)
+                     {"QT": int(qt), "BN": 8, "KW": kw, "EVEN": True, "GATHER": False, "HOST": False, "PARTS": False},
+                     arch)
             compiles(expert_triton._gemv_kernel, _gemv_signature("*fp32"),
-                     {"QT": int(qt), "BN": 4, "KW": kw, "EVEN": False, "GATHER": True, "HOST": True}, arch)
+                     {"QT": int(qt), "BN": 4, "KW": kw, "EVEN": False, "GATHER": True, "HOST": True, "PARTS": False},
+                     arch)
             compiles(expert_triton._glu_kernel,
                      {"x": "*bf16", "xq": "*i32", "gate": "*u8", "up": "*u8", "slots": "*i64", "hgate": "*u8", "hup": "*u8",
                       "eids": "*i64", "tab": "*fp32", "out": "*fp32", "P": "i32", "N": "i32", "K": "i32", "R": "i32",
                       "g_slot_bytes": "i64", "u_slot_bytes": "i64", "g_row_bytes": "i64", "u_row_bytes": "i64",
                       "QG": "constexpr", "QU": "constexpr", "BN": "constexpr", "KW": "constexpr",
-                      "EVEN": "constexpr", "HOST": "constexpr"},
-                     {"QG": int(qt), "QU": int(qt), "BN": 8, "KW": kw, "EVEN": True, "HOST": True}, arch)
+                      "EVEN": "constexpr", "HOST": "constexpr", "PARTS": "constexpr"},
+                     {"QG": int(qt), "QU": int(qt), "BN": 8, "KW": kw, "EVEN": True, "HOST": True, "PARTS": False}, arch)
         except Exception as e:  # noqa: BLE001 - collect every format's failure, then report them together
             failed.append(f"{qt.name}: {type(e).__name__}: {str(e)[:600]}")
     assert not failed, "\n".join(failed)
@@ -119,7 +122,8 @@ IQ = (Q.IQ2_XXS, Q.IQ2_S, Q.IQ3_XXS)
 loads = {}
 for qt in IQ if WIDE and not PARTS else IQ + (Q.Q4_K, Q.Q8_0, Q.Q6_K, Q.Q5_K, Q.Q2_K, Q.Q3_K):
     k = _compile(expert_triton._gemv_kernel, _gemv_signature("*fp32"),
-                 {"QT": int(qt), "BN": 8, "KW": 512, "EVEN": False, "GATHER": True, "HOST": True}, int(sys.argv[1]))
+                 {"QT": int(qt), "BN": 8, "KW": 512, "EVEN": False, "GATHER": True, "HOST": True,
+                  "PARTS": PARTS and qt in IQ + (Q.Q8_0,)}, int(sys.argv[1]))
     ptx = k.asm["ptx"]
     assert "dp4a.s32.s32" in ptx, qt.name
     # (the table's word pairs as 64-bit loads: the grid entries of IQ2_XXS / IQ2_S, the sign words of IQ2_XXS / IQ3_XXS;
