@@ -46,9 +46,10 @@ WIDE_GPU_TESTED = True
 # 1.13-1.28x faster (docs/BENCHMARKS.md, 'The GPU lane per weight format')
 ARITH_SIGNS_GPU_TESTED = True
 # Q8_0's and the i-quants' dp4a tiles summed over their sub-blocks once after a program's loop, not in every iteration
-# (each such sum is a tree of warp shuffles: ~15% of the IQ2_XXS loop's instructions): `parts` below. On a GPU once
-# its GPU test passes there (tests/experts/test_dp4a.py, kind "parts") and it was timed (`--iq-tiles dp4a-parts`)
-PARTS_GPU_TESTED = False
+# (each such sum is a tree of warp shuffles: ~15% of the IQ2_XXS loop's instructions): `parts` below. Its GPU tests
+# passed on an H100 (tests/experts/test_dp4a.py kind "parts", tests/ops/test_qgemv.py, the expert kernels' and the
+# MTP / graphed verify tests with it on) and it was timed (`tools/bench_kernels.py --parts on` against `off`)
+PARTS_GPU_TESTED = True
 IQ_FORMATS = frozenset({Q.IQ2_XXS, Q.IQ2_S, Q.IQ3_XXS})
 KQ_FORMATS = frozenset({Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K})
 
