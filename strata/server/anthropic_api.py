@@ -188,8 +188,8 @@ async def messages(request: Request):
     if use_tools and tc is not None and tc.type in ("any", "tool"):
         if tc.type == "tool" and tc.name not in {t["function"]["name"] for t in use_tools}:
             raise bad_request(f"tool_choice names {tc.name!r}, which is not among the request's tools")
-        grammar = srv.tool_call_grammar(use_tools, tc.name if tc.type == "tool" else None,
-                                         not tc.disable_parallel_tool_use, text.rstrip().endswith("<think>"))
+        grammar = await asyncio.to_thread(srv.tool_call_grammar, use_tools, tc.name if tc.type == "tool" else None,
+                                          not tc.disable_parallel_tool_use, text.rstrip().endswith("<think>"))
     stops = [s for s in (body.stop_sequences or []) if s]
     if len(stops) > 16:
         raise bad_request("stop_sequences: at most 16")

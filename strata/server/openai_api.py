@@ -172,11 +172,12 @@ async def prepare_chat(srv, body: ChatRequest) -> Job:
     max_tokens = srv.max_tokens(len(ids), asked)
     grammar, what = None, "the output grammar"
     if use_tools and (only is not None or choice == "required"):
-        grammar = srv.tool_call_grammar(use_tools, only, body.parallel_tool_calls is not False,
-                                        text.rstrip().endswith("<think>"))
+        # (grammars are built off the event loop: a large one takes a while, and other streams wait on the loop)
+        grammar = await asyncio.to_thread(srv.tool_call_grammar, use_tools, only, body.parallel_tool_calls is not False,
+                                          text.rstrip().endswith("<think>"))
     forced = grammar is not None
     if not forced:  # (a forced call's grammar wins over response_format, which shapes a text answer)
-        grammar, what = constraint(srv, body)
+        grammar, what = await asyncio.to_thread(constraint, srv, body)
     job = Job(ids, sampling(body), max_tokens, srv.stop_ids(body.ignore_eos), draft_max=body.speculative_n_max,
               logprobs=(body.top_logprobs or 0) if body.logprobs else None,
               stop=stop_list(body.stop), logit_bias=body.logit_bias, grammar=grammar, grammar_what=what,
@@ -292,7 +293,7 @@ async def prepare_completion(srv, body: CompletionRequest) -> tuple[Job, str]:
             raise bad_request(f"prompt: token ids must be in 0..{srv.vocab_size - 1}")
         ids = list(p)
         text = srv.tok.decode(p) if body.echo else ""
-    grammar, what = constraint(srv, body)
+    grammar, what = await asyncio.to_thread(constraint, srv, body)
     job = Job(ids, sampling(body), max_tokens, srv.stop_ids(body.ignore_eos), draft_max=body.speculative_n_max,
               logprobs=body.logprobs, stop=stop_list(body.stop), logit_bias=body.logit_bias, grammar=grammar,
               grammar_what=what, cache_prompt=body.cache_prompt, kind="completion")

@@ -250,3 +250,45 @@ def test_anthropic_no_markup_in_text_blocks(server, tool_format):
                     assert [b.name for b in msg.content if b.type == "tool_use"] == ["get_weather"]
                 else:
                     assert msg.stop_reason == "max_tokens"
+
+
+def test_a_grammar_builds_off_the_event_loop(server, monkeypatch):
+    """A large grammar takes a while to convert (a 200 KB GBNF: ~0.1 s); it is built on a worker thread, so the
+    server goes on answering (here /health) while one builds. The real converter runs, held until /health answered."""
+    import asyncio
+    import threading
+
+    from strata.server.grammar import Grammars
+
+    held, seen = threading.Event(), []
+    real = Grammars.gbnf
+
+    def on_loop() -> bool:
+        try:
+            asyncio.get_running_loop()
+            return True
+        except RuntimeError:
+            return False
+
+    def slow(self, src):
+        seen.append(on_loop())
+        if not seen[-1]:  # (held on the loop, it would hold /health too: this test's failure then comes at once)
+            held.wait(60)
+        return real(self, src)
+
+    monkeypatch.setattr(Grammars, "gbnf", slow)
+    out = {}
+    t = threading.Thread(target=lambda: out.update(r=_post(server, "/v1/chat/completions", {
+        "messages": MSG, "max_tokens": 4, "grammar": 'root ::= "yes" | "no"'})))
+    t.start()
+    try:
+        for _ in range(600):  # (until the request reached the converter)
+            if seen:
+                break
+            threading.Event().wait(0.05)
+        assert seen == [False]
+        assert httpx.get(server.url + "/health", timeout=20).status_code == 200  # while the grammar is held
+    finally:
+        held.set()
+        t.join(120)
+    assert out["r"].status_code == 200 and out["r"].json()["choices"][0]["message"]["content"] in ("yes", "no")
