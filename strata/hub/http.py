@@ -78,6 +78,10 @@ class _Retry(Exception):
         self.after = after
 
 
+# a host that has not answered once in this transfer (no name, nothing listening, every connect timing out) is tried
+# this many times, not `retries` times with the backoff (~3 minutes at the default 8): as curl and wget treat a
+# refused connection and an unknown name, the cause is the address or the network, which waiting does not fix
+UNREACHABLE_TRIES = 2
 RETRY_AFTER_MAX = 300.0  # the longest Retry-After obeyed; a longer one is waited this long, then tried again
 
 
@@ -238,6 +242,7 @@ def fetch_to_part(
     requests = 0
     part.parent.mkdir(parents=True, exist_ok=True)
     etag = _read_etag(part) if high_water else None  # the version of the file the bytes held are of
+    answered = False  # any response from the server in this transfer
 
     while True:
         if cancelled():
@@ -261,6 +266,7 @@ def fetch_to_part(
         try:
             requests += 1
             with client.stream("GET", url, headers=req_headers) as r, (watch or _no_watch)(r):
+                answered = True
                 offset, body_len, total = _accept(r, have, total, name, part, warn, open_file, etag)
                 got = r.headers.get("etag")
                 if offset == 0 or etag is None:
@@ -287,6 +293,11 @@ def fetch_to_part(
                 high_water = size_now
                 attempts = 0
             attempts += 1
+            if not answered and isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)) \
+                    and attempts >= UNREACHABLE_TRIES:
+                host = httpx.URL(url).host
+                raise StrataError(f"{name}: cannot connect to {host} ({_describe(e)}, {attempts} tries): check the "
+                                  f"address and the network") from e
             if attempts > retries:
                 raise StrataError(f"{name}: download failed after {retries} retries: {_describe(e)}") from e
             delay = min(backoff * 2 ** (attempts - 1), 60.0)

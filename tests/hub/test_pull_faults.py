@@ -4,6 +4,7 @@ error and no `.done` marker (and no finished-looking file)."""
 from __future__ import annotations
 
 import errno
+import re
 from pathlib import Path
 
 import pytest
@@ -445,3 +446,24 @@ def test_bad_url_download_flags_are_one_line_before_any_byte(hub, tmp_path, caps
     err = capsys.readouterr().err
     assert err.startswith("strata: error: " + says.format(tmp=tmp_path)) and err.count("\n") == 1, err
     assert hub.gets() == []
+
+
+def test_an_unreachable_host_fails_fast_with_its_name(tmp_path, reporter):
+    """Nothing listening (a refused connection) or no such name: UNREACHABLE_TRIES tries, one short wait, then one
+    line naming the host, where the backoff of `retries` tries used to wait ~3 minutes."""
+    import socket
+
+    from strata.hub.http import UNREACHABLE_TRIES
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for url in (f"http://127.0.0.1:{port}/x/m.gguf", "http://no-such-host.invalid/x/m.gguf"):
+        delays = []
+        opts = PullOptions(jobs=1, retries=8, backoff=1.0, sleep=delays.append)
+        host = url.split("/")[2].split(":")[0]
+        with pytest.raises(StrataError, match=f"cannot connect to {re.escape(host)}.*check the address"):
+            pull(url, models_dir=tmp_path / "models", token=False, opts=opts, reporter=reporter,
+                 output=tmp_path / "m.gguf", sha256=["0" * 64])
+        assert delays == [1.0] * (UNREACHABLE_TRIES - 1), delays
+        assert not (tmp_path / "m.gguf").exists()
