@@ -1,0 +1,103 @@
+"""`strata convert` on the checkpoint directories users download: sharded ones (a shard missing, a stray
+consolidated copy beside the shards), PyTorch .bin only, no model_type, no tokenizer, OUT naming an input file."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+
+import pytest
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    """(one-file checkpoint, the same model sharded with a model.safetensors.index.json)."""
+    from hf_fixtures import make_hf_model, make_tokenizer_dir
+
+    root = tmp_path_factory.mktemp("hf")
+    one, sharded = root / "one", root / "sharded"
+    model = make_hf_model("qwen3moe", one, vocab_size=1001)
+    make_tokenizer_dir(one, 1001)
+    model.save_pretrained(sharded, max_shard_size="100KB")
+    for n in TOKENIZER_FILES:
+        shutil.copy(one / n, sharded / n)
+    assert len(list(sharded.glob("model-*.safetensors"))) > 3 and (sharded / "model.safetensors.index.json").exists()
+    return one, sharded
+
+
+def _error(capsys, *args) -> str:
+    from strata.cli import main
+
+    rc = main(["convert", *map(str, args)])
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert rc == 1 and len(lines) == 1 and lines[0].startswith("strata: error: "), err
+    return lines[0]
+
+
+def _tensors(path: pathlib.Path) -> dict[str, bytes]:
+    import gguf
+
+    return {t.name: bytes(t.data.tobytes()) for t in gguf.GGUFReader(path).tensors}
+
+
+def _copy(src: pathlib.Path, dst: pathlib.Path) -> pathlib.Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_sharded_checkpoint(ckpts, tmp_path, capsys):
+    from strata.cli import main
+
+    one, sharded = ckpts
+    assert main(["convert", str(one), str(tmp_path / "a.gguf")]) == 0
+    assert main(["convert", str(sharded), str(tmp_path / "b.gguf")]) == 0
+    want = _tensors(tmp_path / "a.gguf")
+    assert _tensors(tmp_path / "b.gguf") == want
+    # a consolidated copy beside the shards, under other tensor names (as Mistral's repositories hold one):
+    # the index says which files make the checkpoint
+    d = _copy(sharded, tmp_path / "cons")
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"layers.0.attention.wq.weight": torch.zeros(4, 4)}, d / "consolidated.safetensors")
+    assert main(["convert", str(d), str(tmp_path / "c.gguf")]) == 0
+    assert _tensors(tmp_path / "c.gguf") == want
+    capsys.readouterr()
+
+
+def test_sharded_checkpoint_with_a_shard_missing_or_wrong(ckpts, tmp_path, capsys):
+    _, sharded = ckpts
+    out = tmp_path / "out" / "m.gguf"
+    out.parent.mkdir()
+    d = _copy(sharded, tmp_path / "miss")
+    shard = sorted(d.glob("model-*.safetensors"))[2]
+    n = len(list(d.glob("model-*.safetensors")))
+    shard.unlink()
+    line = _error(capsys, d, out)
+    assert line == (f"strata: error: {d}: {shard.name} is missing (model.safetensors.index.json lists {n} shards: "
+                    "the download is incomplete)")
+    # a shard that does not hold what the index says it does (one from another download)
+    shutil.copy(sorted(d.glob("model-*.safetensors"))[0], shard)
+    line = _error(capsys, d, out)
+    assert "model.safetensors.index.json: tensor " in line and f"is listed in {shard.name}, which does not hold it" in line
+    (d / "model.safetensors.index.json").write_text('{"metadata": {}}')
+    assert "model.safetensors.index.json is not a safetensors index" in _error(capsys, d, out)
+    assert list(out.parent.iterdir()) == []
+
+
+def test_pytorch_bin_only(ckpts, tmp_path, capsys):
+    import torch
+    from safetensors.torch import load_file
+
+    one, _ = ckpts
+    d = tmp_path / "bin"
+    d.mkdir()
+    for f in one.glob("*.json"):
+        shutil.copy(f, d / f.name)
+    torch.save(load_file(one / "model.safetensors"), d / "pytorch_model.bin")
+    line = _error(capsys, d, tmp_path / "m.gguf")
+    assert "pytorch_model.bin" in line and "safetensors" in line
