@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from strata import StrataError
-from strata.gguf.convert_input import Checkpoint, read_config
+from strata.gguf.convert_input import INDEX, Checkpoint, read_config
 
 log = logging.getLogger("strata")
 
@@ -77,7 +77,9 @@ def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, out_type: str = "
     if out_type not in (*FILE_TYPES, "auto"):
         raise StrataError(f"--type must be one of auto, {', '.join(FILE_TYPES)} (got {out_type})")
     cfg = read_config(d)
-    mt = cfg.get("model_type") or ""
+    mt = cfg.get("model_type")
+    if not mt:
+        raise StrataError(f"{cfg.path} has no model_type (it names the architecture strata convert maps)")
     mt = mt if isinstance(mt, str) else repr(mt)
     arch = {"qwen3_moe": "qwen3moe", "qwen3": "qwen3", "mixtral": "llama", "llama": "llama",
             "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2", "glm4_moe": "glm4moe",
@@ -86,10 +88,15 @@ def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, out_type: str = "
         raise StrataError(f"{d}: model_type '{mt}' is not supported by strata convert "
                           "(qwen3_moe, qwen3, mixtral, llama, deepseek_v3, deepseek_v2, glm4_moe, gpt_oss, "
                           "qwen3_next)")
+    if not (d / "tokenizer.json").exists():  # (checked before hours of converting a large checkpoint, not after)
+        raise StrataError(f"{d}: no tokenizer.json (strata convert needs the checkpoint's tokenizer)")
     ck = Checkpoint(d)
     if out_type == "auto":
         out_type = ck.auto_type()
     out = output_path(out, d, out_type)
+    inputs = [*ck.files, cfg.path, *(d / n for n in ("tokenizer.json", "tokenizer_config.json", INDEX))]
+    if out.exists() and any(f.exists() and os.path.samefile(out, f) for f in inputs):
+        raise StrataError(f"{out} is a file of the checkpoint being converted: give another OUT")
     # Create the temporary file now: a path that cannot be written fails before any tensor is converted.
     tmp = out.with_name(out.name + ".tmp")
     try:

@@ -101,3 +101,32 @@ def test_pytorch_bin_only(ckpts, tmp_path, capsys):
     torch.save(load_file(one / "model.safetensors"), d / "pytorch_model.bin")
     line = _error(capsys, d, tmp_path / "m.gguf")
     assert "pytorch_model.bin" in line and "safetensors" in line
+
+
+def test_config_without_model_type(ckpts, tmp_path, capsys):
+    d = _copy(ckpts[0], tmp_path / "nomt")
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg["model_type"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert _error(capsys, d, tmp_path / "m.gguf") == (f"strata: error: {d / 'config.json'} has no model_type (it "
+                                                      "names the architecture strata convert maps)")
+
+
+def test_missing_tokenizer_is_named_before_converting(ckpts, tmp_path, capsys):
+    # this checkpoint's f16 range error would come from converting its first layer: the tokenizer's comes first
+    from test_convert_cli import _as_bf16
+
+    d = _as_bf16(ckpts[0], tmp_path / "notok", big=1e8)
+    (d / "tokenizer.json").unlink()
+    line = _error(capsys, d, tmp_path / "m.gguf", "--type", "f16")
+    assert line == f"strata: error: {d}: no tokenizer.json (strata convert needs the checkpoint's tokenizer)"
+    assert not list(tmp_path.glob("*.gguf*"))
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "tokenizer.json", "config.json"])
+def test_output_naming_a_checkpoint_file_is_refused(ckpts, tmp_path, capsys, name):
+    d = _copy(ckpts[0], tmp_path / "ck")
+    before = (d / name).read_bytes()
+    line = _error(capsys, d, d / name)
+    assert line == f"strata: error: {d / name} is a file of the checkpoint being converted: give another OUT"
+    assert (d / name).read_bytes() == before and not list(d.glob("*.tmp"))
