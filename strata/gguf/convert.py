@@ -88,9 +88,9 @@ def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, out_type: str = "
         raise StrataError(f"{d}: model_type '{mt}' is not supported by strata convert "
                           "(qwen3_moe, qwen3, mixtral, llama, deepseek_v3, deepseek_v2, glm4_moe, gpt_oss, "
                           "qwen3_next)")
+    ck = Checkpoint(d)  # (headers only: the weights are read as they are converted)
     if not (d / "tokenizer.json").exists():  # (checked before hours of converting a large checkpoint, not after)
         raise StrataError(f"{d}: no tokenizer.json (strata convert needs the checkpoint's tokenizer)")
-    ck = Checkpoint(d)
     if out_type == "auto":
         out_type = ck.auto_type()
     out = output_path(out, d, out_type)
