@@ -130,3 +130,32 @@ def test_output_naming_a_checkpoint_file_is_refused(ckpts, tmp_path, capsys, nam
     line = _error(capsys, d, d / name)
     assert line == f"strata: error: {d / name} is a file of the checkpoint being converted: give another OUT"
     assert (d / name).read_bytes() == before and not list(d.glob("*.tmp"))
+
+
+def test_damaged_tokenizer_files(ckpts, tmp_path, capsys):
+    # read before any tensor is converted: this checkpoint's f16 range error would otherwise come first
+    from test_convert_cli import _as_bf16
+
+    d = _as_bf16(ckpts[0], tmp_path / "tok", big=1e8)
+    good = (d / "tokenizer.json").read_text()
+    for name, text, why in (("tokenizer.json", good[: len(good) // 2], " at line "),
+                            ("tokenizer.json", "", "Expecting value at line 1 column 1"),
+                            ("tokenizer_config.json", "{", "Expecting property name")):
+        before = (d / name).read_text()
+        (d / name).write_text(text)
+        line = _error(capsys, d, tmp_path / "m.gguf", "--type", "f16")
+        assert line.startswith(f"strata: error: {d / name} is not valid JSON: ") and why in line, line
+        (d / name).write_text(before)
+    assert not list(tmp_path.glob("*.gguf*"))
+
+
+def test_tokenizer_larger_than_the_vocabulary(ckpts, tmp_path, capsys):
+    # config.json's vocab_size (the embedding's rows) below the tokenizer's ids: refused, as llama.cpp does
+    d = _copy(ckpts[0], tmp_path / "v")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["vocab_size"] = 900
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert _error(capsys, d, tmp_path / "m.gguf") == (f"strata: error: {d / 'tokenizer.json'} has 1001 tokens, "
+                                                      "more than the 900 of config.json's vocab_size (the "
+                                                      "embedding's rows)")
+    assert not list(tmp_path.glob("*.gguf*"))
