@@ -73,6 +73,8 @@ def _range_error(name: str, a: torch.Tensor, qtype) -> str | None:
 def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, out_type: str = "f32") -> Path:
     """Write `hf_dir` as GGUF to `out` (a file, or a directory to name it in: see output_path); out_type "auto"
     picks bf16 or f16 as llama.cpp's `--outtype auto` does. Returns the file written."""
+    if isinstance(out, str) and out.endswith(os.sep) and not Path(out).is_dir():  # (Path drops the slash)
+        raise StrataError(f"cannot write to {out}: the directory does not exist")
     d, out = Path(hf_dir), Path(out)
     if out_type not in (*FILE_TYPES, "auto"):
         raise StrataError(f"--type must be one of auto, {', '.join(FILE_TYPES)} (got {out_type})")

@@ -159,3 +159,10 @@ def test_tokenizer_larger_than_the_vocabulary(ckpts, tmp_path, capsys):
                                                       "more than the 900 of config.json's vocab_size (the "
                                                       "embedding's rows)")
     assert not list(tmp_path.glob("*.gguf*"))
+
+
+def test_output_directory_with_a_trailing_slash_that_does_not_exist(ckpts, tmp_path, capsys):
+    # `OUT/` means a directory: one that is not there is an error, not a file named OUT
+    line = _error(capsys, ckpts[0], f"{tmp_path / 'newdir'}/")
+    assert line == f"strata: error: cannot write to {tmp_path / 'newdir'}/: the directory does not exist"
+    assert list(tmp_path.iterdir()) == []
