@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from strata import StrataError
-from strata.gguf.convert_input import Checkpoint, read_config
+from strata.gguf.convert_input import INDEX, Checkpoint, read_config
 
 log = logging.getLogger("strata")
 
@@ -73,11 +73,15 @@ def _range_error(name: str, a: torch.Tensor, qtype) -> str | None:
 def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, out_type: str = "f32") -> Path:
     """Write `hf_dir` as GGUF to `out` (a file, or a directory to name it in: see output_path); out_type "auto"
     picks bf16 or f16 as llama.cpp's `--outtype auto` does. Returns the file written."""
+    if isinstance(out, str) and out.endswith(os.sep) and not Path(out).is_dir():  # (Path drops the slash)
+        raise StrataError(f"cannot write to {out}: the directory does not exist")
     d, out = Path(hf_dir), Path(out)
     if out_type not in (*FILE_TYPES, "auto"):
         raise StrataError(f"--type must be one of auto, {', '.join(FILE_TYPES)} (got {out_type})")
     cfg = read_config(d)
-    mt = cfg.get("model_type") or ""
+    mt = cfg.get("model_type")
+    if not mt:
+        raise StrataError(f"{cfg.path} has no model_type (it names the architecture strata convert maps)")
     mt = mt if isinstance(mt, str) else repr(mt)
     arch = {"qwen3_moe": "qwen3moe", "qwen3": "qwen3", "mixtral": "llama", "llama": "llama",
             "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2", "glm4_moe": "glm4moe",
@@ -86,10 +90,14 @@ def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, out_type: str = "
         raise StrataError(f"{d}: model_type '{mt}' is not supported by strata convert "
                           "(qwen3_moe, qwen3, mixtral, llama, deepseek_v3, deepseek_v2, glm4_moe, gpt_oss, "
                           "qwen3_next)")
-    ck = Checkpoint(d)
+    ck = Checkpoint(d)  # (headers only: the weights are read as they are converted)
+    tok = _tokenizer(d, int(cfg["vocab_size"]))  # (before hours of converting a large checkpoint, not after)
     if out_type == "auto":
         out_type = ck.auto_type()
     out = output_path(out, d, out_type)
+    inputs = [*ck.files, cfg.path, *(d / n for n in ("tokenizer.json", "tokenizer_config.json", INDEX))]
+    if out.exists() and any(f.exists() and os.path.samefile(out, f) for f in inputs):
+        raise StrataError(f"{out} is a file of the checkpoint being converted: give another OUT")
     # Create the temporary file now: a path that cannot be written fails before any tensor is converted.
     tmp = out.with_name(out.name + ".tmp")
     try:
@@ -97,14 +105,15 @@ def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, out_type: str = "
     except OSError as e:
         raise StrataError(f"cannot write {out} (as {tmp.name} first): {e.strerror or e}") from None
     try:
-        _convert(d, cfg, mt, arch, ck, out, tmp, out_type)
+        _convert(d, cfg, mt, arch, ck, out, tmp, out_type, tok)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     return out
 
 
-def _convert(d: Path, cfg: dict, mt: str, arch: str, ck: Checkpoint, out: Path, tmp: Path, out_type: str) -> None:
+def _convert(d: Path, cfg: dict, mt: str, arch: str, ck: Checkpoint, out: Path, tmp: Path, out_type: str,
+             tok: dict) -> None:
     import gguf
 
     from strata.quant import QTensor
@@ -229,7 +238,9 @@ def _convert(d: Path, cfg: dict, mt: str, arch: str, ck: Checkpoint, out: Path, 
         if n_exp and (sparse or step != 1):
             raise StrataError(f"{d}: mixed dense/MoE layer patterns (mlp_only_layers, decoder_sparse_step) are not supported")
 
-    _tokenizer(d, w, int(cfg["vocab_size"]))
+    from strata.gguf.tokenizer_hf import write_tokenizer_metadata
+
+    write_tokenizer_metadata(w, tok)
 
     def unmapped(k: str) -> bool:
         if k in ck.used or "rotary_emb" in k:
@@ -397,17 +408,21 @@ def _nextn_tensors(ck, put, p: str, b: str) -> None:
             put(f"{b}nextn.{gg}.weight", ck.get(f"{p}{hf}.weight"))
 
 
-def _tokenizer(d: Path, w, vocab_size: int) -> None:
+def _tokenizer(d: Path, vocab_size: int) -> dict:
+    """The tokenizer's GGUF metadata, its token list padded to the embedding's vocab_size rows."""
     if not (d / "tokenizer.json").exists():
         raise StrataError(f"{d}: no tokenizer.json (strata convert needs the checkpoint's tokenizer)")
-    from strata.gguf.tokenizer_hf import hf_tokenizer_to_metadata, write_tokenizer_metadata
+    from strata.gguf.tokenizer_hf import hf_tokenizer_to_metadata
 
     md = hf_tokenizer_to_metadata(d)
     toks = md.get("tokenizer.ggml.tokens", [])
+    if len(toks) > vocab_size:  # ids the embedding has no row for (llama.cpp's converter refuses these too)
+        raise StrataError(f"{d / 'tokenizer.json'} has {len(toks)} tokens, more than the {vocab_size} of "
+                          f"config.json's vocab_size (the embedding's rows)")
     if len(toks) < vocab_size:  # the embedding has padding rows: name them like llama.cpp does
         md["tokenizer.ggml.tokens"] = list(toks) + [f"[PAD{i}]" for i in range(len(toks), vocab_size)]
         if "tokenizer.ggml.token_type" in md:
             md["tokenizer.ggml.token_type"] = list(md["tokenizer.ggml.token_type"]) + [5] * (vocab_size - len(toks))
         if "tokenizer.ggml.scores" in md:
             md["tokenizer.ggml.scores"] = list(md["tokenizer.ggml.scores"]) + [0.0] * (vocab_size - len(toks))
-    write_tokenizer_metadata(w, md)
+    return md

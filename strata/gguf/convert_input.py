@@ -54,24 +54,67 @@ def _unreadable(f: Path, e: Exception) -> StrataError:
     return StrataError(f"{f} cannot be read as safetensors (truncated or damaged? re-download it): {e}")
 
 
+INDEX = "model.safetensors.index.json"
+
+
+def shard_files(d: Path) -> tuple[list[Path], dict[str, Path]]:
+    """The safetensors files to read, and the tensor -> file map of the index when there is one. With an index,
+    its files only (a repository may also hold a consolidated copy under other names, as Mistral's do), each of
+    which must be there; without one, model*.safetensors as llama.cpp's converter reads them, else every
+    *.safetensors."""
+    ipath = d / INDEX
+    if ipath.exists():
+        try:
+            wm = json.loads(ipath.read_text(encoding="utf-8"))["weight_map"]
+            if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+                raise TypeError
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+            raise StrataError(f"{ipath} is not a safetensors index (a JSON object with a weight_map of "
+                              "tensor -> file)") from None
+        except OSError as e:
+            raise StrataError(f"cannot read {ipath}: {e.strerror or e}") from None
+        listed = {k: d / v for k, v in wm.items()}
+        files = sorted(set(listed.values()))
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+            raise StrataError(f"{d}: {missing[0]}{more} is missing ({INDEX} lists {len(files)} shard"
+                              f"{'s' if len(files) > 1 else ''}: the download is incomplete)")
+        return files, listed
+    files = sorted(d.glob("model*.safetensors")) or sorted(d.glob("*.safetensors"))
+    if not files:
+        bins = sorted(f.name for f in d.glob("*.bin") if f.is_file())
+        if bins:
+            raise StrataError(f"{d}: holds PyTorch weights ({bins[0]}), not safetensors: strata convert reads "
+                              "safetensors only (transformers' save_pretrained writes them)")
+        raise StrataError(f"{d}: no .safetensors files (strata convert reads safetensors checkpoints)")
+    return files, {}
+
+
 class Checkpoint:
     def __init__(self, d: Path):
         from safetensors import SafetensorError, safe_open
 
-        files = sorted(d.glob("*.safetensors"))
-        if not files:
-            raise StrataError(f"{d}: no .safetensors files (strata convert reads safetensors checkpoints)")
+        files, listed = shard_files(d)
+        self.files = files
         self.index: dict[str, Path] = {}
         self.dtypes: list[tuple[str, int]] = []  # (safetensors dtype, ndim) per tensor, in checkpoint order
+        held: dict[Path, set[str]] = {}
         for f in files:
             try:
                 with safe_open(f, "pt") as h:
+                    held[f] = set(h.keys())
                     for k in h.keys():
                         self.index[k] = f
                         sl = h.get_slice(k)  # the header's dtype and shape; no tensor data is read
                         self.dtypes.append((sl.get_dtype(), len(sl.get_shape())))
             except (SafetensorError, OSError) as e:
                 raise _unreadable(f, e) from None
+        for k, f in listed.items():  # the index says which file each tensor is read from
+            if k not in held[f]:
+                raise StrataError(f"{d / INDEX}: tensor {k} is listed in {f.name}, which does not hold it "
+                                  "(a shard from another download? re-download it)")
+            self.index[k] = f
         self._open: dict[Path, object] = {}
         self.used: set[str] = set()
 

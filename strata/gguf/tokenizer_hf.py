@@ -58,8 +58,11 @@ def detect_pre_tokenizer(tokenizer_json: str | Path) -> str:
     """The ``tokenizer.ggml.pre`` name whose splitting matches this ``tokenizer.json``'s (normalizer included)."""
     import tokenizers
 
-    tj = json.loads(Path(tokenizer_json).read_text(encoding="utf-8"))
-    hf = tokenizers.Tokenizer.from_file(str(tokenizer_json))
+    tj = _read_json(Path(tokenizer_json))
+    try:
+        hf = tokenizers.Tokenizer.from_file(str(tokenizer_json))
+    except Exception as e:  # noqa: BLE001 - the tokenizers library raises plain Exceptions for a bad file
+        raise StrataError(f"{tokenizer_json} cannot be loaded by the tokenizers library: {e}") from None
     if hf.pre_tokenizer is None:
         raise StrataError(f"{tokenizer_json}: byte-level BPE without a pre-tokenizer is not supported")
     want = _split_with(hf.pre_tokenizer, hf.normalizer, PROBE_TEXT)
@@ -90,6 +93,21 @@ def _has_byte_level(node: Any) -> bool:
     return False
 
 
+def _read_json(path: Path) -> dict:
+    """A tokenizer file's JSON object, or a StrataError naming the file (a download cut short, a hand edit)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise StrataError(f"{path} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except UnicodeDecodeError:
+        raise StrataError(f"{path} is not valid JSON: not UTF-8 text") from None
+    except OSError as e:
+        raise StrataError(f"cannot read {path}: {e.strerror or e}") from None
+    if not isinstance(data, dict):
+        raise StrataError(f"{path} is not a JSON object")
+    return data
+
+
 def hf_tokenizer_to_metadata(hf_dir: str | Path) -> dict[str, Any]:
     """GGUF tokenizer metadata for a transformers checkpoint directory (byte-level BPE tokenizers, and
     SentencePiece-style BPE ones with byte fallback such as Llama 2's and Mixtral's)."""
@@ -97,9 +115,9 @@ def hf_tokenizer_to_metadata(hf_dir: str | Path) -> dict[str, Any]:
     tj_path = hf_dir / "tokenizer.json"
     if not tj_path.is_file():
         raise StrataError(f"{hf_dir} has no tokenizer.json (only fast tokenizers can be converted)")
-    tj = json.loads(tj_path.read_text(encoding="utf-8"))
+    tj = _read_json(tj_path)
     cfg_path = hf_dir / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text(encoding="utf-8")) if cfg_path.is_file() else {}
+    cfg = _read_json(cfg_path) if cfg_path.is_file() else {}
 
     model = tj.get("model") or {}
     byte_level = _has_byte_level(tj.get("pre_tokenizer")) or _has_byte_level(tj.get("decoder"))
