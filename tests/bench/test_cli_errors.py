@@ -105,3 +105,20 @@ def test_results_are_written_whole_or_not_at_all(tmp_path):
         report.write({"name": "x", "date": "now", "suites": {}, "peers": {}}, d)
     assert json.loads((d / "results.json").read_text())["name"] == "x"
     assert [p.name for p in d.iterdir() if p.name.startswith(".")] == []
+
+
+def test_calibrate_refuses_a_json_path_it_cannot_write_before_loading(tmp_path):
+    """Found only when the result was written, it ended minutes of measuring in a FileNotFoundError."""
+    r = strata("calibrate", "--device", "cpu", "--expert-slots", "4", "--no-save", "--json",
+               str(tmp_path / "absent" / "calib.json"), env={"STRATA_CACHE_DIR": str(tmp_path / "cache")})
+    one_error(r, "--json", "does not exist")
+    assert "loading" not in r.stderr
+
+
+def test_calibrate_refuses_a_prompt_past_the_context_with_the_numbers(tmp_path):
+    """A huge --prompt-tokens used to build its filler text first (gigabytes, for minutes) before anything
+    compared it with the context."""
+    r = strata("calibrate", "--device", "cpu", "--expert-slots", "4", "--no-save", "--prompt-tokens", "999999999",
+               "--decode-tokens", "3", "--repeats", "1", "--knobs", "pcie_share",
+               env={"STRATA_CACHE_DIR": str(tmp_path / "cache")}, timeout=120)
+    one_error(r, "--prompt-tokens 999999999", "2048")
