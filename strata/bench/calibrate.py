@@ -340,6 +340,9 @@ def calibrate(lm, model_path: str, *, knobs: Sequence[str] = KNOBS, repeats: int
     """The whole procedure on a loaded model (see the module docstring); returns what is saved."""
     from strata.bench.prompts import filler_words, join_words
 
+    if prompt_tokens + decode_tokens > lm.max_ctx:  # (checked before the filler text is built for it)
+        raise StrataError(f"--prompt-tokens {prompt_tokens} + --decode-tokens {decode_tokens} exceeds the context "
+                          f"of {lm.max_ctx} tokens")
     tok = lm.tokenizer
     if tok is not None:
         prompt = tok.encode(join_words(filler_words(prompt_tokens * 2)))[:prompt_tokens]
@@ -398,6 +401,7 @@ def cmd_calibrate(args) -> int:
     """`strata calibrate`: the checks on its flags, then calibrate() on the loaded model."""
     import json
 
+    from strata.bench.outdir import write_text
     from strata.engine.cli import load_from_args
 
     knobs = [k.strip() for k in args.knobs.split(",") if k.strip()]
@@ -413,10 +417,23 @@ def cmd_calibrate(args) -> int:
                           "model's: add --no-save (the result is not saved as this model's calibration)")
     if args.vram_gb is None and args.expert_slots is None:
         raise StrataError("calibrate tunes the tiered experts for a VRAM budget: pass --vram-gb (or --expert-slots)")
+    if args.json:
+        _check_writable(args.json)
     lm = load_from_args(args)
     res = calibrate(lm, str(lm.cfg.model), knobs=knobs, repeats=args.repeats, decode_tokens=args.decode_tokens,
                     prompt_tokens=args.prompt_tokens, threshold=args.threshold, save=not args.no_save,
                     say=lambda m: print(m, flush=True))
     if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1, default=str), encoding="utf-8")
+        write_text(Path(args.json), json.dumps(res, indent=1, default=str))
     return 0
+
+
+def _check_writable(path: str) -> None:
+    """--json's file, checked before the model loads: a bad path is said before minutes of measuring."""
+    p = Path(path)
+    if p.is_dir():
+        raise StrataError(f"--json {path} is a directory: give a file to write the result to")
+    if not p.parent.is_dir():
+        raise StrataError(f"--json {path}: the directory {p.parent} does not exist")
+    if not os.access(p.parent, os.W_OK):
+        raise StrataError(f"--json {path}: no permission to create files in {p.parent}")

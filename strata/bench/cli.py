@@ -316,7 +316,7 @@ def _run_started(args, plan: Plan, model: str, model_ctx: int | None, synthetic,
 
 
 def cmd_bench(args) -> int:
-    from strata.bench import report
+    from strata.bench import outdir, report
     from strata.bench.client import BenchClient, strata_server
     from strata.bench.record import VramPeak, command_line, machine_record, model_record, now_stamp
 
@@ -349,42 +349,48 @@ def cmd_bench(args) -> int:
     model_ctx = (mrec.get("footprint") or {}).get("context_length")
     if not args.url and not args.ctx_size:
         _past_context(plan, model_ctx)
-    name = args.name or (Path(model_path).stem if model_path else "server")
-    out_dir = _fresh_dir(Path(args.out), f"{date}-{name}")
-    _say(f"results go to {out_dir}")
-    results = {"name": name, "date": stamp, "command": command_line(), "machine": machine_record(),
-               "model": mrec, "seed": plan.seed, "temperature": args.temperature, "routing": plan.routing,
-               "vram_budget_gib": args.vram_gb,
-               "suites": {}, "peers": {}}
-    if args.url:
-        try:
-            info = _server_info(client0)
-            with VramPeak() as peak:
-                results["suites"] = run_suites(client0, plan, plan.suites, synthetic, tag="strata")
-            results["server"] = {"url": args.url, "started": False, "flags": [], **info,
-                                 "vram_peak_bytes": peak.peak}
-            after = client0.metrics() or {}
-            if after.get("profile"):
-                results["server"]["profile"] = after["profile"]
-        finally:
-            client0.close()
-    else:
-        def start(parallel, ctx, log):
-            proc = strata_server(model_path, [*eargv, "-c", str(ctx)], log, parallel=parallel)
-            proc.ready_timeout = args.serve_timeout
-            return proc, f"strata serve -np {parallel} -c {ctx} {' '.join(eargv)}".rstrip()
+    if args.vs and model_path is None:
+        raise StrataError("--vs needs the model file (give -m, or a server whose /props names its model_path)")
+    if "llamacpp" in args.vs:
+        from strata.bench.peers.llamacpp import check_peer
 
-        suites, srv = _run_started(args, plan, model_path, model_ctx, synthetic, out_dir, "strata", start)
-        results["suites"] = suites
-        results["server"] = {"url": "started per phase", "started": True, "flags": eargv, **srv}
-    for peer in dict.fromkeys(args.vs):
-        if model_path is None:
-            raise StrataError("--vs needs the model file (give -m, or a server whose /props names its model_path)")
-        got = _run_peer(peer, args, plan, model_path, model_ctx, synthetic, out_dir, _device(results["server"], args))
-        for rec in got.values():  # no peer has a routing override: each runs the router of the model file
-            rec["routing"] = "model"
-        results["peers"].update(got)
-    paths = report.write(results, out_dir)
+        server_bin, bench_bin = check_peer(args.llama_server, args.llama_bench)
+        args.llama_server, args.llama_bench = str(server_bin) if server_bin else None, str(bench_bin or "none")
+    name = args.name or (Path(model_path).stem if model_path else "server")
+    out_dir = outdir.fresh_dir(Path(args.out), f"{date}-{name}")
+    _say(f"results go to {out_dir}")
+    with outdir.unfinished(out_dir, _say):
+        results = {"name": name, "date": stamp, "command": command_line(), "machine": machine_record(),
+                   "model": mrec, "seed": plan.seed, "temperature": args.temperature, "routing": plan.routing,
+                   "vram_budget_gib": args.vram_gb,
+                   "suites": {}, "peers": {}}
+        if args.url:
+            try:
+                info = _server_info(client0)
+                with VramPeak() as peak:
+                    results["suites"] = run_suites(client0, plan, plan.suites, synthetic, tag="strata")
+                results["server"] = {"url": args.url, "started": False, "flags": [], **info,
+                                     "vram_peak_bytes": peak.peak}
+                after = client0.metrics() or {}
+                if after.get("profile"):
+                    results["server"]["profile"] = after["profile"]
+            finally:
+                client0.close()
+        else:
+            def start(parallel, ctx, log):
+                proc = strata_server(model_path, [*eargv, "-c", str(ctx)], log, parallel=parallel)
+                proc.ready_timeout = args.serve_timeout
+                return proc, f"strata serve -np {parallel} -c {ctx} {' '.join(eargv)}".rstrip()
+
+            suites, srv = _run_started(args, plan, model_path, model_ctx, synthetic, out_dir, "strata", start)
+            results["suites"] = suites
+            results["server"] = {"url": "started per phase", "started": True, "flags": eargv, **srv}
+        for peer in dict.fromkeys(args.vs):
+            got = _run_peer(peer, args, plan, model_path, model_ctx, synthetic, out_dir, _device(results["server"], args))
+            for rec in got.values():  # no peer has a routing override: each runs the router of the model file
+                rec["routing"] = "model"
+            results["peers"].update(got)
+        paths = report.write(results, out_dir)
     _print_summary(results, out_dir, paths)
     return 0
 
@@ -460,14 +466,6 @@ def _device(server: dict, args) -> str:
         if dev:
             return str(dev)
     return str(args.device)
-
-
-def _fresh_dir(root: Path, name: str) -> Path:
-    d, i = root / name, 2
-    while d.exists():
-        d, i = root / f"{name}-{i}", i + 1
-    d.mkdir(parents=True)
-    return d
 
 
 def _print_summary(results: dict, out_dir: Path, paths: dict) -> None:

@@ -27,6 +27,10 @@ import httpx
 from strata import StrataError
 
 
+class ServerGone(StrataError):
+    """The server stopped answering mid-run (died, or hung past the timeout)."""
+
+
 @dataclass
 class Reply:
     """One generation as the client saw it."""
@@ -267,7 +271,13 @@ class BenchClient:
                 return len(r.json()["tokens"]) if r.status_code == 200 else None
             rep = self.chat(msgs, 1)
             return rep.prompt_tokens
-        except (httpx.HTTPError, ValueError, KeyError, StrataError):
+        except httpx.TransportError as e:  # no answer at all: not a server without the route
+            raise self.gone(e) from None
+        except (httpx.HTTPError, ValueError, KeyError):
+            return None
+        except ServerGone:
+            raise
+        except StrataError:
             return None
 
     # -- generation -----------------------------------------------------------------------------------------------
@@ -276,14 +286,23 @@ class BenchClient:
         body = chat_body(messages, max_tokens, **kw)
         rep = Reply(t_sent=time.perf_counter())
         st = _Stream(rep)
-        with self.http.stream("POST", "/v1/chat/completions", json=body) as r:
-            if r.status_code != 200:
-                r.read()
-                raise _http_error(r, self.base)
-            for line in r.iter_lines():
-                if not st.line(line):
-                    break
+        try:
+            with self.http.stream("POST", "/v1/chat/completions", json=body) as r:
+                if r.status_code != 200:
+                    r.read()
+                    raise _http_error(r, self.base)
+                for line in r.iter_lines():
+                    if not st.line(line):
+                        break
+        except httpx.HTTPError as e:  # a server that died or hung mid-run: its numbers are incomplete
+            raise self.gone(e) from None
         return st.done()
+
+    def gone(self, e: httpx.HTTPError) -> "ServerGone":
+        """The error for a request the server did not answer: refused, cut off, or timed out."""
+        if isinstance(e, httpx.TimeoutException):
+            return ServerGone(f"the server at {self.base} did not answer within {self.timeout:.0f}s ({e})")
+        return ServerGone(f"the server at {self.base} stopped answering ({type(e).__name__}: {e})")
 
     async def achat(self, http: httpx.AsyncClient, messages: list[dict], max_tokens: int, **kw) -> Reply:
         """`chat` on an AsyncClient (concurrent workers); errors are recorded in the Reply, not raised."""

@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 
 from strata.bench.client import sampling_text
+from strata.bench.outdir import write_text
 from strata.bench.prompts import fmt_size
 from strata.bench.stats import Summary, ratio
 
@@ -450,7 +451,7 @@ def write(results: dict, out: Path) -> dict[str, Path]:
     made = plots(results, out)
     results["plots"] = [p.name for p in made]
     js = out / "results.json"
-    js.write_text(json.dumps(_clean(results), indent=1, default=str), encoding="utf-8")
+    write_text(js, json.dumps(_clean(results), indent=1, default=str))
     md = out / "results.md"
-    md.write_text(markdown(_clean(results)), encoding="utf-8")
+    write_text(md, markdown(_clean(results)))
     return {"json": js, "markdown": md, **{p.stem: p for p in made}}

@@ -95,10 +95,30 @@ def find_binary(name: str, given: str | None = None) -> Path | None:
         if p.is_dir():
             p = p / name
         if not p.is_file():
-            raise StrataError(f"{name}: {given} not found")
+            raise StrataError(f"--{name} {given}: no such file (the {name} binary, or its directory)")
         return p
     p = BUILD_BIN / name
     return p if p.is_file() else None
+
+
+def cpu_build_available() -> bool:
+    """Whether the `xllamacpp` package (llama.cpp's CPU build, the peer without a llama-server binary) imports."""
+    try:
+        import xllamacpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def check_peer(server_given: str | None, bench_given: str | None) -> tuple[Path | None, Path | None]:
+    """(llama-server, llama-bench) for `--vs llamacpp`, checked before any server starts: a wrong path or no
+    llama.cpp at all is said at once, not after strata's whole run. None: the CPU build / no llama-bench."""
+    server = find_binary("llama-server", server_given)
+    bench = None if bench_given == "none" else find_binary("llama-bench", bench_given)
+    if server is None and not cpu_build_available():
+        raise StrataError(f"--vs llamacpp needs llama.cpp's server: build it (bench/peers/llamacpp.sh build, into "
+                          f"{BUILD_BIN}), pass --llama-server PATH, or pip install xllamacpp (its CPU build)")
+    return server, bench
 
 
 # ---------------------------------------------------------------------------------------------------------------
