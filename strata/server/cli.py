@@ -17,7 +17,8 @@ def register(sub) -> None:
     p = sub.add_parser("serve", help="serve the model over OpenAI- and Anthropic-compatible HTTP APIs")
     g = p.add_argument_group("server")  # (first: what a user sets most, before the engine's many flags)
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    g.add_argument("--port", type=int, default=8080, help="TCP port to listen on")
+    g.add_argument("--port", type=int, default=8080, help="TCP port to listen on (0: a free one the system picks, "
+                   "printed in the 'listening on' line)")
     g.add_argument("--api-key", default=None, help="require this key on every route but /health "
                    "(default: $STRATA_API_KEY)")
     g.add_argument("-np", "--parallel", type=_parallel, default=0, metavar="N|auto",
@@ -64,8 +65,8 @@ def cmd_serve(args) -> int:
     from strata.server.app import ServeConfig, create_app, model_id_for
     from strata.server.auth import is_loopback, origin_key
 
-    if not 0 < args.port < 65536:
-        raise StrataError(f"--port must be 1..65535 (got {args.port})")
+    if not 0 <= args.port < 65536:
+        raise StrataError(f"--port must be 0..65535 (got {args.port}; 0: a free one)")
     for o in args.cors_origin:
         if o not in ("*", "null") and origin_key(o) is None:
             raise StrataError(f"--cors-origin must be an origin such as http://localhost:3000, 'null' or '*' "
@@ -80,7 +81,7 @@ def cmd_serve(args) -> int:
     if args.api_key is not None and not args.api_key.strip():
         raise StrataError("--api-key is empty: pass a key, or leave the flag out to serve without one")
     key = args.api_key or api_key_from_env()
-    cfg_kw = dict(host=args.host, port=args.port, api_key=key, cors_origins=args.cors_origin, parallel=args.parallel,
+    cfg_kw = dict(host=args.host, api_key=key, cors_origins=args.cors_origin, parallel=args.parallel,
                   prompt_cache_mib=args.prompt_cache_mib, aliases=args.alias, prefill_chunk=args.prefill_chunk,
                   warmup=not args.no_warmup, warmup_tune_s=args.warmup_tune_s,
                   fault_after_tokens=fault_after_tokens_for_tests())
@@ -90,7 +91,6 @@ def cmd_serve(args) -> int:
         raise StrataError("no model given and this build has no embedded default model: pass -m MODEL") from None
     args.model = path
     _check_model(path)  # (a file that holds no model it can run fails before "listening", not after)
-    cfg = ServeConfig(model_id=model_id_for(path), **cfg_kw)
     state = {}
 
     def load():
@@ -104,14 +104,18 @@ def cmd_serve(args) -> int:
         server.should_exit = True
 
     sock = bind(args.host, args.port)  # before saying "listening": a busy port is one line, not a false claim
+    # --port 0 (as llama-server's): the port the system picked is the one printed, allowed as the page's own
+    # origin and reported in /metrics
+    port = sock.getsockname()[1]
+    cfg = ServeConfig(model_id=model_id_for(path), port=port, **cfg_kw)
     if not key and not is_loopback(args.host):  # (once bound: a server that does not start warns of nothing)
         bar = "!" * 78
         print(f"{bar}\nstrata: WARNING: binding {args.host} with no API key: anyone who can reach this port can use "
               f"the model.\nstrata: WARNING: pass --api-key KEY (or set STRATA_API_KEY).\n{bar}", file=sys.stderr,
               flush=True)
     app = create_app(cfg, load=load, narrate=_say, on_error=failed)
-    server = uvicorn_server(app, args.host, args.port)
-    _say(f"listening on http://{_url_host(args.host)}:{args.port} (the model loads in the background; "
+    server = uvicorn_server(app, args.host, port)
+    _say(f"listening on http://{_url_host(args.host)}:{port} (the model loads in the background; "
          f"/health answers 503 until it is ready)")
     try:
         server.run(sockets=[sock])

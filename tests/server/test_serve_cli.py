@@ -115,3 +115,39 @@ def test_a_file_that_holds_no_model_fails_before_listening(tmp_path):
         lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
         assert r.returncode == 1 and len(lines) == 1 and words in lines[0], r.stderr
         assert lines[0].startswith("strata: error:") and "listening" not in r.stderr
+
+
+def test_port_0_listens_on_a_free_port_and_prints_it(tmp_path):
+    # llama-server's --port 0: the system picks a free port; the "listening on" line must name the real one, and
+    # that port is the server's own origin (a page served from it is not refused as cross-site)
+    import re
+
+    import openai
+
+    env = {**os.environ, "STRATA_API_KEY": "", "OMP_NUM_THREADS": "1"}
+    log_path = tmp_path / "log"
+    with open(log_path, "wb") as log:
+        proc = _start(0, env, log)
+        try:
+            port = None
+            t0 = time.time()
+            while port is None and time.time() - t0 < 120:
+                assert proc.poll() is None, log_path.read_text()
+                m = re.search(r"listening on http://127\.0\.0\.1:(\d+) ", log_path.read_text())
+                port = int(m.group(1)) if m else None
+                time.sleep(0.1)
+            assert port, log_path.read_text()
+            assert port != 0
+            _ready(proc, port)
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+            r = client.completions.create(model="strata-tiny", prompt="def add(a, b):", max_tokens=4, temperature=0)
+            assert r.usage.completion_tokens >= 1
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/props",
+                                         headers={"Origin": f"http://127.0.0.1:{port}"})
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                assert resp.status == 200
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics?format=json", timeout=30) as resp:
+                assert json.loads(resp.read())["settings"]["port"] == port
+        finally:
+            _stop(proc)
+    assert "Traceback" not in log_path.read_text()
