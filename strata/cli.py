@@ -59,6 +59,8 @@ class Parser(argparse.ArgumentParser):
     def _get_option_tuples(self, option_string):
         # argparse takes a prefix of a flag for the flag: right for --temp, wrong for one dash, where -p is not
         # -pp (a user's `serve -p 8080` meant a port, not 8080 pipeline stages); -c4096 (-c, then its value) stays
+        if option_string.split("=", 1)[0] in LLAMACPP_NAMES:  # (-ngl is not -n gl: said as llama.cpp's flag)
+            return []
         found = super()._get_option_tuples(option_string)
         if option_string[:1] in self.prefix_chars and option_string[1:2] not in self.prefix_chars:
             found = [t for t in found if t[1] == option_string[:2]]
@@ -88,6 +90,8 @@ LLAMACPP_FLAGS = {
     ("--jinja",): "chat templates are always rendered with jinja",
     ("--mlock", "--no-mmap"): "strata maps the file and pins what it keeps in RAM itself",
 }
+
+LLAMACPP_NAMES = frozenset(n for names in LLAMACPP_FLAGS for n in names)
 
 
 def _unknown(parser: argparse.ArgumentParser, extras: list[str]) -> str:

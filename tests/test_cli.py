@@ -79,5 +79,24 @@ def test_one_dash_is_never_a_prefix(capsys):
 def test_llama_cpp_flags_say_what_does_their_job(capsys):
     assert "--vram-gb N is its GPU budget" in _error(capsys, ["serve", "-ngl", "99"])
     assert "--vram-gb N" in _error(capsys, ["serve", "--n-cpu-moe", "10"])
+    # (not read as -n gl / -c moe: commands with -n or -c took a llama.cpp flag for a short flag and its value)
+    assert "-ngl is llama.cpp's" in _error(capsys, ["generate", "-ngl", "99"])
+    assert "-cmoe is llama.cpp's" in _error(capsys, ["serve", "-cmoe"])
     assert "--cpu-threads N" in _error(capsys, ["generate", "-t", "8"])
     assert "always rendered with jinja" in _error(capsys, ["serve", "--jinja"])
+
+
+def test_generate_n_minus_one_runs_to_the_end_of_the_context():
+    # llama.cpp's -n -1: generate until the end of turn or a full context (it was refused as "not positive")
+    import os
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "strata", "generate", "-p", "def add(a, b):", "-n", "-1", "-c", "48",
+                        "--temp", "0"], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr
+    n = int(r.stderr.split("generated ")[1].split()[0])
+    assert n > 1
+    assert "stopped at the end of the context" in r.stderr or n < 48

@@ -121,13 +121,13 @@ def sampling_from_args(args):
 GENERATE_N, CHAT_N = 128, 512  # tokens generated when -n is not given (fewer where the context ends sooner)
 
 
-def _add_sampling(p):
+def _add_sampling(p, n_help: str = "tokens to generate (-1: until the context is full; default: 128 for generate, "
+                  "512 a chat reply, fewer where the context ends sooner)"):
+    """The sampling flags (llama.cpp's names). `strata serve` takes them too, as a request's defaults."""
     from strata.engine.sampler import SamplingParams
 
     d = SamplingParams()
-    p.add_argument("-n", "--n-predict", type=int, default=None,
-                   help="tokens to generate (default: 128 for generate, 512 a chat reply, fewer where the context "
-                   "ends sooner)")
+    p.add_argument("-n", "--n-predict", type=int, default=None, help=n_help)
     p.add_argument("--temperature", "--temp", type=float, default=d.temperature, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=d.top_k, help="sample among the K likeliest tokens (0: all)")
     p.add_argument("--top-p", type=float, default=d.top_p,
@@ -143,14 +143,20 @@ def _add_sampling(p):
     p.add_argument("--seed", type=int, default=d.seed, help="sampling seed (-1 or unset: a random one)")
 
 
+def check_sampling_args(args) -> None:
+    """-n and the sampling flags: one clear line for a bad one, before the model loads."""
+    if args.n_predict is not None and args.n_predict <= 0 and args.n_predict != -1:
+        raise StrataError(f"-n/--n-predict must be a positive number of tokens (or -1: until the context is "
+                          f"full), got {args.n_predict}")
+    sampling_from_args(args).validate()
+
+
 def check_run_args(args) -> None:
     """Reject bad generation settings before the model loads (one clear line, not a traceback minutes later)."""
-    if args.n_predict is not None and args.n_predict <= 0:
-        raise StrataError(f"-n/--n-predict must be a positive number of tokens, got {args.n_predict}")
+    check_sampling_args(args)
     if args.draft_source != "auto" and not args.draft_max:  # (a server's requests may turn drafts on: not there)
         raise StrataError(f"--draft-source {args.draft_source} drafts nothing without --draft-max N (at most N "
                           "drafted tokens a step)")
-    sampling_from_args(args).validate()
 
 
 def _n_predict(engine, n_prompt: int, args, default: int) -> int:
@@ -158,12 +164,15 @@ def _n_predict(engine, n_prompt: int, args, default: int) -> int:
     where the context ends sooner."""
     if n_prompt == 0:
         raise StrataError("the prompt is empty")
-    want = args.n_predict or 1  # (-n's words: max_tokens is the APIs' name for it)
+    asked = None if args.n_predict == -1 else args.n_predict  # (-1: as many as the context leaves, as llama.cpp's)
+    want = asked or 1  # (-n's words: max_tokens is the APIs' name for it)
     if n_prompt + want > engine.max_ctx:
-        more = f" + -n {args.n_predict}" if args.n_predict is not None else ""
+        more = f" + -n {asked}" if asked is not None else ""
         raise StrataError(f"the prompt of {n_prompt} tokens{more} exceeds the context of {engine.max_ctx} tokens "
                           "(-c sets it)")
-    return args.n_predict if args.n_predict is not None else min(default, engine.max_ctx - n_prompt)
+    if args.n_predict == -1:
+        return engine.max_ctx - n_prompt
+    return asked if asked is not None else min(default, engine.max_ctx - n_prompt)
 
 
 def _hit_context(engine, seq, n_prompt: int) -> bool:
@@ -381,8 +390,9 @@ def cmd_chat(args) -> int:
         msgs.append({"role": "user", "content": _user_text(line)})
         text = lm.template.render(msgs, add_generation_prompt=True)
         ids = lm.tokenizer.encode(text, add_special=False)
-        if len(ids) + (args.n_predict or 1) > engine.max_ctx:  # said in the chat's terms, and the chat goes on
-            more = f" and -n {args.n_predict} more" if args.n_predict else ""
+        want = args.n_predict if args.n_predict not in (None, -1) else 1
+        if len(ids) + want > engine.max_ctx:  # said in the chat's terms, and the chat goes on
+            more = f" and -n {want} more" if args.n_predict not in (None, -1) else ""
             print(f"strata: the conversation is {len(ids)} tokens with this message{more}, the context holds "
                   f"{engine.max_ctx}: /reset starts over (-c sets the context)", file=sys.stderr)
             msgs.pop()
