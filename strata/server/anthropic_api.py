@@ -193,7 +193,7 @@ async def messages(request: Request):
     stops = [s for s in (body.stop_sequences or []) if s]
     if len(stops) > 16:
         raise bad_request("stop_sequences: at most 16")
-    job = Job(ids, sampling(body), max_tokens, srv.stop_ids(), stop=stops, grammar=grammar, reasoning=True,
+    job = Job(ids, sampling(body, srv.defaults), max_tokens, srv.stop_ids(), stop=stops, grammar=grammar, reasoning=True,
               in_reasoning=text.rstrip().endswith("<think>"), tools=use_tools, forced=grammar is not None,
               one_call=bool(use_tools and tc and tc.disable_parallel_tool_use))
     job = await asyncio.to_thread(srv.finish_job, job)

@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from strata import StrataError, __version__
+from strata.engine.sampler import SamplingParams
 from strata.server.protocol import GET_HEAD, APIError
 
 log = logging.getLogger("strata.server")
@@ -39,6 +40,10 @@ class ServeConfig:
     prefill_chunk: int = 0
     warmup: bool = True
     warmup_tune_s: float = 90.0  # at most this long choosing the CPU/PCIe plan on warm-up text (strata.server.warmup)
+    # the sampling of a request that sets no such fields (`strata serve --temp/--seed/...`; None: SamplingParams'
+    # defaults), and its max_tokens when it sets none (None: as many as the context leaves)
+    sampling: SamplingParams | None = None
+    n_predict: int | None = None
     fault_after_tokens: int | None = None  # tests only: see strata.config.fault_after_tokens_for_tests
 
 
@@ -230,7 +235,8 @@ def _start_engine(app: FastAPI, cfg: ServeConfig, lm, say) -> object:
     metrics.worker = worker
     tool_format = detect_format(lm.gguf.get("tokenizer.chat_template"))
     grammars = Grammars(lm.tokenizer, getattr(lm.args, "vocab_size", None) or lm.tokenizer.vocab_size)
-    srv = Server(lm, worker, metrics, grammars, tool_format, cfg.model_id, engine.max_ctx)
+    srv = Server(lm, worker, metrics, grammars, tool_format, cfg.model_id, engine.max_ctx, cfg.sampling,
+                 cfg.n_predict)
     # with llguidance, json_object / json_schema / forced tool calls are constrained token by token; without it
     # they are only asked for (the chat template's tool prompt) and parsed afterwards
     structured = "constrained" if constrained_available() else "unconstrained"
@@ -337,8 +343,8 @@ def _routes(app: FastAPI) -> None:
         tok = srv.tok
         return {
             "default_generation_settings": {"n_ctx": srv.ctx, "id_slot": -1, "params": {
-                "temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repeat_penalty": 1.0,
-                "presence_penalty": 0.0, "frequency_penalty": 0.0, "cache_prompt": True,
+                **_sampling_props(srv.defaults), "n_predict": -1 if srv.n_predict is None else srv.n_predict,
+                "cache_prompt": True,
                 "speculative.n_max": srv.worker.engine.draft_max,
                 "speculative.source": "mtp" if srv.worker.engine.mtp is not None else "ngram",
                 "speculative.n_min": 0}},
@@ -370,6 +376,13 @@ def _routes(app: FastAPI) -> None:
         if request.query_params.get("format") == "json" or "application/json" in request.headers.get("accept", ""):
             return JSONResponse(m.as_json())
         return PlainTextResponse(m.prometheus().decode(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def _sampling_props(d: SamplingParams) -> dict:
+    """A request's default sampling as llama-server's /props names it (seed: its -1 for a random one)."""
+    return {"temperature": d.temperature, "top_k": d.top_k, "top_p": d.top_p, "min_p": d.min_p,
+            "repeat_penalty": d.repetition_penalty, "presence_penalty": d.presence_penalty,
+            "frequency_penalty": d.frequency_penalty, "seed": -1 if d.seed is None else d.seed}
 
 
 def model_id_for(path: str | os.PathLike) -> str:

@@ -38,6 +38,12 @@ def register(sub) -> None:
     g.add_argument("--warmup-tune-s", type=float, default=90.0, help="at most this many seconds choosing the "
                    "CPU/PCIe plan (--cpu-plan auto on a GPU) on text the server makes before it says ready; past "
                    "it the best plan measured so far is kept (default 90)")
+    from strata.engine.cli import _add_sampling
+
+    # llama-server's sampling flags: the defaults of a request that leaves the field out (/props shows them)
+    _add_sampling(p.add_argument_group("sampling defaults (a request's own fields win)"),
+                  n_help="tokens a request generates when it sets no max_tokens (-1, the default: as many as the "
+                  "context leaves; /v1/completions: 16, as OpenAI's)")
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
 
@@ -61,7 +67,8 @@ def _say(msg: str) -> None:
 
 def cmd_serve(args) -> int:
     from strata.config import api_key_from_env, fault_after_tokens_for_tests
-    from strata.engine.cli import engine_config, load_from_args, resolve_model_path
+    from strata.engine.cli import (check_sampling_args, engine_config, load_from_args, resolve_model_path,
+                                   sampling_from_args)
     from strata.server.app import ServeConfig, create_app, model_id_for
     from strata.server.auth import is_loopback, origin_key
 
@@ -73,6 +80,7 @@ def cmd_serve(args) -> int:
                               f"(got {o!r})")
     if args.prompt_cache_mib < 0:
         raise StrataError("--prompt-cache-mib must be >= 0")
+    check_sampling_args(args)
     engine_config(args)  # the engine's flags checked here, as generate and chat do: a bad one is one line, not two
     if args.threads:
         import torch
@@ -84,7 +92,8 @@ def cmd_serve(args) -> int:
     cfg_kw = dict(host=args.host, api_key=key, cors_origins=args.cors_origin, parallel=args.parallel,
                   prompt_cache_mib=args.prompt_cache_mib, aliases=args.alias, prefill_chunk=args.prefill_chunk,
                   warmup=not args.no_warmup, warmup_tune_s=args.warmup_tune_s,
-                  fault_after_tokens=fault_after_tokens_for_tests())
+                  fault_after_tokens=fault_after_tokens_for_tests(), sampling=sampling_from_args(args),
+                  n_predict=None if args.n_predict == -1 else args.n_predict)
     try:
         path = resolve_model_path(args.model)
     except ImportError:

@@ -14,6 +14,7 @@ import asyncio
 import time
 from dataclasses import dataclass
 
+from strata.engine.sampler import SamplingParams
 from strata.server.grammar import bias_processor, chain, constrained_available
 from strata.server.job import Job
 from strata.server.protocol import APIError, bad_request
@@ -75,8 +76,11 @@ class StopStrings:
 class Server:
     """The loaded model and its engine worker, as the API modules see them (set up in app.py)."""
 
-    def __init__(self, lm, worker, metrics, grammars, tool_format: str, model_id: str, ctx: int):
+    def __init__(self, lm, worker, metrics, grammars, tool_format: str, model_id: str, ctx: int,
+                 defaults: SamplingParams | None = None, n_predict: int | None = None):
         self.lm, self.worker, self.metrics, self.grammars = lm, worker, metrics, grammars
+        # a request's sampling and max_tokens where it sets none (`strata serve --temp/--seed/-n ...`)
+        self.defaults, self.n_predict = defaults or SamplingParams(), n_predict
         self.tok, self.template = lm.tokenizer, lm.template
         self.tool_format, self.model_id, self.ctx = tool_format, model_id, ctx
         # gpt-oss's harmony messages carry the reasoning in the analysis channel, not in <think> tags

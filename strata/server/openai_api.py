@@ -167,6 +167,8 @@ async def prepare_chat(srv, body: ChatRequest) -> Job:
     msgs = chat_messages(body)
     text = await asyncio.to_thread(srv.render, msgs, use_tools, thinking, cont, body.add_generation_prompt is not False)
     asked = no_limit(body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens)
+    if body.max_completion_tokens is None and body.max_tokens is None:
+        asked = srv.n_predict  # (serve's -n)
     srv.check_size(text)
     ids = await asyncio.to_thread(srv.encode_chat, text)
     max_tokens = srv.max_tokens(len(ids), asked)
@@ -178,7 +180,7 @@ async def prepare_chat(srv, body: ChatRequest) -> Job:
     forced = grammar is not None
     if not forced:  # (a forced call's grammar wins over response_format, which shapes a text answer)
         grammar, what = await asyncio.to_thread(constraint, srv, body)
-    job = Job(ids, sampling(body), max_tokens, srv.stop_ids(body.ignore_eos), draft_max=body.speculative_n_max,
+    job = Job(ids, sampling(body, srv.defaults), max_tokens, srv.stop_ids(body.ignore_eos), draft_max=body.speculative_n_max,
               logprobs=(body.top_logprobs or 0) if body.logprobs else None,
               stop=stop_list(body.stop), logit_bias=body.logit_bias, grammar=grammar, grammar_what=what,
               reasoning=body.reasoning_format != "none", in_reasoning=text.rstrip().endswith("<think>"),
@@ -280,7 +282,8 @@ async def prepare_completion(srv, body: CompletionRequest) -> tuple[Job, str]:
         if len(p) != 1:
             raise bad_request("prompt: one prompt per request")
         p = p[0]
-    asked = no_limit(body.max_tokens) if body.max_tokens is not None else 16  # (OpenAI's default for completions)
+    # (unset: serve's -n, else OpenAI's default for completions)
+    asked = no_limit(body.max_tokens) if body.max_tokens is not None else srv.n_predict or 16
     if isinstance(p, str):
         srv.check_size(p)
         ids = await asyncio.to_thread(srv.tok.encode, p)
@@ -294,7 +297,7 @@ async def prepare_completion(srv, body: CompletionRequest) -> tuple[Job, str]:
         ids = list(p)
         text = srv.tok.decode(p) if body.echo else ""
     grammar, what = await asyncio.to_thread(constraint, srv, body)
-    job = Job(ids, sampling(body), max_tokens, srv.stop_ids(body.ignore_eos), draft_max=body.speculative_n_max,
+    job = Job(ids, sampling(body, srv.defaults), max_tokens, srv.stop_ids(body.ignore_eos), draft_max=body.speculative_n_max,
               logprobs=body.logprobs, stop=stop_list(body.stop), logit_bias=body.logit_bias, grammar=grammar,
               grammar_what=what, cache_prompt=body.cache_prompt, kind="completion")
     return await asyncio.to_thread(srv.finish_job, job), text if body.echo else ""

@@ -151,3 +151,49 @@ def test_port_0_listens_on_a_free_port_and_prints_it(tmp_path):
         finally:
             _stop(proc)
     assert "Traceback" not in log_path.read_text()
+
+
+def test_serve_takes_llama_server_sampling_flags_as_request_defaults(tmp_path):
+    # `llama-server --temp 0.9 --seed 11 -n 6`: a request that leaves the fields out samples with them, /props
+    # says so, and the same seed gives the same text from a second server run
+    import openai
+
+    env = {**os.environ, "STRATA_API_KEY": "", "OMP_NUM_THREADS": "1"}
+    ports = [free_port(), free_port()]
+    flags = ("--temp", "0.9", "--top-k", "0", "--seed", "11", "-n", "6")
+    logs = [open(tmp_path / f"log{i}", "wb") for i in range(2)]
+    procs = [_start(p, env, log, *flags) for p, log in zip(ports, logs)]
+    try:
+        texts = []
+        for proc, port in zip(procs, ports):
+            _ready(proc, port)
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/props", timeout=30) as r:
+                params = json.loads(r.read())["default_generation_settings"]["params"]
+            assert (params["temperature"], params["top_k"], params["seed"], params["n_predict"]) == (0.9, 0, 11, 6)
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+            chat = dict(model="strata-tiny", messages=[{"role": "user", "content": "Write a sort function."}],
+                        extra_body={"ignore_eos": True})
+            r = client.chat.completions.create(**chat)
+            assert r.usage.completion_tokens == 6  # serve's -n, not the whole context
+            again = client.chat.completions.create(**chat)
+            assert again.choices[0].message.content == r.choices[0].message.content  # the server's seed
+            other = client.chat.completions.create(**chat, seed=12, max_tokens=6)
+            texts.append((r.choices[0].message.content, other.choices[0].message.content))
+            comp = client.completions.create(model="strata-tiny", prompt="def add(a, b):", extra_body={"ignore_eos": True})
+            assert comp.usage.completion_tokens == 6
+        assert texts[0] == texts[1]  # reproducible across server runs
+    finally:
+        for proc, log in zip(procs, logs):
+            _stop(proc)
+            log.close()
+    for i in range(2):
+        assert "Traceback" not in (tmp_path / f"log{i}").read_text()
+
+
+def test_serve_refuses_bad_sampling_flags_in_one_line(tmp_path):
+    env = {**os.environ, "STRATA_API_KEY": ""}
+    for flags, said in ((("-n", "0"), "-n/--n-predict"), (("--temp", "-1"), "temperature"),
+                        (("--top-p", "0"), "top_p")):
+        r = subprocess.run([sys.executable, "-m", "strata", "serve", "--port", str(free_port()), *flags],
+                           env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode != 0 and said in r.stderr and "Traceback" not in r.stderr, r.stderr
