@@ -5,8 +5,10 @@ and, for "simple" requests, the browser does not ask the server first. The check
 
 - Origin: a request that carries an Origin header (every browser request from a page does, cross-site ones
   always) is refused with 403 unless the origin is on the allow-list: the `--cors-origin` values plus the
-  server's own origins (http://NAME:PORT for the names it answers to). Requests without Origin (curl, SDKs,
-  agents) are not affected.
+  server's own origins (http://NAME:PORT for the names it answers to) and the origin the request is addressed to
+  (its Host header): a page of this server reached through a port forward (ssh -L, a container's published
+  port) or a reverse proxy has that origin, and the Host check below still refuses a rebinding page's name.
+  Requests without Origin (curl, SDKs, agents) are not affected.
 - A CORS preflight (OPTIONS with Origin and Access-Control-Request-Method) from an allowed origin is answered
   here, before the key check: browsers never send credentials on a preflight, by design.
 - With an API key, every path but /health and the web pages' files (/, /monitor, /web/...) needs it: `Authorization: Bearer KEY` or `x-api-key: KEY`, compared
@@ -53,6 +55,19 @@ def _host_name(value: str) -> str:
     if v.count(":") == 1:
         v = v.split(":", 1)[0]
     return v.rstrip(".")
+
+
+def _host_port(value: str) -> tuple[str, int | None]:
+    """The host (as _host_name gives it) and the port, None when the Host header names none."""
+    v = value.strip()
+    tail = v[v.find("]") + 1:] if v.startswith("[") else v
+    port = None
+    if tail.count(":") == 1:
+        try:
+            port = int(tail.rsplit(":", 1)[1])
+        except ValueError:
+            port = -1  # a malformed port matches no origin
+    return _host_name(v), port
 
 
 def _is_ip(host: str) -> bool:
@@ -108,13 +123,21 @@ class AccessControl:
         # origin)
         self.own = {(scheme, h, port) for h in own for scheme in ("http", "https")} if port else set()
 
-    def origin_allowed(self, origin: str) -> bool:
+    def origin_allowed(self, origin: str, host: str = "") -> bool:
+        """Whether a page of `origin` may use the server; `host` is the request's Host header: a page whose origin
+        is the address the browser sent this request to is the same origin (what a port forward or a proxy in
+        front of the server makes of its own pages)."""
         if self.any_origin:
             return True
         if origin.strip() == "null":
             return self.cors_null
         k = origin_key(origin)
-        return k is not None and (k in self.cors or k in self.own)
+        if k is None:
+            return False
+        if k in self.cors or k in self.own:
+            return True
+        name, port = _host_port(host)
+        return bool(name) and (name, port or DEFAULT_PORTS[k[0]]) == k[1:]
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -124,7 +147,7 @@ class AccessControl:
         origin = headers.get("origin")
         if origin is not None:
             origin = origin.decode("latin-1")
-            if not self.origin_allowed(origin):
+            if not self.origin_allowed(origin, headers.get("host", b"").decode("latin-1")):
                 return await _deny(scope, send, 403, "permission_error",
                                    f"Origin {origin!r} is not allowed: start strata with --cors-origin {origin} to "
                                    "let pages from it use this server")

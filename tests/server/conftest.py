@@ -104,3 +104,47 @@ def serve(lm, **kw):
 def server(lm):
     with serve(lm, parallel=2) as r:
         yield r
+
+
+@contextlib.contextmanager
+def port_forward(target_port: int):
+    """A TCP port forward to a server on loopback (what `ssh -L` or a container's published port is): yields the
+    local port that reaches `target_port`."""
+    lsock = socket.socket()
+    lsock.bind(("127.0.0.1", 0))
+    lsock.listen(16)
+    lsock.settimeout(0.2)
+    stop = threading.Event()
+
+    def pump(src, dst):
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+    def accept():
+        while not stop.is_set():
+            try:
+                c, _ = lsock.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            c.settimeout(None)
+            u = socket.create_connection(("127.0.0.1", target_port))
+            for a, b in ((c, u), (u, c)):
+                threading.Thread(target=pump, args=(a, b), daemon=True).start()
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    try:
+        yield lsock.getsockname()[1]
+    finally:
+        stop.set()
+        t.join(timeout=5)
+        lsock.close()

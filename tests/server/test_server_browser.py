@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from .conftest import serve
+from .conftest import port_forward, serve
 
 KEY = "browser-key"
 APP = "http://app.example:3000"
@@ -80,6 +80,34 @@ def test_the_servers_own_origin_is_allowed(server):
     for origin in (f"http://127.0.0.1:{p + 1}", "http://localhost", f"http://10.0.0.1:{p}"):
         assert _http.post(server.url + "/v1/chat/completions", json=CHAT,
                           headers={"Origin": origin}).status_code == 403, origin
+
+
+def test_own_pages_through_a_port_forward(lm):
+    """The chat page opened through `ssh -L 9000:localhost:PORT` (or a container's published port) posts with
+    Origin http://localhost:9000 and Host localhost:9000: that is the page's own origin, not another site's; it was
+    refused with 403. A page of another port (Host still the forward's, Origin not) stays refused."""
+    with serve(lm, api_key=KEY) as s, port_forward(s.port) as fwd:
+        url = f"http://127.0.0.1:{fwd}"
+        assert _http.get(url + "/").status_code == 200
+        for origin in (url, f"http://localhost:{fwd}"):
+            host = origin.removeprefix("http://")
+            r = _http.post(url + "/v1/chat/completions", json=CHAT,
+                           headers={"Origin": origin, "Host": host, "Authorization": f"Bearer {KEY}"})
+            assert r.status_code == 200, (origin, r.text)
+            r = _http.options(url + "/v1/chat/completions", headers={"Origin": origin, "Host": host, **PREFLIGHT})
+            assert r.status_code == 204, origin
+        # a TLS proxy in front: https://NAME with Host NAME (the default port of the origin's scheme)
+        r = _http.post(url + "/v1/chat/completions", json=CHAT, headers={
+            "Origin": "https://localhost", "Host": "localhost", "Authorization": f"Bearer {KEY}"})
+        assert r.status_code == 200, r.text
+        for origin, host in ((f"http://127.0.0.1:{fwd + 1}", f"127.0.0.1:{fwd}"), ("http://localhost", "localhost:8x"),
+                             (f"http://evil.example:{fwd}", f"127.0.0.1:{fwd}"), ("http://localhost", "")):
+            r = _http.post(url + "/v1/chat/completions", json=CHAT,
+                           headers={"Origin": origin, "Host": host, "Authorization": f"Bearer {KEY}"})
+            assert r.status_code == 403, (origin, host, r.status_code)
+        # the key is still needed
+        r = _http.post(url + "/v1/chat/completions", json=CHAT, headers={"Origin": url, "Host": url[7:]})
+        assert r.status_code == 401
 
 
 @pytest.mark.parametrize("ctype", ["text/plain", "text/plain;charset=UTF-8", "application/x-www-form-urlencoded",

@@ -13,7 +13,7 @@ import threading
 import httpx
 import pytest
 
-from tests.server.conftest import Running, free_port, serve
+from tests.server.conftest import Running, free_port, port_forward, serve
 
 sync_api = pytest.importorskip("playwright.sync_api")
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -111,6 +111,19 @@ def test_stop_with_escape(browser, site):
         page.keyboard.press("Escape")
         page.wait_for_selector(".msg.assistant >> text=stopped", timeout=30000)
         assert page.is_enabled("#send") and not page.is_enabled("#stop")
+
+
+def test_chat_through_a_port_forward(browser, site):
+    """Opened through a port forward (ssh -L, a container's published port), the page's POST carries the forward's
+    origin: it was refused as another site's (403), so no reply ever came."""
+    with port_forward(site.port) as fwd, Page(browser) as page:
+        _ready(page, f"http://localhost:{fwd}/")
+        page.click("#newchat")
+        page.fill("#max_tokens", "6")
+        page.fill("#input", "Hi")
+        page.keyboard.press("Enter")
+        page.wait_for_selector(".msg.assistant .stats, .msg.assistant .error", timeout=60000)
+        assert page.locator(".msg.assistant .error").count() == 0, page.inner_text(".msg.assistant .error")
 
 
 def test_keyed_server_asks_for_the_key(browser, tiered_lm):

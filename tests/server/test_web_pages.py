@@ -1,7 +1,7 @@
 """The web pages' own logic in headless Chromium (Debian's, driven by Playwright) against a mocked API: no model and
 no server, the page's requests answered by the test. The Markdown renderer's code-span placeholders cannot be forged
 by the text; blank chat settings are left out of the request (not sent as 0); on a CPU-only server the monitor does
-not speak of VRAM."""
+not speak of VRAM; a reply refused for its key is sent again once the key is given."""
 
 from __future__ import annotations
 
@@ -156,3 +156,34 @@ def test_monitor_says_where_the_experts_are(page, device, slots, gpus, want, unw
         assert w in text, (w, text)
     for u in unwanted:
         assert u not in text, (u, text)
+
+
+def test_a_refused_key_mid_chat_sends_the_turn_again(page):
+    """A reply refused with 401 (the server restarted with another key) asked for the key, then left the user's
+    message with no reply and no way to resend it but editing it; the turn is now sent again with the new key."""
+    keys: list = []
+
+    def chat(req):
+        keys.append(req.headers.get("authorization"))
+        if req.headers.get("authorization") != "Bearer new":
+            return 401, "application/json", '{"error": {"message": "a valid API key is required"}}'
+        return 200, "text/event-stream", _sse({"choices": [{"index": 0, "delta": {"content": "hello"}}]},
+                                              {"choices": [{"index": 0, "delta": {}}], "timings": {"predicted_n": 1}})
+
+    def models(req):
+        ok = not keys or req.headers.get("authorization") == "Bearer new"  # keyed once a reply was refused
+        return (200, "application/json", BASE_API["/v1/models"][2]) if ok else \
+            (401, "application/json", '{"error": {"message": "a valid API key is required"}}')
+
+    _serve(page, {**BASE_API, "/v1/models": models, "/v1/chat/completions": chat})
+    page.goto(SITE + "/")
+    page.wait_for_selector("body[data-ready='1']", timeout=30000)
+    page.fill("#input", "hi")
+    page.keyboard.press("Enter")
+    page.wait_for_selector("#keydialog[open]", timeout=30000)
+    page.fill("#keyinput", "new")
+    page.keyboard.press("Enter")
+    page.wait_for_selector(".msg.assistant .stats", timeout=30000)
+    assert page.inner_text(".msg.assistant .body") == "hello"
+    assert [m.inner_text() for m in page.locator(".msg.user .body").all()] == ["hi"]
+    assert keys == [None, "Bearer new"]

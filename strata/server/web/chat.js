@@ -149,8 +149,13 @@ async function reply() {
     });
   } catch (e) {
     if (e.name === "AbortError") msg.stopped = true;
-    else if (e.status === 401) { msg.error = "The server asks for an API key."; current.messages.pop(); running = null;
-      await strata.ensureKey("/v1/models"); finish(); return; }
+    else if (e.status === 401) {
+      // the key was refused (a server restarted with another one): ask for it, then send the same turn again
+      current.messages.pop(); running = null;
+      await strata.ensureKey("/v1/models");
+      $("send").disabled = false; $("stop").disabled = true;
+      return reply();
+    }
     else msg.error = e.message || String(e);
   }
   finish();
