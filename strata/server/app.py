@@ -168,10 +168,11 @@ def create_app(cfg: ServeConfig, load: Callable[[], object] | None = None, lm=No
 
     app.state.metrics = Metrics(cfg.model_id)
     _routes(app)
-    from strata.server import anthropic_api, openai_api, web
+    from strata.server import anthropic_api, openai_api, responses_api, web
 
     app.include_router(openai_api.router)
     app.include_router(anthropic_api.router)
+    app.include_router(responses_api.router)
     app.include_router(web.router)
     from strata.server.auth import AccessControl
 
