@@ -391,7 +391,7 @@ async def embeddings(request: Request):
     # a generative model's hidden states are no embedding model's vectors: refused by name (as vLLM refuses a
     # generative model's embeddings), not answered as an unknown route
     raise bad_request("embeddings are not supported: this server serves a text-generation model (/v1/chat/completions, "
-                      "/v1/completions, /v1/messages)")
+                      "/v1/completions, /v1/responses, /v1/messages)")
 
 
 @router.api_route("/v1/models/{name:path}", methods=GET_HEAD)
