@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import re
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from strata import StrataError
@@ -150,22 +152,110 @@ def _convert(d: Path, cfg: dict, mt: str, arch: str, ck: Checkpoint, out: Path, 
     if cfg.get("intermediate_size"):
         w.add_feed_forward_length(int(cfg["intermediate_size"]))
 
-    def put(name: str, t: torch.Tensor, keep_f32: bool = False) -> None:
-        a = t.detach().float().contiguous()
-        if keep_f32 or a.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
-            w.add_tensor(name, a.numpy())
-            return
-        qt = qtype
-        if qt == gguf.GGMLQuantizationType.Q8_0 and a.shape[-1] % Q8_0_BLOCK:
+    F32, F16, Q8_0 = gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.Q8_0
+
+    def tensor_type(a: torch.Tensor, keep_f32: bool):
+        if keep_f32 or a.ndim == 1 or qtype == F32:
+            return F32
+        if qtype == Q8_0 and a.shape[-1] % Q8_0_BLOCK:
             # rows that are not whole Q8_0 blocks: this tensor as f16, as llama.cpp's converter does (its
             # QuantError fallback), so the file stays a 16-bit one rather than holding it as f32
-            qt = gguf.GGMLQuantizationType.F16
-        if (why := _range_error(name, a, qt)) is not None:
-            if qt != qtype:
-                why += f" (its rows of {a.shape[-1]} are not whole {Q8_0_BLOCK}-value Q8_0 blocks: it is f16 in a q8_0 file)"
-            raise StrataError(why)  # (raised before a byte is written: the temporary file is then removed)
-        q = QTensor.from_float(a, qt)
-        w.add_tensor(name, q.raw.numpy().reshape(*a.shape[:-1], -1), raw_dtype=qt)
+            return F16
+        return qtype
+
+    # Two passes over the same mapping, so that only one converted tensor is held at a time (GGUFWriter.add_tensor
+    # would keep every one until the end): the first, over the checkpoint's headers (meta tensors), lays out the
+    # metadata and each tensor's name, shape and type; the second converts and writes the tensors in that order.
+    planned: list[str] = []
+
+    def plan(name: str, t: torch.Tensor, keep_f32: bool = False) -> None:
+        qt, shape = tensor_type(t, keep_f32), tuple(t.shape)
+        if qt == F32:
+            w.add_tensor_info(name, shape, np.dtype(np.float32), 4 * math.prod(shape))
+        else:
+            if not shape:  # (what QTensor.from_float says of it)
+                raise StrataError(f"cannot quantize shape {shape} to {qt.name}: the last dim must be a multiple of 1")
+            raw = gguf.quants.quant_shape_to_byte_shape(shape, qt)
+            w.add_tensor_info(name, raw, np.dtype(np.uint8), math.prod(raw), raw_dtype=qt)
+        planned.append(name)
+
+    def put(name: str, t: torch.Tensor, keep_f32: bool = False) -> None:
+        if name != planned[len(written)]:
+            raise RuntimeError(f"strata convert wrote {name} where it planned {planned[len(written)]}")
+        a = t.detach().float().contiguous()
+        qt = tensor_type(a, keep_f32)
+        if qt == F32:
+            w.write_tensor_data(a.numpy())
+        else:
+            if (why := _range_error(name, a, qt)) is not None:
+                if qt != qtype:
+                    why += (f" (its rows of {a.shape[-1]} are not whole {Q8_0_BLOCK}-value Q8_0 blocks: it is f16 "
+                            "in a q8_0 file)")
+                raise StrataError(why)  # (convert() then removes the temporary file)
+            w.write_tensor_data(QTensor.from_float(a, qt).raw.numpy())
+        written.append(name)
+
+    written: list[str] = []
+    ck.meta = True
+    try:
+        _tensors(d, cfg, mt, arch, ck, w, plan, n_nextn, head_dim)
+    finally:
+        ck.meta = False
+
+    from strata.gguf.tokenizer_hf import write_tokenizer_metadata
+
+    write_tokenizer_metadata(w, tok)
+
+    def unmapped(k: str) -> bool:
+        if k in ck.used or "rotary_emb" in k:
+            return False
+        if k.startswith("mtp."):  # Qwen3-Next's MTP block: all of it is used when it is written (n_nextn)
+            return bool(n_nextn)
+        m = re.search(r"layers\.(\d+)\.", k)
+        # layers past the last are MTP heads, converted for glm4moe and deepseek2 (n_nextn) only
+        return not (m and int(m.group(1)) >= n_layers + n_nextn)
+
+    left = [k for k in ck.index if unmapped(k)]
+    if left:
+        raise StrataError(f"{d}: checkpoint tensors strata convert does not map: {', '.join(sorted(left)[:5])}")
+    try:
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        _tensors(d, cfg, mt, arch, ck, _MetadataWritten(), put, n_nextn, head_dim)
+        w.close()
+        os.replace(tmp, out)
+    except OSError as e:  # a full disk, a quota, a file size limit: one line, and convert() removes tmp
+        _close_quietly(w)
+        # (numpy's tofile reports a short write with no errno: the cause is then most likely space)
+        why = e.strerror or f"{e}: a short write (is the disk full?)"
+        raise StrataError(f"cannot write {out}: {why}") from None
+    except BaseException:
+        _close_quietly(w)
+        raise
+
+
+class _MetadataWritten:
+    """The writer the second pass maps with: the metadata is in the file by then, so its add_* calls do nothing."""
+
+    def __getattr__(self, name: str):
+        return lambda *args, **kwargs: None
+
+
+def _close_quietly(w) -> None:
+    for f in w.fout or []:
+        with contextlib.suppress(OSError):  # closing flushes, which fails as the write did
+            f.close()
+    w.fout = None
+
+
+def _tensors(d: Path, cfg: dict, mt: str, arch: str, ck: Checkpoint, w, put, n_nextn: int, head_dim: int) -> None:
+    """Every output tensor, in file order, through put(name, tensor, keep_f32), and the metadata that goes with
+    the layer layout through w."""
+    n_layers, d_model, n_head = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"]
+    n_kv = cfg.get("num_key_value_heads") or n_head
+
+
 
     put("token_embd.weight", ck.get("model.embed_tokens.weight"))
     # Qwen3-Next's RMSNorms scale by 1 + w: GGUF stores 1 + w (as llama.cpp's converter does)
@@ -173,7 +263,7 @@ def _convert(d: Path, cfg: dict, mt: str, arch: str, ck: Checkpoint, out: Path, 
     if ck.has("lm_head.weight") and not cfg.get("tie_word_embeddings", False):
         put("output.weight", ck.get("lm_head.weight"))
     elif ck.has("lm_head.weight"):
-        ck.get("lm_head.weight")  # tied: the embedding serves as the head
+        ck.used.add("lm_head.weight")  # tied: the embedding serves as the head
 
     n_exp = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0
     if arch == "deepseek2":
@@ -237,36 +327,6 @@ def _convert(d: Path, cfg: dict, mt: str, arch: str, ck: Checkpoint, out: Path, 
                     put(f"{b}{gg}.weight", ck.get(f"{p}mlp.{hf}.weight"))
         if n_exp and (sparse or step != 1):
             raise StrataError(f"{d}: mixed dense/MoE layer patterns (mlp_only_layers, decoder_sparse_step) are not supported")
-
-    from strata.gguf.tokenizer_hf import write_tokenizer_metadata
-
-    write_tokenizer_metadata(w, tok)
-
-    def unmapped(k: str) -> bool:
-        if k in ck.used or "rotary_emb" in k:
-            return False
-        if k.startswith("mtp."):  # Qwen3-Next's MTP block: all of it is used when it is written (n_nextn)
-            return bool(n_nextn)
-        m = re.search(r"layers\.(\d+)\.", k)
-        # layers past the last are MTP heads, converted for glm4moe and deepseek2 (n_nextn) only
-        return not (m and int(m.group(1)) >= n_layers + n_nextn)
-
-    left = [k for k in ck.index if unmapped(k)]
-    if left:
-        raise StrataError(f"{d}: checkpoint tensors strata convert does not map: {', '.join(sorted(left)[:5])}")
-    try:
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
-        os.replace(tmp, out)
-    except OSError as e:  # a full disk, a quota, a file size limit: one line, and convert() removes tmp
-        for f in w.fout or []:
-            with contextlib.suppress(OSError):  # closing flushes, which fails the same way
-                f.close()
-        # (numpy's tofile reports a short write with no errno: the cause is then most likely space)
-        why = e.strerror or f"{e}: a short write (is the disk full?)"
-        raise StrataError(f"cannot write {out}: {why}") from None
 
 
 def _deepseek(cfg, ck, w, put, n_layers, n_exp, n_nextn=0):

@@ -99,6 +99,10 @@ class Checkpoint:
         self.files = files
         self.index: dict[str, Path] = {}
         self.dtypes: list[tuple[str, int]] = []  # (safetensors dtype, ndim) per tensor, in checkpoint order
+        self.shapes: dict[tuple[Path, str], list[int]] = {}
+        # planning: get() returns a tensor on the meta device (the header's shape, no data read), so the output's
+        # tensors can be laid out before any is converted
+        self.meta = False
         held: dict[Path, set[str]] = {}
         for f in files:
             try:
@@ -108,6 +112,7 @@ class Checkpoint:
                         self.index[k] = f
                         sl = h.get_slice(k)  # the header's dtype and shape; no tensor data is read
                         self.dtypes.append((sl.get_dtype(), len(sl.get_shape())))
+                        self.shapes[f, k] = sl.get_shape()
             except (SafetensorError, OSError) as e:
                 raise _unreadable(f, e) from None
         for k, f in listed.items():  # the index says which file each tensor is read from
@@ -135,6 +140,9 @@ class Checkpoint:
         f = self.index.get(k)
         if f is None:
             raise StrataError(f"checkpoint tensor {k} is missing")
+        if self.meta:
+            self.used.add(k)
+            return torch.empty(self.shapes[f, k], dtype=torch.float32, device="meta")
         try:
             if f not in self._open:
                 self._open[f] = safe_open(f, "pt")
