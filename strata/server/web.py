@@ -17,7 +17,7 @@ from email.utils import parsedate_to_datetime
 from pathlib import Path
 
 from fastapi import APIRouter, Request
-from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
 
 from strata.server.protocol import GET_HEAD, APIError
 
@@ -69,6 +69,14 @@ async def chat_page(request: Request):
 @router.api_route("/monitor", methods=GET_HEAD, include_in_schema=False)
 async def monitor_page(request: Request):
     return _file("monitor.html", request)
+
+
+@router.api_route("/monitor/", methods=GET_HEAD, include_in_schema=False)
+async def monitor_slash(request: Request):
+    # open like the page itself (strata.server.auth.OPEN_PATHS): with an API key, a browser sent here would
+    # otherwise get the key check's 401 body; a relative Location holds through a port forward or a proxy
+    query = request.url.query
+    return RedirectResponse("/monitor" + (f"?{query}" if query else ""), status_code=307)
 
 
 @router.api_route("/web/{name}", methods=GET_HEAD, include_in_schema=False)
