@@ -36,12 +36,14 @@ def _file(name: str, request: Request):
     if not _NAME.match(name) or path.suffix not in TYPES or not path.is_file():
         # the body every other 404 has (strata.server.protocol.APIError)
         return JSONResponse(APIError(404, f"no route GET /web/{name}", "not_found_error").body(), status_code=404)
-    # no-cache: a page reloaded after an upgrade gets the new files (revalidated, not re-sent when unchanged)
-    resp = FileResponse(path, media_type=TYPES[path.suffix], headers={"Cache-Control": "no-cache"},
-                        stat_result=path.stat())
+    # no-cache: a page reloaded after an upgrade gets the new files (revalidated, not re-sent when unchanged);
+    # nosniff: the browser takes each file as the type it is sent with (a script or a style sheet only as one)
+    resp = FileResponse(path, media_type=TYPES[path.suffix], stat_result=path.stat(),
+                        headers={"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"})
     if _unchanged(request.headers, resp.headers):
         return Response(status_code=304, headers={k: resp.headers[k] for k in ("etag", "last-modified",
-                                                                               "cache-control")})
+                                                                               "cache-control",
+                                                                               "x-content-type-options")})
     return resp
 
 

@@ -25,3 +25,12 @@ def test_monitor_with_a_trailing_slash_redirects_to_the_page(lm, api_key):
             for path in ("/monitor/stream", "/monitor/x", "/monitor//"):
                 r = httpx.get(srv.url + path)
                 assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", path
+
+
+def test_web_files_say_nosniff(lm):
+    with serve(lm) as srv:
+        for path in ("/", "/monitor", "/web/chat.js", "/web/monitor.js", "/web/style.css", "/web/favicon.svg"):
+            r = httpx.get(srv.url + path)
+            assert r.status_code == 200 and r.headers.get("x-content-type-options") == "nosniff", path
+            again = httpx.get(srv.url + path, headers={"If-None-Match": r.headers["etag"]})
+            assert again.status_code == 304 and again.headers.get("x-content-type-options") == "nosniff", path
