@@ -11,7 +11,8 @@ and, for "simple" requests, the browser does not ask the server first. The check
   Requests without Origin (curl, SDKs, agents) are not affected.
 - A CORS preflight (OPTIONS with Origin and Access-Control-Request-Method) from an allowed origin is answered
   here, before the key check: browsers never send credentials on a preflight, by design.
-- With an API key, every path but /health and the web pages' files (/, /monitor, /web/...) needs it: `Authorization: Bearer KEY` or `x-api-key: KEY`, compared
+- With an API key, every path but /health and the web pages' files (/, /monitor and its
+  redirect /monitor/, /web/...) needs it: `Authorization: Bearer KEY` or `x-api-key: KEY`, compared
   in constant time.
 - Without a key, a request whose Host header is not loopback, the bound name, this machine's name or an IP
   address is refused: that is what a DNS-rebinding page sends (its own hostname, resolved to 127.0.0.1).
@@ -31,7 +32,7 @@ from strata.server.protocol import error_body
 
 LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1", "localhost.localdomain", "ip6-localhost"}
 # the web pages and their files hold no data: they ask for the key and send it with every API call they make
-OPEN_PATHS = {"/health", "/", "/monitor"}
+OPEN_PATHS = {"/health", "/", "/monitor", "/monitor/"}  # /monitor/ only redirects to /monitor
 OPEN_PREFIXES = ("/web/",)
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 BODY_METHODS = {"POST", "PUT", "PATCH"}

@@ -4,8 +4,9 @@ The pages are static files inside the package (strata/server/web/: HTML, CSS and
 from elsewhere at run time). They hold no data, so they are served without the API key; they ask for the key when
 the server has one (kept in the tab's sessionStorage) and send it with every API call. The monitor reads
 `/monitor/stream`: server-sent events, one snapshot a second (the engine's counters, slots, the VRAM split and,
-every other second, the expert cache's residency and heat), produced only while a page is connected. The files
-go out with ETag and Last-Modified and `no-cache`: a reload asks again, and an unchanged file is a 304.
+every other second, the expert cache's residency and heat), produced only while a page is connected and shared
+by all the connected pages. The files go out with ETag and Last-Modified and `no-cache`: a reload asks again, and
+an unchanged file is a 304.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from email.utils import parsedate_to_datetime
 from pathlib import Path
 
 from fastapi import APIRouter, Request
-from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
 
 from strata.server.protocol import GET_HEAD, APIError
 
@@ -36,12 +37,14 @@ def _file(name: str, request: Request):
     if not _NAME.match(name) or path.suffix not in TYPES or not path.is_file():
         # the body every other 404 has (strata.server.protocol.APIError)
         return JSONResponse(APIError(404, f"no route GET /web/{name}", "not_found_error").body(), status_code=404)
-    # no-cache: a page reloaded after an upgrade gets the new files (revalidated, not re-sent when unchanged)
-    resp = FileResponse(path, media_type=TYPES[path.suffix], headers={"Cache-Control": "no-cache"},
-                        stat_result=path.stat())
+    # no-cache: a page reloaded after an upgrade gets the new files (revalidated, not re-sent when unchanged);
+    # nosniff: the browser takes each file as the type it is sent with (a script or a style sheet only as one)
+    resp = FileResponse(path, media_type=TYPES[path.suffix], stat_result=path.stat(),
+                        headers={"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"})
     if _unchanged(request.headers, resp.headers):
         return Response(status_code=304, headers={k: resp.headers[k] for k in ("etag", "last-modified",
-                                                                               "cache-control")})
+                                                                               "cache-control",
+                                                                               "x-content-type-options")})
     return resp
 
 
@@ -71,6 +74,14 @@ async def monitor_page(request: Request):
     return _file("monitor.html", request)
 
 
+@router.api_route("/monitor/", methods=GET_HEAD, include_in_schema=False)
+async def monitor_slash(request: Request):
+    # open like the page itself (strata.server.auth.OPEN_PATHS): with an API key, a browser sent here would
+    # otherwise get the key check's 401 body; a relative Location holds through a port forward or a proxy
+    query = request.url.query
+    return RedirectResponse("/monitor" + (f"?{query}" if query else ""), status_code=307)
+
+
 @router.api_route("/web/{name}", methods=GET_HEAD, include_in_schema=False)
 async def web_file(name: str, request: Request):
     return _file(name, request)
@@ -96,15 +107,76 @@ def snapshot(app, heat: bool) -> dict:
     return out
 
 
+def _event(app, heat: bool) -> str:
+    return f"data: {json.dumps(snapshot(app, heat), default=str)}\n\n"
+
+
+class Feed:
+    """The monitor's snapshots, shared by every connected stream: one built a tick whatever the number of open
+    tabs (the heat map, NVML's queries and psutil's CPU window are each taken once), none while no tab is
+    connected. A tab that connects gets the latest snapshot at once, then each new one."""
+
+    def __init__(self, app):
+        self.app = app
+        self.clients = 0
+        self.task: asyncio.Task | None = None  # the ticker, running while a client is connected
+        self.seq = 0  # the number of the latest snapshot
+        self.event: str | None = None  # that snapshot as an SSE event; None until the running ticker built one
+        self.error: Exception | None = None
+        self.next = asyncio.Event()  # set (and replaced) when a snapshot is published
+
+    def _publish(self) -> None:
+        self.seq += 1
+        done, self.next = self.next, asyncio.Event()
+        done.set()
+
+    async def _tick(self) -> None:
+        n = 0
+        try:
+            while True:
+                self.event = await asyncio.to_thread(_event, self.app, n % HEAT_EVERY == 0)
+                self._publish()
+                n += 1
+                await asyncio.sleep(PERIOD_S)
+        except Exception as e:  # noqa: BLE001 - every connected stream ends with it (the next one starts afresh)
+            self.error = e
+            self.task = None
+            self._publish()
+
+    def join(self) -> None:
+        self.clients += 1
+        if self.task is None:
+            self.event, self.error = None, None
+            self.task = asyncio.create_task(self._tick())
+
+    def leave(self) -> None:
+        self.clients -= 1
+        if self.clients == 0 and self.task is not None:
+            self.task.cancel()
+            self.task, self.event = None, None
+
+
 @router.get("/monitor/stream", include_in_schema=False)
 async def monitor_stream(request: Request):
+    app = request.app
+    feed = getattr(app.state, "monitor_feed", None)
+    if feed is None:
+        feed = app.state.monitor_feed = Feed(app)
+
     async def events():
-        n = 0
-        while not request.app.state.closing and not await request.is_disconnected():
-            snap = await asyncio.to_thread(snapshot, request.app, n % HEAT_EVERY == 0)
-            yield f"data: {json.dumps(snap, default=str)}\n\n"
-            n += 1
-            await asyncio.sleep(PERIOD_S)
+        feed.join()
+        try:
+            last = None
+            while not app.state.closing and not await request.is_disconnected():
+                if feed.error is not None:
+                    raise feed.error
+                if feed.event is not None and feed.seq != last:
+                    last = feed.seq
+                    yield feed.event
+                else:
+                    await feed.next.wait()
+        finally:  # also when the stream is cancelled for a client that hung up
+            feed.leave()
 
     return StreamingResponse(events(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
