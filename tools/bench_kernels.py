@@ -213,7 +213,7 @@ def sweep(reps: int, peak: float, formats=None, shape=B1_EXPERTS) -> None:
         rows = []
         # (per format: a smaller grid, every point of which compiles anew)
         for bn in (1, 2, 4, 8) if formats else (1, 2, 4, 8, 16):
-            for kw in (256, 512, 1024) if formats else (256, 512, 1024, 2048):
+            for kw in (256, 512, 1024, 2048):
                 if kw > max(256, triton_next_pow2(K)):
                     continue
                 for wp in (1, 2, 4) if formats else (1, 2, 4, 8):

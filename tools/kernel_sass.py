@@ -36,6 +36,9 @@ def main() -> int:
     ap.add_argument("--arch", type=int, default=90, help="SM version (90: H100 / H200, 86: RTX 30, 89: RTX 40)")
     ap.add_argument("--parts", action="store_true", help="the dp4a tiles' sums after the loop (dp4a_triton.parts)")
     ap.add_argument("--ops", action="store_true", help="the loop's opcodes by count")
+    ap.add_argument("--order", action="store_true",
+                    help="the loop's global loads (L), barriers (|), shared stores / loads (t / s), dp4a (d) and popc (p) "
+                         "in program order: where a layout conversion or a wait sits")
     a = ap.parse_args()
 
     import triton
@@ -98,6 +101,9 @@ def main() -> int:
             continue
         per_weight = len(body) * 32 * a.warps / (a.bn * a.kw)
         print(f"{qt.name:8s} {len(body):5d} instructions a warp an iteration, {per_weight:5.2f} a weight")
+        if a.order:
+            marks = {"LDG": "L", "BAR": "|", "STS": "t", "LDS": "s", "IDP": "d", "POPC": "p"}
+            print("         " + "".join(marks.get(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0], "") for t in body))
         if a.ops:
             ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
             print("         " + ", ".join(f"{op} {n}" for op, n in ops.most_common(16)))

@@ -62,6 +62,14 @@ KW_DECODE_DP4A_IQ = 1024
 # ... and one row a program where a row takes 4 iterations or more (GLM-4.5-Air's K = 4096), once their sums wait
 # for the loop's end (dp4a_triton.parts): the sweep at that shape, 29.0 -> 26.2 us; at K = 2048 two rows stay faster
 DP4A_IQ_ONE_ROW_ITERS = 4
+# The GLU over Q4_K or Q8_0 gate and up where their dp4a tiles read them (strata.ops.dp4a_kquant_triton, fewer
+# instructions a weight than the float tiles the rules above were measured with): twice the programs a launch
+# (fewer rows each), and Q4_K 1024 weights a row per iteration where K <= 2048. A sweep of every (BN, KW, warps)
+# (`tools/bench_kernels.py --sweep --expert-formats Q4_K --expert-shape D,FF,P`; docs/BENCHMARKS.md): B1's GLU
+# 12.1 -> 10.1 us, B2's 11.7 -> 9.3, GLM-4.5-Air-sized (K = 4096) 31.3 -> 28.0; Q8_0 at B1's shape 18.6 -> 15.4
+DP4A_KQ_GLU = frozenset({Q.Q4_K, Q.Q8_0})
+DP4A_KQ_GLU_PROGRAMS = 16  # per SM
+DP4A_Q4K_GLU_KW, DP4A_Q4K_GLU_KW_MAX_K = 1024, 2048
 ROWS_MAX = 8  # rows per program
 PROGRAMS_PER_SM = 8  # fewer rows per program until a launch has this many (one-warp) programs per SM
 # Per format: at most this many weights one program decodes per iteration (all weights it reads), and per
@@ -299,7 +307,15 @@ def plan(qtypes, N: int, K: int, batch: int, device: torch.device, block_n: int 
     # (the GLU launches only, where it was measured: gate and up read together)
     dp4a_iq = len(qtypes) == 2 and all(qt in dp4a_triton.IQ_FORMATS and dp4a_triton.rounds_activations(qt, dtype)
                                        for qt in qtypes)
-    kw = _kw(qtypes, K, KW_DECODE_DP4A_IQ if dp4a_iq else KW_DECODE, block_k)
+    dp4a_kq = len(qtypes) == 2 and all(qt in DP4A_KQ_GLU and dp4a_triton.rounds_activations(qt, dtype)
+                                       for qt in qtypes)
+    most = KW_DECODE
+    if dp4a_iq:
+        most = KW_DECODE_DP4A_IQ
+    elif dp4a_kq and all(qt == Q.Q4_K for qt in qtypes) and K <= DP4A_Q4K_GLU_KW_MAX_K:
+        most = DP4A_Q4K_GLU_KW
+    kw = _kw(qtypes, K, most, block_k)
+    per_sm = DP4A_KQ_GLU_PROGRAMS if dp4a_kq else PROGRAMS_PER_SM
     tile = min(TILE[qt][0] for qt in qtypes)
     weights = kw * len(qtypes)  # per row and iteration
     if block_n:
@@ -308,7 +324,7 @@ def plan(qtypes, N: int, K: int, batch: int, device: torch.device, block_n: int 
         bn = ROWS_MAX
         sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
             if device.type == "cuda" else 1
-        while bn > 1 and (bn * weights > tile or batch * triton.cdiv(N, bn) < PROGRAMS_PER_SM * sms):
+        while bn > 1 and (bn * weights > tile or batch * triton.cdiv(N, bn) < per_sm * sms):
             bn //= 2
         if dp4a_iq and dp4a_triton.C_PARTS and K >= DP4A_IQ_ONE_ROW_ITERS * kw:
             bn = 1

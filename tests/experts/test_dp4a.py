@@ -234,10 +234,36 @@ def test_glu_plan_of_the_dp4a_iquant_tiles(monkeypatch):
     glu = expert_triton.plan((Q.IQ2_XXS, Q.IQ2_XXS), 768, 2048, 8, cpu, dtype=torch.bfloat16)
     assert glu[1] == expert_triton.KW_DECODE_DP4A_IQ == 1024
     assert expert_triton.plan((Q.IQ2_XXS, Q.IQ2_XXS), 768, 2048, 8, cpu, dtype=torch.float32)[1] == 512
+    monkeypatch.setattr(dp4a_triton, "C_KQ", False)
     assert expert_triton.plan((Q.Q4_K, Q.Q4_K), 768, 2048, 8, cpu, dtype=torch.bfloat16)[1] == 512
     assert expert_triton.plan((Q.IQ2_XXS,), 2048, 2048, 8, cpu, dtype=torch.bfloat16)[1] == 512
     monkeypatch.setattr(dp4a_triton, "C_DP4A", False)
     assert expert_triton.plan((Q.IQ2_XXS, Q.IQ2_XXS), 768, 2048, 8, cpu, dtype=torch.bfloat16)[1] == 512
+
+
+def test_glu_plan_of_the_dp4a_kquant_tiles(monkeypatch):
+    """Where Q4_K's and Q8_0's dp4a tiles read the GLU's gate and up, a launch takes twice the programs
+    (DP4A_KQ_GLU_PROGRAMS a SM: fewer rows each) and Q4_K 1024 weights a row per iteration up to K = 2048; the
+    down projection, float32 activations and the other K-quants keep the plan they had (on a 132-SM GPU: B1's
+    GLU (2, 1024) where it was (4, 512))."""
+    import torch
+    from gguf import GGMLQuantizationType as Q
+
+    from strata.ops import dp4a_triton, expert_triton
+
+    gpu = torch.device("cuda", 0)  # (the plan reads only the SM count, set here: no GPU is touched)
+    monkeypatch.setattr(expert_triton, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(dp4a_triton, "C_KQ", True)
+    bf16 = torch.bfloat16
+    assert expert_triton.plan((Q.Q4_K, Q.Q4_K), 768, 2048, 8, gpu, dtype=bf16)[:2] == (2, 1024)  # B1
+    assert expert_triton.plan((Q.Q4_K, Q.Q4_K), 512, 2048, 10, gpu, dtype=bf16)[:2] == (2, 1024)  # B2
+    assert expert_triton.plan((Q.Q4_K, Q.Q4_K), 1536, 4096, 8, gpu, dtype=bf16)[:2] == (4, 512)  # K = 4096
+    assert expert_triton.plan((Q.Q8_0, Q.Q8_0), 768, 2048, 8, gpu, dtype=bf16)[:2] == (2, 512)
+    assert expert_triton.plan((Q.Q4_K,), 2048, 768, 8, gpu, dtype=bf16)[:2] == (8, 256)  # the down: as before
+    assert expert_triton.plan((Q.Q6_K, Q.Q6_K), 768, 2048, 8, gpu, dtype=bf16)[:2] == (4, 512)
+    assert expert_triton.plan((Q.Q4_K, Q.Q4_K), 768, 2048, 8, gpu, dtype=torch.float32)[:2] == (4, 512)
+    monkeypatch.setattr(dp4a_triton, "C_KQ", False)  # (the float tiles: the plan they were measured with)
+    assert expert_triton.plan((Q.Q4_K, Q.Q4_K), 768, 2048, 8, gpu, dtype=bf16)[:2] == (4, 512)
 
 
 def test_glu_plan_with_sums_after_the_loop(monkeypatch):
