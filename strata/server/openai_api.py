@@ -278,7 +278,7 @@ async def prepare_completion(srv, body: CompletionRequest) -> tuple[Job, str]:
     if body.suffix:
         raise bad_request("suffix (fill-in-the-middle) is not supported")
     p = body.prompt
-    if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+    if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
         if len(p) != 1:
             raise bad_request("prompt: one prompt per request")
         p = p[0]

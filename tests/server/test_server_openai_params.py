@@ -44,3 +44,24 @@ def test_usage_counts_the_tokens_up_to_the_stop_string(oai):
                 assert [c.finish_reason for c in r.choices] == ["stop", "stop"]
             assert got == text[:text.index(stop)]
             assert usage.completion_tokens == 2 * want, (stop, stream, usage.completion_tokens, want)
+
+
+def test_a_prompt_of_token_id_lists(server, oai):
+    # the openai client types a batch of token-id prompts as a list of lists: a batch of one is that prompt, as
+    # [text] is; a larger batch is refused as a larger batch of texts is, by one line that says so
+    ids = server.state.server.tok.encode(PROMPT)
+    want = oai.completions.create(model="tiny", prompt=ids, max_tokens=6, temperature=0)
+    got = oai.completions.create(model="tiny", prompt=[ids], max_tokens=6, temperature=0)
+    assert got.choices[0].text == want.choices[0].text and got.usage.prompt_tokens == len(ids)
+    for batch in ([ids, ids], [PROMPT, PROMPT]):
+        with pytest.raises(openai.BadRequestError) as e:
+            oai.completions.create(model="tiny", prompt=batch, max_tokens=6)
+        assert "one prompt per request" in e.value.message
+    # a prompt of no known shape: one error that says what a prompt may be (not one per shape tried)
+    for bad in (["a", 1], [[1, 2], "a"], [[1, "2"]], [True, 2], 5):
+        with pytest.raises(openai.BadRequestError) as e:
+            oai.completions.create(model="tiny", prompt=bad, max_tokens=6)
+        assert e.value.message.count("prompt") == 1 and "list of token ids" in e.value.message, e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model="tiny", prompt=[[1, 2, 10**9]], max_tokens=6)
+    assert "token ids must be in 0.." in e.value.message
