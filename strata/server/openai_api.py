@@ -309,6 +309,9 @@ async def completions(request: Request):
     body = await read_request(request, CompletionRequest)
     name = check_model(request, body.model)
     n = check_n(srv, body.n)
+    if body.best_of is not None and body.best_of != n:
+        raise bad_request(f"best_of {body.best_of} is not supported (nothing ranks choices on this server): leave it "
+                          f"out, or set it to n ({n}), and ask for n choices")
     job, echo = await prepare_completion(srv, body)
     jobs = job.copies(n)
     base = {"id": "cmpl-" + uuid.uuid4().hex[:24], "object": "text_completion", "created": int(time.time()),

@@ -298,6 +298,9 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(default=None, ge=0, le=20)  # the legacy field: how many alternatives per token
     echo: bool = False
     suffix: str | None = None
+    # OpenAI's: draw best_of, return the n likeliest. Nothing ranks choices here, so only best_of = n is served
+    # (langchain sends best_of 1 by default), any other is refused, as vLLM's engine refuses best_of
+    best_of: int | None = Field(default=None, ge=1)
 
 
 # ---------------------------------------------------------------------------------------------------------------

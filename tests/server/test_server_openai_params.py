@@ -65,3 +65,15 @@ def test_a_prompt_of_token_id_lists(server, oai):
     with pytest.raises(openai.BadRequestError) as e:
         oai.completions.create(model="tiny", prompt=[[1, 2, 10**9]], max_tokens=6)
     assert "token ids must be in 0.." in e.value.message
+
+
+def test_best_of_other_than_n_is_400(oai):
+    # best_of asks the server to draw several and return the likeliest: served as asked only where best_of = n
+    # (langchain sends best_of 1 by default), else refused rather than one unranked choice answered silently
+    for n, best_of in ((1, 1), (2, 2)):
+        r = oai.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, n=n, best_of=best_of)
+        assert len(r.choices) == n
+    for n, best_of in ((1, 2), (2, 1)):
+        with pytest.raises(openai.BadRequestError) as e:
+            oai.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, n=n, best_of=best_of)
+        assert f"best_of {best_of} is not supported" in e.value.message
