@@ -211,6 +211,9 @@ class Server:
         cut = False  # the one call allowed has come: the rest of the output is dropped
         n_tok = 0  # token events seen: the index of the next one in seq.output (and seq.token_logprobs)
         n_chars = 0  # characters decoded so far (the legacy API's text_offset of the next token)
+        # the tokens of the reply: up to the one that matched a stop string (or ended the one call allowed). The
+        # engine runs on until the cancel reaches it, and what it drew past that point is no part of the reply
+        n_used = None
         done = False
 
         def pipeline(text: str, final: bool):
@@ -262,6 +265,7 @@ class Server:
                     if job.one_call and n_calls:
                         cut = True  # what follows the one call is neither text nor another call
                     if stops.hit or cut:
+                        n_used = n_tok
                         self.worker.cancel(req, "stop")
                     continue
                 if kind == "error":
@@ -274,7 +278,7 @@ class Server:
                 reason = "stop" if stops.hit else ev[1]
                 if reason == "stop" and n_calls:
                     reason = "tool_calls"
-                yield ("done", self._result(req, reason, stops.hit))
+                yield ("done", self._result(req, reason, stops.hit, n_used))
                 return
         finally:
             if not done:
@@ -302,9 +306,11 @@ class Server:
             except asyncio.TimeoutError:
                 continue
 
-    def _result(self, req: Ticket, reason: str, stop_word: str | None) -> Result:
+    def _result(self, req: Ticket, reason: str, stop_word: str | None, n_used: int | None = None) -> Result:
         seq = req.seq
         n_out = len(seq.output) if seq else 0
+        if n_used is not None:
+            n_out = min(n_out, n_used)
         prompt_n = seq.prompt_n if seq else len(req.job.prompt)
         p_ms, g_ms = (seq.prompt_ms, seq.predicted_ms) if seq else (0.0, 0.0)
         timings = {

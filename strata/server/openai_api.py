@@ -278,7 +278,7 @@ async def prepare_completion(srv, body: CompletionRequest) -> tuple[Job, str]:
     if body.suffix:
         raise bad_request("suffix (fill-in-the-middle) is not supported")
     p = body.prompt
-    if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+    if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
         if len(p) != 1:
             raise bad_request("prompt: one prompt per request")
         p = p[0]
@@ -309,6 +309,9 @@ async def completions(request: Request):
     body = await read_request(request, CompletionRequest)
     name = check_model(request, body.model)
     n = check_n(srv, body.n)
+    if body.best_of is not None and body.best_of != n:
+        raise bad_request(f"best_of {body.best_of} is not supported (nothing ranks choices on this server): leave it "
+                          f"out, or set it to n ({n}), and ask for n choices")
     job, echo = await prepare_completion(srv, body)
     jobs = job.copies(n)
     base = {"id": "cmpl-" + uuid.uuid4().hex[:24], "object": "text_completion", "created": int(time.time()),

@@ -279,10 +279,28 @@ class ChatRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Union[str, list[int], list[str]]
+    # a text, its token ids, or a batch of either (the openai client types a batch of token-id prompts as a list
+    # of lists); a batch holds one prompt here (checked where the prompt is read)
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, v):
+        # one line naming what a prompt may be, not one "valid integer / valid string" error per union branch
+        ok = isinstance(v, str) or (isinstance(v, list) and (
+            all(isinstance(x, str) for x in v) or all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+            or all(isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+                   for x in v)))
+        if not ok:
+            raise ValueError("must be a string, a list of token ids (integers), or a list of strings or of token-id "
+                             "lists")
+        return v
     logprobs: int | None = Field(default=None, ge=0, le=20)  # the legacy field: how many alternatives per token
     echo: bool = False
     suffix: str | None = None
+    # OpenAI's: draw best_of, return the n likeliest. Nothing ranks choices here, so only best_of = n is served
+    # (langchain sends best_of 1 by default), any other is refused, as vLLM's engine refuses best_of
+    best_of: int | None = Field(default=None, ge=1)
 
 
 # ---------------------------------------------------------------------------------------------------------------
