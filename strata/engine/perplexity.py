@@ -23,6 +23,7 @@ KL(base || this model), its error, and how often both models rank the same token
 from __future__ import annotations
 
 import math
+import os
 import struct
 import sys
 from dataclasses import dataclass, field
@@ -219,6 +220,13 @@ class BaseFile:
         if n_ctx < 4 or n_vocab < 1 or n_chunk < 1 or len(raw) != 4 * n_ctx * n_chunk:
             f.close()
             raise StrataError(f"{path}: a truncated or damaged logits file")
+        # the log-probs' size is known from the header: a cut file is refused now, not chunks of work later
+        want = 20 + len(raw) + n_chunk * 2 * scored(n_ctx)[1] * row_width(n_vocab)
+        have = os.fstat(f.fileno()).st_size
+        if have < want:
+            f.close()
+            raise StrataError(f"{path}: a truncated logits file ({have} bytes; its header's {n_chunk} chunks of "
+                              f"-c {n_ctx} over {n_vocab} tokens take {want})")
         toks = np.frombuffer(raw, dtype="<i4").tolist()
         return cls(f, path, n_ctx, n_vocab, n_chunk, toks)
 

@@ -159,7 +159,9 @@ def test_bad_input(models, text_file, capsys, tmp_path):
                                                          base, "--kl-divergence", "-f", short)
     other = tmp_path / "other.kl"
     other.write_bytes(base.read_bytes()[:8] + np.array([N_CTX, 8192, 2], dtype="<i4").tobytes()
-                      + base.read_bytes()[20:])
+                      + base.read_bytes()[20:20 + 4 * 2 * N_CTX])
+    with open(other, "ab") as f:  # the log-probs as long as the header says: a whole file of another model
+        f.write(bytes(2 * 2 * P.scored(N_CTX)[1] * P.row_width(8192)))
     assert "another model family" in _error(capsys, "-m", models["f32"], "--kl-divergence-base", other,
                                             "--kl-divergence")
     cut = tmp_path / "cut.kl"
@@ -254,3 +256,19 @@ def test_c_0_is_the_models_context(text_file, capsys, tmp_path):
                                                       "-c", 512)
     out = _run(capsys, "--kl-divergence-base", base, "--kl-divergence", "-c", 0)
     assert re.match(r"\[1\]-?[0-9.]+,\n", out), out
+
+
+def test_truncated_base_refused_before_computing(models, text_file, capsys, tmp_path):
+    """A base file cut short is refused from its size before the model loads (it ran every chunk the file still
+    held, then failed part-way through the scores line)."""
+    base = tmp_path / "base.kl"
+    _run(capsys, "-m", models["f32"], "-f", text_file, "-c", N_CTX, "--chunks", 3, "--kl-divergence-base", base)
+    cut = tmp_path / "cut.kl"
+    cut.write_bytes(base.read_bytes()[:-100])
+    capsys.readouterr()
+    assert main(["perplexity", "--device", "cpu", "-m", str(models["f32"]), "--kl-divergence-base", str(cut),
+                 "--kl-divergence"]) == 1
+    out, err = capsys.readouterr()
+    (line,) = err.strip().splitlines()
+    assert out == "" and line.startswith(f"strata: error: {cut}: a truncated logits file"), (out, err)
+    assert f"{len(base.read_bytes()) - 100} bytes" in line
