@@ -196,6 +196,11 @@ def write_header(f: BinaryIO, n_ctx: int, n_vocab: int, n_chunk: int, tokens: li
     f.write(np.asarray(tokens[:n_chunk * n_ctx], dtype="<i4").tobytes())
 
 
+def base_file_bytes(n_ctx: int, n_vocab: int, n_chunk: int) -> int:
+    """The size of a logits file: header, tokens, then n_chunk chunks of scored rows."""
+    return 20 + 4 * n_ctx * n_chunk + n_chunk * 2 * scored(n_ctx)[1] * row_width(n_vocab)
+
+
 @dataclass
 class BaseFile:
     f: BinaryIO
@@ -221,7 +226,7 @@ class BaseFile:
             f.close()
             raise StrataError(f"{path}: a truncated or damaged logits file")
         # the log-probs' size is known from the header: a cut file is refused now, not chunks of work later
-        want = 20 + len(raw) + n_chunk * 2 * scored(n_ctx)[1] * row_width(n_vocab)
+        want = base_file_bytes(n_ctx, n_vocab, n_chunk)
         have = os.fstat(f.fileno()).st_size
         if have < want:
             f.close()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -60,6 +61,20 @@ def _check_base_path(path: str) -> None:
         raise StrataError(f"cannot write {path}: no permission to create files in {parent}")
 
 
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+def _check_base_room(path: str, nbytes: int, n_chunk: int) -> None:
+    """The base file's size is known before the first chunk runs (a real vocabulary's log-probs take tens of GB
+    over a long text): a disk without room for it fails now, not hours into the run."""
+    parent = Path(path).parent
+    free = shutil.disk_usage(parent).free
+    if nbytes > free:
+        raise StrataError(f"not enough free disk for {path}: the log-probs of {n_chunk} chunks take {_gb(nbytes)}, "
+                          f"{parent} has {_gb(free)} free (--chunks N saves fewer)")
+
+
 def cmd_perplexity(args) -> int:
     from strata.engine import perplexity as P
     from strata.engine.cli import engine_config, load_from_args, resolve_model_path
@@ -105,6 +120,9 @@ def cmd_perplexity(args) -> int:
         n_chunk = min(args.chunks, base.n_chunk) if args.chunks > 0 else base.n_chunk
     else:
         n_chunk = P.n_chunks_for(len(tokens), n_ctx, args.chunks)
+
+    if args.kl_divergence_base and not kl:
+        _check_base_room(args.kl_divergence_base, P.base_file_bytes(n_ctx, vocab, n_chunk), n_chunk)
 
     args.ctx_size = n_ctx  # the KV cache holds one chunk
     lm = load_from_args(args)

@@ -272,3 +272,22 @@ def test_truncated_base_refused_before_computing(models, text_file, capsys, tmp_
     (line,) = err.strip().splitlines()
     assert out == "" and line.startswith(f"strata: error: {cut}: a truncated logits file"), (out, err)
     assert f"{len(base.read_bytes()) - 100} bytes" in line
+
+
+def test_base_needs_room_on_disk(models, text_file, capsys, tmp_path, monkeypatch):
+    """The base file's size is known before the first chunk: a disk without room for it is an error before the
+    model loads (it computed until the disk filled). 10 kB free; 3 chunks of 32 over 512 tokens take 46 kB."""
+    import shutil
+
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=10_000))
+    base = tmp_path / "base.kl"
+    capsys.readouterr()
+    assert main(["perplexity", "--device", "cpu", "-m", str(models["f32"]), "-f", str(text_file), "-c", str(N_CTX),
+                 "--chunks", "3", "--kl-divergence-base", str(base)]) == 1
+    out, err = capsys.readouterr()
+    (line,) = err.strip().splitlines()
+    want = P.base_file_bytes(N_CTX, 512, 3)
+    assert out == "" and line == (f"strata: error: not enough free disk for {base}: the log-probs of 3 chunks take "
+                                  f"{want / 1e6:.1f} MB, {tmp_path} has 0.0 MB free (--chunks N saves fewer)"), line
+    assert not list(tmp_path.iterdir())
