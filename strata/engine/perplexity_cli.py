@@ -75,6 +75,16 @@ def _check_base_room(path: str, nbytes: int, n_chunk: int) -> None:
                           f"{parent} has {_gb(free)} free (--chunks N saves fewer)")
 
 
+def _check_not_an_input(path: str, inputs) -> None:
+    """The base file replaces what is at its path: never the text or the model the run reads (a mistyped flag
+    turned the text into a logits file)."""
+    p = Path(path)
+    for what, other in inputs:
+        if other and p.exists() and Path(other).exists() and os.path.samefile(p, other):
+            raise StrataError(f"--kl-divergence-base {path} is {what} of this run: it would be overwritten with the "
+                              "log-probs (give another file)")
+
+
 def cmd_perplexity(args) -> int:
     from strata.engine import perplexity as P
     from strata.engine.cli import engine_config, load_from_args, resolve_model_path
@@ -91,6 +101,8 @@ def cmd_perplexity(args) -> int:
         _check_base_path(args.kl_divergence_base)
     engine_config(args)  # bad engine flags fail here, before anything loads
     path = resolve_model_path(args.model)
+    if args.kl_divergence_base and not kl:
+        _check_not_an_input(args.kl_divergence_base, (("-f", args.file), ("the model", path)))
     tok, ctx_len, vocab = _model_meta(path)
     bos = tok.bos_id if tok.add_bos else None
 

@@ -291,3 +291,17 @@ def test_base_needs_room_on_disk(models, text_file, capsys, tmp_path, monkeypatc
     assert out == "" and line == (f"strata: error: not enough free disk for {base}: the log-probs of 3 chunks take "
                                   f"{want / 1e6:.1f} MB, {tmp_path} has 0.0 MB free (--chunks N saves fewer)"), line
     assert not list(tmp_path.iterdir())
+
+
+def test_base_is_never_an_input(models, text_file, capsys, tmp_path):
+    """--kl-divergence-base FILE writes FILE: given the -f text or the model (a mistyped flag), the run is refused
+    and the file kept (the text was replaced by a logits file)."""
+    text = tmp_path / "text.txt"
+    text.write_bytes(text_file.read_bytes())
+    model = tmp_path / "m.gguf"
+    model.write_bytes(models["f32"].read_bytes())
+    for base, what in ((text, "-f"), (model, "the model")):
+        line = _error(capsys, "-m", model, "-f", text, "-c", N_CTX, "--chunks", 1, "--kl-divergence-base", base)
+        assert line == (f"strata: error: --kl-divergence-base {base} is {what} of this run: it would be "
+                        "overwritten with the log-probs (give another file)"), line
+    assert text.read_bytes() == text_file.read_bytes() and model.read_bytes() == models["f32"].read_bytes()
