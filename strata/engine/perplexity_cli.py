@@ -5,6 +5,7 @@ Scores go to stdout (`[1]12.3456,[2]...` then `Final estimate: PPL = x +/- y`), 
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import shutil
@@ -188,6 +189,9 @@ def register(sub) -> None:
                        "--kl-divergence compares this model against them.")
     add_engine_args(p)
     p.add_argument("-f", "--file", default=None, help="the text file to score")
+    # llama-perplexity's command lines carry -b (its batch, which changes no score): here, tokens per forward
+    p.add_argument("-b", "--batch-size", dest="prefill_chunk", type=int, default=argparse.SUPPRESS, metavar="N",
+                   help="as llama-perplexity's -b: the tokens of a chunk run per forward (= --prefill-chunk N)")
     p.add_argument("--chunks", type=int, default=-1, help="score at most this many chunks (-1: all)")
     p.add_argument("--kl-divergence-base", default=None, metavar="FILE",
                    help="write the log-probs of this run to FILE (with --kl-divergence: read them from it)")

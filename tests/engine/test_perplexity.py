@@ -305,3 +305,16 @@ def test_base_is_never_an_input(models, text_file, capsys, tmp_path):
         assert line == (f"strata: error: --kl-divergence-base {base} is {what} of this run: it would be "
                         "overwritten with the log-probs (give another file)"), line
     assert text.read_bytes() == text_file.read_bytes() and model.read_bytes() == models["f32"].read_bytes()
+
+
+def test_llama_perplexity_batch_flag(models, text_file, capsys):
+    """llama-perplexity's -b/--batch-size is taken (it was an unknown flag): the tokens per forward, as
+    --prefill-chunk; the score is the same."""
+    common = ["-m", models["f32"], "-f", text_file, "-c", N_CTX, "--chunks", 2]
+    whole = _ppl(_run(capsys, *common))
+    for flag in ("-b", "--batch-size"):
+        capsys.readouterr()
+        assert main(["perplexity", "--device", "cpu", "--dtype", "f32", *map(str, common), flag, "5"]) == 0
+        out, err = capsys.readouterr()
+        assert "5 tokens per forward" in err and _ppl(out) == pytest.approx(whole, rel=1e-5), err
+    assert "--prefill-chunk must be >= 0" in _error(capsys, *common, "-b", -3)
