@@ -65,6 +65,8 @@ def cmd_synth(args) -> int:
     p = r["preset"]
     print(f"strata: wrote {args.out}: {p.about or p.name}{f' cut to {p.n_layers} layers' if args.layers else ''}, "
           f"{_gb(r['bytes'])} in {r['seconds']:.1f} s ({r['gbps']:.2f} GB/s)", file=sys.stderr)
+    for line in r["fallbacks"]:  # (as llama-quantize falls back, and says so)
+        print(f"strata: {line}", file=sys.stderr)
     if args.no_report:
         return 0
     size = Path(args.out).stat().st_size

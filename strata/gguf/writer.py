@@ -115,6 +115,7 @@ class TensorSpec:
     scale: float = 0.02
     make: Callable[[], np.ndarray] | None = None
     offset: np.ndarray | None = None
+    asked: GGMLQuantizationType | None = None  # the type asked for, where rows not of its blocks took another
 
     def __post_init__(self):
         if self.offset is not None and self.qtype not in OFFSET_TYPES:

@@ -400,3 +400,18 @@ def test_synth_bad_seed_or_output_is_one_line(tmp_path, capsys, monkeypatch):
     with pytest.raises(StrataError, match="cannot write .*y.gguf: Permission denied"):
         S.synth("tiny-qwen3moe", tmp_path / "y.gguf", layers=1, progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "f", "t.gguf.tmp"]
+
+
+def test_synth_says_which_tensors_fell_back(tmp_path, capsys):
+    """Rows that are not whole blocks of the asked type get llama-quantize's fallback type, and the command says so
+    (as llama-quantize warns) rather than write other types silently: tiny-deepseek's MLA projections have rows
+    of 128 and 32, not of Q4_K's 256."""
+    from strata.cli import main
+
+    out = tmp_path / "d.gguf"
+    assert main(["synth", "tiny-deepseek", str(out), "--dense-type", "Q4_K", "-q", "--no-report"]) == 0
+    lines = capsys.readouterr().err.strip().splitlines()
+    n = sum(t.tensor_type == Q.Q5_0 for t in gguf.GGUFReader(out).tensors)
+    assert n > 0 and lines[1:] == [f"strata: {n} tensors Q5_0, not Q4_K: rows not a multiple of 256"], lines
+    assert main(["synth", "tiny-qwen3moe", str(out), "-q", "--no-report"]) == 0  # all rows whole blocks: no line
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
