@@ -127,6 +127,10 @@ class TensorSpec:
         return rows * bytes_for(self.qtype, self.shape[-1])
 
 
+def _size(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
 def _pad(n: int, align: int) -> int:
     return (n + align - 1) // align * align
 
@@ -234,10 +238,10 @@ def write_streamed(out: str | os.PathLike, w, specs: list[TensorSpec], seed: int
                 f.truncate(total)
             os.replace(tmp, out)
             return {"bytes": total, "seconds": time.perf_counter() - t0, "gbps": 0.0}
-        free = shutil.disk_usage(tmp.parent).free
-        if total - start > free - (256 << 20):
-            raise StrataError(f"not enough free disk for {out.name}: it needs {total / 1e9:.2f} GB, "
-                              f"{tmp.parent} has {free / 1e9:.2f} GB free")
+        free = shutil.disk_usage(tmp.parent).free  # (the header is written: the weights are what is left)
+        if total - start > free:
+            raise StrataError(f"not enough free disk for {out.name}: it needs {_size(total)}, "
+                              f"{tmp.parent} has {_size(free + start)} free")
         with open(tmp, "r+b", buffering=0) as f, tqdm(total=total, initial=start, unit="B", unit_scale=True,
                                                        unit_divisor=1024, file=sys.stderr, disable=not progress,
                                                        desc=out.name, leave=False) as bar:
