@@ -111,7 +111,8 @@ def cmd_perplexity(args) -> int:
     if kl:
         base = P.BaseFile.open(args.kl_divergence_base)
         if args.ctx_size is not None and (args.ctx_size or ctx_len) != base.n_ctx:
-            raise StrataError(f"{base.path} was computed with -c {base.n_ctx}, not {args.ctx_size}: the chunks "
+            asked = args.ctx_size or f"0 (the model's context, {ctx_len})"
+            raise StrataError(f"{base.path} was computed with -c {base.n_ctx}, not {asked}: the chunks "
                               "must be the same (leave -c out to use the file's)")
         n_ctx = base.n_ctx
         if base.n_vocab != vocab:

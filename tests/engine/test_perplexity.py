@@ -155,6 +155,9 @@ def test_bad_input(models, text_file, capsys, tmp_path):
     _run(capsys, "-m", models["f32"], "-f", text_file, "-c", N_CTX, "--chunks", 2, "--kl-divergence-base", base)
     assert "computed with -c 32, not 64" in _error(capsys, "-m", models["f32"], "--kl-divergence-base", base,
                                                    "--kl-divergence", "-c", 64)
+    # -c 0 is the model's context: said as such (it read "not 0")
+    assert "computed with -c 32, not 0 (the model's context, 512): the chunks" in _error(
+        capsys, "-m", models["f32"], "--kl-divergence-base", base, "--kl-divergence", "-c", 0)
     assert "another text or another tokenizer" in _error(capsys, "-m", models["f32"], "--kl-divergence-base",
                                                          base, "--kl-divergence", "-f", short)
     other = tmp_path / "other.kl"
