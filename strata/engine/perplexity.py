@@ -221,17 +221,18 @@ class BaseFile:
             f.close()
             raise StrataError(f"{path} is not a logits file written by --kl-divergence-base")
         n_ctx, n_vocab, n_chunk = struct.unpack("<Iii", head[8:])
-        raw = f.read(4 * n_ctx * n_chunk)
-        if n_ctx < 4 or n_vocab < 1 or n_chunk < 1 or len(raw) != 4 * n_ctx * n_chunk:
+        if n_ctx < 4 or n_vocab < 1 or n_chunk < 1:  # (before any size is computed from them)
             f.close()
-            raise StrataError(f"{path}: a truncated or damaged logits file")
-        # the log-probs' size is known from the header: a cut file is refused now, not chunks of work later
+            raise StrataError(f"{path}: a damaged logits file (its header says -c {n_ctx}, {n_vocab} tokens, "
+                              f"{n_chunk} chunks)")
+        # the file's size is known from the header: a cut file is refused now, not chunks of work later
         want = base_file_bytes(n_ctx, n_vocab, n_chunk)
         have = os.fstat(f.fileno()).st_size
         if have < want:
             f.close()
-            raise StrataError(f"{path}: a truncated logits file ({have} bytes; its header's {n_chunk} chunks of "
-                              f"-c {n_ctx} over {n_vocab} tokens take {want})")
+            raise StrataError(f"{path}: a truncated or damaged logits file ({have} bytes; its header's {n_chunk} "
+                              f"chunks of -c {n_ctx} over {n_vocab} tokens take {want})")
+        raw = f.read(4 * n_ctx * n_chunk)
         toks = np.frombuffer(raw, dtype="<i4").tolist()
         return cls(f, path, n_ctx, n_vocab, n_chunk, toks)
 

@@ -273,7 +273,7 @@ def test_truncated_base_refused_before_computing(models, text_file, capsys, tmp_
                  "--kl-divergence"]) == 1
     out, err = capsys.readouterr()
     (line,) = err.strip().splitlines()
-    assert out == "" and line.startswith(f"strata: error: {cut}: a truncated logits file"), (out, err)
+    assert out == "" and line.startswith(f"strata: error: {cut}: a truncated or damaged logits file"), (out, err)
     assert f"{len(base.read_bytes()) - 100} bytes" in line
 
 
@@ -321,3 +321,18 @@ def test_llama_perplexity_batch_flag(models, text_file, capsys):
         out, err = capsys.readouterr()
         assert "5 tokens per forward" in err and _ppl(out) == pytest.approx(whole, rel=1e-5), err
     assert "--prefill-chunk must be >= 0" in _error(capsys, *common, "-b", -3)
+
+
+def test_damaged_base_header_is_one_line(models, text_file, capsys, tmp_path):
+    """Header counts no file could hold (a huge -c and chunk count, a negative count) are one error line (they
+    were an OverflowError and a ValueError traceback, from reading that many tokens)."""
+    import struct
+
+    base = tmp_path / "base.kl"
+    _run(capsys, "-m", models["f32"], "-f", text_file, "-c", N_CTX, "--chunks", 2, "--kl-divergence-base", base)
+    data = base.read_bytes()
+    for (n_ctx, n_vocab, n_chunk), want in (((2**31, 512, 2**30), "a truncated or damaged logits file"),
+                                            ((N_CTX, 512, -3), "its header says -c 32, 512 tokens, -3 chunks")):
+        bad = tmp_path / "bad.kl"
+        bad.write_bytes(data[:8] + struct.pack("<Iii", n_ctx, n_vocab, n_chunk) + data[20:])
+        assert want in _error(capsys, "-m", models["f32"], "--kl-divergence-base", bad, "--kl-divergence")
