@@ -105,7 +105,7 @@ def register(sub) -> None:
                                    "report how the model routes a sample text (expert popularity, distinct "
                                    "experts per 512-token batch) by running it with strata.")
     p.add_argument("preset", metavar="PRESET", help=", ".join(PRESET_NAMES))
-    p.add_argument("out", metavar="OUT.gguf", help="output file (written as OUT.gguf.tmp, renamed when done)")
+    p.add_argument("out", metavar="OUT.gguf", help="output file (written as OUT.gguf.PID.tmp, renamed when done)")
     p.add_argument("--experts-type", default="Q4_K", help="routed experts' format (default Q4_K)")
     p.add_argument("--dense-type", default="Q8_0", help="attention, dense FFN and shared experts (default Q8_0; "
                    "token embeddings are Q8_0 unless this is a float type)")

@@ -199,15 +199,27 @@ def check_output(out: str | os.PathLike) -> Path:
     parent = next((d for d in out.parents if d.exists()), None)  # missing directories are made, as before
     if parent is not None and not parent.is_dir():
         raise StrataError(f"cannot write {out}: {parent} is not a directory")
-    tmp = out.with_name(out.name + ".tmp")
-    if tmp.is_dir():
-        raise StrataError(f"cannot write {out}: {tmp} (the temporary file it is written as first) is a directory")
     return out
+
+
+def claim_temp(out: Path) -> Path:
+    """A new empty file beside `out` that no other writer has, to write `out` as before renaming it: two runs
+    writing the same OUT each fill their own file and the last rename wins whole (through one shared OUT.tmp,
+    the first rename gave OUT the file the other run was still writing into). OSError when none can be made."""
+    for i in range(100):
+        tmp = out.with_name(f"{out.name}.{os.getpid()}{f'-{i}' if i else ''}.tmp")
+        try:
+            with open(tmp, "xb"):
+                return tmp
+        except FileExistsError:  # (a stale one a killed run of the same pid left, or a directory)
+            continue
+    raise FileExistsError(17, f"no free temporary name beside it ({tmp.name} and 99 others exist)")
 
 
 def write_streamed(out: str | os.PathLike, w, specs: list[TensorSpec], seed: int, progress: bool = True,
                    data: bool = True) -> dict:
-    """Write `w` (a `gguf.GGUFWriter` holding the metadata) and `specs` to `out`, via `out.tmp` renamed at the end.
+    """Write `w` (a `gguf.GGUFWriter` holding the metadata) and `specs` to `out`, via a temporary file beside it
+    (`claim_temp`) renamed at the end.
 
     data=False writes the header and a sparse (all-zero, unallocated) data section of the right size: the file
     opens and shows every tensor's shape and type but holds no weights (for checking a layout cheaply).
@@ -216,14 +228,13 @@ def write_streamed(out: str | os.PathLike, w, specs: list[TensorSpec], seed: int
     from tqdm import tqdm
 
     out = check_output(out)
-    tmp = out.with_name(out.name + ".tmp")
     for s in specs:
         w.add_tensor_info(s.name, s.shape, np.dtype(np.float32), s.nbytes, raw_dtype=s.qtype)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        open(tmp, "wb").close()  # a path that cannot be written (permissions) fails before any data is made
+        tmp = claim_temp(out)  # a path that cannot be written (permissions) fails before any data is made
     except OSError as e:
-        raise StrataError(f"cannot write {out} (as {tmp.name} first): {e.strerror or e}") from None
+        raise StrataError(f"cannot write {out}: {e.strerror or e}") from None
     t0 = time.perf_counter()
     try:
         w.write_header_to_file(path=tmp)

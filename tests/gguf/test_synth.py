@@ -264,7 +264,7 @@ def test_streamed_file_reads_back(tmp_path):
     specs = [TensorSpec("a", (3, 256), Q.Q4_K, 0.1), TensorSpec("n", (96,), Q.F32, 0.0, lambda: norm),
              TensorSpec("b", (5, 7, 64), Q.Q8_0, 0.3)]
     r = write_streamed(tmp_path / "t.gguf", w, specs, seed=0, progress=False)
-    assert r["bytes"] == (tmp_path / "t.gguf").stat().st_size and not (tmp_path / "t.gguf.tmp").exists()
+    assert r["bytes"] == (tmp_path / "t.gguf").stat().st_size and not list(tmp_path.glob("*.tmp"))
     rd = gguf.GGUFReader(tmp_path / "t.gguf")
     t = {x.name: x for x in rd.tensors}
     assert np.array_equal(t["n"].data, norm) and rd.fields["test.n"].contents() == 7
@@ -389,18 +389,16 @@ def test_synth_bad_seed_or_output_is_one_line(tmp_path, capsys, monkeypatch):
 
     (tmp_path / "d").mkdir()
     (tmp_path / "f").write_bytes(b"")
-    (tmp_path / "t.gguf.tmp").mkdir()
     monkeypatch.chdir(tmp_path)
     for out, extra, want in ((tmp_path / "x.gguf", ["--seed", "-5"], "--seed -5"),
                              (tmp_path / "x.gguf", ["--seed", "99999999999999999999999"], "4294967295"),
                              (".", [], ". is a directory"), (tmp_path / "d", [], "d is a directory"),
-                             (tmp_path / "f" / "x.gguf", [], "f is not a directory"),
-                             (tmp_path / "t.gguf", [], "t.gguf.tmp")):
+                             (tmp_path / "f" / "x.gguf", [], "f is not a directory")):
         assert main(["synth", "tiny-qwen3moe", str(out), *extra, "--layers", "1", "-q", "--no-report"]) == 1
         err = capsys.readouterr().err.strip()
         assert err.count("\n") == 0 and err.startswith("strata: error: ") and want in err, err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "f", "t.gguf.tmp"]
-    assert not list((tmp_path / "d").iterdir()) and not list((tmp_path / "t.gguf.tmp").iterdir())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "f"]
+    assert not list((tmp_path / "d").iterdir())
     # the library call checks too, and so does a failing rename at the end (StrataError, the temporary file gone)
     with pytest.raises(StrataError, match="is a directory"):
         S.synth("tiny-qwen3moe", tmp_path / "d", layers=1, progress=False)
@@ -408,7 +406,7 @@ def test_synth_bad_seed_or_output_is_one_line(tmp_path, capsys, monkeypatch):
         13, "Permission denied")))
     with pytest.raises(StrataError, match="cannot write .*y.gguf: Permission denied"):
         S.synth("tiny-qwen3moe", tmp_path / "y.gguf", layers=1, progress=False)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "f", "t.gguf.tmp"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "f"]
 
 
 def test_synth_says_which_tensors_fell_back(tmp_path, capsys):
@@ -424,3 +422,19 @@ def test_synth_says_which_tensors_fell_back(tmp_path, capsys):
     assert n > 0 and lines[1:] == [f"strata: {n} tensors Q5_0, not Q4_K: rows not a multiple of 256"], lines
     assert main(["synth", "tiny-qwen3moe", str(out), "-q", "--no-report"]) == 0  # all rows whole blocks: no line
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_synth_writes_its_own_temporary_file(tmp_path, capsys):
+    """The file is written under a temporary name of its own, then renamed: an OUT.gguf.tmp already there
+    (another run's file in progress, or a directory) is left as it is. Through one shared OUT.gguf.tmp the first
+    run to finish renamed the file the other was still writing into, giving OUT a mixture that loaded."""
+    from strata.cli import main
+
+    other = tmp_path / "m.gguf.tmp"
+    other.write_bytes(b"another run's file")
+    (tmp_path / "n.gguf.tmp").mkdir()
+    for name in ("m.gguf", "n.gguf"):
+        assert main(["synth", "tiny-qwen3moe", str(tmp_path / name), "--layers", "1", "-q", "--no-report"]) == 0
+        assert open_gguf(tmp_path / name).metadata["strata.synth.preset"] == "tiny-qwen3moe"
+    assert other.read_bytes() == b"another run's file" and (tmp_path / "n.gguf.tmp").is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf", "m.gguf.tmp", "n.gguf", "n.gguf.tmp"]
