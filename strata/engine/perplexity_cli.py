@@ -156,14 +156,18 @@ def cmd_perplexity(args) -> int:
         for line in P.kl_report(st):
             print(line)
     elif args.kl_divergence_base:
-        tmp = args.kl_divergence_base + ".tmp"
+        from strata.gguf.writer import claim_temp
+
+        tmp = None  # written beside the base under a name of this run's own, renamed when whole
         try:
+            tmp = claim_temp(Path(args.kl_divergence_base))
             with open(tmp, "wb") as f:
                 st = P.run_perplexity(runner, tokens, n_ctx, n_chunk, bos, save=f)
             os.replace(tmp, args.kl_divergence_base)
         except BaseException as e:  # a failed write, an error, Ctrl-C: no half-written file is left
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
             if isinstance(e, OSError):  # (a short write carries no errno: then most likely a full disk)
                 why = e.strerror or f"{e}: a short write (is the disk full?)"
                 raise StrataError(f"cannot write {args.kl_divergence_base}: {why}") from None

@@ -336,3 +336,14 @@ def test_damaged_base_header_is_one_line(models, text_file, capsys, tmp_path):
         bad = tmp_path / "bad.kl"
         bad.write_bytes(data[:8] + struct.pack("<Iii", n_ctx, n_vocab, n_chunk) + data[20:])
         assert want in _error(capsys, "-m", models["f32"], "--kl-divergence-base", bad, "--kl-divergence")
+
+
+def test_base_written_under_a_name_of_its_own(models, text_file, capsys, tmp_path):
+    """The base file is written under a temporary name of the run's own, then renamed: a BASE.tmp already there
+    (another run's file in progress) is left as it is (it was truncated, filled, and renamed as the base)."""
+    base = tmp_path / "base.kl"
+    other = tmp_path / "base.kl.tmp"
+    other.write_bytes(b"another run's file")
+    _run(capsys, "-m", models["f32"], "-f", text_file, "-c", N_CTX, "--chunks", 1, "--kl-divergence-base", base)
+    assert other.read_bytes() == b"another run's file" and base.read_bytes()[:8] == P.MAGIC
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["base.kl", "base.kl.tmp"]
