@@ -164,6 +164,16 @@ def _add_offset(chunk: np.ndarray, spec: TensorSpec, first: int) -> None:
         v[:] = (f.view(np.uint32) >> 16).astype(np.uint16)
 
 
+def _write_all(f, mv: memoryview) -> None:
+    """An unbuffered write may take part of the bytes (the disk filling up, a file size limit): write the rest,
+    which then fails with the reason. One write whose short count went unread lost the file's last bytes."""
+    while mv:
+        n = f.write(mv)
+        if not n:
+            raise OSError(28, "No space left on device")
+        mv = mv[n:]
+
+
 class _Writer(threading.Thread):
     """Writes queued buffers to the file, handing each buffer back once written."""
 
@@ -182,7 +192,7 @@ class _Writer(threading.Thread):
             data, buf = item
             try:
                 if self.error is None:
-                    self.f.write(memoryview(data).cast("B"))
+                    _write_all(self.f, memoryview(data).cast("B"))
                     self.bar.update(data.nbytes)
             except BaseException as e:  # noqa: BLE001 - surfaced in the main thread
                 self.error = e
@@ -257,8 +267,10 @@ def write_streamed(out: str | os.PathLike, w, specs: list[TensorSpec], seed: int
                                                        unit_divisor=1024, file=sys.stderr, disable=not progress,
                                                        desc=out.name, leave=False) as bar:
             f.seek(0, os.SEEK_END)
-            f.write(b"\0" * (start - f.tell()))
+            _write_all(f, memoryview(b"\0" * (start - f.tell())))
             _write_data(f, bar, specs, seed, align)
+        if tmp.stat().st_size != total:  # (never rename a file that is not whole)
+            raise OSError(5, f"{tmp.name} holds {tmp.stat().st_size} bytes, not {total}")
         os.replace(tmp, out)
     except OSError as e:  # the header's write or the rename (the data's own writes fail in _write_data): one line
         raise StrataError(f"cannot write {out}: {e.strerror or e}") from None

@@ -438,3 +438,22 @@ def test_synth_writes_its_own_temporary_file(tmp_path, capsys):
         assert open_gguf(tmp_path / name).metadata["strata.synth.preset"] == "tiny-qwen3moe"
     assert other.read_bytes() == b"another run's file" and (tmp_path / "n.gguf.tmp").is_dir()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf", "m.gguf.tmp", "n.gguf", "n.gguf.tmp"]
+
+
+def test_short_last_write_is_an_error(tmp_path):
+    """A write the disk takes only part of (a file size limit here, a filling disk alike) is written on until it
+    fails: a file short of its last byte was renamed to OUT and reported written."""
+    import resource
+    import signal
+
+    size = S.synth("tiny-qwen3moe", tmp_path / "probe.gguf", progress=False, data=False)["bytes"]
+    (tmp_path / "probe.gguf").unlink()
+
+    def limit():  # every write but the last one fits
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (size - 1, size - 1))
+    r = _strata("synth", "tiny-qwen3moe", str(tmp_path / "x.gguf"), "-q", "--no-report", preexec_fn=limit)
+    assert r.returncode == 1, r.stderr
+    (line,) = r.stderr.strip().splitlines()
+    assert line.startswith("strata: error: ") and "File too large" in line, line
+    assert not list(tmp_path.iterdir())
