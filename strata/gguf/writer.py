@@ -327,5 +327,7 @@ def _write_data(f, bar, specs: list[TensorSpec], seed: int, align: int) -> None:
     finally:
         wr.todo.put(None)
         wr.join()
+    if isinstance(wr.error, OSError):  # said by the caller as OUT's, not the temporary file's
+        raise wr.error
     if wr.error is not None:
         raise StrataError(f"writing {Path(f.name).name} failed: {wr.error}") from wr.error
