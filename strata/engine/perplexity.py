@@ -22,6 +22,7 @@ KL(base || this model), its error, and how often both models rank the same token
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import struct
@@ -269,6 +270,12 @@ def kl_chunk(logits: torch.Tensor, base_rows: np.ndarray, targets: torch.Tensor,
 # --- the runs ----------------------------------------------------------------------------------------------------
 
 
+def _end_line(out) -> None:
+    with contextlib.suppress(OSError, ValueError):  # (a closed or broken stdout: nothing more to say there)
+        out.write("\n")
+        out.flush()
+
+
 def run_perplexity(runner: ChunkRunner, tokens: list[int], n_ctx: int, n_chunk: int, bos: int | None,
                    save: BinaryIO | None = None, out=None) -> NllStats:
     """Scores n_chunk chunks, printing `[i]ppl,` after each; with save, writes the base logits file too."""
@@ -276,18 +283,20 @@ def run_perplexity(runner: ChunkRunner, tokens: list[int], n_ctx: int, n_chunk: 
     first, n = scored(n_ctx)
     st = NllStats()
     vocab = None
-    for i in range(n_chunk):
-        logits = runner.logits(chunk_input(tokens, i, n_ctx, bos), first, n)
-        targets = torch.tensor(tokens[i * n_ctx + first + 1:i * n_ctx + first + 1 + n], device=logits.device)
-        st.add(nll_of(logits, targets))
-        if save is not None:
-            if vocab is None:
-                vocab = logits.shape[1]
-                write_header(save, n_ctx, vocab, n_chunk, tokens)
-            save.write(encode_logprobs(logits).tobytes())
-        out.write(f"[{i + 1}]{st.ppl:.4f},")
-        out.flush()
-    out.write("\n")
+    try:
+        for i in range(n_chunk):
+            logits = runner.logits(chunk_input(tokens, i, n_ctx, bos), first, n)
+            targets = torch.tensor(tokens[i * n_ctx + first + 1:i * n_ctx + first + 1 + n], device=logits.device)
+            st.add(nll_of(logits, targets))
+            if save is not None:
+                if vocab is None:
+                    vocab = logits.shape[1]
+                    write_header(save, n_ctx, vocab, n_chunk, tokens)
+                save.write(encode_logprobs(logits).tobytes())
+            out.write(f"[{i + 1}]{st.ppl:.4f},")
+            out.flush()
+    finally:  # the scores line ends however the run does: an error or Ctrl-C is said on a line of its own
+        _end_line(out)
     return st
 
 
@@ -295,17 +304,19 @@ def run_kl(runner: ChunkRunner, base: BaseFile, n_chunk: int, bos: int | None, o
     out = out or sys.stdout
     first, n = scored(base.n_ctx)
     st = KlStats()
-    for i in range(n_chunk):
-        rows = base.chunk_rows(i)
-        logits = runner.logits(chunk_input(base.tokens, i, base.n_ctx, bos), first, n)
-        if logits.shape[1] != base.n_vocab:
-            raise StrataError(f"{base.path} holds log-probs over {base.n_vocab} tokens, the model gives "
-                              f"{logits.shape[1]}: a base from another vocabulary")
-        s = i * base.n_ctx + first + 1
-        kl_chunk(logits, rows, torch.tensor(base.tokens[s:s + n]), st)
-        out.write(f"[{i + 1}]{st.kl()[0]:.6f},")
-        out.flush()
-    out.write("\n")
+    try:
+        for i in range(n_chunk):
+            rows = base.chunk_rows(i)
+            logits = runner.logits(chunk_input(base.tokens, i, base.n_ctx, bos), first, n)
+            if logits.shape[1] != base.n_vocab:
+                raise StrataError(f"{base.path} holds log-probs over {base.n_vocab} tokens, the model gives "
+                                  f"{logits.shape[1]}: a base from another vocabulary")
+            s = i * base.n_ctx + first + 1
+            kl_chunk(logits, rows, torch.tensor(base.tokens[s:s + n]), st)
+            out.write(f"[{i + 1}]{st.kl()[0]:.6f},")
+            out.flush()
+    finally:
+        _end_line(out)
     return st
 
 

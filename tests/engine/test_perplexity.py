@@ -347,3 +347,26 @@ def test_base_written_under_a_name_of_its_own(models, text_file, capsys, tmp_pat
     _run(capsys, "-m", models["f32"], "-f", text_file, "-c", N_CTX, "--chunks", 1, "--kl-divergence-base", base)
     assert other.read_bytes() == b"another run's file" and base.read_bytes()[:8] == P.MAGIC
     assert sorted(p.name for p in tmp_path.iterdir()) == ["base.kl", "base.kl.tmp"]
+
+
+def test_scores_line_ends_when_a_run_fails(models, text_file, capsys, tmp_path):
+    """A run that fails part-way ends its `[i]score,` line, so the error is said on a line of its own (it was
+    written after the last score). Here the base file is cut after it was opened, as a disk gone bad would."""
+    import io
+
+    from strata.config import EngineConfig
+    from strata.engine.engine import Engine
+    from strata.engine.loader import load_model
+
+    base = tmp_path / "base.kl"
+    _run(capsys, "-m", models["f32"], "-f", text_file, "-c", N_CTX, "--chunks", 3, "--kl-divergence-base", base)
+    b = P.BaseFile.open(str(base))
+    with open(base, "r+b") as f:
+        f.truncate(base.stat().st_size - 100)
+    runner = P.ChunkRunner(Engine(load_model(str(models["f32"]), EngineConfig(device="cpu", dtype="float32",
+                                                                              ctx_size=N_CTX)), n_slots=1))
+    out = io.StringIO()
+    with pytest.raises(StrataError, match="chunk 3 are missing"):
+        P.run_kl(runner, b, 3, None, out=out)
+    b.f.close()
+    assert re.fullmatch(r"\[1\]-?[0-9.]+,\[2\]-?[0-9.]+,\n", out.getvalue()), out.getvalue()
