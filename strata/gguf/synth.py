@@ -203,9 +203,12 @@ def _tiny_vocab(vocab_size: int) -> str:
 
     from strata.gguf.tokenizer_hf import hf_tokenizer_to_metadata, make_tiny_hf_tokenizer
 
-    with tempfile.TemporaryDirectory() as d:
-        make_tiny_hf_tokenizer(d, vocab_size)
-        return json.dumps(hf_tokenizer_to_metadata(d))  # a string: callers get their own copy
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            make_tiny_hf_tokenizer(d, vocab_size)
+            return json.dumps(hf_tokenizer_to_metadata(d))  # a string: callers get their own copy
+    except Exception as e:  # (a full temporary disk: the tokenizers library raises a bare Exception for it)
+        raise StrataError(f"cannot make the tiny vocabulary in {tempfile.gettempdir()}: {e}") from None
 
 
 def tokenizer_metadata(p: Preset) -> dict:

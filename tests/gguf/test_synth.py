@@ -457,3 +457,19 @@ def test_short_last_write_is_an_error(tmp_path):
     (line,) = r.stderr.strip().splitlines()
     assert line == f"strata: error: cannot write {tmp_path / 'x.gguf'}: File too large", line  # (OUT, not the
     assert not list(tmp_path.iterdir())  # temporary file's name with an errno)
+
+
+def test_tiny_vocabulary_write_error_is_one_line(tmp_path):
+    """The tiny presets train their vocabulary in a temporary directory: a disk that refuses the tokenizer's file
+    (a file size limit here, a full /tmp alike) is one error line, not the tokenizers library's traceback."""
+    import resource
+    import signal
+
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20 << 10, 20 << 10))
+    r = _strata("synth", "tiny-qwen3moe", str(tmp_path / "x.gguf"), "-q", "--no-report", preexec_fn=limit)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    (line,) = r.stderr.strip().splitlines()
+    assert line.startswith("strata: error: cannot make the tiny vocabulary in ") and "File too large" in line, line
+    assert not list(tmp_path.iterdir())
