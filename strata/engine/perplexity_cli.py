@@ -78,7 +78,7 @@ def _check_base_room(path: str, nbytes: int, n_chunk: int) -> None:
 
 def _check_not_an_input(path: str, inputs) -> None:
     """The base file replaces what is at its path: never the text or the model the run reads (a mistyped flag
-    turned the text into a logits file)."""
+    would turn the text into a logits file)."""
     p = Path(path)
     for what, other in inputs:
         if other and p.exists() and Path(other).exists() and os.path.samefile(p, other):

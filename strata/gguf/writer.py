@@ -165,8 +165,8 @@ def _add_offset(chunk: np.ndarray, spec: TensorSpec, first: int) -> None:
 
 
 def _write_all(f, mv: memoryview) -> None:
-    """An unbuffered write may take part of the bytes (the disk filling up, a file size limit): write the rest,
-    which then fails with the reason. One write whose short count went unread lost the file's last bytes."""
+    """An unbuffered write may take only part of the bytes (a disk filling up, a file size limit): the rest is
+    written on, which then fails with the reason (an unread short count would lose the file's end silently)."""
     while mv:
         n = f.write(mv)
         if not n:
@@ -214,8 +214,8 @@ def check_output(out: str | os.PathLike) -> Path:
 
 def claim_temp(out: Path) -> Path:
     """A new empty file beside `out` that no other writer has, to write `out` as before renaming it: two runs
-    writing the same OUT each fill their own file and the last rename wins whole (through one shared OUT.tmp,
-    the first rename gave OUT the file the other run was still writing into). OSError when none can be made."""
+    writing the same OUT each fill their own file and the last rename wins whole (with one shared name, the first
+    rename would give OUT the file the other run is still writing into). OSError when none can be made."""
     for i in range(100):
         tmp = out.with_name(f"{out.name}.{os.getpid()}{f'-{i}' if i else ''}.tmp")
         try:
