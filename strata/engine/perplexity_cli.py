@@ -124,6 +124,9 @@ def cmd_perplexity(args) -> int:
             raise StrataError(f"{args.file} does not tokenize to the tokens in {base.path}: another text or "
                               "another tokenizer")
         tokens = base.tokens
+        if n_ctx > ctx_len:  # (the -c is the file's, not one typed)
+            raise StrataError(f"{base.path} was computed with -c {n_ctx}, larger than {path}'s context of "
+                              f"{ctx_len}: a base from another model")
     else:
         # -c 0 is the model's own context, as llama-perplexity reads it; no -c, the customary 512
         n_ctx = min(DEFAULT_PPL_CTX, ctx_len) if args.ctx_size is None else args.ctx_size or ctx_len

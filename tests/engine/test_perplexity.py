@@ -370,3 +370,15 @@ def test_scores_line_ends_when_a_run_fails(models, text_file, capsys, tmp_path):
         P.run_kl(runner, b, 3, None, out=out)
     b.f.close()
     assert re.fullmatch(r"\[1\]-?[0-9.]+,\[2\]-?[0-9.]+,\n", out.getvalue()), out.getvalue()
+
+
+def test_base_of_a_longer_context_names_the_file(models, capsys, tmp_path):
+    """A base computed with a -c past this model's context (another model's base) is refused naming the file's
+    -c, not as a "-c 1024" the user never typed."""
+    base = tmp_path / "long.kl"
+    with open(base, "wb") as f:
+        P.write_header(f, 1024, 512, 1, [7] * 1024)
+        f.write(bytes(2 * P.scored(1024)[1] * P.row_width(512)))
+    assert _error(capsys, "-m", models["f32"], "--kl-divergence-base", base, "--kl-divergence") == (
+        f"strata: error: {base} was computed with -c 1024, larger than {models['f32']}'s context of 512: a base "
+        "from another model")
