@@ -22,7 +22,9 @@ KL(base || this model), its error, and how often both models rank the same token
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import struct
 import sys
 from dataclasses import dataclass, field
@@ -195,6 +197,11 @@ def write_header(f: BinaryIO, n_ctx: int, n_vocab: int, n_chunk: int, tokens: li
     f.write(np.asarray(tokens[:n_chunk * n_ctx], dtype="<i4").tobytes())
 
 
+def base_file_bytes(n_ctx: int, n_vocab: int, n_chunk: int) -> int:
+    """The size of a logits file: header, tokens, then n_chunk chunks of scored rows."""
+    return 20 + 4 * n_ctx * n_chunk + n_chunk * 2 * scored(n_ctx)[1] * row_width(n_vocab)
+
+
 @dataclass
 class BaseFile:
     f: BinaryIO
@@ -215,10 +222,18 @@ class BaseFile:
             f.close()
             raise StrataError(f"{path} is not a logits file written by --kl-divergence-base")
         n_ctx, n_vocab, n_chunk = struct.unpack("<Iii", head[8:])
-        raw = f.read(4 * n_ctx * n_chunk)
-        if n_ctx < 4 or n_vocab < 1 or n_chunk < 1 or len(raw) != 4 * n_ctx * n_chunk:
+        if n_ctx < 4 or n_vocab < 1 or n_chunk < 1:  # (before any size is computed from them)
             f.close()
-            raise StrataError(f"{path}: a truncated or damaged logits file")
+            raise StrataError(f"{path}: a damaged logits file (its header says -c {n_ctx}, {n_vocab} tokens, "
+                              f"{n_chunk} chunks)")
+        # the file's size is known from the header: a cut file is refused now, not chunks of work later
+        want = base_file_bytes(n_ctx, n_vocab, n_chunk)
+        have = os.fstat(f.fileno()).st_size
+        if have < want:
+            f.close()
+            raise StrataError(f"{path}: a truncated or damaged logits file ({have} bytes; its header's {n_chunk} "
+                              f"chunks of -c {n_ctx} over {n_vocab} tokens take {want})")
+        raw = f.read(4 * n_ctx * n_chunk)
         toks = np.frombuffer(raw, dtype="<i4").tolist()
         return cls(f, path, n_ctx, n_vocab, n_chunk, toks)
 
@@ -255,6 +270,12 @@ def kl_chunk(logits: torch.Tensor, base_rows: np.ndarray, targets: torch.Tensor,
 # --- the runs ----------------------------------------------------------------------------------------------------
 
 
+def _end_line(out) -> None:
+    with contextlib.suppress(OSError, ValueError):  # (a closed or broken stdout: nothing more to say there)
+        out.write("\n")
+        out.flush()
+
+
 def run_perplexity(runner: ChunkRunner, tokens: list[int], n_ctx: int, n_chunk: int, bos: int | None,
                    save: BinaryIO | None = None, out=None) -> NllStats:
     """Scores n_chunk chunks, printing `[i]ppl,` after each; with save, writes the base logits file too."""
@@ -262,18 +283,20 @@ def run_perplexity(runner: ChunkRunner, tokens: list[int], n_ctx: int, n_chunk: 
     first, n = scored(n_ctx)
     st = NllStats()
     vocab = None
-    for i in range(n_chunk):
-        logits = runner.logits(chunk_input(tokens, i, n_ctx, bos), first, n)
-        targets = torch.tensor(tokens[i * n_ctx + first + 1:i * n_ctx + first + 1 + n], device=logits.device)
-        st.add(nll_of(logits, targets))
-        if save is not None:
-            if vocab is None:
-                vocab = logits.shape[1]
-                write_header(save, n_ctx, vocab, n_chunk, tokens)
-            save.write(encode_logprobs(logits).tobytes())
-        out.write(f"[{i + 1}]{st.ppl:.4f},")
-        out.flush()
-    out.write("\n")
+    try:
+        for i in range(n_chunk):
+            logits = runner.logits(chunk_input(tokens, i, n_ctx, bos), first, n)
+            targets = torch.tensor(tokens[i * n_ctx + first + 1:i * n_ctx + first + 1 + n], device=logits.device)
+            st.add(nll_of(logits, targets))
+            if save is not None:
+                if vocab is None:
+                    vocab = logits.shape[1]
+                    write_header(save, n_ctx, vocab, n_chunk, tokens)
+                save.write(encode_logprobs(logits).tobytes())
+            out.write(f"[{i + 1}]{st.ppl:.4f},")
+            out.flush()
+    finally:  # the scores line ends however the run does: an error or Ctrl-C is said on a line of its own
+        _end_line(out)
     return st
 
 
@@ -281,17 +304,19 @@ def run_kl(runner: ChunkRunner, base: BaseFile, n_chunk: int, bos: int | None, o
     out = out or sys.stdout
     first, n = scored(base.n_ctx)
     st = KlStats()
-    for i in range(n_chunk):
-        rows = base.chunk_rows(i)
-        logits = runner.logits(chunk_input(base.tokens, i, base.n_ctx, bos), first, n)
-        if logits.shape[1] != base.n_vocab:
-            raise StrataError(f"{base.path} holds log-probs over {base.n_vocab} tokens, the model gives "
-                              f"{logits.shape[1]}: a base from another vocabulary")
-        s = i * base.n_ctx + first + 1
-        kl_chunk(logits, rows, torch.tensor(base.tokens[s:s + n]), st)
-        out.write(f"[{i + 1}]{st.kl()[0]:.6f},")
-        out.flush()
-    out.write("\n")
+    try:
+        for i in range(n_chunk):
+            rows = base.chunk_rows(i)
+            logits = runner.logits(chunk_input(base.tokens, i, base.n_ctx, bos), first, n)
+            if logits.shape[1] != base.n_vocab:
+                raise StrataError(f"{base.path} holds log-probs over {base.n_vocab} tokens, the model gives "
+                                  f"{logits.shape[1]}: a base from another vocabulary")
+            s = i * base.n_ctx + first + 1
+            kl_chunk(logits, rows, torch.tensor(base.tokens[s:s + n]), st)
+            out.write(f"[{i + 1}]{st.kl()[0]:.6f},")
+            out.flush()
+    finally:
+        _end_line(out)
     return st
 
 

@@ -5,8 +5,10 @@ Scores go to stdout (`[1]12.3456,[2]...` then `Final estimate: PPL = x +/- y`), 
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -60,6 +62,30 @@ def _check_base_path(path: str) -> None:
         raise StrataError(f"cannot write {path}: no permission to create files in {parent}")
 
 
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+def _check_base_room(path: str, nbytes: int, n_chunk: int) -> None:
+    """The base file's size is known before the first chunk runs (a real vocabulary's log-probs take tens of GB
+    over a long text): a disk without room for it fails now, not hours into the run."""
+    parent = Path(path).parent
+    free = shutil.disk_usage(parent).free
+    if nbytes > free:
+        raise StrataError(f"not enough free disk for {path}: the log-probs of {n_chunk} chunks take {_gb(nbytes)}, "
+                          f"{parent} has {_gb(free)} free (--chunks N saves fewer)")
+
+
+def _check_not_an_input(path: str, inputs) -> None:
+    """The base file replaces what is at its path: never the text or the model the run reads (a mistyped flag
+    would turn the text into a logits file)."""
+    p = Path(path)
+    for what, other in inputs:
+        if other and p.exists() and Path(other).exists() and os.path.samefile(p, other):
+            raise StrataError(f"--kl-divergence-base {path} is {what} of this run: it would be overwritten with the "
+                              "log-probs (give another file)")
+
+
 def cmd_perplexity(args) -> int:
     from strata.engine import perplexity as P
     from strata.engine.cli import engine_config, load_from_args, resolve_model_path
@@ -76,6 +102,8 @@ def cmd_perplexity(args) -> int:
         _check_base_path(args.kl_divergence_base)
     engine_config(args)  # bad engine flags fail here, before anything loads
     path = resolve_model_path(args.model)
+    if args.kl_divergence_base and not kl:
+        _check_not_an_input(args.kl_divergence_base, (("-f", args.file), ("the model", path)))
     tok, ctx_len, vocab = _model_meta(path)
     bos = tok.bos_id if tok.add_bos else None
 
@@ -83,7 +111,8 @@ def cmd_perplexity(args) -> int:
     if kl:
         base = P.BaseFile.open(args.kl_divergence_base)
         if args.ctx_size is not None and (args.ctx_size or ctx_len) != base.n_ctx:
-            raise StrataError(f"{base.path} was computed with -c {base.n_ctx}, not {args.ctx_size}: the chunks "
+            asked = args.ctx_size or f"0 (the model's context, {ctx_len})"
+            raise StrataError(f"{base.path} was computed with -c {base.n_ctx}, not {asked}: the chunks "
                               "must be the same (leave -c out to use the file's)")
         n_ctx = base.n_ctx
         if base.n_vocab != vocab:
@@ -95,6 +124,9 @@ def cmd_perplexity(args) -> int:
             raise StrataError(f"{args.file} does not tokenize to the tokens in {base.path}: another text or "
                               "another tokenizer")
         tokens = base.tokens
+        if n_ctx > ctx_len:  # (the -c is the file's, not one typed)
+            raise StrataError(f"{base.path} was computed with -c {n_ctx}, larger than {path}'s context of "
+                              f"{ctx_len}: a base from another model")
     else:
         # -c 0 is the model's own context, as llama-perplexity reads it; no -c, the customary 512
         n_ctx = min(DEFAULT_PPL_CTX, ctx_len) if args.ctx_size is None else args.ctx_size or ctx_len
@@ -105,6 +137,9 @@ def cmd_perplexity(args) -> int:
         n_chunk = min(args.chunks, base.n_chunk) if args.chunks > 0 else base.n_chunk
     else:
         n_chunk = P.n_chunks_for(len(tokens), n_ctx, args.chunks)
+
+    if args.kl_divergence_base and not kl:
+        _check_base_room(args.kl_divergence_base, P.base_file_bytes(n_ctx, vocab, n_chunk), n_chunk)
 
     args.ctx_size = n_ctx  # the KV cache holds one chunk
     lm = load_from_args(args)
@@ -124,14 +159,18 @@ def cmd_perplexity(args) -> int:
         for line in P.kl_report(st):
             print(line)
     elif args.kl_divergence_base:
-        tmp = args.kl_divergence_base + ".tmp"
+        from strata.gguf.writer import claim_temp
+
+        tmp = None  # written beside the base under a name of this run's own, renamed when whole
         try:
+            tmp = claim_temp(Path(args.kl_divergence_base))
             with open(tmp, "wb") as f:
                 st = P.run_perplexity(runner, tokens, n_ctx, n_chunk, bos, save=f)
             os.replace(tmp, args.kl_divergence_base)
         except BaseException as e:  # a failed write, an error, Ctrl-C: no half-written file is left
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
             if isinstance(e, OSError):  # (a short write carries no errno: then most likely a full disk)
                 why = e.strerror or f"{e}: a short write (is the disk full?)"
                 raise StrataError(f"cannot write {args.kl_divergence_base}: {why}") from None
@@ -158,6 +197,9 @@ def register(sub) -> None:
                        "--kl-divergence compares this model against them.")
     add_engine_args(p)
     p.add_argument("-f", "--file", default=None, help="the text file to score")
+    # llama-perplexity's command lines carry -b (its batch, which changes no score): here, tokens per forward
+    p.add_argument("-b", "--batch-size", dest="prefill_chunk", type=int, default=argparse.SUPPRESS, metavar="N",
+                   help="as llama-perplexity's -b: the tokens of a chunk run per forward (= --prefill-chunk N)")
     p.add_argument("--chunks", type=int, default=-1, help="score at most this many chunks (-1: all)")
     p.add_argument("--kl-divergence-base", default=None, metavar="FILE",
                    help="write the log-probs of this run to FILE (with --kl-divergence: read them from it)")

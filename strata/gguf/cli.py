@@ -65,6 +65,8 @@ def cmd_synth(args) -> int:
     p = r["preset"]
     print(f"strata: wrote {args.out}: {p.about or p.name}{f' cut to {p.n_layers} layers' if args.layers else ''}, "
           f"{_gb(r['bytes'])} in {r['seconds']:.1f} s ({r['gbps']:.2f} GB/s)", file=sys.stderr)
+    for line in r["fallbacks"]:  # (as llama-quantize falls back, and says so)
+        print(f"strata: {line}", file=sys.stderr)
     if args.no_report:
         return 0
     size = Path(args.out).stat().st_size
@@ -103,7 +105,7 @@ def register(sub) -> None:
                                    "report how the model routes a sample text (expert popularity, distinct "
                                    "experts per 512-token batch) by running it with strata.")
     p.add_argument("preset", metavar="PRESET", help=", ".join(PRESET_NAMES))
-    p.add_argument("out", metavar="OUT.gguf", help="output file (written as OUT.gguf.tmp, renamed when done)")
+    p.add_argument("out", metavar="OUT.gguf", help="output file (written as OUT.gguf.PID.tmp, renamed when done)")
     p.add_argument("--experts-type", default="Q4_K", help="routed experts' format (default Q4_K)")
     p.add_argument("--dense-type", default="Q8_0", help="attention, dense FFN and shared experts (default Q8_0; "
                    "token embeddings are Q8_0 unless this is a float type)")

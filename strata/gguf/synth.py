@@ -203,9 +203,12 @@ def _tiny_vocab(vocab_size: int) -> str:
 
     from strata.gguf.tokenizer_hf import hf_tokenizer_to_metadata, make_tiny_hf_tokenizer
 
-    with tempfile.TemporaryDirectory() as d:
-        make_tiny_hf_tokenizer(d, vocab_size)
-        return json.dumps(hf_tokenizer_to_metadata(d))  # a string: callers get their own copy
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            make_tiny_hf_tokenizer(d, vocab_size)
+            return json.dumps(hf_tokenizer_to_metadata(d))  # a string: callers get their own copy
+    except Exception as e:  # (a full temporary disk: the tokenizers library raises a bare Exception for it)
+        raise StrataError(f"cannot make the tiny vocabulary in {tempfile.gettempdir()}: {e}") from None
 
 
 def tokenizer_metadata(p: Preset) -> dict:
@@ -297,7 +300,7 @@ def tensor_plan(p: Preset, experts_type="Q4_K", dense_type="Q8_0", head_type="Q6
 
     def w(name, shape, qtype, gain=1.0, std=None):
         specs.append(TensorSpec(name, shape, fit_type(qtype, shape[-1]),
-                                std if std is not None else gain / math.sqrt(shape[-1])))
+                                std if std is not None else gain / math.sqrt(shape[-1]), asked=qtype))
 
     def f32(name, shape, make):
         specs.append(TensorSpec(name, shape, Q.F32, 0.0, make))
@@ -438,7 +441,18 @@ def synth(preset: str, out: str | Path, experts_type="Q4_K", dense_type="Q8_0", 
     write_metadata(w, p, name or f"strata synthetic {p.name}{label} (random weights)", et, seed)
     write_tokenizer_metadata(w, tokenizer_metadata(p))
     stats = write_streamed(out, w, specs, seed, progress=progress, data=data)
-    return {**stats, "preset": p}
+    return {**stats, "preset": p, "fallbacks": fallbacks(specs)}
+
+
+def fallbacks(specs: list[TensorSpec]) -> list[str]:
+    """What llama-quantize warns of: tensors written in another type than asked, their rows not whole blocks of
+    it. One line per (asked, written) pair, e.g. "12 tensors Q5_0, not Q4_K: rows not a multiple of 256"."""
+    pairs: dict[tuple[Q, Q], int] = {}
+    for s in specs:
+        if s.asked is not None and s.asked != s.qtype:
+            pairs[s.asked, s.qtype] = pairs.get((s.asked, s.qtype), 0) + 1
+    return [f"{n} tensor{'s' if n > 1 else ''} {used.name}, not {asked.name}: rows not a multiple of "
+            f"{block_geometry(asked)[0]}" for (asked, used), n in pairs.items()]
 
 
 def type_names() -> str:

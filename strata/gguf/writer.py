@@ -115,6 +115,7 @@ class TensorSpec:
     scale: float = 0.02
     make: Callable[[], np.ndarray] | None = None
     offset: np.ndarray | None = None
+    asked: GGMLQuantizationType | None = None  # the type asked for, where rows not of its blocks took another
 
     def __post_init__(self):
         if self.offset is not None and self.qtype not in OFFSET_TYPES:
@@ -124,6 +125,10 @@ class TensorSpec:
     def nbytes(self) -> int:
         rows = math.prod(self.shape[:-1])
         return rows * bytes_for(self.qtype, self.shape[-1])
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
 def _pad(n: int, align: int) -> int:
@@ -159,6 +164,16 @@ def _add_offset(chunk: np.ndarray, spec: TensorSpec, first: int) -> None:
         v[:] = (f.view(np.uint32) >> 16).astype(np.uint16)
 
 
+def _write_all(f, mv: memoryview) -> None:
+    """An unbuffered write may take only part of the bytes (a disk filling up, a file size limit): the rest is
+    written on, which then fails with the reason (an unread short count would lose the file's end silently)."""
+    while mv:
+        n = f.write(mv)
+        if not n:
+            raise OSError(28, "No space left on device")
+        mv = mv[n:]
+
+
 class _Writer(threading.Thread):
     """Writes queued buffers to the file, handing each buffer back once written."""
 
@@ -177,7 +192,7 @@ class _Writer(threading.Thread):
             data, buf = item
             try:
                 if self.error is None:
-                    self.f.write(memoryview(data).cast("B"))
+                    _write_all(self.f, memoryview(data).cast("B"))
                     self.bar.update(data.nbytes)
             except BaseException as e:  # noqa: BLE001 - surfaced in the main thread
                 self.error = e
@@ -194,15 +209,27 @@ def check_output(out: str | os.PathLike) -> Path:
     parent = next((d for d in out.parents if d.exists()), None)  # missing directories are made, as before
     if parent is not None and not parent.is_dir():
         raise StrataError(f"cannot write {out}: {parent} is not a directory")
-    tmp = out.with_name(out.name + ".tmp")
-    if tmp.is_dir():
-        raise StrataError(f"cannot write {out}: {tmp} (the temporary file it is written as first) is a directory")
     return out
+
+
+def claim_temp(out: Path) -> Path:
+    """A new empty file beside `out` that no other writer has, to write `out` as before renaming it: two runs
+    writing the same OUT each fill their own file and the last rename wins whole (with one shared name, the first
+    rename would give OUT the file the other run is still writing into). OSError when none can be made."""
+    for i in range(100):
+        tmp = out.with_name(f"{out.name}.{os.getpid()}{f'-{i}' if i else ''}.tmp")
+        try:
+            with open(tmp, "xb"):
+                return tmp
+        except FileExistsError:  # (a stale one a killed run of the same pid left, or a directory)
+            continue
+    raise FileExistsError(17, f"no free temporary name beside it ({tmp.name} and 99 others exist)")
 
 
 def write_streamed(out: str | os.PathLike, w, specs: list[TensorSpec], seed: int, progress: bool = True,
                    data: bool = True) -> dict:
-    """Write `w` (a `gguf.GGUFWriter` holding the metadata) and `specs` to `out`, via `out.tmp` renamed at the end.
+    """Write `w` (a `gguf.GGUFWriter` holding the metadata) and `specs` to `out`, via a temporary file beside it
+    (`claim_temp`) renamed at the end.
 
     data=False writes the header and a sparse (all-zero, unallocated) data section of the right size: the file
     opens and shows every tensor's shape and type but holds no weights (for checking a layout cheaply).
@@ -211,14 +238,13 @@ def write_streamed(out: str | os.PathLike, w, specs: list[TensorSpec], seed: int
     from tqdm import tqdm
 
     out = check_output(out)
-    tmp = out.with_name(out.name + ".tmp")
     for s in specs:
         w.add_tensor_info(s.name, s.shape, np.dtype(np.float32), s.nbytes, raw_dtype=s.qtype)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        open(tmp, "wb").close()  # a path that cannot be written (permissions) fails before any data is made
+        tmp = claim_temp(out)  # a path that cannot be written (permissions) fails before any data is made
     except OSError as e:
-        raise StrataError(f"cannot write {out} (as {tmp.name} first): {e.strerror or e}") from None
+        raise StrataError(f"cannot write {out}: {e.strerror or e}") from None
     t0 = time.perf_counter()
     try:
         w.write_header_to_file(path=tmp)
@@ -233,16 +259,18 @@ def write_streamed(out: str | os.PathLike, w, specs: list[TensorSpec], seed: int
                 f.truncate(total)
             os.replace(tmp, out)
             return {"bytes": total, "seconds": time.perf_counter() - t0, "gbps": 0.0}
-        free = shutil.disk_usage(tmp.parent).free
-        if total - start > free - (256 << 20):
-            raise StrataError(f"not enough free disk for {out.name}: it needs {total / 1e9:.2f} GB, "
-                              f"{tmp.parent} has {free / 1e9:.2f} GB free")
+        free = shutil.disk_usage(tmp.parent).free  # (the header is written: the weights are what is left)
+        if total - start > free:
+            raise StrataError(f"not enough free disk for {out.name}: it needs {_size(total)}, "
+                              f"{tmp.parent} has {_size(free + start)} free")
         with open(tmp, "r+b", buffering=0) as f, tqdm(total=total, initial=start, unit="B", unit_scale=True,
                                                        unit_divisor=1024, file=sys.stderr, disable=not progress,
                                                        desc=out.name, leave=False) as bar:
             f.seek(0, os.SEEK_END)
-            f.write(b"\0" * (start - f.tell()))
+            _write_all(f, memoryview(b"\0" * (start - f.tell())))
             _write_data(f, bar, specs, seed, align)
+        if tmp.stat().st_size != total:  # (never rename a file that is not whole)
+            raise OSError(5, f"{tmp.name} holds {tmp.stat().st_size} bytes, not {total}")
         os.replace(tmp, out)
     except OSError as e:  # the header's write or the rename (the data's own writes fail in _write_data): one line
         raise StrataError(f"cannot write {out}: {e.strerror or e}") from None
@@ -299,5 +327,7 @@ def _write_data(f, bar, specs: list[TensorSpec], seed: int, align: int) -> None:
     finally:
         wr.todo.put(None)
         wr.join()
+    if isinstance(wr.error, OSError):  # said by the caller as OUT's, not the temporary file's
+        raise wr.error
     if wr.error is not None:
         raise StrataError(f"writing {Path(f.name).name} failed: {wr.error}") from wr.error

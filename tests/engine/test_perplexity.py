@@ -155,11 +155,16 @@ def test_bad_input(models, text_file, capsys, tmp_path):
     _run(capsys, "-m", models["f32"], "-f", text_file, "-c", N_CTX, "--chunks", 2, "--kl-divergence-base", base)
     assert "computed with -c 32, not 64" in _error(capsys, "-m", models["f32"], "--kl-divergence-base", base,
                                                    "--kl-divergence", "-c", 64)
+    # -c 0 is the model's context: said as such (it read "not 0")
+    assert "computed with -c 32, not 0 (the model's context, 512): the chunks" in _error(
+        capsys, "-m", models["f32"], "--kl-divergence-base", base, "--kl-divergence", "-c", 0)
     assert "another text or another tokenizer" in _error(capsys, "-m", models["f32"], "--kl-divergence-base",
                                                          base, "--kl-divergence", "-f", short)
     other = tmp_path / "other.kl"
     other.write_bytes(base.read_bytes()[:8] + np.array([N_CTX, 8192, 2], dtype="<i4").tobytes()
-                      + base.read_bytes()[20:])
+                      + base.read_bytes()[20:20 + 4 * 2 * N_CTX])
+    with open(other, "ab") as f:  # the log-probs as long as the header says: a whole file of another model
+        f.write(bytes(2 * 2 * P.scored(N_CTX)[1] * P.row_width(8192)))
     assert "another model family" in _error(capsys, "-m", models["f32"], "--kl-divergence-base", other,
                                             "--kl-divergence")
     cut = tmp_path / "cut.kl"
@@ -254,3 +259,126 @@ def test_c_0_is_the_models_context(text_file, capsys, tmp_path):
                                                       "-c", 512)
     out = _run(capsys, "--kl-divergence-base", base, "--kl-divergence", "-c", 0)
     assert re.match(r"\[1\]-?[0-9.]+,\n", out), out
+
+
+def test_truncated_base_refused_before_computing(models, text_file, capsys, tmp_path):
+    """A base file cut short is refused from its size before the model loads (it ran every chunk the file still
+    held, then failed part-way through the scores line)."""
+    base = tmp_path / "base.kl"
+    _run(capsys, "-m", models["f32"], "-f", text_file, "-c", N_CTX, "--chunks", 3, "--kl-divergence-base", base)
+    cut = tmp_path / "cut.kl"
+    cut.write_bytes(base.read_bytes()[:-100])
+    capsys.readouterr()
+    assert main(["perplexity", "--device", "cpu", "-m", str(models["f32"]), "--kl-divergence-base", str(cut),
+                 "--kl-divergence"]) == 1
+    out, err = capsys.readouterr()
+    (line,) = err.strip().splitlines()
+    assert out == "" and line.startswith(f"strata: error: {cut}: a truncated or damaged logits file"), (out, err)
+    assert f"{len(base.read_bytes()) - 100} bytes" in line
+
+
+def test_base_needs_room_on_disk(models, text_file, capsys, tmp_path, monkeypatch):
+    """The base file's size is known before the first chunk: a disk without room for it is an error before the
+    model loads (it computed until the disk filled). 10 kB free; 3 chunks of 32 over 512 tokens take 46 kB."""
+    import shutil
+
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=10_000))
+    base = tmp_path / "base.kl"
+    capsys.readouterr()
+    assert main(["perplexity", "--device", "cpu", "-m", str(models["f32"]), "-f", str(text_file), "-c", str(N_CTX),
+                 "--chunks", "3", "--kl-divergence-base", str(base)]) == 1
+    out, err = capsys.readouterr()
+    (line,) = err.strip().splitlines()
+    want = P.base_file_bytes(N_CTX, 512, 3)
+    assert out == "" and line == (f"strata: error: not enough free disk for {base}: the log-probs of 3 chunks take "
+                                  f"{want / 1e6:.1f} MB, {tmp_path} has 0.0 MB free (--chunks N saves fewer)"), line
+    assert not list(tmp_path.iterdir())
+
+
+def test_base_is_never_an_input(models, text_file, capsys, tmp_path):
+    """--kl-divergence-base FILE writes FILE: given the -f text or the model (a mistyped flag), the run is refused
+    and the file kept (the text was replaced by a logits file)."""
+    text = tmp_path / "text.txt"
+    text.write_bytes(text_file.read_bytes())
+    model = tmp_path / "m.gguf"
+    model.write_bytes(models["f32"].read_bytes())
+    for base, what in ((text, "-f"), (model, "the model")):
+        line = _error(capsys, "-m", model, "-f", text, "-c", N_CTX, "--chunks", 1, "--kl-divergence-base", base)
+        assert line == (f"strata: error: --kl-divergence-base {base} is {what} of this run: it would be "
+                        "overwritten with the log-probs (give another file)"), line
+    assert text.read_bytes() == text_file.read_bytes() and model.read_bytes() == models["f32"].read_bytes()
+
+
+def test_llama_perplexity_batch_flag(models, text_file, capsys):
+    """llama-perplexity's -b/--batch-size is taken (it was an unknown flag): the tokens per forward, as
+    --prefill-chunk; the score is the same."""
+    common = ["-m", models["f32"], "-f", text_file, "-c", N_CTX, "--chunks", 2]
+    whole = _ppl(_run(capsys, *common))
+    for flag in ("-b", "--batch-size"):
+        capsys.readouterr()
+        assert main(["perplexity", "--device", "cpu", "--dtype", "f32", *map(str, common), flag, "5"]) == 0
+        out, err = capsys.readouterr()
+        assert "5 tokens per forward" in err and _ppl(out) == pytest.approx(whole, rel=1e-5), err
+    assert "--prefill-chunk must be >= 0" in _error(capsys, *common, "-b", -3)
+
+
+def test_damaged_base_header_is_one_line(models, text_file, capsys, tmp_path):
+    """Header counts no file could hold (a huge -c and chunk count, a negative count) are one error line (they
+    were an OverflowError and a ValueError traceback, from reading that many tokens)."""
+    import struct
+
+    base = tmp_path / "base.kl"
+    _run(capsys, "-m", models["f32"], "-f", text_file, "-c", N_CTX, "--chunks", 2, "--kl-divergence-base", base)
+    data = base.read_bytes()
+    for (n_ctx, n_vocab, n_chunk), want in (((2**31, 512, 2**30), "a truncated or damaged logits file"),
+                                            ((N_CTX, 512, -3), "its header says -c 32, 512 tokens, -3 chunks")):
+        bad = tmp_path / "bad.kl"
+        bad.write_bytes(data[:8] + struct.pack("<Iii", n_ctx, n_vocab, n_chunk) + data[20:])
+        assert want in _error(capsys, "-m", models["f32"], "--kl-divergence-base", bad, "--kl-divergence")
+
+
+def test_base_written_under_a_name_of_its_own(models, text_file, capsys, tmp_path):
+    """The base file is written under a temporary name of the run's own, then renamed: a BASE.tmp already there
+    (another run's file in progress) is left as it is (it was truncated, filled, and renamed as the base)."""
+    base = tmp_path / "base.kl"
+    other = tmp_path / "base.kl.tmp"
+    other.write_bytes(b"another run's file")
+    _run(capsys, "-m", models["f32"], "-f", text_file, "-c", N_CTX, "--chunks", 1, "--kl-divergence-base", base)
+    assert other.read_bytes() == b"another run's file" and base.read_bytes()[:8] == P.MAGIC
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["base.kl", "base.kl.tmp"]
+
+
+def test_scores_line_ends_when_a_run_fails(models, text_file, capsys, tmp_path):
+    """A run that fails part-way ends its `[i]score,` line, so the error is said on a line of its own (it was
+    written after the last score). Here the base file is cut after it was opened, as a disk gone bad would."""
+    import io
+
+    from strata.config import EngineConfig
+    from strata.engine.engine import Engine
+    from strata.engine.loader import load_model
+
+    base = tmp_path / "base.kl"
+    _run(capsys, "-m", models["f32"], "-f", text_file, "-c", N_CTX, "--chunks", 3, "--kl-divergence-base", base)
+    b = P.BaseFile.open(str(base))
+    with open(base, "r+b") as f:
+        f.truncate(base.stat().st_size - 100)
+    runner = P.ChunkRunner(Engine(load_model(str(models["f32"]), EngineConfig(device="cpu", dtype="float32",
+                                                                              ctx_size=N_CTX)), n_slots=1))
+    out = io.StringIO()
+    with pytest.raises(StrataError, match="chunk 3 are missing"):
+        P.run_kl(runner, b, 3, None, out=out)
+    b.f.close()
+    assert re.fullmatch(r"\[1\]-?[0-9.]+,\[2\]-?[0-9.]+,\n", out.getvalue()), out.getvalue()
+
+
+def test_base_of_a_longer_context_names_the_file(models, capsys, tmp_path):
+    """A base computed with a -c past this model's context (another model's base) is refused naming the file's
+    -c, not as a "-c 1024" the user never typed."""
+    base = tmp_path / "long.kl"
+    with open(base, "wb") as f:
+        P.write_header(f, 1024, 512, 1, [7] * 1024)
+        f.write(bytes(2 * P.scored(1024)[1] * P.row_width(512)))
+    assert _error(capsys, "-m", models["f32"], "--kl-divergence-base", base, "--kl-divergence") == (
+        f"strata: error: {base} was computed with -c 1024, larger than {models['f32']}'s context of 512: a base "
+        "from another model")

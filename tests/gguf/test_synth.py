@@ -264,7 +264,7 @@ def test_streamed_file_reads_back(tmp_path):
     specs = [TensorSpec("a", (3, 256), Q.Q4_K, 0.1), TensorSpec("n", (96,), Q.F32, 0.0, lambda: norm),
              TensorSpec("b", (5, 7, 64), Q.Q8_0, 0.3)]
     r = write_streamed(tmp_path / "t.gguf", w, specs, seed=0, progress=False)
-    assert r["bytes"] == (tmp_path / "t.gguf").stat().st_size and not (tmp_path / "t.gguf.tmp").exists()
+    assert r["bytes"] == (tmp_path / "t.gguf").stat().st_size and not list(tmp_path.glob("*.tmp"))
     rd = gguf.GGUFReader(tmp_path / "t.gguf")
     t = {x.name: x for x in rd.tensors}
     assert np.array_equal(t["n"].data, norm) and rd.fields["test.n"].contents() == 7
@@ -273,13 +273,22 @@ def test_streamed_file_reads_back(tmp_path):
 
 
 def test_not_enough_disk(tmp_path, monkeypatch):
+    """A file larger than the free disk is refused before its weights are made; one that fits is written (a 9 MB
+    model on a disk with 100 MB free was refused, "it needs 0.01 GB, ... has 0.10 GB free", by a hidden margin)."""
     import shutil
 
     real = shutil.disk_usage
-    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=10 << 20))
-    with pytest.raises(StrataError, match="not enough free disk"):
+    free = {"n": 10 << 20}
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=free["n"]))
+    size = S.synth("tiny-mixtral", tmp_path / "probe.gguf", progress=False, data=False)["bytes"]
+    (tmp_path / "probe.gguf").unlink()
+    free["n"] = size // 2
+    with pytest.raises(StrataError, match=rf"not enough free disk for m.gguf: it needs {size / 1e6:.1f} MB, "):
         S.synth("tiny-mixtral", tmp_path / "m.gguf", progress=False)
     assert not list(tmp_path.iterdir())
+    free["n"] = size + (1 << 20)
+    S.synth("tiny-mixtral", tmp_path / "m.gguf", progress=False)
+    assert (tmp_path / "m.gguf").stat().st_size == size
 
 
 def test_type_fallback_for_short_rows():
@@ -380,18 +389,16 @@ def test_synth_bad_seed_or_output_is_one_line(tmp_path, capsys, monkeypatch):
 
     (tmp_path / "d").mkdir()
     (tmp_path / "f").write_bytes(b"")
-    (tmp_path / "t.gguf.tmp").mkdir()
     monkeypatch.chdir(tmp_path)
     for out, extra, want in ((tmp_path / "x.gguf", ["--seed", "-5"], "--seed -5"),
                              (tmp_path / "x.gguf", ["--seed", "99999999999999999999999"], "4294967295"),
                              (".", [], ". is a directory"), (tmp_path / "d", [], "d is a directory"),
-                             (tmp_path / "f" / "x.gguf", [], "f is not a directory"),
-                             (tmp_path / "t.gguf", [], "t.gguf.tmp")):
+                             (tmp_path / "f" / "x.gguf", [], "f is not a directory")):
         assert main(["synth", "tiny-qwen3moe", str(out), *extra, "--layers", "1", "-q", "--no-report"]) == 1
         err = capsys.readouterr().err.strip()
         assert err.count("\n") == 0 and err.startswith("strata: error: ") and want in err, err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "f", "t.gguf.tmp"]
-    assert not list((tmp_path / "d").iterdir()) and not list((tmp_path / "t.gguf.tmp").iterdir())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "f"]
+    assert not list((tmp_path / "d").iterdir())
     # the library call checks too, and so does a failing rename at the end (StrataError, the temporary file gone)
     with pytest.raises(StrataError, match="is a directory"):
         S.synth("tiny-qwen3moe", tmp_path / "d", layers=1, progress=False)
@@ -399,4 +406,70 @@ def test_synth_bad_seed_or_output_is_one_line(tmp_path, capsys, monkeypatch):
         13, "Permission denied")))
     with pytest.raises(StrataError, match="cannot write .*y.gguf: Permission denied"):
         S.synth("tiny-qwen3moe", tmp_path / "y.gguf", layers=1, progress=False)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "f", "t.gguf.tmp"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "f"]
+
+
+def test_synth_says_which_tensors_fell_back(tmp_path, capsys):
+    """Rows that are not whole blocks of the asked type get llama-quantize's fallback type, and the command says so
+    (as llama-quantize warns) rather than write other types silently: tiny-deepseek's MLA projections have rows
+    of 128 and 32, not of Q4_K's 256."""
+    from strata.cli import main
+
+    out = tmp_path / "d.gguf"
+    assert main(["synth", "tiny-deepseek", str(out), "--dense-type", "Q4_K", "-q", "--no-report"]) == 0
+    lines = capsys.readouterr().err.strip().splitlines()
+    n = sum(t.tensor_type == Q.Q5_0 for t in gguf.GGUFReader(out).tensors)
+    assert n > 0 and lines[1:] == [f"strata: {n} tensors Q5_0, not Q4_K: rows not a multiple of 256"], lines
+    assert main(["synth", "tiny-qwen3moe", str(out), "-q", "--no-report"]) == 0  # all rows whole blocks: no line
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_synth_writes_its_own_temporary_file(tmp_path, capsys):
+    """The file is written under a temporary name of its own, then renamed: an OUT.gguf.tmp already there
+    (another run's file in progress, or a directory) is left as it is. Through one shared OUT.gguf.tmp the first
+    run to finish renamed the file the other was still writing into, giving OUT a mixture that loaded."""
+    from strata.cli import main
+
+    other = tmp_path / "m.gguf.tmp"
+    other.write_bytes(b"another run's file")
+    (tmp_path / "n.gguf.tmp").mkdir()
+    for name in ("m.gguf", "n.gguf"):
+        assert main(["synth", "tiny-qwen3moe", str(tmp_path / name), "--layers", "1", "-q", "--no-report"]) == 0
+        assert open_gguf(tmp_path / name).metadata["strata.synth.preset"] == "tiny-qwen3moe"
+    assert other.read_bytes() == b"another run's file" and (tmp_path / "n.gguf.tmp").is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf", "m.gguf.tmp", "n.gguf", "n.gguf.tmp"]
+
+
+def test_short_last_write_is_an_error(tmp_path):
+    """A write the disk takes only part of (a file size limit here, a filling disk alike) is written on until it
+    fails: a file short of its last byte was renamed to OUT and reported written."""
+    import resource
+    import signal
+
+    size = S.synth("tiny-qwen3moe", tmp_path / "probe.gguf", progress=False, data=False)["bytes"]
+    (tmp_path / "probe.gguf").unlink()
+
+    def limit():  # every write but the last one fits
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (size - 1, size - 1))
+    r = _strata("synth", "tiny-qwen3moe", str(tmp_path / "x.gguf"), "-q", "--no-report", preexec_fn=limit)
+    assert r.returncode == 1, r.stderr
+    (line,) = r.stderr.strip().splitlines()
+    assert line == f"strata: error: cannot write {tmp_path / 'x.gguf'}: File too large", line  # (OUT, not the
+    assert not list(tmp_path.iterdir())  # temporary file's name with an errno)
+
+
+def test_tiny_vocabulary_write_error_is_one_line(tmp_path):
+    """The tiny presets train their vocabulary in a temporary directory: a disk that refuses the tokenizer's file
+    (a file size limit here, a full /tmp alike) is one error line, not the tokenizers library's traceback."""
+    import resource
+    import signal
+
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20 << 10, 20 << 10))
+    r = _strata("synth", "tiny-qwen3moe", str(tmp_path / "x.gguf"), "-q", "--no-report", preexec_fn=limit)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    (line,) = r.stderr.strip().splitlines()
+    assert line.startswith("strata: error: cannot make the tiny vocabulary in ") and "File too large" in line, line
+    assert not list(tmp_path.iterdir())
