@@ -100,12 +100,15 @@ def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, out_type: str = "
     inputs = [*ck.files, cfg.path, *(d / n for n in ("tokenizer.json", "tokenizer_config.json", INDEX))]
     if out.exists() and any(f.exists() and os.path.samefile(out, f) for f in inputs):
         raise StrataError(f"{out} is a file of the checkpoint being converted: give another OUT")
-    # Create the temporary file now: a path that cannot be written fails before any tensor is converted.
-    tmp = out.with_name(out.name + ".tmp")
+    # Create the temporary file now: a path that cannot be written fails before any tensor is converted. Its name
+    # is this run's own (claim_temp): through one shared OUT.tmp, two runs writing one OUT renamed each other's
+    # file half-written.
+    from strata.gguf.writer import claim_temp
+
     try:
-        open(tmp, "wb").close()
+        tmp = claim_temp(out)
     except OSError as e:
-        raise StrataError(f"cannot write {out} (as {tmp.name} first): {e.strerror or e}") from None
+        raise StrataError(f"cannot write {out}: {e.strerror or e}") from None
     try:
         _convert(d, cfg, mt, arch, ck, out, tmp, out_type, tok)
     except BaseException:

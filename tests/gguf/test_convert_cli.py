@@ -13,6 +13,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from strata import StrataError
+from strata.gguf.reader import open_gguf
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -53,6 +54,20 @@ def test_convert_cli(hf_dir, tmp_path):
         want = model(torch.tensor([ids])).logits[0]
     got = forward_all(lm, ids)
     assert torch.nn.functional.cosine_similarity(got, want, dim=-1).min() > 0.99
+
+
+def test_convert_writes_its_own_temporary_file(hf_dir, tmp_path):
+    """The GGUF is written under a temporary name of this run's own, then renamed: an m.gguf.tmp already there
+    (another run's file in progress) is left as it is. Through one shared OUT.tmp the first run to finish renamed
+    the file the other was still writing into."""
+    from strata.cli import main
+
+    other = tmp_path / "m.gguf.tmp"
+    other.write_bytes(b"another run's file")
+    assert main(["convert", str(hf_dir[0]), str(tmp_path / "m.gguf"), "--type", "f16"]) == 0
+    assert other.read_bytes() == b"another run's file"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf", "m.gguf.tmp"]
+    assert open_gguf(tmp_path / "m.gguf").tensors["blk.0.attn_q.weight"].qtype == Q.F16
 
 
 def _one_error_line(rc: int, err: str) -> str:
