@@ -32,6 +32,9 @@ def register(sub) -> None:
                    "Origin gets 403")
     g.add_argument("--alias", action="append", default=[],
                    help="another model name clients may use (repeatable); replies name the model as the request did")
+    g.add_argument("-to", "--timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="close a connection that sends no byte for this long while its request is owed (headers "
+                   "or body), as llama-server's --timeout (default 600)")
     g.add_argument("--threads", type=int, default=0, help="PyTorch CPU threads (default: PyTorch's choice)")
     g.add_argument("--no-warmup", action="store_true", help="skip the warm-up (a forward pass, and choosing the "
                    "CPU/PCIe plan on warm-up text; without it the cost model's plan is kept)")
@@ -78,6 +81,8 @@ def cmd_serve(args) -> int:
         if o not in ("*", "null") and origin_key(o) is None:
             raise StrataError(f"--cors-origin must be an origin such as http://localhost:3000, 'null' or '*' "
                               f"(got {o!r})")
+    if not args.timeout > 0:
+        raise StrataError(f"--timeout must be a number of seconds > 0 (got {args.timeout})")
     if args.prompt_cache_mib < 0:
         raise StrataError("--prompt-cache-mib must be >= 0")
     check_sampling_args(args)
@@ -91,7 +96,7 @@ def cmd_serve(args) -> int:
     key = args.api_key or api_key_from_env()
     cfg_kw = dict(host=args.host, api_key=key, cors_origins=args.cors_origin, parallel=args.parallel,
                   prompt_cache_mib=args.prompt_cache_mib, aliases=args.alias, prefill_chunk=args.prefill_chunk,
-                  warmup=not args.no_warmup, warmup_tune_s=args.warmup_tune_s,
+                  warmup=not args.no_warmup, warmup_tune_s=args.warmup_tune_s, timeout_s=args.timeout,
                   fault_after_tokens=fault_after_tokens_for_tests(), sampling=sampling_from_args(args),
                   n_predict=None if args.n_predict == -1 else args.n_predict)
     try:
@@ -161,8 +166,11 @@ KEEP_ALIVE_S = 75
 def uvicorn_config(app, host: str, port: int, graceful_s: float = 3):
     import uvicorn
 
+    from strata.server.http_protocol import protocol_with_read_timeout
+
     return uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                          timeout_graceful_shutdown=graceful_s, timeout_keep_alive=KEEP_ALIVE_S)
+                          timeout_graceful_shutdown=graceful_s, timeout_keep_alive=KEEP_ALIVE_S,
+                          http=protocol_with_read_timeout(app.state.cfg.timeout_s))
 
 
 def uvicorn_server(app, host: str, port: int, graceful_s: float = 3):

@@ -197,3 +197,12 @@ def test_serve_refuses_bad_sampling_flags_in_one_line(tmp_path):
         r = subprocess.run([sys.executable, "-m", "strata", "serve", "--port", str(free_port()), *flags],
                            env=env, capture_output=True, text=True, timeout=120)
         assert r.returncode != 0 and said in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_a_timeout_that_is_not_positive_is_refused(capsys, tmp_path):
+    from strata.cli import main
+
+    for value in ("0", "-5", "nan"):
+        assert main(["serve", "--timeout", value, "-m", str(tmp_path / "missing.gguf")]) == 1
+        err = capsys.readouterr().err
+        assert err == f"strata: error: --timeout must be a number of seconds > 0 (got {float(value)})\n", err
