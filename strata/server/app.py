@@ -44,8 +44,9 @@ class ServeConfig:
     # defaults), and its max_tokens when it sets none (None: as many as the context leaves)
     sampling: SamplingParams | None = None
     n_predict: int | None = None
-    # a connection that sends no byte for this long while the server waits for its request (headers or body) is
-    # closed, as llama.cpp's server does after its --timeout; uvicorn alone would hold it open forever
+    # a connection that sends no byte for this long while the server waits for its request (headers or body), or
+    # takes no byte of its response, is closed, as llama.cpp's server does after its --timeout; uvicorn alone
+    # would hold it open forever (strata.server.http_protocol)
     timeout_s: float = 600.0
     fault_after_tokens: int | None = None  # tests only: see strata.config.fault_after_tokens_for_tests
 

@@ -34,7 +34,8 @@ def register(sub) -> None:
                    help="another model name clients may use (repeatable); replies name the model as the request did")
     g.add_argument("-to", "--timeout", type=float, default=600.0, metavar="SECONDS",
                    help="close a connection that sends no byte for this long while its request is owed (headers "
-                   "or body), as llama-server's --timeout (default 600)")
+                   "or body), or takes no byte of its response (a stream it stopped reading: its generation ends), "
+                   "as llama-server's --timeout (default 600)")
     g.add_argument("--threads", type=int, default=0, help="PyTorch CPU threads (default: PyTorch's choice)")
     g.add_argument("--no-warmup", action="store_true", help="skip the warm-up (a forward pass, and choosing the "
                    "CPU/PCIe plan on warm-up text; without it the cost model's plan is kept)")
@@ -166,11 +167,11 @@ KEEP_ALIVE_S = 75
 def uvicorn_config(app, host: str, port: int, graceful_s: float = 3):
     import uvicorn
 
-    from strata.server.http_protocol import protocol_with_read_timeout
+    from strata.server.http_protocol import protocol_with_timeouts
 
     return uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                           timeout_graceful_shutdown=graceful_s, timeout_keep_alive=KEEP_ALIVE_S,
-                          http=protocol_with_read_timeout(app.state.cfg.timeout_s))
+                          http=protocol_with_timeouts(app.state.cfg.timeout_s))
 
 
 def uvicorn_server(app, host: str, port: int, graceful_s: float = 3):

@@ -97,3 +97,70 @@ def test_serve_closes_a_silent_connection_after_its_timeout(tmp_path):
     finally:
         p.terminate()
         p.wait(60)
+
+
+# (a response larger than the socket buffers, which the kernel grows to some 4 MiB on loopback: 20 alternatives
+# with each token make some 2 KB of stream per token)
+WRITE_CTX = 8192
+
+
+@pytest.fixture(scope="module")
+def roomy_lm(tiny_gguf):
+    from strata.config import EngineConfig
+    from strata.engine.loader import load_model
+
+    return load_model(str(tiny_gguf), EngineConfig(model=str(tiny_gguf), device="cpu", ctx_size=WRITE_CTX))
+
+
+def test_a_stream_its_client_stopped_reading_ends_and_frees_its_slot(roomy_lm):
+    """A streaming client that keeps its socket open but reads nothing: once its buffers are full and it takes no
+    byte for the timeout, the server drops the connection and the generation ends there (before, it ran to
+    max_tokens and the connection stayed open for as long as the client kept it), and the next request is served."""
+    max_tokens = WRITE_CTX - 64
+    with serve(roomy_lm, parallel=1, timeout_s=READ_TIMEOUT_S) as srv:
+        payload = json.dumps({"model": "tiny", "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                              "ignore_eos": True, "logprobs": True, "top_logprobs": 20,
+                              "messages": [{"role": "user", "content": "Tell a story."}]}).encode()
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # (a small window: the server's writes back up)
+        s.connect(("127.0.0.1", srv.port))
+        with s:
+            s.sendall((f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{srv.port}\r\nContent-Type: application/json\r\n"
+                       f"Content-Length: {len(payload)}\r\n\r\n").encode() + payload)
+            w = srv.state.server.worker
+            t0 = time.monotonic()
+            while not srv.state.metrics.recent:  # (wait, never reading, until the request has ended)
+                assert time.monotonic() - t0 < 120, "the stuck request never ended"
+                time.sleep(0.05)
+            gone = srv.state.metrics.recent[-1]
+            assert gone["finish_reason"] == "abort", gone
+            assert 0 < gone["completion_tokens"] < max_tokens, gone
+            assert w.n_running == 0
+            _closed_by_server(s)  # what came before the drop, then the end of the connection
+        with httpx.Client(timeout=60) as c:
+            r = c.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+
+
+def test_a_slow_reader_that_keeps_reading_is_not_cut(roomy_lm):
+    """The write timeout is on a client that takes nothing: one that reads slowly (the server's writes paused most
+    of the time) keeps its stream, well past the timeout."""
+    with serve(roomy_lm, parallel=1, timeout_s=READ_TIMEOUT_S) as srv:
+        payload = json.dumps({"model": "tiny", "max_tokens": WRITE_CTX - 64, "temperature": 0, "stream": True,
+                              "ignore_eos": True, "logprobs": True, "top_logprobs": 20,
+                              "messages": [{"role": "user", "content": "Tell a story."}]}).encode()
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(("127.0.0.1", srv.port))
+        with s:
+            s.sendall((f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{srv.port}\r\n"
+                       f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n").encode() + payload)
+            time.sleep(READ_TIMEOUT_S / 5)  # (the buffers fill)
+            got = 0
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 8 * READ_TIMEOUT_S:
+                got += len(s.recv(65536))
+                time.sleep(READ_TIMEOUT_S / 10)
+            assert got > 0
+            assert not srv.state.metrics.recent, srv.state.metrics.recent  # still generating: not dropped
+            assert srv.state.server.worker.n_running == 1
