@@ -95,8 +95,10 @@ def protocol_with_timeouts(timeout_s: float) -> type:
             if self.transport.is_closing():
                 return
             cycle = self.cycle
-            if cycle is None or cycle.response_complete:  # between requests: the next one's headers are owed
-                owed = self.conn.their_state is h11.IDLE
+            if cycle is None or cycle.response_complete:
+                # the first request's headers are owed from the start, a later one's from its first byte: an idle
+                # kept-alive connection owes nothing and lasts uvicorn's keep-alive time
+                owed = self.conn.their_state is h11.IDLE and (cycle is None or bool(self.conn.trailing_data[0]))
             else:  # a request under way: its body is owed, and no response has begun
                 owed = self.conn.their_state is h11.SEND_BODY and not cycle.response_started
             if owed:

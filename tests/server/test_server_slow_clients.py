@@ -164,3 +164,30 @@ def test_a_slow_reader_that_keeps_reading_is_not_cut(roomy_lm):
             assert got > 0
             assert not srv.state.metrics.recent, srv.state.metrics.recent  # still generating: not dropped
             assert srv.state.server.worker.n_running == 1
+
+
+def test_an_idle_keep_alive_connection_outlives_the_read_timeout(impatient):
+    """Between two requests a client owes nothing: an idle kept-alive connection lasts uvicorn's keep-alive time
+    (longer than clients' pool expiry), not the read timeout, and its next request is served."""
+    with socket.create_connection(("127.0.0.1", impatient.port)) as s:
+        s.sendall(_request(impatient.port))
+        s.settimeout(30)
+        got = b""
+        while got.count(b"\r\n\r\n") < 1 or not got.endswith(b"}"):
+            got += s.recv(65536)
+        assert got.startswith(b"HTTP/1.1 200"), got[:300]
+        time.sleep(4 * READ_TIMEOUT_S)
+        s.sendall(_request(impatient.port, "Connection: close\r\n"))
+        out = _closed_by_server(s)
+    assert out.startswith(b"HTTP/1.1 200"), out[:300]
+
+
+def test_a_second_request_cut_in_its_headers_is_closed(impatient):
+    with socket.create_connection(("127.0.0.1", impatient.port)) as s:
+        s.sendall(_request(impatient.port))
+        s.settimeout(30)
+        got = b""
+        while not got.endswith(b"}"):
+            got += s.recv(65536)
+        s.sendall(_request(impatient.port)[:30])
+        assert _closed_by_server(s) == b""
