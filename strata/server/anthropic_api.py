@@ -190,11 +190,18 @@ async def messages(request: Request):
             raise bad_request(f"tool_choice names {tc.name!r}, which is not among the request's tools")
         grammar = await asyncio.to_thread(srv.tool_call_grammar, use_tools, tc.name if tc.type == "tool" else None,
                                           not tc.disable_parallel_tool_use, text.rstrip().endswith("<think>"))
+    forced, what = grammar is not None, "the output grammar"
+    fmt = body.output_config.format if body.output_config else None
+    if fmt is not None and grammar is None:  # (a forced call's grammar wins, as over OpenAI's response_format)
+        # Anthropic's structured outputs: the reply's text is JSON of the schema, objects closed as its API closes them
+        grammar = await asyncio.to_thread(srv.json_grammar, fmt.schema_, True)
+        what = "the output_config.format grammar"
     stops = [s for s in (body.stop_sequences or []) if s]
     if len(stops) > 16:
         raise bad_request("stop_sequences: at most 16")
-    job = Job(ids, sampling(body, srv.defaults), max_tokens, srv.stop_ids(), stop=stops, grammar=grammar, reasoning=True,
-              in_reasoning=text.rstrip().endswith("<think>"), tools=use_tools, forced=grammar is not None,
+    job = Job(ids, sampling(body, srv.defaults), max_tokens, srv.stop_ids(), stop=stops, grammar=grammar, grammar_what=what,
+              reasoning=True,
+              in_reasoning=text.rstrip().endswith("<think>"), tools=use_tools, forced=forced,
               one_call=bool(use_tools and tc and tc.disable_parallel_tool_use))
     job = await asyncio.to_thread(srv.finish_job, job)
     mid = "msg_" + uuid.uuid4().hex[:24]

@@ -370,6 +370,16 @@ class AThinkingConfig(_M):
     budget_tokens: int | None = None
 
 
+class AOutputFormat(_M):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class AOutputConfig(_M):
+    # effort is a hint for Anthropic's models (how much to think): nothing here reads it
+    format: AOutputFormat | None = None
+
+
 class MessagesRequest(_M):
     model: str | None = None
     messages: list[AMessage] = Field(min_length=1)
@@ -384,6 +394,7 @@ class MessagesRequest(_M):
     tool_choice: AToolChoice | None = None
     thinking: AThinkingConfig | None = None
     metadata: dict[str, Any] | None = None
+    output_config: AOutputConfig | None = None
 
 
 class CountTokensRequest(_M):
