@@ -252,6 +252,7 @@ async def _stream(srv, job: Job, mid: str, name: str):
         "stop_reason": None, "stop_sequence": None,
         "usage": {"input_tokens": n_prompt, "output_tokens": 0, "cache_read_input_tokens": 0,
                   "cache_creation_input_tokens": 0}}})
+    yield _ev("ping", {"type": "ping"})  # as Anthropic's streams send one after message_start
     index, open_type = -1, None
 
     def close():
