@@ -245,11 +245,12 @@ def main() -> int:
     ap.add_argument("--expert-formats", default=None,
                     help="comma-separated weight formats: the expert kernel in each (B1's expert shapes), its bytes/s "
                          "against Q4_K's, instead of the default set")
-    ap.add_argument("--iq-tiles", choices=("auto", "lookup", "packed", "dp4a", "dp4a-wide", "dp4a-signs"), default="auto",
+    ap.add_argument("--iq-tiles", choices=("auto", "lookup", "packed", "dp4a", "dp4a-wide", "dp4a-signs",
+                                                "dp4a-sel"), default="auto",
                     help="the IQ2_XXS / IQ2_S / IQ3_XXS tiles: as strata takes them (auto), or one kind (dp4a: "
                          "four weights a step against int8 activations, strata.ops.dp4a_triton; dp4a-wide: the same "
                          "with its table word pairs read as 64-bit words; dp4a-signs: and IQ2_XXS's / IQ3_XXS's signs "
-                         "computed from their index)")
+                         "computed from their index; dp4a-sel: and IQ2_XXS's weights by byte permutes)")
     ap.add_argument("--kq-tiles", choices=("auto", "float", "dp4a"), default="auto",
                     help="the Q8_0 / Q4_K tiles: as strata takes them (auto), the float ones, or the dp4a ones (int8 "
                          "activations, strata.ops.dp4a_triton)")
@@ -281,8 +282,9 @@ def main() -> int:
 
         iquant_triton.C_PACKED = tl.constexpr(a.iq_tiles == "packed")
         dp4a_triton.C_DP4A = tl.constexpr(a.iq_tiles.startswith("dp4a"))
-        dp4a_triton.C_WIDE = tl.constexpr(a.iq_tiles in ("dp4a-wide", "dp4a-signs"))
-        dp4a_triton.C_ASIGN = tl.constexpr(a.iq_tiles == "dp4a-signs")
+        dp4a_triton.C_WIDE = tl.constexpr(a.iq_tiles in ("dp4a-wide", "dp4a-signs", "dp4a-sel"))
+        dp4a_triton.C_ASIGN = tl.constexpr(a.iq_tiles in ("dp4a-signs", "dp4a-sel"))
+        dp4a_triton.C_SEL = tl.constexpr(a.iq_tiles == "dp4a-sel")
     if not torch.cuda.is_available() or not expert_triton.available():
         print("bench_kernels: needs a CUDA GPU and Triton", file=sys.stderr)
         return 1

@@ -27,7 +27,8 @@ import tempfile
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--formats", default="Q4_K,IQ2_XXS,IQ2_S,IQ3_XXS")
-    ap.add_argument("--tiles", choices=("lookup", "packed", "dp4a", "dp4a-wide", "dp4a-signs"), default="lookup",
+    ap.add_argument("--tiles", choices=("lookup", "packed", "dp4a", "dp4a-wide", "dp4a-signs", "dp4a-sel"),
+                    default="lookup",
                     help="the IQ2_XXS / IQ2_S / IQ3_XXS tiles")
     ap.add_argument("--kq-tiles", choices=("float", "dp4a"), default="float", help="the Q8_0 / Q4_K tiles")
     ap.add_argument("--bn", type=int, default=8, help="rows a program (default 8, the decode plan's for Q4_K)")
@@ -39,6 +40,7 @@ def main() -> int:
     ap.add_argument("--order", action="store_true",
                     help="the loop's global loads (L), barriers (|), shared stores / loads (t / s), dp4a (d) and popc (p) "
                          "in program order: where a layout conversion or a wait sits")
+    ap.add_argument("--dump", action="store_true", help="the loop's instructions themselves")
     a = ap.parse_args()
 
     import triton
@@ -52,8 +54,9 @@ def main() -> int:
 
     # before any kernel is hashed: a kernel keeps the flags it read first
     dp4a_triton.C_DP4A = tl.constexpr(a.tiles.startswith("dp4a"))
-    dp4a_triton.C_WIDE = tl.constexpr(a.tiles in ("dp4a-wide", "dp4a-signs"))
-    dp4a_triton.C_ASIGN = tl.constexpr(a.tiles == "dp4a-signs")
+    dp4a_triton.C_WIDE = tl.constexpr(a.tiles in ("dp4a-wide", "dp4a-signs", "dp4a-sel"))
+    dp4a_triton.C_ASIGN = tl.constexpr(a.tiles in ("dp4a-signs", "dp4a-sel"))
+    dp4a_triton.C_SEL = tl.constexpr(a.tiles == "dp4a-sel")
     dp4a_triton.C_KQ = tl.constexpr(a.kq_tiles == "dp4a")
     dp4a_triton.C_PARTS = tl.constexpr(a.parts)
     iquant_triton.C_PACKED = tl.constexpr(a.tiles == "packed")
@@ -104,6 +107,8 @@ def main() -> int:
         if a.order:
             marks = {"LDG": "L", "BAR": "|", "STS": "t", "LDS": "s", "IDP": "d", "POPC": "p"}
             print("         " + "".join(marks.get(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0], "") for t in body))
+        if a.dump:
+            print("\n".join("         " + t for t in body))
         if a.ops:
             ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
             print("         " + ", ".join(f"{op} {n}" for op, n in ops.most_common(16)))

@@ -50,6 +50,13 @@ ARITH_SIGNS_GPU_TESTED = True
 # passed on an H100 (tests/experts/test_dp4a.py kind "parts", tests/ops/test_qgemv.py, the expert kernels' and the
 # MTP / graphed verify tests with it on) and it was timed (`tools/bench_kernels.py --parts on` against `off`)
 PARTS_GPU_TESTED = True
+# IQ2_XXS's weights made by byte permutes (`_prmt`): its grid entry as 8 nibble selectors (a 1 KB table where the
+# magnitudes took 2 KB) OR-ed with its signs' selector bits (a 512-byte table by sign index) picks each weight's
+# signed byte from 8 constants, two `prmt` for 8 weights where the computed signs took ~20 integer instructions. The
+# 64-bit grid gather of 32 lanes touches ~14 of the 2 KB table's 16 cache lines (one L1 wavefront each), the two
+# 32-bit gathers ~8 + 4. On a GPU once its GPU test passes there (tests/experts/test_dp4a.py, kind "sel") and it
+# was timed against the computed signs (`tools/bench_kernels.py --iq-tiles dp4a-sel` against `dp4a-signs`)
+SEL_GPU_TESTED = False
 IQ_FORMATS = frozenset({Q.IQ2_XXS, Q.IQ2_S, Q.IQ3_XXS})
 KQ_FORMATS = frozenset({Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K})
 
@@ -119,9 +126,11 @@ if triton is not None:
     C_WIDE = tl.constexpr(WIDE_GPU_TESTED and not triton_interpreting())
     C_ASIGN = tl.constexpr(ARITH_SIGNS_GPU_TESTED and not triton_interpreting())
     C_PARTS = tl.constexpr(PARTS_GPU_TESTED and not triton_interpreting())
+    C_SEL = tl.constexpr(SEL_GPU_TESTED and not triton_interpreting())
     C_INTERP = tl.constexpr(triton_interpreting())
     from strata.ops.dp4a_kquant_triton import _dp4a, _k23, _k45, _q6k
-    from strata.ops.iquant_triton import C_P2S, C_P2XXS, C_P3XXS, C_PONES, _blocks, _f16v, _subblocks, _u16, _u32h
+    from strata.ops.iquant_triton import C_P2S, C_P2XXS, C_P3XXS, C_PONES, C_SEL2XXS, C_SELSIGN
+    from strata.ops.iquant_triton import _blocks, _f16v, _subblocks, _u16, _u32h
     from strata.ops.kquant_triton import q2k_tile, q3k_tile, q4k_tile, q5k_tile, q6k_tile, q8_0_tile
     from strata.ops.iquant_triton import iq2s_tile as _iq2s_other
     from strata.ops.iquant_triton import iq2xxs_tile as _iq2xxs_other
@@ -196,6 +205,21 @@ if triton is not None:
             return _pair(itab, C_PONES, si)
 
     @triton.jit
+    def _prmt(sel):
+        """Bytes of IQ2_XXS's signed magnitudes picked by the 4 nibbles of sel's low half: nibble k = level (0, 1, 2:
+        8, 25, 43) + 4 where negative, from the constant bytes 8, 25, 43, 0, -8, -25, -43, 0 (one `prmt`)."""
+        if C_INTERP:  # (no PTX there: each byte shifted out of the 8 constants)
+            k = sel.to(tl.int64)
+            lut = 0x00D5E7F8002B1908
+            w = ((lut >> (8 * (k & 7))) & 255) | (((lut >> (8 * ((k >> 4) & 7))) & 255) << 8) \
+                | (((lut >> (8 * ((k >> 8) & 7))) & 255) << 16) | (((lut >> (8 * ((k >> 12) & 7))) & 255) << 24)
+            return w.to(tl.uint32).to(tl.int32, bitcast=True)
+        else:
+            return tl.inline_asm_elementwise("{ .reg .b32 a, b; mov.b32 a, 0x002B1908; mov.b32 b, 0x00D5E7F8; "
+                                             "prmt.b32 $0, a, b, $1; }", "=r,r", [sel], dtype=tl.int32,
+                                             is_pure=True, pack=1)
+
+    @triton.jit
     def _iq2xxs(row, xq, tab, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
         # group g of a sub-block (weights 8 g .. 8 g + 7): grid index byte g, sign index g; its two halves are
         # words 2 g, 2 g + 1 of the grid entry, of the activations and of the sign table's entry pair
@@ -209,10 +233,15 @@ if triton is not None:
         w1 = _u32h(blk + 6 + 8 * ib[None, :], m2)  # 4 x 7-bit sign indices, the 4-bit scale
         gi = ((w0[:, :, None] >> (8 * g).to(tl.uint32)) & 255).to(tl.int32)  # [BN, S, 4]
         si = ((w1[:, :, None] >> (7 * g).to(tl.uint32)) & 127).to(tl.int32)
-        g0, g1 = _pair(itab, C_P2XXS, gi)
-        s0, s1 = _ksigns(itab, si)
         x0, x1, xs = _xq2(xq, sb, ib, sm)
-        dot = _dp4a(_signed(g0, s0), x0[None]) + _dp4a(_signed(g1, s1), x1[None])
+        if C_SEL:
+            sel = tl.load(itab + C_SEL2XXS + gi) | tl.load(itab + C_SELSIGN + si)
+            hi = (sel.to(tl.uint32) >> 16).to(tl.int32)
+            dot = _dp4a(_prmt(sel), x0[None]) + _dp4a(_prmt(hi), x1[None])
+        else:
+            g0, g1 = _pair(itab, C_P2XXS, gi)
+            s0, s1 = _ksigns(itab, si)
+            dot = _dp4a(_signed(g0, s0), x0[None]) + _dp4a(_signed(g1, s1), x1[None])
         db = d * (0.5 + (w1 >> 28).to(tl.float32)) * 0.25
         return dot, db, xs  # (int sums [BN, S, 4] of pairs of words, their scales [BN, S] and [S]: `_fold`)
 

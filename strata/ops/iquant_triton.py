@@ -72,7 +72,12 @@ T_IQ1S = T_IQ3S + 512 * 4
 # the dp4a tiles' signs (strata.ops.dp4a_triton): entry 2 i + h, the 4 signs of half h of sign byte i as a
 # word with 1 in each negative weight's byte
 T_PONES = T_IQ1S + 2048 * 8
-T_SIZE = T_PONES + 256
+# IQ2_XXS's grid and signs as byte-permute selectors (strata.ops.dp4a_triton, `prmt`): entry i's word has nibble k =
+# weight k's level (0, 1, 2: magnitudes 8, 25, 43); sign index i's word has bit 2 of nibble k set where weight k is
+# negative, so an entry's word OR its signs' word selects each weight's signed byte from 8 constant bytes
+T_SEL2XXS = T_PONES + 256
+T_SELSIGN = T_SEL2XXS + 256
+T_SIZE = T_SELSIGN + 128
 # (the dp4a tiles may read these tables' word pairs as 64-bit words: each pair 8-byte aligned in a table whose base
 # a torch allocation aligns)
 assert T_P2XXS % 2 == 0 and T_P2S % 2 == 0 and T_PONES % 2 == 0
@@ -96,7 +101,7 @@ def table(device: torch.device) -> torch.Tensor:
                                                                                    "IQ2_XXS", "IQ3_XXS", "IQ2_S")]
                 parts += _packed()
                 parts += [gguf_table(n, torch.device("cpu")).reshape(-1) for n in ("IQ2_XS", "IQ3_S", "IQ1_S")]
-                parts += [_ones()]
+                parts += [_ones(), *_selectors()]
                 t = torch.cat(parts).to(torch.float32)
                 assert t.numel() == T_SIZE, t.numel()
                 t = _TABLES[device] = t.to(device)
@@ -112,6 +117,22 @@ def _ones() -> torch.Tensor:
     half = np.stack([signs & 15, signs >> 4], axis=1).reshape(-1)  # [256]: byte i's low then high 4 signs
     ones = sum(((half >> r) & 1) << (8 * r) for r in range(4))
     return torch.from_numpy(ones.astype(np.int32)).view(torch.float32)
+
+
+def _selectors() -> list[torch.Tensor]:
+    """T_SEL2XXS and T_SELSIGN as float32 tensors holding int32 bits."""
+    import gguf.quants as gq
+    import numpy as np
+
+    from strata.quant.iquants import table as gguf_table
+
+    grid = gguf_table("IQ2_XXS", torch.device("cpu")).numpy().astype(np.int64)  # [256, 8] magnitudes 8 / 25 / 43
+    level = np.searchsorted(np.array([8, 25, 43]), grid)
+    assert (np.array([8, 25, 43])[level] == grid).all()
+    sel = (level << (4 * np.arange(8))).sum(axis=1)
+    signs = np.frombuffer(gq.IQ2_XXS.ksigns, dtype=np.uint8).astype(np.int64)  # [128] bit k: weight k < 0
+    neg = (((signs[:, None] >> np.arange(8)) & 1) << (4 * np.arange(8) + 2)).sum(axis=1)
+    return [torch.from_numpy(v.astype(np.uint32).view(np.int32)).view(torch.float32) for v in (sel, neg)]
 
 
 def _packed() -> list[torch.Tensor]:
@@ -136,6 +157,7 @@ if triton is not None:
         T_IQ4NL, T_MXFP4, T_KSIGNS, T_IQ2XXS, T_IQ3XXS, T_IQ2S))
     C_P2XXS, C_P2S, C_P3XXS, C_PSIGN = (tl.constexpr(v) for v in (T_P2XXS, T_P2S, T_P3XXS, T_PSIGN))
     C_IQ2XS, C_IQ3S, C_IQ1S, C_PONES = (tl.constexpr(v) for v in (T_IQ2XS, T_IQ3S, T_IQ1S, T_PONES))
+    C_SEL2XXS, C_SELSIGN = tl.constexpr(T_SEL2XXS), tl.constexpr(T_SELSIGN)
     # which tiles the 2- and 3-bit formats take (read when a kernel compiles; the interpreter reads it per call)
     C_PACKED = tl.constexpr(PACKED_GPU_TESTED or triton_interpreting())
 

@@ -24,15 +24,19 @@ COMMON = textwrap.dedent("""
     import sys
     # iq: the i-quants' tiles, kq: the K-quants', all: both, wide: the i-quants' with 64-bit table reads (C_WIDE),
     # signs: those with IQ2_XXS's and IQ3_XXS's signs computed from their index (C_ASIGN), parts: every tile, signs
-    # computed, Q8_0's and the i-quants' summed once after the loop (C_PARTS)
+    # computed, Q8_0's and the i-quants' summed once after the loop (C_PARTS), sel: as parts, IQ2_XXS's weights by
+    # byte permutes (C_SEL)
     KIND = sys.argv[1] if len(sys.argv) > 1 else "all"
     dp.C_DP4A = tl.constexpr(KIND != "kq")  # before any kernel compiles in this process
-    dp.C_KQ = tl.constexpr(KIND in ("kq", "all", "parts"))
-    dp.C_WIDE = tl.constexpr(KIND in ("wide", "signs", "parts"))
-    dp.C_ASIGN = tl.constexpr(KIND in ("signs", "parts"))
-    dp.C_PARTS = tl.constexpr(KIND == "parts")
+    dp.C_KQ = tl.constexpr(KIND in ("kq", "all", "parts", "sel"))
+    dp.C_WIDE = tl.constexpr(KIND in ("wide", "signs", "parts", "sel"))
+    dp.C_ASIGN = tl.constexpr(KIND in ("signs", "parts", "sel"))
+    dp.C_PARTS = tl.constexpr(KIND in ("parts", "sel"))
+    dp.C_SEL = tl.constexpr(KIND == "sel")
     IQ = [Q.IQ2_XXS, Q.IQ2_S, Q.IQ3_XXS] if KIND != "kq" else []
     KQ = [Q.Q4_K, Q.Q8_0, Q.Q6_K, Q.Q5_K, Q.Q2_K, Q.Q3_K] if KIND in ("kq", "all", "parts") else []
+    if KIND == "sel":
+        IQ, KQ = [Q.IQ2_XXS], [Q.Q8_0]
     from strata.ops import expert_triton as et
     from strata.ops.expert_gather import _torch_gather_ffn
     from strata.quant import random_qtensor
@@ -191,18 +195,18 @@ def _run(script: str, interpret: bool, kind: str = "all"):
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
 
-@pytest.mark.parametrize("kind", ["all", "wide", "signs", "parts"])
+@pytest.mark.parametrize("kind", ["all", "wide", "signs", "parts", "sel"])
 def test_dp4a_tiles_in_the_interpreter(kind):
     _run(INTERPRETED, True, kind)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["iq", "kq", "wide", "signs", "parts"])
+@pytest.mark.parametrize("kind", ["iq", "kq", "wide", "signs", "parts", "sel"])
 def test_cuda_dp4a_tiles(kind):
     """The tiles compiled for the GPU, in a process of their own so that they are what compiles: the i-quants' (iq:
     DP4A_GPU_TESTED is set once it passes), the K-quants' (kq: KQ_DP4A_GPU_TESTED) and the i-quants' with 64-bit
     table reads (wide: WIDE_GPU_TESTED), and with their signs computed (signs: ARITH_SIGNS_GPU_TESTED), Q8_0's and
-    the i-quants' summed after the loop (parts: PARTS_GPU_TESTED)."""
+    the i-quants' summed after the loop (parts: PARTS_GPU_TESTED), IQ2_XXS's by byte permutes (sel: SEL_GPU_TESTED)."""
     import torch
 
     if not torch.cuda.is_available():

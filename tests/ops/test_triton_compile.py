@@ -107,7 +107,8 @@ def test_every_dequantizer_compiles(compiles, arch):
 DP4A = """
 import sys, triton, triton.language as tl
 from strata.ops import dp4a_triton
-PARTS = sys.argv[2] == "parts"  # (with the signs computed, the K-quants' tiles too)
+SEL = sys.argv[2] == "sel"  # (as parts, with IQ2_XXS's weights by byte permutes)
+PARTS = sys.argv[2] == "parts" or SEL  # (with the signs computed, the K-quants' tiles too)
 SIGNS = sys.argv[2] == "signs" or PARTS
 WIDE = sys.argv[2] == "wide" or SIGNS
 dp4a_triton.C_DP4A = tl.constexpr(True)  # before any kernel is hashed in this process
@@ -115,6 +116,7 @@ dp4a_triton.C_KQ = tl.constexpr(not WIDE or PARTS)
 dp4a_triton.C_WIDE = tl.constexpr(WIDE)
 dp4a_triton.C_ASIGN = tl.constexpr(SIGNS)
 dp4a_triton.C_PARTS = tl.constexpr(PARTS)
+dp4a_triton.C_SEL = tl.constexpr(SEL)
 from gguf import GGMLQuantizationType as Q
 from strata.ops import expert_triton
 from tests.ops.test_triton_compile import _compile, _gemv_signature
@@ -130,15 +132,16 @@ for qt in IQ if WIDE and not PARTS else IQ + (Q.Q4_K, Q.Q8_0, Q.Q6_K, Q.Q5_K, Q.
     # the kernel's own 64-bit loads, slots and expert ids, are 2)
     if qt in IQ:
         wide = ptx.count("ld.global.b64")
-        assert (wide > 2) == (WIDE and not (SIGNS and qt == Q.IQ3_XXS)), (qt.name, wide)
+        assert (wide > 2) == (WIDE and not (SIGNS and qt == Q.IQ3_XXS) and not (SEL and qt == Q.IQ2_XXS)), (qt.name, wide)
         loads[qt] = wide
+        assert ("prmt.b32" in ptx) == (SEL and qt == Q.IQ2_XXS), qt.name
 if SIGNS:  # (their sign words computed: IQ2_XXS keeps its grid pairs' wide loads, IQ3_XXS reads no pair)
     assert loads[Q.IQ3_XXS] == 2, loads
 print("ok")
 """
 
 
-@pytest.mark.parametrize("wide", ["", "wide", "signs", "parts"])
+@pytest.mark.parametrize("wide", ["", "wide", "signs", "parts", "sel"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_dp4a_tiles_compile(compiles, arch, wide):
     """The Q8_0 / Q4_K / IQ2_XXS / IQ2_S / IQ3_XXS tiles that multiply four weights at a time (strata.ops.dp4a_triton,
