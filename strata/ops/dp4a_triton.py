@@ -50,11 +50,11 @@ ARITH_SIGNS_GPU_TESTED = True
 # passed on an H100 (tests/experts/test_dp4a.py kind "parts", tests/ops/test_qgemv.py, the expert kernels' and the
 # MTP / graphed verify tests with it on) and it was timed (`tools/bench_kernels.py --parts on` against `off`)
 PARTS_GPU_TESTED = True
-# IQ2_XXS's weights made by byte permutes (`_prmt`): its grid entry as 8 nibble selectors (a 1 KB table where the
-# magnitudes took 2 KB) OR-ed with its signs' selector bits (a 512-byte table by sign index) picks each weight's
-# signed byte from 8 constants, two `prmt` for 8 weights where the computed signs took ~20 integer instructions. The
-# 64-bit grid gather of 32 lanes touches ~14 of the 2 KB table's 16 cache lines (one L1 wavefront each), the two
-# 32-bit gathers ~8 + 4. On a GPU once its GPU test passes there (tests/experts/test_dp4a.py, kind "sel") and it
+# IQ2_XXS's and IQ2_S's weights made by byte permutes (`_prmt`): a grid entry as 8 nibble selectors (a table half
+# the size of the magnitudes') OR-ed with its signs' selector bits (IQ2_XXS: a 512-byte table by sign index; IQ2_S:
+# 1 KB by sign byte) picks each weight's signed byte from 8 constants, two `prmt` for 8 weights where the computed
+# signs took ~20 integer instructions (IQ2_S's ~10). IQ2_XXS's 64-bit grid gather of 32 lanes touches ~14 of the
+# 2 KB table's 16 cache lines (one L1 wavefront each), the two 32-bit gathers ~8 + 4. On a GPU once its GPU test passes there (tests/experts/test_dp4a.py, kind "sel") and it
 # was timed against the computed signs (`tools/bench_kernels.py --iq-tiles dp4a-sel` against `dp4a-signs`)
 SEL_GPU_TESTED = False
 IQ_FORMATS = frozenset({Q.IQ2_XXS, Q.IQ2_S, Q.IQ3_XXS})
@@ -129,7 +129,7 @@ if triton is not None:
     C_SEL = tl.constexpr(SEL_GPU_TESTED and not triton_interpreting())
     C_INTERP = tl.constexpr(triton_interpreting())
     from strata.ops.dp4a_kquant_triton import _dp4a, _k23, _k45, _q6k
-    from strata.ops.iquant_triton import C_P2S, C_P2XXS, C_P3XXS, C_PONES, C_SEL2XXS, C_SELSIGN
+    from strata.ops.iquant_triton import C_P2S, C_P2XXS, C_P3XXS, C_PONES, C_SEL2S, C_SEL2XXS, C_SELSIGN, C_SELSIGN8
     from strata.ops.iquant_triton import _blocks, _f16v, _subblocks, _u16, _u32h
     from strata.ops.kquant_triton import q2k_tile, q3k_tile, q4k_tile, q5k_tile, q6k_tile, q8_0_tile
     from strata.ops.iquant_triton import iq2s_tile as _iq2s_other
@@ -206,7 +206,7 @@ if triton is not None:
 
     @triton.jit
     def _prmt(sel):
-        """Bytes of IQ2_XXS's signed magnitudes picked by the 4 nibbles of sel's low half: nibble k = level (0, 1, 2:
+        """Bytes of IQ2_XXS's / IQ2_S's signed magnitudes picked by the 4 nibbles of sel's low half: nibble k = level (0, 1, 2:
         8, 25, 43) + 4 where negative, from the constant bytes 8, 25, 43, 0, -8, -25, -43, 0 (one `prmt`)."""
         if C_INTERP:  # (no PTX there: each byte shifted out of the 8 constants)
             k = sel.to(tl.int64)
@@ -261,9 +261,15 @@ if triton is not None:
         sgb = tl.load(gb + 32, mask=m3, other=0, eviction_policy="evict_first").to(tl.int32)
         qh = tl.load(blk + 66 + ib[None, :], mask=m2, other=0).to(tl.int32)  # [BN, S]
         sc = tl.load(blk + 74 + ib[None, :], mask=m2, other=0).to(tl.int32)
-        g0, g1 = _pair(itab, C_P2S, lo8 | (((qh[:, :, None] >> (2 * g)) & 3) << 8))
+        gi = lo8 | (((qh[:, :, None] >> (2 * g)) & 3) << 8)
         x0, x1, xs = _xq2(xq, sb, ib, sm)
-        dot = _dp4a(_signed(g0, _ones(sgb & 15)), x0[None]) + _dp4a(_signed(g1, _ones(sgb >> 4)), x1[None])
+        if C_SEL:
+            sel = tl.load(itab + C_SEL2S + gi) | tl.load(itab + C_SELSIGN8 + sgb)
+            hi = (sel.to(tl.uint32) >> 16).to(tl.int32)
+            dot = _dp4a(_prmt(sel), x0[None]) + _dp4a(_prmt(hi), x1[None])
+        else:
+            g0, g1 = _pair(itab, C_P2S, gi)
+            dot = _dp4a(_signed(g0, _ones(sgb & 15)), x0[None]) + _dp4a(_signed(g1, _ones(sgb >> 4)), x1[None])
         odd = 2 * ((sc[:, :, None] >> (4 * (g // 2))) & 15) + 1  # [BN, S, 4] the group's half's 2 s + 1
         return dot * odd, d * 0.125, xs
 

@@ -77,7 +77,10 @@ T_PONES = T_IQ1S + 2048 * 8
 # negative, so an entry's word OR its signs' word selects each weight's signed byte from 8 constant bytes
 T_SEL2XXS = T_PONES + 256
 T_SELSIGN = T_SEL2XXS + 256
-T_SIZE = T_SELSIGN + 128
+# the same for IQ2_S: its 1024-entry grid, and a sign byte's word by the byte itself (IQ2_S stores its signs as bytes)
+T_SEL2S = T_SELSIGN + 128
+T_SELSIGN8 = T_SEL2S + 1024
+T_SIZE = T_SELSIGN8 + 256
 # (the dp4a tiles may read these tables' word pairs as 64-bit words: each pair 8-byte aligned in a table whose base
 # a torch allocation aligns)
 assert T_P2XXS % 2 == 0 and T_P2S % 2 == 0 and T_PONES % 2 == 0
@@ -120,19 +123,24 @@ def _ones() -> torch.Tensor:
 
 
 def _selectors() -> list[torch.Tensor]:
-    """T_SEL2XXS and T_SELSIGN as float32 tensors holding int32 bits."""
+    """T_SEL2XXS, T_SELSIGN, T_SEL2S and T_SELSIGN8 as float32 tensors holding int32 bits."""
     import gguf.quants as gq
     import numpy as np
 
     from strata.quant.iquants import table as gguf_table
 
-    grid = gguf_table("IQ2_XXS", torch.device("cpu")).numpy().astype(np.int64)  # [256, 8] magnitudes 8 / 25 / 43
-    level = np.searchsorted(np.array([8, 25, 43]), grid)
-    assert (np.array([8, 25, 43])[level] == grid).all()
-    sel = (level << (4 * np.arange(8))).sum(axis=1)
-    signs = np.frombuffer(gq.IQ2_XXS.ksigns, dtype=np.uint8).astype(np.int64)  # [128] bit k: weight k < 0
-    neg = (((signs[:, None] >> np.arange(8)) & 1) << (4 * np.arange(8) + 2)).sum(axis=1)
-    return [torch.from_numpy(v.astype(np.uint32).view(np.int32)).view(torch.float32) for v in (sel, neg)]
+    def levels(name: str) -> np.ndarray:  # [entries] an entry's 8 levels (magnitudes 8 / 25 / 43) as nibbles
+        grid = gguf_table(name, torch.device("cpu")).numpy().astype(np.int64)
+        level = np.searchsorted(np.array([8, 25, 43]), grid)
+        assert (np.array([8, 25, 43])[level] == grid).all()
+        return (level << (4 * np.arange(8))).sum(axis=1)
+
+    def negative(signs: np.ndarray) -> np.ndarray:  # sign bytes (bit k: weight k < 0) -> bit 2 of nibble k
+        return (((signs[:, None] >> np.arange(8)) & 1) << (4 * np.arange(8) + 2)).sum(axis=1)
+
+    ksigns = np.frombuffer(gq.IQ2_XXS.ksigns, dtype=np.uint8).astype(np.int64)  # [128]
+    return [torch.from_numpy(v.astype(np.uint32).view(np.int32)).view(torch.float32)
+            for v in (levels("IQ2_XXS"), negative(ksigns), levels("IQ2_S"), negative(np.arange(256)))]
 
 
 def _packed() -> list[torch.Tensor]:
@@ -157,7 +165,7 @@ if triton is not None:
         T_IQ4NL, T_MXFP4, T_KSIGNS, T_IQ2XXS, T_IQ3XXS, T_IQ2S))
     C_P2XXS, C_P2S, C_P3XXS, C_PSIGN = (tl.constexpr(v) for v in (T_P2XXS, T_P2S, T_P3XXS, T_PSIGN))
     C_IQ2XS, C_IQ3S, C_IQ1S, C_PONES = (tl.constexpr(v) for v in (T_IQ2XS, T_IQ3S, T_IQ1S, T_PONES))
-    C_SEL2XXS, C_SELSIGN = tl.constexpr(T_SEL2XXS), tl.constexpr(T_SELSIGN)
+    C_SEL2XXS, C_SELSIGN, C_SEL2S, C_SELSIGN8 = (tl.constexpr(v) for v in (T_SEL2XXS, T_SELSIGN, T_SEL2S, T_SELSIGN8))
     # which tiles the 2- and 3-bit formats take (read when a kernel compiles; the interpreter reads it per call)
     C_PACKED = tl.constexpr(PACKED_GPU_TESTED or triton_interpreting())
 

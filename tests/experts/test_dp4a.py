@@ -24,8 +24,8 @@ COMMON = textwrap.dedent("""
     import sys
     # iq: the i-quants' tiles, kq: the K-quants', all: both, wide: the i-quants' with 64-bit table reads (C_WIDE),
     # signs: those with IQ2_XXS's and IQ3_XXS's signs computed from their index (C_ASIGN), parts: every tile, signs
-    # computed, Q8_0's and the i-quants' summed once after the loop (C_PARTS), sel: as parts, IQ2_XXS's weights by
-    # byte permutes (C_SEL)
+    # computed, Q8_0's and the i-quants' summed once after the loop (C_PARTS), sel: as parts, IQ2_XXS's and IQ2_S's
+    # weights by byte permutes (C_SEL)
     KIND = sys.argv[1] if len(sys.argv) > 1 else "all"
     dp.C_DP4A = tl.constexpr(KIND != "kq")  # before any kernel compiles in this process
     dp.C_KQ = tl.constexpr(KIND in ("kq", "all", "parts", "sel"))
@@ -36,7 +36,7 @@ COMMON = textwrap.dedent("""
     IQ = [Q.IQ2_XXS, Q.IQ2_S, Q.IQ3_XXS] if KIND != "kq" else []
     KQ = [Q.Q4_K, Q.Q8_0, Q.Q6_K, Q.Q5_K, Q.Q2_K, Q.Q3_K] if KIND in ("kq", "all", "parts") else []
     if KIND == "sel":
-        IQ, KQ = [Q.IQ2_XXS], [Q.Q8_0]
+        IQ, KQ = [Q.IQ2_XXS, Q.IQ2_S], [Q.Q8_0]
     from strata.ops import expert_triton as et
     from strata.ops.expert_gather import _torch_gather_ffn
     from strata.quant import random_qtensor
@@ -206,7 +206,7 @@ def test_cuda_dp4a_tiles(kind):
     """The tiles compiled for the GPU, in a process of their own so that they are what compiles: the i-quants' (iq:
     DP4A_GPU_TESTED is set once it passes), the K-quants' (kq: KQ_DP4A_GPU_TESTED) and the i-quants' with 64-bit
     table reads (wide: WIDE_GPU_TESTED), and with their signs computed (signs: ARITH_SIGNS_GPU_TESTED), Q8_0's and
-    the i-quants' summed after the loop (parts: PARTS_GPU_TESTED), IQ2_XXS's by byte permutes (sel: SEL_GPU_TESTED)."""
+    the i-quants' summed after the loop (parts: PARTS_GPU_TESTED), IQ2_XXS's and IQ2_S's by byte permutes (sel: SEL_GPU_TESTED)."""
     import torch
 
     if not torch.cuda.is_available():

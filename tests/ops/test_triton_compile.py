@@ -132,9 +132,9 @@ for qt in IQ if WIDE and not PARTS else IQ + (Q.Q4_K, Q.Q8_0, Q.Q6_K, Q.Q5_K, Q.
     # the kernel's own 64-bit loads, slots and expert ids, are 2)
     if qt in IQ:
         wide = ptx.count("ld.global.b64")
-        assert (wide > 2) == (WIDE and not (SIGNS and qt == Q.IQ3_XXS) and not (SEL and qt == Q.IQ2_XXS)), (qt.name, wide)
+        assert (wide > 2) == (WIDE and not (SIGNS and qt == Q.IQ3_XXS) and not (SEL and qt != Q.IQ3_XXS)), (qt.name, wide)
         loads[qt] = wide
-        assert ("prmt.b32" in ptx) == (SEL and qt == Q.IQ2_XXS), qt.name
+        assert ("prmt.b32" in ptx) == (SEL and qt != Q.IQ3_XXS), qt.name
 if SIGNS:  # (their sign words computed: IQ2_XXS keeps its grid pairs' wide loads, IQ3_XXS reads no pair)
     assert loads[Q.IQ3_XXS] == 2, loads
 print("ok")
