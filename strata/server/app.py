@@ -342,7 +342,7 @@ def _routes(app: FastAPI) -> None:
         w = st.server.worker
         if w.broken:
             return _error(503, w.broken, "unavailable_error")
-        return {"status": "ok", "model": st.model_id, "slots_idle": len(w.engine.free_slots),
+        return {"status": "ok", "model": st.model_id, "slots_idle": w.n_idle,
                 "slots_processing": w.n_running, "requests_waiting": w.n_waiting}
 
     @app.api_route("/props", methods=GET_HEAD)
