@@ -266,12 +266,22 @@ class EngineWorker:
         out = []
         for i in range(e.n_slots):
             s = by_slot.get(i)
-            placed = s is not None and s.slot == i  # (a sequence being placed has no slot yet: nothing of it cached)
+            held = len(e.slot_tokens.get(i, ()))  # tokens in the slot's KV
+            # n_cached: an idle slot's, what it holds (a next prompt reuses its prefix); a request's, the prompt tokens
+            # it reused (it was the KV's length: the prompt read so far plus the tokens decoded, over the prompt's
+            # size while generating). A sequence being placed has nothing in the slot yet
+            placed = s is not None and s.slot == i
+            cached = (s.cached if placed else 0) if s is not None else held
+            past = held if s is None or placed else 0
+            read = max(0, min(s.pos, len(s.prompt)) - s.cached) if placed else 0
+            n_out = len(s.output) if s else 0
             out.append({
                 "id": i, "id_task": s.id if s else -1, "n_ctx": e.max_ctx, "is_processing": s is not None,
-                "n_prompt_tokens": len(s.prompt) if s else 0,
-                "n_cached": len(e.slot_tokens.get(i, ())) if s is None or placed else 0,
-                "n_decoded": len(s.output) if s else 0,
+                "n_prompt_tokens": len(s.prompt) if s else 0, "n_cached": cached, "n_decoded": n_out,
                 "state": ("reading" if not s.prompt_done else "generating") if s else "idle",
+                # llama-server's names: the KV's length, the prompt tokens read and those reused, the tokens left
+                "n_past": past, "n_prompt_tokens_processed": read, "n_prompt_tokens_cache": cached if s else 0,
+                "next_token": [{"has_next_token": s is not None, "n_remain": s.max_tokens - n_out if s else -1,
+                                "n_decoded": n_out}],
             })
         return out

@@ -49,3 +49,47 @@ def test_a_slot_being_restored_from_the_conversation_cache_is_its_requests(lm):
         assert len(tasks) == 1 and -1 not in tasks
         after = c.get(s.url + "/slots").json()
         assert after[0]["state"] == "idle" and after[0]["n_cached"] >= second["usage"]["prompt_tokens"]
+
+
+def test_a_slots_counts_while_its_prompt_is_read_and_its_reply_decoded(lm):
+    """A second turn reusing the first's prefix, asked after every engine step: n_cached is the prompt tokens it
+    reused, all along (it was the KV's length, past the prompt's size once decoding: the monitor's "cached" column
+    read more than the prompt), n_past the KV's length, n_prompt_tokens_processed the prompt tokens read so far."""
+    with serve(lm, parallel=1, prefill_chunk=16) as s:
+        eng = s.state.server.worker.engine
+        seen = []
+        real_step = eng.step
+
+        def step():
+            out = real_step()
+            seen.append(httpx.get(s.url + "/slots", timeout=30).json()[0])  # (the engine thread waits; the loop answers)
+            return out
+
+        c = httpx.Client(timeout=60)
+
+        def chat(messages, n):
+            return c.post(s.url + "/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": n,
+                                                                 "temperature": 0, "ignore_eos": True}).json()
+
+        convo = [{"role": "user", "content": "Tell me about rivers and hills. " * 6}]
+        first = chat(convo, 3)
+        convo += [first["choices"][0]["message"], {"role": "user", "content": "And then? " * 12}]
+        eng.step = step
+        second = chat(convo, 6)
+        eng.step = real_step
+        n_prompt, cached = second["usage"]["prompt_tokens"], second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached > 16 and n_prompt - cached > 2 * 16  # (a prefix reused; the rest read in several chunks)
+        busy = [x for x in seen if x["is_processing"]]
+        reading = [x for x in busy if x["state"] == "reading"]
+        generating = [x for x in busy if x["state"] == "generating"]
+        assert len(reading) >= 2 and len(generating) >= 2
+        for x in busy:
+            assert x["n_prompt_tokens"] == n_prompt and x["n_cached"] == x["n_prompt_tokens_cache"] == cached, x
+            assert x["next_token"][0]["n_remain"] == 6 - x["n_decoded"]
+        for x in reading:
+            assert x["n_past"] == cached + x["n_prompt_tokens_processed"] < n_prompt and x["n_decoded"] == 0, x
+        for x in generating:
+            assert x["n_prompt_tokens_processed"] == n_prompt - cached
+            assert x["n_past"] == n_prompt + x["n_decoded"] - 1, x  # (the last token drawn is not in the KV yet)
+        assert [x["n_prompt_tokens_processed"] for x in reading] == sorted(x["n_prompt_tokens_processed"]
+                                                                         for x in reading)
