@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 import uuid
 
 from fastapi import APIRouter, Request
@@ -237,22 +238,36 @@ async def messages(request: Request):
 
 
 def _usage(res) -> dict:
-    return {"input_tokens": res.prompt_tokens - res.cached_tokens, "output_tokens": res.completion_tokens,
-            "cache_read_input_tokens": res.cached_tokens, "cache_creation_input_tokens": 0}
+    return _split(res.prompt_tokens, res.cached_tokens, res.completion_tokens)
+
+
+def _split(n_prompt: int, cached: int, n_out: int) -> dict:
+    """Anthropic's usage: input_tokens are the prompt tokens read, not those reused from the prompt cache (a slot's
+    prefix or the conversation cache), which are cache_read_input_tokens. Every prefix is cached as it is read, with
+    no cache_control breakpoint, so nothing is counted as cache creation (as OpenAI's cached_tokens counts none)."""
+    return {"input_tokens": n_prompt - cached, "output_tokens": n_out, "cache_read_input_tokens": cached,
+            "cache_creation_input_tokens": 0}
 
 
 def _ev(name: str, data: dict) -> str:
     return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
+PING = _ev("ping", {"type": "ping"})
+
+
 async def _stream(srv, job: Job, mid: str, name: str):
     n_prompt = len(job.prompt)
-    yield _ev("message_start", {"type": "message_start", "message": {
-        "id": mid, "type": "message", "role": "assistant", "model": name, "content": [],
-        "stop_reason": None, "stop_sequence": None,
-        "usage": {"input_tokens": n_prompt, "output_tokens": 0, "cache_read_input_tokens": 0,
-                  "cache_creation_input_tokens": 0}}})
-    yield _ev("ping", {"type": "ping"})  # as Anthropic's streams send one after message_start
+    started = False
+
+    def message_start(cached: int) -> list[str]:
+        nonlocal started
+        started = True
+        return [_ev("message_start", {"type": "message_start", "message": {
+            "id": mid, "type": "message", "role": "assistant", "model": name, "content": [],
+            "stop_reason": None, "stop_sequence": None, "usage": _split(n_prompt, cached, 0)}}),
+            PING]  # as Anthropic's streams send one after message_start
+
     index, open_type = -1, None
 
     def close():
@@ -275,10 +290,18 @@ async def _stream(srv, job: Job, mid: str, name: str):
                                                "content_block": block}))
         return out
 
+    last_out = time.monotonic()
     try:
-        async for ev in srv.run(job):
+        # message_start waits for the request's slot, which decides the prompt tokens reused (its usage's split);
+        # a request that waits longer than a ping's interval (all slots busy) starts with its whole prompt as
+        # input_tokens, and message_delta's usage, which the clients take over message_start's, has the split
+        async for ev in srv.run(job, idle_s=srv.ping_s):
             kind = ev[0]
             out = []
+            if kind == "idle":
+                out += [PING] if started else message_start(0)
+            elif not started:  # (an event before "start": the request ended before it had a slot)
+                out += message_start(ev[1].cached if kind == "start" else 0)
             if kind == "reasoning":
                 if open_type != "thinking":
                     out += open_block("thinking", {"type": "thinking", "thinking": "", "signature": ""})
@@ -296,7 +319,7 @@ async def _stream(srv, job: Job, mid: str, name: str):
                 out.append(_ev("content_block_delta", {"type": "content_block_delta", "index": index,
                                                        "delta": {"type": "input_json_delta",
                                                                  "partial_json": json.dumps(c.args_dict())}}))
-            else:
+            elif kind == "done":
                 res = ev[1]
                 out += close()
                 reason = "stop_sequence" if res.stop_word else STOP_REASON.get(res.finish_reason, "end_turn")
@@ -304,8 +327,14 @@ async def _stream(srv, job: Job, mid: str, name: str):
                                                  "delta": {"stop_reason": reason, "stop_sequence": res.stop_word},
                                                  "usage": _usage(res), "timings": res.timings}))
                 out.append(_ev("message_stop", {"type": "message_stop"}))
+            if not out and time.monotonic() - last_out >= srv.ping_s:
+                out = [PING]  # tokens come but none is sent yet (a tool call is held until it is whole)
+            if out:
+                last_out = time.monotonic()
             for o in out:
                 yield o
     except GenerationError as e:
         kind = "api_error" if e.status == 500 else "overloaded_error"
+        for o in message_start(0) if not started else []:  # (a stream starts with message_start, errors too)
+            yield o
         yield _ev("error", {"type": "error", "error": {"type": kind, "message": str(e)}})

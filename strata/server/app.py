@@ -48,6 +48,10 @@ class ServeConfig:
     # takes no byte of its response, is closed, as llama.cpp's server does after its --timeout; uvicorn alone
     # would hold it open forever (strata.server.http_protocol)
     timeout_s: float = 600.0
+    # a stream of Anthropic's Messages API sends a ping event after this many seconds without one (a long prompt
+    # being read, a request waiting for a slot), as Anthropic's streams do: proxies and clients that drop a
+    # connection idle for a while (often 60 s) keep it
+    ping_s: float = 5.0
     fault_after_tokens: int | None = None  # tests only: see strata.config.fault_after_tokens_for_tests
 
 
@@ -242,6 +246,7 @@ def _start_engine(app: FastAPI, cfg: ServeConfig, lm, say) -> object:
     grammars = Grammars(lm.tokenizer, getattr(lm.args, "vocab_size", None) or lm.tokenizer.vocab_size)
     srv = Server(lm, worker, metrics, grammars, tool_format, cfg.model_id, engine.max_ctx, cfg.sampling,
                  cfg.n_predict)
+    srv.ping_s = cfg.ping_s
     # with llguidance, json_object / json_schema / forced tool calls are constrained token by token; without it
     # they are only asked for (the chat template's tool prompt) and parsed afterwards
     structured = "constrained" if constrained_available() else "unconstrained"
@@ -337,7 +342,7 @@ def _routes(app: FastAPI) -> None:
         w = st.server.worker
         if w.broken:
             return _error(503, w.broken, "unavailable_error")
-        return {"status": "ok", "model": st.model_id, "slots_idle": len(w.engine.free_slots),
+        return {"status": "ok", "model": st.model_id, "slots_idle": w.n_idle,
                 "slots_processing": w.n_running, "requests_waiting": w.n_waiting}
 
     @app.api_route("/props", methods=GET_HEAD)

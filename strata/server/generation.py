@@ -89,6 +89,7 @@ class Server:
         # Mistral's templates take only 9-character tool-call ids: the server makes such ids, and maps the ids
         # clients send to 9 characters before rendering
         self.short_ids = needs_short_ids(getattr(self.template, "source", None))
+        self.ping_s = 5.0  # (ServeConfig.ping_s)
 
     # -- prompts -------------------------------------------------------------------------------------------------
     def render(self, messages: list[dict], tools: list[dict] | None, enable_thinking: bool | None,
@@ -198,8 +199,10 @@ class Server:
 
         return make
 
-    async def run(self, job: Job, request=None):
-        """Generate; yield events. Cancels the generation when the consumer stops early or the client leaves."""
+    async def run(self, job: Job, request=None, idle_s: float | None = None):
+        """Generate; yield events. Cancels the generation when the consumer stops early or the client leaves.
+        With `idle_s`, also ("start", seq) once the job has its slot (seq.cached: the prompt tokens reused), and
+        ("idle",) after each `idle_s` seconds without an event (a stream's keep-alive: a long prefill, a queue)."""
         req = self.worker.submit(job)
         dec = self.tok.stream_decoder()
         stops = StopStrings(job.stop)
@@ -248,9 +251,11 @@ class Server:
 
         try:
             while True:
-                ev = await self._next(req, hangup)
+                ev = await self._next(req, hangup, idle_s)
                 kind = ev[0]
-                if kind == "start":
+                if kind in ("start", "idle"):
+                    if idle_s is not None:
+                        yield ev
                     continue
                 if kind == "token":
                     k, n_tok = n_tok, n_tok + 1
@@ -293,16 +298,23 @@ class Server:
         """OpenAI's chat entry: {token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}."""
         return {**self._token(tid, lp), "top_logprobs": [self._token(i, v) for i, v in top]}
 
-    async def _next(self, req: Ticket, hangup: "_Hangup"):
-        if hangup.request is None:
+    async def _next(self, req: Ticket, hangup: "_Hangup", idle_s: float | None = None):
+        if hangup.request is None and idle_s is None:
             return await req.events.get()
+        due = None if idle_s is None else time.monotonic() + idle_s
         while True:  # a non-streaming client that hangs up frees its slot too
             # asked on the clock, not only when no event came: while tokens flow, a wait never times out
             if await hangup.gone():
                 self.worker.cancel(req, "abort")
                 raise GenerationError("client disconnected")
+            wait = HANGUP_CHECK_S if hangup.request is not None else None
+            if due is not None:
+                left = due - time.monotonic()
+                if left <= 0:
+                    return ("idle",)
+                wait = left if wait is None else min(wait, left)
             try:
-                return await asyncio.wait_for(req.events.get(), HANGUP_CHECK_S)
+                return await asyncio.wait_for(req.events.get(), wait)
             except asyncio.TimeoutError:
                 continue
 

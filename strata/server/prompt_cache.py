@@ -104,9 +104,15 @@ class PromptCache:
         self.restores += 1
 
     # -- the one entry point -------------------------------------------------------------------------------------
-    def prepare(self, engine, prompt: list[int]) -> None:
+    def prepare(self, engine, prompt: list[int], claim=None) -> None:
         """Arrange the engine's free slots so that `engine.add` finds the longest cached prefix of `prompt`, and
-        save whatever KV the chosen slot held that the new prompt will overwrite."""
+        save whatever KV the chosen slot held that the new prompt will overwrite. `claim(slot)` is told the slot
+        once it is chosen, before any copy (a slot being saved and restored is its new request's, not idle)."""
+        def chose(slot: int) -> int:
+            if claim is not None:
+                claim(slot)
+            return slot
+
         free = engine.free_slots
         if not free:
             return
@@ -125,18 +131,18 @@ class PromptCache:
             # the entry moves into the slot (which will be saved again, grown, when it is next overwritten):
             # take it out first so that saving the slot's old content cannot evict it
             self._drop(tuple(ram.tokens))
-            slot = self._victim(free)
+            slot = chose(self._victim(free))
             self._save(engine, slot)
             self._restore(engine, slot, ram, ram_n)
         elif best is not None:
-            slot = best
+            slot = chose(best)
             held = len(engine.slot_tokens[slot])
             if held - best_n >= max(MIN_TOKENS, held // 2):
                 # a branch: most of what the slot holds is about to be overwritten, keep it. (A follow-up turn
                 # overwrites only the tail where the re-tokenized reply differs: not worth a copy.)
                 self._save(engine, slot)
         else:
-            slot = self._victim(free)
+            slot = chose(self._victim(free))
             self._save(engine, slot)
         free.remove(slot)
         free.insert(0, slot)  # engine.add takes the first slot of the longest prefix, or the first one

@@ -64,6 +64,11 @@ class EngineWorker:
         self._stop = False
         self._ids = 0
         self.state = "idle"  # idle | reading | generating
+        # the sequence being placed in a slot, and that slot once chosen (-1 before): out of the queue, not yet
+        # running, while the conversation cache saves the slot's old KV and restores the request's prefix into it
+        # (on a large model a copy of gigabytes). /slots, /health and /metrics count it as processing, as
+        # llama-server counts a slot from the moment it takes a task
+        self.placing: tuple[int, Sequence] | None = None
         self.last_step_ms = 0.0
         # why the engine can serve no more (a pipeline stage died: its collectives are out of step), None: fine
         self.broken: str | None = None
@@ -117,9 +122,18 @@ class EngineWorker:
     def n_waiting(self) -> int:
         return len(self.waiting)
 
+    def _unplaced(self) -> int:
+        """1 while a sequence is being placed and is not yet among the running (it will take a free slot)."""
+        placing = self.placing
+        return int(placing is not None and not any(s is placing[1] for s in list(self.engine.running)))
+
     @property
     def n_running(self) -> int:
-        return len(self.engine.running)
+        return len(self.engine.running) + self._unplaced()
+
+    @property
+    def n_idle(self) -> int:
+        return max(0, len(self.engine.free_slots) - self._unplaced())
 
     # -- the engine thread ---------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -212,19 +226,20 @@ class EngineWorker:
         e = self.engine
         job = req.job
         seq = Sequence.of(job)
+        self.placing = (-1, seq)
         try:
             if job.make_processor is not None:
                 seq.logits_processor = job.make_processor(seq)
             if self.cache is not None:
-                if job.cache_prompt:
-                    self.cache.prepare(e, seq.prompt)
-                else:
-                    self.cache.prepare(e, [])
+                claim = lambda slot: setattr(self, "placing", (slot, seq))  # noqa: E731
+                self.cache.prepare(e, seq.prompt if job.cache_prompt else [], claim)
             e.add(seq, reuse_prefix=job.cache_prompt)
         except Exception as ex:  # noqa: BLE001 - reported to the client
             req._emit(("error", str(ex)))
             self._finish(req, "error", emit=False)
             return
+        finally:
+            self.placing = None
         req.seq = seq
         req.t_admit = time.perf_counter()
         req.admit_step = self.steps
@@ -245,13 +260,28 @@ class EngineWorker:
     def slots(self) -> list[dict]:
         e = self.engine
         by_slot = {s.slot: s for s in list(e.running)}
+        placing = self.placing
+        if placing is not None and placing[0] >= 0:
+            by_slot.setdefault(placing[0], placing[1])
         out = []
         for i in range(e.n_slots):
             s = by_slot.get(i)
+            held = len(e.slot_tokens.get(i, ()))  # tokens in the slot's KV
+            # n_cached: an idle slot's, what it holds (a next prompt reuses its prefix); a request's, the prompt tokens
+            # it reused (it was the KV's length: the prompt read so far plus the tokens decoded, over the prompt's
+            # size while generating). A sequence being placed has nothing in the slot yet
+            placed = s is not None and s.slot == i
+            cached = (s.cached if placed else 0) if s is not None else held
+            past = held if s is None or placed else 0
+            read = max(0, min(s.pos, len(s.prompt)) - s.cached) if placed else 0
+            n_out = len(s.output) if s else 0
             out.append({
                 "id": i, "id_task": s.id if s else -1, "n_ctx": e.max_ctx, "is_processing": s is not None,
-                "n_prompt_tokens": len(s.prompt) if s else 0, "n_cached": len(e.slot_tokens.get(i, ())),
-                "n_decoded": len(s.output) if s else 0,
+                "n_prompt_tokens": len(s.prompt) if s else 0, "n_cached": cached, "n_decoded": n_out,
                 "state": ("reading" if not s.prompt_done else "generating") if s else "idle",
+                # llama-server's names: the KV's length, the prompt tokens read and those reused, the tokens left
+                "n_past": past, "n_prompt_tokens_processed": read, "n_prompt_tokens_cache": cached if s else 0,
+                "next_token": [{"has_next_token": s is not None, "n_remain": s.max_tokens - n_out if s else -1,
+                                "n_decoded": n_out}],
             })
         return out
