@@ -20,7 +20,7 @@ import torch
 
 from strata.experts.resident import ExpertWeights, ResidentExperts
 from strata.kv.cache import KVCache, Segment
-from strata.layers.attention import GQAttention
+from strata.layers.attention import GQAttention, fuse_rows, row_views
 from strata.layers.embedding import MAX_TOKENS as EMBED_KEEP_TOKENS
 from strata.layers.embedding import EmbedRows
 from strata.layers.ffn import SwiGLU
@@ -69,6 +69,14 @@ class MtpHead:
             # the family's attention (qwen3next: gated), layer 0 of the block's own KV cache
             self.attn = getattr(model, "mtp_attention", GQAttention)(0, args, w, rotary)
             self.k_shape, self.v_shape = GQAttention.cache_shapes(args)
+            a = self.attn
+            # q, k and v as one weight on the CPU too (the trunk's stay apart there, mapped from the file): a drafted
+            # step runs the block up to --draft-max times, and a small weight's product costs about its call's
+            # Python; one layer's copy. Each output row is its own dot product: the same bits as apart.
+            if type(a) is GQAttention and a.wqkv is None:
+                a.wqkv, a.qkv_sizes = fuse_rows((a.wq, a.wk, a.wv), (a.bq, a.bk, a.bv), always=True)
+                if a.wqkv is not None:
+                    a.wq, a.wk, a.wv = row_views(a.wqkv, a.qkv_sizes)
         self.attn.fold_kv = False  # row i of its cache is rotated at position i + 1: the rows are written apart
         # (the post-attention norm: `post_attention_norm` in glm4moe / qwen3next files, `ffn_norm` in deepseek2's)
         post = "post_attention_norm.weight" if "post_attention_norm.weight" in t else "ffn_norm.weight"
@@ -79,7 +87,8 @@ class MtpHead:
             n_groups=args.n_groups, topk_groups=args.topk_groups)
         shared = None
         if "ffn_gate_shexp.weight" in t:
-            shared = SwiGLU(q("ffn_gate_shexp.weight"), q("ffn_up_shexp.weight"), q("ffn_down_shexp.weight"))
+            shared = SwiGLU(q("ffn_gate_shexp.weight"), q("ffn_up_shexp.weight"), q("ffn_down_shexp.weight"),
+                            fuse=True)
         layer = block.layer
         self.moe = MoE(layer, routing, q("ffn_gate_inp.weight"), None,
                        bias=f("exp_probs_b.bias") if "exp_probs_b.bias" in t else None, shared=shared,
