@@ -42,7 +42,7 @@ class EmbedRows:
             got = self._dequantize(torch.tensor(miss, dtype=torch.long))
             for t, r in zip(miss, got):
                 if len(rows) >= self.cap:
-                    del rows[next(iter(rows))]
+                    rows.pop(next(iter(rows)), None)
                 rows[t] = r
             if any(t not in rows for t in ids):  # (more new tokens than the bound holds: none kept for them)
                 return self._dequantize(tokens)
