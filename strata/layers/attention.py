@@ -188,15 +188,16 @@ def _as_dtype(ks: torch.Tensor, vs: torch.Tensor | None, dtype: torch.dtype):
 FUSE_QKV_ON = ("cuda",)  # device types whose attention weights are fused (tests add "cpu")
 
 
-def fuse_rows(ws, biases=None) -> tuple[QTensor | None, list[int]]:
+def fuse_rows(ws, biases=None, always: bool = False) -> tuple[QTensor | None, list[int]]:
     """On a GPU, projections of one input and one format (attention's q, k and v; a delta-net layer's qkv, gate
     and ba; a SwiGLU's gate and up) as one weight (their rows one after another): a decode step then reads them in
     one GEMV launch instead of one each (each launch of a small GEMV costs a few microseconds whatever its size).
     Not on a CPU, where the weights stay mapped from the file, nor across formats (a Q4_K_M file's attn_v is often
-    Q6_K), nor with some biases but not all. Returns (the fused weight, each part's rows) or (None, [])."""
+    Q6_K), nor with some biases but not all. always: on any device (a small set copied: an MTP block's one layer,
+    whose forwards a drafted step runs several times). Returns (the fused weight, each part's rows) or (None, [])."""
     ws = tuple(ws)
     biases = tuple(biases) if biases is not None else (None,) * len(ws)
-    if any(w is None or len(w.shape) != 2 for w in ws) or ws[0].raw.device.type not in FUSE_QKV_ON:
+    if any(w is None or len(w.shape) != 2 for w in ws) or not (always or ws[0].raw.device.type in FUSE_QKV_ON):
         return None, []
     if len({w.qtype for w in ws}) != 1 or len({w.shape[1] for w in ws}) != 1 or len({b is None for b in biases}) != 1:
         return None, []

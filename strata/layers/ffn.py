@@ -12,10 +12,10 @@ _SILU_MUL = registry.op("silu_mul")  # one launch on a GPU once its kernel is ta
 
 
 class SwiGLU:
-    def __init__(self, gate: QTensor, up: QTensor, down: QTensor):
+    def __init__(self, gate: QTensor, up: QTensor, down: QTensor, fuse: bool = False):
         self.gate, self.up, self.down = gate, up, down
-        # on a GPU gate and up as one weight (one GEMV launch a step), each a view of it
-        self.gate_up, self.sizes = fuse_rows((gate, up))
+        # on a GPU (or `fuse`: anywhere) gate and up as one weight (one GEMV a step), each a view of it
+        self.gate_up, self.sizes = fuse_rows((gate, up), always=fuse)
         if self.gate_up is not None:
             self.gate, self.up = row_views(self.gate_up, self.sizes)
 

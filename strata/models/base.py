@@ -18,6 +18,8 @@ from strata import StrataError
 from strata.experts.backend import StepContext
 from strata.gguf.reader import GGUFModel
 from strata.kv.cache import KVCache, Segment
+from strata.layers.embedding import MAX_TOKENS as EMBED_KEEP_TOKENS
+from strata.layers.embedding import EmbedRows
 from strata.layers.moe import MoE
 from strata.layers.norm import add_rms_norm, rms_norm
 from strata.quant import QTensor, dequantize, qmatmul
@@ -184,8 +186,17 @@ class CausalLM:
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         e = self.embed
+        if tokens.numel() <= EMBED_KEEP_TOKENS and EmbedRows.serves(e, self.device):
+            return self.embed_rows_kept().lookup(tokens)  # (a decode step's rows, dequantized once)
         rows = e.raw.index_select(0, tokens.to(e.raw.device))  # [N, row_bytes]: only the rows used
         return self.embed_rows(rows.to(self.device))  # (a table on the host: its rows cross, still quantized)
+
+    def embed_rows_kept(self) -> EmbedRows:
+        """The table's dequantized rows kept by token (strata.layers.embedding), made anew for a new table."""
+        got = getattr(self, "_kept_rows", None)
+        if got is None or got.table is not self.embed or got.dtype != self.dtype:
+            got = self._kept_rows = EmbedRows(self.embed, self.dtype)
+        return got
 
     def embed_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """The input vectors [N, d] of embedding-table rows [N, row_bytes] in the table's stored format."""

@@ -20,7 +20,9 @@ import torch
 
 from strata.experts.resident import ExpertWeights, ResidentExperts
 from strata.kv.cache import KVCache, Segment
-from strata.layers.attention import GQAttention
+from strata.layers.attention import GQAttention, fuse_rows, row_views
+from strata.layers.embedding import MAX_TOKENS as EMBED_KEEP_TOKENS
+from strata.layers.embedding import EmbedRows
 from strata.layers.ffn import SwiGLU
 from strata.layers.moe import MoE, Routing
 from strata.layers.norm import add_rms_norm, rms_norm
@@ -45,6 +47,7 @@ class MtpHead:
 
         self.eh_proj = q("nextn.eh_proj.weight")  # [d, 2d]
         self.enorm, self.hnorm = f("nextn.enorm.weight"), f("nextn.hnorm.weight")
+        self.eh_norms = torch.stack([self.enorm, self.hnorm])  # [2, d]: the CPU's one call for both
         # the block's own table (GLM's nextn.embed_tokens) lies where the trunk's does: on the device unless the
         # trunk's was left in host RAM for the cache (rows are looked up where the table lies)
         own = t.get("nextn.embed_tokens.weight")
@@ -66,6 +69,14 @@ class MtpHead:
             # the family's attention (qwen3next: gated), layer 0 of the block's own KV cache
             self.attn = getattr(model, "mtp_attention", GQAttention)(0, args, w, rotary)
             self.k_shape, self.v_shape = GQAttention.cache_shapes(args)
+            a = self.attn
+            # q, k and v as one weight on the CPU too (the trunk's stay apart there, mapped from the file): a drafted
+            # step runs the block up to --draft-max times, and a small weight's product costs about its call's
+            # Python; one layer's copy. Each output row is its own dot product: the same bits as apart.
+            if type(a) is GQAttention and a.wqkv is None:
+                a.wqkv, a.qkv_sizes = fuse_rows((a.wq, a.wk, a.wv), (a.bq, a.bk, a.bv), always=True)
+                if a.wqkv is not None:
+                    a.wq, a.wk, a.wv = row_views(a.wqkv, a.qkv_sizes)
         self.attn.fold_kv = False  # row i of its cache is rotated at position i + 1: the rows are written apart
         # (the post-attention norm: `post_attention_norm` in glm4moe / qwen3next files, `ffn_norm` in deepseek2's)
         post = "post_attention_norm.weight" if "post_attention_norm.weight" in t else "ffn_norm.weight"
@@ -76,7 +87,8 @@ class MtpHead:
             n_groups=args.n_groups, topk_groups=args.topk_groups)
         shared = None
         if "ffn_gate_shexp.weight" in t:
-            shared = SwiGLU(q("ffn_gate_shexp.weight"), q("ffn_up_shexp.weight"), q("ffn_down_shexp.weight"))
+            shared = SwiGLU(q("ffn_gate_shexp.weight"), q("ffn_up_shexp.weight"), q("ffn_down_shexp.weight"),
+                            fuse=True)
         layer = block.layer
         self.moe = MoE(layer, routing, q("ffn_gate_inp.weight"), None,
                        bias=f("exp_probs_b.bias") if "exp_probs_b.bias" in t else None, shared=shared,
@@ -94,8 +106,19 @@ class MtpHead:
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         e = self.embed
+        if tokens.numel() <= EMBED_KEEP_TOKENS and EmbedRows.serves(e, self.device):
+            return self.embed_rows_kept().lookup(tokens)  # (strata.layers.embedding)
         rows = e.raw.index_select(0, tokens.to(e.raw.device)).to(self.device)
         return dequantize(rows, e.qtype, (rows.shape[0], e.shape[-1])).to(self.dtype)
+
+    def embed_rows_kept(self) -> EmbedRows:
+        """The table's rows kept dequantized: the trunk's where the block reads the trunk's table."""
+        if self.embed is self.model.embed and self.dtype == self.model.dtype:
+            return self.model.embed_rows_kept()
+        got = getattr(self, "_kept_rows", None)
+        if got is None or got.table is not self.embed:
+            got = self._kept_rows = EmbedRows(self.embed, self.dtype)
+        return got
 
     def forward(self, h: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor, seg: Segment,
                 kv: KVCache, last_only: bool = False, logits: bool = True,
@@ -107,8 +130,13 @@ class MtpHead:
         that takes another row's with `logits`. tail: past the K/V rows the cache needs, only the last row goes
         through the block (its output [1, d]; the other rows' outputs are not computed) where the attention can
         (a plain segment of a GQA block): what a drafter reads after a step."""
-        e = rms_norm(self._embed(tokens), self.enorm, self.eps)
-        x = qmatmul(torch.cat([e, rms_norm(h.to(self.dtype), self.hnorm, self.eps)], -1), self.eh_proj)
+        if h.is_cuda:
+            e = rms_norm(self._embed(tokens), self.enorm, self.eps)
+            eh = torch.cat([e, rms_norm(h.to(self.dtype), self.hnorm, self.eps)], -1)
+        else:  # both norms in one call over rows [n, 2, d], each with its weight (a row's bits are its own)
+            eh = rms_norm(torch.stack([self._embed(tokens), h.to(self.dtype)], 1), self.eh_norms,
+                          self.eps).view(h.shape[0], -1)
+        x = qmatmul(eh, self.eh_proj)
         a = rms_norm(x, self.attn_norm, self.eps)
         if tail and seg.n > 1 and not seg.window and getattr(self.attn, "last_query", None) is not None:
             att = self.attn.last_query(a, pos, seg, kv)

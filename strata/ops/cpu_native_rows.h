@@ -4,6 +4,15 @@
    every row, and each row's sums run in its one-row function's order, so every result is bit for bit that
    function's. */
 
+/* the int32 lanes of madd(maddubs(|w|, x with w's sign), 1): each the sum of four byte products. With VNNI one
+   instruction gives the same lanes (maddubs' int16 pairs never saturate: |x| <= 127 after quantize_block, |w| <=
+   128), so the sums and every result keep their bits. */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define Q8_LANES(aw, sx, ones) _mm256_dpbusd_epi32(_mm256_setzero_si256(), aw, sx)
+#else
+#define Q8_LANES(aw, sx, ones) _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones)
+#endif
+
 /* one Q8_0 row (K/32 blocks of 34 bytes: d f16, 32 int8): w = d * q */
 static float dot_q8_0(const uint8_t *row, int K, const int8_t *xq, const float *xd) {
 #if defined(__AVX2__) && defined(__FMA__)
@@ -18,7 +27,7 @@ static float dot_q8_0(const uint8_t *row, int K, const int8_t *xq, const float *
         for (int k = 0; k < 8; k++) {
             const __m256i w = _mm256_loadu_si256((const __m256i *)(b0 + 34 * k + 2));
             const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + 32 * (i + k)));
-            p[k] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), ones);
+            p[k] = Q8_LANES(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w), ones);
         }
         fsum = _mm256_fmadd_ps(_mm256_mul_ps(f16x8(b0, 34, 0), _mm256_set1_ps(xd[i / 8])),
                                _mm256_cvtepi32_ps(sum8x8(p)), fsum);
@@ -30,7 +39,7 @@ static float dot_q8_0(const uint8_t *row, int K, const int8_t *xq, const float *
         __m256i w = _mm256_loadu_si256((const __m256i *)(blk + 2));
         __m256i x = _mm256_loadu_si256((const __m256i *)(xq + 32 * i));
         /* signed x signed: |w| (unsigned) times x with w's sign */
-        __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), ones);
+        __m256i p = Q8_LANES(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w), ones);
         fsum = _mm256_fmadd_ps(_mm256_set1_ps(f16(blk) * xd[i / 8]), _mm256_cvtepi32_ps(p), fsum);
     }
     return hsum8(fsum);
@@ -197,15 +206,18 @@ static void dot_q8_0_rows(const uint8_t *row, int K, int T, const int8_t *xq, co
             const uint8_t *b0 = row + (long)i * 34;
             PREFETCH_AHEAD(b0, K / 32 * 34, 272);
             const __m256 d8 = f16x8(b0, 34, 0);
+            __m256i w8[8], a8[8];  /* the blocks and their magnitudes, once for every row */
+            for (int k = 0; k < 8; k++) {
+                w8[k] = _mm256_loadu_si256((const __m256i *)(b0 + 34 * k + 2));
+                a8[k] = _mm256_sign_epi8(w8[k], w8[k]);
+            }
             for (int t = 0; t < nt; t++) {
                 const int8_t *x8 = xq + (long)(t0 + t) * stride;
                 const float *xs = (const float *)((const uint8_t *)xd + (long)(t0 + t) * stride);
                 __m256i p[8];
                 for (int k = 0; k < 8; k++) {
-                    const __m256i w = _mm256_loadu_si256((const __m256i *)(b0 + 34 * k + 2));
                     const __m256i x = _mm256_loadu_si256((const __m256i *)(x8 + 32 * (i + k)));
-                    p[k] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)),
-                                             ones);
+                    p[k] = Q8_LANES(a8[k], _mm256_sign_epi8(x, w8[k]), ones);
                 }
                 fsum[t] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(xs[i / 8])),
                                           _mm256_cvtepi32_ps(sum8x8(p)), fsum[t]);
@@ -222,7 +234,7 @@ static void dot_q8_0_rows(const uint8_t *row, int K, int T, const int8_t *xq, co
                 const int8_t *x8 = xq + (long)(t0 + t) * stride;
                 const float *xs = (const float *)((const uint8_t *)xd + (long)(t0 + t) * stride);
                 const __m256i x = _mm256_loadu_si256((const __m256i *)(x8 + 32 * i));
-                const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(x, w)), ones);
+                const __m256i p = Q8_LANES(aw, _mm256_sign_epi8(x, w), ones);
                 fsum[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * xs[i / 8]), _mm256_cvtepi32_ps(p), fsum[t]);
             }
         }

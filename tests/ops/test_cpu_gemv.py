@@ -134,3 +134,24 @@ def test_several_rows_in_the_avx2_and_plain_builds(qt):
         for t in range(T):
             assert torch.equal(many[t], gemv(lib, x[t:t + 1].contiguous())[0]), t
         assert ((many - base).norm() / base.norm()).item() < 1e-5
+
+
+@pytest.mark.parametrize("T", [1, 4])
+def test_q8_0_with_and_without_vnni_is_the_same_bits(T):
+    """Q8_0's four-byte sums by VNNI's one instruction (where -march=native has it) or AVX2's two: the same int32
+    lanes, so the same results bit for bit, weights of -128 and activations at their clamp included."""
+    from tests.ops.native_oracle import build
+
+    native_or_skip()
+    avx2 = build([*cpu_native.FLAGS, "-mno-avx512f"])
+    K, N = 352, 37
+    w = random_qtensor(Q.Q8_0, (N, K), np.random.default_rng(7))
+    raw = w.raw.view(N, K // 32, 34)
+    raw[::3, :, 2::5] = 128  # int8 -128
+    x = torch.randn(T, K, generator=torch.Generator().manual_seed(8))
+    x[:, ::7] = 50.0  # (quantized to +-127)
+    out = torch.empty(T, N, dtype=torch.float32)
+    ws = torch.empty(int(avx2.strata_native_gemv_scratch(T, K)) + 64, dtype=torch.uint8)
+    assert avx2.strata_native_gemv(T, w.raw.data_ptr(), N, K, cpu_native.FORMATS["Q8_0"], x.data_ptr(),
+                                   out.data_ptr(), 1, (ws.data_ptr() + 63) // 64 * 64) == 0
+    assert torch.equal(out, cpu_gemv.native_qmatmul(x, w))
