@@ -61,8 +61,9 @@ GATED=(
   "tests/experts/test_dp4a.py::test_cuda_dp4a_tiles[signs]||"
   # (taken after passing on an H100 and timed there: Q8_0's and the i-quants' dp4a tiles summed once after the loop)
   "tests/experts/test_dp4a.py::test_cuda_dp4a_tiles[parts] tests/ops/test_qgemv.py tests/experts/test_expert_triton.py||"
-  # IQ2_XXS's dp4a tile with its weights made by byte permutes (selector tables instead of the grid's magnitudes)
-  "tests/experts/test_dp4a.py::test_cuda_dp4a_tiles[sel]|strata/ops/dp4a_triton.py|s/^SEL_GPU_TESTED = False/SEL_GPU_TESTED = True/"
+  # (taken after passing on an H100 and timed there: IQ2_XXS's and IQ2_S's dp4a tiles with their weights made by
+  # byte permutes, selector tables instead of the grid's magnitudes)
+  "tests/experts/test_dp4a.py::test_cuda_dp4a_tiles[sel]||"
 )
 
 log="$OUT/gated.log"
