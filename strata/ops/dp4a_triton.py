@@ -221,6 +221,12 @@ if triton is not None:
                                              is_pure=True, pack=1)
 
     @triton.jit
+    def _sel_dot(sel, x0, x1):
+        """A group of 8 weights given as selectors (its entry's levels OR its signs' bits: `_prmt`, nibbles 0-3 the
+        first half, 4-7 the second) times its activation words x0, x1."""
+        return _dp4a(_prmt(sel), x0[None]) + _dp4a(_prmt((sel.to(tl.uint32) >> 16).to(tl.int32)), x1[None])
+
+    @triton.jit
     def _iq2xxs(row, xq, tab, b0, nsb, BN: tl.constexpr, NB: tl.constexpr, EVEN: tl.constexpr):
         # group g of a sub-block (weights 8 g .. 8 g + 7): grid index byte g, sign index g; its two halves are
         # words 2 g, 2 g + 1 of the grid entry, of the activations and of the sign table's entry pair
@@ -236,9 +242,7 @@ if triton is not None:
         si = ((w1[:, :, None] >> (7 * g).to(tl.uint32)) & 127).to(tl.int32)
         x0, x1, xs = _xq2(xq, sb, ib, sm)
         if C_SEL:
-            sel = tl.load(itab + C_SEL2XXS + gi) | tl.load(itab + C_SELSIGN + si)
-            hi = (sel.to(tl.uint32) >> 16).to(tl.int32)
-            dot = _dp4a(_prmt(sel), x0[None]) + _dp4a(_prmt(hi), x1[None])
+            dot = _sel_dot(tl.load(itab + C_SEL2XXS + gi) | tl.load(itab + C_SELSIGN + si), x0, x1)
         else:
             g0, g1 = _pair(itab, C_P2XXS, gi)
             s0, s1 = _ksigns(itab, si)
@@ -265,9 +269,7 @@ if triton is not None:
         gi = lo8 | (((qh[:, :, None] >> (2 * g)) & 3) << 8)
         x0, x1, xs = _xq2(xq, sb, ib, sm)
         if C_SEL:
-            sel = tl.load(itab + C_SEL2S + gi) | tl.load(itab + C_SELSIGN8 + sgb)
-            hi = (sel.to(tl.uint32) >> 16).to(tl.int32)
-            dot = _dp4a(_prmt(sel), x0[None]) + _dp4a(_prmt(hi), x1[None])
+            dot = _sel_dot(tl.load(itab + C_SEL2S + gi) | tl.load(itab + C_SELSIGN8 + sgb), x0, x1)
         else:
             g0, g1 = _pair(itab, C_P2S, gi)
             dot = _dp4a(_signed(g0, _ones(sgb & 15)), x0[None]) + _dp4a(_signed(g1, _ones(sgb >> 4)), x1[None])
