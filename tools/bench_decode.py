@@ -34,9 +34,15 @@ def sync(dev):
 
 
 def make_prompt(tok, n: int, salt: int) -> list[int]:
-    text = (f"Request {salt}: " + open(__file__).read() * 20)
-    ids = tok.encode(text, add_special=False) if tok else list(range(1, n + 1))
-    return ids[:n]
+    if not tok:
+        return list(range(1, n + 1))
+    src = open(__file__).read()
+    reps = 20
+    while True:  # this file repeated until it is n tokens long (a 128K prompt needs ~30 copies)
+        ids = tok.encode(f"Request {salt}: " + src * reps, add_special=False)
+        if len(ids) >= n:
+            return ids[:n]
+        reps = reps * n // max(1, len(ids)) + 1
 
 
 def main() -> int:
@@ -301,7 +307,7 @@ def measure(a, lm, eng, experts, dev, label, load_s) -> None:
         res["routing"] = routing_skew(routed, experts.cache.layer_slots)
     if a.prefill_only:
         ids = make_prompt(lm.tokenizer, a.prefill_only, salt=99991)
-        if len(ids) >= a.prefill_only:
+        if len(ids) >= a.prefill_only:  # always: make_prompt repeats its text until it is long enough
             cache = getattr(experts, "cache", None)
             pre0 = (cache.copied_bytes, cache.prefetched, cache.prefetch_used) if cache is not None else None
             st0 = experts.stats.cpu if getattr(experts, "stats", None) is not None else 0
