@@ -35,11 +35,30 @@ from strata.engine.loader import load_model  # noqa: E402
 from strata.engine.sampler import SamplingParams  # noqa: E402
 
 
-def prompts(tok) -> dict[str, list[int]]:
-    src = inspect.getsource(json.dumps)
-    edit = src + "\n\n# the same function, reformatted:\n" + src[: len(src) // 2]
-    fresh = textwrap.dedent(inspect.getsource(textwrap.indent))[:400]
-    return {"edit": tok.encode(edit), "fresh": tok.encode(fresh)}
+# `--prompts suite`: more starts to continue, from other standard-library modules, so that one text's quirks (greedy
+# text that falls into a short cycle, where the draft length decides at which phase of it each chain starts) do not
+# decide the result
+SUITE = ("heapq.nlargest", "shutil.copyfileobj", "string.capwords", "functools.total_ordering",
+         "textwrap.shorten", "fnmatch.translate", "base64.b64encode", "difflib.get_close_matches")
+
+
+def prompts(tok, names: str = "edit,fresh") -> dict[str, list[int]]:
+    import importlib
+
+    out = {}
+    for name in names.split(","):
+        if name == "suite":
+            out.update(prompts(tok, ",".join(("edit", "fresh") + SUITE)))
+        elif name == "edit":
+            src = inspect.getsource(json.dumps)
+            out[name] = tok.encode(src + "\n\n# the same function, reformatted:\n" + src[: len(src) // 2])
+        elif name == "fresh":
+            out[name] = tok.encode(textwrap.dedent(inspect.getsource(textwrap.indent))[:400])
+        else:  # module.function: its source's start, to continue
+            mod, _, attr = name.rpartition(".")
+            obj = getattr(importlib.import_module(mod), attr)
+            out[name] = tok.encode(textwrap.dedent(inspect.getsource(obj))[:400])
+    return out
 
 
 def _right(draft, plain: list[int]):
@@ -87,6 +106,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_engine_args(ap)
     ap.add_argument("--drafts", default="0,4,8,16")
+    ap.add_argument("--prompts", default="edit,fresh", help="comma-separated: edit, fresh, module.function (the "
+                    "start of its source, continued), or suite (edit, fresh and %d more such starts); with "
+                    "--paired and more than one prompt, a last line gives each draft setting's geometric mean of "
+                    "the prompts' paired ratios" % len(SUITE))
     ap.add_argument("--gen", type=int, default=200)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
@@ -111,7 +134,8 @@ def main() -> int:
         out = list(eng.generate(ids, sampling, a.gen))
         return out, (len(out) - 1) / (time.perf_counter() - t0 - eng.last.prompt_ms / 1e3)  # decode only
 
-    for name, ids in prompts(lm.tokenizer).items():
+    ratios: dict[int, list[float]] = {}
+    for name, ids in prompts(lm.tokenizer, a.prompts).items():
         plain = None
         if a.paired:
             lm.cfg.draft_max = 0
@@ -133,6 +157,8 @@ def main() -> int:
                 if base:
                     pairs.append(speed / base)
             ref.setdefault(name, out)
+            if pairs:
+                ratios.setdefault(dm, []).append(statistics.median(pairs))
             steps = (len(out) - 1 - seq.draft_accepted) or 1  # forwards after the first token
             if a.trace and eng.device.type == "cuda":
                 _trace(eng, ids, sampling, a.gen, f"{a.trace}/{name}-draft{dm}", steps)
@@ -151,6 +177,10 @@ def main() -> int:
                               # graph captures over the warm-up and the timed runs (each timed run should add none)
                               "captures": eng.graphs.captures if eng.graphs is not None else None,
                               "verify_graphed": eng.graphs.verify if eng.graphs is not None else None}), flush=True)
+    if any(len(v) > 1 for v in ratios.values()):
+        print(json.dumps({"prompts": len(ratios[next(iter(ratios))]), "paired_x_plain_geomean": {
+            dm: round(statistics.geometric_mean(v), 3) for dm, v in ratios.items()},
+            "paired_x_plain_min": {dm: round(min(v), 3) for dm, v in ratios.items()}}), flush=True)
     return 0
 
 

@@ -87,3 +87,42 @@ def test_pings_keep_a_stream_alive_while_a_long_prompt_is_read(lm):
             m = st.get_final_message()
         text = "".join(e["delta"]["text"] for e in events if e["type"] == "content_block_delta")
         assert "".join(b.text for b in m.content if b.type == "text") == text
+
+
+def test_a_stream_waiting_for_a_slot_starts_and_pings(lm):
+    """One slot, busy with a long request: a second request's stream does not sit silent in the queue. It sends
+    message_start (its whole prompt as input_tokens: no slot yet, so nothing reused) and pings until its slot comes,
+    then its text; message_delta's usage counts the same prompt, and the text equals the same request's on an idle
+    server."""
+    import threading
+    import time
+
+    with serve(lm, parallel=1, ping_s=0.05) as s:
+        def body(text, n, stream):
+            return {"model": "tiny", "max_tokens": n, "temperature": 0, "stream": stream,
+                    "thinking": {"type": "disabled"}, "messages": [{"role": "user", "content": text}]}
+
+        alone = httpx.post(s.url + "/v1/messages", json=body("Waiting in line?", 6, False), timeout=60).json()
+        busy = threading.Thread(target=lambda: httpx.post(
+            s.url + "/v1/messages", json={**body(LONG[:400], 400, False), "ignore_eos": True}, timeout=120))
+        busy.start()
+        deadline = time.monotonic() + 60
+        while not httpx.get(s.url + "/slots", timeout=30).json()[0]["is_processing"]:
+            assert time.monotonic() < deadline, "the long request never took the slot"
+            time.sleep(0.01)
+        with httpx.stream("POST", s.url + "/v1/messages", json=body("Waiting in line?", 6, True), timeout=120) as r:
+            assert r.status_code == 200
+            lines = list(r.iter_lines())
+        busy.join()
+    names = [line[7:] for line in lines if line.startswith("event: ")]
+    events = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+    assert names == [e["type"] for e in events]
+    first_block = names.index("content_block_start")
+    assert names[0] == "message_start" and names[1:first_block].count("ping") >= 3, names[:12]
+    start = events[0]["message"]["usage"]
+    final = events[-2]["usage"]
+    assert start["cache_read_input_tokens"] == 0
+    assert start["input_tokens"] == final["input_tokens"] + final["cache_read_input_tokens"] == \
+        alone["usage"]["input_tokens"] + alone["usage"]["cache_read_input_tokens"]
+    text = "".join(e["delta"]["text"] for e in events if e["type"] == "content_block_delta")
+    assert text == "".join(b["text"] for b in alone["content"] if b["type"] == "text")
