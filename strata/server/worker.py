@@ -69,6 +69,8 @@ class EngineWorker:
         # (on a large model a copy of gigabytes). /slots, /health and /metrics count it as processing, as
         # llama-server counts a slot from the moment it takes a task
         self.placing: tuple[int, Sequence] | None = None
+        # each slot's last finished sequence: an idle slot shows its task as llama-server's /slots does (task_prev)
+        self.prev: dict[int, Sequence] = {}
         self.last_step_ms = 0.0
         # why the engine can serve no more (a pipeline stage died: its collectives are out of step), None: fine
         self.broken: str | None = None
@@ -251,6 +253,9 @@ class EngineWorker:
     def _finish(self, req: Ticket, reason: str, emit: bool = True) -> None:
         req.finish_reason = reason
         req.t_end = time.perf_counter()
+        seq = getattr(req, "seq", None)
+        if seq is not None and getattr(seq, "slot", -1) >= 0:
+            self.prev[seq.slot] = seq
         if self.metrics:
             self.metrics.finished(req)
         if emit:
@@ -274,14 +279,18 @@ class EngineWorker:
             cached = (s.cached if placed else 0) if s is not None else held
             past = held if s is None or placed else 0
             read = max(0, min(s.pos, len(s.prompt)) - s.cached) if placed else 0
-            n_out = len(s.output) if s else 0
+            # an idle slot's task figures are its last request's (-1 / 0 before its first), as llama-server's are
+            t = s if s is not None else self.prev.get(i)
+            n_out = len(t.output) if t else 0
+            if s is None and t is not None:
+                read = max(0, len(t.prompt) - t.cached)
             out.append({
-                "id": i, "id_task": s.id if s else -1, "n_ctx": e.max_ctx, "is_processing": s is not None,
-                "n_prompt_tokens": len(s.prompt) if s else 0, "n_cached": cached, "n_decoded": n_out,
+                "id": i, "id_task": t.id if t else -1, "n_ctx": e.max_ctx, "is_processing": s is not None,
+                "n_prompt_tokens": len(t.prompt) if t else 0, "n_cached": cached, "n_decoded": n_out,
                 "state": ("reading" if not s.prompt_done else "generating") if s else "idle",
                 # llama-server's names: the KV's length, the prompt tokens read and those reused, the tokens left
-                "n_past": past, "n_prompt_tokens_processed": read, "n_prompt_tokens_cache": cached if s else 0,
-                "next_token": [{"has_next_token": s is not None, "n_remain": s.max_tokens - n_out if s else -1,
-                                "n_decoded": n_out}],
+                "n_past": past, "n_prompt_tokens_processed": read, "n_prompt_tokens_cache": cached if s else (t.cached if t else 0),
+                "next_token": [{"has_next_token": s is not None,
+                                "n_remain": max(0, t.max_tokens - n_out) if t else -1, "n_decoded": n_out}],
             })
         return out

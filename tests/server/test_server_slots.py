@@ -11,6 +11,9 @@ from .conftest import serve
 
 def test_a_slot_being_restored_from_the_conversation_cache_is_its_requests(lm):
     with serve(lm, parallel=1) as s:
+        fresh = httpx.get(s.url + "/slots", timeout=30).json()
+        assert [(x["is_processing"], x["state"], x["id_task"], x["n_prompt_tokens"]) for x in fresh] == \
+            [(False, "idle", -1, 0)]  # (no task yet)
         cache = s.state.server.worker.cache
         seen = []
         real_restore = cache._restore
@@ -31,9 +34,15 @@ def test_a_slot_being_restored_from_the_conversation_cache_is_its_requests(lm):
 
         convo = [{"role": "user", "content": "Tell me about rivers and hills. " * 10}]
         first = chat(convo)
-        chat([{"role": "user", "content": "Unrelated: what is two and two? " * 5}])  # the slot goes to another
+        other = chat([{"role": "user", "content": "Unrelated: what is two and two? " * 5}])  # the slot goes to another
         idle = c.get(s.url + "/slots").json()
-        assert [(x["is_processing"], x["state"], x["id_task"]) for x in idle] == [(False, "idle", -1)]
+        # an idle slot shows its last task, as llama-server's does (its id, prompt and tokens; the KV it holds)
+        (last,) = idle
+        assert (last["is_processing"], last["state"]) == (False, "idle") and last["id_task"] >= 0
+        assert last["n_prompt_tokens"] == other["usage"]["prompt_tokens"]
+        assert last["n_decoded"] == other["usage"]["completion_tokens"] == last["next_token"][0]["n_decoded"]
+        assert last["n_prompt_tokens_processed"] + last["n_prompt_tokens_cache"] == last["n_prompt_tokens"]
+        assert last["next_token"][0]["has_next_token"] is False
         convo += [first["choices"][0]["message"], {"role": "user", "content": "And then?"}]
         second = chat(convo)
         assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 16  # (it came from the RAM copy)
@@ -46,7 +55,7 @@ def test_a_slot_being_restored_from_the_conversation_cache_is_its_requests(lm):
             assert slot["n_cached"] == 0  # (nothing of the new request's is in the slot before it is placed)
             tasks.add(slot["id_task"])
             assert (health["slots_idle"], health["slots_processing"], health["requests_waiting"]) == (0, 1, 0)
-        assert len(tasks) == 1 and -1 not in tasks
+        assert len(tasks) == 1 and -1 not in tasks and last["id_task"] not in tasks  # (a task of its own)
         after = c.get(s.url + "/slots").json()
         assert after[0]["state"] == "idle" and after[0]["n_cached"] >= second["usage"]["prompt_tokens"]
 
