@@ -19,10 +19,10 @@ import re
 import sys
 
 FORMATS = ("q4_K", "iq2_xxs", "iq2_s", "iq3_xxs")
-# (m rows, k columns, n_used of n_mats): B1's (Qwen3-30B-A3B) gate/up and down, B2's (Qwen3-Next-80B-A3B) and the
-# GLM-4.5-Air-sized experts of bench_kernels' tables
-SHAPES = ((768, 2048, 8, 128), (2048, 768, 8, 128), (512, 2048, 10, 512), (2048, 512, 10, 512),
-          (1536, 4096, 8, 128), (4096, 1536, 8, 128))
+# (m rows, k columns, n_used experts a token): B1's (Qwen3-30B-A3B) gate/up and down, B2's (Qwen3-Next-80B-A3B)
+# and the GLM-4.5-Air-sized experts of bench_kernels' tables. n_mats is n_used x tokens: every expert a case makes
+# is read (test-backend-ops quantizes its random weights on the CPU, minutes for the i-quants of a model's 128)
+SHAPES = ((768, 2048, 8), (2048, 768, 8), (512, 2048, 10), (2048, 512, 10), (1536, 4096, 8), (4096, 1536, 8))
 TOKENS = (1, 4)
 BYTES_PER_BLOCK = {"q4_K": 144, "iq2_xxs": 66, "iq2_s": 82, "iq3_xxs": 98}  # a block of 256 weights
 MARKER = "// strata: the i-quants beside Q4_K at MoE expert shapes"
@@ -32,9 +32,9 @@ def cases_source() -> str:
     types = ", ".join(f"GGML_TYPE_{f.upper() if f != 'q4_K' else 'Q4_K'}" for f in FORMATS)
     lines = [f"    {MARKER}", f"    for (int bs : {{{', '.join(map(str, TOKENS))}}}) {{",
              f"        for (ggml_type type_a : {{{types}}}) {{"]
-    for m, k, used, mats in SHAPES:
-        lines.append(f"            test_cases.emplace_back(new test_mul_mat_id(type_a, GGML_TYPE_F32, {mats}, {used}, "
-                     f"false, {m}, bs, {k}));")
+    for m, k, used in SHAPES:
+        lines.append(f"            test_cases.emplace_back(new test_mul_mat_id(type_a, GGML_TYPE_F32, {used} * bs, "
+                     f"{used}, false, {m}, bs, {k}));")
     lines += ["        }", "    }", ""]
     return "\n".join(lines) + "\n"
 
@@ -52,8 +52,8 @@ def patch(source: str) -> str:
 
 def filter_regex() -> str:
     """test-backend-ops' -p regex (searched in a case's parameters) that selects the added cases."""
-    shapes = "|".join(f"n_mats={mats},n_used={used},b=0,m={m},n=({'|'.join(map(str, TOKENS))}),k={k}"
-                      for m, k, used, mats in SHAPES)
+    shapes = "|".join(f"n_mats=\\d+,n_used={used},b=0,m={m},n=({'|'.join(map(str, TOKENS))}),k={k}"
+                      for m, k, used in SHAPES)
     return f"type_a=({'|'.join(FORMATS)}),type_b=f32,({shapes})"
 
 

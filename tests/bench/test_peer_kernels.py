@@ -23,7 +23,7 @@ def test_patch_adds_the_cases_to_the_perf_list_once():
     out = pk.patch(SNIPPET)
     perf = out.index("make_test_cases_perf")
     assert out.index(pk.MARKER) > perf and out.index(pk.MARKER) < out.index("return test_cases")
-    assert out.count("new test_mul_mat_id(type_a, GGML_TYPE_F32, 128, 8, false, 768, bs, 2048)") == 1
+    assert out.count("new test_mul_mat_id(type_a, GGML_TYPE_F32, 8 * bs, 8, false, 768, bs, 2048)") == 1
     assert "GGML_TYPE_IQ2_XXS" in out and "GGML_TYPE_Q4_K" in out
     assert pk.patch(out) == out
     with pytest.raises(ValueError, match="make_test_cases_perf"):
@@ -33,7 +33,7 @@ def test_patch_adds_the_cases_to_the_perf_list_once():
 def test_filter_selects_the_added_cases_only():
     rx = re.compile(pk.filter_regex())
     assert rx.search("type_a=iq2_xxs,type_b=f32,n_mats=128,n_used=8,b=0,m=768,n=1,k=2048,amax=1.000000,m_v=0")
-    assert rx.search("type_a=q4_K,type_b=f32,n_mats=512,n_used=10,b=0,m=2048,n=4,k=512,amax=1.000000,m_v=0")
+    assert rx.search("type_a=q4_K,type_b=f32,n_mats=40,n_used=10,b=0,m=2048,n=4,k=512,amax=1.000000,m_v=0")
     assert not rx.search("type_a=q8_0,type_b=f32,n_mats=128,n_used=8,b=0,m=768,n=1,k=2048,amax=1.000000,m_v=0")
     assert not rx.search("type_a=iq2_xxs,type_b=f32,n_mats=128,n_used=8,b=0,m=768,n=32,k=2048,amax=1.000000,m_v=0")
 
