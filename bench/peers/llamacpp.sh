@@ -68,7 +68,8 @@ pack() {
 }
 
 unpack() {
-  if [[ ! -f "$SRC/CMakeLists.txt" && ! -f "$SDIST" && -f "$PACKED" ]]; then
+  [[ -f "$SRC/CMakeLists.txt" ]] && return
+  if [[ ! -f "$SDIST" && -f "$PACKED" ]]; then
     tar -xJf "$PACKED" -C "$PEERS"
     return
   fi
