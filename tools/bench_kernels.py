@@ -203,7 +203,9 @@ def sweep(reps: int, peak: float, formats=None, shape=B1_EXPERTS) -> None:
     a = torch.randn(P, ff, device=dev)  # (float32, as triton_expert_ffn's GLU output)
     y = torch.empty(P, d, device=dev)
     gen = torch.Generator().manual_seed(0)
-    slot_sets = [torch.randperm(S, generator=gen)[:P].to(dev) for _ in range(MIN_CALLS)]
+    S = max(S, 8 * P)  # (each call its own P experts of the pool, as bench_experts reads them)
+    order = torch.randperm(S, generator=gen)
+    slot_sets = [order[(i * P) % S:(i * P) % S + P].to(dev) for i in range(MIN_CALLS)]
     for qt in formats or (Q.Q4_K,):
         gate, up = (random_qtensor(qt, (S, ff, d), rng=s, device=dev) for s in (1, 2))
         down = random_qtensor(qt, (S, d, ff), rng=3, device=dev)
