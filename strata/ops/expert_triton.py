@@ -70,6 +70,10 @@ DP4A_IQ_ONE_ROW_ITERS = 4
 DP4A_KQ_GLU = frozenset({Q.Q4_K, Q.Q8_0})
 DP4A_KQ_GLU_PROGRAMS = 16  # per SM
 DP4A_Q4K_GLU_KW, DP4A_Q4K_GLU_KW_MAX_K = 1024, 2048
+# ... and at most 4 rows a program for Q4_K's, where a launch has programs enough for 8 (four sequences' or a
+# 4-token verify step's 32-40 experts): the same sweep at those P (an H200), B1's GLU (8, 1024) 30.2 -> (4, 1024)
+# 24.0 us, B2's at P = 40 28.4 -> 20.2, GLM-4.5-Air-sized (K = 4096) at P = 32 (8, 512) 88.5 -> (4, 512) 79.3
+DP4A_Q4K_GLU_ROWS_MAX = 4
 ROWS_MAX = 8  # rows per program
 PROGRAMS_PER_SM = 8  # fewer rows per program until a launch has this many (one-warp) programs per SM
 # Per format: at most this many weights one program decodes per iteration (all weights it reads), and per
@@ -321,7 +325,7 @@ def plan(qtypes, N: int, K: int, batch: int, device: torch.device, block_n: int 
     if block_n:
         bn = block_n
     else:
-        bn = ROWS_MAX
+        bn = DP4A_Q4K_GLU_ROWS_MAX if dp4a_kq and all(qt == Q.Q4_K for qt in qtypes) else ROWS_MAX
         sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
             if device.type == "cuda" else 1
         while bn > 1 and (bn * weights > tile or batch * triton.cdiv(N, bn) < per_sm * sms):

@@ -262,6 +262,11 @@ def test_glu_plan_of_the_dp4a_kquant_tiles(monkeypatch):
     assert expert_triton.plan((Q.Q4_K, Q.Q4_K), 768, 2048, 8, gpu, dtype=bf16)[:2] == (2, 1024)  # B1
     assert expert_triton.plan((Q.Q4_K, Q.Q4_K), 512, 2048, 10, gpu, dtype=bf16)[:2] == (2, 1024)  # B2
     assert expert_triton.plan((Q.Q4_K, Q.Q4_K), 1536, 4096, 8, gpu, dtype=bf16)[:2] == (4, 512)  # K = 4096
+    # four sequences' experts (P = 32, 40): 4 rows a program at most (8 before)
+    assert expert_triton.plan((Q.Q4_K, Q.Q4_K), 768, 2048, 32, gpu, dtype=bf16)[:2] == (4, 1024)
+    assert expert_triton.plan((Q.Q4_K, Q.Q4_K), 512, 2048, 40, gpu, dtype=bf16)[:2] == (4, 1024)
+    assert expert_triton.plan((Q.Q4_K, Q.Q4_K), 1536, 4096, 32, gpu, dtype=bf16)[:2] == (4, 512)
+    assert expert_triton.plan((Q.Q8_0, Q.Q8_0), 768, 2048, 32, gpu, dtype=bf16)[:2] == (8, 512)  # (not measured)
     assert expert_triton.plan((Q.Q8_0, Q.Q8_0), 768, 2048, 8, gpu, dtype=bf16)[:2] == (2, 512)
     assert expert_triton.plan((Q.Q4_K,), 2048, 768, 8, gpu, dtype=bf16)[:2] == (8, 256)  # the down: as before
     assert expert_triton.plan((Q.Q6_K, Q.Q6_K), 768, 2048, 8, gpu, dtype=bf16)[:2] == (4, 512)
