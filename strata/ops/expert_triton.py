@@ -71,8 +71,8 @@ DP4A_KQ_GLU = frozenset({Q.Q4_K, Q.Q8_0})
 DP4A_KQ_GLU_PROGRAMS = 16  # per SM
 DP4A_Q4K_GLU_KW, DP4A_Q4K_GLU_KW_MAX_K = 1024, 2048
 # ... and at most 4 rows a program for Q4_K's, where a launch has programs enough for 8 (four sequences' or a
-# 4-token verify step's 32-40 experts): the same sweep at those P (an H200), B1's GLU (8, 1024) 30.2 -> (4, 1024)
-# 24.0 us, B2's at P = 40 28.4 -> 20.2, GLM-4.5-Air-sized (K = 4096) at P = 32 (8, 512) 88.5 -> (4, 512) 79.3
+# 4-token verify step's 32-40 experts): the same sweep at those P found 4 rows 1.1-1.4x faster than 8 at B1's, B2's
+# and GLM-4.5-Air's shapes (docs/BENCHMARKS.md, "The 2- and 3-bit i-quants per byte")
 DP4A_Q4K_GLU_ROWS_MAX = 4
 ROWS_MAX = 8  # rows per program
 PROGRAMS_PER_SM = 8  # fewer rows per program until a launch has this many (one-warp) programs per SM
